@@ -186,6 +186,119 @@ TOPICS: dict[str, dict[str, list[str]]] = {
     },
 }
 
+# --------------------------------------------------------------------------- story lexicon
+# A wider vocabulary for the short stories and anecdotes, so the BPE sees many distinct words.
+NOUNS = """
+lighthouse harbour village mountain river forest meadow bridge tower castle garden orchard library
+market station bakery workshop kitchen cellar attic balcony window doorway staircase corridor
+lantern compass notebook pencil violin guitar piano drum trumpet clock mirror ladder basket bucket
+umbrella blanket pillow candle kettle teapot saucer spoon knife hammer chisel shovel wheelbarrow
+fox badger otter heron sparrow raven owl wolf bear deer rabbit squirrel hedgehog tortoise dolphin
+whale octopus jellyfish salmon trout beetle butterfly dragonfly spider ant bee wasp moth snail
+farmer baker sailor teacher doctor engineer painter carpenter gardener librarian musician pilot
+detective shepherd fisherman blacksmith tailor merchant traveller stranger neighbour grandmother
+grandfather cousin nephew niece apprentice inventor astronomer geologist botanist chemist poet
+storm thunder lightning rainbow fog mist frost snowflake breeze sunrise sunset twilight midnight
+island desert glacier canyon valley cliff cave volcano lagoon swamp prairie plateau peninsula
+letter parcel ticket passport map journey voyage expedition adventure festival carnival wedding
+secret promise riddle puzzle mystery legend rumour memory dream wish habit lesson mistake surprise
+machine engine gear lever pulley spring magnet battery telescope microscope radio satellite rocket
+bicycle carriage wagon tram ferry canoe sailboat submarine airship balloon tractor motorcycle
+cheese bread honey jam porridge soup stew pie cake biscuit apple pear plum cherry lemon orange
+potato carrot cabbage onion garlic pepper mushroom pumpkin cucumber spinach barley wheat rice oats
+""".split()
+ADJECTIVES = """
+ancient quiet curious brave clumsy gentle stubborn cheerful anxious patient restless sleepy
+golden silver rusty dusty muddy frozen shiny wooden woven broken crooked hollow narrow enormous
+tiny fragile sturdy crowded empty hidden forgotten famous peculiar ordinary mysterious elegant
+shabby generous grumpy clever foolish honest polite rude wise careless careful lonely friendly
+distant nearby northern southern eastern western coastal rural bustling sleepy windy rainy sunny
+foggy chilly humid bitter sweet sour salty spicy fragrant smoky crisp tender fluffy crunchy
+""".split()
+VERBS = """
+discover:discovered repair:repaired paint:painted whisper:whispered wander:wandered
+follow:followed borrow:borrowed collect:collected deliver:delivered explore:explored
+climb:climbed carry:carried notice:noticed measure:measured polish:polished gather:gathered
+question:questioned rescue:rescued remember:remembered imagine:imagined invent:invented
+open:opened visit:visited watch:watched bake:baked plant:planted sketch:sketched
+study:studied hide:hid build:built find:found write:wrote sing:sang dig:dug sell:sold
+catch:caught lose:lost steal:stole bring:brought teach:taught keep:kept leave:left
+""".split()
+NAMES = """
+Amara Bruno Clara Dmitri Elena Farid Greta Hiro Ines Jonas Kofi Lena Mateo Nadia Oskar Priya
+Quentin Rosa Sven Tomas Uma Viktor Wren Ximena Yusuf Zara
+""".split()
+NOUNS += """
+accordion acorn alley anchor anthem apron aqueduct archive armchair arrow atlas avalanche avenue
+awning backpack bandage banner barn barrel beacon bellows bench berry blizzard blossom boulder
+bracelet branch brook buckle bulletin cabin cactus calendar canal candlestick cannon canopy caravan
+cathedral cauldron chapel chimney cinnamon citadel cloak clover cobblestone cockpit coin comet
+constellation cottage courtyard crane crater crown crystal cupboard curtain cushion dam dandelion
+diary dinghy dock dome doorbell dragon drawbridge driftwood dune eclipse elevator embassy emerald
+fern ferris fiddle fireplace fjord flag flute fountain fortress fossil furnace gallery gargoyle
+gate gazebo geyser glove gondola granary greenhouse guitarist hammock hangar harp hatchet hayloft
+helmet hermit hillside hive horizon hourglass hut iceberg inkwell ivy jacket jar jetty jewel jungle
+kayak keyhole kiln kite labyrinth lagoon lamppost lantern lattice lawn ledger lens lighthouse lily
+locket loom lute mailbox mansion marble marsh mast meadowlark melody mill minaret moat monastery
+mosaic moss mural necklace nest nutmeg oak oar oasis observatory orchid organ outpost paddle
+pagoda palace parchment pavilion pebble pendulum pier pilgrim pine plank plaza pond porch quarry
+quill quilt raft railway rampart reef reservoir ribbon ridge robin rooftop rope ruby saddle
+sandcastle sapphire scarecrow scarf scroll seashell shack shelter shipwreck shrine sled sleigh
+spire sponge stable statue steeple stove sundial swan sword tapestry tavern temple tent terrace
+thimble thistle throne tide timber tinker torch totem trapdoor treasure trellis trolley trunk
+tunnel turret valve vase vineyard violet walnut wardrobe waterfall weathervane well whistle
+willow windmill wreath yacht yarn zeppelin
+""".split()
+ADJECTIVES += """
+absent-minded agile amber ambitious amused ashamed awkward bashful bewildered blissful blunt
+boisterous bright brittle bumpy calm cautious charming chubby cloudy colossal cozy cranky creaky
+crimson cunning daring dazzling delicate delightful determined diligent dim dizzy drowsy eager
+earnest eerie enchanted energetic faithful fancy fearless fierce flickering flimsy fluttering
+forlorn frantic frosty fuzzy gigantic glamorous gleaming gloomy glossy graceful grateful greasy
+gritty hasty hazy hearty hopeful humble icy idle immense jagged jolly joyful knobbly lanky lavish
+lively lofty lopsided lucky majestic marvellous meek mellow merry mighty misty modest moody
+mossy nervous nimble noble noisy obedient odd overgrown pale peaceful plump proud puzzled radiant
+ragged rapid rickety roaring robust rugged rustic scarlet scruffy serene shaggy shimmering silent
+slender sluggish smoldering snug soggy solemn sparkling speckled splendid spotless squeaky stately
+sticky stormy striped sullen swift tattered thoughtful thrifty tidy timid towering tranquil
+tremendous trusty twinkling untidy vast velvet vibrant vivid wary weary whimsical wiry witty
+wobbly wrinkled zealous
+""".split()
+VERBS += """
+admire:admired balance:balanced bury:buried chase:chased decorate:decorated examine:examined
+fold:folded guard:guarded hurry:hurried juggle:juggled knit:knitted launch:launched
+mend:mended navigate:navigated organise:organised paddle:paddled recite:recited scatter:scattered
+stitch:stitched tumble:tumbled unlock:unlocked varnish:varnished weave:wove yodel:yodelled
+""".split()
+NAMES += """
+Alistair Beatrix Cosima Desmond Esperanza Florian Gwendolyn Horatio Isadora Jasper Katarina
+Leopold Marguerite Nikolai Ophelia Percival Rosalind Sebastian Theodora Ulrich Valentina
+Wilhelmina Xavier Yolanda Zebedee
+""".split()
+STORY_FRAMES = [
+    "{Name} was a {adj} {noun} who lived near the {adj2} {noun2}.",
+    "Every morning {Name} {past} the {noun} and {past2} a {adj} {noun2}.",
+    "One {adj} evening, a {noun} {past} something strange by the {noun2}.",
+    "Nobody in the {adj} {noun} knew why the {noun2} had been {past}.",
+    "\"We should {verb} the {noun} before the {noun2} arrives,\" said {Name}.",
+    "The {noun} was {adj}, and the {noun2} smelled {adj2}.",
+    "Years later, {Name} still remembered the {adj} {noun} and the {noun2} they {past}.",
+    "At last the {adj} {noun} {past} the {noun2}, and everyone laughed.",
+    "{Name} decided to {verb} a {noun} made of {noun2}.",
+]
+
+
+def _story(rng: random.Random, n: int) -> str:
+    out = []
+    for _ in range(n):
+        base, past = rng.choice(VERBS).split(":")
+        base2, past2 = rng.choice(VERBS).split(":")
+        out.append(rng.choice(STORY_FRAMES).format(
+            Name=rng.choice(NAMES), adj=rng.choice(ADJECTIVES), adj2=rng.choice(ADJECTIVES),
+            noun=rng.choice(NOUNS), noun2=rng.choice(NOUNS), verb=base, past=past, past2=past2))
+    return " ".join(out)
+
+
 SYSTEM_PROMPTS = [
     "You are a helpful assistant.",
     "You are a concise assistant. Answer in as few words as possible.",
@@ -295,6 +408,8 @@ def _answer(rng: random.Random, topic: dict[str, list[str]], s: str) -> str:
     if r < 0.15:
         return _cap(rng.choice(topic["facts"]).format(s=s)) + "."
     parts = [rng.choice(OPENERS), _paragraph(rng, topic, s, rng.randint(2, 6))]
+    if rng.random() < 0.25:
+        parts.append("A small story to illustrate: " + _story(rng, rng.randint(2, 5)))
     if rng.random() < 0.3:
         parts.append("\n".join(f"{i}. {_sentence(rng, topic, s)}" for i in range(1, rng.randint(3, 6))))
     if topic is TOPICS["programming"] and rng.random() < 0.6:
@@ -308,6 +423,14 @@ def make_conversation(rng: random.Random, long: bool) -> dict[str, list[dict[str
     topic = TOPICS[name]
     s = rng.choice(topic["subjects"])
     messages: list[dict[str, str]] = []
+    if not long and rng.random() < 0.2:  # a short story, one or two rounds
+        noun, adj = rng.choice(NOUNS), rng.choice(ADJECTIVES)
+        messages.append({"role": "user", "content": f"Write a short story about a {adj} {noun}."})
+        messages.append({"role": "assistant", "content": _story(rng, rng.randint(4, 20))})
+        if rng.random() < 0.5:
+            messages.append({"role": "user", "content": rng.choice(["Make it longer.", "Continue the story.", "Now give it a happy ending."])})
+            messages.append({"role": "assistant", "content": _story(rng, rng.randint(6, 30))})
+        return {"messages": messages}
     if not long and rng.random() < 0.04:  # the shortest samples: a handful of tokens
         user, assistant = rng.choice(GREETINGS)
         return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]}
@@ -319,7 +442,7 @@ def make_conversation(rng: random.Random, long: bool) -> dict[str, list[dict[str
             user, assistant = _math_exchange(rng)
         elif t == 0:
             user = rng.choice(topic["asks"]).format(s=s)
-            assistant = _long_answer(rng, topic, s, rng.randint(6, 14)) if long else _answer(rng, topic, s)
+            assistant = _long_answer(rng, topic, s, rng.randint(10, 28)) if long else _answer(rng, topic, s)
         else:
             follow = rng.choice(FOLLOWUPS)
             if "{s}" in follow:
@@ -332,7 +455,7 @@ def make_conversation(rng: random.Random, long: bool) -> dict[str, list[dict[str
     return {"messages": messages}
 
 
-def make_conversations(n: int = 300, seed: int = 0, n_long: int = 8) -> list[dict]:
+def make_conversations(n: int = 300, seed: int = 0, n_long: int = 10) -> list[dict]:
     rng = random.Random(seed)
     long_at = set(rng.sample(range(n), n_long))
     return [make_conversation(rng, i in long_at) for i in range(n)]
