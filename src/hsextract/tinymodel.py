@@ -65,10 +65,14 @@ TINY_CONFIG: dict[str, Any] = {
     "attention_bias": False,
 }
 DEFAULT_VOCAB_SIZE = 4096
-# std of the random weights. 0.02 (the usual init) leaves the residual stream dominated by
-# the embeddings, so neighbouring layers' outputs look alike; 0.08 makes every layer change
-# the stream visibly, so a check that takes the wrong layer fails by a wide margin.
-DEFAULT_INIT_STD = 0.08
+# std of the random weights: the usual 0.02 for all matrices, except the MoE router.
+# A random router with std 0.02 gives sigmoid scores all within ~0.5 +- 0.08, so the top-2
+# choice is a near-tie for many tokens, and the rounding difference between a padded batch
+# and a lone sample flips routes (measured: per-token errors up to 0.5, layer errors 5.7e-2
+# by layer 9). Trained routers are decisive; std 0.2 (logit std ~3) is, and the same
+# measurement falls to <= 5.8e-3 with neighbouring layers still 0.33 or more apart.
+DEFAULT_INIT_STD = 0.02
+DEFAULT_ROUTER_STD = 0.2
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -145,7 +149,7 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+def _init_weights(model: torch.nn.Module, seed: int, std: float, router_std: float) -> None:
     state = dict(model.named_parameters())
     state.update(dict(model.named_buffers()))
     for name in sorted(state):
@@ -156,7 +160,8 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float) -> None:
             t.fill_(1.0)
         elif t.is_floating_point() and "rotary_emb" not in name:
             g = torch.Generator().manual_seed(_param_seed(seed, name))
-            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * std)
+            s = router_std if name.endswith("mlp.gate.weight") else std
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * s)
 
 
 def build_config(vocab_size: int, **overrides: Any) -> Any:
@@ -182,6 +187,7 @@ def make_tiny_model(
     seed: int = 0,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     init_std: float = DEFAULT_INIT_STD,
+    router_std: float = DEFAULT_ROUTER_STD,
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny DeepseekV3ForCausalLM (bf16 safetensors) + tokenizer to `out_dir`.
@@ -198,7 +204,7 @@ def make_tiny_model(
 
     torch.manual_seed(seed)  # only for anything transformers draws at construction; overwritten below
     model = DeepseekV3ForCausalLM(config)
-    _init_weights(model, seed, init_std)
+    _init_weights(model, seed, init_std, router_std)
     model = model.to(torch.bfloat16).eval()
     # the model's generation defaults, stated rather than inherited
     model.generation_config.bos_token_id = config.bos_token_id
@@ -214,6 +220,7 @@ def make_tiny_model(
             "what": "hsextract tiny model: random DeepseekV3 (Kimi-K2.5 shape in miniature)",
             "seed": seed,
             "init_std": init_std,
+            "router_std": router_std,
             "conversations": str(conversations_path),
             "default_aux_layers": default_aux_layers(config.num_hidden_layers)
             if config.num_hidden_layers >= 5
