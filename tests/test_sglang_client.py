@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -146,3 +148,111 @@ def test_config_errors(tmp_path: Path) -> None:
         SGLangEngine("http://127.0.0.1:1", SPEC)
     with pytest.raises(ConfigError, match="expected http://host:port"):
         SGLangEngine("127.0.0.1:1", SPEC, tmp_path)
+
+
+# ---- server lifecycle (fake server as a real subprocess) --------------------------------------------
+from hsextract import server as hsrv  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_cfg(tmp_path: Path, port: int, **kw) -> hsrv.ServerConfig:
+    kw.setdefault("env", {"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}"})
+    return hsrv.ServerConfig(model=str(tmp_path / "model"), aux_layers=AUX, module="fake_sglang", port=port,
+                             run_name="t/1", startup_timeout_s=60, stop_grace_s=5, **kw)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
+
+
+def test_server_start_reuse_restart_and_stop(tmp_path: Path) -> None:
+    state = tmp_path / "server"
+    cfg = fake_cfg(tmp_path, free_port(), replicas=2, gpus=(4, 5), chunked_prefill_size=32)
+    h = hsrv.ensure_server(state, cfg, replica=1)
+    try:
+        assert h.url == f"http://127.0.0.1:{cfg.port + 1}"
+        assert h.dump_dir.name.startswith("hsx-t_1-") and (h.dump_dir.stat().st_mode & 0o777) == 0o700
+        assert str(h.dump_dir).startswith("/dev/shm/") or not Path("/dev/shm").is_dir()
+        env = environ_of(h.pid)
+        assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["SGLANG_PLUGINS"] == "hsextract"
+        assert env["HSEXTRACT_AUX_LAYERS"] == "1,3,5" and env["HSEXTRACT_DUMP_DIR"] == str(h.dump_dir)
+        assert os.getpgid(h.pid) == h.pid  # its own process group
+        assert "--disable-radix-cache" in h.command and h.command[h.command.index("--chunked-prefill-size") + 1] == "32"
+        # reuse: same process
+        assert hsrv.ensure_server(state, cfg, replica=1).pid == h.pid
+        ps = prompts(10, seed=9)
+        check(list(SGLangEngine(h, SPEC, timeout_s=5, concurrency=4).extract(ps)), ps)
+        # a killed server is replaced on the next call, with a fresh dump dir
+        os.kill(h.pid, signal.SIGKILL)
+        h2 = hsrv.ensure_server(state, cfg, replica=1)
+        assert h2.pid != h.pid and h2.dump_dir != h.dump_dir and not h.dump_dir.exists()
+    finally:
+        killed = hsrv.stop_servers(state, grace_s=5)
+    assert killed == [h2.pid]
+    assert not h2.dump_dir.exists() and list(state.glob("replica-*.json")) == []
+    assert not hsrv._alive(h2.pid)
+
+
+def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
+    """An orphan (e.g. after kill -9 of Snakemake) is found through its pidfile and killed with its group."""
+    import subprocess
+
+    state = tmp_path / "server"
+    state.mkdir()
+    dump = hsrv.make_dump_dir("stale")
+    env = dict(os.environ, HSEXTRACT_DUMP_DIR=str(dump))
+    orphan = subprocess.Popen([sys.executable, "-c", "import subprocess,sys,time; "
+                               "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"],
+                              env=env, start_new_session=True)
+    time.sleep(0.3)
+    h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=orphan.pid)
+    (state / "replica-0.json").write_text(h.to_json())
+    assert hsrv.stop_servers(state, grace_s=5) == [orphan.pid]
+    assert orphan.wait(5) is not None and not hsrv._group_alive(orphan.pid)
+    assert not dump.exists()
+    # a pidfile whose pid now belongs to someone else is not killed
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        (state / "replica-0.json").write_text(hsrv.ServerHandle("http://x:1", Path("/dev/shm/hsx-gone"), other.pid).to_json())
+        assert hsrv.stop_servers(state) == [] and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_server_that_dies_during_startup_reports_its_log(tmp_path: Path) -> None:
+    cfg = fake_cfg(tmp_path, free_port(), launch_args=("--die-after", "x"))  # argparse error: exit 2
+    with pytest.raises(EngineError, match=r"(?s)exited with code 2 during start-up.*--die-after: invalid int value"):
+        hsrv.ensure_server(tmp_path / "server", cfg)
+    assert list((tmp_path / "server").glob("replica-*.json")) == []
+
+
+def test_server_without_plugin_is_refused(tmp_path: Path) -> None:
+    cfg = fake_cfg(tmp_path, free_port(), env={"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}",
+                                               "HSEXTRACT_DUMP_DIR": ""})
+    with pytest.raises(EngineError, match="healthy but the hsextract plugin is not active"):
+        hsrv.ensure_server(tmp_path / "server", cfg)
+
+
+def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
+    cfg = hsrv.ServerConfig(model="/m", aux_layers=(2, 30, 58), python="/env/bin/python", tp=8,
+                            capture="builtin", launch_args=("--mem-fraction-static", "0.8"))
+    assert hsrv.build_command(cfg) == [
+        "/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
+        "30000", "--tp", "8", "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-aux-hidden-states",
+        "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "2", "30", "58",
+        "--mem-fraction-static", "0.8"]
+    with pytest.raises(ConfigError, match="2 replicas x tp 8 need 16"):
+        hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)))
+    assert hsrv.gpu_set(hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3), 2) == [4, 5]
+    assert [hsrv.replica_for_chunk(c, 3) for c in range(5)] == [0, 1, 2, 0, 1]
