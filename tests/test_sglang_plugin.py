@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import sys
 import time
@@ -95,6 +96,11 @@ def assert_matches(got: list[torch.Tensor], req: Req) -> None:
         assert torch.equal(t, ref[:, i * H : (i + 1) * H]), f"tensor {i} of {req.rid}"
 
 
+def dump_files(d: Path) -> list[Path]:
+    """Request files only (not the plugin's stats-/plugin- files)."""
+    return sorted(p for p in d.iterdir() if not p.name.startswith(("stats-", "plugin-")))
+
+
 def ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 1000, (n,), generator=g).tolist()
@@ -132,7 +138,7 @@ def test_several_requests_in_one_batch_with_padding(tmp_path: Path, builtin: boo
     d.writer.flush()
     for r in reqs:
         assert_matches(collect(tmp_path, r), r)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []  # collect deleted everything
+    assert dump_files(tmp_path) == []  # collect deleted everything
 
 
 def test_one_request_over_three_chunked_passes_mixed_with_others(tmp_path: Path) -> None:
@@ -163,15 +169,15 @@ def test_retracted_request_rerun_is_idempotent(tmp_path: Path) -> None:
     run_pass(d, [(r, 0, 30)])
     run_pass(d, [(r, 30, 20)])
     d.writer.flush()
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = [p.name for p in dump_files(tmp_path)]
     assert names == sorted(
         [dumpfiles.done_name(r.rid), dumpfiles.piece_name(r.rid, 0, 30), dumpfiles.piece_name(r.rid, 30, 50)]
     )
-    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    before = {p.name: p.read_bytes() for p in dump_files(tmp_path)}
     # completed, then run again (retraction after prefill): ignored, files unchanged
     run_pass(d, [(r, 0, 50)])
     d.writer.flush()
-    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in dump_files(tmp_path)} == before
     assert d.writer.stats.duplicates_ignored == 1
     assert_matches(collect(tmp_path, r), r)
 
@@ -183,7 +189,7 @@ def test_prefix_cache_hit_gives_a_clear_error(tmp_path: Path) -> None:
     d.writer.flush()
     with pytest.raises(EngineError, match=r"tokens \[0,16\) were never computed .*--disable-radix-cache"):
         collect(tmp_path, r)
-    assert list(tmp_path.iterdir()) == []
+    assert dump_files(tmp_path) == []
 
 
 def test_missing_capture_becomes_err_marker_not_crash(tmp_path: Path) -> None:
@@ -211,6 +217,9 @@ def test_64k_prompt_streams_through_a_small_staging_cap(tmp_path: Path) -> None:
     assert ring.capacity == cap and ring.buf.numel() == cap  # the only staging allocation
     assert 0 < ring.peak <= cap
     assert ring.waits > 0  # the hook was held back by the writer: backpressure
+    stats = json.loads(next(tmp_path.glob("stats-*.json")).read_text())
+    assert stats["staging_peak"] == ring.peak and stats["staging_waits"] == ring.waits
+    assert stats["bytes_written"] == 65536 * (K + 1) * H * 2 and stats["requests_done"] == 1
     got = dumpfiles.collect(tmp_path, r.rid, r.origin_input_ids, K + 1, 5.0)
     assert got.pieces >= 16
     assert_matches(got.hidden_states, r)
@@ -287,7 +296,7 @@ def test_piece_file_layout_is_magic_json_raw(tmp_path: Path) -> None:
     header, (back,) = dumpfiles.read_piece(p)
     assert header["blocks"] == [{"dtype": "float32", "shape": [3, 2], "offset": 0, "nbytes": 24}]
     assert torch.equal(back, t)
-    assert [x.name for x in tmp_path.iterdir()] == ["hsx-f.0000000004-0000000007.piece"]
+    assert [x.name for x in dump_files(tmp_path)] == ["hsx-f.0000000004-0000000007.piece"]
 
 
 # ---- capture set-up and hooks ---------------------------------------------------------------------

@@ -10,12 +10,15 @@ allocation order, and a request's pieces are written in the order they were comp
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +76,8 @@ class DumpWriter:
         self._completed: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_completed
         self._delay = write_delay_s
+        self.stats_every_s = 2.0
+        self._last_stats = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="hsextract-dump-writer", daemon=True)
         self._thread.start()
 
@@ -128,6 +133,7 @@ class DumpWriter:
             if job is None:
                 return
             if job.error == "__flush__":
+                self.write_stats()
                 job.event.set()
                 continue
             try:
@@ -142,6 +148,24 @@ class DumpWriter:
             finally:
                 if job.region is not None:
                     self.ring.free(job.region)
+            if time.monotonic() - self._last_stats > self.stats_every_s:
+                self.write_stats()
+
+    def write_stats(self) -> None:
+        """`stats-<pid>.json` in the dump dir: counters to judge whether the writer keeps up."""
+        self._last_stats = time.monotonic()
+        info = asdict(self.stats) | {
+            "staging_capacity": self.ring.capacity, "staging_peak": self.ring.peak,
+            "staging_waits": self.ring.waits, "staging_allocs": self.ring.allocs, "queued": self._q.qsize(),
+            "time": time.time(),
+        }
+        path = self.dump_dir / f"stats-{os.getpid()}.json"
+        tmp = path.with_name("." + path.name + ".tmp")
+        try:
+            tmp.write_text(json.dumps(info))
+            os.replace(tmp, path)
+        except OSError:
+            log.warning("hsextract: cannot write %s", path)
 
     def _handle(self, job: _Job) -> None:
         if job.rid in self._completed:  # a retracted/re-run request that already completed
@@ -155,8 +179,6 @@ class DumpWriter:
         if job.event is not None:
             job.event.synchronize()
         if self._delay:
-            import time
-
             time.sleep(self._delay)
         chain = self._chains.setdefault(job.rid, [])
         # A piece starting at or before an earlier piece's end supersedes it (retraction re-runs).
