@@ -283,6 +283,14 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
     if _DUMPER is None or getattr(runner, "is_draft_worker", False):
         return None
     resolved = _DUMPER.verify_model(runner.model)
+    if _DUMPER.mode == "plugin":  # the final state comes from the store hook: it must be in place
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+
+        if not hasattr(LogitsProcessor._get_hidden_states_to_store, "__wrapped__"):
+            raise PluginConfigError(
+                f"hsextract: the hook on {TARGET_STORE} is not applied (see the log above); "
+                "the final state cannot be captured with this SGLang"
+            )
     _DUMPER.write_marker(resolved)
     return None
 
