@@ -113,7 +113,7 @@ def test_dead_server_fails_fast_and_says_so(server: FakeServer) -> None:
                        r"Connection(Refused|Reset)Error.*no shard is written; rerun to restart the server"):
         for r in engine(server, concurrency=2, timeout_s=30, retries=5, backoff_s=1.0).extract(ps):
             got.append(r)
-    assert time.monotonic() - t0 < 10  # not retries x timeout
+    assert time.monotonic() - t0 < 20  # not retries x timeout (150 s); slack for a loaded 2-core CI box
     check(got, ps[: len(got)])  # what came out before the failure is right and in order
     assert len(got) <= 5
 
