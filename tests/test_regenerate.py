@@ -476,3 +476,20 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
     bad = SGLangGenerator(url + "/nope", parse_settings({"retries": 3}), stop)
     with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request hsx-regen-"):
         bad.generate([[1]])
+
+
+def test_default_transformers_engine_loads_model_and_tokenizer_from_a_directory(tmp_path):
+    tok = make_tok("deepseek_v3")
+    model = model_for(tok)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    cfg = {**_config(src), "model": str(tmp_path / "model")}
+    st = run_regenerate_chunk(cfg, 2, tmp_path / "a.jsonl")  # generator and tokenizer from the config
+    s = parse_settings(cfg["regenerate"])
+    run_regenerate_chunk(cfg, 2, tmp_path / "b.jsonl", tokenizer=tok,
+                         generator=TransformersGenerator(model, s, end_of_turn_ids(tok)))
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert st["turns_regenerated"] == 2 and st["settings"]["stop_token_ids"] == [tok.eos_token_id]
+    with pytest.raises(ConfigError, match="`regenerate.server_url` must be set"):
+        run_regenerate_chunk({**cfg, "engine": "sglang"}, 2, tmp_path / "c.jsonl", tokenizer=tok)

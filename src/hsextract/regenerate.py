@@ -652,7 +652,8 @@ def run_regenerate_chunk(config: Mapping[str, Any], chunk_index: int, out_path: 
         lines.append(json.dumps(rec, ensure_ascii=False, sort_keys=True) + "\n")
     out = Path(out_path)
     summary = {"chunk": chunk_index, "records": len(entries), **stats.as_dict(),
-               "settings": {k: v for k, v in asdict(settings).items() if k != "enabled"} | {"seed_mixture": seed}}
+               "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()
+                            if k != "enabled"} | {"seed_mixture": seed}}
     # Stats first: the JSONL (what Snakemake tracks) exists only once everything is written.
     _atomic_write(stats_path(out), lambda f: f.write(json.dumps(summary, indent=2, sort_keys=True) + "\n"))
     _atomic_write(out, lambda f: f.writelines(lines))
