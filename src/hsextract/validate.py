@@ -81,7 +81,7 @@ def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: 
             if g.get("dtype") != w.get("dtype"):
                 return f"{name} has dtype {g.get('dtype')}, reference has {w.get('dtype')}"
             if g.get("rank") != w.get("rank"):
-                return f"{name} has rank {g.get('rank')}, reference has {w.get('rank')}"
+                return f"{name} has rank {g.get('rank')}, reference has rank {w.get('rank')}"
             if same_model and g.get("width") != w.get("width"):
                 return f"{name} has hidden size {g.get('width')}, reference has {w.get('width')}"
     return None
