@@ -1,0 +1,73 @@
+"""Byte layout of a shard, format version 1 (docs/FORMAT.md has the table).
+
+    file    := header record* index footer
+    header  := "HSXSHARD" u16 version u16 0 u32 meta_len u32 crc32(meta) meta(JSON, UTF-8)
+    record  := "HSXR" u32 sample u64 payload_len u32 crc32(payload) u32 crc32(record header[0:20]) payload
+    payload := u32 n_frames, n_frames x u64 frame_len, frames (zstd, each with its content checksum)
+    index   := zstd(JSON, columnar: sample_ids, offsets, record_lens, crc32, seq_lens, num_trained, raw_bytes)
+    footer  := u64 index_offset u64 index_len u32 crc32(index) u32 n_samples u16 version u16 0
+               u32 crc32(footer[0:28]) "HSXSEND\\0"
+
+All integers little endian. Every byte of the file is covered by a checksum: a flipped byte is
+an error, never data. Records carry their sample number, so a record served for the wrong
+sample is caught too, and a truncated file can be scanned to name the first damaged sample.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from typing import Any
+
+FORMAT_VERSION = 1
+SHARD_SUFFIX = ".hss"
+
+HEADER_MAGIC = b"HSXSHARD"
+HEADER = struct.Struct("<8sHHII")  # magic, version, reserved, meta_len, meta_crc
+RECORD_MAGIC = b"HSXR"
+RECORD = struct.Struct("<4sIQII")  # magic, sample, payload_len, payload_crc, header_crc
+FOOTER_MAGIC = b"HSXSEND\0"
+FOOTER = struct.Struct("<QQIIHHI8s")  # index_offset, index_len, index_crc, n, version, 0, crc, magic
+FRAME_COUNT = struct.Struct("<I")
+
+INDEX_COLUMNS = ("sample_ids", "offsets", "record_lens", "crc32", "seq_lens", "num_trained", "raw_bytes")
+
+
+def crc32(data: bytes | bytearray | memoryview) -> int:
+    return zlib.crc32(data) & 0xFFFFFFFF
+
+
+def pack_header(metadata: dict[str, Any]) -> bytes:
+    meta = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
+    return HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, 0, len(meta), crc32(meta)) + meta
+
+
+def pack_record_header(sample: int, payload_len: int, payload_crc: int) -> bytes:
+    head = struct.pack("<4sIQI", RECORD_MAGIC, sample, payload_len, payload_crc)
+    return head + struct.pack("<I", crc32(head))
+
+
+def pack_frame_table(frame_lens: list[int]) -> bytes:
+    return FRAME_COUNT.pack(len(frame_lens)) + struct.pack(f"<{len(frame_lens)}Q", *frame_lens)
+
+
+def pack_footer(index_offset: int, index: bytes, n_samples: int) -> bytes:
+    head = struct.pack("<QQIIHH", index_offset, len(index), crc32(index), n_samples, FORMAT_VERSION, 0)
+    return head + struct.pack("<I", crc32(head)) + FOOTER_MAGIC
+
+
+def piece_layout(metadata: dict[str, Any]) -> list[dict[str, Any]]:
+    """The tensors every record holds, in payload order, derived from the metadata alone."""
+    pieces: list[dict[str, Any]] = [
+        {"name": "input_ids", "dtype": "int64", "planes": 1, "width": 1},
+        {"name": "loss_mask", "dtype": "int64", "planes": 1, "width": 1},
+    ]
+    stored = metadata["stored_dtype"]
+    itemsize = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}[stored]
+    for k in range(metadata["num_hidden_tensors"]):
+        pieces.append({"name": f"hidden_states.{k}", "dtype": stored, "planes": itemsize,
+                       "width": metadata["hidden_size"]})
+        if metadata["precision"] == "fp8_e4m3":
+            pieces.append({"name": f"hidden_states.{k}.scale", "dtype": "float32", "planes": 4, "width": 1})
+    return pieces

@@ -1,0 +1,233 @@
+"""Shard reader: random access through the index, checked at every step, fork-safe."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import zstandard as zstd
+
+from hsextract.errors import CorruptShardError, ShardError
+from hsextract.shard import format as fmt
+from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
+
+Sample = dict[str, Any]
+
+
+class ShardReader:
+    """Read a shard written by ShardWriter.
+
+    Opening checks footer, index and header checksums. `reader[i]` reads and checks one record
+    (its checksum, its sample number, every frame's content checksum) and returns exactly the
+    speculators v1 dict. The file is opened per process (os.pread, no shared offset), so a
+    reader can be handed to DataLoader workers, forked or pickled.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ShardError(f"{self.path}: no such shard file")
+        self._fd: int | None = None
+        self._pid = -1
+        self._local = threading.local()
+        self.metadata, self._index = self._open()
+        self._pieces = fmt.piece_layout(self.metadata)
+        self._out_dtype = DTYPES[self.metadata["dtype"]]
+
+    # -- process-local file handle --------------------------------------------------------
+    def _handle(self) -> int:
+        if self._fd is None or self._pid != os.getpid():
+            self._fd = os.open(self.path, os.O_RDONLY)
+            self._pid = os.getpid()
+        return self._fd
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_fd=None, _pid=-1, _local=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    def close(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+        self._fd = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def _pread(self, n: int, offset: int) -> bytes:
+        return os.pread(self._handle(), n, offset)
+
+    # -- structure ------------------------------------------------------------------------
+    def _corrupt(self, sample: int | None, what: str) -> CorruptShardError:
+        return CorruptShardError(self.path, sample, what)
+
+    def _open(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        size = self.path.stat().st_size
+        head = self._pread(fmt.HEADER.size, 0)
+        if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
+            raise self._corrupt(None, "not an hsextract shard (bad magic at byte 0)")
+        _, version, _, meta_len, meta_crc = fmt.HEADER.unpack(head)
+        if version != fmt.FORMAT_VERSION:
+            raise ShardError(
+                f"{self.path}: shard format version {version}; this hsextract reads version "
+                f"{fmt.FORMAT_VERSION}. Use the hsextract release that wrote it, or re-extract."
+            )
+        meta_raw = self._pread(meta_len, fmt.HEADER.size)
+        if len(meta_raw) != meta_len or fmt.crc32(meta_raw) != meta_crc:
+            raise self._corrupt(None, "header metadata checksum mismatch")
+        metadata = json.loads(meta_raw)
+        self._data_start = fmt.HEADER.size + meta_len
+        if size < self._data_start + fmt.FOOTER.size:
+            raise self._truncated(size)
+        foot = self._pread(fmt.FOOTER.size, size - fmt.FOOTER.size)
+        ix_off, ix_len, ix_crc, n, fversion, _, fcrc, magic = fmt.FOOTER.unpack(foot)
+        if magic != fmt.FOOTER_MAGIC:
+            raise self._truncated(size)
+        if fmt.crc32(foot[:28]) != fcrc or fversion != version:
+            raise self._corrupt(None, "footer checksum mismatch")
+        if ix_off + ix_len != size - fmt.FOOTER.size:
+            raise self._corrupt(None, "footer points outside the file")
+        ix_raw = self._pread(ix_len, ix_off)
+        if fmt.crc32(ix_raw) != ix_crc:
+            raise self._corrupt(None, "index checksum mismatch")
+        index = json.loads(zstd.ZstdDecompressor().decompress(ix_raw))
+        if any(len(index[c]) != n for c in fmt.INDEX_COLUMNS):
+            raise self._corrupt(None, f"index lists disagree with the footer's {n} samples")
+        self._index_offset = ix_off
+        return metadata, index
+
+    def _truncated(self, size: int) -> CorruptShardError:
+        """Walk the records from the start to name the first sample the truncation damaged."""
+        off, sample = self._data_start, 0
+        while off + fmt.RECORD.size <= size:
+            magic, idx, plen, _, hcrc = fmt.RECORD.unpack(self._pread(fmt.RECORD.size, off))
+            if magic != fmt.RECORD_MAGIC or idx != sample or fmt.crc32(self._pread(20, off)) != hcrc:
+                break  # index or footer bytes, or garbage: the records end here
+            if off + fmt.RECORD.size + plen > size:
+                return self._corrupt(sample, f"file truncated at byte {size}: the record ends at byte {off + fmt.RECORD.size + plen}")
+            off += fmt.RECORD.size + plen
+            sample += 1
+        return self._corrupt(
+            sample,
+            f"file truncated at byte {size} or its end damaged: no valid footer; records 0..{sample - 1} are "
+            f"complete, sample {sample} onward is missing",
+        )
+
+    # -- samples --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._index["offsets"])
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return list(self._index["sample_ids"])
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return list(self._index["seq_lens"])
+
+    @property
+    def index(self) -> dict[str, list[Any]]:
+        """The index columns (read-only view: do not modify)."""
+        return self._index
+
+    def _record(self, i: int) -> bytes:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
+        i %= n
+        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        rec = self._pread(rlen, off)
+        if len(rec) != rlen:
+            raise self._corrupt(i, f"record cut short: {len(rec)} of {rlen} bytes")
+        magic, idx, plen, pcrc, hcrc = fmt.RECORD.unpack_from(rec)
+        if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[:20]) != hcrc:
+            raise self._corrupt(i, "record header damaged")
+        if idx != i or plen + fmt.RECORD.size != rlen:
+            raise self._corrupt(i, f"record belongs to sample {idx}, not {i} (index and records disagree)")
+        payload = memoryview(rec)[fmt.RECORD.size:]
+        if zlib.crc32(payload) & 0xFFFFFFFF != pcrc or pcrc != self._index["crc32"][i]:
+            raise self._corrupt(i, "checksum mismatch")
+        return rec
+
+    def _decode(self, i: int, rec: bytes) -> Sample:
+        payload = memoryview(rec)[fmt.RECORD.size:]
+        (nframes,) = fmt.FRAME_COUNT.unpack_from(payload)
+        lens = struct.unpack_from(f"<{nframes}Q", payload, 4)
+        pos = 4 + 8 * nframes
+        frames = []
+        for ln in lens:
+            frames.append(payload[pos:pos + ln])
+            pos += ln
+        dctx = getattr(self._local, "d", None) if self._local is not None else None
+        if dctx is None:
+            dctx = zstd.ZstdDecompressor()
+            if self._local is not None:
+                self._local.d = dctx
+        seq = self._index["seq_lens"][i]
+        tensors: list[torch.Tensor] = []
+        fi = 0
+        try:
+            for piece in self._pieces:
+                itemsize = DTYPES[piece["dtype"]].itemsize
+                nbytes = seq * piece["width"] * itemsize
+                planes = []
+                for _ in range(piece["planes"]):
+                    planes.append(dctx.decompress(frames[fi], max_output_size=nbytes // piece["planes"]))
+                    fi += 1
+                if any(len(p) * piece["planes"] != nbytes for p in planes):
+                    raise self._corrupt(i, f"{piece['name']} decodes to the wrong size")
+                buf = join_planes(planes, piece["planes"], nbytes)
+                t = torch.from_numpy(buf).view(DTYPES[piece["dtype"]])
+                tensors.append(t if piece["width"] == 1 else t.view(seq, piece["width"]))
+        except (zstd.ZstdError, IndexError) as e:
+            raise self._corrupt(i, f"frame does not decode ({e})") from e
+        if fi != nframes:
+            raise self._corrupt(i, f"{nframes} frames, layout expects {fi}")
+        hidden = tensors[2:]
+        if self.metadata["precision"] == "fp8_e4m3":
+            hidden = [dequantize_fp8(q, s, self._out_dtype) for q, s in zip(hidden[0::2], hidden[1::2], strict=True)]
+        return {"input_ids": tensors[0], "hidden_states": hidden, "loss_mask": tensors[1]}
+
+    def __getitem__(self, i: int) -> Sample:
+        i = int(i)
+        rec = self._record(i)
+        return self._decode(i % len(self), rec)
+
+    def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
+        """All samples in order, read and decoded ahead by a small thread pool."""
+        if threads <= 1:
+            for i in range(len(self)):
+                yield self[i]
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="hsx-read") as pool:
+            pending = [pool.submit(self.__getitem__, i) for i in range(min(lookahead, len(self)))]
+            nxt = len(pending)
+            while pending:
+                fut = pending.pop(0)
+                if nxt < len(self):
+                    pending.append(pool.submit(self.__getitem__, nxt))
+                    nxt += 1
+                yield fut.result()
+
+    def __iter__(self) -> Iterator[Sample]:
+        return self.iter_samples()
+
+    def verify(self) -> None:
+        """Read and check every sample (raises CorruptShardError at the first bad one)."""
+        for i in range(len(self)):
+            self._decode(i, self._record(i))

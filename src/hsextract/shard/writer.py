@@ -1,0 +1,262 @@
+"""Streaming, atomic shard writer: one record per sample, index and footer at close."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import zstandard as zstd
+
+from hsextract import __version__
+from hsextract.errors import ShardError
+from hsextract.shard import format as fmt
+from hsextract.shard.codec import (
+    DTYPES,
+    FLOAT_DTYPES,
+    Codec,
+    dtype_name,
+    quantize_fp8,
+    split_planes,
+    to_bytes,
+)
+
+REQUIRED_METADATA = (
+    "model", "engine", "engine_version", "aux_layers", "final_state", "hidden_size", "dtype",
+    "config_hash", "tokenizer_hash", "chat_template_hash",
+)
+PRECISIONS = ("bf16", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class ShardSummary:
+    path: str
+    num_samples: int
+    num_tokens: int
+    raw_bytes: int
+    stored_bytes: int
+
+
+def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
+    missing = [k for k in REQUIRED_METADATA if k not in metadata]
+    if missing:
+        raise ShardError(f"shard metadata lacks {missing}: the writer's caller must supply {list(REQUIRED_METADATA)}")
+    if metadata["dtype"] not in FLOAT_DTYPES - {"float8_e4m3fn"}:
+        raise ShardError(f"shard metadata dtype {metadata['dtype']!r}: use bfloat16, float16 or float32")
+    if metadata["final_state"] not in ("post_norm", "pre_norm"):
+        raise ShardError(f"shard metadata final_state {metadata['final_state']!r}: use post_norm or pre_norm")
+    if not (isinstance(metadata["hidden_size"], int) and metadata["hidden_size"] > 0):
+        raise ShardError(f"shard metadata hidden_size {metadata['hidden_size']!r}: must be a positive integer")
+    if precision not in PRECISIONS:
+        raise ShardError(f"precision {precision!r}: use one of {PRECISIONS}")
+    meta = dict(metadata)
+    meta["aux_layers"] = [int(x) for x in metadata["aux_layers"]]
+    meta.update(
+        format_version=fmt.FORMAT_VERSION,
+        precision=precision,
+        stored_dtype="float8_e4m3fn" if precision == "fp8_e4m3" else metadata["dtype"],
+        num_hidden_tensors=len(meta["aux_layers"]) + 1,
+        writer=f"hsextract {__version__}",
+        zstd_version=".".join(map(str, zstd.ZSTD_VERSION)),
+    )
+    json.dumps(meta)  # fail here, not at close, on a value JSON cannot hold
+    return meta
+
+
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Delete temporary files that a killed writer of `path` left behind (never the shard itself)."""
+    stale = list(path.parent.glob(f".{path.name}.*.tmp"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+class ShardWriter:
+    """Write samples to `path` through a temporary file; the shard appears only when complete.
+
+    Use as a context manager: an exception inside the block removes the temporary file and no
+    shard is left. Memory stays at about one sample: each record is encoded and written by add().
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        metadata: dict[str, Any],
+        *,
+        level: int = 3,
+        threads: int = 1,
+        precision: str = "bf16",
+    ) -> None:
+        self.path = Path(path)
+        if not self.path.parent.is_dir():
+            raise ShardError(f"{self.path}: folder {self.path.parent} does not exist; create it first")
+        if not -7 <= level <= 22:
+            raise ShardError(f"compression level {level}: zstd levels run from -7 to 22")
+        if threads < 1:
+            raise ShardError(f"threads {threads}: must be at least 1")
+        self.metadata = _check_metadata(metadata, precision)
+        self.metadata["codec"] = {"name": "zstd-byteplane", "level": level}
+        self._codec = Codec(level=level, threads=threads)
+        self._pieces = fmt.piece_layout(self.metadata)
+        self._out_dtype = DTYPES[self.metadata["dtype"]]
+        self._hidden = self.metadata["hidden_size"]
+        self._fp8 = precision == "fp8_e4m3"
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hsx-enc") if threads > 1 else None
+        remove_stale_temps(self.path)
+        self._tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
+        self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed in close()/abort()
+        self._index: dict[str, list[Any]] = {c: [] for c in fmt.INDEX_COLUMNS}
+        self._closed = False
+        self._write(fmt.pack_header(self.metadata))
+
+    # -- encoding -------------------------------------------------------------------------
+    def _compressors(self) -> tuple[zstd.ZstdCompressor, zstd.ZstdCompressor, zstd.ZstdCompressor]:
+        # zstd compressor objects must not be shared between threads
+        if not hasattr(self._local, "c"):
+            self._local.c = (self._codec.whole_compressor(), self._codec.plane_compressor(),
+                             self._codec.low_plane_compressor())
+        return self._local.c
+
+    def _compress(self, job: tuple[int, Any]) -> bytes:
+        kind, data = job  # 0: whole tensor, 1: top byte plane, 2: a lower byte plane
+        return self._compressors()[kind].compress(data)
+
+    def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
+                 loss_mask: torch.Tensor) -> list[torch.Tensor]:
+        where = f"{self.path}: sample {sample}"
+        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.numel() == 0:
+            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+        seq = input_ids.numel()
+        if loss_mask.shape != (seq,) or loss_mask.dtype.is_floating_point:
+            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), got {loss_mask.dtype} {tuple(loss_mask.shape)}")
+        n = self.metadata["num_hidden_tensors"]
+        if len(hidden_states) != n:
+            raise ShardError(f"{where}: {len(hidden_states)} hidden-state tensors, expected {n} (aux_layers {self.metadata['aux_layers']} + final)")
+        out = [input_ids.to(torch.int64), loss_mask.to(torch.int64)]
+        for k, h in enumerate(hidden_states):
+            if h.shape != (seq, self._hidden) or h.dtype != self._out_dtype:
+                raise ShardError(
+                    f"{where}: hidden_states[{k}] is {dtype_name(h.dtype) if h.dtype in DTYPES.values() else h.dtype} "
+                    f"{tuple(h.shape)}, expected {self.metadata['dtype']} ({seq}, {self._hidden})"
+                )
+            if self._fp8:
+                out.extend(quantize_fp8(h))
+            else:
+                out.append(h)
+        return out
+
+    # -- public API -----------------------------------------------------------------------
+    def add(self, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor,
+            sample_id: str = "") -> None:
+        if self._closed:
+            raise ShardError(f"{self.path}: add() after close()")
+        sample = len(self._index["offsets"])
+        tensors = self._tensors(sample, input_ids, hidden_states, loss_mask)
+        jobs: list[tuple[int, Any]] = []
+        for piece, t in zip(self._pieces, tensors, strict=True):
+            raw = to_bytes(t)
+            if piece["planes"] == 1:
+                jobs.append((0, raw))
+            else:
+                top = piece["planes"] - 1  # little endian: the last plane holds sign and exponent
+                jobs.extend((1 if k == top else 2, p) for k, p in enumerate(split_planes(raw, piece["planes"])))
+        frames = list(self._pool.map(self._compress, jobs)) if self._pool else [self._compress(j) for j in jobs]
+        table = fmt.pack_frame_table([len(f) for f in frames])
+        payload_len = len(table) + sum(len(f) for f in frames)
+        crc = fmt.crc32(table)
+        for f in frames:
+            crc = zlib.crc32(f, crc)
+        offset = self._file.tell()
+        self._write(fmt.pack_record_header(sample, payload_len, crc))
+        self._write(table)
+        for f in frames:
+            self._write(f)
+        seq = input_ids.numel()
+        ix = self._index
+        ix["sample_ids"].append(str(sample_id))
+        ix["offsets"].append(offset)
+        ix["record_lens"].append(fmt.RECORD.size + payload_len)
+        ix["crc32"].append(crc)
+        ix["seq_lens"].append(seq)
+        ix["num_trained"].append(int((tensors[1] != 0).sum()))
+        ix["raw_bytes"].append(16 * seq + self.metadata["num_hidden_tensors"] * seq * self._hidden * self._out_dtype.itemsize)
+
+    def __len__(self) -> int:
+        return len(self._index["offsets"])
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self._file.write(data)
+        except OSError as e:
+            self.abort()
+            raise ShardError(
+                f"{self.path}: writing failed after {len(self)} samples ({e.strerror or e}); "
+                f"no shard was left behind. Free space in {self.path.parent} (or fix the error) and rerun the chunk."
+            ) from e
+
+    def close(self) -> ShardSummary:
+        """Write index and footer, fsync, rename into place. Returns what was stored."""
+        if self._closed:
+            raise ShardError(f"{self.path}: close() called twice")
+        index = zstd.ZstdCompressor(level=3, write_checksum=True).compress(
+            json.dumps(self._index, separators=(",", ":")).encode()
+        )
+        offset = self._file.tell()
+        self._write(index)
+        self._write(fmt.pack_footer(offset, index, len(self)))
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except OSError as e:
+            self.abort()
+            raise ShardError(f"{self.path}: finishing the shard failed ({e}); no shard was left behind") from e
+        self._closed = True
+        if self._pool:
+            self._pool.shutdown()
+        return ShardSummary(
+            path=str(self.path),
+            num_samples=len(self),
+            num_tokens=sum(self._index["seq_lens"]),
+            raw_bytes=sum(self._index["raw_bytes"]),
+            stored_bytes=self.path.stat().st_size,
+        )
+
+    def abort(self) -> None:
+        """Drop everything written so far; the target path is left untouched."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._file.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
+            if self._pool:
+                self._pool.shutdown(cancel_futures=True)
+
+    def __enter__(self) -> "ShardWriter":
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:  # a writer dropped without close() must not leave a temp file
+        if not getattr(self, "_closed", True):
+            self.abort()

@@ -1,0 +1,226 @@
+"""Shard writer/reader: byte-exact round trips, random access, corruption, atomicity."""
+
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from conftest import make_sample, shard_metadata
+
+from hsextract.errors import CorruptShardError, ShardError
+from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard import format as fmt
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+def assert_same(sample, ids, hs, mask):
+    assert sample["input_ids"].dtype == torch.int64 and torch.equal(sample["input_ids"], ids)
+    assert sample["loss_mask"].dtype == torch.int64 and torch.equal(sample["loss_mask"], mask)
+    assert isinstance(sample["hidden_states"], list) and len(sample["hidden_states"]) == len(hs)
+    for got, want in zip(sample["hidden_states"], hs):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(bits(got), bits(want))  # byte-exact, NaN payloads included
+
+
+def write(path, samples, meta=None, **kw):
+    with ShardWriter(path, meta or shard_metadata(), **kw) as w:
+        for k, (ids, hs, mask) in enumerate(samples):
+            w.add(ids, hs, mask, sample_id=f"s{k}")
+    return path
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")])
+def test_round_trip_is_byte_exact_with_special_values(tmp_path, dtype, name):
+    samples = [make_sample(s, dtype=dtype, seed=s) for s in (1, 7, 33)]
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40], dtype=torch.float32).to(dtype)
+    samples[1][1][0][0, :6] = special
+    # a NaN with a non-default payload must survive too
+    raw = samples[1][1][1].view(torch.uint8)
+    raw[0, : dtype.itemsize] = 0xFF
+    path = write(tmp_path / "a.hss", samples, shard_metadata(dtype=name))
+    r = ShardReader(path)
+    assert len(r) == 3 and r.sample_ids == ["s0", "s1", "s2"] and r.seq_lens == [1, 7, 33]
+    for k, s in enumerate(samples):
+        assert_same(r[k], *s)
+    assert r.metadata["dtype"] == name and r.metadata["format_version"] == fmt.FORMAT_VERSION
+
+
+def test_zero_trained_tokens_and_one_token(tmp_path):
+    samples = [make_sample(1), make_sample(5, trained=False)]
+    r = ShardReader(write(tmp_path / "a.hss", samples))
+    assert_same(r[0], *samples[0])
+    assert_same(r[1], *samples[1])
+    assert r.index["num_trained"] == [1, 0]
+
+
+def test_ten_thousand_samples_random_access_equals_sequential(tmp_path):
+    samples = [make_sample(1 + k % 5, hidden=4, seed=k) for k in range(10_000)]
+    r = ShardReader(write(tmp_path / "big.hss", samples, shard_metadata(hidden_size=4)))
+    assert len(r) == 10_000
+    seq = list(r.iter_samples(threads=2))
+    order = list(range(10_000))
+    random.Random(0).shuffle(order)
+    for i in order[:500]:
+        assert_same(r[i], *samples[i])
+        assert_same(seq[i], *samples[i])
+    assert_same(r[-1], *samples[-1])
+    with pytest.raises(IndexError, match="sample 10000 out of range"):
+        r[10_000]
+
+
+def test_threads_give_identical_bytes(tmp_path):
+    samples = [make_sample(20, seed=k) for k in range(4)]
+    a = write(tmp_path / "a.hss", samples, threads=1).read_bytes()
+    b = write(tmp_path / "b.hss", samples, threads=3).read_bytes()
+    assert a == b
+
+
+def test_metadata_is_self_describing(tmp_path):
+    r = ShardReader(write(tmp_path / "a.hss", [make_sample(3)], level=5))
+    m = r.metadata
+    for key in ("model", "engine", "engine_version", "aux_layers", "final_state", "hidden_size", "dtype",
+                "config_hash", "tokenizer_hash", "chat_template_hash", "format_version", "precision", "codec"):
+        assert key in m
+    assert m["codec"] == {"name": "zstd-byteplane", "level": 5}
+    assert m["num_hidden_tensors"] == 4 and m["stored_dtype"] == "bfloat16"
+
+
+def test_no_pickle_in_shard(tmp_path):
+    data = write(tmp_path / "a.hss", [make_sample(3)]).read_bytes()
+    assert b"\x80\x02" not in data[:64] and pickle.PROTO not in data[:2]
+    assert data[:8] == b"HSXSHARD" and data[-8:] == b"HSXSEND\0"
+
+
+def test_every_flipped_byte_is_an_error(tmp_path):
+    samples = [make_sample(6, seed=k) for k in range(3)]
+    path = write(tmp_path / "a.hss", samples)
+    good = path.read_bytes()
+    rng = random.Random(1)
+    positions = sorted(set(rng.randrange(len(good)) for _ in range(300)) | {0, 9, 20, len(good) - 1, len(good) - 20})
+    bad = tmp_path / "bad.hss"
+    r0 = ShardReader(path)
+    first_record = r0.index["offsets"][0]
+    for pos in positions:
+        data = bytearray(good)
+        data[pos] ^= 1 << rng.randrange(8)
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ShardError) as e:
+            r = ShardReader(bad)
+            for i in range(len(r)):
+                r[i]
+        msg = str(e.value)
+        assert str(bad) in msg
+        if isinstance(e.value, CorruptShardError) and e.value.sample is not None:
+            assert f"sample {e.value.sample}" in msg
+            # the named sample is the one whose bytes were hit
+            offs = r0.index["offsets"]
+            if pos < r0._index_offset:
+                assert first_record <= pos and e.value.sample == max(k for k in range(len(offs)) if offs[k] <= pos)
+            else:  # index or footer hit: every record intact, the damage is past the last one
+                assert e.value.sample == len(offs)
+
+
+def test_truncation_names_the_sample(tmp_path):
+    samples = [make_sample(6, seed=k) for k in range(4)]
+    path = write(tmp_path / "a.hss", samples)
+    good = path.read_bytes()
+    offs = ShardReader(path).index["offsets"]
+    cut = tmp_path / "cut.hss"
+    for end in (offs[2] + 30, offs[1] + 3, len(good) - 3, offs[0]):
+        cut.write_bytes(good[:end])
+        with pytest.raises(CorruptShardError) as e:
+            ShardReader(cut)
+        assert "truncated" in str(e.value) and str(cut) in str(e.value)
+        expect = {offs[2] + 30: 2, offs[1] + 3: 1, offs[0]: 0}.get(end, 4)
+        assert e.value.sample == expect, (end, str(e.value))
+
+
+def test_exception_inside_writer_leaves_nothing(tmp_path):
+    path = tmp_path / "a.hss"
+    with pytest.raises(RuntimeError):
+        with ShardWriter(path, shard_metadata()) as w:
+            w.add(*make_sample(4))
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_writer_leaves_no_shard_and_next_writer_cleans_up(tmp_path):
+    path = tmp_path / "a.hss"
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from conftest import make_sample, shard_metadata
+        from hsextract.shard import ShardWriter
+        w = ShardWriter({str(path)!r}, shard_metadata())
+        w.add(*make_sample(4))
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    assert not path.exists()
+    leftovers = list(tmp_path.glob(".a.hss.*.tmp"))
+    assert len(leftovers) == 1
+    write(path, [make_sample(3)])
+    assert sorted(os.listdir(tmp_path)) == ["a.hss"]
+
+
+def test_bad_input_is_refused_with_the_sample_named(tmp_path):
+    path = tmp_path / "a.hss"
+    with ShardWriter(path, shard_metadata()) as w:
+        ids, hs, mask = make_sample(4)
+        w.add(ids, hs, mask)
+        with pytest.raises(ShardError, match=r"sample 1: hidden_states\[2\] is float32 \(4, 16\), expected bfloat16 \(4, 16\)"):
+            w.add(ids, hs[:2] + [hs[2].float()] + hs[3:], mask)
+        with pytest.raises(ShardError, match=r"sample 1: 3 hidden-state tensors, expected 4"):
+            w.add(ids, hs[:3], mask)
+        with pytest.raises(ShardError, match=r"sample 1: loss_mask must be an integer tensor of shape \(4,\)"):
+            w.add(ids, hs, mask[:3])
+    assert len(ShardReader(path)) == 1
+    with pytest.raises(ShardError, match=r"metadata lacks \['tokenizer_hash'\]"):
+        meta = shard_metadata()
+        del meta["tokenizer_hash"]
+        ShardWriter(tmp_path / "b.hss", meta)
+
+
+def test_fp8_mode_dequantizes_to_bf16(tmp_path):
+    samples = [make_sample(32, hidden=64, seed=3)]
+    samples[0][1][0][5].zero_()
+    path = write(tmp_path / "a.hss", samples, shard_metadata(hidden_size=64), precision="fp8_e4m3")
+    r = ShardReader(path)
+    assert r.metadata["precision"] == "fp8_e4m3" and r.metadata["stored_dtype"] == "float8_e4m3fn"
+    got = r[0]
+    for a, b in zip(got["hidden_states"], samples[0][1]):
+        assert a.dtype == torch.bfloat16
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 0.05  # e4m3 has 3 mantissa bits: ~2-3% relative error per element
+    assert torch.equal(got["hidden_states"][0][5], torch.zeros(64, dtype=torch.bfloat16))
+    assert torch.equal(got["input_ids"], samples[0][0])
+
+
+def test_reader_survives_fork_and_pickle(tmp_path):
+    samples = [make_sample(5, seed=k) for k in range(8)]
+    r = ShardReader(write(tmp_path / "a.hss", samples))
+    r[0]  # opens the file in this process
+    clone = pickle.loads(pickle.dumps(r))
+    assert_same(clone[3], *samples[3])
+    from torch.utils.data import DataLoader
+
+    from hsextract import open_dataset
+
+    ds = open_dataset([tmp_path / "a.hss"])
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    got = list(loader)
+    assert len(got) == 8
+    for k, s in enumerate(got):
+        assert_same(s, *samples[k])
