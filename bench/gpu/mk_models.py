@@ -57,6 +57,14 @@ def main() -> None:
         save(LlamaForCausalLM, llama_tiny(), out / "llama", seed=0)
     if not (out / "deepseek" / "config.json").exists():
         save(DeepseekV3ForCausalLM, deepseek_small(), out / "deepseek", seed=1)
+    if not (out / "tiny" / "config.json").exists():
+        # the workflow's own default model (hsextract.tinymodel), tokenizer trained on the shipped data
+        from hsextract.tinymodel import make_tiny_model
+
+        try:
+            make_tiny_model(out / "tiny", Path(__file__).resolve().parents[2] / "data" / "conversations.jsonl")
+        except Exception as e:  # noqa: BLE001 - the other models must still be built
+            print("tiny model failed:", repr(e), flush=True)
     if a.llama8b:
         (out / "llama8b").mkdir(parents=True, exist_ok=True)
         cfg = llama8b().to_dict()

@@ -63,6 +63,11 @@ TINY_CONFIG: dict[str, Any] = {
     "rope_interleave": True,
     "tie_word_embeddings": False,
     "attention_bias": False,
+    # Read by SGLang's DeepseekV2 model (they are in DeepSeek-V3's and Kimi-K2.5's config.json) but not
+    # defined by transformers' DeepseekV3Config; they describe what transformers computes anyway.
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
 }
 DEFAULT_VOCAB_SIZE = 4096
 # std of the random weights: the usual 0.02 for all matrices, except the MoE router.
