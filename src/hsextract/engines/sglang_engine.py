@@ -92,7 +92,6 @@ class SGLangEngine(Engine):
         safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:60] or "run"
         # unique per engine instance: a rerun of a chunk never meets files or in-flight rids of an old one
         self._rid_base = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-{secrets.token_hex(4)}"
-        self._local = threading.local()
         self._marker: dict | None = None
 
     # ---- info -----------------------------------------------------------------------------------------
@@ -120,33 +119,24 @@ class SGLangEngine(Engine):
                 f"(capture {info.get('capture')})")
 
     # ---- HTTP -----------------------------------------------------------------------------------------
-    def _conn(self) -> http.client.HTTPConnection:
-        c = getattr(self._local, "conn", None)
-        if c is None:
-            c = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
-            self._local.conn = c
-        return c
-
-    def _drop_conn(self) -> None:
-        c = getattr(self._local, "conn", None)
-        if c is not None:
-            c.close()
-        self._local.conn = None
-
     def _generate(self, rid: str, ids: list[int]) -> dict:
         body = json.dumps({
             "rid": rid,
             "input_ids": ids,
             "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0},
         })
+        # A fresh connection per request: a kept-alive one goes stale while its thread waits for the
+        # dump files (the server closes idle connections after a few seconds), and the next POST on
+        # it fails with BrokenPipe, seen on the H200 run. On loopback a connect costs ~0.1 ms.
+        c = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
         try:
-            c = self._conn()
             c.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
             r = c.getresponse()
             data = r.read()
         except (OSError, http.client.HTTPException) as e:
-            self._drop_conn()
             raise _Transient(f"POST /generate failed: {type(e).__name__}: {e}") from e
+        finally:
+            c.close()
         text = data[:300].decode(errors="replace")
         if r.status >= 500:
             raise _Transient(f"POST /generate returned HTTP {r.status}: {text}")
