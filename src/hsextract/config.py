@@ -179,6 +179,11 @@ def check_tiny_model_path(config: Mapping[str, Any]) -> None:
             f"relative path under resources/ (got {config['model']!r}); for a real model set "
             f"make_tiny_model: false"
         )
+    if not any(str(src.get("path", "")).endswith(".jsonl") for src in config["sources"]):
+        raise ConfigError(
+            "make_tiny_model: true trains the tiny model's tokenizer on the first .jsonl source, "
+            "but `sources` has none; add one or set make_tiny_model: false"
+        )
 
 
 def check_engine(config: Mapping[str, Any]) -> None:

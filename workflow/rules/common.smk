@@ -86,7 +86,7 @@ def get_extract_mem_mb(wildcards, attempt):
 def get_tiny_model_corpus(wildcards):
     """Text the tiny model's tokenizer is trained on: the first JSONL source."""
     for src in config["sources"]:
-        if src.get("format", "jsonl") == "jsonl":
+        if src["path"].endswith(".jsonl"):
             return src["path"]
     raise ValueError("make_tiny_model needs a jsonl source to train its tokenizer on")
 
