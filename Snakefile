@@ -11,8 +11,11 @@ min_version("9.0")
 _SRC = Path(workflow.basedir) / "src"
 if (_SRC / "hsextract").is_dir():
     sys.path.insert(0, str(_SRC))
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(_SRC), os.environ.get("PYTHONPATH")) if p
+    # jobs run scripts in new interpreters: they need the same path
+    os.environ.update(
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(_SRC), os.environ.get("PYTHONPATH")) if p
+        )
     )
 
 

@@ -52,8 +52,18 @@ def get_extract_inputs(wildcards):
 
 # Config keys whose values decide the content of prepare's and extract's outputs.
 PREPARE_KEYS = (
-    "sources", "seed", "prompts_per_chunk", "max_seq_len", "truncate", "min_trained_tokens",
-    "train_on_eot", "train_on_reasoning", "dedup", "strict", "tokenizer", "model",
+    "sources",
+    "seed",
+    "prompts_per_chunk",
+    "max_seq_len",
+    "truncate",
+    "min_trained_tokens",
+    "train_on_eot",
+    "train_on_reasoning",
+    "dedup",
+    "strict",
+    "tokenizer",
+    "model",
 )
 EXTRACT_KEYS = ("model", "engine", "aux_layers", "final_state")
 
@@ -104,7 +114,12 @@ def get_all_prompts(wildcards):
 
 
 def get_all_shards(wildcards):
-    return expand("results/{run}/shards/chunk-{chunk}{suffix}", run=RUN, chunk=CHUNKS, suffix=SHARD_SUFFIX)
+    return expand(
+        "results/{run}/shards/chunk-{chunk}{suffix}",
+        run=RUN,
+        chunk=CHUNKS,
+        suffix=SHARD_SUFFIX,
+    )
 
 
 def get_all_validation(wildcards):

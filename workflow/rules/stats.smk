@@ -3,14 +3,14 @@ rule stats:
         shard=get_shard,
     output:
         stats="results/{run}/stats/chunk-{chunk}.json",
-    params:
-        position_bins=config["stats"]["position_bins"],
     log:
         "logs/{run}/stats/chunk-{chunk}.log",
     benchmark:
         "benchmarks/{run}/stats/chunk-{chunk}.tsv"
     conda:
         "../../envs/stats.yaml"
+    params:
+        position_bins=config["stats"]["position_bins"],
     script:
         "../scripts/stats.py"
 
@@ -71,11 +71,11 @@ rule aggregate_stats:
             labels={"figure": "per-layer RMS by position"},
         ),
         token_freq="results/{run}/token_freq.pt",
-    params:
-        seq_len_bins=config["stats"]["seq_len_bins"],
     log:
         "logs/{run}/aggregate_stats/aggregate_stats.log",
     conda:
         "../../envs/stats.yaml"
+    params:
+        seq_len_bins=config["stats"]["seq_len_bins"],
     script:
         "../scripts/aggregate_stats.py"
