@@ -8,6 +8,7 @@ to its own length, and this module checks that.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Mapping
@@ -65,8 +66,11 @@ def build_engine(config: Mapping[str, Any], spec: CaptureSpec) -> Engine:
         from hsextract.engines.transformers_engine import TransformersEngine
 
         t = config["transformers"]
+        device = t["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         return TransformersEngine(
-            config["model"], spec, device=t["device"], dtype=t["dtype"], token_budget=int(t["token_budget"])
+            config["model"], spec, device=device, dtype=t["dtype"], token_budget=int(t["token_budget"])
         )
     if name == "sglang":
         from hsextract.engines.sglang_engine import engine_from_config
@@ -81,10 +85,16 @@ def model_dtype(config: Mapping[str, Any]) -> str:
 
 
 def shard_metadata(
-    config: Mapping[str, Any], engine: Engine, hidden_size: int, chunk: int
+    config: Mapping[str, Any], engine: Engine, hidden_size: int, chunk: int, chat_template_hash: str | None = None
 ) -> dict[str, Any]:
-    """The self-description every shard carries (DESIGN.md: Shard)."""
+    """The self-description every shard carries (DESIGN.md: Shard).
+
+    `chat_template_hash` is the sha256 of the template prepare applied (its summary.json); without
+    it, the tokenizer's stored template is hashed.
+    """
     tok_dir = str(config.get("tokenizer") or config["model"])
+    if chat_template_hash is None:
+        chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))
     return {
         "model": str(config["model"]),
         "engine": config["engine"],
@@ -96,7 +106,7 @@ def shard_metadata(
         "config_hash": provenance.config_hash(config),
         "model_hash": provenance.model_hash(str(config["model"])),
         "tokenizer_hash": provenance.tokenizer_hash(tok_dir),
-        "chat_template_hash": provenance.text_hash(provenance.chat_template_text(tok_dir)),
+        "chat_template_hash": chat_template_hash,
         "run_name": config["run_name"],
         "chunk": int(chunk),
     }
@@ -161,14 +171,24 @@ def extract_chunk(
     }
 
 
-def run_extract(config: Mapping[str, Any], prompts_path: str | Path, shard_path: str | Path, chunk: int, progress: bool = True) -> dict[str, Any]:
+def run_extract(
+    config: Mapping[str, Any],
+    prompts_path: str | Path,
+    shard_path: str | Path,
+    chunk: int,
+    prepare_summary: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """The whole extract job: read the chunk, build the engine, write the shard."""
     prompts = read_prompts(prompts_path)
+    template_hash = None
+    if prepare_summary is not None:
+        template_hash = json.loads(Path(prepare_summary).read_text()).get("chat_template_sha256")
     spec = capture_spec(config)
     hidden_size = read_model_shape(str(config["model"])).hidden_size
     shard = config["shard"]
     with build_engine(config, spec) as engine:
-        meta = shard_metadata(config, engine, hidden_size, chunk)
+        meta = shard_metadata(config, engine, hidden_size, chunk, template_hash)
         return extract_chunk(
             prompts, shard_path, engine, meta,
             level=int(shard["compression_level"]), threads=int(shard["threads"]),

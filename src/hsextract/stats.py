@@ -171,7 +171,7 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
         "hidden_size": hidden,
         "tensors_per_sample": len(names),
     }
-    summary = pd.DataFrame({"metric": list(totals), "value": list(totals.values())})
+    summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
     return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
             "seq_lengths": seq, "dropped": dropped}
 

@@ -2,6 +2,7 @@ rule extract:
     input:
         unpack(get_extract_inputs),
         prompts=get_prompts,
+        prepare_summary="results/{run}/prompts/summary.json",
     output:
         shard=f"results/{{run}}/shards/chunk-{{chunk}}{SHARD_SUFFIX}",
     log:

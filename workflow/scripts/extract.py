@@ -17,5 +17,6 @@ summary = run_extract(
     snakemake.input.prompts,  # noqa: F821
     snakemake.output.shard,  # noqa: F821
     chunk=int(snakemake.params.chunk),  # noqa: F821
+    prepare_summary=snakemake.input.prepare_summary,  # noqa: F821
 )
 print(json.dumps(summary, indent=1))
