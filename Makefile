@@ -10,7 +10,7 @@ $(BIN)/.installed: pyproject.toml requirements/cpu.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements/cpu.txt
-	$(BIN)/pip install -q -e ".[model,workflow,client,dev]"
+	$(BIN)/pip install -q -e ".[model,workflow,client,data,dev]"
 	touch $@
 
 run: $(BIN)/.installed

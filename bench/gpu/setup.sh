@@ -1,0 +1,28 @@
+# Sourced by the bench/gpu scripts on the lent H200 (Python 3.12, torch 2.11.0+cu130, no network).
+# Carry: .whl/one/site.tar.xz (from /work/shared/gpu/build-sglang-site.sh) and, if the image lacks
+# zstandard, .whl/extra/ (bench/gpu/build-extra.sh). Installs nothing system-wide: everything under /tmp.
+set -euo pipefail
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+OUT=${OUT:-/tmp/hsx-out}; mkdir -p "$OUT"
+SITE_TAR=${SITE_TAR:-$REPO/.whl/one/site.tar.xz}
+if [ ! -d /tmp/site/sglang ]; then
+  mkdir -p /tmp/site
+  python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall('/tmp/site')" "$SITE_TAR"
+fi
+EXTRA=
+if ! python3 -c "import zstandard" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/extra "$REPO"/.whl/extra/*.whl
+  EXTRA=/tmp/extra
+fi
+# The plugin's entry point without pip: a dist-info next to the source tree on the path.
+DI=/tmp/plug/hsextract-0.1.0.dist-info; mkdir -p "$DI"
+printf 'Metadata-Version: 2.1\nName: hsextract\nVersion: 0.1.0\n' >"$DI/METADATA"
+printf '[sglang.srt.plugins]\nhsextract = hsextract.sglang_plugin.plugin:register\n' >"$DI/entry_points.txt"
+export PYTHONPATH=/tmp/site:$REPO/src:/tmp/plug${EXTRA:+:$EXTRA}
+export SGLANG_IS_FLASHINFER_AVAILABLE=false PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
+# Flags that worked with the slimmed bundle (notes/sglang-on-h200.md): triton attention only.
+SGL_COMMON="--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs-decode 16"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch,sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
+  python3 -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'transformers', m.version('transformers'))"
+} >"$OUT/machine.txt" 2>&1 || true

@@ -1,0 +1,548 @@
+"""Conversation sources: readers for local files, normalization to one message type, and the mixture.
+
+Normalized conversation: a list of messages, each a dict with
+  role: "system" | "user" | "assistant" | "tool"
+  content: str                      (may be "" only for an assistant turn that has tool_calls)
+  reasoning_content: str            (assistant only, optional; from `reasoning_content`, `thinking` or `reasoning`)
+  tool_calls: list[{"type": "function", "function": {"name": str, "arguments": str | dict}, "id"?: str}]
+  tool_call_id: str, name: str      (optional, carried through)
+Keys that a record does not have are absent (templates test `'tool_calls' in message`).
+Record-level `tools` (function definitions) are carried in `Conversation.tools` for the template.
+
+Input formats (`format:` of a source; `auto` picks per file and record):
+  messages   JSONL / JSON list / parquet rows with `messages: [{role, content, ...}]` (OpenAI)
+  sharegpt   rows with `conversations: [{from, value}]` (human/gpt/system/tool/function_call/observation...)
+             and an optional top-level `system` string
+  ultrachat  rows with `messages` or `data`: a list of strings alternating user/assistant, or role dicts
+  hf_disk    a directory written by `datasets.save_to_disk` (Dataset, or DatasetDict with `split:`);
+             read directly from its Arrow files with pyarrow, `datasets` itself is not needed.
+
+Locations in errors: `file:LINE` (1-based line) for JSONL, `file:record N` (1-based) otherwise.
+
+Mixture: source i contributes k_i = min(max_records, round(weight_i * n_i)) records, where n_i is its
+number of input records (malformed ones included: chunks are cut over input records). weight < 1
+takes a seeded random subset, weight > 1 repeats the source (whole passes, then a seeded subset); the
+contributions are then shuffled together with `numpy.random.default_rng(seed)`. Counting needs no
+parsing of JSONL or parquet content, so `count_records` is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hsextract.errors import ConfigError
+
+ROLES = ("system", "user", "assistant", "tool")
+FORMATS = ("auto", "messages", "sharegpt", "ultrachat", "hf_disk")
+
+# Malformed-record reasons (summary counters use these names).
+BAD_JSON = "bad_json"
+NON_UTF8 = "non_utf8"
+WRONG_TYPE = "wrong_type"
+MISSING_MESSAGES = "missing_messages"
+MISSING_ROLE = "missing_role"
+UNKNOWN_ROLE = "unknown_role"
+EMPTY_CONTENT = "empty_content"
+MALFORMED_REASONS = (BAD_JSON, NON_UTF8, WRONG_TYPE, MISSING_MESSAGES, MISSING_ROLE, UNKNOWN_ROLE, EMPTY_CONTENT)
+
+_OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+                 "tool": "tool", "function": "tool"}
+_SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
+                   "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "model": "assistant",
+                   "tool": "tool", "function_response": "tool", "observation": "tool", "ipython": "tool",
+                   "function_call": "assistant"}
+_REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+class MalformedRecordError(ConfigError):
+    """An input record cannot be read as a conversation (strict mode). Names file, line/record and reason."""
+
+    def __init__(self, location: str, reason: str, detail: str) -> None:
+        super().__init__(
+            f"{location}: malformed record ({reason}): {detail}. Fix or remove this record, or set "
+            f"`strict: false` to skip malformed records (they are counted per reason in summary.json)."
+        )
+        self.location = location
+        self.reason = reason
+        self.detail = detail
+
+
+class _Bad(Exception):
+    """Internal: a record-level problem, turned into MalformedRecordError or a lenient count."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class Conversation:
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None = None
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    path: Path
+    format: str = "auto"
+    weight: float = 1.0
+    max_records: int | None = None
+    name: str = ""
+    split: str | None = None
+
+
+@dataclass(frozen=True)
+class MixtureEntry:
+    """One input record in mixture order."""
+
+    source: int  # index into the source list
+    index: int  # record index inside its source (0-based)
+    repeat: int  # 0 for the first use, >0 when weight > 1 repeats it
+    sample_id: str
+
+
+def parse_sources(sources: Any) -> list[SourceSpec]:
+    """Validate the `sources` config list; ConfigError names the key that is wrong."""
+    if not isinstance(sources, Sequence) or isinstance(sources, (str, bytes)) or not sources:
+        raise ConfigError("config key `sources` must be a non-empty list of {path, format, weight, max_records}")
+    specs: list[SourceSpec] = []
+    names: set[str] = set()
+    for i, s in enumerate(sources):
+        key = f"sources[{i}]"
+        if isinstance(s, (str, os.PathLike)):
+            s = {"path": s}
+        if not isinstance(s, Mapping) or "path" not in s:
+            raise ConfigError(f"config key `{key}` must be a mapping with at least `path`")
+        unknown = set(s) - {"path", "format", "weight", "max_records", "name", "split"}
+        if unknown:
+            raise ConfigError(f"config key `{key}` has unknown keys {sorted(unknown)}; allowed: path, format, "
+                              f"weight, max_records, name, split")
+        path = Path(s["path"])
+        if not path.exists():
+            raise ConfigError(f"config key `{key}.path`: {path} does not exist (local paths only)")
+        fmt = s.get("format", "auto") or "auto"
+        if fmt not in FORMATS:
+            raise ConfigError(f"config key `{key}.format` is {fmt!r}; allowed: {', '.join(FORMATS)}")
+        weight = s.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"config key `{key}.weight` must be a number >= 0, got {weight!r}")
+        cap = s.get("max_records")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ConfigError(f"config key `{key}.max_records` must be an integer >= 0 or null, got {cap!r}")
+        name = str(s.get("name") or path.name.split(".")[0] or f"source{i}")
+        if name in names:
+            name = f"{name}{i}"
+        names.add(name)
+        specs.append(SourceSpec(path=path, format=fmt, weight=float(weight), max_records=cap, name=name,
+                                split=s.get("split")))
+    return specs
+
+
+# ----------------------------------------------------------------------------------------------- readers
+
+
+class _Reader:
+    """Raw records of one file: `len()` is cheap, `raw(i)` returns (location, bytes | dict)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        raise NotImplementedError
+
+
+class _JsonlReader(_Reader):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offsets: list[tuple[int, int, int]] | None = None  # (line number, start, end)
+        self._count: int | None = None
+
+    def _index(self) -> list[tuple[int, int, int]]:
+        if self._offsets is None:
+            offsets = []
+            with open(self.path, "rb") as f:
+                pos = 0
+                for lineno, line in enumerate(f, start=1):
+                    if line.strip():
+                        offsets.append((lineno, pos, pos + len(line)))
+                    pos += len(line)
+            self._offsets = offsets
+        return self._offsets
+
+    def __len__(self) -> int:
+        if self._offsets is not None:
+            return len(self._offsets)
+        if self._count is None:
+            # Blank lines are not records; counting them needs a scan but no JSON parsing.
+            with open(self.path, "rb") as f:
+                self._count = sum(1 for line in f if line.strip())
+        return self._count
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        lineno, start, end = self._index()[i]
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f"{self.path}:{lineno}", f.read(end - start)
+
+
+class _JsonListReader(_Reader):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise MalformedRecordError(f"{path}", NON_UTF8, f"the file is not UTF-8 ({e})") from None
+        except json.JSONDecodeError as e:
+            raise MalformedRecordError(f"{path}:{e.lineno}", BAD_JSON, f"the JSON list does not parse: {e.msg}") \
+                from None
+        if not isinstance(data, list):
+            raise ConfigError(f"{path}: a .json source must hold a list of records, got {type(data).__name__}")
+        self.records = data
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        return f"{self.path}:record {i + 1}", self.records[i]
+
+
+class _TableReader(_Reader):
+    """Parquet file or Arrow stream files (HF save_to_disk); columnar, rows converted on access."""
+
+    def __init__(self, path: Path, tables: Sequence[tuple[Path, Any]]) -> None:
+        self.path = path
+        self._tables = list(tables)  # (file, loader returning a pa.Table) loaded lazily
+        self._loaded: list[pa.Table | None] = [None] * len(self._tables)
+        self._counts = [self._count(p) for p, _ in self._tables]
+        self._starts = np.cumsum([0] + self._counts)
+
+    @staticmethod
+    def _count(p: Path) -> int:
+        if p.suffix == ".parquet":
+            return pq.ParquetFile(p).metadata.num_rows
+        with pa.memory_map(str(p)) as src:
+            try:
+                reader = pa.ipc.open_stream(src)
+            except pa.ArrowInvalid:
+                return pa.ipc.open_file(src).read_all().num_rows
+            return sum(b.num_rows for b in reader)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        t = int(np.searchsorted(self._starts, i, side="right") - 1)
+        if self._loaded[t] is None:
+            self._loaded[t] = self._tables[t][1]()
+        row = self._loaded[t].slice(i - int(self._starts[t]), 1).to_pylist()[0]
+        return f"{self._tables[t][0]}:record {i - int(self._starts[t]) + 1}", row
+
+
+def _read_arrow(p: Path) -> pa.Table:
+    with pa.memory_map(str(p)) as src:
+        try:
+            return pa.ipc.open_stream(src).read_all()
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(src).read_all()
+
+
+def _hf_disk_files(path: Path, split: str | None) -> list[Path]:
+    """Arrow files of a `save_to_disk` directory, in order (state.json `_data_files`)."""
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        if split is None:
+            if len(splits) != 1:
+                raise ConfigError(f"{path} is a DatasetDict with splits {splits}: set `split:` on this source")
+            split = splits[0]
+        if split not in splits:
+            raise ConfigError(f"{path}: split {split!r} not in {splits}")
+        path = path / split
+    state = path / "state.json"
+    if not state.exists():
+        raise ConfigError(f"{path}: not a `datasets.save_to_disk` directory (no state.json or dataset_dict.json)")
+    files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise ConfigError(f"{path}: state.json lists Arrow files that are missing: {missing}")
+    return files
+
+
+def _open_reader(spec: SourceSpec) -> _Reader:
+    p = spec.path
+    if p.is_dir() or spec.format == "hf_disk":
+        files = _hf_disk_files(p, spec.split)
+        return _TableReader(p, [(f, (lambda f=f: _read_arrow(f))) for f in files])
+    if p.suffix == ".parquet":
+        return _TableReader(p, [(p, lambda: pq.read_table(p))])
+    if p.suffix == ".arrow":
+        return _TableReader(p, [(p, lambda: _read_arrow(p))])
+    with open(p, "rb") as f:
+        head = f.read(4096).lstrip()
+    if p.suffix == ".json" and head.startswith(b"["):
+        return _JsonListReader(p)
+    return _JsonlReader(p)
+
+
+# ------------------------------------------------------------------------------------------ normalization
+
+
+def _text(value: Any, where: str) -> str:
+    """Content as a string: str, None -> "", or OpenAI text parts joined."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = []
+        for p in value:
+            if isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
+                parts.append(p["text"])
+            else:
+                raise _Bad(WRONG_TYPE, f"{where}: only text content parts are supported, got {p!r:.80}")
+        return "".join(parts)
+    raise _Bad(WRONG_TYPE, f"{where}: content must be a string, got {type(value).__name__}")
+
+
+def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise _Bad(WRONG_TYPE, f"{where}: tool_calls must be a list, got {type(value).__name__}")
+    out = []
+    for k, tc in enumerate(value):
+        if not isinstance(tc, Mapping):
+            raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}] must be an object")
+        fn = tc.get("function", tc)  # also accept the flat {name, arguments} form
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}] needs function.name (a string)")
+        args = fn.get("arguments", {})
+        if not isinstance(args, (str, Mapping)):
+            raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}].function.arguments must be a string or an object")
+        call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(tc.get("id"), str):
+            call["id"] = tc["id"]
+        out.append(call)
+    return out
+
+
+def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: str, where: str) -> dict[str, Any]:
+    if not isinstance(raw, Mapping):
+        raise _Bad(WRONG_TYPE, f"{where} must be an object, got {type(raw).__name__}")
+    if role_key not in raw or raw[role_key] is None:
+        raise _Bad(MISSING_ROLE, f"{where} has no `{role_key}`")
+    src_role = raw[role_key]
+    if not isinstance(src_role, str):
+        raise _Bad(WRONG_TYPE, f"{where}.{role_key} must be a string, got {type(src_role).__name__}")
+    if src_role not in role_map:
+        raise _Bad(UNKNOWN_ROLE, f"{where} has unknown role {src_role!r}; known: {sorted(role_map)}")
+    role = role_map[src_role]
+    msg: dict[str, Any] = {"role": role}
+    if src_role == "function_call":
+        # ShareGPT function_call: the value is a JSON object {name, arguments}.
+        try:
+            call = json.loads(raw.get(content_key) or "")
+        except (json.JSONDecodeError, TypeError):
+            raise _Bad(WRONG_TYPE, f"{where}: a function_call value must be a JSON object {{name, arguments}}") \
+                from None
+        msg["content"] = ""
+        msg["tool_calls"] = _tool_calls([call], where)
+    else:
+        msg["content"] = _text(raw.get(content_key), f"{where}.{content_key}")
+    if "tool_calls" in raw and raw["tool_calls"] is not None and role == "assistant":
+        calls = _tool_calls(raw["tool_calls"], where)
+        if calls:
+            msg["tool_calls"] = calls
+    if role == "assistant":
+        for key in _REASONING_KEYS:
+            r = raw.get(key)
+            if r is None:
+                continue
+            if not isinstance(r, str):
+                raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(r).__name__}")
+            if r:
+                msg["reasoning_content"] = r
+            break
+    for key in ("tool_call_id", "name"):
+        v = raw.get(key)
+        if v is not None:
+            if not isinstance(v, str):
+                raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(v).__name__}")
+            msg[key] = v
+    if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content"):
+        raise _Bad(EMPTY_CONTENT, f"{where} ({role}) has empty content")
+    return msg
+
+
+def _alternating(items: list[Any], key: str) -> list[dict[str, Any]]:
+    msgs = []
+    for k, text in enumerate(items):
+        where = f"{key}[{k}]"
+        if not isinstance(text, str):
+            raise _Bad(WRONG_TYPE, f"{where} must be a string (alternating user/assistant turns)")
+        if not text.strip():
+            raise _Bad(EMPTY_CONTENT, f"{where} is empty")
+        msgs.append({"role": "user" if k % 2 == 0 else "assistant", "content": text})
+    return msgs
+
+
+def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
+    """One decoded record -> Conversation. Raises _Bad(reason, detail) (internal) when malformed."""
+    if not isinstance(obj, Mapping):
+        raise _Bad(WRONG_TYPE, f"a record must be a JSON object, got {type(obj).__name__}")
+    if fmt == "auto" or fmt == "hf_disk":
+        if "conversations" in obj:
+            fmt = "sharegpt"
+        elif "messages" in obj or "data" in obj:
+            items = obj.get("messages", obj.get("data"))
+            fmt = "ultrachat" if isinstance(items, list) and items and isinstance(items[0], str) else \
+                ("messages" if "messages" in obj else "ultrachat")
+        else:
+            raise _Bad(MISSING_MESSAGES, f"no `messages`, `conversations` or `data` key (keys: {sorted(obj)[:8]})")
+    if fmt == "sharegpt":
+        key = "conversations"
+        items = obj.get(key)
+    elif fmt == "messages":
+        key = "messages"
+        items = obj.get(key)
+    else:
+        key = "messages" if "messages" in obj else "data"
+        items = obj.get(key)
+    if items is None:
+        raise _Bad(MISSING_MESSAGES, f"no `{key}` list in the record")
+    if not isinstance(items, list):
+        raise _Bad(WRONG_TYPE, f"`{key}` must be a list, got {type(items).__name__}")
+    if not items:
+        raise _Bad(MISSING_MESSAGES, f"`{key}` is empty")
+    if fmt == "sharegpt":
+        msgs = [_message(m, _SHAREGPT_ROLES, "from", "value", f"{key}[{k}]") for k, m in enumerate(items)]
+        system = obj.get("system")
+        if system is not None:
+            if not isinstance(system, str):
+                raise _Bad(WRONG_TYPE, f"`system` must be a string, got {type(system).__name__}")
+            if system.strip() and msgs[0]["role"] != "system":
+                msgs.insert(0, {"role": "system", "content": system})
+    elif fmt == "ultrachat" and isinstance(items[0], str):
+        msgs = _alternating(items, key)
+    else:
+        msgs = [_message(m, _OPENAI_ROLES, "role", "content", f"{key}[{k}]") for k, m in enumerate(items)]
+    tools = obj.get("tools")
+    if isinstance(tools, str):  # some datasets store the tool list as a JSON string
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError:
+            raise _Bad(WRONG_TYPE, "`tools` is a string that is not JSON") from None
+    if tools is not None and not isinstance(tools, list):
+        raise _Bad(WRONG_TYPE, f"`tools` must be a list, got {type(tools).__name__}")
+    return Conversation(messages=msgs, tools=tools or None)
+
+
+def decode_raw(raw: Any) -> Any:
+    """JSONL bytes -> object; dict rows pass through. Raises _Bad for non-UTF-8 and bad JSON."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise _Bad(NON_UTF8, f"the line is not valid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})") \
+                from None
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise _Bad(BAD_JSON, f"invalid JSON: {e.msg} at column {e.colno}") from None
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------- sources
+
+
+@dataclass
+class Source:
+    spec: SourceSpec
+    reader: _Reader = field(repr=False)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def read(self, i: int) -> tuple[str, Conversation]:
+        """(location, conversation) of record i; MalformedRecordError (file, line, reason) when malformed."""
+        location, raw = self.reader.raw(i)
+        try:
+            return location, normalize_record(decode_raw(raw), self.spec.format)
+        except _Bad as b:
+            raise MalformedRecordError(location, b.reason, b.detail) from None
+
+
+def open_sources(sources_config: Any) -> list[Source]:
+    return [Source(spec, _open_reader(spec)) for spec in parse_sources(sources_config)]
+
+
+def source_contribution(n: int, spec: SourceSpec) -> int:
+    k = int(math.floor(spec.weight * n + 0.5))
+    return k if spec.max_records is None else min(k, spec.max_records)
+
+
+def _pick(n: int, k: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """k (index, repeat) pairs from n records: whole passes, then a seeded subset, each in file order."""
+    out: list[tuple[int, int]] = []
+    if n == 0:
+        return out
+    full, rest = divmod(k, n)
+    for rep in range(full):
+        out.extend((i, rep) for i in range(n))
+    if rest:
+        out.extend((int(i), full) for i in np.sort(rng.permutation(n)[:rest]))
+    return out
+
+
+def mixture(sources: Sequence[Source], seed: int) -> list[MixtureEntry]:
+    """All selected records of all sources, shuffled together; reproducible from `seed`."""
+    rng = np.random.default_rng(seed)
+    entries: list[MixtureEntry] = []
+    for s_idx, src in enumerate(sources):
+        n = len(src)
+        for i, rep in _pick(n, source_contribution(n, src.spec), rng):
+            sid = f"{src.spec.name}:{i}" + (f"#{rep}" if rep else "")
+            entries.append(MixtureEntry(source=s_idx, index=i, repeat=rep, sample_id=sid))
+    order = rng.permutation(len(entries))
+    return [entries[int(j)] for j in order]
+
+
+def count_records(sources_config: Any) -> int:
+    """Number of input records the mixture holds (caps and weights applied), without parsing JSONL/parquet
+    content. This is what chunks are cut over: ceil(count_records / prompts_per_chunk) chunks."""
+    total = 0
+    for spec in parse_sources(sources_config):
+        total += source_contribution(len(_open_reader(spec)), spec)
+    return total
+
+
+def iter_conversations(sources_config: Any, seed: int = 0, strict: bool = True,
+                       counts: dict[str, int] | None = None) -> Iterator[tuple[MixtureEntry, Conversation | None]]:
+    """Mixture-ordered (entry, conversation). Malformed: strict raises MalformedRecordError; lenient yields
+    (entry, None) and adds 1 to `counts[reason]`."""
+    sources = open_sources(sources_config)
+    for entry in mixture(sources, seed):
+        try:
+            _, conv = sources[entry.source].read(entry.index)
+        except MalformedRecordError as e:
+            if strict:
+                raise
+            if counts is not None:
+                counts[e.reason] = counts.get(e.reason, 0) + 1
+            yield entry, None
+            continue
+        yield entry, conv
+
+
+__all__ = [
+    "Conversation", "MalformedRecordError", "MixtureEntry", "Source", "SourceSpec", "MALFORMED_REASONS", "ROLES",
+    "count_records", "iter_conversations", "mixture", "normalize_record", "open_sources", "parse_sources",
+]

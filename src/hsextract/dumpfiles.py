@@ -1,0 +1,251 @@
+"""Per-request dump files: the hand-over between the SGLang plugin (writer) and the client (collector).
+
+One prompt arrives as one or more *pieces* (chunked prefill, or a large extend split to fit the staging
+buffer). Each piece is one file; a `.done` marker lists the pieces once the last one is in, an `.err`
+marker says why a request cannot be completed. Every file is written under a temporary name starting
+with "." and renamed, so a reader never sees a partial file.
+
+Piece file, format 1 (little endian):
+
+    offset  size  field
+    0       8     magic b"HSXDUMP1"
+    8       4     u32 header length L
+    12      L     header, UTF-8 JSON: {"format": 1, "rid", "start", "end", "n_tokens",
+                  "blocks": [{"dtype", "shape": [rows, width], "offset", "nbytes"}]}
+    12+L    ...   payload: the blocks' raw bytes; "offset" counts from the payload start
+
+The blocks of one piece, concatenated along columns, give [rows, num_tensors * hidden] in layer order
+(aux layers, then the final state). No pickle: tensors are raw bytes, the header is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hsextract.errors import EngineError
+
+MAGIC = b"HSXDUMP1"
+FORMAT = 1
+PIECE_SUFFIX = ".piece"
+DONE_SUFFIX = ".done"
+ERR_SUFFIX = ".err"
+PLUGIN_MARKER_PREFIX = "plugin-"
+_RID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
+
+_DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+class DumpTimeout(EngineError):
+    """The server answered but no `.done` marker appeared in time."""
+
+
+class DumpError(EngineError):
+    """A dump marker or piece says the request cannot be assembled (plugin-side `.err`, bad bytes)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"dump files hold bfloat16, float16 or float32, not {dtype}")
+
+
+def is_safe_rid(rid: str) -> bool:
+    """Rids become file names: letters, digits, '_', '.', '-' only, no leading dot."""
+    return bool(_RID_RE.match(rid))
+
+
+def piece_name(rid: str, start: int, end: int) -> str:
+    return f"{rid}.{start:010d}-{end:010d}{PIECE_SUFFIX}"
+
+
+def done_name(rid: str) -> str:
+    return rid + DONE_SUFFIX
+
+
+def err_name(rid: str) -> str:
+    return rid + ERR_SUFFIX
+
+
+def ids_digest(ids: Sequence[int] | np.ndarray) -> str:
+    """sha256 of the token ids as little-endian int64: the client checks the server saw its exact ids."""
+    return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+    os.replace(tmp, path)
+
+
+def write_piece(
+    dump_dir: Path, rid: str, start: int, end: int, n_tokens: int, blocks: Sequence[torch.Tensor]
+) -> Path:
+    """Write one piece. `blocks` are CPU tensors [end-start, width_j]; bytes are taken as they are."""
+    header_blocks, payload, off = [], [], 0
+    for b in blocks:
+        if b.dim() != 2 or b.shape[0] != end - start:
+            raise ValueError(f"piece {rid} [{start},{end}): block of shape {tuple(b.shape)} has the wrong rows")
+        raw = b.contiguous().view(torch.uint8).reshape(-1).numpy()
+        header_blocks.append(
+            {"dtype": dtype_name(b.dtype), "shape": list(b.shape), "offset": off, "nbytes": raw.nbytes}
+        )
+        payload.append(memoryview(raw))
+        off += raw.nbytes
+    header = json.dumps(
+        {"format": FORMAT, "rid": rid, "start": start, "end": end, "n_tokens": n_tokens, "blocks": header_blocks}
+    ).encode()
+    path = Path(dump_dir) / piece_name(rid, start, end)
+    _atomic_write(path, [MAGIC, struct.pack("<I", len(header)), header, *payload])
+    return path
+
+
+def read_piece(path: Path) -> tuple[dict, list[torch.Tensor]]:
+    """Read one piece file; raises DumpError naming the file on any structural problem."""
+    path = Path(path)
+    data = bytearray(path.stat().st_size)
+    with open(path, "rb") as f:
+        got = f.readinto(data)
+    if got != len(data) or data[:8] != MAGIC or len(data) < 12:
+        raise DumpError(f"{path}: not a dump piece (bad magic or truncated); delete the dump directory and rerun")
+    (hlen,) = struct.unpack_from("<I", data, 8)
+    try:
+        header = json.loads(bytes(data[12 : 12 + hlen]))
+    except ValueError as e:
+        raise DumpError(f"{path}: unreadable piece header ({e})") from e
+    if header.get("format") != FORMAT:
+        raise DumpError(f"{path}: piece format {header.get('format')!r}, this hsextract reads {FORMAT}")
+    base = 12 + hlen
+    tensors = []
+    for blk in header["blocks"]:
+        lo, n = base + blk["offset"], blk["nbytes"]
+        if lo + n > len(data):
+            raise DumpError(f"{path}: block at {blk['offset']} (+{n} bytes) runs past the end of the file")
+        dt = _DTYPES[blk["dtype"]]
+        t = torch.frombuffer(data, dtype=torch.uint8, count=n, offset=lo).view(dt).view(*blk["shape"])
+        tensors.append(t)
+    return header, tensors
+
+
+def write_done(dump_dir: Path, rid: str, info: dict) -> Path:
+    path = Path(dump_dir) / done_name(rid)
+    _atomic_write(path, [json.dumps({"format": FORMAT, "rid": rid, **info}).encode()])
+    return path
+
+
+def write_err(dump_dir: Path, rid: str, message: str) -> Path:
+    path = Path(dump_dir) / err_name(rid)
+    _atomic_write(path, [json.dumps({"format": FORMAT, "rid": rid, "error": message}).encode()])
+    return path
+
+
+def remove_rid(dump_dir: Path, rid: str) -> int:
+    """Delete every file of `rid` (pieces, markers); returns how many were removed."""
+    n = 0
+    for p in Path(dump_dir).glob(f"{glob_escape(rid)}.*"):
+        try:
+            p.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
+def glob_escape(s: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", s)
+
+
+@dataclass(frozen=True)
+class Collected:
+    rid: str
+    hidden_states: list[torch.Tensor]  # num_tensors x [n_tokens, hidden]
+    pieces: int
+
+
+def collect(
+    dump_dir: Path,
+    rid: str,
+    input_ids: Sequence[int],
+    num_tensors: int,
+    timeout_s: float,
+    *,
+    poll_s: float = 0.002,
+    should_stop: Callable[[], bool] | None = None,
+    remove: bool = True,
+) -> Collected:
+    """Wait for `rid`'s `.done` (or `.err`), check it is this prompt, assemble the pieces, delete the files.
+
+    Raises DumpTimeout after `timeout_s`, DumpError for a plugin-side error or inconsistent files.
+    """
+    dump_dir = Path(dump_dir)
+    done, err = dump_dir / done_name(rid), dump_dir / err_name(rid)
+    deadline = time.monotonic() + timeout_s
+    sleep = poll_s
+    while not done.exists():
+        if err.exists():
+            msg = json.loads(err.read_text()).get("error", "?")
+            if remove:
+                remove_rid(dump_dir, rid)
+            raise DumpError(f"request {rid}: the server-side dumper reported: {msg}")
+        if time.monotonic() > deadline:
+            raise DumpTimeout(
+                f"request {rid}: no dump marker {done} after {timeout_s:g} s although the server answered; "
+                f"the plugin wrote nothing for it (is the server running with SGLANG_PLUGINS=hsextract and "
+                f"HSEXTRACT_DUMP_DIR={dump_dir}?)"
+            )
+        if should_stop is not None and should_stop():
+            raise EngineError(f"request {rid}: collection cancelled")
+        time.sleep(sleep)
+        sleep = min(sleep * 1.5, 0.05)
+    info = json.loads(done.read_text())
+    n = len(input_ids)
+    if info.get("n_tokens") != n:
+        raise DumpError(
+            f"request {rid}: the server dumped {info.get('n_tokens')} tokens, the prompt has {n}; "
+            "a rid was reused or the server tokenized differently"
+        )
+    if info.get("ids_sha256") != ids_digest(input_ids):
+        raise DumpError(f"request {rid}: the token ids the server saw differ from the prompt's (sha256 mismatch)")
+    blocks_per_piece: list[list[torch.Tensor]] = []
+    pos = 0
+    for start, end in info["pieces"]:
+        if start != pos:
+            raise DumpError(f"request {rid}: pieces not contiguous at token {pos} ({info['pieces']})")
+        header, tensors = read_piece(dump_dir / piece_name(rid, start, end))
+        if header["rid"] != rid or header["start"] != start or header["end"] != end:
+            raise DumpError(f"request {rid}: piece [{start},{end}) holds {header['rid']} [{header['start']},{header['end']})")
+        blocks_per_piece.append(tensors)
+        pos = end
+    if pos != n:
+        raise DumpError(f"request {rid}: pieces cover tokens [0,{pos}) of {n}")
+    widths = [[t.shape[1] for t in blocks] for blocks in blocks_per_piece]
+    rows = torch.cat([torch.cat(blocks, dim=1) for blocks in blocks_per_piece], dim=0) if len(
+        blocks_per_piece
+    ) > 1 or len(widths[0]) > 1 else blocks_per_piece[0][0]
+    total = rows.shape[1]
+    if total % num_tensors:
+        raise DumpError(f"request {rid}: {total} columns do not split into {num_tensors} tensors")
+    h = total // num_tensors
+    hidden = [rows[:, i * h : (i + 1) * h].clone() for i in range(num_tensors)]
+    if remove:
+        for start, end in info["pieces"]:
+            (dump_dir / piece_name(rid, start, end)).unlink(missing_ok=True)
+        done.unlink(missing_ok=True)
+    return Collected(rid=rid, hidden_states=hidden, pieces=len(info["pieces"]))

@@ -1,0 +1,245 @@
+"""A stand-in SGLang server for CPU tests: `/generate` + `/health`, dump files written by the real plugin code.
+
+It batches concurrent requests like SGLang's scheduler (one pass takes up to `--chunked-prefill-size`
+tokens across queued requests, so prompts are split into pieces and passes mix requests), builds the
+pass's hidden-state rows from a deterministic function of (token id, position, column) plus padding
+rows, and hands them to `hsextract.sglang_plugin.plugin.Dumper.on_extend` exactly as the hook does.
+
+Failure injection (command line, or FakeServer kwargs): --fail-first N (HTTP 500), --hang-first N
+(never answer), --skip-dump-first N (answer 200, dump nothing), --die-after N (exit the process /
+close the socket on request N+1), --wrong-prompt-tokens, --no-marker (plugin not active).
+
+    python tests/fake_sglang.py --model-path x --host 127.0.0.1 --port 30000   # env HSEXTRACT_DUMP_DIR, ..._AUX_LAYERS
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import torch
+
+from hsextract.sglang_plugin import plugin as plg
+
+HIDDEN = 16
+
+
+def expected_states(ids: list[int], num_tensors: int, hidden: int = HIDDEN) -> list[torch.Tensor]:
+    """The fake model's hidden states: exact small integers in bf16, distinct per token, position, layer."""
+    x = torch.tensor(ids, dtype=torch.int64)[:, None]
+    t = torch.arange(len(ids))[:, None]
+    c = torch.arange(num_tensors * hidden)[None, :]
+    full = (((x * 7 + t * 3 + c * 5) % 97) - 48).to(torch.bfloat16)
+    return [full[:, i * hidden : (i + 1) * hidden].contiguous() for i in range(num_tensors)]
+
+
+@dataclass
+class _Req:
+    rid: str
+    origin_input_ids: list[int]
+    done: threading.Event = field(default_factory=threading.Event)
+    progress: int = 0
+
+
+class _Mode:
+    def is_extend(self) -> bool:
+        return True
+
+
+@dataclass
+class _Batch:
+    reqs: list
+    prefix_lens: list
+    extend_lens: list
+    forward_mode: _Mode = field(default_factory=_Mode)
+
+
+@dataclass
+class _LogitsOut:
+    hidden_states: torch.Tensor
+    last_hidden_states: torch.Tensor | None = None
+
+
+class FakeServer:
+    def __init__(self, dump_dir: Path, aux_layers: tuple[int, ...], host: str = "127.0.0.1", port: int = 0, *,
+                 chunk: int = 64, builtin: bool = False, fail_first: int = 0, hang_first: int = 0,
+                 skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
+                 marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002) -> None:
+        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=4 << 20)
+        self.dumper = plg.Dumper(cfg, pin=False)
+        self.dumper._is_writer_rank = True
+        self.dumper.mode = "builtin" if builtin else "plugin"
+        self.dumper.hidden_size = HIDDEN
+        self.k1 = len(aux_layers) + 1
+        self.chunk, self.builtin = chunk, builtin
+        self.fail_first, self.hang_first, self.skip_first = fail_first, hang_first, skip_dump_first
+        self.die_after, self.wrong, self.exit_on_die = die_after, wrong_prompt_tokens, exit_on_die
+        self.pass_delay_s = pass_delay_s
+        self.n_requests = 0
+        self.passes = 0
+        self.max_batch = 0
+        self._lock = threading.Lock()
+        self._queue: list[_Req] = []
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        if marker:
+            self.dumper.write_marker([a + 1 for a in aux_layers])
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
+                         threading.Thread(target=self._schedule, daemon=True)]
+
+    def start(self) -> "FakeServer":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def die(self) -> None:
+        if self.exit_on_die:
+            os._exit(3)
+        threading.Thread(target=self.stop, daemon=True).start()
+
+    # ---- scheduler: chunked-prefill batching --------------------------------------------------------
+    def _schedule(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                while not self._queue and not self._stop.is_set():
+                    self._cv.wait(0.1)
+                if self._stop.is_set():
+                    return
+                time.sleep(self.pass_delay_s)  # let concurrent requests gather into one pass
+                budget, parts = self.chunk, []
+                for r in list(self._queue):
+                    if budget <= 0:
+                        break
+                    ext = min(budget, len(r.origin_input_ids) - r.progress)
+                    parts.append((r, r.progress, ext))
+                    budget -= ext
+            self._run_pass(parts)
+            with self._cv:
+                for r, pre, ext in parts:
+                    r.progress = pre + ext
+                    if r.progress == len(r.origin_input_ids):
+                        self._queue.remove(r)
+                        r.done.set()
+
+    def _run_pass(self, parts: list) -> None:
+        rows = [torch.cat(expected_states(r.origin_input_ids, self.k1), dim=1)[pre : pre + ext]
+                for r, pre, ext in parts]
+        rows.append(torch.full((3, self.k1 * HIDDEN), -77.0, dtype=torch.bfloat16))  # graph padding
+        hs = torch.cat(rows)
+        if self.builtin:
+            k = (self.k1 - 1) * HIDDEN
+            lo = _LogitsOut(hs[:, :k].contiguous(), hs[:, k:].contiguous())
+        else:
+            lo = _LogitsOut(hs)
+        # a request told to skip its dump gets a rid the plugin does not accept (like SGLang's warmup)
+        reqs = [_Req("skipped", r.origin_input_ids) if getattr(r, "skip", False) else r for r, _, _ in parts]
+        self.dumper.on_extend(_Batch(reqs, [p[1] for p in parts], [p[2] for p in parts]), lo)
+        self.passes += 1
+        self.max_batch = max(self.max_batch, len(parts))
+
+    # ---- HTTP ---------------------------------------------------------------------------------------
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        srv = self
+
+        class H(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a: object) -> None:
+                pass
+
+            def _send(self, code: int, obj: object) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/health":
+                    self._send(200, {})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self) -> None:
+                n = int(self.headers.get("Content-Length", 0))
+                req = json.loads(self.rfile.read(n))
+                if self.path != "/generate":
+                    return self._send(404, {"error": "not found"})
+                with srv._lock:
+                    srv.n_requests += 1
+                    k = srv.n_requests
+                if srv.die_after is not None and k > srv.die_after:
+                    srv.die()
+                    self.close_connection = True
+                    return
+                if k <= srv.fail_first:
+                    return self._send(500, {"error": "injected failure"})
+                if k <= srv.fail_first + srv.hang_first:
+                    srv._stop.wait(3600)
+                    return
+                ids = req["input_ids"]
+                r = _Req(req["rid"], ids)
+                r.skip = k <= srv.fail_first + srv.hang_first + srv.skip_first
+                with srv._cv:
+                    srv._queue.append(r)
+                    srv._cv.notify_all()
+                r.done.wait()
+                n_ids = len(ids) + (1 if srv.wrong else 0)
+                self._send(200, {"output_ids": [], "meta_info": {"id": req["rid"], "prompt_tokens": n_ids,
+                                                                  "completion_tokens": 0}})
+
+        return H
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--chunked-prefill-size", type=int, default=64)
+    ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    ap.add_argument("--fail-first", type=int, default=0)
+    ap.add_argument("--hang-first", type=int, default=0)
+    ap.add_argument("--skip-dump-first", type=int, default=0)
+    ap.add_argument("--die-after", type=int, default=None)
+    ap.add_argument("--wrong-prompt-tokens", action="store_true")
+    ap.add_argument("--startup-delay", type=float, default=0.0)
+    a, _unknown = ap.parse_known_args(argv)  # the real launcher's other flags are ignored
+    time.sleep(a.startup_delay)
+    cfg = plg.PluginConfig.from_env()
+    marker = cfg is not None
+    if cfg is None:
+        cfg = plg.PluginConfig(Path("/nonexistent"), (0,))
+    srv = FakeServer(cfg.dump_dir, cfg.aux_layers, a.host, a.port, chunk=a.chunked_prefill_size,
+                     builtin=a.enable_return_aux_hidden_states, fail_first=a.fail_first, hang_first=a.hang_first,
+                     skip_dump_first=a.skip_dump_first, die_after=a.die_after,
+                     wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True)
+    print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
+    srv.start()
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        srv.stop()
+
+
+if __name__ == "__main__":
+    main()

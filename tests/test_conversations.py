@@ -1,0 +1,148 @@
+"""Input formats, normalization, malformed records (strict / lenient) and the mixture."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from hsextract.conversations import (MalformedRecordError, count_records, iter_conversations, mixture,
+                                     normalize_record, open_sources)
+from hsextract.errors import ConfigError, HsxError
+
+EXPECTED = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}]},
+    {"role": "tool", "content": "21C", "tool_call_id": "c1"},
+    {"role": "assistant", "content": "It is 21C."},
+]
+OPENAI = {"messages": [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]},
+    {"role": "assistant", "content": "Hello!", "thinking": "Greet back."}, {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "content": "21C", "tool_call_id": "c1"}, {"role": "assistant", "content": "It is 21C."}]}
+SHAREGPT = {"system": "Be brief.", "conversations": [
+    {"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!", "reasoning_content": "Greet back."},
+    {"from": "human", "value": "Weather?"},
+    {"from": "gpt", "value": "", "tool_calls": [
+        {"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"from": "tool", "value": "21C", "tool_call_id": "c1"}, {"from": "gpt", "value": "It is 21C."}]}
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _read_all(cfg, **kw):
+    return [c for _, c in iter_conversations(cfg, **kw)]
+
+
+def test_formats_normalize_to_the_same_conversation(tmp_path):
+    a = _read_all([{"path": _jsonl(tmp_path / "a.jsonl", [OPENAI]), "format": "messages"}])
+    b = _read_all([{"path": _jsonl(tmp_path / "b.jsonl", [SHAREGPT])}])
+    (tmp_path / "c.json").write_text(json.dumps([SHAREGPT]))
+    c = _read_all([{"path": tmp_path / "c.json", "format": "sharegpt"}])
+    assert a[0].messages == EXPECTED and b[0].messages == EXPECTED and c[0].messages == EXPECTED
+
+
+def test_ultrachat_parquet_jsonl_and_hf_disk_agree(tmp_path):
+    rows = [{"id": "0", "data": ["Hi", "Hello!", "Weather?", "Sunny."]},
+            {"id": "1", "data": ["Two plus two?", "Four."]}]
+    want = [[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+             {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}],
+            [{"role": "user", "content": "Two plus two?"}, {"role": "assistant", "content": "Four."}]]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "u.parquet")
+    _jsonl(tmp_path / "u.jsonl", rows)
+    for path in (tmp_path / "u.parquet", tmp_path / "u.jsonl"):
+        got = _read_all([{"path": path, "format": "ultrachat"}])
+        assert [c.messages for c in got] == want
+    h4 = [{"messages": w} for w in want]  # ultrachat_200k style: role dicts under `messages`
+    pq.write_table(pa.Table.from_pylist(h4), tmp_path / "h4.parquet")
+    assert [c.messages for c in _read_all([{"path": tmp_path / "h4.parquet"}])] == want
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(h4).save_to_disk(str(tmp_path / "hf"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(h4)}).save_to_disk(str(tmp_path / "hfd"))
+    assert [c.messages for c in _read_all([{"path": tmp_path / "hf", "format": "hf_disk"}])] == want
+    assert [c.messages for c in _read_all([{"path": tmp_path / "hfd"}])] == want
+    assert count_records([{"path": tmp_path / "hf"}]) == 2
+
+
+MALFORMED = [
+    (b'{"messages": [}\n', "bad_json", "invalid JSON: Expecting value at column 15"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "non_utf8",
+     "the line is not valid UTF-8 (byte 46: b'\\xe9')"),
+    (b'{"messages": [{"content": "hi"}]}\n', "missing_role", "messages[0] has no `role`"),
+    (b'{"messages": [{"role": "robot", "content": "hi"}]}\n', "unknown_role",
+     "messages[0] has unknown role 'robot'; known: ['assistant', 'developer', 'function', 'system', 'tool', 'user']"),
+    (b'{"messages": [{"role": "user", "content": "  "}]}\n', "empty_content", "messages[0] (user) has empty content"),
+    (b'{"messages": [{"role": "user", "content": 5}]}\n', "wrong_type",
+     "messages[0].content: content must be a string, got int"),
+    (b'{"messages": "hi"}\n', "wrong_type", "`messages` must be a list, got str"),
+    (b'[1, 2]\n', "wrong_type", "a record must be a JSON object, got list"),
+    (b'{"text": "hi"}\n', "missing_messages", "no `messages`, `conversations` or `data` key (keys: ['text'])"),
+    (b'{"messages": []}\n', "missing_messages", "`messages` is empty"),
+]
+GOOD = b'{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}\n'
+
+
+@pytest.mark.parametrize("line,reason,detail", MALFORMED)
+def test_malformed_strict_error_names_file_line_reason(tmp_path, line, reason, detail):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(GOOD + b"\n" + line)  # the blank line 2 is skipped; the bad record is on line 3
+    with pytest.raises(MalformedRecordError) as ei:
+        _read_all([{"path": p}], strict=True)
+    assert isinstance(ei.value, ConfigError) and isinstance(ei.value, HsxError)
+    assert str(ei.value) == (f"{p}:3: malformed record ({reason}): {detail}. Fix or remove this record, or set "
+                             f"`strict: false` to skip malformed records (they are counted per reason in "
+                             f"summary.json).")
+    assert (ei.value.location, ei.value.reason) == (f"{p}:3", reason)
+
+
+def test_malformed_lenient_counts_each_reason(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_bytes(GOOD + b"".join(line for line, _, _ in MALFORMED) + GOOD)
+    counts: dict[str, int] = {}
+    got = list(iter_conversations([{"path": p}], strict=False, counts=counts))
+    assert len(got) == 12 and sum(c is not None for _, c in got) == 2
+    assert counts == {"bad_json": 1, "non_utf8": 1, "missing_role": 1, "unknown_role": 1, "empty_content": 1,
+                      "wrong_type": 3, "missing_messages": 2}
+    assert count_records([{"path": p}]) == 12  # malformed records are input records too
+
+
+def test_tool_call_and_reasoning_type_errors():
+    with pytest.raises(Exception) as ei:
+        normalize_record({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]})
+    assert ei.value.reason == "wrong_type"
+    with pytest.raises(Exception) as ei:
+        normalize_record({"messages": [{"role": "assistant", "content": "x", "reasoning_content": 3}]})
+    assert ei.value.reason == "wrong_type"
+
+
+def test_mixture_reproducible_with_weights_and_caps(tmp_path):
+    a = _jsonl(tmp_path / "a.jsonl", [{"messages": [{"role": "user", "content": f"a{i}"}]} for i in range(10)])
+    b = _jsonl(tmp_path / "b.jsonl", [{"messages": [{"role": "user", "content": f"b{i}"}]} for i in range(4)])
+    cfg = [{"path": a, "weight": 0.5}, {"path": b, "weight": 2.0, "max_records": 6}]
+    assert count_records(cfg) == 5 + 6
+    ids1 = [e.sample_id for e in mixture(open_sources(cfg), seed=7)]
+    ids2 = [e.sample_id for e in mixture(open_sources(cfg), seed=7)]
+    ids3 = [e.sample_id for e in mixture(open_sources(cfg), seed=8)]
+    assert ids1 == ids2 and ids1 != ids3 and len(ids1) == 11 == len(set(ids1))
+    assert sum(i.startswith("a:") for i in ids1) == 5
+    b_ids = [i for i in ids1 if i.startswith("b:")]
+    assert sorted(i for i in b_ids if "#" not in i) == ["b:0", "b:1", "b:2", "b:3"]  # one whole pass
+    assert len([i for i in b_ids if i.endswith("#1")]) == 2  # then a seeded subset of 2
+
+
+def test_bad_source_config():
+    with pytest.raises(ConfigError, match=r"config key `sources\[0\].path`: /nope.jsonl does not exist"):
+        count_records([{"path": "/nope.jsonl"}])
+    with pytest.raises(ConfigError, match=r"`sources\[0\].format` is 'csv'"):
+        count_records([{"path": __file__, "format": "csv"}])

@@ -1,0 +1,147 @@
+"""Loss masks from chat templates, token by token, on templates shaped like Llama-3, DeepSeek-V3, Qwen3, Kimi-K2.5."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatfix import make_tokenizer, trained_segments
+from hsextract.conversations import Conversation
+from hsextract.loss_mask import ChatMasker, TemplateError
+
+SYS = {"role": "system", "content": "You are a helpful assistant."}
+
+
+def U(c):
+    return {"role": "user", "content": c}
+
+
+def A(c, r=None, calls=None):
+    m = {"role": "assistant", "content": c}
+    if r:
+        m["reasoning_content"] = r
+    if calls:
+        m["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return m
+
+
+TOOL_CONV = Conversation([
+    SYS, U("Hello there!"), A("How are you today?", "The user asks."),
+    U("What is the weather in Paris?"),
+    A("", "Let me think.", [("get_weather", {"city": "Paris"})]),
+    {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "c1"},
+    A("The weather in Paris is sunny.", "21 degrees."),
+])
+ONE = Conversation([SYS, U("Hello there!"), A("How are you today?")])
+TWO = Conversation([U("Hello there!"), A("How are you today?", "The user greets."),
+                    U("What is two plus two?"), A("Two plus two is four.", "Add them.")])
+
+
+def segs(name, conv, **kw):
+    return trained_segments(ChatMasker(make_tokenizer(name), **kw).encode(conv))
+
+
+def test_llama3_single_turn_exact_token_mask():
+    tok = make_tokenizer("llama3")
+    s = ChatMasker(tok).encode(ONE)
+    prompt = tok.apply_chat_template(ONE.messages[:2], add_generation_prompt=True, tokenize=False)
+    n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    n_answer = len(tok("How are you today?", add_special_tokens=False)["input_ids"])
+    assert s.input_ids == tok(s.text, add_special_tokens=False)["input_ids"]
+    assert s.input_ids[:n_prompt] == tok(prompt, add_special_tokens=False)["input_ids"]
+    assert s.loss_mask == [0] * n_prompt + [1] * n_answer + [1]  # + <|eot_id|>
+    assert s.input_ids[-1] == tok.convert_tokens_to_ids("<|eot_id|>")
+    s2 = ChatMasker(tok, train_on_eot=False).encode(ONE)
+    assert s2.loss_mask == [0] * n_prompt + [1] * n_answer + [0]
+
+
+@pytest.mark.parametrize("eot,reasoning,expected", [
+    (True, True, ["How are you today?<|eot_id|>", '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>',
+                  "The weather in Paris is sunny.<|eot_id|>"]),
+    (False, False, ["How are you today?", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                    "The weather in Paris is sunny."]),
+])
+def test_llama3_tool_call(eot, reasoning, expected):
+    assert segs("llama3", TOOL_CONV, train_on_eot=eot, train_on_reasoning=reasoning) == expected
+
+
+def test_deepseek_v3_tool_call_and_outputs_end_not_trained():
+    calls = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}'
+             '\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    assert segs("deepseek_v3", TOOL_CONV) == [
+        "How are you today?<｜end▁of▁sentence｜>", calls + "<｜end▁of▁sentence｜>",
+        "The weather in Paris is sunny.<｜end▁of▁sentence｜>"]
+    # The tool-call closers are generated text: trained even without the end-of-turn token.
+    assert segs("deepseek_v3", TOOL_CONV, train_on_eot=False) == [
+        "How are you today?", calls, "The weather in Paris is sunny."]
+    text = ChatMasker(make_tokenizer("deepseek_v3")).encode(TOOL_CONV).text
+    assert "<｜tool▁outputs▁end｜>The weather" in text  # opened by the template, context only
+
+
+def test_qwen3_reasoning_kept_after_last_query_dropped_before():
+    assert segs("qwen3", TOOL_CONV) == [
+        "How are you today?<|im_end|>\n",  # reasoning dropped by the template (before the last query)
+        '<think>\nLet me think.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+        "\n</tool_call><|im_end|>\n",
+        "<think>\n21 degrees.\n</think>\n\nThe weather in Paris is sunny.<|im_end|>\n"]
+    assert segs("qwen3", TOOL_CONV, train_on_reasoning=False, train_on_eot=False) == [
+        "How are you today?",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "The weather in Paris is sunny."]
+
+
+def test_qwen3_empty_think_block_not_trained():
+    s = ChatMasker(make_tokenizer("qwen3")).encode(ONE)
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nHow are you today?" in s.text
+    assert trained_segments(s) == ["How are you today?<|im_end|>\n"]
+
+
+def test_qwen3_thinking_disabled_with_reasoning_data_is_not_prefix_stable():
+    with pytest.raises(TemplateError, match=r"assistant turn 1: the template is not prefix-stable"):
+        ChatMasker(make_tokenizer("qwen3"), chat_template_kwargs={"enable_thinking": False}).encode(TWO)
+    # Without reasoning in the data the non-thinking prompt is consistent.
+    plain = Conversation([U("Hello there!"), A("How are you today?"), U("What is two plus two?"),
+                          A("Two plus two is four.")])
+    assert segs("qwen3", plain, chat_template_kwargs={"enable_thinking": False}) == [
+        "How are you today?<|im_end|>\n", "Two plus two is four.<|im_end|>\n"]
+
+
+def test_kimi_history_reasoning_dropped_and_empty_think_not_trained():
+    s = ChatMasker(make_tokenizer("kimi_k25")).encode(TOOL_CONV)
+    assert "Let me think." not in s.text and "21 degrees." not in s.text
+    assert trained_segments(s) == [
+        "How are you today?<|im_end|>",
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+        '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
+        "The weather in Paris is sunny.<|im_end|>"]
+
+
+def test_kimi_reasoning_in_open_tool_loop_kept_or_masked():
+    conv = Conversation(TOOL_CONV.messages[:5])  # ends with the tool call: its reasoning is rendered
+    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    assert segs("kimi_k25", conv) == ["How are you today?<|im_end|>", "Let me think.</think>" + call + "<|im_end|>"]
+    assert segs("kimi_k25", conv, train_on_reasoning=False) == ["How are you today?<|im_end|>", call + "<|im_end|>"]
+
+
+def test_multi_turn_with_system_prompt_all_templates():
+    for name, eot in [("llama3", "<|eot_id|>"), ("deepseek_v3", "<｜end▁of▁sentence｜>"), ("kimi_k25", "<|im_end|>")]:
+        assert segs(name, TWO) == ["How are you today?" + eot, "Two plus two is four." + eot], name
+        assert segs(name, ONE, train_on_eot=False) == ["How are you today?"], name
+
+
+def test_non_assistant_tokens_never_trained():
+    s = ChatMasker(make_tokenizer("qwen3")).encode(TOOL_CONV)
+    trained_text = "".join(trained_segments(s))
+    for m in TOOL_CONV.messages:
+        if m["role"] != "assistant":
+            assert m["content"] not in trained_text
+
+
+def test_template_prefix_unstable_generation_prompt_raises():
+    tok = make_tokenizer("llama3")
+    # A generation prompt the turns never contain: the engine would see a different prompt than stored.
+    tok.chat_template = tok.chat_template.replace(
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n{%- endif %}",
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\nSure: ' }}\n{%- endif %}")
+    with pytest.raises(TemplateError, match="not prefix-stable"):
+        ChatMasker(tok).encode(ONE)

@@ -1,0 +1,112 @@
+"""The prepare stage end to end on small JSONL sources with a locally trained tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from chatfix import make_tokenizer
+from hsextract.conversations import Conversation, MalformedRecordError
+from hsextract.errors import ConfigError
+from hsextract.loss_mask import ChatMasker
+from hsextract.prepare import SCHEMA, num_chunks, run_prepare
+from hsextract.vocab import load_token_freq, token_freq_from_prompts
+
+
+def conv(q, a):
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+RECORDS = [
+    conv("Hello there!", "How are you today?"),
+    conv("What is two plus two?", "Two plus two is four."),
+    conv("Hello there!", "How are you today?"),  # duplicate of record 0
+    {"messages": [{"role": "user", "content": "Only a question?"}]},  # nothing to train
+    conv("What is the weather in Paris?", "The weather in Paris is sunny and warm. " * 4),  # long
+]
+
+
+def _write(tmp_path, lines):
+    p = tmp_path / "data.jsonl"
+    p.write_bytes(b"".join(l if isinstance(l, bytes) else (json.dumps(l) + "\n").encode() for l in lines))
+    return p
+
+
+def _cfg(path, **kw):
+    return {"sources": [{"path": str(path), "name": "d"}], "seed": 3, "prompts_per_chunk": 2, **kw}
+
+
+def _rows(out, n):
+    rows = []
+    for k in range(n):
+        t = pq.read_table(out / f"chunk-{k:05d}.parquet")
+        assert t.schema.equals(SCHEMA)
+        rows.append(t.to_pylist())
+    return rows
+
+
+def test_chunks_filters_and_summary(tmp_path):
+    src = _write(tmp_path, RECORDS + [b"{not json\n"])
+    cfg = _cfg(src, max_seq_len=30, truncate=False, strict=False)
+    assert num_chunks(cfg) == 3
+    tok = make_tokenizer("llama3")
+    summary = run_prepare(cfg, tok, tmp_path / "out", 3)
+    chunks = _rows(tmp_path / "out", 3)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "chunk-00000.parquet", "chunk-00001.parquet", "chunk-00002.parquet", "summary.json", "token_freq.pt"]
+    kept = [r for c in chunks for r in c]
+    # d:0 and d:2 are the same conversation: the first one in mixture order (seed 3: d:2) is kept.
+    assert sorted(r["sample_id"] for r in kept) == ["d:1", "d:2"]
+    masker = ChatMasker(tok)
+    for r in kept:
+        i = int(r["sample_id"].split(":")[1])
+        want = masker.encode(Conversation(RECORDS[i]["messages"]))
+        assert r["input_ids"] == want.input_ids and r["loss_mask"] == want.loss_mask
+        assert r["num_tokens"] == len(want.input_ids) and r["num_trained"] == sum(want.loss_mask)
+        assert r["source"] == "d"
+    assert summary["read"] == 6 and summary["kept"] == 2
+    assert summary["dropped"] == {"bad_json": 1, "duplicate": 1, "no_trained_tokens": 1, "too_long": 1}
+    assert summary["tokens"] == sum(r["num_tokens"] for r in kept)
+    assert summary["trained_tokens"] == sum(r["num_trained"] for r in kept)
+    assert summary["per_source"]["d"]["kept"] == 2
+    assert [c["records"] for c in summary["per_chunk"]] == [2, 2, 2]
+    assert [c["rows"] for c in summary["per_chunk"]] == [len(c) for c in chunks]
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["dropped_total"] == 4
+    assert load_token_freq(tmp_path / "out" / "token_freq.pt") == token_freq_from_prompts(
+        sorted((tmp_path / "out").glob("chunk-*.parquet")))
+    # Same seed, same chunks; the mixture order decides which chunk a record lands in.
+    run_prepare(cfg, tok, tmp_path / "again", 3)
+    assert _rows(tmp_path / "again", 3) == chunks
+
+
+def test_truncation_inside_an_assistant_turn(tmp_path):
+    src = _write(tmp_path, [RECORDS[4]])
+    tok = make_tokenizer("llama3")
+    full = ChatMasker(tok).encode(Conversation(RECORDS[4]["messages"]))
+    first_trained = full.loss_mask.index(1)
+    cut = first_trained + 5  # inside the answer
+    summary = run_prepare(_cfg(src, max_seq_len=cut, truncate=True), tok, tmp_path / "out", 1)
+    (row,) = _rows(tmp_path / "out", 1)[0]
+    assert row["input_ids"] == full.input_ids[:cut] and row["loss_mask"] == full.loss_mask[:cut]
+    assert row["loss_mask"][-5:] == [1] * 5 and row["num_trained"] == 5
+    assert summary["truncated"] == 1 and summary["dropped"] == {}
+
+
+def test_strict_raises_with_location_and_chunk_count_mismatch(tmp_path):
+    src = _write(tmp_path, [RECORDS[0], b'{"messages": [{"role": "robot", "content": "x"}]}\n'])
+    tok = make_tokenizer("qwen3")
+    with pytest.raises(MalformedRecordError, match=rf"{src}:2: malformed record \(unknown_role\)"):
+        run_prepare(_cfg(src), tok, tmp_path / "out", 1)
+    with pytest.raises(ConfigError, match="num_chunks is 2 but the sources now hold 2 records = 1 chunks of 2"):
+        run_prepare(_cfg(src), tok, tmp_path / "out", 2)
+
+
+def test_tokenizer_from_a_directory(tmp_path):
+    tok = make_tokenizer("qwen3")
+    tok.save_pretrained(tmp_path / "tok")
+    src = _write(tmp_path, RECORDS[:2])
+    run_prepare(_cfg(src), str(tmp_path / "tok"), tmp_path / "a", 1)
+    run_prepare(_cfg(src), tok, tmp_path / "b", 1)
+    assert _rows(tmp_path / "a", 1) == _rows(tmp_path / "b", 1)

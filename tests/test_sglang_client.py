@@ -1,0 +1,258 @@
+"""The sglang engine client against tests/fake_sglang.py: batching, chunking, retries, failures, ordering."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fake_sglang import HIDDEN, FakeServer, expected_states  # noqa: E402
+
+from hsextract.engines.base import CaptureSpec, Prompt  # noqa: E402
+from hsextract.engines.sglang_engine import SGLangEngine  # noqa: E402
+from hsextract.errors import ConfigError, EngineError  # noqa: E402
+
+AUX = (1, 3, 5)
+SPEC = CaptureSpec(aux_layers=AUX)
+
+
+def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 200) -> list[Prompt]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [Prompt(i, f"s{i:03d}", torch.randint(0, 5000, (L,), generator=g).tolist()) for i, L in enumerate(lens)]
+
+
+@pytest.fixture
+def server(tmp_path: Path, request: pytest.FixtureRequest):
+    kw = getattr(request, "param", {})
+    srv = FakeServer(tmp_path, AUX, **kw).start()
+    yield srv
+    srv.stop()
+
+
+def engine(srv: FakeServer, **kw) -> SGLangEngine:
+    kw.setdefault("timeout_s", 5.0)
+    kw.setdefault("backoff_s", 0.01)
+    return SGLangEngine(srv.url, SPEC, srv.dumper.cfg.dump_dir, **kw)
+
+
+def check(results, ps) -> None:
+    assert [r.index for r in results] == [p.index for p in ps]
+    for r, p in zip(results, ps):
+        assert r.sample_id == p.sample_id
+        ref = expected_states(p.input_ids, len(AUX) + 1)
+        assert len(r.hidden_states) == len(AUX) + 1
+        for i, (got, want) in enumerate(zip(r.hidden_states, ref)):
+            assert got.dtype == torch.bfloat16 and got.shape == (len(p.input_ids), HIDDEN)
+            assert torch.equal(got, want), f"{p.sample_id} tensor {i}"
+
+
+@pytest.mark.parametrize("server", [{}, {"builtin": True}], indirect=True, ids=["plugin", "builtin"])
+def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None:
+    ps = prompts(60, seed=1)
+    ticks = []
+    eng = engine(server, concurrency=16, progress=ticks.append)
+    got = list(eng.extract(ps))
+    check(got, ps)
+    assert len(ticks) == 60
+    assert server.max_batch > 1  # requests really shared passes
+    assert server.passes < sum(len(p.input_ids) for p in ps) // 64 + 60
+    assert sorted(x.name for x in server.dumper.cfg.dump_dir.iterdir() if not x.name.startswith(("plugin-", "stats-"))) == []
+    assert eng.version().startswith("sglang None + hsextract plugin 1 (capture ")
+
+
+@pytest.mark.parametrize("server", [{"fail_first": 3}], indirect=True)
+def test_http_errors_are_retried_then_succeed(server: FakeServer) -> None:
+    ps = prompts(8, seed=2)
+    check(list(engine(server, concurrency=4, retries=3).extract(ps)), ps)
+    assert server.n_requests == 8 + 3
+
+
+@pytest.mark.parametrize("server", [{"skip_dump_first": 2}], indirect=True)
+def test_missing_dump_is_retried_after_the_collect_timeout(server: FakeServer) -> None:
+    ps = prompts(5, seed=3)
+    t0 = time.monotonic()
+    check(list(engine(server, concurrency=5, timeout_s=0.5, retries=2).extract(ps)), ps)
+    assert time.monotonic() - t0 < 4
+    assert server.n_requests == 5 + 2
+
+
+@pytest.mark.parametrize("server", [{"hang_first": 1}], indirect=True)
+def test_hanging_request_times_out_and_is_retried(server: FakeServer) -> None:
+    ps = prompts(3, seed=4)
+    t0 = time.monotonic()
+    check(list(engine(server, concurrency=3, timeout_s=0.7, retries=1).extract(ps)), ps)
+    assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("server", [{"fail_first": 100}], indirect=True)
+def test_repeated_failures_fail_the_chunk_with_the_reason(server: FakeServer) -> None:
+    ps = prompts(4, seed=5)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError) as e:
+        list(engine(server, concurrency=1, retries=2).extract(ps))
+    assert time.monotonic() - t0 < 3
+    assert str(e.value) == (
+        f"sample 's000' (index 0): failed 3 times although the server at {server.url} is healthy; last error: "
+        'POST /generate returned HTTP 500: {"error": "injected failure"}. The chunk fails, no shard is written.'
+    )
+
+
+@pytest.mark.parametrize("server", [{"die_after": 5}], indirect=True)
+def test_dead_server_fails_fast_and_says_so(server: FakeServer) -> None:
+    ps = prompts(20, seed=6)
+    t0 = time.monotonic()
+    got = []
+    with pytest.raises(EngineError, match=r"the SGLang server at http://127\.0\.0\.1:\d+ is down \(health check: "
+                       r"Connection(Refused|Reset)Error.*no shard is written; rerun to restart the server"):
+        for r in engine(server, concurrency=2, timeout_s=30, retries=5, backoff_s=1.0).extract(ps):
+            got.append(r)
+    assert time.monotonic() - t0 < 20  # not retries x timeout (150 s); slack for a loaded 2-core CI box
+    check(got, ps[: len(got)])  # what came out before the failure is right and in order
+    assert len(got) <= 5
+
+
+@pytest.mark.parametrize("server", [{"wrong_prompt_tokens": True}], indirect=True)
+def test_prompt_token_count_mismatch_is_fatal(server: FakeServer) -> None:
+    ps = prompts(2, seed=7)
+    with pytest.raises(EngineError, match=r"sample 's000' \(index 0\): the server counted \d+ prompt tokens, the "
+                       r"prompt has \d+"):
+        list(engine(server).extract(ps))
+
+
+def test_no_plugin_marker_is_a_clear_error(tmp_path: Path) -> None:
+    srv = FakeServer(tmp_path, AUX, marker=False).start()
+    try:
+        with pytest.raises(EngineError, match=f"no hsextract plugin marker in {tmp_path}"):
+            list(engine(srv).extract(prompts(1)))
+    finally:
+        srv.stop()
+
+
+def test_aux_layer_mismatch_with_running_server(server: FakeServer) -> None:
+    eng = SGLangEngine(server.url, CaptureSpec(aux_layers=(2, 4, 6)), server.dumper.cfg.dump_dir)
+    with pytest.raises(EngineError, match=r"captures aux layers \[1, 3, 5\], this run asks for \[2, 4, 6\]"):
+        list(eng.extract(prompts(1)))
+
+
+def test_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="pre_norm"):
+        SGLangEngine("http://127.0.0.1:1", CaptureSpec(AUX, "pre_norm"), tmp_path)
+    with pytest.raises(ConfigError, match="dump_dir is required"):
+        SGLangEngine("http://127.0.0.1:1", SPEC)
+    with pytest.raises(ConfigError, match="expected http://host:port"):
+        SGLangEngine("127.0.0.1:1", SPEC, tmp_path)
+
+
+# ---- server lifecycle (fake server as a real subprocess) --------------------------------------------
+from hsextract import server as hsrv  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def fake_cfg(tmp_path: Path, port: int, **kw) -> hsrv.ServerConfig:
+    kw.setdefault("env", {"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}"})
+    return hsrv.ServerConfig(model=str(tmp_path / "model"), aux_layers=AUX, module="fake_sglang", port=port,
+                             run_name="t/1", startup_timeout_s=60, stop_grace_s=5, **kw)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
+
+
+def test_server_start_reuse_restart_and_stop(tmp_path: Path) -> None:
+    state = tmp_path / "server"
+    cfg = fake_cfg(tmp_path, free_port(), replicas=2, gpus=(4, 5), chunked_prefill_size=32)
+    h = hsrv.ensure_server(state, cfg, replica=1)
+    try:
+        assert h.url == f"http://127.0.0.1:{cfg.port + 1}"
+        assert h.dump_dir.name.startswith("hsx-t_1-") and (h.dump_dir.stat().st_mode & 0o777) == 0o700
+        assert str(h.dump_dir).startswith("/dev/shm/") or not Path("/dev/shm").is_dir()
+        env = environ_of(h.pid)
+        assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["SGLANG_PLUGINS"] == "hsextract"
+        assert env["HSEXTRACT_AUX_LAYERS"] == "1,3,5" and env["HSEXTRACT_DUMP_DIR"] == str(h.dump_dir)
+        assert os.getpgid(h.pid) == h.pid  # its own process group
+        assert "--disable-radix-cache" in h.command and h.command[h.command.index("--chunked-prefill-size") + 1] == "32"
+        # reuse: same process
+        assert hsrv.ensure_server(state, cfg, replica=1).pid == h.pid
+        ps = prompts(10, seed=9)
+        check(list(SGLangEngine(h, SPEC, timeout_s=5, concurrency=4).extract(ps)), ps)
+        # a killed server is replaced on the next call, with a fresh dump dir
+        os.kill(h.pid, signal.SIGKILL)
+        h2 = hsrv.ensure_server(state, cfg, replica=1)
+        assert h2.pid != h.pid and h2.dump_dir != h.dump_dir and not h.dump_dir.exists()
+    finally:
+        killed = hsrv.stop_servers(state, grace_s=5)
+    assert killed == [h2.pid]
+    assert not h2.dump_dir.exists() and list(state.glob("replica-*.json")) == []
+    assert not hsrv._alive(h2.pid)
+
+
+def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
+    """An orphan (e.g. after kill -9 of Snakemake) is found through its pidfile and killed with its group."""
+    import subprocess
+
+    state = tmp_path / "server"
+    state.mkdir()
+    dump = hsrv.make_dump_dir("stale")
+    env = dict(os.environ, HSEXTRACT_DUMP_DIR=str(dump))
+    orphan = subprocess.Popen([sys.executable, "-c", "import subprocess,sys,time; "
+                               "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"],
+                              env=env, start_new_session=True)
+    time.sleep(0.3)
+    h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=orphan.pid)
+    (state / "replica-0.json").write_text(h.to_json())
+    assert hsrv.stop_servers(state, grace_s=5) == [orphan.pid]
+    assert orphan.wait(5) is not None and not hsrv._group_alive(orphan.pid)
+    assert not dump.exists()
+    # a pidfile whose pid now belongs to someone else is not killed
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        (state / "replica-0.json").write_text(hsrv.ServerHandle("http://x:1", Path("/dev/shm/hsx-gone"), other.pid).to_json())
+        assert hsrv.stop_servers(state) == [] and other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
+def test_server_that_dies_during_startup_reports_its_log(tmp_path: Path) -> None:
+    cfg = fake_cfg(tmp_path, free_port(), launch_args=("--die-after", "x"))  # argparse error: exit 2
+    with pytest.raises(EngineError, match=r"(?s)exited with code 2 during start-up.*--die-after: invalid int value"):
+        hsrv.ensure_server(tmp_path / "server", cfg)
+    assert list((tmp_path / "server").glob("replica-*.json")) == []
+
+
+def test_server_without_plugin_is_refused(tmp_path: Path) -> None:
+    cfg = fake_cfg(tmp_path, free_port(), env={"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}",
+                                               "HSEXTRACT_DUMP_DIR": ""})
+    with pytest.raises(EngineError, match="healthy but the hsextract plugin is not active"):
+        hsrv.ensure_server(tmp_path / "server", cfg)
+
+
+def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
+    cfg = hsrv.ServerConfig(model="/m", aux_layers=(2, 30, 58), python="/env/bin/python", tp=8,
+                            capture="builtin", launch_args=("--mem-fraction-static", "0.8"))
+    assert hsrv.build_command(cfg) == [
+        "/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
+        "30000", "--tp", "8", "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-aux-hidden-states",
+        "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "2", "30", "58",
+        "--mem-fraction-static", "0.8"]
+    with pytest.raises(ConfigError, match="2 replicas x tp 8 need 16"):
+        hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)))
+    assert hsrv.gpu_set(hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3), 2) == [4, 5]
+    assert [hsrv.replica_for_chunk(c, 3) for c in range(5)] == [0, 1, 2, 0, 1]

@@ -1,0 +1,417 @@
+"""The plugin's slicing, staging, writing and collecting, on CPU with synthetic SGLang-shaped batches."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsextract import dumpfiles
+from hsextract.errors import EngineError
+from hsextract.sglang_plugin import plugin as plg
+from hsextract.sglang_plugin.slicing import slice_extend_batch
+from hsextract.sglang_plugin.staging import StagingRing
+from hsextract.sglang_plugin.writer import DumpWriter
+
+K, H = 3, 8  # aux layers, hidden size
+AUX = (1, 3, 5)
+
+
+@dataclass
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+
+
+@dataclass
+class Mode:
+    extend: bool = True
+
+    def is_extend(self) -> bool:
+        return self.extend
+
+
+@dataclass
+class Batch:
+    reqs: list
+    prefix_lens: list
+    extend_lens: list
+    forward_mode: Mode = field(default_factory=Mode)
+
+
+@dataclass
+class LogitsOut:
+    hidden_states: torch.Tensor | None
+    last_hidden_states: torch.Tensor | None = None
+
+
+def full_states(ids: list[int], width: int = (K + 1) * H) -> torch.Tensor:
+    """What the model would produce for this prompt: [n, (K+1)*H], exact small integers in bf16."""
+    n = len(ids)
+    x = torch.tensor(ids)[:, None]
+    t = torch.arange(n)[:, None]
+    c = torch.arange(width)[None, :]
+    return (((x * 7 + t * 3 + c * 5) % 97) - 48).to(torch.bfloat16)
+
+
+def run_pass(dumper: plg.Dumper, parts: list, pad: int = 0, builtin: bool = False) -> None:
+    """One EXTEND pass. parts: (req, prefix_len, extend_len); rows past the prompt are decode rows."""
+    rows = []
+    for req, pre, ext in parts:
+        ref = full_states(req.origin_input_ids)
+        got = ref[pre : pre + ext]
+        if got.shape[0] < ext:  # decode rows: garbage that must not be dumped
+            got = torch.cat([got, torch.full((ext - got.shape[0], ref.shape[1]), 99.0, dtype=torch.bfloat16)])
+        rows.append(got)
+    rows.append(torch.full((pad, (K + 1) * H), -99.0, dtype=torch.bfloat16))
+    hs = torch.cat(rows)
+    batch = Batch([p[0] for p in parts], [p[1] for p in parts], [p[2] for p in parts])
+    lo = LogitsOut(hs[:, : K * H].contiguous(), hs[:, K * H :].contiguous()) if builtin else LogitsOut(hs)
+    dumper.on_extend(batch, lo)
+
+
+def make_dumper(tmp_path: Path, staging_bytes: int = 1 << 20, delay: float = 0.0) -> plg.Dumper:
+    cfg = plg.PluginConfig(dump_dir=tmp_path, aux_layers=AUX, staging_bytes=staging_bytes)
+    d = plg.Dumper(cfg, pin=False, write_delay_s=delay)
+    d._is_writer_rank = True
+    return d
+
+
+def collect(tmp_path: Path, req: Req, timeout: float = 5.0) -> list[torch.Tensor]:
+    return dumpfiles.collect(tmp_path, req.rid, req.origin_input_ids, K + 1, timeout).hidden_states
+
+
+def assert_matches(got: list[torch.Tensor], req: Req) -> None:
+    ref = full_states(req.origin_input_ids)
+    assert len(got) == K + 1
+    for i, t in enumerate(got):
+        assert t.dtype == torch.bfloat16 and t.shape == (len(req.origin_input_ids), H)
+        assert torch.equal(t, ref[:, i * H : (i + 1) * H]), f"tensor {i} of {req.rid}"
+
+
+def dump_files(d: Path) -> list[Path]:
+    """Request files only (not the plugin's stats-/plugin- files)."""
+    return sorted(p for p in d.iterdir() if not p.name.startswith(("stats-", "plugin-")))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 1000, (n,), generator=g).tolist()
+
+
+# ---- slicing --------------------------------------------------------------------------------------
+def test_slicing_offsets_skips_decode_rows_and_padding() -> None:
+    a, b, c = Req("hsx-a", ids(10, 1)), Req("hsx-b", ids(5, 2)), Req("hsx-c", ids(4, 3))
+    # b is a prefix-cache/chunk continuation at 3; c is a decode row (prefix = its prompt length)
+    pieces = slice_extend_batch([a, b, c], [0, 3, 4], [10, 2, 1], num_rows=20)
+    assert [(p.rid, p.start, p.end, p.row, p.n_tokens) for p in pieces] == [
+        ("hsx-a", 0, 10, 0, 10),
+        ("hsx-b", 3, 5, 10, 5),
+    ]
+    with pytest.raises(ValueError, match="extend lens sum to 13 rows but the captured tensor has 12"):
+        slice_extend_batch([a, b, c], [0, 3, 4], [10, 2, 1], num_rows=12)
+
+
+def test_slicing_clips_rows_past_the_prompt_and_filters_rids() -> None:
+    a = Req("hsx-a", ids(6, 1))
+    warm = Req("0123456789abcdef0123456789abcdef", ids(3, 2))
+    health = Req("HEALTH_CHECK_abc", [5])
+    pieces = slice_extend_batch(
+        [warm, a, health], [0, 4, 0], [3, 4, 1], 8, accept=lambda r: r.startswith("hsx-")
+    )
+    assert [(p.rid, p.start, p.end, p.row) for p in pieces] == [("hsx-a", 4, 6, 3)]
+
+
+# ---- end to end through the writer ----------------------------------------------------------------
+@pytest.mark.parametrize("builtin", [False, True])
+def test_several_requests_in_one_batch_with_padding(tmp_path: Path, builtin: bool) -> None:
+    d = make_dumper(tmp_path)
+    reqs = [Req(f"hsx-r{i}", ids(n, i)) for i, n in enumerate([7, 1, 13, 4])]
+    run_pass(d, [(r, 0, len(r.origin_input_ids)) for r in reqs], pad=5, builtin=builtin)
+    d.writer.flush()
+    for r in reqs:
+        assert_matches(collect(tmp_path, r), r)
+    assert dump_files(tmp_path) == []  # collect deleted everything
+
+
+def test_one_request_over_three_chunked_passes_mixed_with_others(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    long = Req("hsx-long", ids(300, 9))
+    short1, short2 = Req("hsx-s1", ids(20, 10)), Req("hsx-s2", ids(30, 11))
+    decode = Req("hsx-dec", ids(5, 12))
+    run_pass(d, [(short1, 0, 20), (long, 0, 108)])
+    d.writer.flush()
+    assert not (tmp_path / dumpfiles.done_name("hsx-long")).exists()
+    run_pass(d, [(long, 108, 128), (decode, 5, 1)], pad=3)  # MIXED: a decode row appended
+    run_pass(d, [(long, 236, 64), (short2, 0, 30)])
+    d.writer.flush()
+    got = dumpfiles.collect(tmp_path, long.rid, long.origin_input_ids, K + 1, 5.0)
+    assert got.pieces == 3
+    assert_matches(got.hidden_states, long)
+    assert_matches(collect(tmp_path, short1), short1)
+    assert_matches(collect(tmp_path, short2), short2)
+    assert not list(tmp_path.glob("hsx-dec*"))
+
+
+def test_retracted_request_rerun_is_idempotent(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    r = Req("hsx-retr", ids(50, 5))
+    # partially prefilled in two chunks, retracted, re-run from 0 with other chunk boundaries
+    run_pass(d, [(r, 0, 20)])
+    run_pass(d, [(r, 20, 20)])
+    run_pass(d, [(r, 0, 30)])
+    run_pass(d, [(r, 30, 20)])
+    d.writer.flush()
+    names = [p.name for p in dump_files(tmp_path)]
+    assert names == sorted(
+        [dumpfiles.done_name(r.rid), dumpfiles.piece_name(r.rid, 0, 30), dumpfiles.piece_name(r.rid, 30, 50)]
+    )
+    before = {p.name: p.read_bytes() for p in dump_files(tmp_path)}
+    # completed, then run again (retraction after prefill): ignored, files unchanged
+    run_pass(d, [(r, 0, 50)])
+    d.writer.flush()
+    assert {p.name: p.read_bytes() for p in dump_files(tmp_path)} == before
+    assert d.writer.stats.duplicates_ignored == 1
+    assert_matches(collect(tmp_path, r), r)
+
+
+def test_prefix_cache_hit_gives_a_clear_error(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    r = Req("hsx-cached", ids(40, 6))
+    run_pass(d, [(r, 16, 24)])  # the first 16 rows came from the radix cache: never computed
+    d.writer.flush()
+    with pytest.raises(EngineError, match=r"tokens \[0,16\) were never computed .*--disable-radix-cache"):
+        collect(tmp_path, r)
+    assert dump_files(tmp_path) == []
+
+
+def test_missing_capture_becomes_err_marker_not_crash(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    r = Req("hsx-nocap", ids(4, 7))
+    d.on_extend(Batch([r], [0], [4]), LogitsOut(None))
+    d.on_extend(Batch([Req("hsx-narrow", ids(4, 8))], [0], [4]), LogitsOut(torch.zeros(4, K * H + 1)))
+    d.writer.flush()
+    with pytest.raises(EngineError, match="carries no captured hidden states"):
+        collect(tmp_path, r)
+    with pytest.raises(EngineError, match=r"captured width 25 is not 3\+1 tensors"):
+        dumpfiles.collect(tmp_path, "hsx-narrow", ids(4, 8), K + 1, 1.0)
+
+
+def test_64k_prompt_streams_through_a_small_staging_cap(tmp_path: Path) -> None:
+    cap = 256 << 10  # 256 KiB of staging for a 64k-token prompt of 4 MiB
+    d = make_dumper(tmp_path, staging_bytes=cap, delay=0.0005)
+    r = Req("hsx-64k", ids(65536, 3))
+    assert 65536 * (K + 1) * H * 2 > 10 * cap
+    t0 = time.monotonic()
+    run_pass(d, [(r, 0, 32768)])
+    run_pass(d, [(r, 32768, 32768)])
+    d.writer.flush()
+    ring = d.writer.ring
+    assert ring.capacity == cap and ring.buf.numel() == cap  # the only staging allocation
+    assert 0 < ring.peak <= cap
+    assert ring.waits > 0  # the hook was held back by the writer: backpressure
+    stats = json.loads(next(tmp_path.glob("stats-*.json")).read_text())
+    assert stats["staging_peak"] == ring.peak and stats["staging_waits"] == ring.waits
+    assert stats["bytes_written"] == 65536 * (K + 1) * H * 2 and stats["requests_done"] == 1
+    got = dumpfiles.collect(tmp_path, r.rid, r.origin_input_ids, K + 1, 5.0)
+    assert got.pieces >= 16
+    assert_matches(got.hidden_states, r)
+    assert time.monotonic() - t0 < 20
+
+
+def test_staging_ring_wraps_and_frees_in_order() -> None:
+    ring = StagingRing(4096, pin=False)
+    a, b, c = ring.alloc(1500), ring.alloc(1500), ring.alloc(900)
+    assert (a.start, b.start, c.start) == (0, 1536, 3072)
+    ring.free(a)
+    d = ring.alloc(1000)  # wraps to the freed front
+    assert d.start == 0
+    with pytest.raises(RuntimeError, match="allocation order"):
+        ring.free(c)
+    with pytest.raises(TimeoutError):
+        ring.alloc(1024, timeout_s=0.05)
+    for r in (b, c, d):
+        ring.free(r)
+    assert ring.used == 0 and ring.peak <= 4096
+
+
+def _child_writer(dump_dir: str, seqs: list[list[int]]) -> None:
+    d = make_dumper(Path(dump_dir))
+    reqs = [Req(f"hsx-p{i}", s) for i, s in enumerate(seqs)]
+    time.sleep(0.3)  # the parent is already waiting
+    run_pass(d, [(r, 0, len(r.origin_input_ids)) for r in reqs])
+    d.writer.flush()
+
+
+def test_writer_and_collector_in_different_processes(tmp_path: Path) -> None:
+    seqs = [ids(33, 1), ids(2, 2), ids(70, 3)]
+    ctx = mp.get_context("spawn")
+    p = ctx.Process(target=_child_writer, args=(str(tmp_path), seqs))
+    p.start()
+    try:
+        for i, s in enumerate(seqs):
+            assert_matches(collect(tmp_path, Req(f"hsx-p{i}", s), timeout=60), Req(f"hsx-p{i}", s))
+    finally:
+        p.join(60)
+    assert p.exitcode == 0
+
+
+def test_collector_timeout_message(tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(dumpfiles.DumpTimeout) as e:
+        dumpfiles.collect(tmp_path, "hsx-never", [1, 2, 3], K + 1, 0.2)
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert str(e.value) == (
+        f"request hsx-never: no dump marker {tmp_path}/hsx-never.done after 0.2 s although the server "
+        f"answered; the plugin wrote nothing for it (is the server running with SGLANG_PLUGINS=hsextract "
+        f"and HSEXTRACT_DUMP_DIR={tmp_path}?)"
+    )
+
+
+def test_collector_rejects_other_token_ids(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    r = Req("hsx-x", ids(12, 1))
+    run_pass(d, [(r, 0, 12)])
+    d.writer.flush()
+    with pytest.raises(EngineError, match="sha256 mismatch"):
+        dumpfiles.collect(tmp_path, r.rid, ids(12, 2), K + 1, 1.0, remove=False)
+    with pytest.raises(EngineError, match="the server dumped 12 tokens, the prompt has 11"):
+        dumpfiles.collect(tmp_path, r.rid, ids(11, 1), K + 1, 1.0, remove=False)
+
+
+def test_piece_file_layout_is_magic_json_raw(tmp_path: Path) -> None:
+    t = torch.arange(6, dtype=torch.float32).view(3, 2)
+    p = dumpfiles.write_piece(tmp_path, "hsx-f", 4, 7, 9, [t])
+    raw = p.read_bytes()
+    hlen = int.from_bytes(raw[8:12], "little")
+    assert raw[:8] == b"HSXDUMP1"
+    assert raw[12 + hlen :] == t.numpy().tobytes()
+    header, (back,) = dumpfiles.read_piece(p)
+    assert header["blocks"] == [{"dtype": "float32", "shape": [3, 2], "offset": 0, "nbytes": 24}]
+    assert torch.equal(back, t)
+    assert [x.name for x in dump_files(tmp_path)] == ["hsx-f.0000000004-0000000007.piece"]
+
+
+# ---- capture set-up and hooks ---------------------------------------------------------------------
+class _Inner(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers_to_capture: list[int] = []
+
+
+class FakeLlama(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Inner()
+        self.config = types.SimpleNamespace(hidden_size=H)
+
+    def set_eagle3_layers_to_capture(self, layer_ids: list[int]) -> None:
+        self.model.layers_to_capture = [v + 1 for v in layer_ids]
+
+
+class FakeDeepseekOld(FakeLlama):
+    """DeepSeek's 0.5.16/0.5.23 quirk: ids taken raw unless the first is 1; no dflash setter."""
+
+    def set_eagle3_layers_to_capture(self, layer_ids: list[int]) -> None:
+        self.model.layers_to_capture = [v + 1 for v in layer_ids] if layer_ids[0] == 1 else list(layer_ids)
+
+
+class FakeDeepseek(FakeDeepseekOld):
+    def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+        self.model.layers_to_capture = [v + 1 for v in layer_ids]
+
+
+def _dumper_for(tmp_path: Path, aux: tuple[int, ...]) -> plg.Dumper:
+    d = plg.Dumper(plg.PluginConfig(tmp_path, aux), pin=False)
+    d._is_writer_rank = True
+    return d
+
+
+def test_setup_resolves_aux_plus_one_and_writes_marker(tmp_path: Path) -> None:
+    d = _dumper_for(tmp_path, (2, 30, 58))
+    m = FakeDeepseek()
+    d.setup_model(m, types.SimpleNamespace())
+    assert d.mode == "plugin" and d.hidden_size == H
+    assert d.verify_model(m) == [3, 31, 59]
+    marker = d.write_marker([3, 31, 59])
+    assert marker.name.startswith("plugin-")
+    assert '"layers_to_capture": [3, 31, 59]' in marker.read_text()
+
+
+def test_deepseek_quirk_is_refused(tmp_path: Path) -> None:
+    d = _dumper_for(tmp_path, (2, 30, 58))
+    m = FakeDeepseekOld()
+    d.setup_model(m, types.SimpleNamespace())
+    with pytest.raises(plg.PluginConfigError) as e:
+        d.verify_model(m)
+    assert str(e.value) == (
+        "hsextract: FakeDeepseekOld captures layers [2, 30, 58], but aux_layers [2, 30, 58] need "
+        "[3, 31, 59] (SGLang index = layer id + 1). Refusing to dump the wrong layers."
+    )
+    # builtin mode (server launched with EAGLE3 ids): same check, with the launch hint
+    d2 = _dumper_for(tmp_path, (2, 30, 58))
+    m2 = FakeDeepseekOld()
+    d2.setup_model(m2, types.SimpleNamespace(enable_return_aux_hidden_states=True))
+    m2.set_eagle3_layers_to_capture([2, 30, 58])
+    with pytest.raises(plg.PluginConfigError, match="DFLASH --return-aux-hidden-state-layer-ids 2 30 58"):
+        d2.verify_model(m2)
+
+
+def test_plugin_config_from_env(tmp_path: Path) -> None:
+    assert plg.PluginConfig.from_env({}) is None
+    cfg = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "2, 30,58"})
+    assert cfg.aux_layers == (2, 30, 58) and cfg.expected_capture == [3, 31, 59]
+    with pytest.raises(plg.PluginConfigError, match="is not a directory"):
+        plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path / "nope"), "HSEXTRACT_AUX_LAYERS": "1"})
+    with pytest.raises(plg.PluginConfigError, match="need distinct non-negative layer ids"):
+        plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path)})
+    with pytest.raises(plg.PluginConfigError, match="post_norm"):
+        plg.PluginConfig.from_env(
+            {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1", "HSEXTRACT_FINAL_STATE": "pre_norm"}
+        )
+
+
+class _CHM:
+    NULL, FULL = "NULL", "FULL"
+
+
+def test_hooks_force_full_capture_and_append_final_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fbi = types.ModuleType("sglang.srt.model_executor.forward_batch_info")
+    fbi.CaptureHiddenMode = _CHM
+    monkeypatch.setitem(sys.modules, "sglang.srt.model_executor.forward_batch_info", fbi)
+    d = _dumper_for(tmp_path, AUX)
+    d.mode = "plugin"
+    monkeypatch.setattr(plg, "_DUMPER", d)
+
+    # LogitsProcessor._get_hidden_states_to_store: aux [T, K*H] + final [T, H] -> [T, (K+1)*H]
+    def store(self, hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states,
+              pruned_states_before_norm, aux_pruned_states, sample_indices, logits_metadata):
+        return torch.cat(aux_hidden_states, dim=-1) if aux_hidden_states is not None else hidden_states
+
+    full = types.SimpleNamespace(capture_hidden_mode=types.SimpleNamespace(is_full=lambda: True))
+    aux = [torch.full((4, H), float(i)) for i in range(K)]
+    final = torch.full((4, H), 9.0)
+    out = plg._around_store(store, None, final, None, aux, None, None, None, None, full)
+    assert out.shape == (4, (K + 1) * H) and torch.equal(out[:, K * H :], final)
+    assert plg._around_store(store, None, final, None, None, None, None, None, None, full) is final
+
+    # TpModelWorker.forward_batch_generation: FULL forced on EXTEND only, then the batch is dumped
+    r = Req("hsx-hook", ids(6, 4))
+    seen = {}
+
+    def fwd(worker, batch, *a, capture_hidden_mode=None, **k):
+        seen[batch.forward_mode.extend] = capture_hidden_mode
+        return types.SimpleNamespace(logits_output=LogitsOut(full_states(r.origin_input_ids)))
+
+    plg._around_forward(fwd, None, Batch([r], [0], [6]))
+    plg._around_forward(fwd, None, Batch([r], [6], [1], Mode(False)))
+    assert seen == {True: "FULL", False: None}
+    d.writer.flush()
+    assert_matches(collect(tmp_path, r), r)
