@@ -26,9 +26,12 @@ def llama_tiny() -> LlamaConfig:
 def deepseek_small() -> DeepseekV3Config:
     return DeepseekV3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                            n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=64,
-                            q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=32, qk_nope_head_dim=32, n_group=1,
-                            topk_group=1, max_position_embeddings=4096, rope_scaling=None, torch_dtype="bfloat16")
+                            n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=128,
+                            q_lora_rank=64, qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, n_group=1,
+                            topk_group=1, max_position_embeddings=4096, rope_scaling=None, torch_dtype="bfloat16",
+                            # read by SGLang's DeepseekV2 (as in DeepSeek-V3's and Kimi-K2.5's config.json) but
+                            # not defined by transformers' DeepseekV3Config: without them SGLang fails to load
+                            moe_layer_freq=1, scoring_func="sigmoid", topk_method="noaux_tc")
 
 
 def llama8b() -> LlamaConfig:
@@ -54,6 +57,14 @@ def main() -> None:
         save(LlamaForCausalLM, llama_tiny(), out / "llama", seed=0)
     if not (out / "deepseek" / "config.json").exists():
         save(DeepseekV3ForCausalLM, deepseek_small(), out / "deepseek", seed=1)
+    if not (out / "tiny" / "config.json").exists():
+        # the workflow's own default model (hsextract.tinymodel), tokenizer trained on the shipped data
+        from hsextract.tinymodel import make_tiny_model
+
+        try:
+            make_tiny_model(out / "tiny", Path(__file__).resolve().parents[2] / "data" / "conversations.jsonl")
+        except Exception as e:  # noqa: BLE001 - the other models must still be built
+            print("tiny model failed:", repr(e), flush=True)
     if a.llama8b:
         (out / "llama8b").mkdir(parents=True, exist_ok=True)
         cfg = llama8b().to_dict()

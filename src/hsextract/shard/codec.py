@@ -10,6 +10,7 @@ compressor keeps the level's strategy but uses a tiny hash table and min_match 7
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,9 +44,27 @@ class Codec:
     threads: int = 1
 
     def plane_compressor(self) -> zstd.ZstdCompressor:
+        """For the top byte plane (sign + exponent): entropy coding is the gain, matches are rare.
+
+        Levels up to 3 use the `fast` strategy: same ratio as `dfast` here (0.3348 vs 0.3346 on the
+        real-forward plane of bench/codec.py) at ~1.8x the speed.
+        """
+        extra = {"strategy": zstd.STRATEGY_FAST} if self.level <= 3 else {}
         params = zstd.ZstdCompressionParameters.from_level(
             self.level, window_log=17, hash_log=6, chain_log=6, min_match=7,
-            write_checksum=True,
+            write_checksum=True, **extra,
+        )
+        return zstd.ZstdCompressor(compression_params=params)
+
+    def low_plane_compressor(self) -> zstd.ZstdCompressor:
+        """For the lower byte planes (mantissa bits, ~8 bits of entropy per byte): level -1.
+
+        Nothing compresses there (ratio 1.00005 at level 3 and at -1 on bench/codec.py's real plane),
+        but level 3 still hunts matches: -1 is ~4x faster to encode and ~3x faster to decode, since
+        the frame is then mostly raw blocks. Still a plain zstd frame: the reader is unchanged.
+        """
+        params = zstd.ZstdCompressionParameters.from_level(
+            -1, window_log=17, hash_log=6, chain_log=6, min_match=7, write_checksum=True,
         )
         return zstd.ZstdCompressor(compression_params=params)
 
@@ -67,15 +86,20 @@ def split_planes(raw: np.ndarray, itemsize: int) -> list[np.ndarray]:
     return [np.ascontiguousarray(v[:, k]) for k in range(itemsize)]
 
 
-def join_planes(planes: list[bytes], itemsize: int, nbytes: int) -> bytearray:
-    """Inverse of split_planes into a fresh writable buffer."""
-    out = bytearray(nbytes)
+def join_planes(planes: list[bytes], itemsize: int, nbytes: int) -> np.ndarray:
+    """Inverse of split_planes into a fresh writable uint8 array (not zero-filled first)."""
+    out = np.empty(nbytes, dtype=np.uint8)
     if itemsize == 1:
-        out[:] = planes[0]
-        return out
-    v = np.frombuffer(out, dtype=np.uint8).reshape(-1, itemsize)
-    for k, p in enumerate(planes):
-        v[:, k] = np.frombuffer(p, dtype=np.uint8)
+        out[:] = np.frombuffer(planes[0], dtype=np.uint8)
+    elif itemsize == 2 and sys.byteorder == "little":
+        # (high << 8) | low on 16-bit words: sequential passes, ~1.2x faster than two strided byte scatters
+        words = out.view(np.uint16)
+        np.left_shift(np.frombuffer(planes[1], dtype=np.uint8), 8, out=words, dtype=np.uint16)
+        words |= np.frombuffer(planes[0], dtype=np.uint8)
+    else:
+        v = out.reshape(-1, itemsize)
+        for k, p in enumerate(planes):
+            v[:, k] = np.frombuffer(p, dtype=np.uint8)
     return out
 
 

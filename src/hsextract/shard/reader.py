@@ -192,7 +192,7 @@ class ShardReader:
                 if any(len(p) * piece["planes"] != nbytes for p in planes):
                     raise self._corrupt(i, f"{piece['name']} decodes to the wrong size")
                 buf = join_planes(planes, piece["planes"], nbytes)
-                t = torch.frombuffer(buf, dtype=DTYPES[piece["dtype"]])
+                t = torch.from_numpy(buf).view(DTYPES[piece["dtype"]])
                 tensors.append(t if piece["width"] == 1 else t.view(seq, piece["width"]))
         except (zstd.ZstdError, IndexError) as e:
             raise self._corrupt(i, f"frame does not decode ({e})") from e

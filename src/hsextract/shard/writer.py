@@ -118,16 +118,16 @@ class ShardWriter:
         self._write(fmt.pack_header(self.metadata))
 
     # -- encoding -------------------------------------------------------------------------
-    def _compressors(self) -> tuple[zstd.ZstdCompressor, zstd.ZstdCompressor]:
+    def _compressors(self) -> tuple[zstd.ZstdCompressor, zstd.ZstdCompressor, zstd.ZstdCompressor]:
         # zstd compressor objects must not be shared between threads
         if not hasattr(self._local, "c"):
-            self._local.c = (self._codec.plane_compressor(), self._codec.whole_compressor())
+            self._local.c = (self._codec.whole_compressor(), self._codec.plane_compressor(),
+                             self._codec.low_plane_compressor())
         return self._local.c
 
-    def _compress(self, job: tuple[bool, Any]) -> bytes:
-        planar, data = job
-        plane, whole = self._compressors()
-        return (plane if planar else whole).compress(data)
+    def _compress(self, job: tuple[int, Any]) -> bytes:
+        kind, data = job  # 0: whole tensor, 1: top byte plane, 2: a lower byte plane
+        return self._compressors()[kind].compress(data)
 
     def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
                  loss_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -160,13 +160,14 @@ class ShardWriter:
             raise ShardError(f"{self.path}: add() after close()")
         sample = len(self._index["offsets"])
         tensors = self._tensors(sample, input_ids, hidden_states, loss_mask)
-        jobs: list[tuple[bool, Any]] = []
+        jobs: list[tuple[int, Any]] = []
         for piece, t in zip(self._pieces, tensors, strict=True):
             raw = to_bytes(t)
             if piece["planes"] == 1:
-                jobs.append((False, raw))
+                jobs.append((0, raw))
             else:
-                jobs.extend((True, p) for p in split_planes(raw, piece["planes"]))
+                top = piece["planes"] - 1  # little endian: the last plane holds sign and exponent
+                jobs.extend((1 if k == top else 2, p) for k, p in enumerate(split_planes(raw, piece["planes"])))
         frames = list(self._pool.map(self._compress, jobs)) if self._pool else [self._compress(j) for j in jobs]
         table = fmt.pack_frame_table([len(f) for f in frames])
         payload_len = len(table) + sum(len(f) for f in frames)

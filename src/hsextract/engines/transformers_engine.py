@@ -1,0 +1,229 @@
+"""The transformers engine: an in-process forward, CPU or GPU; the numerical reference.
+
+What the installed transformers does (verified on 5.24.0 with DeepseekV3, see
+tests/test_transformers_engine.py): `output_hidden_states=True` returns num_layers + 1
+tensors, `hidden_states[0]` the embeddings and `hidden_states[i+1]` the output of decoder
+layer i, EXCEPT the last entry, which transformers replaces with the output of the final
+norm (`capture_outputs(tie_last_hidden_states=True)`; transformers 4.x appended the normed
+state last as well). The last decoder layer's own (pre-norm) output is not in the tuple.
+
+So this engine takes aux ids i < num_layers - 1 from `hidden_states[i+1]` and gets the
+last layer's output from forward hooks: on the last decoder layer (pre-norm, also used
+for an aux id of num_layers - 1) and on the final norm module (post-norm). It runs the
+backbone (`model.model`), not the lm_head: logits are never needed.
+
+Batching is sort-free: consecutive prompts are grouped while batch_size * max_len stays
+within `token_budget` (and batch_size within `max_batch`); a prompt longer than the budget
+runs alone. Right padding with an attention mask; position ids count from 0 in every row,
+so a real token sees exactly what it would see unbatched. Each sample's rows are copied
+back to the CPU, contiguous, in the model dtype; padding rows are never returned.
+
+Progress: pass `on_sample`, called with each Captured just before it is yielded (the
+caller can also count the yielded samples itself).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
+from hsextract.errors import ConfigError, EngineError
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not supported; use one of {sorted(_DTYPES)}.")
+    return _DTYPES[name]
+
+
+def _first(output: Any) -> torch.Tensor:
+    # decoder layers return a tensor in transformers 5, a tuple (hidden, ...) in 4.x
+    return output[0] if isinstance(output, tuple) else output
+
+
+def validate_capture_spec(spec: CaptureSpec, num_layers: int, model: str) -> None:
+    """ConfigError unless every aux id is a distinct decoder layer of the model and final_state is known."""
+    if spec.final_state not in ("post_norm", "pre_norm"):
+        raise ConfigError(f"final_state: {spec.final_state!r} is not allowed; use 'post_norm' or 'pre_norm'.")
+    if not spec.aux_layers:
+        raise ConfigError("aux_layers: empty; give at least one decoder layer id (EAGLE-3 uses three).")
+    for i in spec.aux_layers:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
+            raise ConfigError(
+                f"aux_layers: layer id {i!r} is out of range for {model}, which has {num_layers} decoder layers; "
+                f"allowed ids are 0..{num_layers - 1} (id i = output of decoder layer i)."
+            )
+    if len(set(spec.aux_layers)) != len(spec.aux_layers):
+        raise ConfigError(f"aux_layers: {list(spec.aux_layers)} repeats a layer id; give each layer once.")
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike[str],
+        spec: CaptureSpec,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str = torch.bfloat16,
+        token_budget: int = 8192,
+        max_batch: int = 64,
+        attn_implementation: str = "sdpa",
+        on_sample: Callable[[Captured], None] | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        if token_budget < 1:
+            raise ConfigError(f"token_budget: {token_budget} must be >= 1 (tokens per forward batch).")
+        if max_batch < 1:
+            raise ConfigError(f"max_batch: {max_batch} must be >= 1 (prompts per forward batch).")
+        self.model_path = str(model_path)
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = _as_dtype(dtype)
+        self.token_budget = token_budget
+        self.max_batch = max_batch
+        self.on_sample = on_sample
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=self.dtype, attn_implementation=attn_implementation
+            )
+        except (OSError, ValueError) as e:
+            raise EngineError(
+                f"transformers could not load model {self.model_path!r}: {e}. Check the `model` key: a local "
+                "model directory (config.json + weights) or a hub id on a machine that reaches the hub."
+            ) from e
+        self.model = model.to(self.device).eval()
+        text_config = self.model.config.get_text_config()
+        self.num_layers: int = int(text_config.num_hidden_layers)
+        self.hidden_size: int = int(text_config.hidden_size)
+        self.vocab_size: int = int(text_config.vocab_size)
+        pad = getattr(text_config, "pad_token_id", None)
+        self.pad_id: int = int(pad) if pad is not None else 0
+        validate_capture_spec(spec, self.num_layers, self.model_path)
+
+        self._backbone = getattr(self.model, self.model.base_model_prefix, None)
+        layers = getattr(self._backbone, "layers", None)
+        norm = getattr(self._backbone, "norm", None)
+        if layers is None or norm is None or len(layers) < self.num_layers:
+            raise EngineError(
+                f"{self.model_path}: {type(self.model).__name__} has no `{self.model.base_model_prefix}.layers` "
+                "and `.norm` modules; the transformers engine hooks those to capture the last layer's output. "
+                "Use a decoder-only model of the Llama/DeepSeek family."
+            )
+        self._captured: dict[str, torch.Tensor] = {}
+        self._hooks = [
+            layers[self.num_layers - 1].register_forward_hook(self._hook("pre_norm")),
+            norm.register_forward_hook(self._hook("post_norm")),
+        ]
+
+    def _hook(self, key: str) -> Callable[..., None]:
+        def hook(_module: torch.nn.Module, _inputs: Any, output: Any) -> None:
+            self._captured[key] = _first(output)
+
+        return hook
+
+    def version(self) -> str:
+        import transformers
+
+        return f"transformers {transformers.__version__} / torch {torch.__version__}"
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._captured.clear()
+
+    # ------------------------------------------------------------------ batching
+    def _check(self, p: Prompt) -> None:
+        if len(p.input_ids) == 0:
+            raise EngineError(
+                f"sample {p.sample_id!r} (index {p.index}): input_ids is empty; a sample needs at least one "
+                "token. Filter empty conversations in prepare."
+            )
+        lo, hi = min(p.input_ids), max(p.input_ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise EngineError(
+                f"sample {p.sample_id!r} (index {p.index}): token id {bad} is outside the model's vocabulary "
+                f"0..{self.vocab_size - 1}; the prompts were tokenized with another tokenizer than {self.model_path}."
+            )
+
+    def _batches(self, prompts: Iterable[Prompt]) -> Iterator[list[Prompt]]:
+        batch: list[Prompt] = []
+        longest = 0
+        for p in prompts:
+            self._check(p)
+            n = len(p.input_ids)
+            grown = max(longest, n)
+            if batch and ((len(batch) + 1) * grown > self.token_budget or len(batch) >= self.max_batch):
+                yield batch
+                batch, grown = [], n
+            batch.append(p)
+            longest = grown
+        if batch:
+            yield batch
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def _forward(self, batch: list[Prompt]) -> list[Captured]:
+        lengths = [len(p.input_ids) for p in batch]
+        width = max(lengths)
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, p in enumerate(batch):
+            ids[row, : lengths[row]] = torch.tensor(p.input_ids, dtype=torch.long)
+            mask[row, : lengths[row]] = 1
+        self._captured.clear()
+        try:
+            out = self._backbone(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                output_hidden_states=True,
+                use_cache=False,
+                return_dict=True,
+            )
+        except RuntimeError as e:  # includes torch.OutOfMemoryError
+            names = ", ".join(repr(p.sample_id) for p in batch[:4]) + (" ..." if len(batch) > 4 else "")
+            raise EngineError(
+                f"forward failed on a batch of {len(batch)} samples x {width} tokens ({names}): {e}. "
+                "If it ran out of memory, lower token_budget or max_batch."
+            ) from e
+        hs = out.hidden_states
+        if hs is None or len(hs) != self.num_layers + 1:
+            raise EngineError(
+                f"{self.model_path}: expected {self.num_layers + 1} hidden states from output_hidden_states, got "
+                f"{None if hs is None else len(hs)}; this transformers version builds them differently."
+            )
+        final = self._captured.get(self.spec.final_state)
+        pre = self._captured.get("pre_norm")
+        if final is None or pre is None:
+            raise EngineError(f"{self.model_path}: the last-layer/final-norm hooks did not fire during the forward.")
+        layers = [pre if i == self.num_layers - 1 else hs[i + 1] for i in self.spec.aux_layers] + [final]
+        self._captured.clear()
+
+        results = []
+        for row, p in enumerate(batch):
+            n = lengths[row]
+            # copy=True: a view would keep the whole padded batch alive behind each sample
+            tensors = [t[row, :n].to("cpu", copy=True).contiguous() for t in layers]
+            results.append(Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors))
+        return results
+
+    def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
+        for batch in self._batches(prompts):
+            for captured in self._forward(batch):
+                if self.on_sample is not None:
+                    self.on_sample(captured)
+                yield captured
+

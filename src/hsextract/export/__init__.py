@@ -1,0 +1,42 @@
+"""Exporters: a run's shards rewritten in the layout another trainer reads (one module per format)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from hsextract.errors import ConfigError
+from hsextract.export.common import CONSUMER_FINAL_STATE, FinalNormWarning, final_norm_message, warn_final_norm
+from hsextract.export.common import prepare_out_dir
+from hsextract.export.specforge import export_specforge
+from hsextract.export.speculators_safetensors import export_speculators_safetensors
+from hsextract.export.speculators_v1 import export_speculators_v1
+
+EXPORTERS = {
+    "speculators-v1": export_speculators_v1,
+    "specforge": export_specforge,
+    "speculators-safetensors": export_speculators_safetensors,
+}
+FORMATS = tuple(EXPORTERS)
+
+
+def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt: str,
+           force: bool = False) -> dict[str, Any]:
+    """Stream every sample of open_dataset(run_dir) into out_dir in format `fmt`; returns a summary."""
+    from hsextract.dataset import open_dataset
+
+    if fmt not in EXPORTERS:
+        raise ConfigError(f"export format {fmt!r}: use one of {', '.join(FORMATS)}")
+    ds = open_dataset(run_dir)
+    out = Path(out_dir)
+    prepare_out_dir(out, force)
+    final_state = ds.metadata["final_state"]
+    warning = warn_final_norm(fmt, final_state)
+    summary = EXPORTERS[fmt](ds, out)
+    summary.update(format=fmt, out_dir=str(out), final_state=final_state,
+                   consumer_final_state=CONSUMER_FINAL_STATE[fmt], warning=warning)
+    return summary
+
+
+__all__ = ["CONSUMER_FINAL_STATE", "FORMATS", "FinalNormWarning", "export", "final_norm_message"]

@@ -1,0 +1,46 @@
+"""SpecForge offline layout: per-sample torch.save files grouped 2000 to a folder, as prepare_hidden_states.py writes.
+
+    OUT_DIR/rows_{g}-{g_end}/data_{idx}.ckpt
+        {"input_ids" int64 [seq], "loss_mask" int64 [seq],
+         "hidden_state" [1, seq, H] (the final tensor), "aux_hidden_state" [1, seq, n_aux * H] (aux layers concatenated)}
+
+g = (idx // 2000) * 2000 and g_end = g + min(2000, N - g): the last folder's name ends at N, as SpecForge names it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsextract.dataset import HiddenStateDataset
+from hsextract.export.common import own_storage, remove_stale, save_torch
+
+GROUP_SIZE = 2000
+
+
+def group_dir(idx: int, n: int) -> str:
+    start = (idx // GROUP_SIZE) * GROUP_SIZE
+    return f"rows_{start}-{start + min(GROUP_SIZE, n - start)}"
+
+
+def export_specforge(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
+    n = len(ds)
+    written: set[Path] = set()
+    tokens = 0
+    for idx, s in enumerate(ds):
+        folder = out_dir / group_dir(idx, n)
+        folder.mkdir(exist_ok=True)
+        hs = s["hidden_states"]
+        path = folder / f"data_{idx}.ckpt"
+        save_torch(path, {
+            "input_ids": own_storage(s["input_ids"]),
+            "loss_mask": own_storage(s["loss_mask"]),
+            "hidden_state": own_storage(hs[-1]).unsqueeze(0),
+            "aux_hidden_state": torch.cat(hs[:-1], dim=-1).unsqueeze(0),
+        })
+        written.add(path)
+        tokens += int(s["input_ids"].numel())
+    stale = [p for p in out_dir.glob("rows_*/data_*.ckpt") if p not in written]
+    return {"num_samples": n, "num_tokens": tokens, "data_path": str(out_dir), "removed_stale": remove_stale(stale)}

@@ -1,0 +1,106 @@
+"""speculators 0.3/0.4 "v1" layout: one torch.save file per sample plus the files 0.4 writes beside them.
+
+    OUT_DIR/data/data_{idx}.pt          {"input_ids" int64 [seq], "hidden_states" [bf16 [seq, H]] * n, "loss_mask" int64 [seq]}
+    OUT_DIR/data/sample_lengths.json    {"idx": seq, ...}, json.dump(indent=2) of an int-keyed dict, as 0.4 writes it
+    OUT_DIR/data/data_config.json       the DataGenerationConfig "2.0" fields, filled from the shard metadata
+    OUT_DIR/token_freq.pt               dict[int token_id -> int count] over tokens with loss_mask == 1
+
+token_freq.pt sits one level up on purpose: speculators' Eagle3SampleFileDataset loads every file under its
+data path whose name ends in "pt", so a token_freq.pt inside data/ would be read as a sample and fail.
+(speculators 0.4 itself writes it to the working directory, outside its output folder.)
+Point the trainer's data path at OUT_DIR/data and its token-frequency path at OUT_DIR/token_freq.pt.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsextract import __version__
+from hsextract.dataset import HiddenStateDataset
+from hsextract.export.common import own_storage, remove_stale, save_json, save_torch
+
+
+def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[str, Any]:
+    """speculators 0.4's DataGenerationConfig (version "2.0") with what the shards know; unknowns are null."""
+    n_layers = meta.get("num_hidden_layers")
+    layer_ids = list(meta["aux_layers"]) + [n_layers - 1 if isinstance(n_layers, int) else None]
+    hidden, n = meta["hidden_size"], meta["num_hidden_tensors"]
+    return {
+        "version": "2.0",
+        "generated_at": datetime.now(timezone.utc).isoformat(),
+        "speculators_version": "0.4.0",
+        "reproducibility": {
+            "command": f"hsextract export --format speculators-v1 (hsextract {__version__})",
+            "package_versions": {
+                "torch": torch.__version__,
+                "vllm": meta.get("engine_version") if meta.get("engine") == "vllm" else None,
+                "transformers": meta.get("engine_version") if meta.get("engine") == "transformers" else None,
+                "speculators": None,
+            },
+            "gpu": meta.get("gpu"),
+        },
+        "model": {
+            "target_model_path": meta["model"],
+            "tensor_parallel_size": meta.get("tensor_parallel_size"),
+            "gpu_memory_utilization": None,
+            "hidden_size": hidden,
+        },
+        "data": {
+            "train_data_path": meta.get("source"),
+            "seq_length": meta.get("max_seq_len", max_len),
+            "max_samples": None,
+            "num_samples": num_samples,
+            "seed": meta.get("seed"),
+            "chat_template_note": f"chat template hash {meta.get('chat_template_hash')}",
+        },
+        "hidden_states": {
+            "layer_ids": layer_ids,
+            "description": (f"outputs of decoder layers {list(meta['aux_layers'])}, then the last decoder layer "
+                            f"({meta['final_state']}); captured by hsextract with engine {meta.get('engine')}"),
+        },
+        "generation": {"cache_dir": None},
+        "format": {
+            "file_pattern": "data_{idx}.pt",
+            "schema": {
+                "input_ids": {"dtype": "torch.long", "shape": "[seq_len]", "description": "Tokenized input sequence"},
+                "hidden_states": {
+                    "dtype": f"list[torch.{meta['dtype']}]",
+                    "shape": f"list of [seq_len, {hidden}]",
+                    "num_tensors": n,
+                    "description": f"Hidden states from {n} layers",
+                },
+                "loss_mask": {"dtype": "torch.long", "shape": "[seq_len]",
+                              "description": "1 for assistant tokens to train on, 0 elsewhere"},
+            },
+        },
+        "hsextract": {k: meta.get(k) for k in ("model", "engine", "engine_version", "aux_layers", "final_state",
+                                                "config_hash", "tokenizer_hash", "chat_template_hash")},
+    }
+
+
+def export_speculators_v1(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
+    data_dir = out_dir / "data"
+    data_dir.mkdir(exist_ok=True)
+    lengths: dict[int, int] = {}
+    freq: Counter[int] = Counter()
+    for idx, s in enumerate(ds):
+        save_torch(data_dir / f"data_{idx}.pt", {
+            "input_ids": own_storage(s["input_ids"]),
+            "hidden_states": [own_storage(h) for h in s["hidden_states"]],
+            "loss_mask": own_storage(s["loss_mask"]),
+        })
+        lengths[idx] = int(s["input_ids"].numel())
+        ids, counts = s["input_ids"][s["loss_mask"].to(torch.bool)].unique(return_counts=True)
+        freq.update(dict(zip(ids.tolist(), counts.tolist(), strict=True)))
+    n = len(lengths)
+    stale = [p for p in data_dir.glob("data_*.pt") if p.stem[5:].isdigit() and int(p.stem[5:]) >= n]
+    save_json(data_dir / "sample_lengths.json", lengths)
+    save_json(data_dir / "data_config.json", data_config(ds.metadata, n, max(lengths.values(), default=0)))
+    save_torch(out_dir / "token_freq.pt", dict(freq))
+    return {"num_samples": n, "num_tokens": sum(lengths.values()), "data_path": str(data_dir),
+            "token_freq_path": str(out_dir / "token_freq.pt"), "removed_stale": remove_stale(stale)}

@@ -1,0 +1,65 @@
+"""`hsextract inspect`: what a shard holds and how well it compressed, from its header and index alone."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hsextract.shard import ShardReader
+
+
+def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str, Any]:
+    """Metadata, counts and sizes of one shard (opens it, checks structure, decodes no sample)."""
+    r = ShardReader(path)
+    ix = r.index
+    raw = sum(ix["raw_bytes"])
+    stored = Path(path).stat().st_size
+    info: dict[str, Any] = {
+        "shard": str(path),
+        "metadata": r.metadata,
+        "num_samples": len(r),
+        "num_tokens": sum(ix["seq_lens"]),
+        "num_trained": sum(ix["num_trained"]),
+        "raw_bytes": raw,
+        "stored_bytes": stored,
+        "ratio": round(stored / raw, 4) if raw else None,
+    }
+    if samples:
+        info["samples"] = [
+            {"index": i, "sample_id": sid, "seq_len": n, "num_trained": t}
+            for i, (sid, n, t) in enumerate(zip(ix["sample_ids"], ix["seq_lens"], ix["num_trained"], strict=True))
+        ]
+    r.close()
+    return info
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.3f} MB"
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """Human-readable text of shard_info()."""
+    m = info["metadata"]
+    lines = [f"shard          {info['shard']}"]
+    for key in ("format_version", "model", "engine", "engine_version", "aux_layers", "final_state", "hidden_size",
+                "dtype", "precision", "codec", "config_hash", "tokenizer_hash", "chat_template_hash"):
+        if key in m:
+            lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
+    extra = sorted(set(m) - {l.split()[0] for l in lines[1:]} - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
+    for key in extra:
+        lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
+    ratio = "n/a" if info["ratio"] is None else f"{info['ratio']:.4f}"
+    lines += [
+        f"samples        {info['num_samples']}",
+        f"tokens         {info['num_tokens']}",
+        f"trained tokens {info['num_trained']}",
+        f"raw bytes      {info['raw_bytes']} ({_mb(info['raw_bytes'])})",
+        f"stored bytes   {info['stored_bytes']} ({_mb(info['stored_bytes'])})",
+        f"ratio          {ratio} (stored / raw)",
+    ]
+    if "samples" in info:
+        lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  sample_id")
+        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['sample_id']}" for s in info["samples"]]
+    return "\n".join(lines)

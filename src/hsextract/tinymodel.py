@@ -1,0 +1,276 @@
+"""A miniature Kimi-K2.5 text model (DeepSeek-V3 architecture) with random weights.
+
+The embedded default workflow runs on a laptop CPU, so it needs a target model that has
+Kimi's *structure* (MLA attention with low-rank q and kv, MoE with sigmoid top-k routing
+and one shared expert, dense first layer(s), final RMSNorm, untied lm_head, Kimi's chat
+format) but is tiny. Weights are random from a fixed seed; a BPE tokenizer is trained on
+the shipped conversations. Everything is deterministic: the same arguments write
+byte-identical `model.safetensors` and `tokenizer.json`.
+
+    python -m hsextract.tinymodel --out resources/tiny-model --conversations data/conversations.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsextract.chat_template import KIMI_STYLE_TEMPLATE, ROLE_TOKENS
+from hsextract.errors import ConfigError
+
+BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
+# ids 0..7 in this order; DeepseekV3Config's defaults bos=0, eos=1 match.
+SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, *ROLE_TOKENS)
+
+# Kimi-K2.5 text model -> miniature. Ratios kept where it matters for the code paths:
+# q_lora_rank/kv_lora_rank present (MLA), qk_head = nope + rope, v_head != qk_head,
+# n_group = topk_group = 1 (Kimi has no group-limited routing), sigmoid scores with
+# a correction bias, norm_topk_prob, routed scaling factor, first layer dense.
+TINY_CONFIG: dict[str, Any] = {
+    "num_hidden_layers": 10,
+    "hidden_size": 256,
+    "intermediate_size": 512,  # dense MLP of the first_k_dense_replace layers
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 128,
+    "kv_lora_rank": 64,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.827,
+    "hidden_act": "silu",
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+    "rope_interleave": True,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    # Read by SGLang's DeepseekV2 model (they are in DeepSeek-V3's and Kimi-K2.5's config.json) but not
+    # defined by transformers' DeepseekV3Config; they describe what transformers computes anyway.
+    "moe_layer_freq": 1,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+}
+DEFAULT_VOCAB_SIZE = 4096
+# std of the random weights: the usual 0.02 for all matrices, except the MoE router.
+# A random router with std 0.02 gives sigmoid scores all within ~0.5 +- 0.08, so the top-2
+# choice is a near-tie for many tokens, and the rounding difference between a padded batch
+# and a lone sample flips routes (measured: per-token errors up to 0.5, layer errors 5.7e-2
+# by layer 9). Trained routers are decisive; std 0.2 (logit std ~3) is, and the same
+# measurement falls to <= 5.8e-3 with neighbouring layers still 0.33 or more apart.
+DEFAULT_INIT_STD = 0.02
+DEFAULT_ROUTER_STD = 0.2
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3 aux layer ids for an n-layer model, the tiny counterpart of Kimi's [2, 30, 58] of 61.
+
+    Kimi-K2.5's ids are one early layer (2: just past the dense first layer), the middle
+    (30 = 61 // 2) and the third-from-last (58 = 61 - 3). Scaled down: early = 1 (the first
+    MoE layer of the tiny model, whose first_k_dense_replace is 1; id 2 of a 10-layer model
+    would already be a fifth of the depth), middle = n // 2, late = n - 3. For n = 10:
+    [1, 5, 7]. Needs at least 5 layers so the three ids are distinct and increasing.
+    """
+    if num_layers < 5:
+        raise ConfigError(
+            f"default_aux_layers: num_layers={num_layers}; needs at least 5 layers for three distinct "
+            "aux layers (early, middle, third-from-last). Set aux_layers explicitly for smaller models."
+        )
+    return [1, num_layers // 2, num_layers - 3]
+
+
+def _iter_texts(conversations_path: Path) -> Iterator[str]:
+    with open(conversations_path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                for m in rec["messages"]:
+                    yield m["role"]
+                    yield m["content"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ConfigError(
+                    f"{conversations_path}:{lineno}: not a {{'messages': [{{'role', 'content'}}]}} record "
+                    f"({e}); fix or remove the line."
+                ) from e
+
+
+def train_tokenizer(conversations_path: str | os.PathLike[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Any:
+    """Byte-level BPE trained on the conversations' role names and contents.
+
+    Returns a `transformers.PreTrainedTokenizerFast` carrying the special tokens and the
+    Kimi-style chat template. Byte-level, so any text encodes (no unknown token).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_iter_texts(Path(conversations_path)), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        extra_special_tokens=list(ROLE_TOKENS),
+        model_max_length=TINY_CONFIG["max_position_embeddings"],
+        padding_side="right",
+    )
+    fast.chat_template = KIMI_STYLE_TEMPLATE
+    return fast
+
+
+def _param_seed(seed: int, name: str) -> int:
+    # One generator per tensor, seeded from its name: the weights do not depend on the
+    # order in which transformers creates or initialises modules.
+    return int.from_bytes(hashlib.sha256(f"{seed}:{name}".encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def _init_weights(model: torch.nn.Module, seed: int, std: float, router_std: float) -> None:
+    state = dict(model.named_parameters())
+    state.update(dict(model.named_buffers()))
+    for name in sorted(state):
+        t = state[name]
+        if name.endswith("e_score_correction_bias"):
+            t.zero_()
+        elif name.endswith("norm.weight"):  # every RMSNorm (input/post-attn, q_a, kv_a, final)
+            t.fill_(1.0)
+        elif t.is_floating_point() and "rotary_emb" not in name:
+            g = torch.Generator().manual_seed(_param_seed(seed, name))
+            s = router_std if name.endswith("mlp.gate.weight") else std
+            t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * s)
+
+
+def build_config(vocab_size: int, **overrides: Any) -> Any:
+    from transformers import DeepseekV3Config
+
+    unknown = set(overrides) - set(TINY_CONFIG)
+    if unknown:
+        raise ConfigError(f"tiny model: unknown config override(s) {sorted(unknown)}; allowed: {sorted(TINY_CONFIG)}")
+    cfg = {**TINY_CONFIG, **overrides}
+    return DeepseekV3Config(
+        vocab_size=vocab_size,
+        bos_token_id=SPECIAL_TOKENS.index(BOS),
+        eos_token_id=SPECIAL_TOKENS.index(EOS),
+        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        dtype="bfloat16",
+        **cfg,
+    )
+
+
+def make_tiny_model(
+    out_dir: str | os.PathLike[str],
+    conversations_path: str | os.PathLike[str],
+    seed: int = 0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    init_std: float = DEFAULT_INIT_STD,
+    router_std: float = DEFAULT_ROUTER_STD,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny DeepseekV3ForCausalLM (bf16 safetensors) + tokenizer to `out_dir`.
+
+    `config_overrides` replace keys of TINY_CONFIG (e.g. num_hidden_layers=4, hidden_size=128
+    for tests). The directory is built under a temporary name next to `out_dir` and renamed
+    into place, replacing any previous one: it exists whole or not at all.
+    """
+    from transformers import DeepseekV3ForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = train_tokenizer(conversations_path, vocab_size)
+    config = build_config(len(tokenizer), **config_overrides)
+
+    torch.manual_seed(seed)  # only for anything transformers draws at construction; overwritten below
+    model = DeepseekV3ForCausalLM(config)
+    _init_weights(model, seed, init_std, router_std)
+    model = model.to(torch.bfloat16).eval()
+    # the model's generation defaults, stated rather than inherited
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config.pad_token_id = config.pad_token_id
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {
+            "what": "hsextract tiny model: random DeepseekV3 (Kimi-K2.5 shape in miniature)",
+            "seed": seed,
+            "init_std": init_std,
+            "router_std": router_std,
+            "conversations": str(conversations_path),
+            "default_aux_layers": default_aux_layers(config.num_hidden_layers)
+            if config.num_hidden_layers >= 5
+            else None,
+        }
+        (tmp / "hsextract_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        for f in tmp.iterdir():  # mkdtemp and safetensors write owner-only files
+            os.chmod(f, 0o644)
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old.{os.getpid()}")
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    p = argparse.ArgumentParser(prog="python -m hsextract.tinymodel", description="Build the tiny Kimi-shaped model.")
+    p.add_argument("--out", required=True, type=Path, help="model directory to write (replaced if present)")
+    p.add_argument("--conversations", required=True, type=Path, help="JSONL of {'messages': [...]} for the BPE")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    p.add_argument("--num-layers", type=int, default=TINY_CONFIG["num_hidden_layers"])
+    p.add_argument("--hidden-size", type=int, default=TINY_CONFIG["hidden_size"])
+    args = p.parse_args(argv)
+    t0 = time.perf_counter()
+    out = make_tiny_model(
+        args.out,
+        args.conversations,
+        seed=args.seed,
+        vocab_size=args.vocab_size,
+        num_hidden_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+    )
+    print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

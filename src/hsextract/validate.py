@@ -1,0 +1,215 @@
+"""Validate shards: layout against a reference sample, content checks on every sample, a JSON report.
+
+Checks, in the order a shard's one-line failure message prefers them:
+
+    integrity  the shard opens (header, index, footer intact, not truncated)
+    checksum   a sample's record decodes and matches its checksums
+    layout     keys, types, dtypes, list length and ranks equal the reference sample's
+               (hidden size too, with same_model=True: only when the reference comes from the same model)
+    seq_len    input_ids, loss_mask and every hidden tensor have one sequence length
+    finite     every hidden-state value is finite (no NaN, no inf)
+    zero_row   no token row of any hidden-state tensor is all zeros (padding saved as data)
+    loss_mask  loss_mask holds only 0 and 1, and at least one 1
+    input_ids  every id lies in [0, vocab_size) (vocab_size from the shard metadata or the caller)
+
+Why hidden size needs same_model: a reference sample shows the layout a trainer reads; the bundled
+one is shaped like Kimi-K2.5 (7168) while the embedded default model is tiny. Its hidden size says
+something only when the reference was captured from the shard's own model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hsextract import __version__
+from hsextract.errors import CorruptShardError, ShardError, ValidationFailure
+from hsextract.shard import ShardReader
+
+CHECKS = ("integrity", "checksum", "layout", "seq_len", "finite", "zero_row", "loss_mask", "input_ids")
+V1_KEYS = ("input_ids", "hidden_states", "loss_mask")
+
+
+def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A speculators v1 sample file, loaded without pickle (weights_only=True)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValidationFailure(f"reference sample {p}: no such file; point --reference at one data_N.pt of your dataset")
+    try:
+        ref = torch.load(p, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
+        raise ValidationFailure(f"reference sample {p}: cannot be loaded with weights_only=True ({e})") from e
+    if not isinstance(ref, dict):
+        raise ValidationFailure(f"reference sample {p}: holds a {type(ref).__name__}, expected a dict with keys {list(V1_KEYS)}")
+    return ref
+
+
+def _describe(value: Any) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        return {"type": "tensor", "dtype": str(value.dtype).removeprefix("torch."), "rank": value.dim(),
+                "width": value.shape[-1] if value.dim() >= 2 else None}
+    if isinstance(value, (list, tuple)):
+        return {"type": "list", "len": len(value), "items": [_describe(v) for v in value]}
+    return {"type": type(value).__name__}
+
+
+def reference_layout(ref: dict[str, Any]) -> dict[str, Any]:
+    """What a sample must look like: per key its type, dtype, rank (and list length)."""
+    return {k: _describe(v) for k, v in ref.items()}
+
+
+def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: bool) -> str | None:
+    if sorted(sample) != sorted(layout):
+        return f"keys {sorted(sample)}, reference has {sorted(layout)}"
+    for key, want in layout.items():
+        got = _describe(sample[key])
+        if got["type"] != want["type"]:
+            return f"{key} is a {got['type']}, reference has a {want['type']}"
+        if want["type"] == "list":
+            if got["len"] != want["len"]:
+                return f"{key} has {got['len']} tensors, reference has {want['len']}"
+            pairs = [(f"{key}[{k}]", g, w) for k, (g, w) in enumerate(zip(got["items"], want["items"], strict=True))]
+        else:
+            pairs = [(key, got, want)]
+        for name, g, w in pairs:
+            if g["type"] != w["type"]:
+                return f"{name} is a {g['type']}, reference has a {w['type']}"
+            if g.get("dtype") != w.get("dtype"):
+                return f"{name} has dtype {g.get('dtype')}, reference has {w.get('dtype')}"
+            if g.get("rank") != w.get("rank"):
+                return f"{name} has rank {g.get('rank')}, reference has rank {w.get('rank')}"
+            if same_model and g.get("width") != w.get("width"):
+                return f"{name} has hidden size {g.get('width')}, reference has {w.get('width')}"
+    return None
+
+
+def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int | None = None,
+                 same_model: bool = False) -> list[tuple[str, str]]:
+    """Every failed check of one sample as (check, detail); empty when the sample is good."""
+    failed: list[tuple[str, str]] = []
+    problem = _layout_problem(sample, layout, same_model)
+    if problem:
+        failed.append(("layout", problem))
+    ids, mask, hidden = sample.get("input_ids"), sample.get("loss_mask"), sample.get("hidden_states")
+    if not (isinstance(ids, torch.Tensor) and isinstance(mask, torch.Tensor) and isinstance(hidden, (list, tuple))
+            and all(isinstance(h, torch.Tensor) for h in hidden)):
+        return failed or [("layout", "input_ids, loss_mask must be tensors and hidden_states a list of tensors")]
+    seq = ids.shape[0] if ids.dim() else 0
+    lens = {"input_ids": seq, "loss_mask": mask.shape[0] if mask.dim() else 0}
+    lens.update({f"hidden_states[{k}]": (h.shape[0] if h.dim() else 0) for k, h in enumerate(hidden)})
+    if len(set(lens.values())) != 1:
+        failed.append(("seq_len", ", ".join(f"{k} {v}" for k, v in lens.items())))
+    for k, h in enumerate(hidden):
+        if not h.is_floating_point():
+            continue
+        finite = torch.isfinite(h)
+        if not bool(finite.all()):
+            bad = (~finite).nonzero()[0].tolist()
+            failed.append(("finite", f"hidden_states[{k}] has {int((~finite).sum())} non-finite values, first at {tuple(bad)}"))
+            break
+    for k, h in enumerate(hidden):
+        if h.dim() < 2:
+            continue
+        zero = (h == 0).all(dim=-1)
+        if bool(zero.any()):
+            rows = zero.nonzero().flatten().tolist()
+            failed.append(("zero_row", f"hidden_states[{k}] has {len(rows)} all-zero rows, first at token {rows[0]}"))
+            break
+    values = torch.unique(mask).tolist()
+    if any(v not in (0, 1) for v in values):
+        failed.append(("loss_mask", f"values {values}, only 0 and 1 allowed"))
+    elif 1 not in values:
+        failed.append(("loss_mask", "no token has loss_mask 1 (nothing to train on)"))
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or (vocab_size is not None and hi >= vocab_size):
+            bad_at = int(((ids < 0) | (ids >= (vocab_size if vocab_size is not None else hi + 1))).nonzero()[0])
+            failed.append(("input_ids", f"id {int(ids[bad_at])} at token {bad_at} outside [0, {vocab_size})"))
+    return failed
+
+
+def failure_line(report: dict[str, Any]) -> str | None:
+    """The one line that names the file, the first failing sample and its check; None when passed."""
+    if report["passed"]:
+        return None
+    first = report["first_failure"]
+    sample = "shard structure" if first["sample"] is None else f"sample {first['sample']}"
+    if first.get("sample_id"):
+        sample += f" (id {first['sample_id']})"
+    others = sorted(c for c, v in report["checks"].items() if v["failed"] and c != first["check"])
+    more = f" [also failed: {', '.join(others)}]" if others else ""
+    return f"{report['shard']}: {sample}: check {first['check']} failed: {first['detail']}{more}"
+
+
+def _empty_checks() -> dict[str, dict[str, Any]]:
+    return {c: {"failed": 0, "first": None} for c in CHECKS}
+
+
+def _write_report(report: dict[str, Any], report_path: str | os.PathLike[str] | None) -> None:
+    if report_path is None:
+        return
+    p = Path(report_path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(tmp, p)
+
+
+def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[str] | dict[str, Any],
+                   vocab_size: int | None = None, report_path: str | os.PathLike[str] | None = None,
+                   same_model: bool = False) -> dict[str, Any]:
+    """Check every sample of one shard; return (and write, if report_path) the JSON report."""
+    ref = reference if isinstance(reference, dict) else load_reference(reference)
+    layout = reference_layout(ref)
+    checks = _empty_checks()
+    report: dict[str, Any] = {
+        "shard": str(path), "passed": True, "num_samples": None, "num_tokens": None, "num_trained": None,
+        "vocab_size": vocab_size, "same_model": same_model,
+        "reference": str(reference) if not isinstance(reference, dict) else "<in memory>",
+        "checks": checks, "first_failure": None, "validator": f"hsextract {__version__}",
+    }
+    first: list[tuple[int, int, dict[str, Any]]] = []  # (sample order, check order, failure)
+
+    def fail(check: str, sample: int | None, sample_id: str | None, detail: str) -> None:
+        entry = {"sample": sample, "sample_id": sample_id, "detail": detail}
+        checks[check]["failed"] += 1
+        if checks[check]["first"] is None:
+            checks[check]["first"] = entry
+        first.append((-1 if sample is None else sample, CHECKS.index(check), {"check": check, **entry}))
+
+    try:
+        reader = ShardReader(path)
+    except CorruptShardError as e:
+        fail("integrity", e.sample, None, e.what)
+        reader = None
+    except ShardError as e:
+        fail("integrity", None, None, str(e))
+        reader = None
+    if reader is not None:
+        if vocab_size is None and reader.metadata.get("vocab_size") is not None:
+            vocab_size = int(reader.metadata["vocab_size"])
+            report["vocab_size"] = vocab_size
+        ids = reader.sample_ids
+        report["num_samples"] = len(reader)
+        report["num_tokens"] = sum(reader.seq_lens)
+        report["num_trained"] = sum(reader.index["num_trained"])
+        for i in range(len(reader)):
+            try:
+                sample = reader[i]
+            except CorruptShardError as e:
+                fail("checksum", i, ids[i], e.what)
+                continue
+            for check, detail in check_sample(sample, layout, vocab_size, same_model):
+                fail(check, i, ids[i], detail)
+        reader.close()
+    if vocab_size is None:
+        report["notes"] = ["vocab_size unknown (not in shard metadata, not given): input_ids checked for >= 0 only"]
+    if first:
+        report["passed"] = False
+        report["first_failure"] = min(first, key=lambda t: (t[0], t[1]))[2]
+    _write_report(report, report_path)
+    return report

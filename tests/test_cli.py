@@ -1,0 +1,99 @@
+"""The hsextract command: inspect values, export and error exits (validate lines are in test_validate.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_sample, shard_metadata
+
+from hsextract.cli import SUBCOMMANDS, build_parser, main
+from hsextract.shard import ShardWriter
+
+
+@pytest.fixture
+def shard(tmp_path):
+    path = tmp_path / "shards" / "chunk-00000.hss"
+    path.parent.mkdir()
+    samples = [make_sample(3, seed=0), make_sample(5, seed=1, trained=False), make_sample(8, seed=2)]
+    with ShardWriter(path, shard_metadata(run_name="t", vocab_size=1000)) as w:
+        for k, s in enumerate(samples):
+            w.add(*s, sample_id=f"conv-{k}")
+    return path, samples
+
+
+def test_inspect_json_values(shard, capsys):
+    path, samples = shard
+    assert main(["inspect", "--json", "--samples", str(path)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    trained = [int(s[2].sum()) for s in samples]
+    assert trained[1] == 0
+    raw = sum(16 * n + 4 * n * 16 * 2 for n in (3, 5, 8))
+    assert info["num_samples"] == 3 and info["num_tokens"] == 16 and info["num_trained"] == sum(trained)
+    assert info["raw_bytes"] == raw and info["stored_bytes"] == path.stat().st_size
+    assert info["ratio"] == round(path.stat().st_size / raw, 4)
+    assert info["metadata"]["model"] == "test-model" and info["metadata"]["run_name"] == "t"
+    assert info["samples"] == [{"index": k, "sample_id": f"conv-{k}", "seq_len": n, "num_trained": t}
+                               for k, (n, t) in enumerate(zip((3, 5, 8), trained))]
+
+
+def test_inspect_text(shard, capsys):
+    path, samples = shard
+    assert main(["inspect", "--samples", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert f"shard          {path}" in out
+    assert "final_state    post_norm" in out and "aux_layers     [1, 2, 3]" in out and "run_name       t" in out
+    assert "samples        3" in out and "tokens         16" in out
+    assert f"trained tokens {sum(int(s[2].sum()) for s in samples)}" in out
+    assert out[-3].split() == ["0", "3", str(int(samples[0][2].sum())), "conv-0"]
+    assert out[-2].split() == ["1", "5", "0", "conv-1"]
+
+
+def test_export_command(shard, tmp_path, capsys):
+    path, samples = shard
+    out = tmp_path / "out"
+    assert main(["export", "--format", "specforge", str(path.parent.parent), str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"exported 3 samples (16 tokens) as specforge to {out}\n"
+    assert captured.err == ""  # post_norm data to SpecForge: nothing to warn about
+    d = torch.load(out / "rows_0-3" / "data_2.ckpt", weights_only=True)
+    assert torch.equal(d["input_ids"], samples[2][0])
+    assert main(["export", "--format", "speculators-v1", str(path.parent), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hsextract export: error: ") and "pass --force" in err
+
+
+def test_export_warning_printed_once(shard, tmp_path, capsys):
+    path, _ = shard
+    assert main(["export", "--format", "speculators-v1", str(path.parent), str(tmp_path / "o")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("WARNING: export format speculators-v1 expects final_state=pre_norm")
+
+
+def test_errors_exit_2_with_a_message(shard, tmp_path, capsys):
+    path, _ = shard
+    assert main(["validate", "--reference", str(tmp_path / "nope.pt"), str(path)]) == 2
+    assert "hsextract validate: error: reference sample" in capsys.readouterr().err
+    assert main(["inspect", str(tmp_path / "missing.hss")]) == 2
+    assert "no such shard file" in capsys.readouterr().err
+    ref = tmp_path / "ref.pt"
+    ids, hs, mask = make_sample(4)
+    torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, ref)
+    assert main(["validate", "--reference", str(ref), "--report", str(tmp_path / "r.json"), str(path), str(path)]) == 2
+    assert "--report names one file but 2 shards were given" in capsys.readouterr().err
+
+
+def test_parser_is_extensible():
+    names = set(build_parser()._subparsers._group_actions[0].choices)
+    assert {"validate", "export", "inspect"} <= names and len(SUBCOMMANDS) >= 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([])
+
+
+def test_console_entry_runs_as_module(shard):
+    path, _ = shard
+    r = subprocess.run([sys.executable, "-m", "hsextract.cli", "inspect", "--json", str(path)],
+                       capture_output=True, text=True, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}, check=False)
+    assert r.returncode == 0 and json.loads(r.stdout)["num_samples"] == 3

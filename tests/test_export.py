@@ -1,0 +1,201 @@
+"""Exports: each consumer's loader reads our files unchanged and gets our tensors back."""
+
+import importlib
+import importlib.util
+import json
+import sys
+import types
+import warnings
+from collections import Counter
+
+import pytest
+import torch
+from conftest import make_sample, shard_metadata
+
+from hsextract import open_dataset
+from hsextract.errors import ConfigError
+from hsextract.export import FinalNormWarning, export
+from hsextract.export.specforge import group_dir
+from hsextract.shard import ShardWriter
+
+
+def bits(t):
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run folder with two shards (3 + 2 samples of varied length), final_state pre_norm."""
+    shards = tmp_path / "run" / "shards"
+    shards.mkdir(parents=True)
+    k = 0
+    for chunk, n in enumerate((3, 2)):
+        with ShardWriter(shards / f"chunk-{chunk:05d}.hss", shard_metadata(final_state="pre_norm", chunk=chunk)) as w:
+            for _ in range(n):
+                w.add(*make_sample(4 + 3 * k, seed=k), sample_id=f"id{k}")
+                k += 1
+    return tmp_path / "run"
+
+
+def expected_freq(ds):
+    c = Counter()
+    for s in ds:
+        c.update(s["input_ids"][s["loss_mask"] == 1].tolist())
+    return dict(c)
+
+
+def import_eagle3_dataset():
+    """speculators 0.4.0's Eagle3SampleFileDataset, imported from its own file.
+
+    Shim: `import speculators` runs the package __init__, which imports speculators.models and needs
+    transformers <= 4.57 (transformers.modeling_attn_mask_utils is gone in 5.x). train/data.py itself needs
+    only torch and speculators.train.noise_transforms, so the two package modules are stubbed with their real
+    __path__ and train/data.py is imported unchanged.
+    """
+    spec = importlib.util.find_spec("speculators")
+    if spec is None:
+        pytest.skip("speculators==0.4.0 not installed (pip install --no-deps speculators==0.4.0)")
+    from importlib.metadata import version
+
+    assert version("speculators") == "0.4.0"
+    saved = {k: v for k, v in sys.modules.items() if k == "speculators" or k.startswith("speculators.")}
+    try:
+        root = types.ModuleType("speculators")
+        root.__path__ = list(spec.submodule_search_locations)
+        train = types.ModuleType("speculators.train")
+        train.__path__ = [p + "/train" for p in root.__path__]
+        sys.modules.update({"speculators": root, "speculators.train": train})
+        return importlib.import_module("speculators.train.data")
+    finally:
+        for k in [k for k in sys.modules if k == "speculators" or k.startswith("speculators.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+def test_speculators_v1_loads_in_eagle3_sample_file_dataset(run_dir, tmp_path):
+    data_mod = import_eagle3_dataset()
+    out = tmp_path / "v1"
+    summary = export(run_dir, out, "speculators-v1")
+    ds = open_dataset(run_dir)
+    assert summary["num_samples"] == 5 and summary["warning"] is None
+    data = out / "data"
+    assert sorted(p.name for p in data.iterdir()) == sorted(
+        [f"data_{i}.pt" for i in range(5)] + ["sample_lengths.json", "data_config.json"])
+    assert json.loads((data / "sample_lengths.json").read_text()) == {str(i): 4 + 3 * i for i in range(5)}
+    cfg = json.loads((data / "data_config.json").read_text())
+    assert list(cfg)[:10] == ["version", "generated_at", "speculators_version", "reproducibility", "model", "data",
+                              "hidden_states", "generation", "format", "hsextract"]
+    assert cfg["version"] == "2.0" and cfg["model"]["hidden_size"] == 16 and cfg["data"]["num_samples"] == 5
+    assert cfg["format"]["file_pattern"] == "data_{idx}.pt" and cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 4
+    freq = torch.load(out / "token_freq.pt", weights_only=True)
+    assert type(freq) is dict and all(type(k) is int and type(v) is int for k, v in freq.items())
+    assert freq == expected_freq(ds)
+
+    for i in range(5):
+        raw = torch.load(data / f"data_{i}.pt", weights_only=True)
+        ours = ds[i]
+        assert list(raw) == ["input_ids", "hidden_states", "loss_mask"] and isinstance(raw["hidden_states"], list)
+        assert torch.equal(raw["input_ids"], ours["input_ids"]) and torch.equal(raw["loss_mask"], ours["loss_mask"])
+        for a, b in zip(raw["hidden_states"], ours["hidden_states"], strict=True):
+            assert a.dtype == torch.bfloat16 and torch.equal(bits(a), bits(b))
+
+    sds = data_mod.Eagle3SampleFileDataset(max_len=64, datapath=str(data))
+    assert len(sds) == 5
+    by_idx = {int(str(p).rsplit("_", 1)[1][:-3]): k for k, p in enumerate(sds.data)}
+    assert [sds.approx_lengths[by_idx[i]] for i in range(5)] == [4 + 3 * i for i in range(5)]
+    for i in range(5):
+        got, ours = sds[by_idx[i]], ds[i]
+        hs = ours["hidden_states"]
+        assert torch.equal(got["input_ids"], ours["input_ids"][1:])
+        assert torch.equal(got["loss_mask"], ours["loss_mask"][1:])
+        assert torch.equal(got["hidden_states"], torch.cat(hs[:-1], dim=-1)[:-1].float())
+        assert torch.equal(got["verifier_last_hidden_states"], hs[-1][1:].float())
+        assert got["hidden_states"].shape == (3 + 3 * i, 48)
+
+
+def test_specforge_keys_shapes_values(run_dir, tmp_path):
+    out = tmp_path / "sf"
+    with pytest.warns(FinalNormWarning):
+        export(run_dir, out, "specforge")
+    ds = open_dataset(run_dir)
+    assert [p.name for p in out.iterdir()] == ["rows_0-5"]
+    for i in range(5):
+        d = torch.load(out / "rows_0-5" / f"data_{i}.ckpt", weights_only=True)
+        ours = ds[i]
+        seq = 4 + 3 * i
+        assert list(d) == ["input_ids", "loss_mask", "hidden_state", "aux_hidden_state"]
+        assert d["input_ids"].dtype == torch.int64 and torch.equal(d["input_ids"], ours["input_ids"])
+        assert torch.equal(d["loss_mask"], ours["loss_mask"])
+        assert d["hidden_state"].shape == (1, seq, 16) and d["aux_hidden_state"].shape == (1, seq, 48)
+        assert torch.equal(bits(d["hidden_state"][0]), bits(ours["hidden_states"][3]))
+        for k in range(3):
+            assert torch.equal(bits(d["aux_hidden_state"][0, :, 16 * k:16 * (k + 1)]), bits(ours["hidden_states"][k]))
+
+
+def test_specforge_group_folders():
+    assert group_dir(0, 5) == "rows_0-5"
+    assert group_dir(1999, 4500) == "rows_0-2000"
+    assert group_dir(2000, 4500) == "rows_2000-4000"
+    assert group_dir(4499, 4500) == "rows_4000-4500"
+
+
+def test_speculators_safetensors_values(run_dir, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from safetensors.torch import load_file
+
+    out = tmp_path / "st"
+    export(run_dir, out, "speculators-safetensors")
+    ds = open_dataset(run_dir)
+    table = datasets.load_from_disk(str(out))
+    assert len(table) == 5 and list(table.with_format(None)["seq_len"]) == [4 + 3 * i for i in range(5)]
+    for i in range(5):
+        ours = ds[i]
+        hs = load_file(out / "hidden_states" / f"hs_{i}.safetensors")
+        assert sorted(hs) == ["hidden_states", "token_ids"]
+        assert hs["hidden_states"].shape == (4 + 3 * i, 4, 16) and hs["hidden_states"].dtype == torch.bfloat16
+        for k in range(4):
+            assert torch.equal(bits(hs["hidden_states"][:, k]), bits(ours["hidden_states"][k]))
+        # speculators >=0.5 ArrowDataset requires exactly this, then joins loss_mask by row
+        assert torch.equal(hs["token_ids"], table[i]["input_ids"])
+        assert torch.equal(table[i]["input_ids"], ours["input_ids"])
+        assert torch.equal(table[i]["loss_mask"], ours["loss_mask"])
+    assert torch.load(out / "token_freq.pt", weights_only=True) == expected_freq(ds)
+
+
+@pytest.mark.parametrize("final_state", ["pre_norm", "post_norm"])
+@pytest.mark.parametrize("fmt,wants", [("speculators-v1", "pre_norm"), ("speculators-safetensors", "pre_norm"),
+                                       ("specforge", "post_norm")])
+def test_final_norm_warning_fires_exactly_on_mismatch(tmp_path, capsys, final_state, fmt, wants):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    with ShardWriter(shards / "c.hss", shard_metadata(final_state=final_state)) as w:
+        w.add(*make_sample(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        summary = export(shards, tmp_path / "out", fmt)
+    err = capsys.readouterr().err
+    norm = [w for w in caught if issubclass(w.category, FinalNormWarning)]
+    if final_state == wants:
+        assert norm == [] and err == "" and summary["warning"] is None
+    else:
+        assert len(norm) == 1 and str(norm[0].message) == summary["warning"] and err == summary["warning"] + "\n"
+        assert f"expects final_state={wants}" in err and f"captured with final_state={final_state}" in err
+        assert ("applied TWICE" in err) if wants == "pre_norm" else ("MISS the final RMSNorm" in err)
+
+
+def test_non_empty_out_dir_needs_force_and_stale_files_go(run_dir, tmp_path):
+    out = tmp_path / "v1"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "data_7.pt").write_bytes(b"old")
+    with pytest.raises(ConfigError, match="folder is not empty; .* pass --force"):
+        export(run_dir, out, "speculators-v1")
+    assert not (out / "data" / "data_0.pt").exists()
+    summary = export(run_dir, out, "speculators-v1", force=True)
+    assert summary["removed_stale"] == [str(out / "data" / "data_7.pt")]
+    assert sorted(p.name for p in (out / "data").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(5)]
+    assert not list(out.rglob("*.tmp"))
+
+
+def test_unknown_format_is_refused(run_dir, tmp_path):
+    with pytest.raises(ConfigError, match="export format 'eagle': use one of speculators-v1, specforge, speculators-safetensors"):
+        export(run_dir, tmp_path / "o", "eagle")

@@ -1,0 +1,495 @@
+"""Response regeneration: a tiny random Llama (transformers generate), a scripted generator for the turn logic,
+and the SGLang client against a local fake server."""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from chatfix import CORPUS, EOS, SPECIALS, TEMPLATES, BOS
+from hsextract.conversations import Conversation
+from hsextract.errors import ConfigError, EngineError
+from hsextract.loss_mask import ChatMasker
+from hsextract.prepare import run_prepare
+from hsextract.regenerate import (RegenSettings, RegenStats, SGLangGenerator, TransformersGenerator, chunk_name,
+                                  concat_chunks, cut_at_stop, end_of_turn_ids, num_chunks, parse_settings,
+                                  regenerate_chunk, run_regenerate_chunk, stats_path)
+
+
+# ------------------------------------------------------------------------------------------------ fixtures
+
+
+@functools.cache
+def _bpe() -> str:
+    # Alphabet = the corpus characters only (no byte fallback): any token sequence decodes to valid text,
+    # so a random model's generations can round-trip through the template.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"], trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1,
+                                                                    show_progress=False))
+    return tok.to_str()
+
+
+def make_tok(name: str) -> PreTrainedTokenizerFast:
+    tok = Tokenizer.from_str(_bpe())
+    tok.add_special_tokens(SPECIALS[name])
+    kw = {"eos_token": EOS[name]}
+    if BOS[name]:
+        kw["bos_token"] = BOS[name]
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=(TEMPLATES / f"{name}.jinja").read_text(),
+                                   **kw)
+
+
+@functools.cache
+def tiny_llama(vocab: int, eot: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    m = LlamaForCausalLM(cfg).eval()
+    # Make the end-of-turn token likely enough that some turns stop on it and some run to max_new_tokens
+    # (measured: at 0.04 half of the turns of CONVS stop; at 0.03 none of CONVS[:3], at 0.06 nearly all).
+    with torch.no_grad():
+        m.lm_head.weight[eot] = m.model.norm.weight * 0.04
+    return m
+
+
+def model_for(tok) -> LlamaForCausalLM:
+    return tiny_llama(len(tok), tok.eos_token_id)
+
+
+class Recording:
+    """Wraps a generator; records (prompt, output) pairs; optionally fails on call number `fail_on`."""
+
+    def __init__(self, inner, fail_on: int | None = None) -> None:
+        self.inner, self.fail_on, self.calls, self.pairs = inner, fail_on, 0, []
+
+    def generate(self, prompts, seeds=None):
+        self.calls += 1
+        if self.fail_on is not None and self.calls == self.fail_on:
+            raise RuntimeError("injected failure")
+        outs = self.inner.generate(prompts, seeds)
+        self.pairs.extend(zip(map(list, prompts), outs))
+        return outs
+
+
+class Scripted:
+    """Answers each prompt with the next scripted text (tokenized) + the stop token."""
+
+    def __init__(self, tok, texts, stop: bool | list[bool] = True) -> None:
+        self.tok, self.texts, self.k, self.stop = tok, list(texts), 0, stop
+        self.prompts: list[list[int]] = []
+
+    def generate(self, prompts, seeds=None):
+        out = []
+        for p in prompts:
+            self.prompts.append(list(p))
+            text = self.texts[self.k]
+            stop = self.stop if isinstance(self.stop, bool) else self.stop[self.k]
+            self.k += 1
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            out.append(ids + ([self.tok.eos_token_id] if stop else []))
+        return out
+
+
+CONVS = [
+    {"messages": [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hi."},
+                  {"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "four"}]},
+    {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                  {"role": "user", "content": "What is the weather in Paris?"}]},
+    {"messages": [{"role": "user", "content": "How are you today?"}, {"role": "assistant", "content": "fine"}]},
+    {"messages": [{"role": "user", "content": "get weather Paris"},
+                  {"role": "assistant", "content": "",
+                   "tool_calls": [{"type": "function", "function": {"name": "get_weather",
+                                                                    "arguments": {"city": "Paris"}}}]},
+                  {"role": "tool", "content": '{"temperature": 21}'},
+                  {"role": "assistant", "content": "It is 21 degrees."}]},
+    {"messages": [{"role": "user", "content": "Let me think about this step by step."},
+                  {"role": "assistant", "content": "ok"}]},
+]
+
+
+def _write_jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _config(src: Path, **regen) -> dict:
+    return {"sources": [{"path": str(src), "name": "d"}], "seed": 5, "prompts_per_chunk": 2, "engine": "transformers",
+            "regenerate": {"enabled": True, "max_new_tokens": 6, "batch_size": 3, **regen}}
+
+
+def _read_jsonl(p: Path) -> list[dict]:
+    return [json.loads(line) for line in p.read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_stop_token_is_the_templates_end_of_turn():
+    got = {name: make_tok(name).convert_ids_to_tokens(end_of_turn_ids(make_tok(name)))
+           for name in ("llama3", "qwen3", "deepseek_v3", "kimi_k25")}
+    assert got == {"llama3": ["<|eot_id|>"], "qwen3": ["<|im_end|>"], "deepseek_v3": ["<｜end▁of▁sentence｜>"],
+                   "kimi_k25": ["<|im_end|>"]}
+    assert cut_at_stop([5, 6, 7, 6, 8], [6]) == [5, 6] and cut_at_stop([5, 7], [6]) == [5, 7]
+
+
+def test_turns_are_what_model_generate_gives_for_the_rendered_context():
+    tok = make_tok("deepseek_v3")
+    model = model_for(tok)
+    settings = RegenSettings(max_new_tokens=6, batch_size=4)
+    stop = end_of_turn_ids(tok)
+    rec = Recording(TransformersGenerator(model, settings, stop))
+    convs = [Conversation([dict(m) for m in c["messages"]]) for c in CONVS[:3]]
+    stats = RegenStats()
+    out = regenerate_chunk(convs, rec, settings, tokenizer=tok, sample_ids=["a", "b", "c"], stats=stats)
+
+    masker = ChatMasker(tok)
+    by_prompt = {tuple(p): o for p, o in rec.pairs}
+    n_stopped = 0
+    for conv, new in zip(convs, out):
+        # Non-assistant messages unchanged, in place; conversation 1 gets an appended final turn.
+        assert [m for m in new.messages if m["role"] != "assistant"] == \
+            [m for m in conv.messages if m["role"] != "assistant"]
+        for j, m in enumerate(new.messages):
+            if m["role"] != "assistant":
+                assert m == (conv.messages[j] if j < len(conv.messages) else None)
+                continue
+            prompt = tok(masker.render(new.messages[:j], add_generation_prompt=True),
+                         add_special_tokens=False)["input_ids"]
+            gen = by_prompt[tuple(prompt)]  # the context holds the regenerated earlier turns
+            direct = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=6, eos_token_id=stop, pad_token_id=stop[0])
+            direct_ids = cut_at_stop(direct[0, len(prompt):].tolist(), stop)
+            assert gen == direct_ids
+            stopped = direct_ids[-1] in stop
+            n_stopped += stopped
+            body = direct_ids[:-1] if stopped else direct_ids
+            assert m == {"role": "assistant", "content": tok.decode(body, skip_special_tokens=False)}
+    assert len(rec.pairs) == 4 and stats.turns_regenerated == 3 and stats.turns_appended == 1
+    assert stats.generated_tokens == sum(len(o) for _, o in rec.pairs)
+    assert stats.turns_hit_max_new_tokens == 4 - n_stopped
+    assert 0 < n_stopped < 4, "the eot bias should make some but not all turns stop"
+    assert sum(stats.roundtrip.values()) == 4 and stats.roundtrip.get("none", 0) == 0
+
+
+def _chunk_paths(tmp: Path, n: int) -> list[Path]:
+    return [tmp / "regen" / chunk_name(k) for k in range(n)]
+
+
+def test_chunks_then_prepare_uses_the_same_template(tmp_path):
+    tok = make_tok("deepseek_v3")
+    model = model_for(tok)
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    cfg = _config(src)
+    n = num_chunks(cfg)
+    assert n == 3
+    settings = parse_settings(cfg["regenerate"])
+    rec = Recording(TransformersGenerator(model, settings, end_of_turn_ids(tok)))
+    for k, p in enumerate(_chunk_paths(tmp_path, n)):
+        st = run_regenerate_chunk(cfg, k, p, tokenizer=tok, generator=rec)
+        assert json.loads(stats_path(p).read_text()) == json.loads(json.dumps(st))
+    out = tmp_path / "regenerated.jsonl"
+    total = concat_chunks(_chunk_paths(tmp_path, n), out)
+    records = _read_jsonl(out)
+    assert len(records) == len(CONVS) and total["records"] == 5 and total["chunks"] == 3
+    assert total["turns_kept_tool_calls"] == 1 and total["turns_regenerated"] + total["turns_appended"] == 6
+    assert sorted(r["id"] for r in records) == [f"d:{i}" for i in range(5)]
+    # The tool-call turn and the tool result are kept verbatim (tool_turns: keep).
+    tool_rec = next(r for r in records if r["id"] == "d:3")
+    assert tool_rec["messages"][1]["tool_calls"][0]["function"] == {"name": "get_weather",
+                                                                     "arguments": {"city": "Paris"}}
+    assert tool_rec["messages"][2] == CONVS[3]["messages"][2]
+
+    # prepare reads the regenerated file with the same tokenizer/template: every prompt the model saw is a
+    # prefix of a stored sample, and when the re-tokenized turn equals the generated ids, so is prompt+turn.
+    summary = run_prepare({"sources": [{"path": str(out), "name": "r"}], "seed": 1, "prompts_per_chunk": 2,
+                           "dedup": False}, tok, tmp_path / "prompts", 3)
+    rows = [r for k in range(3) for r in pq.read_table(tmp_path / "prompts" / f"chunk-{k:05d}.parquet").to_pylist()]
+    assert summary["kept"] == 5 and len(rows) == 5
+    stored = [r["input_ids"] for r in rows]
+    stop = end_of_turn_ids(tok)
+    exact = 0
+    for prompt, gen in rec.pairs:
+        hits = [ids for ids in stored if ids[:len(prompt)] == prompt]
+        assert hits, "a generation prompt is not a prefix of any prepared sample"
+        body = gen[:-1] if gen[-1] in stop else gen
+        # the generated ids are stored as they were generated (re-tokenizing the decoded text gave them back)
+        exact += any(ids[:len(prompt) + len(body)] == prompt + body for ids in hits)
+    assert exact == total["roundtrip"]["tokens"] >= 1
+    assert sum(total["roundtrip"].values()) == len(rec.pairs) == 6
+
+
+def test_same_config_identical_files_and_per_sample_seeds(tmp_path):
+    tok = make_tok("deepseek_v3")
+    model = model_for(tok)
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+
+    def run(name: str, **regen) -> bytes:
+        cfg = _config(src, **regen)
+        s = parse_settings(cfg["regenerate"])
+        gen = TransformersGenerator(model, s, end_of_turn_ids(tok))
+        paths = [tmp_path / name / chunk_name(k) for k in range(3)]
+        for k, p in enumerate(paths):
+            run_regenerate_chunk(cfg, k, p, tokenizer=tok, generator=gen)
+        concat_chunks(paths, tmp_path / name / "all.jsonl")
+        return (tmp_path / name / "all.jsonl").read_bytes()
+
+    assert run("g1") == run("g2")
+    sampled = run("s1", temperature=1.0, top_p=0.9, seed=7)
+    assert sampled == run("s2", temperature=1.0, top_p=0.9, seed=7)
+    assert sampled != run("g3")
+    assert sampled != run("s3", temperature=1.0, top_p=0.9, seed=8)
+    # Seeds are per (sample, turn): the batch composition does not change what is drawn.
+    assert sampled == run("s4", temperature=1.0, top_p=0.9, seed=7, batch_size=1)
+
+
+def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
+    tok = make_tok("deepseek_v3")
+    model = model_for(tok)
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    cfg = _config(src)
+    s = parse_settings(cfg["regenerate"])
+    base = TransformersGenerator(model, s, end_of_turn_ids(tok))
+    paths = _chunk_paths(tmp_path, 3)
+    # Mixture order (seed 5): chunk 0 = d:4, d:3; chunk 1 = d:1, d:2; chunk 2 = d:0 (two assistant turns).
+    for k in (0, 1):
+        run_regenerate_chunk(cfg, k, paths[k], tokenizer=tok, generator=base)
+    before = [p.stat().st_mtime_ns for p in paths[:2]]
+    # Fail on chunk 2's second generate call: mid-chunk, after its first turn was generated.
+    failing = Recording(base, fail_on=2)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        run_regenerate_chunk(cfg, 2, paths[2], tokenizer=tok, generator=failing)
+    assert failing.calls == 2 and len(failing.pairs) == 1
+    assert sorted(p.name for p in (tmp_path / "regen").iterdir()) == [
+        "chunk-00000.jsonl", "chunk-00000.stats.json", "chunk-00001.jsonl", "chunk-00001.stats.json"]
+    with pytest.raises(ConfigError, match=r"chunk files missing: \[.*chunk-00002.jsonl"):
+        concat_chunks(paths, tmp_path / "all.jsonl")
+    assert not (tmp_path / "all.jsonl").exists()
+    rerun = Recording(base)
+    run_regenerate_chunk(cfg, 2, paths[2], tokenizer=tok, generator=rerun)
+    assert len(rerun.pairs) == 2 and rerun.pairs[0] == failing.pairs[0]
+    assert [p.stat().st_mtime_ns for p in paths[:2]] == before
+    # The rerun chunk equals a clean run of it.
+    clean = tmp_path / "clean.jsonl"
+    run_regenerate_chunk(cfg, 2, clean, tokenizer=tok, generator=base)
+    assert paths[2].read_bytes() == clean.read_bytes()
+    concat_chunks(paths, tmp_path / "all.jsonl")
+    assert [r["id"] for r in _read_jsonl(tmp_path / "all.jsonl")] == ["d:4", "d:3", "d:1", "d:2", "d:0"]
+    with pytest.raises(ConfigError, match="chunk 3 does not exist: the sources hold 5 records = 3 chunks of 2"):
+        run_regenerate_chunk(cfg, 3, tmp_path / "x.jsonl", tokenizer=tok, generator=base)
+
+
+def test_reasoning_split_tool_turns_and_cut_conversations():
+    tok = make_tok("kimi_k25")
+    settings = RegenSettings()
+    conv = Conversation([{"role": "user", "content": "What is two plus two?"},
+                         {"role": "assistant", "content": "four", "reasoning_content": "old"},
+                         {"role": "user", "content": "Hello there!"}])
+    gen = Scripted(tok, ["Let me think</think>Two plus two is four.", "The weather</think>How are you today?"])
+    stats = RegenStats()
+    (new,) = regenerate_chunk([conv], gen, settings, tokenizer=tok, stats=stats)
+    assert new.messages[1] == {"role": "assistant", "reasoning_content": "Let me think",
+                               "content": "Two plus two is four."}
+    assert new.messages[3] == {"role": "assistant", "reasoning_content": "The weather",
+                               "content": "How are you today?"}
+    # Kimi's generation prompt opens <think> and the model's text continues it; but this template renders
+    # a finished plain turn as history with an empty <think></think>: what is stored is not what was
+    # generated, and the stats say so.
+    assert stats.roundtrip == {"none": 2}
+    masker = ChatMasker(tok)
+    p = masker.render(new.messages[:1], add_generation_prompt=True)
+    assert p.endswith("<|im_assistant|>assistant<|im_middle|><think>")
+    assert masker.render(new.messages[:2]) == p + "</think>Two plus two is four.<|im_end|>"
+
+    # Qwen3: the model writes the think block itself; the template renders it back exactly (the newlines it
+    # adds are stripped from the fields), token for token.
+    qtok = make_tok("qwen3")
+    text = "<think>\nThe user asks.\n</think>\n\nIt is four."
+    q = Scripted(qtok, [text])
+    stats = RegenStats()
+    (qn,) = regenerate_chunk([Conversation(conv.messages[:2])], q, settings, tokenizer=qtok, stats=stats)
+    assert qn.messages[1] == {"role": "assistant", "reasoning_content": "The user asks.", "content": "It is four."}
+    assert stats.roundtrip == {"tokens": 1}
+    qm = ChatMasker(qtok)
+    assert qm.render(qn.messages) == qm.render(qn.messages[:1], add_generation_prompt=True) + text + "<|im_end|>\n"
+
+    # Tool-call turns: kept (default) or the conversation is cut before them.
+    dtok = make_tok("deepseek_v3")
+    tool_conv = Conversation([dict(m) for m in CONVS[3]["messages"]])
+    kept = regenerate_chunk([tool_conv], Scripted(dtok, ["It is warm."]), settings, tokenizer=dtok)[0]
+    assert kept.messages[:3] == CONVS[3]["messages"][:3] and kept.messages[3]["content"] == "It is warm."
+    trunc = RegenSettings(tool_turns="truncate", complete_last_turn=False)
+    st = RegenStats()
+    cut = regenerate_chunk([tool_conv], Scripted(dtok, []), trunc, tokenizer=dtok, stats=st)[0]
+    assert cut.messages == CONVS[3]["messages"][:1] and st.conversations_cut == {"no_assistant_turn": 1}
+
+    # Empty generation cuts the conversation before the turn; max_new_tokens with drop_truncated too.
+    two = Conversation([dict(m) for m in CONVS[0]["messages"]])
+    st = RegenStats()
+    out = regenerate_chunk([two], Scripted(dtok, ["Hi.", ""]), settings, tokenizer=dtok, stats=st)[0]
+    assert out.messages == CONVS[0]["messages"][:3] and st.conversations_cut == {"empty_generation": 1}
+    st = RegenStats()
+    out = regenerate_chunk([two], Scripted(dtok, ["Hi.", "four"], stop=[True, False]),
+                           RegenSettings(drop_truncated=True), tokenizer=dtok, stats=st)[0]
+    assert out.messages == CONVS[0]["messages"][:3] and st.conversations_cut == {"max_new_tokens": 1}
+    assert st.turns_hit_max_new_tokens == 1
+
+
+def test_malformed_records_lenient_keep_one_line_each(tmp_path):
+    tok = make_tok("deepseek_v3")
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(json.dumps(CONVS[2]).encode() + b"\n{not json\n")
+    cfg = {**_config(src), "strict": False, "prompts_per_chunk": 4}
+    st = run_regenerate_chunk(cfg, 0, tmp_path / "c.jsonl", tokenizer=tok, generator=Scripted(tok, ["I am fine."]))
+    recs = {r["id"]: r for r in _read_jsonl(tmp_path / "c.jsonl")}
+    assert recs["d:1"] == {"id": "d:1", "source": "d", "messages": [], "malformed": "bad_json"}
+    assert recs["d:0"]["messages"][1] == {"role": "assistant", "content": "I am fine."}
+    assert st["malformed"] == {"bad_json": 1} and st["records"] == 2
+    from hsextract.conversations import MalformedRecordError
+    with pytest.raises(MalformedRecordError, match=r"in.jsonl:2: malformed record \(bad_json\)"):
+        run_regenerate_chunk({**cfg, "strict": True}, 0, tmp_path / "s.jsonl", tokenizer=tok,
+                             generator=Scripted(tok, ["x"]))
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_settings_validation():
+    assert parse_settings(None) == RegenSettings()
+    assert parse_settings({"stop_token_ids": [3, 4]}).stop_token_ids == (3, 4)
+    with pytest.raises(ConfigError, match=r"config key `regenerate` has unknown keys \['temp'\]"):
+        parse_settings({"temp": 1})
+    with pytest.raises(ConfigError, match=r"`regenerate.top_p` must be a number in \[1e-09, 1.0\], got 1.5"):
+        parse_settings({"top_p": 1.5})
+    with pytest.raises(ConfigError, match="`regenerate.tool_turns` is 'drop'; allowed: keep, truncate"):
+        parse_settings({"tool_turns": "drop"})
+    with pytest.raises(ConfigError, match="`regenerate.max_new_tokens` must be an integer"):
+        parse_settings({"max_new_tokens": 0})
+
+
+# ------------------------------------------------------------------------------------------------ sglang
+
+
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """/generate: output_ids = a deterministic function of input_ids and the seed, then the first stop id.
+    Modes (server.mode): "ok", "trim" (stop token left out, reported in finish_reason), "flaky" (one 503)."""
+
+    def do_POST(self):  # noqa: N802
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv = self.server
+        with srv.lock:
+            srv.requests.append(body)
+            flaky = srv.mode == "flaky" and not srv.failed
+            if flaky:
+                srv.failed = True
+        if self.path != "/generate" or "input_ids" not in body:
+            return self._send(400, {"error": "bad request"})
+        if flaky:
+            return self._send(503, {"error": "busy"})
+        ids, sp = body["input_ids"], body["sampling_params"]
+        x = sum(ids) + sp.get("sampling_seed", 0) % 97
+        out = [(x + 7 * i) % srv.vocab for i in range(3)]
+        stop = sp["stop_token_ids"][0]
+        out = [t for t in out if t not in sp["stop_token_ids"]]
+        reason = {"type": "stop", "matched": stop}
+        if srv.mode != "trim":
+            out.append(stop)
+        return self._send(200, {"text": "", "output_ids": out, "meta_info": {"finish_reason": reason}})
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def fake_server():
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    srv.requests, srv.lock, srv.mode, srv.failed, srv.vocab = [], threading.Lock(), "ok", False, 150
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
+    tok = make_tok("deepseek_v3")
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    cfg = {**_config(src, temperature=0.8, top_p=0.95, top_k=20, seed=3, max_new_tokens=9, retries=2),
+           "engine": "sglang"}
+    cfg["regenerate"]["server_url"] = url
+    run_regenerate_chunk(cfg, 0, tmp_path / "a.jsonl", tokenizer=tok)
+    stop = end_of_turn_ids(tok)
+    reqs = list(fake_server.requests)
+    assert len(reqs) == 2  # chunk 0 = d:4 (one turn), d:3 (tool-call turn kept, one turn generated)
+    for r in reqs:
+        sp = r["sampling_params"]
+        assert {k: sp[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids")} == \
+            {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.95, "top_k": 20, "stop_token_ids": stop}
+        assert isinstance(sp["sampling_seed"], int) and r["rid"].startswith("hsx-regen-")
+    # Each regenerated turn is the decoded fake output for exactly the rendered prompt.
+    masker = ChatMasker(tok)
+    by_prompt = {tuple(r["input_ids"]): r for r in reqs}
+    for rec in _read_jsonl(tmp_path / "a.jsonl"):
+        msgs = rec["messages"]
+        for j, m in enumerate(msgs):
+            if m["role"] != "assistant" or m.get("tool_calls"):  # tool-call turns are kept, not generated
+                continue
+            prompt = tok(masker.render(msgs[:j], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            r = by_prompt[tuple(prompt)]
+            x = sum(prompt) + r["sampling_params"]["sampling_seed"] % 97
+            want = [t for t in ((x + 7 * i) % 150 for i in range(3)) if t not in stop]
+            assert m["content"] == tok.decode(want, skip_special_tokens=False)
+    stats = json.loads(stats_path(tmp_path / "a.jsonl").read_text())
+    assert stats["turns_hit_max_new_tokens"] == 0  # every fake output ends on the stop token
+
+    # A server that trims the stop token from output_ids: finish_reason.matched puts it back.
+    fake_server.mode = "trim"
+    g = SGLangGenerator(url, parse_settings({"retries": 0}), stop)
+    (out,) = g.generate([[1, 2, 3]])
+    assert out[-1] == stop[0]
+    # A 503 is retried; a 4xx is not.
+    fake_server.mode, fake_server.failed = "flaky", False
+    n = len(fake_server.requests)
+    with pytest.raises(EngineError, match=r"failed for request hsx-regen-\S+ after 1 attempts: 503"):
+        g.generate([[1, 2, 3]])
+    fake_server.failed = False
+    g2 = SGLangGenerator(url, parse_settings({"retries": 1}), stop)
+    assert g2.generate([[1, 2, 3]]) == [out]
+    assert len(fake_server.requests) == n + 1 + 2
+    bad = SGLangGenerator(url + "/nope", parse_settings({"retries": 3}), stop)
+    with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request hsx-regen-"):
+        bad.generate([[1]])
+
+
+def test_default_transformers_engine_loads_model_and_tokenizer_from_a_directory(tmp_path):
+    tok = make_tok("deepseek_v3")
+    model = model_for(tok)
+    model.save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    cfg = {**_config(src), "model": str(tmp_path / "model")}
+    st = run_regenerate_chunk(cfg, 2, tmp_path / "a.jsonl")  # generator and tokenizer from the config
+    s = parse_settings(cfg["regenerate"])
+    run_regenerate_chunk(cfg, 2, tmp_path / "b.jsonl", tokenizer=tok,
+                         generator=TransformersGenerator(model, s, end_of_turn_ids(tok)))
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    assert st["turns_regenerated"] == 2 and st["settings"]["stop_token_ids"] == [tok.eos_token_id]
+    with pytest.raises(ConfigError, match="`regenerate.server_url` must be set"):
+        run_regenerate_chunk({**cfg, "engine": "sglang"}, 2, tmp_path / "c.jsonl", tokenizer=tok)

@@ -1,0 +1,197 @@
+"""Validation: the reference validates; every check fails on a sample crafted to break it, with its exact line."""
+
+import json
+
+import pytest
+import torch
+from conftest import make_sample, shard_metadata
+
+from hsextract.cli import main
+from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard import format as fmt
+from hsextract.validate import check_sample, failure_line, load_reference, reference_layout, validate_shard
+
+REFERENCE = "resources/reference/speculators-v1-data_0.pt"
+
+
+@pytest.fixture
+def ref16(tmp_path):
+    """A v1 reference sample of the tests' small model (hidden 16, 4 tensors)."""
+    ids, hs, mask = make_sample(5, seed=99)
+    path = tmp_path / "ref.pt"
+    torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, path)
+    return path
+
+
+def write_shard(path, samples, **meta):
+    with ShardWriter(path, shard_metadata(**meta)) as w:
+        for k, (ids, hs, mask) in enumerate(samples):
+            w.add(ids, hs, mask, sample_id=f"s{k}")
+    return path
+
+
+def run_validate(capsys, *args):
+    code = main(["validate", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out.splitlines(), out.err
+
+
+def test_bundled_reference_sample_validates_with_its_hidden_size(tmp_path, capsys):
+    ref = load_reference(REFERENCE)
+    assert ref["hidden_states"][0].shape == (24, 7168) and len(ref["hidden_states"]) == 4
+    assert check_sample(ref, reference_layout(ref), vocab_size=None, same_model=True) == []
+    shard = write_shard(tmp_path / "ref.hss", [(ref["input_ids"], ref["hidden_states"], ref["loss_mask"])],
+                        hidden_size=7168)
+    report = validate_shard(shard, REFERENCE, same_model=True, report_path=tmp_path / "r.json")
+    assert report["passed"] and report["num_samples"] == 1 and report["num_tokens"] == 24
+    assert report["num_trained"] == int(ref["loss_mask"].sum())
+    assert all(c["failed"] == 0 and c["first"] is None for c in report["checks"].values())
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    code, lines, _ = run_validate(capsys, "--reference", REFERENCE, "--same-model", shard)
+    assert code == 0 and lines == []
+
+
+def test_hidden_size_is_compared_only_for_the_same_model(tmp_path):
+    shard = write_shard(tmp_path / "a.hss", [make_sample(4)])  # hidden 16 vs the reference's 7168
+    assert validate_shard(shard, REFERENCE)["passed"]
+    report = validate_shard(shard, REFERENCE, same_model=True)
+    assert not report["passed"]
+    assert failure_line(report) == (
+        f"{shard}: sample 0 (id s0): check layout failed: hidden_states[0] has hidden size 16, reference has 7168")
+
+
+def _break(kind):
+    ids, hs, mask = make_sample(6, seed=1)
+    if kind == "finite":
+        hs[2][3, 5] = float("nan")
+        hs[2][4, 0] = float("inf")
+    elif kind == "zero_row":
+        hs[0][2].zero_()
+    elif kind == "mask_values":
+        mask[0] = 2
+    elif kind == "mask_empty":
+        mask.zero_()
+    elif kind == "input_ids":
+        ids[4] = 1000
+    return ids, hs, mask
+
+
+@pytest.mark.parametrize("kind,check,detail", [
+    ("finite", "finite", "hidden_states[2] has 2 non-finite values, first at (3, 5)"),
+    ("zero_row", "zero_row", "hidden_states[0] has 1 all-zero rows, first at token 2"),
+    ("mask_values", "loss_mask", "values [0, 1, 2], only 0 and 1 allowed"),
+    ("mask_empty", "loss_mask", "no token has loss_mask 1 (nothing to train on)"),
+    ("input_ids", "input_ids", "id 1000 at token 4 outside [0, 1000)"),
+])
+def test_each_content_check_fails_with_its_line(tmp_path, capsys, ref16, kind, check, detail):
+    good = tmp_path / "good.hss"
+    write_shard(good, [make_sample(6, seed=k) for k in range(3)], vocab_size=1000)
+    bad = tmp_path / "bad.hss"
+    write_shard(bad, [make_sample(6, seed=7), _break(kind), make_sample(6, seed=8)], vocab_size=1000)
+    code, lines, err = run_validate(capsys, "--reference", ref16, "--report-dir", tmp_path / "reports", good, bad)
+    assert code == 1
+    assert lines == [f"{bad}: sample 1 (id s1): check {check} failed: {detail}"]
+    assert "1 of 2 shards failed validation" in err
+    report = json.loads((tmp_path / "reports" / "bad.json").read_text())
+    assert report["passed"] is False and report["num_samples"] == 3 and report["num_tokens"] == 18
+    assert report["checks"][check] == {"failed": 1, "first": {"sample": 1, "sample_id": "s1", "detail": detail}}
+    assert sum(c["failed"] for c in report["checks"].values()) == 1
+    assert json.loads((tmp_path / "reports" / "good.json").read_text())["passed"] is True
+
+
+def test_vocab_size_from_the_command_line(tmp_path, capsys, ref16):
+    bad = write_shard(tmp_path / "a.hss", [_break("input_ids")])  # no vocab_size in the metadata
+    code, lines, _ = run_validate(capsys, "--reference", ref16, bad)
+    assert code == 0 and lines == []  # ids are >= 0; the bound is unknown
+    assert validate_shard(bad, ref16)["notes"][0].startswith("vocab_size unknown")
+    code, lines, _ = run_validate(capsys, "--reference", ref16, "--vocab-size", "1000", bad)
+    assert code == 1 and lines == [f"{bad}: sample 0 (id s0): check input_ids failed: id 1000 at token 4 outside [0, 1000)"]
+
+
+def test_several_failures_still_one_line_naming_the_first(tmp_path, capsys, ref16):
+    ids, hs, mask = _break("zero_row")
+    mask.zero_()
+    bad = write_shard(tmp_path / "a.hss", [make_sample(3), (ids, hs, mask), _break("finite")])
+    code, lines, _ = run_validate(capsys, "--reference", ref16, bad)
+    assert code == 1
+    assert lines == [f"{bad}: sample 1 (id s1): check zero_row failed: hidden_states[0] has 1 all-zero rows, "
+                     f"first at token 2 [also failed: finite, loss_mask]"]
+
+
+def test_layout_against_the_reference(tmp_path, ref16):
+    three = write_shard(tmp_path / "a.hss", [make_sample(4, n=3)], aux_layers=[1, 2])
+    assert failure_line(validate_shard(three, ref16)) == (
+        f"{three}: sample 0 (id s0): check layout failed: hidden_states has 3 tensors, reference has 4")
+    fp16 = write_shard(tmp_path / "b.hss", [make_sample(4, dtype=torch.float16)], dtype="float16")
+    assert failure_line(validate_shard(fp16, ref16)) == (
+        f"{fp16}: sample 0 (id s0): check layout failed: hidden_states[0] has dtype float16, reference has bfloat16")
+    layout = reference_layout(torch.load(ref16, weights_only=True))
+    ids, hs, mask = make_sample(4)
+    assert check_sample({"input_ids": ids, "hidden_states": hs}, layout) == [
+        ("layout", "keys ['hidden_states', 'input_ids'], reference has ['hidden_states', 'input_ids', 'loss_mask']")]
+    assert check_sample({"input_ids": ids, "hidden_states": torch.stack(hs), "loss_mask": mask}, layout)[0] == (
+        "layout", "hidden_states is a tensor, reference has a list")
+    assert check_sample({"input_ids": ids[None], "hidden_states": hs, "loss_mask": mask}, layout)[0] == (
+        "layout", "input_ids has rank 2, reference has rank 1")
+
+
+def test_seq_len_check(ref16):
+    layout = reference_layout(torch.load(ref16, weights_only=True))
+    ids, hs, mask = make_sample(5)
+    hs[1] = hs[1][:4]
+    assert check_sample({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, layout) == [
+        ("seq_len", "input_ids 5, loss_mask 5, hidden_states[0] 5, hidden_states[1] 4, hidden_states[2] 5, hidden_states[3] 5")]
+
+
+def test_checksum_failure_names_the_sample_and_continues(tmp_path, capsys, ref16):
+    path = write_shard(tmp_path / "a.hss", [make_sample(6, seed=k) for k in range(3)])
+    data = bytearray(path.read_bytes())
+    off = ShardReader(path).index["offsets"][1]
+    data[off + fmt.RECORD.size + 40] ^= 0x10
+    path.write_bytes(bytes(data))
+    report = validate_shard(path, ref16)
+    assert report["checks"]["checksum"] == {"failed": 1, "first": {"sample": 1, "sample_id": "s1", "detail": "checksum mismatch"}}
+    assert report["num_samples"] == 3
+    code, lines, _ = run_validate(capsys, "--reference", ref16, path)
+    assert code == 1 and lines == [f"{path}: sample 1 (id s1): check checksum failed: checksum mismatch"]
+
+
+def test_truncated_shard_gives_a_report_and_a_line(tmp_path, capsys, ref16):
+    path = write_shard(tmp_path / "a.hss", [make_sample(6, seed=k) for k in range(4)])
+    offs = ShardReader(path).index["offsets"]
+    path.write_bytes(path.read_bytes()[: offs[2] + 30])
+    code, lines, _ = run_validate(capsys, "--reference", ref16, "--report", tmp_path / "r.json", path)
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith(f"{path}: sample 2: check integrity failed: file truncated at byte {offs[2] + 30}")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["passed"] is False and report["num_samples"] is None
+    assert report["checks"]["integrity"]["failed"] == 1 and report["checks"]["integrity"]["first"]["sample"] == 2
+
+
+def test_damaged_header_names_the_shard_structure(tmp_path, ref16):
+    path = write_shard(tmp_path / "a.hss", [make_sample(3)])
+    data = bytearray(path.read_bytes())
+    data[fmt.HEADER.size + 3] ^= 1
+    path.write_bytes(bytes(data))
+    assert failure_line(validate_shard(path, ref16)) == (
+        f"{path}: shard structure: check integrity failed: header metadata checksum mismatch")
+
+
+def test_reference_must_load_without_pickle(tmp_path):
+    bad = tmp_path / "obj.pt"
+    torch.save([1, 2], bad)
+    with pytest.raises(Exception, match="holds a list"):
+        load_reference(bad)
+    with pytest.raises(Exception, match="no such file"):
+        load_reference(tmp_path / "missing.pt")
+
+
+class NotATensor:
+    pass
+
+
+def test_reference_with_pickled_objects_is_refused(tmp_path):
+    bad = tmp_path / "pickled.pt"
+    torch.save({"input_ids": NotATensor()}, bad)
+    with pytest.raises(Exception, match="cannot be loaded with weights_only=True"):
+        load_reference(bad)
