@@ -71,12 +71,15 @@ def make_workdir(dest: Path) -> Path:
     return dest
 
 
-def smk(workdir: Path, *args: str, check: bool = True, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+def smk(
+    workdir: Path, *args: str, check: bool = True, configfiles: tuple[str, ...] = ("config/test.yaml",), timeout: int = 900
+) -> subprocess.CompletedProcess[str]:
+    """Run snakemake in `workdir`; targets and options first (--configfile takes every word after it)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.run(
-        [*snakemake_cmd(), "--cores", "2", "--configfile", "config/test.yaml", *args],
+        [*snakemake_cmd(), *args, "--cores", "2", "--configfile", *configfiles],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
     )
     if check and proc.returncode != 0:
@@ -126,7 +129,7 @@ def test_full_run_validates(full_run: Path) -> None:
     assert [s["path"] for s in manifest["shards"]] == [f"shards/chunk-{i:05d}{SHARD_SUFFIX}" for i in range(N_CHUNKS)]
     for i, entry in enumerate(manifest["shards"]):
         report = json.loads((rd / entry["validation"]).read_text())
-        assert report["ok"] is True, report
+        assert report["passed"] is True, report
         assert entry["sha256"] == sha256_file(shard_path(full_run, i))
         assert entry["samples"] == len(ShardReader(shard_path(full_run, i)))
     counts = manifest["counts"]
@@ -252,7 +255,7 @@ def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:
 def test_aux_layer_beyond_depth_stops_before_any_job(tmp_path: Path) -> None:
     wd = make_workdir(tmp_path / "d")
     (wd / "config/deep.yaml").write_text("aux_layers: [1, 5, 10]\n")
-    proc = smk(wd, "--configfile", "config/test.yaml", "config/deep.yaml", check=False)
+    proc = smk(wd, check=False, configfiles=("config/test.yaml", "config/deep.yaml"))
     assert proc.returncode != 0
     assert (
         "aux_layers[2]: layer 10 is beyond the model's depth: the tiny model (hsextract.tinymodel) has 10 "

@@ -38,6 +38,7 @@ class ModelShape:
     num_layers: int
     hidden_size: int
     source: str  # where the shape was read from, for messages
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,10 @@ def read_model_shape(model: str) -> ModelShape:
         source = f"hub config of {model}"
     text = _text_config(cfg)
     try:
-        return ModelShape(int(text["num_hidden_layers"]), int(text["hidden_size"]), source)
+        vocab = text.get("vocab_size", cfg.get("vocab_size"))
+        return ModelShape(
+            int(text["num_hidden_layers"]), int(text["hidden_size"]), source, int(vocab) if vocab is not None else None
+        )
     except (KeyError, TypeError, ValueError):
         raise ConfigError(
             f"model: {source} has no integer num_hidden_layers/hidden_size; "

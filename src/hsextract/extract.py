@@ -85,7 +85,12 @@ def model_dtype(config: Mapping[str, Any]) -> str:
 
 
 def shard_metadata(
-    config: Mapping[str, Any], engine: Engine, hidden_size: int, chunk: int, chat_template_hash: str | None = None
+    config: Mapping[str, Any],
+    engine: Engine,
+    hidden_size: int,
+    chunk: int,
+    chat_template_hash: str | None = None,
+    vocab_size: int | None = None,
 ) -> dict[str, Any]:
     """The self-description every shard carries (DESIGN.md: Shard).
 
@@ -107,6 +112,7 @@ def shard_metadata(
         "model_hash": provenance.model_hash(str(config["model"])),
         "tokenizer_hash": provenance.tokenizer_hash(tok_dir),
         "chat_template_hash": chat_template_hash,
+        "vocab_size": vocab_size,  # validation checks every id against it
         "run_name": config["run_name"],
         "chunk": int(chunk),
     }
@@ -185,10 +191,10 @@ def run_extract(
     if prepare_summary is not None:
         template_hash = json.loads(Path(prepare_summary).read_text()).get("chat_template_sha256")
     spec = capture_spec(config)
-    hidden_size = read_model_shape(str(config["model"])).hidden_size
+    shape = read_model_shape(str(config["model"]))
     shard = config["shard"]
     with build_engine(config, spec) as engine:
-        meta = shard_metadata(config, engine, hidden_size, chunk, template_hash)
+        meta = shard_metadata(config, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size)
         return extract_chunk(
             prompts, shard_path, engine, meta,
             level=int(shard["compression_level"]), threads=int(shard["threads"]),

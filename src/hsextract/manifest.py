@@ -77,7 +77,7 @@ def build_manifest(
                 "config_hash": meta.get("config_hash"),
                 "engine_version": meta.get("engine_version"),
                 "validation": _rel(report_path, root),
-                "valid": bool(report.get("ok")),
+                "valid": bool(report.get("passed")),
             }
         )
     assert first_meta is not None or not shards

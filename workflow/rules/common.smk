@@ -26,6 +26,7 @@ if config["engine"] == "sglang":
 wildcard_constraints:
     run=re.escape(RUN),
     chunk=r"\d{5}",
+    format=r"[a-z0-9-]+",
 
 
 def run_hooks(hooks):
@@ -135,4 +136,7 @@ def get_final_outputs():
         f"results/{RUN}/dataset.json",
         f"results/{RUN}/stats/summary.tsv",
         *get_all_validation(None),
+        *expand(
+            "results/{run}/export/{format}", run=RUN, format=config["export_formats"]
+        ),
     ]

@@ -18,3 +18,18 @@ rule manifest:
         "../../envs/stats.yaml"
     script:
         "../scripts/manifest.py"
+
+
+rule export:
+    input:
+        manifest="results/{run}/dataset.json",
+    output:
+        data=directory("results/{run}/export/{format}"),
+    log:
+        "logs/{run}/export/{format}.log",
+    benchmark:
+        "benchmarks/{run}/export/{format}.tsv"
+    conda:
+        "../../envs/validate.yaml"
+    script:
+        "../scripts/export.py"
