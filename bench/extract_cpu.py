@@ -92,7 +92,10 @@ def main() -> None:
 
         items = [Prompt(i, s, list(ids)) for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
         batches = list(engine._batches(items))  # the engine's own batching, so only capture/encode/write differ
-        backbone = engine._backbone
+        from transformers import AutoModelForCausalLM
+
+        # a separate copy of the model, without the engine's hooks
+        backbone = AutoModelForCausalLM.from_pretrained(args.model, dtype=engine.dtype).eval().model
 
         def plain() -> None:
             with torch.inference_mode():
