@@ -26,8 +26,8 @@ def llama_tiny() -> LlamaConfig:
 def deepseek_small() -> DeepseekV3Config:
     return DeepseekV3Config(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                             num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                            n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=128,
-                            q_lora_rank=64, qk_rope_head_dim=64, v_head_dim=64, qk_nope_head_dim=64, n_group=1,
+                            n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=256,
+                            q_lora_rank=64, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, n_group=1,
                             topk_group=1, max_position_embeddings=4096, rope_scaling=None, torch_dtype="bfloat16",
                             # read by SGLang's DeepseekV2 (as in DeepSeek-V3's and Kimi-K2.5's config.json) but
                             # not defined by transformers' DeepseekV3Config: without them SGLang fails to load

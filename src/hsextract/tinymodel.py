@@ -44,9 +44,9 @@ TINY_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 128,
-    "kv_lora_rank": 64,
+    "kv_lora_rank": 256,  # kv_lora_rank + qk_rope_head_dim = 288: a width SGLang's triton MLA kernels support (576 and 288 only)
     "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
+    "qk_rope_head_dim": 32,
     "v_head_dim": 32,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
