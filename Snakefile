@@ -1,0 +1,60 @@
+# hsextract: EAGLE-3 hidden-state training data (orchestration only; logic lives in src/hsextract).
+import os
+import sys
+from pathlib import Path
+
+from snakemake.utils import min_version, validate
+
+min_version("9.0")
+
+# A checkout runs without installing the package: scripts import hsextract from src/.
+_SRC = Path(workflow.basedir) / "src"
+if (_SRC / "hsextract").is_dir():
+    sys.path.insert(0, str(_SRC))
+    # jobs run scripts in new interpreters: they need the same path
+    os.environ.update(
+        PYTHONPATH=os.pathsep.join(
+            p for p in (str(_SRC), os.environ.get("PYTHONPATH")) if p
+        )
+    )
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+from hsextract.config import check as check_config
+
+# Semantic checks (layer ids vs depth, model, reference sample) before any job; sets the chunk count.
+PLAN = check_config(config)
+
+
+report: "workflow/report/workflow.rst"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/model.smk"
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/extract.smk"
+include: "workflow/rules/validate.smk"
+include: "workflow/rules/stats.smk"
+include: "workflow/rules/export.smk"
+
+
+rule all:
+    default_target: True
+    input:
+        get_final_outputs(),
+
+
+onstart:
+    run_hooks(ON_START)
+
+
+onsuccess:
+    run_hooks(ON_FINISH)
+
+
+onerror:
+    run_hooks(ON_FINISH)

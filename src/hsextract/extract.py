@@ -1,0 +1,202 @@
+"""The extract stage as a library function: one chunk of prompts in, one shard out.
+
+Reads a prompts parquet written by prepare, runs an Engine over it, and writes every
+captured sample with its ids and loss mask through ShardWriter (atomic: the shard exists
+whole or not at all). Padding never reaches the shard: engines return each sample sliced
+to its own length, and this module checks that.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+
+from hsextract import provenance
+from hsextract.config import read_model_shape
+from hsextract.engines.base import CaptureSpec, Engine, Prompt
+from hsextract.errors import EngineError, ShardError
+
+PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
+
+
+@dataclass
+class ChunkPrompts:
+    sample_ids: list[str]
+    input_ids: list[list[int]]
+    loss_masks: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.sample_ids)
+
+
+def read_prompts(path: str | Path) -> ChunkPrompts:
+    """Read a prompts parquet (prepare's output); any unreadable file is a ShardError naming it."""
+    try:
+        table = pq.read_table(path, columns=list(PROMPT_COLUMNS))
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
+        raise ShardError(
+            f"{path}: cannot read the prompts parquet ({type(e).__name__}: {e}); "
+            f"delete it and rerun prepare"
+        ) from None
+    cols = table.to_pydict()
+    ids, masks = cols["input_ids"], cols["loss_mask"]
+    for i, (a, b) in enumerate(zip(ids, masks, strict=True)):
+        if len(a) != len(b):
+            raise ShardError(f"{path}: row {i}: input_ids has {len(a)} tokens, loss_mask {len(b)}")
+    return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks)
+
+
+def capture_spec(config: Mapping[str, Any]) -> CaptureSpec:
+    return CaptureSpec(aux_layers=tuple(int(i) for i in config["aux_layers"]), final_state=config["final_state"])
+
+
+def build_engine(config: Mapping[str, Any], spec: CaptureSpec) -> Engine:
+    """The engine the config asks for. `engine: sglang` is provided by hsextract.engines.sglang_engine."""
+    name = config["engine"]
+    if name == "transformers":
+        from hsextract.engines.transformers_engine import TransformersEngine
+
+        t = config["transformers"]
+        device = t["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return TransformersEngine(
+            config["model"], spec, device=device, dtype=t["dtype"], token_budget=int(t["token_budget"])
+        )
+    if name == "sglang":
+        from hsextract.engines.sglang_engine import engine_from_config
+
+        return engine_from_config(config, spec)
+    raise EngineError(f"engine: unknown engine {name!r}; use transformers or sglang")
+
+
+def model_dtype(config: Mapping[str, Any]) -> str:
+    """dtype of the captured activations (the shard's precision setting may store them as fp8)."""
+    return str(config["transformers"]["dtype"]) if config["engine"] == "transformers" else "bfloat16"
+
+
+def shard_metadata(
+    config: Mapping[str, Any],
+    engine: Engine,
+    hidden_size: int,
+    chunk: int,
+    chat_template_hash: str | None = None,
+    vocab_size: int | None = None,
+) -> dict[str, Any]:
+    """The self-description every shard carries (DESIGN.md: Shard).
+
+    `chat_template_hash` is the sha256 of the template prepare applied (its summary.json); without
+    it, the tokenizer's stored template is hashed.
+    """
+    tok_dir = str(config.get("tokenizer") or config["model"])
+    if chat_template_hash is None:
+        chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))
+    return {
+        "model": str(config["model"]),
+        "engine": config["engine"],
+        "engine_version": engine.version(),
+        "aux_layers": [int(i) for i in config["aux_layers"]],
+        "final_state": config["final_state"],
+        "hidden_size": int(hidden_size),
+        "dtype": model_dtype(config),
+        "config_hash": provenance.config_hash(config),
+        "model_hash": provenance.model_hash(str(config["model"])),
+        "tokenizer_hash": provenance.tokenizer_hash(tok_dir),
+        "chat_template_hash": chat_template_hash,
+        "vocab_size": vocab_size,  # validation checks every id against it
+        "run_name": config["run_name"],
+        "chunk": int(chunk),
+    }
+
+
+def extract_chunk(
+    prompts: ChunkPrompts,
+    shard_path: str | Path,
+    engine: Engine,
+    metadata: Mapping[str, Any],
+    *,
+    level: int = 3,
+    threads: int = 1,
+    precision: str = "bf16",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run `engine` over `prompts` and write one shard; returns a summary of the chunk."""
+    from hsextract.shard import ShardWriter
+
+    n_tensors = len(metadata["aux_layers"]) + 1
+    hidden_size = int(metadata["hidden_size"])
+    items = [Prompt(index=i, sample_id=s, input_ids=list(ids)) for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
+    n_tokens = sum(len(p.input_ids) for p in items)
+    start = time.perf_counter()
+    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr, disable=not progress, mininterval=2.0)
+    written = 0
+    with ShardWriter(shard_path, metadata=dict(metadata), level=level, threads=threads, precision=precision) as writer:
+        for captured in engine.extract(items):
+            if captured.index != written or captured.sample_id != prompts.sample_ids[written]:
+                raise EngineError(
+                    f"{shard_path}: engine returned sample {captured.sample_id!r} (index {captured.index}) "
+                    f"where {prompts.sample_ids[written]!r} (index {written}) was due; engines must keep input order"
+                )
+            seq = len(prompts.input_ids[written])
+            hs = captured.hidden_states
+            if len(hs) != n_tensors or any(tuple(t.shape) != (seq, hidden_size) for t in hs):
+                shapes = [tuple(t.shape) for t in hs]
+                raise EngineError(
+                    f"{shard_path}: sample {captured.sample_id}: engine returned tensors {shapes}, expected "
+                    f"{n_tensors} of ({seq}, {hidden_size}); padding must be sliced off per sample"
+                )
+            writer.add(
+                input_ids=torch.tensor(prompts.input_ids[written], dtype=torch.int64),
+                hidden_states=hs,
+                loss_mask=torch.tensor(prompts.loss_masks[written], dtype=torch.int64),
+                sample_id=captured.sample_id,
+            )
+            written += 1
+            bar.update(seq)
+        if written != len(items):
+            raise EngineError(f"{shard_path}: engine returned {written} of {len(items)} samples")
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {
+        "shard": str(shard_path),
+        "samples": written,
+        "tokens": n_tokens,
+        "trained_tokens": int(sum(sum(m) for m in prompts.loss_masks)),
+        "seconds": round(seconds, 3),
+        "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
+        "bytes": Path(shard_path).stat().st_size,
+    }
+
+
+def run_extract(
+    config: Mapping[str, Any],
+    prompts_path: str | Path,
+    shard_path: str | Path,
+    chunk: int,
+    prepare_summary: str | Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The whole extract job: read the chunk, build the engine, write the shard."""
+    prompts = read_prompts(prompts_path)
+    template_hash = None
+    if prepare_summary is not None:
+        template_hash = json.loads(Path(prepare_summary).read_text()).get("chat_template_sha256")
+    spec = capture_spec(config)
+    shape = read_model_shape(str(config["model"]))
+    shard = config["shard"]
+    with build_engine(config, spec) as engine:
+        meta = shard_metadata(config, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size)
+        return extract_chunk(
+            prompts, shard_path, engine, meta,
+            level=int(shard["compression_level"]), threads=int(shard["threads"]),
+            precision=shard["precision"], progress=progress,
+        )

@@ -1,0 +1,121 @@
+"""dataset.json: the run's table of contents (shards, counts, checksums, provenance).
+
+Paths inside are relative to the run directory (results/<run_name>/), so a dataset can be
+moved or copied whole. Every shard must agree on what it holds (model, tokenizer, layers,
+final state, hidden size, dtype); a mixed dataset is an error that names the shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hsextract import provenance
+from hsextract.errors import ValidationFailure
+
+MANIFEST_FORMAT = "hsextract-dataset"
+MANIFEST_VERSION = 1
+# Shard metadata every shard of one dataset must share.
+SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "engine",
+               "aux_layers", "final_state", "hidden_size", "dtype", "precision", "format_version")
+
+
+def _rel(path: str | Path, root: Path) -> str:
+    return Path(os.path.relpath(Path(path).resolve(), root.resolve())).as_posix()
+
+
+def _load_json(path: str | Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def build_manifest(
+    config: Mapping[str, Any],
+    *,
+    shards: Sequence[str | Path],
+    validation: Sequence[str | Path],
+    chunk_stats: Sequence[str | Path],
+    prepare_summary: str | Path,
+    token_freq: str | Path,
+    out_path: str | Path,
+) -> dict[str, Any]:
+    """Assemble dataset.json; shard i, validation i and chunk_stats i describe the same chunk."""
+    from hsextract.shard import ShardReader
+
+    if not (len(shards) == len(validation) == len(chunk_stats)):
+        raise ValueError("build_manifest: shards, validation and chunk_stats differ in length")
+    root = Path(out_path).parent
+    entries: list[dict[str, Any]] = []
+    first_meta: dict[str, Any] | None = None
+    totals = {"samples": 0, "tokens": 0, "trained_tokens": 0, "bytes_raw": 0, "bytes_stored": 0}
+    for shard, report_path, stats_path in zip(shards, validation, chunk_stats, strict=True):
+        meta = ShardReader(shard).metadata
+        if first_meta is None:
+            first_meta = meta
+        for key in SHARED_KEYS:
+            if meta.get(key) != first_meta.get(key):
+                raise ValidationFailure(
+                    f"{shard}: {key} is {meta.get(key)!r} but {shards[0]} has {first_meta.get(key)!r}; "
+                    f"a dataset mixes shards of different runs. Delete the odd shard and rerun its chunk."
+                )
+        report = _load_json(report_path)
+        stats = _load_json(stats_path)
+        for k in totals:
+            totals[k] += int(stats[k])
+        entries.append(
+            {
+                "path": _rel(shard, root),
+                "chunk": meta.get("chunk"),
+                "samples": stats["samples"],
+                "tokens": stats["tokens"],
+                "trained_tokens": stats["trained_tokens"],
+                "bytes": Path(shard).stat().st_size,
+                "sha256": provenance.sha256_file(shard),
+                "config_hash": meta.get("config_hash"),
+                "engine_version": meta.get("engine_version"),
+                "validation": _rel(report_path, root),
+                "valid": bool(report.get("passed")),
+            }
+        )
+    assert first_meta is not None or not shards
+    meta = first_meta or {}
+    prep = _load_json(prepare_summary)
+    dropped = {str(k): int(v) for k, v in (prep.get("dropped") or {}).items()}
+    tok_dir = str(config.get("tokenizer") or config["model"])
+    return {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "run_name": config["run_name"],
+        "layout": "speculators-v1",  # what a sample reads back as
+        "model": str(config["model"]),
+        "engine": config["engine"],
+        "engine_version": meta.get("engine_version"),
+        "aux_layers": [int(i) for i in config["aux_layers"]],
+        "final_state": config["final_state"],
+        "hidden_size": meta.get("hidden_size"),
+        "dtype": meta.get("dtype"),
+        "precision": meta.get("precision"),
+        "shard_format_version": meta.get("format_version"),
+        "counts": {
+            "chunks": len(entries),
+            **totals,
+            "compression_ratio": round(totals["bytes_raw"] / totals["bytes_stored"], 4) if totals["bytes_stored"] else None,
+            "dropped": dropped,
+            "dropped_samples": sum(dropped.values()),
+        },
+        "all_valid": all(e["valid"] for e in entries),
+        "shards": entries,
+        "token_freq": {"path": _rel(token_freq, root), "sha256": provenance.sha256_file(token_freq)},
+        "provenance": {
+            "versions": provenance.versions(),
+            "config_hash": provenance.config_hash(config),
+            "model_hash": meta.get("model_hash") or provenance.model_hash(str(config["model"])),
+            "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(tok_dir),
+            "chat_template_hash": meta.get("chat_template_hash"),
+            "prepare": {k: v for k, v in prep.items() if k != "dropped"},
+            "config": dict(config),
+        },
+    }

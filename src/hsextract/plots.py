@@ -1,0 +1,46 @@
+"""Report figures: sequence-length histogram, per-layer RMS by token position."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on workers
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from hsextract.atomic import write_atomic  # noqa: E402
+
+
+def _save(fig: Any, path: str | Path) -> None:
+    write_atomic(path, lambda f: fig.savefig(f, format="png", dpi=110, bbox_inches="tight"))
+    plt.close(fig)
+
+
+def plot_seq_length_hist(chunks: Sequence[Mapping[str, Any]], path: str | Path, bins: int = 40) -> None:
+    lengths = [n for c in chunks for n in c["seq_lengths"]]
+    trained = [n for c in chunks for n in c["trained_lengths"]]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.hist(lengths, bins=bins, alpha=0.75, label="tokens per sample")
+    ax.hist(trained, bins=bins, alpha=0.6, label="trained tokens per sample")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("samples")
+    ax.set_title(f"Sequence lengths ({len(lengths)} samples)")
+    ax.legend()
+    _save(fig, path)
+
+
+def plot_rms_by_position(rms_by_position: pd.DataFrame, path: str | Path) -> None:
+    df = rms_by_position[rms_by_position["tokens"] > 0]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for col in df.columns[2:]:
+        ax.plot(df["position_start"], df[col], marker=".", label=col)
+    ax.set_yscale("log")
+    ax.set_xlabel("token position (bin start)")
+    ax.set_ylabel("RMS of hidden state")
+    ax.set_title("Per-layer RMS by position")
+    ax.legend()
+    _save(fig, path)

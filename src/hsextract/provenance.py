@@ -1,0 +1,110 @@
+"""Hashes and versions that say where a dataset came from (shard metadata, dataset.json)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from collections.abc import Mapping
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+# Weight files can be hundreds of GB: hash their size and first MiB, everything else whole.
+_PREFIX_BYTES = 1 << 20
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "tokenizer.model",
+    "tiktoken.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+)
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def config_hash(config: Mapping[str, Any]) -> str:
+    """sha256 of the config as canonical JSON (sorted keys): equal configs, equal hashes."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def model_hash(model: str) -> str:
+    """sha256 over a model directory: small files whole; weight files by name, size and first MiB.
+
+    A hub id that is not a local directory hashes as its name (prefix `name:`).
+    """
+    root = Path(model)
+    if not root.is_dir():
+        return "name:" + hashlib.sha256(model.encode()).hexdigest()
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        rel = p.relative_to(root).as_posix()
+        if rel.startswith("."):
+            continue
+        size = p.stat().st_size
+        h.update(f"{rel}\0{size}\0".encode())
+        with open(p, "rb") as f:
+            if p.suffix in _WEIGHT_SUFFIXES:
+                h.update(f.read(_PREFIX_BYTES))
+            else:
+                h.update(hashlib.sha256(f.read()).digest())
+    return h.hexdigest()
+
+
+def tokenizer_hash(tokenizer_dir: str) -> str:
+    """sha256 over the tokenizer files that exist in the directory (names and contents)."""
+    root = Path(tokenizer_dir)
+    if not root.is_dir():
+        return "name:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        p = root / name
+        if p.is_file():
+            h.update(name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def text_hash(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("hsextract", "torch", "transformers", "tokenizers", "zstandard", "pyarrow", "snakemake", "sglang"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            if dist == "hsextract":
+                from hsextract import __version__
+
+                out[dist] = __version__
+    return out
+
+
+def chat_template_text(tokenizer_dir: str) -> str | None:
+    """The chat template stored with a tokenizer (chat_template.jinja or tokenizer_config.json)."""
+    root = Path(tokenizer_dir)
+    jinja = root / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    cfg = root / "tokenizer_config.json"
+    if cfg.is_file():
+        template = json.loads(cfg.read_text()).get("chat_template")
+        if isinstance(template, str):
+            return template
+        if isinstance(template, list):  # named templates: hash them all, in order
+            return json.dumps(template, sort_keys=True)
+    return None

@@ -1,0 +1,196 @@
+"""Dataset statistics: per shard (one pass over its samples), then aggregated with pandas.
+
+Per-shard results are JSON-able dicts of sums, so aggregation is exact: RMS over the dataset
+is sqrt(sum of squares / count), never an average of per-shard RMS values.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from hsextract.atomic import write_atomic
+
+SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+
+
+def tensor_names(aux_layers: Sequence[int], final_state: str) -> list[str]:
+    return [f"aux_{i}" for i in aux_layers] + [f"final_{final_state}"]
+
+
+def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, Any]:
+    """One pass over a shard: counts, lengths, per-tensor sums of squares, abs max, token counts."""
+    from hsextract.shard import ShardReader
+
+    reader = ShardReader(shard_path)
+    meta = reader.metadata
+    names = tensor_names(meta["aux_layers"], meta["final_state"])
+    n_t = len(names)
+    hidden = int(meta["hidden_size"])
+    sum_sq = np.zeros(n_t, dtype=np.float64)
+    abs_max = np.zeros(n_t, dtype=np.float64)
+    nonfinite = np.zeros(n_t, dtype=np.int64)
+    pos_sum_sq = np.zeros((n_t, 0), dtype=np.float64)
+    pos_tokens = np.zeros(0, dtype=np.int64)
+    seq_lengths: list[int] = []
+    trained_lengths: list[int] = []
+    freq: Counter[int] = Counter()
+    bytes_raw = 0
+    for i in range(len(reader)):
+        sample = reader[i]
+        ids, mask, hs = sample["input_ids"], sample["loss_mask"], sample["hidden_states"]
+        seq = int(ids.shape[0])
+        seq_lengths.append(seq)
+        trained_lengths.append(int(mask.sum()))
+        freq.update(ids[mask.bool()].tolist())
+        bytes_raw += ids.nbytes + mask.nbytes + sum(h.nbytes for h in hs)
+        bins = torch.arange(seq) // position_bins
+        n_bins = int(bins[-1]) + 1 if seq else 0
+        if n_bins > pos_tokens.shape[0]:
+            grow = n_bins - pos_tokens.shape[0]
+            pos_tokens = np.concatenate([pos_tokens, np.zeros(grow, dtype=np.int64)])
+            pos_sum_sq = np.concatenate([pos_sum_sq, np.zeros((n_t, grow))], axis=1)
+        pos_tokens[:n_bins] += np.bincount(bins.numpy(), minlength=n_bins)
+        for k, h in enumerate(hs):
+            h = h.to(torch.float64)
+            finite = torch.isfinite(h)
+            nonfinite[k] += int((~finite).sum())
+            h = torch.where(finite, h, torch.zeros_like(h))
+            per_token = (h * h).sum(dim=1)
+            sum_sq[k] += float(per_token.sum())
+            abs_max[k] = max(abs_max[k], float(h.abs().max()) if seq else 0.0)
+            pos_sum_sq[k, :n_bins] += np.bincount(bins.numpy(), weights=per_token.numpy(), minlength=n_bins)
+    tokens = int(sum(seq_lengths))
+    return {
+        "shard": str(shard_path),
+        "chunk": meta.get("chunk"),
+        "aux_layers": list(meta["aux_layers"]),
+        "final_state": meta["final_state"],
+        "hidden_size": hidden,
+        "samples": len(seq_lengths),
+        "tokens": tokens,
+        "trained_tokens": int(sum(trained_lengths)),
+        "seq_lengths": seq_lengths,
+        "trained_lengths": trained_lengths,
+        "bytes_raw": int(bytes_raw),
+        "bytes_stored": Path(shard_path).stat().st_size,
+        "tensors": [
+            {"name": names[k], "sum_sq": float(sum_sq[k]), "count": tokens * hidden,
+             "abs_max": float(abs_max[k]), "nonfinite": int(nonfinite[k])}
+            for k in range(n_t)
+        ],
+        "position_bins": int(position_bins),
+        "position_tokens": pos_tokens.tolist(),
+        "position_sum_sq": pos_sum_sq.tolist(),
+        "token_freq": {str(t): c for t, c in sorted(freq.items())},
+    }
+
+
+def load_chunk_stats(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _dropped(prepare_summary: Mapping[str, Any]) -> pd.DataFrame:
+    dropped = prepare_summary.get("dropped") or {}
+    rows = sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
+    return pd.DataFrame(rows, columns=["reason", "samples"]).astype({"samples": "int64"})
+
+
+def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
+    """Tables over all chunks: summary, chunks, layers, rms_by_position, seq_lengths, dropped."""
+    if not chunks:
+        raise ValueError("aggregate: no chunk statistics given")
+    per_chunk = pd.DataFrame(
+        [
+            {"chunk": c["chunk"], "samples": c["samples"], "tokens": c["tokens"],
+             "trained_tokens": c["trained_tokens"], "bytes_raw": c["bytes_raw"],
+             "bytes_stored": c["bytes_stored"]}
+            for c in chunks
+        ]
+    )
+    per_chunk["compression_ratio"] = (per_chunk["bytes_raw"] / per_chunk["bytes_stored"]).round(4)
+
+    names = [t["name"] for t in chunks[0]["tensors"]]
+    tensors = pd.DataFrame([dict(t, chunk=c["chunk"]) for c in chunks for t in c["tensors"]])
+    by_name = tensors.groupby("name", sort=False).agg(
+        sum_sq=("sum_sq", "sum"), count=("count", "sum"), abs_max=("abs_max", "max"), nonfinite=("nonfinite", "sum")
+    ).reindex(names)
+    layers = pd.DataFrame(
+        {
+            "tensor": names,
+            "rms": np.sqrt(by_name["sum_sq"] / by_name["count"].clip(lower=1)).to_numpy(),
+            "abs_max": by_name["abs_max"].to_numpy(),
+            "nonfinite": by_name["nonfinite"].astype("int64").to_numpy(),
+        }
+    )
+
+    bin_size = int(chunks[0]["position_bins"])
+    n_bins = max(len(c["position_tokens"]) for c in chunks)
+    tok = np.zeros(n_bins, dtype=np.int64)
+    sq = np.zeros((len(names), n_bins))
+    for c in chunks:
+        m = len(c["position_tokens"])
+        tok[:m] += np.asarray(c["position_tokens"], dtype=np.int64)
+        if m:
+            sq[:, :m] += np.asarray(c["position_sum_sq"], dtype=np.float64)
+    hidden = int(chunks[0]["hidden_size"])
+    rms_pos = pd.DataFrame({"position_start": np.arange(n_bins) * bin_size, "tokens": tok})
+    for k, name in enumerate(names):
+        rms_pos[name] = np.sqrt(sq[k] / np.maximum(tok * hidden, 1))
+
+    lengths = np.asarray([n for c in chunks for n in c["seq_lengths"]], dtype=np.int64)
+    if lengths.size:
+        qs = np.quantile(lengths, SEQ_QUANTILES)
+        seq = pd.DataFrame({"statistic": [f"q{int(q * 100):02d}" for q in SEQ_QUANTILES] + ["mean"],
+                            "tokens": [float(v) for v in qs] + [float(lengths.mean())]})
+    else:
+        seq = pd.DataFrame({"statistic": [], "tokens": []})
+
+    dropped = _dropped(prepare_summary)
+    tot_raw, tot_stored = int(per_chunk["bytes_raw"].sum()), int(per_chunk["bytes_stored"].sum())
+    totals = {
+        "chunks": len(chunks),
+        "samples": int(per_chunk["samples"].sum()),
+        "tokens": int(per_chunk["tokens"].sum()),
+        "trained_tokens": int(per_chunk["trained_tokens"].sum()),
+        "dropped_samples": int(dropped["samples"].sum()) if len(dropped) else 0,
+        "bytes_raw": tot_raw,
+        "bytes_stored": tot_stored,
+        "compression_ratio": round(tot_raw / tot_stored, 4) if tot_stored else float("nan"),
+        "hidden_size": hidden,
+        "tensors_per_sample": len(names),
+    }
+    summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
+    return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
+            "seq_lengths": seq, "dropped": dropped}
+
+
+def write_table(df: pd.DataFrame, path: str | Path) -> None:
+    text = df.to_csv(sep="\t", index=False, float_format="%.6g").encode()
+    write_atomic(path, lambda f: f.write(text))
+
+
+def token_freq(chunks: Sequence[Mapping[str, Any]]) -> dict[int, int]:
+    """Counts of trained (loss-mask 1) tokens over all chunks, as speculators' token_freq.pt holds."""
+    total: Counter[int] = Counter()
+    for c in chunks:
+        total.update({int(t): int(n) for t, n in c["token_freq"].items()})
+    return dict(sorted(total.items()))
+
+
+def write_token_freq(chunks: Sequence[Mapping[str, Any]], path: str | Path) -> dict[int, int]:
+    """token_freq.pt: dict[token_id -> count], loadable with torch.load(weights_only=True)."""
+    freq = token_freq(chunks)
+    write_atomic(path, lambda f: torch.save(freq, f))
+    return freq

@@ -1,0 +1,146 @@
+"""Semantic config checks (hsextract.config): each failure names the key and what is allowed."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hsextract.config import check, check_sizes, read_reference
+from hsextract.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = ROOT / "resources/reference/speculators-v1-data_0.pt"
+
+
+def write_model(d: Path, layers: int = 6, hidden: int = 64) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden}))
+    return d
+
+
+def write_reference(path: Path, n_tensors: int = 4, hidden: int = 64, seq: int = 5) -> Path:
+    torch.save(
+        {
+            "input_ids": torch.arange(seq, dtype=torch.int64),
+            "hidden_states": [torch.zeros(seq, hidden, dtype=torch.bfloat16) for _ in range(n_tensors)],
+            "loss_mask": torch.ones(seq, dtype=torch.int64),
+        },
+        path,
+    )
+    return path
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    monkeypatch.chdir(tmp_path)
+    write_model(tmp_path / "m")
+    write_reference(tmp_path / "ref.pt")
+    data = tmp_path / "conv.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(10)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", aux_layers=[1, 2, 3], prompts_per_chunk=4)
+    c["sources"] = [{"path": "conv.jsonl", "format": "messages", "weight": 1.0, "max_records": None}]
+    return c
+
+
+def test_valid_config_plans_chunks(cfg: dict) -> None:
+    plan = check(cfg)
+    assert (plan.n_records, plan.n_chunks) == (10, 3)
+    assert (plan.model.num_layers, plan.model.hidden_size) == (6, 64)
+    assert (plan.reference.num_tensors, plan.reference.hidden_size, plan.reference.seq_len) == (4, 64, 5)
+
+
+def test_aux_layer_beyond_depth(cfg: dict) -> None:
+    cfg["aux_layers"] = [1, 2, 6]
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert str(e.value) == (
+        "aux_layers[2]: layer 6 is beyond the model's depth: m/config.json has 6 decoder layers, "
+        "so ids 0..5 are allowed"
+    )
+    cfg["aux_layers"] = [1, 2, 5]  # the last layer is a legal id
+    assert check(cfg).n_chunks == 3
+
+
+@pytest.mark.parametrize("key", ["prompts_per_chunk", "max_seq_len", "transformers.token_budget", "extract.threads", "shard.threads"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_sizes_must_be_positive(cfg: dict, key: str, value: int) -> None:
+    c = copy.deepcopy(cfg)
+    node = c
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node[p]
+    node[last] = value
+    with pytest.raises(ConfigError, match=rf"^{key.replace('.', '[.]')}: {value} is not allowed; it must be an integer > 0$"):
+        check_sizes(c)
+
+
+def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
+    torch.save({"input_ids": torch.arange(3), "hidden_state": []}, tmp_path / "bad.pt")
+    cfg["reference_sample"] = "bad.pt"
+    with pytest.raises(ConfigError, match=r"^reference_sample: bad.pt is not a speculators v1 sample: it holds \['hidden_state', 'input_ids'\]"):
+        check(cfg)
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    cfg["reference_sample"] = "junk.pt"
+    with pytest.raises(ConfigError, match=r"^reference_sample: junk.pt cannot be loaded with torch.load\(weights_only=True\)"):
+        check(cfg)
+    cfg["reference_sample"] = "missing.pt"
+    with pytest.raises(ConfigError, match=r"^reference_sample: missing.pt is not a file"):
+        check(cfg)
+
+
+def test_reference_tensor_count_and_hidden_size(cfg: dict, tmp_path: Path) -> None:
+    write_reference(tmp_path / "ref3.pt", n_tensors=3)
+    cfg["reference_sample"] = "ref3.pt"
+    with pytest.raises(ConfigError, match=r"^reference_sample: ref3.pt holds 3 hidden-state tensors, but aux_layers has 3 layers, so shards hold 4"):
+        check(cfg)
+    write_reference(tmp_path / "ref128.pt", hidden=128)
+    cfg["reference_sample"] = "ref128.pt"
+    with pytest.raises(ConfigError, match=r"^reference_sample: ref128.pt has hidden size 128, but model m has hidden size 64"):
+        check(cfg)
+
+
+def test_shipped_reference_is_v1() -> None:
+    ref = read_reference(str(REFERENCE))
+    assert (ref.num_tensors, ref.hidden_size, ref.seq_len) == (4, 7168, 24)
+
+
+def test_unreadable_model(cfg: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "empty").mkdir()
+    cfg["model"] = "empty"
+    with pytest.raises(ConfigError, match=r"^model: cannot read empty/config.json"):
+        check(cfg)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg["model"] = "no/such-model-dir"
+    with pytest.raises(ConfigError, match=r"^model: 'no/such-model-dir' is not a readable model directory"):
+        check(cfg)
+
+
+def test_tiny_model_must_live_under_resources(cfg: dict) -> None:
+    cfg.update(make_tiny_model=True, model="/models/kimi")
+    with pytest.raises(ConfigError, match=r"^make_tiny_model: true builds a random-weight model at `model`, so model must be a relative path under resources/"):
+        check(cfg)
+
+
+def test_tiny_model_depth_known_before_it_exists(cfg: dict) -> None:
+    from hsextract.tinymodel import TINY_CONFIG
+
+    n = TINY_CONFIG["num_hidden_layers"]
+    cfg.update(make_tiny_model=True, model="resources/tiny-model", aux_layers=[1, 2, n])
+    with pytest.raises(ConfigError, match=rf"^aux_layers\[2\]: layer {n} is beyond the model's depth: the tiny model"):
+        check(cfg)
+    # hidden size is not compared against the Kimi-shaped shipped reference for the tiny model
+    cfg.update(aux_layers=[1, 2, n - 1], reference_sample=str(REFERENCE))
+    assert check(cfg).model.hidden_size == TINY_CONFIG["hidden_size"]
+
+
+def test_missing_source(cfg: dict) -> None:
+    cfg["sources"] = [{"path": "nope.jsonl", "format": "messages"}]
+    with pytest.raises(ConfigError, match=r"^sources\[0\]\.path: nope.jsonl does not exist"):
+        check(cfg)

@@ -1,0 +1,104 @@
+"""extract_chunk: prompts + an engine -> one shard; engine contract violations are errors, never data."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
+from hsextract.errors import EngineError, ShardError
+from hsextract.extract import ChunkPrompts, extract_chunk, read_prompts
+from hsextract.shard import ShardReader
+from hsextract.stats import chunk_stats
+from hsextract.validate import validate_shard
+
+HIDDEN = 16
+META = {
+    "model": "m", "engine": "test", "engine_version": "0", "aux_layers": [0, 1], "final_state": "post_norm",
+    "hidden_size": HIDDEN, "dtype": "bfloat16", "config_hash": "c", "tokenizer_hash": "t",
+    "chat_template_hash": "h", "vocab_size": 100,
+}
+
+
+class FakeEngine(Engine):
+    """Deterministic activations from the ids; `pad` leaves padding rows on, `swap` breaks the order."""
+
+    name = "test"
+
+    def __init__(self, pad: int = 0, swap: bool = False) -> None:
+        self.pad, self.swap = pad, swap
+
+    def version(self) -> str:
+        return "0"
+
+    def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
+        out = []
+        for p in prompts:
+            ids = torch.tensor(p.input_ids + [0] * self.pad, dtype=torch.float32)
+            hs = [(ids[:, None] * (k + 1) + torch.arange(HIDDEN)).to(torch.bfloat16) for k in range(3)]
+            out.append(Captured(p.index, p.sample_id, hs))
+        if self.swap:
+            out[0], out[1] = out[1], out[0]
+        yield from out
+
+
+def prompts(n: int = 3) -> ChunkPrompts:
+    ids = [[1 + i, 2, 3 + i][: 2 + i % 2] + [7] * i for i in range(n)]
+    return ChunkPrompts([f"s:{i}" for i in range(n)], ids, [[0] + [1] * (len(x) - 1) for x in ids])
+
+
+def test_writes_every_sample_in_order(tmp_path: Path) -> None:
+    p = prompts(4)
+    summary = extract_chunk(p, tmp_path / "c.hss", FakeEngine(), META, progress=False)
+    r = ShardReader(tmp_path / "c.hss")
+    assert r.sample_ids == p.sample_ids and summary["samples"] == 4
+    assert summary["tokens"] == sum(map(len, p.input_ids)) and summary["trained_tokens"] == sum(map(sum, p.loss_masks))
+    for i in range(4):
+        s = r[i]
+        assert s["input_ids"].tolist() == p.input_ids[i] and s["loss_mask"].tolist() == p.loss_masks[i]
+        ids = torch.tensor(p.input_ids[i], dtype=torch.float32)
+        assert torch.equal(s["hidden_states"][2], (ids[:, None] * 3 + torch.arange(HIDDEN)).to(torch.bfloat16))
+    assert validate_shard(tmp_path / "c.hss", _reference(tmp_path))["passed"]
+
+
+def _reference(tmp_path: Path) -> Path:
+    ref = tmp_path / "ref.pt"
+    torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, 8, dtype=torch.bfloat16)] * 3,
+                "loss_mask": torch.ones(4, dtype=torch.int64)}, ref)
+    return ref
+
+
+def test_padding_left_on_is_an_error_and_leaves_no_shard(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match=r"sample s:0: engine returned tensors \[\(4, 16\), \(4, 16\), \(4, 16\)\], expected 3 of \(2, 16\); padding must be sliced off"):
+        extract_chunk(prompts(), tmp_path / "c.hss", FakeEngine(pad=2), META, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_of_order_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(EngineError, match=r"engine returned sample 's:1' \(index 1\) where 's:0' \(index 0\) was due"):
+        extract_chunk(prompts(), tmp_path / "c.hss", FakeEngine(swap=True), META, progress=False)
+    assert not (tmp_path / "c.hss").exists()
+
+
+def test_empty_chunk_gives_an_empty_valid_shard(tmp_path: Path) -> None:
+    summary = extract_chunk(ChunkPrompts([], [], []), tmp_path / "c.hss", FakeEngine(), META, progress=False)
+    assert summary["samples"] == 0 and len(ShardReader(tmp_path / "c.hss")) == 0
+    s = chunk_stats(tmp_path / "c.hss")
+    assert (s["samples"], s["tokens"], s["position_tokens"]) == (0, 0, [])
+    assert validate_shard(tmp_path / "c.hss", _reference(tmp_path))["passed"]
+
+
+def test_read_prompts(tmp_path: Path) -> None:
+    table = pa.table({"sample_id": ["a", "b"], "input_ids": [[1, 2], [3]], "loss_mask": pa.array([[0, 1], [1]], pa.list_(pa.int8())),
+                      "num_tokens": pa.array([2, 1], pa.int32()), "num_trained": pa.array([1, 1], pa.int32()), "source": ["x", "x"]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    p = read_prompts(tmp_path / "p.parquet")
+    assert (p.sample_ids, p.input_ids, p.loss_masks) == (["a", "b"], [[1, 2], [3]], [[0, 1], [1]])
+    (tmp_path / "bad.parquet").write_bytes(b"garbage")
+    with pytest.raises(ShardError, match=r"bad.parquet: cannot read the prompts parquet"):
+        read_prompts(tmp_path / "bad.parquet")

@@ -1,0 +1,95 @@
+"""Statistics of shards: exact sums on known tensors, exact aggregation, token_freq, plots."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from hsextract.plots import plot_rms_by_position, plot_seq_length_hist
+from hsextract.shard import ShardWriter
+from hsextract.stats import aggregate, chunk_stats, token_freq, write_table, write_token_freq
+
+HIDDEN = 8
+META = {
+    "model": "m", "engine": "transformers", "engine_version": "test", "aux_layers": [0, 2],
+    "final_state": "post_norm", "hidden_size": HIDDEN, "dtype": "bfloat16", "config_hash": "c",
+    "tokenizer_hash": "t", "chat_template_hash": "h",
+}
+
+
+def write_shard(path: Path, samples: list[tuple[list[int], list[int], list[float]]], chunk: int) -> Path:
+    """Each sample: ids, mask, and one constant value per tensor (so RMS and abs max are known)."""
+    with ShardWriter(path, metadata={**META, "chunk": chunk}) as w:
+        for k, (ids, mask, values) in enumerate(samples):
+            seq = len(ids)
+            hs = [torch.full((seq, HIDDEN), v, dtype=torch.bfloat16) for v in values]
+            w.add(input_ids=torch.tensor(ids), hidden_states=hs, loss_mask=torch.tensor(mask), sample_id=f"s{chunk}-{k}")
+    return path
+
+
+@pytest.fixture
+def shards(tmp_path: Path) -> list[Path]:
+    a = write_shard(tmp_path / "a.hss", [([5, 6, 7], [0, 1, 1], [1.0, -2.0, 0.5]), ([5, 9], [0, 1], [3.0, 2.0, -0.5])], 0)
+    b = write_shard(tmp_path / "b.hss", [([7, 7, 7, 7, 8], [1, 1, 0, 1, 1], [1.0, 1.0, 4.0])], 1)
+    return [a, b]
+
+
+def test_chunk_stats_values(shards: list[Path]) -> None:
+    s = chunk_stats(shards[0], position_bins=2)
+    assert (s["samples"], s["tokens"], s["trained_tokens"], s["seq_lengths"], s["trained_lengths"]) == (2, 5, 3, [3, 2], [2, 1])
+    assert s["token_freq"] == {"6": 1, "7": 1, "9": 1}
+    assert [t["name"] for t in s["tensors"]] == ["aux_0", "aux_2", "final_post_norm"]
+    # sum of squares: value^2 * hidden * tokens, summed over samples
+    assert [t["sum_sq"] for t in s["tensors"]] == [(1 * 3 + 9 * 2) * HIDDEN, (4 * 3 + 4 * 2) * HIDDEN, (0.25 * 3 + 0.25 * 2) * HIDDEN]
+    assert [t["abs_max"] for t in s["tensors"]] == [3.0, 2.0, 0.5]
+    assert [t["nonfinite"] for t in s["tensors"]] == [0, 0, 0]
+    # positions 0-1 (both samples) and 2 (first sample only)
+    assert s["position_tokens"] == [4, 1]
+    assert s["position_sum_sq"][0] == [(1 + 1 + 9 + 9) * HIDDEN, 1 * HIDDEN]
+    assert s["bytes_raw"] == 5 * 16 + 3 * 5 * HIDDEN * 2
+    assert s["bytes_stored"] == shards[0].stat().st_size
+
+
+def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> None:
+    stats = [chunk_stats(p, position_bins=2) for p in shards]
+    tables = aggregate(stats, {"dropped": {"too_long": 2, "no_trained_tokens": 5}})
+    summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
+    assert (summary["chunks"], summary["samples"], summary["tokens"], summary["trained_tokens"], summary["dropped_samples"]) == (2, 3, 10, 7, 7)
+    raw = sum(s["bytes_raw"] for s in stats)
+    stored = sum(p.stat().st_size for p in shards)
+    assert (summary["bytes_raw"], summary["bytes_stored"]) == (raw, stored)
+    assert summary["compression_ratio"] == round(raw / stored, 4)
+    layers = tables["layers"].set_index("tensor")
+    # aux_0: squares 1 (3 tok), 9 (2 tok), 1 (5 tok) over 10 tokens
+    assert layers.loc["aux_0", "rms"] == pytest.approx(math.sqrt((3 + 18 + 5) / 10))
+    assert layers.loc["final_post_norm", "abs_max"] == 4.0
+    assert list(tables["dropped"].itertuples(index=False, name=None)) == [("no_trained_tokens", 5), ("too_long", 2)]
+    pos = tables["rms_by_position"]
+    assert list(pos["position_start"]) == [0, 2, 4] and list(pos["tokens"]) == [6, 3, 1]
+    # final tensor at position bin 2 (positions 2,3): sample a pos 2 (0.25) and sample b pos 2,3 (16)
+    assert pos.loc[1, "final_post_norm"] == pytest.approx(math.sqrt((0.25 + 16 + 16) / 3))
+    seq = dict(zip(tables["seq_lengths"]["statistic"], tables["seq_lengths"]["tokens"], strict=True))
+    assert (seq["q00"], seq["q50"], seq["q100"], seq["mean"]) == (2.0, 3.0, 5.0, 10 / 3)
+    write_table(tables["layers"], tmp_path / "layers.tsv")
+    back = pd.read_csv(tmp_path / "layers.tsv", sep="\t")
+    assert list(back["tensor"]) == ["aux_0", "aux_2", "final_post_norm"]
+
+
+def test_token_freq_over_trained_tokens(shards: list[Path], tmp_path: Path) -> None:
+    stats = [chunk_stats(p) for p in shards]
+    assert token_freq(stats) == {6: 1, 7: 4, 8: 1, 9: 1}
+    write_token_freq(stats, tmp_path / "token_freq.pt")
+    assert torch.load(tmp_path / "token_freq.pt", weights_only=True) == {6: 1, 7: 4, 8: 1, 9: 1}
+
+
+def test_plots_are_pngs(shards: list[Path], tmp_path: Path) -> None:
+    stats = [chunk_stats(p, position_bins=2) for p in shards]
+    tables = aggregate(stats, {"dropped": {}})
+    plot_seq_length_hist(stats, tmp_path / "h.png", bins=5)
+    plot_rms_by_position(tables["rms_by_position"], tmp_path / "r.png")
+    for name in ("h.png", "r.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

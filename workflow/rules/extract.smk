@@ -1,0 +1,24 @@
+rule extract:
+    input:
+        unpack(get_extract_inputs),
+        prompts=get_prompts,
+        prepare_summary="results/{run}/prompts/summary.json",
+    output:
+        shard=f"results/{{run}}/shards/chunk-{{chunk}}{SHARD_SUFFIX}",
+    log:
+        "logs/{run}/extract/chunk-{chunk}.log",
+    benchmark:
+        "benchmarks/{run}/extract/chunk-{chunk}.tsv"
+    retries: config["extract"]["retries"]
+    conda:
+        "../../envs/extract.yaml"
+    threads: config["extract"]["threads"]
+    resources:
+        mem_mb=get_extract_mem_mb,
+        gpu=get_extract_gpus,
+    params:
+        chunk=lambda wildcards: int(wildcards.chunk),
+        # config values that change a shard's content: a change reruns the chunk (params trigger)
+        capture=get_extract_settings,
+    script:
+        "../scripts/extract.py"

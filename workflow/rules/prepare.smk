@@ -1,0 +1,18 @@
+rule prepare:
+    input:
+        unpack(get_prepare_inputs),
+    output:
+        prompts=expand("results/{{run}}/prompts/chunk-{chunk}.parquet", chunk=CHUNKS),
+        summary="results/{run}/prompts/summary.json",
+    log:
+        "logs/{run}/prepare/prepare.log",
+    benchmark:
+        "benchmarks/{run}/prepare.tsv"
+    conda:
+        "../../envs/prepare.yaml"
+    params:
+        tokenizer=TOKENIZER,
+        num_chunks=N_CHUNKS,
+        settings=get_prepare_settings,
+    script:
+        "../scripts/prepare.py"

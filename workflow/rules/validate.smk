@@ -1,0 +1,16 @@
+rule validate:
+    input:
+        shard=get_shard,
+        prompts=get_prompts,
+        reference=config["reference_sample"],
+    output:
+        report="results/{run}/validation/chunk-{chunk}.json",
+    log:
+        "logs/{run}/validate/chunk-{chunk}.log",
+    conda:
+        "../../envs/validate.yaml"
+    params:
+        # the reference's hidden size counts only for a real model (see config/README.md)
+        same_model=not config["make_tiny_model"],
+    script:
+        "../scripts/validate.py"

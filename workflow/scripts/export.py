@@ -1,0 +1,17 @@
+"""Rule export: the run's shards rewritten in another trainer's layout (config key export_formats)."""
+
+import sys
+
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+
+from pathlib import Path
+
+from hsextract.export import export
+
+summary = export(
+    Path(snakemake.input.manifest).parent,  # noqa: F821
+    snakemake.output.data,  # noqa: F821
+    snakemake.wildcards.format,  # noqa: F821
+    force=True,
+)
+print(summary)

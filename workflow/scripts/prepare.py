@@ -1,0 +1,23 @@
+"""Rule prepare: chat template, tokenize, loss masks, filters, chunk parquets and a summary."""
+
+import sys
+
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+
+from pathlib import Path
+
+from hsextract.atomic import write_json_atomic
+from hsextract.prepare import run_prepare
+
+out_dir = Path(snakemake.output.summary).parent  # noqa: F821
+summary = run_prepare(
+    dict(snakemake.config),  # noqa: F821
+    snakemake.params.tokenizer,  # noqa: F821
+    out_dir,
+    int(snakemake.params.num_chunks),  # noqa: F821
+)
+missing = [p for p in snakemake.output.prompts if not Path(p).is_file()]  # noqa: F821
+if missing:
+    raise RuntimeError(f"prepare did not write {missing}")
+write_json_atomic(snakemake.output.summary, summary)  # noqa: F821
+print(summary)

@@ -1,0 +1,22 @@
+"""Rule validate: check one shard against the reference sample and its prompts; fail on any error."""
+
+import sys
+
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+
+import json
+
+from hsextract.errors import ValidationFailure
+from hsextract.atomic import write_json_atomic
+from hsextract.validate import failure_line, validate_shard
+
+report = validate_shard(
+    snakemake.input.shard,  # noqa: F821
+    snakemake.input.reference,  # noqa: F821
+    same_model=bool(snakemake.params.same_model),  # noqa: F821
+)
+print(json.dumps(report, indent=1))
+if not report["passed"]:
+    # no report file: the chunk counts as failed and reruns (delete its shard to re-extract it)
+    raise ValidationFailure(failure_line(report))
+write_json_atomic(snakemake.output.report, report)  # noqa: F821
