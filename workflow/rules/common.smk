@@ -146,3 +146,19 @@ def get_final_outputs():
             "results/{run}/export/{format}", run=RUN, format=config["export_formats"]
         ),
     ]
+
+
+# regenerate.enabled (workflow/rules/regenerate.smk)
+def get_regenerate_inputs(wildcards):
+    inputs = get_model_input(wildcards)
+    inputs["sources"] = [src["path"] for src in config["sources"]]
+    return inputs
+
+
+def get_regenerate_settings(wildcards):
+    # what decides a chunk's text: a change reruns the chunks (params trigger)
+    keys = ("sources", "seed", "prompts_per_chunk", "strict", "model", "tokenizer")
+    keys += ("chat_template", "chat_template_kwargs", "engine")
+    settings = {key: config.get(key) for key in keys}
+    settings["regenerate"] = config["regenerate"]
+    return settings

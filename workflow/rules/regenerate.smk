@@ -11,21 +11,6 @@ PREPARE_SOURCES = [
 ]
 
 
-def get_regenerate_inputs(wildcards):
-    inputs = get_model_input(wildcards)
-    inputs["sources"] = [src["path"] for src in config["sources"]]
-    return inputs
-
-
-def get_regenerate_settings(wildcards):
-    # what decides a chunk's text: a change reruns the chunks (params trigger)
-    keys = ("sources", "seed", "prompts_per_chunk", "strict", "model", "tokenizer")
-    keys += ("chat_template", "chat_template_kwargs", "engine")
-    settings = {key: config.get(key) for key in keys}
-    settings["regenerate"] = config["regenerate"]
-    return settings
-
-
 rule regenerate_chunk:
     input:
         unpack(get_regenerate_inputs),
