@@ -35,6 +35,13 @@ report: "workflow/report/workflow.rst"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
+
+
+if config["regenerate"]["enabled"]:
+
+    include: "workflow/rules/regenerate.smk"
+
+
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/extract.smk"
 include: "workflow/rules/validate.smk"

@@ -59,8 +59,9 @@ def capture_spec(config: Mapping[str, Any]) -> CaptureSpec:
     return CaptureSpec(aux_layers=tuple(int(i) for i in config["aux_layers"]), final_state=config["final_state"])
 
 
-def build_engine(config: Mapping[str, Any], spec: CaptureSpec) -> Engine:
-    """The engine the config asks for. `engine: sglang` is provided by hsextract.engines.sglang_engine."""
+def build_engine(config: Mapping[str, Any], spec: CaptureSpec, chunk: int = 0) -> Engine:
+    """The engine the config asks for; `engine: sglang` picks (or starts) the chunk's server
+    through hsextract.engines.sglang_config."""
     name = config["engine"]
     if name == "transformers":
         from hsextract.engines.transformers_engine import TransformersEngine
@@ -73,9 +74,9 @@ def build_engine(config: Mapping[str, Any], spec: CaptureSpec) -> Engine:
             config["model"], spec, device=device, dtype=t["dtype"], token_budget=int(t["token_budget"])
         )
     if name == "sglang":
-        from hsextract.engines.sglang_engine import engine_from_config
+        from hsextract.engines.sglang_config import engine_from_config
 
-        return engine_from_config(config, spec)
+        return engine_from_config(config, spec, chunk)
     raise EngineError(f"engine: unknown engine {name!r}; use transformers or sglang")
 
 
@@ -193,7 +194,7 @@ def run_extract(
     spec = capture_spec(config)
     shape = read_model_shape(str(config["model"]))
     shard = config["shard"]
-    with build_engine(config, spec) as engine:
+    with build_engine(config, spec, chunk) as engine:
         meta = shard_metadata(config, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size)
         return extract_chunk(
             prompts, shard_path, engine, meta,

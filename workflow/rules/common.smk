@@ -17,6 +17,9 @@ ENGINE_INPUTS = {}
 EXTRACT_GPUS = None
 ON_START = []
 ON_FINISH = []
+# What prepare reads: the configured sources, or the regenerated conversations
+# (workflow/rules/regenerate.smk replaces this when regenerate.enabled is true).
+PREPARE_SOURCES = list(config["sources"])
 
 if config["engine"] == "sglang":
 
@@ -41,7 +44,7 @@ def get_model_input(wildcards):
 
 def get_prepare_inputs(wildcards):
     inputs = get_model_input(wildcards)
-    inputs["sources"] = [src["path"] for src in config["sources"]]
+    inputs["sources"] = [src["path"] for src in PREPARE_SOURCES]
     return inputs
 
 
@@ -70,7 +73,10 @@ EXTRACT_KEYS = ("model", "engine", "aux_layers", "final_state")
 
 
 def get_prepare_settings(wildcards):
-    return {key: config.get(key) for key in PREPARE_KEYS}
+    settings = {key: config.get(key) for key in PREPARE_KEYS}
+    if config["regenerate"]["enabled"]:
+        settings["regenerate"] = config["regenerate"]
+    return settings
 
 
 def get_extract_settings(wildcards):
@@ -140,3 +146,19 @@ def get_final_outputs():
             "results/{run}/export/{format}", run=RUN, format=config["export_formats"]
         ),
     ]
+
+
+# regenerate.enabled (workflow/rules/regenerate.smk)
+def get_regenerate_inputs(wildcards):
+    inputs = get_model_input(wildcards)
+    inputs["sources"] = [src["path"] for src in config["sources"]]
+    return inputs
+
+
+def get_regenerate_settings(wildcards):
+    # what decides a chunk's text: a change reruns the chunks (params trigger)
+    keys = ("sources", "seed", "prompts_per_chunk", "strict", "model", "tokenizer")
+    keys += ("chat_template", "chat_template_kwargs", "engine")
+    settings = {key: config.get(key) for key in keys}
+    settings["regenerate"] = config["regenerate"]
+    return settings

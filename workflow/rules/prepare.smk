@@ -13,6 +13,7 @@ rule prepare:
     params:
         tokenizer=TOKENIZER,
         num_chunks=N_CHUNKS,
+        sources=PREPARE_SOURCES,
         settings=get_prepare_settings,
     script:
         "../scripts/prepare.py"
