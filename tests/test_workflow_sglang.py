@@ -12,6 +12,7 @@ import math
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -60,7 +61,8 @@ def reference_sample(path: Path, hidden: int) -> None:
     torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": torch.ones(5, dtype=torch.int64)}, path)
 
 
-def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
+def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int) -> Path:
+    """A workdir with a tiny model of the fake server's hidden size and a config for engine: sglang."""
     from hsextract.tinymodel import make_tiny_model
 
     wd = make_workdir(tmp_path / "sg")
@@ -68,17 +70,22 @@ def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
     make_tiny_model(wd / "resources/tiny16", wd / "data/conversations.jsonl", hidden_size=HIDDEN,
                     q_lora_rank=16, kv_lora_rank=32, intermediate_size=32, moe_intermediate_size=16)
     reference_sample(wd / "resources/ref16.pt", HIDDEN)
+    (wd / "config/sg.yaml").write_text(
+        "run_name: sg-test\nmodel: resources/tiny16\nmake_tiny_model: false\nengine: sglang\n"
+        "aux_layers: [1, 5, 7]\nreference_sample: resources/ref16.pt\n"
+        f"sources:\n  - {{path: data/conversations.jsonl, format: messages, max_records: {records}}}\n"
+        f"prompts_per_chunk: {per_chunk}\nmax_seq_len: 256\n" + sglang_yaml
+    )
+    return wd
+
+
+def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     dump.mkdir()
     srv = FakeServer(dump, AUX, chunk=48).start()
     try:
-        (wd / "config/sg.yaml").write_text(
-            "run_name: sg-test\nmodel: resources/tiny16\nmake_tiny_model: false\nengine: sglang\n"
-            "aux_layers: [1, 5, 7]\nreference_sample: resources/ref16.pt\n"
-            "sources:\n  - {path: data/conversations.jsonl, format: messages, max_records: 12}\n"
-            "prompts_per_chunk: 6\nmax_seq_len: 256\n"
-            f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, timeout_s: 30, retries: 1}}\n"
-        )
+        wd = sg_workdir(tmp_path, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
+                                  "timeout_s: 30, retries: 1}\n", records=12, per_chunk=6)
         counts = job_counts(smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout)
         assert counts["extract"] == 2 and "build_patched_server" not in counts
         smk(wd, configfiles=("config/sg.yaml",))
@@ -99,3 +106,41 @@ def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
             n += 1
     assert n > 0 and srv.n_requests >= n
     assert not list(dump.glob("*.piece")) and not list(dump.glob("*.done"))  # the client cleaned up
+
+
+def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: Path) -> None:
+    """Issue 8: `sglang.servers` spreads chunks across servers (chunk % n); a chunk whose server is down
+    fails alone (--keep-going) and a plain rerun, once the server is back, redoes only that chunk."""
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    a = FakeServer(dump, AUX, chunk=48).start()
+    b = FakeServer(dump, AUX, chunk=48).start()
+    b_port = b.port
+    b.stop()  # server B is down for the first run
+    b2 = None
+    try:
+        wd = sg_workdir(tmp_path, f"sglang: {{servers: ['{a.url}', '{b.url}'], dump_dir: '{dump}', "
+                                  "concurrency: 2, timeout_s: 20, retries: 1, backoff_s: 0.1}\n",
+                        records=12, per_chunk=3)  # 4 chunks: 0, 2 -> A; 1, 3 -> B
+        first = smk(wd, "--keep-going", check=False, configfiles=("config/sg.yaml",))
+        assert first.returncode != 0
+        shards = wd / "results/sg-test/shards"
+        done = sorted(p.name for p in shards.glob("chunk-*.hss"))
+        rows = [pq.read_metadata(wd / f"results/sg-test/prompts/chunk-{c:05d}.parquet").num_rows for c in range(4)]
+        failed = [c for c in range(4) if c % 2 == 1 and rows[c] > 0]  # B's chunks (an empty one needs no server)
+        assert failed and done == [f"chunk-{c:05d}.hss" for c in range(4) if c not in failed]
+        assert not list(shards.glob(".*tmp"))  # no partial shard
+        served_by_a = a.n_requests
+        assert served_by_a > 0
+        mtimes = {n: (shards / n).stat().st_mtime_ns for n in done}
+        b2 = FakeServer(dump, AUX, port=b_port, chunk=48).start()  # B is back on its address
+        plan = job_counts(smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout)
+        assert plan["extract"] == len(failed)  # B's failed chunks only
+        smk(wd, configfiles=("config/sg.yaml",))
+        assert {n: (shards / n).stat().st_mtime_ns for n in done} == mtimes  # untouched
+        assert b2.n_requests > 0 and a.n_requests == served_by_a  # the rerun went to B alone
+        assert json.loads((wd / "results/sg-test/dataset.json").read_text())["all_valid"] is True
+    finally:
+        a.stop()
+        if b2 is not None:
+            b2.stop()
