@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from fractions import Fraction
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -128,10 +129,10 @@ def plan(
     if precision == "fp8_e4m3":
         stored_per_token_in = IDS_MASK_BYTES + n_tensors * (hidden_size * FP8_BYTES + FP8_SCALE_BYTES)
         ratio, ratio_source = CODEC_RATIO_FP8, "fp8 not measured by bench/codec.py: no compression assumed"
-        stored = math.ceil(tokens * stored_per_token_in * ratio)
+        stored = math.ceil(tokens * stored_per_token_in * Fraction(str(ratio)))
     else:
         ratio, ratio_source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
-        stored = math.ceil(raw * ratio)
+        stored = math.ceil(raw * Fraction(str(ratio)))  # exact: no float rounding up a whole byte
 
     ppc = int(config["prompts_per_chunk"])
     chunks = math.ceil(samples / ppc)
