@@ -126,3 +126,22 @@ def test_kimi_example_text_is_the_commands_output(capsys: pytest.CaptureFixture[
     monkeypatch.chdir(ROOT)
     assert main(shlex.split(command)[1:]) == 0
     assert capsys.readouterr().out == output
+
+
+def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
+    base.write_text(yaml.safe_dump(small))
+    # a later file overrides key by key inside mappings, as snakemake merges --configfile
+    over.write_text(yaml.safe_dump({"shard": {"compression_level": 5}, "prompts_per_chunk": 19}))
+    assert main(["plan", "--configfile", str(base), str(over), "--samples", "95", "--mean-tokens", "100"]) == 0
+    table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    assert table["tokens"] == "9,500"
+    assert table["raw bytes (speculators v1)"] == "5.016 MB (5,016,000 B)"
+    assert table["stored bytes"] == "3.494 MB (3,493,644 B)"  # bf16 kept from base.yaml's shard mapping
+    assert table["shards (chunks)"].startswith("5 of 19 samples")  # ceil(95 / 19)
+    assert table["chunk jobs"].startswith("2 (3 chunks per job")
+    assert table["GPU-hours"] == "- (give --tokens-per-s)"
+    del small["prompts_per_chunk"]
+    base.write_text(yaml.safe_dump(small))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
+    assert capsys.readouterr().err.strip() == f"hsextract plan: error: prompts_per_chunk: missing from {base}; the plan needs it"
