@@ -85,8 +85,61 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="tokens, bytes, GPU-hours and jobs of a run before it starts",
+                       description="Estimate a run of SAMPLES input records under a workflow config: tokens, raw and "
+                                   "stored bytes (the codec's measured ratio), shards, chunk jobs, GPU-hours, disk per node.")
+    p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
+                   help="workflow config file(s), later ones overriding earlier ones key by key (as snakemake does)")
+    p.add_argument("--samples", type=int, required=True, help="input records (conversations) of the run")
+    tok = p.add_mutually_exclusive_group(required=True)
+    tok.add_argument("--mean-tokens", type=float, help="tokens per sample (prompt and response, after the chat template)")
+    tok.add_argument("--prepare-summary", metavar="JSON",
+                     help="results/<run>/prompts/summary.json of a prepare run on a sample of the sources: "
+                          "tokens per input record measured there (drops included)")
+    p.add_argument("--tokens-per-s", type=float, help="extraction throughput of one node, tokens per second")
+    p.add_argument("--nodes", type=int, default=1, help="nodes extracting in parallel (default 1)")
+    p.add_argument("--gpus-per-node", type=int,
+                   help="GPUs per node (default: sglang.tp x sglang.replicas, or 1 for transformers on cuda)")
+    p.add_argument("--hidden-size", type=int, help="hidden size when `model` is not a local directory (Kimi-K2.5: 7168)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_plan)
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import yaml
+
+    from hsextract.errors import ConfigError
+    from hsextract.plan import format_plan, plan
+
+    config: dict = {}
+    for path in args.configfile:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"--configfile: cannot read {path} ({e})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"--configfile: {path} is not a mapping of config keys")
+        config = _merge(config, loaded)
+    for key in ("model", "aux_layers", "prompts_per_chunk"):
+        if key not in config:
+            raise ConfigError(f"{key}: missing from {' + '.join(args.configfile)}; the plan needs it")
+    result = plan(config, args.samples, mean_tokens=args.mean_tokens, prepare_summary=args.prepare_summary,
+                  tokens_per_s=args.tokens_per_s, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+                  hidden_size=args.hidden_size)
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
 # Each entry adds one subcommand to the parser; other modules append theirs here.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_validate, _add_export, _add_inspect]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_validate, _add_export, _add_inspect, _add_plan]
 
 
 def build_parser() -> argparse.ArgumentParser:

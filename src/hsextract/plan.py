@@ -1,0 +1,216 @@
+"""Capacity planner: tokens, bytes, GPU-hours and jobs of a run before it starts (`hsextract plan`).
+
+Pure arithmetic over the workflow config and a few numbers the user gives (samples, tokens per
+sample, throughput): nothing is loaded but the model's config.json, so it runs on a laptop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from fractions import Fraction
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from hsextract.errors import ConfigError
+
+# Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
+IDS_MASK_BYTES = 16
+BF16_BYTES = 2
+# fp8 mode stores 1 byte per value plus one float32 scale per token and tensor (docs/FORMAT.md).
+FP8_BYTES, FP8_SCALE_BYTES = 1, 4
+# Stored / raw of the shard codec on LLM-like bf16 activations at H = 7168, level 3, every byte of
+# the file counted (bench/README.md, codec table, "(synth)", row "ours, threads=1"). The real
+# forward at H = 1024 gave 0.6669: the synthetic figure is the larger, so the plan errs on the safe side.
+CODEC_RATIO_BF16 = 0.6965
+CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations, ours threads=1 (real H=1024: 0.6669)"
+# fp8 values are not measured by the bench: no compression is assumed (an upper bound).
+CODEC_RATIO_FP8 = 1.0
+
+
+def _hidden_size_of(model: str) -> int | None:
+    cfg_path = Path(model) / "config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model: cannot read {cfg_path} ({e}); give --hidden-size") from None
+    # multimodal checkpoints (Kimi-K2.5) nest the language model's settings
+    for key in ("text_config", "language_config", "llm_config"):
+        if isinstance(cfg.get(key), dict) and "hidden_size" in cfg[key]:
+            cfg = cfg[key]
+            break
+    if not isinstance(cfg.get("hidden_size"), int):
+        raise ConfigError(f"model: {cfg_path} has no integer hidden_size; give --hidden-size")
+    return int(cfg["hidden_size"])
+
+
+def _tokens_per_record(summary_path: str) -> float:
+    try:
+        summary = json.loads(Path(summary_path).read_text())
+        read, tokens = int(summary["read"]), int(summary["tokens"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"--prepare-summary: {summary_path} is not a prepare summary.json with `read` and `tokens` ({e})"
+        ) from None
+    if read <= 0:
+        raise ConfigError(f"--prepare-summary: {summary_path} read 0 records; prepare a sample of the sources first")
+    return tokens / read
+
+
+def _chunks_per_job(config: Mapping[str, Any]) -> int:
+    for value in (config.get("chunks_per_job"), (config.get("extract") or {}).get("chunks_per_job")):
+        if value is not None:
+            return int(value)
+    return 1
+
+
+def _default_gpus_per_node(config: Mapping[str, Any]) -> int | None:
+    if config.get("engine") == "sglang":
+        sg = config.get("sglang") or {}
+        if sg.get("tp"):
+            return int(sg["tp"]) * int(sg.get("replicas") or 1)
+        return None
+    device = str((config.get("transformers") or {}).get("device", "cpu"))
+    return None if device == "cpu" else 1
+
+
+def plan(
+    config: Mapping[str, Any],
+    samples: int,
+    *,
+    mean_tokens: float | None = None,
+    prepare_summary: str | None = None,
+    tokens_per_s: float | None = None,
+    nodes: int = 1,
+    gpus_per_node: int | None = None,
+    hidden_size: int | None = None,
+) -> dict[str, Any]:
+    """The figures of a run of `samples` input records; `tokens_per_s` is one node's throughput."""
+    if samples <= 0:
+        raise ConfigError(f"--samples: {samples} is not allowed; give the number of input records (> 0)")
+    if nodes <= 0:
+        raise ConfigError(f"--nodes: {nodes} is not allowed; it must be >= 1")
+    if (mean_tokens is None) == (prepare_summary is None):
+        raise ConfigError(
+            "give exactly one of --mean-tokens (tokens per sample) or --prepare-summary "
+            "(results/<run>/prompts/summary.json of a prepare run on a sample of your sources: measured)"
+        )
+    if mean_tokens is not None:
+        if mean_tokens <= 0:
+            raise ConfigError(f"--mean-tokens: {mean_tokens} is not allowed; it must be > 0")
+        per_record, token_source = float(mean_tokens), "--mean-tokens"
+    else:
+        per_record, token_source = _tokens_per_record(str(prepare_summary)), f"measured: {prepare_summary}"
+    model = str(config.get("model", ""))
+    if hidden_size is None:
+        hidden_size = _hidden_size_of(model)
+        if hidden_size is None:
+            raise ConfigError(
+                f"model: {model!r} is not a local directory with a config.json; give --hidden-size "
+                f"(Kimi-K2.5: 7168)"
+            )
+    if hidden_size <= 0:
+        raise ConfigError(f"--hidden-size: {hidden_size} is not allowed; it must be > 0")
+    if tokens_per_s is not None and tokens_per_s <= 0:
+        raise ConfigError(f"--tokens-per-s: {tokens_per_s} is not allowed; it must be > 0")
+    if gpus_per_node is None:
+        gpus_per_node = _default_gpus_per_node(config)
+    if gpus_per_node is not None and gpus_per_node <= 0:
+        raise ConfigError(f"--gpus-per-node: {gpus_per_node} is not allowed; it must be >= 1")
+
+    n_tensors = len(config["aux_layers"]) + 1
+    precision = str((config.get("shard") or {}).get("precision", "bf16"))
+    tokens = round(samples * per_record)
+    raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * BF16_BYTES
+    raw = tokens * raw_per_token
+    if precision == "fp8_e4m3":
+        stored_per_token_in = IDS_MASK_BYTES + n_tensors * (hidden_size * FP8_BYTES + FP8_SCALE_BYTES)
+        ratio, ratio_source = CODEC_RATIO_FP8, "fp8 not measured by bench/codec.py: no compression assumed"
+        stored = math.ceil(tokens * stored_per_token_in * Fraction(str(ratio)))
+    else:
+        ratio, ratio_source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
+        stored = math.ceil(raw * Fraction(str(ratio)))  # exact: no float rounding up a whole byte
+
+    ppc = int(config["prompts_per_chunk"])
+    chunks = math.ceil(samples / ppc)
+    cpj = _chunks_per_job(config)
+    jobs = math.ceil(chunks / cpj)
+
+    node_hours = gpu_hours = wall_hours = None
+    if tokens_per_s is not None:
+        node_hours = tokens / tokens_per_s / 3600
+        # equal chunks, one job per node at a time: the busiest node runs ceil(jobs / nodes) jobs
+        wall_hours = node_hours / jobs * math.ceil(jobs / nodes)
+        if gpus_per_node is not None:
+            gpu_hours = node_hours * gpus_per_node
+    return {
+        "model": model,
+        "precision": precision,
+        "samples": samples,
+        "tokens_per_sample": per_record,
+        "tokens_per_sample_source": token_source,
+        "tokens": tokens,
+        "hidden_size": hidden_size,
+        "hidden_tensors": n_tensors,
+        "raw_bytes_per_token": raw_per_token,
+        "raw_bytes": raw,
+        "codec_ratio": ratio,
+        "codec_ratio_source": ratio_source,
+        "stored_bytes": stored,
+        "prompts_per_chunk": ppc,
+        "shards": chunks,
+        "chunks_per_job": cpj,
+        "chunk_jobs": jobs,
+        "stored_bytes_per_shard": math.ceil(stored / chunks),
+        "stored_bytes_per_job": math.ceil(stored / chunks) * min(cpj, chunks),
+        "nodes": nodes,
+        "gpus_per_node": gpus_per_node,
+        "tokens_per_s_per_node": tokens_per_s,
+        "node_hours": node_hours,
+        "gpu_hours": gpu_hours,
+        "wall_hours": wall_hours,
+        # shards written by the busiest node (what a node-local staging disk must hold at most)
+        "stored_bytes_per_node": min(stored, math.ceil(stored / chunks) * min(cpj, chunks) * math.ceil(jobs / nodes)),
+    }
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit} ({n:,} B)"
+    return f"{n} B"
+
+
+def _hours(h: float | None, why: str) -> str:
+    return why if h is None else f"{h:,.2f} h"
+
+
+def format_plan(p: Mapping[str, Any]) -> str:
+    """A two-column table of the plan for a terminal (and docs/CLUSTER.md)."""
+    no_rate = "- (give --tokens-per-s)"
+    no_gpus = no_rate if p["tokens_per_s_per_node"] is None else "- (give --gpus-per-node)"
+    rows = [
+        ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, {p['precision']})"),
+        ("samples", f"{p['samples']:,}"),
+        ("tokens per sample", f"{p['tokens_per_sample']:,.1f} ({p['tokens_per_sample_source']})"),
+        ("tokens", f"{p['tokens']:,}"),
+        ("raw bytes per token", f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
+        ("raw bytes (speculators v1)", _bytes(p["raw_bytes"])),
+        ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
+        ("stored bytes", _bytes(p["stored_bytes"])),
+        ("shards (chunks)", f"{p['shards']:,} of {p['prompts_per_chunk']:,} samples, ~{_bytes(p['stored_bytes_per_shard'])} each"),
+        ("chunk jobs", f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
+        ("throughput", no_rate if p["tokens_per_s_per_node"] is None else f"{p['tokens_per_s_per_node']:,.0f} tokens/s per node"),
+        ("node-hours", _hours(p["node_hours"], no_rate)),
+        ("GPU-hours", _hours(p["gpu_hours"], no_gpus) + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
+        ("wall time", _hours(p["wall_hours"], no_rate) + f" on {p['nodes']} node(s), one job per node at a time"),
+        ("disk per node", f"{_bytes(p['stored_bytes_per_node'])} of shards on the busiest of {p['nodes']} node(s)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_SOURCE", "format_plan", "plan"]

@@ -1,0 +1,190 @@
+"""The cluster profiles: dry runs with the SLURM and Kubernetes executor plugins list the expected
+jobs with the expected resources, the SLURM plugin turns an extract job's resources into the
+expected sbatch flags, and every key of a profile is commented."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+pytest.importorskip("snakemake_executor_plugin_slurm", reason="needs the cluster extra")
+pytest.importorskip("snakemake_executor_plugin_kubernetes", reason="needs the cluster extra")
+pytest.importorskip("snakemake_storage_plugin_fs", reason="needs the cluster extra")
+
+ROOT = Path(__file__).resolve().parents[1]
+COPIED = ("Snakefile", "workflow", "config", "envs", "profiles", "resources/reference", "data")
+RUN = "prof-test"
+RECORDS, PER_CHUNK = 24, 8
+N_CHUNKS = math.ceil(RECORDS / PER_CHUNK)
+# A GPU config (transformers on cuda: the extract rule asks for 1 GPU); extract.mem_mb is the
+# rule's own memory, which the profiles must not override.
+TEST_CONFIG = f"""\
+run_name: {RUN}
+sources:
+  - {{path: data/conversations.jsonl, format: messages, weight: 1.0, max_records: {RECORDS}}}
+prompts_per_chunk: {PER_CHUNK}
+transformers: {{device: cuda, dtype: bfloat16, token_budget: 1024}}
+extract: {{threads: 2, mem_mb: 3000, retries: 1}}
+"""
+JOBS = {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_CHUNKS, "stats": N_CHUNKS,
+        "aggregate_stats": 1, "manifest": 1, "all": 1}
+
+
+def make_workdir(dest: Path, config: str = TEST_CONFIG) -> Path:
+    dest.mkdir(parents=True)
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    (dest / "config/test.yaml").write_text(config)
+    return dest
+
+
+def dry_run(workdir: Path, profile: str, *extra: str) -> str:
+    exe = Path(sys.executable).with_name("snakemake")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "snakemake"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [*cmd, "-n", "--workflow-profile", f"profiles/{profile}", *extra,
+         "--configfile", "config/config.yaml", "config/test.yaml"],
+        cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"dry run with profiles/{profile} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout + proc.stderr
+
+
+def job_counts(output: str) -> dict[str, int]:
+    table = output[output.index("Job stats:"):]
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M) if m[1] != "total"}
+
+
+def job_resources(output: str) -> dict[str, list[dict[str, str]]]:
+    """rule -> the resources line of each of its jobs in the dry run, as {name: value}."""
+    jobs: dict[str, list[dict[str, str]]] = {}
+    for block in re.split(r"^\[.*\]\n(?=(?:local)?rule )", output, flags=re.M)[1:]:
+        rule = re.match(r"(?:local)?rule (\w+):", block)[1]
+        line = re.search(r"^\s+resources: (.*)$", block, re.M)
+        res = dict(item.split("=", 1) for item in line[1].split(", ")) if line else {}
+        jobs.setdefault(rule, []).append(res)
+    return jobs
+
+
+def subset(res: dict[str, str], keys: dict[str, str]) -> dict[str, str | None]:
+    return {k: res.get(k) for k in keys}
+
+
+SLURM_EXTRACT = {"slurm_partition": "gpu", "gpu": "1", "gpu_model": "h200", "cpus_per_gpu": "8",
+                 "runtime": "720", "mem_mb": "3000", "slurm_extra": "--exclusive"}
+SLURM_CPU = {"slurm_partition": "cpu", "runtime": "60", "mem_mb": "4000"}
+
+
+@pytest.fixture(scope="module")
+def slurm_output(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return dry_run(make_workdir(tmp_path_factory.mktemp("slurm") / "wd"), "slurm")
+
+
+def test_slurm_dry_run_jobs_and_resources(slurm_output: str) -> None:
+    assert "Using workflow specific profile profiles/slurm" in slurm_output
+    assert job_counts(slurm_output) == JOBS
+    res = job_resources(slurm_output)
+    assert len(res["extract"]) == N_CHUNKS
+    for job in res["extract"]:
+        assert subset(job, SLURM_EXTRACT) == SLURM_EXTRACT
+    for rule in ("make_tiny_model", "prepare", "validate", "stats", "aggregate_stats", "manifest"):
+        for job in res[rule]:
+            assert subset(job, SLURM_CPU) == SLURM_CPU, rule
+            assert "gpu" not in job and "gpu_model" not in job, rule
+
+
+def test_slurm_plugin_submits_extract_with_these_flags(slurm_output: str) -> None:
+    """The plugin's own sbatch builder, fed one extract job's resources from the dry run."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    raw = job_resources(slurm_output)["extract"][0]
+    values = {k: int(v) if v.isdigit() else v for k, v in raw.items() if k in SLURM_EXTRACT}
+
+    class Resources(dict):
+        __getattr__ = dict.__getitem__
+
+    job = SimpleNamespace(resources=Resources(values), threads=2, is_group=lambda: False)
+    params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "extract", "account": "",
+              "partition": f"-p {values['slurm_partition']}", "workdir": "/wd"}
+    call = get_submit_command(job, params) + set_gres_string(job)
+    for flag in ("-p gpu", "-t 720", "--mem 3000", "--cpus-per-gpu=8", "--exclusive", "--gpus=h200:1"):
+        assert flag in call.split(" ") or flag in call, (flag, call)
+
+
+def test_slurm_keeps_the_rules_gpu_count(tmp_path: Path) -> None:
+    """The profile does not force GPUs: a CPU config's extract jobs ask for gpu=0."""
+    cpu_config = TEST_CONFIG.replace("device: cuda", "device: cpu")
+    out = dry_run(make_workdir(tmp_path / "wd", cpu_config), "slurm")
+    assert {job["gpu"] for job in job_resources(out)["extract"]} == {"0"}
+
+
+def test_kubernetes_dry_run_jobs_and_resources(tmp_path: Path) -> None:
+    wd = make_workdir(tmp_path / "wd")
+    # the storage (the claim in the profile): sources and reference at the config's relative paths
+    store = tmp_path / "store"
+    shutil.copytree(ROOT / "data", store / "data")
+    shutil.copytree(ROOT / "resources/reference", store / "resources/reference")
+    out = dry_run(wd, "kubernetes", "--default-storage-prefix", str(store))
+    assert "Using workflow specific profile profiles/kubernetes" in out
+    assert job_counts(out) == JOBS
+    # inputs come from the storage and outputs go back to it
+    shard = f"{store}/results/{RUN}/shards/chunk-00000.hss (send to storage)"
+    assert shard in out
+    assert f"{store}/data/conversations.jsonl (retrieve from storage)" in out
+    res = job_resources(out)
+    assert len(res["extract"]) == N_CHUNKS
+    want = {"gpu": "1", "gpu_manufacturer": "nvidia", "machine_type": "p5en.48xlarge", "mem_mb": "3000",
+            "disk_mb": "400000"}
+    for job in res["extract"]:
+        assert subset(job, want) == want
+    for rule in ("prepare", "validate", "stats", "aggregate_stats", "manifest"):
+        for job in res[rule]:
+            assert subset(job, {"mem_mb": "", "disk_mb": "", "gpu": ""}) == {"mem_mb": "4000", "disk_mb": "20000", "gpu": None}
+
+
+def test_kubernetes_profile_mounts_the_claim_under_the_prefix() -> None:
+    prof = yaml.safe_load((ROOT / "profiles/kubernetes/config.yaml").read_text())
+    claims = dict(v.split(":") for v in prof["kubernetes-persistent-volumes"])
+    assert prof["executor"] == "kubernetes" and prof["default-storage-provider"] == "fs"
+    assert any(prof["default-storage-prefix"].startswith(path + "/") for path in claims.values())
+
+
+@pytest.mark.parametrize("profile", ["slurm", "kubernetes"])
+def test_every_profile_key_is_commented(profile: str) -> None:
+    lines = (ROOT / f"profiles/{profile}/config.yaml").read_text().splitlines()
+    keys = 0
+    for i, line in enumerate(lines):
+        if re.match(r"^\s*[A-Za-z_][\w-]*:", line):
+            keys += 1
+            assert "#" in line or lines[i - 1].lstrip().startswith("#"), f"profiles/{profile}: uncommented key: {line}"
+    assert keys > 10
+
+
+def test_cluster_doc_uses_the_tested_profiles() -> None:
+    """docs/CLUSTER.md's commands name these profiles, and its figures are theirs."""
+    doc = (ROOT / "docs/CLUSTER.md").read_text()
+    assert set(re.findall(r"--workflow-profile profiles/(\w+)", doc)) == {"slurm", "kubernetes"}
+    slurm = yaml.safe_load((ROOT / "profiles/slurm/config.yaml").read_text())
+    ext = slurm["set-resources"]["extract"]
+    assert f"partition `{ext['slurm_partition']}` with `--gpus={ext['gpu_model']}:N`" in doc
+    assert f"{ext['cpus_per_gpu']} CPUs per GPU, {ext['runtime']} min" in doc
+    k8s = yaml.safe_load((ROOT / "profiles/kubernetes/config.yaml").read_text())
+    assert f"`{k8s['default-storage-prefix']}` the default storage (`{k8s['default-storage-provider']}` provider)" in doc
+    assert f"{k8s['set-resources']['extract']['disk_mb'] // 1000} GB of ephemeral disk" in doc
