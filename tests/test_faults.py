@@ -69,39 +69,43 @@ FSIZE_SCRIPT = textwrap.dedent("""
     from conftest import make_sample, shard_metadata
     from hsextract.errors import ShardError
     from hsextract.shard import ShardWriter
-    d, limit = sys.argv[1], int(sys.argv[3])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-    try:
-        with ShardWriter(f"{d}/chunk-00001.hss", shard_metadata(hidden_size=256)) as w:
-            for k in range(40):
-                w.add(*make_sample(50, hidden=256, seed=k), sample_id=f"b{k}")
-        print(json.dumps({"error": None}))
-    except ShardError as e:
-        print(json.dumps({"error": str(e), "type": type(e).__name__}))
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    for limit in map(int, sys.argv[3:]):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            with ShardWriter(f"{sys.argv[1]}/chunk-00001.hss", shard_metadata(hidden_size=256)) as w:
+                for k in range(40):
+                    w.add(*make_sample(50, hidden=256, seed=k), sample_id=f"b{k}")
+            print(json.dumps({"limit": limit, "error": None}))
+        except ShardError as e:
+            print(json.dumps({"limit": limit, "error": str(e), "type": type(e).__name__}))
 """)
+FSIZE_LIMITS = (300, 20_000, 200_000)  # in the header, after a few samples, later
 
 
-@pytest.mark.parametrize("limit", [300, 20_000, 200_000])  # in the header, after a few samples, later
-def test_disk_full_fails_with_a_message_and_leaves_nothing(tmp_path: Path, limit: int) -> None:
+def test_disk_full_fails_with_a_message_and_leaves_nothing(tmp_path: Path) -> None:
     earlier = write_shard(tmp_path / "chunk-00000.hss", [make_sample(50, hidden=256, seed=k) for k in range(3)],
                           hidden_size=256)
     before = (earlier.read_bytes(), earlier.stat().st_mtime_ns)
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path), str(TESTS), str(limit)],
+    proc = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path), str(TESTS), *map(str, FSIZE_LIMITS)],
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["limit"] for r in results] == list(FSIZE_LIMITS)
     target = tmp_path / "chunk-00001.hss"
-    assert got["type"] == "ShardError"
-    assert re.fullmatch(
-        rf"{re.escape(str(target))}: writing failed after \d+ samples \(File too large\); no shard was left "
-        rf"behind\. Free space in {re.escape(str(tmp_path))} \(or fix the error\) and rerun the chunk\.",
-        got["error"]), got["error"]
+    for got in results:
+        assert got.get("type") == "ShardError", got
+        assert re.fullmatch(
+            rf"{re.escape(str(target))}: writing failed after \d+ samples \(File too large\); no shard was left "
+            rf"behind\. Free space in {re.escape(str(tmp_path))} \(or fix the error\) and rerun the chunk\.",
+            got["error"]), got["error"]
+    assert {r["error"].split(" after ")[1].split(" ")[0] for r in results} != {"0"}  # not only in the header
     assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000.hss"]  # no shard, no temp
     assert (earlier.read_bytes(), earlier.stat().st_mtime_ns) == before
-    assert validate_shard(earlier, {"input_ids": make_sample(2, 256)[0], "hidden_states": make_sample(2, 256)[1],
-                                    "loss_mask": make_sample(2, 256)[2]})["passed"]
+    ids, hs, mask = make_sample(2, hidden=256)
+    assert validate_shard(earlier, {"input_ids": ids, "hidden_states": hs, "loss_mask": mask})["passed"]
 
 
 # ---- 4. corruption: random byte flips and truncations, each reported by validate --------------------
