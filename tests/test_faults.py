@@ -468,7 +468,8 @@ run_name: {RUN}
 sources:
   - {{path: data/conversations.jsonl, format: messages, weight: 1.0, max_records: {RECORDS}}}
 prompts_per_chunk: {PER_CHUNK}
-max_seq_len: 384
+max_seq_len: 256
+truncate: true
 transformers: {{device: cpu, dtype: bfloat16, token_budget: 1024}}
 extract: {{threads: 1, mem_mb: 1000, retries: 0}}
 """
@@ -488,9 +489,9 @@ def smk_env() -> dict[str, str]:
     return env
 
 
-def smk_argv(*args: str) -> list[str]:
+def smk_argv(*args: str, cores: int = 2) -> list[str]:
     # targets and options first: --configfile takes every word after it
-    return [*_wf().snakemake_cmd(), *args, "--cores", "2", "--configfile", "config/test.yaml"]
+    return [*_wf().snakemake_cmd(), *args, "--cores", str(cores), "--configfile", "config/test.yaml"]
 
 
 def shard_file(wd: Path, chunk: int) -> Path:
@@ -538,13 +539,22 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
             _wf().smk(wd, "--unlock")
         t0 = time.time()
         logf = open(wd / f"attempt-{attempt}.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen(smk_argv(*SHARDS, "--rerun-incomplete"), cwd=wd, env=smk_env(), stdout=logf,
+        # one job at a time, so that a kill after a finished chunk lands inside the next one
+        proc = subprocess.Popen(smk_argv(*SHARDS, "--rerun-incomplete", cores=1), cwd=wd, env=smk_env(), stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         logs = wd / "logs" / RUN / "extract"
-        # a random moment after an extract job has started
-        while proc.poll() is None and not (logs.is_dir() and any(p.stat().st_mtime >= t0 for p in logs.iterdir())):
-            time.sleep(0.1)
-        delay = rng.uniform(0.5, 8.0)
+        missing = [i for i in range(N_CHUNKS) if not shard_file(wd, i).exists()]
+
+        def event() -> bool:
+            # with >= 2 chunks to do, after one of them finished (the kill lands in the next one); with one
+            # left, after its job started
+            if len(missing) >= 2:
+                return any(shard_file(wd, i).exists() and shard_file(wd, i).stat().st_mtime >= t0 for i in range(N_CHUNKS))
+            return logs.is_dir() and any(p.stat().st_mtime >= t0 for p in logs.iterdir())
+
+        while proc.poll() is None and not event():
+            time.sleep(0.05)
+        delay = rng.uniform(0.3, 3.0)  # then a seeded random moment
         deadline = time.time() + delay
         while proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
@@ -566,7 +576,8 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
                        "delay_s": round(delay, 2), "shards_present": present, "planned": plan})
         if not killed:
             break
-    assert sum(r["killed"] for r in record) >= 2, record  # the faults really happened mid-run
+    assert sum(r["killed"] for r in record) == KILLS, record  # the faults really happened mid-run
+    assert any(i not in r["planned"] for r in record[:KILLS] for i in r["shards_present"]), record  # some survived a kill
 
     # after the kills: unlock, rerun incomplete; it redoes exactly the planned chunks
     if record[-1]["killed"]:
