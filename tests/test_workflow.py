@@ -220,6 +220,7 @@ def test_failed_chunk_reruns_alone_and_same_config_gives_same_samples(tmp_path: 
     failed = smk(wd, "--keep-going", check=False)
     assert failed.returncode != 0
     assert shard_path(wd, 0).is_file() and shard_path(wd, 2).is_file() and not shard_path(wd, 1).exists()
+    assert [p.name for p in (run_dir(wd) / "shards").iterdir() if p.name.endswith(".tmp")] == []  # no partial shard
     assert (run_dir(wd) / "validation/chunk-00002.json").is_file() and not (run_dir(wd) / "dataset.json").exists()
     log = (wd / "logs" / RUN / "extract/chunk-00001.log").read_text()
     assert "chunk-00001.parquet: cannot read the prompts parquet" in log

@@ -243,6 +243,8 @@ class ShardWriter:
         self._closed = True
         try:
             self._file.close()
+        except OSError:
+            pass  # close() flushes the buffered tail, which fails again on a full disk; the temp goes anyway
         finally:
             self._tmp.unlink(missing_ok=True)
             if self._pool:

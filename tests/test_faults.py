@@ -1,0 +1,629 @@
+"""Fault injection (issue 7): each fault is tried, and what survives is asserted exactly.
+
+Fast tests: disk full during a shard write, byte flips and truncations caught by validate, server
+faults the sglang client tests do not already cover, schema violations, security properties.
+Slow tests (one small workflow, 3 chunks): SIGKILL of the whole Snakemake process group during
+extraction, 3 times at seeded random moments, then --unlock / --rerun-incomplete; disk full inside
+a real extract job. tests/README.md lists every fault with its figures and where else it is tested.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import make_sample, shard_metadata
+
+from hsextract.errors import EngineError, ShardError
+from hsextract.shard import SHARD_SUFFIX, ShardReader, ShardWriter
+from hsextract.validate import failure_line, validate_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def tmp_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+def write_shard(path: Path, samples: list, prefix: str = "s", **meta) -> Path:
+    with ShardWriter(path, shard_metadata(**meta)) as w:
+        for k, (ids, hs, mask) in enumerate(samples):
+            w.add(ids, hs, mask, sample_id=f"{prefix}{k}")
+    return path
+
+
+def sample_digests(shard: Path) -> dict[str, str]:
+    """sample id -> sha256 over the decoded sample's bytes (ids, mask, every hidden tensor)."""
+    r = ShardReader(shard)
+    out = {}
+    for k, sid in enumerate(r.sample_ids):
+        s = r[k]
+        h = hashlib.sha256()
+        for t in (s["input_ids"], s["loss_mask"], *s["hidden_states"]):
+            h.update(str((t.dtype, tuple(t.shape))).encode())
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        out[sid] = h.hexdigest()
+    r.close()
+    return out
+
+
+# ---- 3. disk full during a shard write ---------------------------------------------------------------
+FSIZE_SCRIPT = textwrap.dedent("""
+    import json, resource, signal, sys
+    sys.path.insert(0, sys.argv[2])
+    from conftest import make_sample, shard_metadata
+    from hsextract.errors import ShardError
+    from hsextract.shard import ShardWriter
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
+    hard = resource.getrlimit(resource.RLIMIT_FSIZE)[1]
+    for limit in map(int, sys.argv[3:]):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            with ShardWriter(f"{sys.argv[1]}/chunk-00001.hss", shard_metadata(hidden_size=256)) as w:
+                for k in range(40):
+                    w.add(*make_sample(50, hidden=256, seed=k), sample_id=f"b{k}")
+            print(json.dumps({"limit": limit, "error": None}))
+        except ShardError as e:
+            print(json.dumps({"limit": limit, "error": str(e), "type": type(e).__name__}))
+""")
+FSIZE_LIMITS = (300, 20_000, 200_000)  # in the header, after a few samples, later
+
+
+def test_disk_full_fails_with_a_message_and_leaves_nothing(tmp_path: Path) -> None:
+    earlier = write_shard(tmp_path / "chunk-00000.hss", [make_sample(50, hidden=256, seed=k) for k in range(3)],
+                          hidden_size=256)
+    before = (earlier.read_bytes(), earlier.stat().st_mtime_ns)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    proc = subprocess.run([sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path), str(TESTS), *map(str, FSIZE_LIMITS)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["limit"] for r in results] == list(FSIZE_LIMITS)
+    target = tmp_path / "chunk-00001.hss"
+    for got in results:
+        assert got.get("type") == "ShardError", got
+        assert re.fullmatch(
+            rf"{re.escape(str(target))}: writing failed after \d+ samples \(File too large\); no shard was left "
+            rf"behind\. Free space in {re.escape(str(tmp_path))} \(or fix the error\) and rerun the chunk\.",
+            got["error"]), got["error"]
+    assert {r["error"].split(" after ")[1].split(" ")[0] for r in results} != {"0"}  # not only in the header
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chunk-00000.hss"]  # no shard, no temp
+    assert (earlier.read_bytes(), earlier.stat().st_mtime_ns) == before
+    ids, hs, mask = make_sample(2, hidden=256)
+    assert validate_shard(earlier, {"input_ids": ids, "hidden_states": hs, "loss_mask": mask})["passed"]
+
+
+# ---- 4. corruption: random byte flips and truncations, each reported by validate --------------------
+N_SHARDS, N_SAMPLES, FLIPS_PER_SHARD, CUTS_PER_SHARD = 3, 5, 70, 8
+
+
+@pytest.fixture
+def ref16() -> dict:
+    ids, hs, mask = make_sample(5, seed=99)
+    return {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
+
+
+def first_incomplete_sample(offsets: list[int], lens: list[int], end: int) -> int:
+    """The first sample whose record is not entirely in bytes [0, end); len(offsets) when all are."""
+    return next((k for k, (o, n) in enumerate(zip(offsets, lens, strict=True)) if o + n > end), len(offsets))
+
+
+def test_random_flips_and_truncations_are_all_reported(tmp_path: Path, ref16: dict) -> None:
+    rng = random.Random(2024)
+    bad = tmp_path / "bad" / "chunk-00000.hss"
+    bad.parent.mkdir()
+    tally = {"flips": 0, "flips_in_a_sample": 0, "flips_in_structure": 0, "cuts": 0, "accepted": 0}
+    for s in range(N_SHARDS):
+        samples = [make_sample(rng.randrange(4, 40), seed=100 * s + k) for k in range(N_SAMPLES)]
+        good_path = write_shard(tmp_path / f"chunk-{s:05d}.hss", samples, prefix=f"c{s}-")
+        assert validate_shard(good_path, ref16)["passed"]
+        good = good_path.read_bytes()
+        r = ShardReader(good_path)
+        offs, lens = r.index["offsets"], r.index["record_lens"]
+        r.close()
+        for _ in range(FLIPS_PER_SHARD):
+            pos = rng.randrange(len(good))
+            data = bytearray(good)
+            data[pos] ^= 1 << rng.randrange(8)
+            bad.write_bytes(bytes(data))
+            rep = validate_shard(bad, ref16)
+            tally["flips"] += 1
+            tally["accepted"] += rep["passed"]
+            assert not rep["passed"], pos
+            line = failure_line(rep)
+            assert line.startswith(f"{bad}: "), line
+            hit = next((k for k, o in enumerate(offs) if o <= pos < o + lens[k]), None)
+            first = rep["first_failure"]
+            if hit is not None:  # inside sample `hit`'s record: that sample, and only it, fails
+                tally["flips_in_a_sample"] += 1
+                assert (first["check"], first["sample"], first["sample_id"]) == ("checksum", hit, f"c{s}-{hit}"), line
+                assert f"sample {hit} (id c{s}-{hit}): check checksum failed" in line
+                assert rep["checks"]["checksum"]["failed"] == 1 and rep["num_samples"] == N_SAMPLES
+            else:  # header, index or footer: the shard does not open, the report says so
+                tally["flips_in_structure"] += 1
+                assert first["check"] == "integrity" and rep["num_samples"] is None, line
+        for _ in range(CUTS_PER_SHARD):
+            end = rng.randrange(len(good))
+            bad.write_bytes(good[:end])
+            rep = validate_shard(bad, ref16)
+            tally["cuts"] += 1
+            tally["accepted"] += rep["passed"]
+            assert not rep["passed"], end
+            first = rep["first_failure"]
+            line = failure_line(rep)
+            assert line.startswith(f"{bad}: ") and "truncated" in line, line
+            assert first["check"] == "integrity" and first["sample"] == first_incomplete_sample(offs, lens, end), line
+    assert tally["flips"] >= 200 and tally["cuts"] >= 20 and tally["accepted"] == 0
+    assert tally["flips_in_a_sample"] > 150 and tally["flips_in_structure"] > 0  # both kinds were hit
+    print("corruption tally:", json.dumps(tally))
+
+
+# ---- 5. server faults the client tests do not cover: misattributed dumps, death mid-chunk -----------
+sys.path.insert(0, str(TESTS))
+from fake_sglang import HIDDEN, FakeServer, _Req, expected_states  # noqa: E402
+
+AUX = (1, 3, 5)
+
+
+class SwappingServer(FakeServer):
+    """Writes the first `swaps` passes that hold >= 2 requests under each other's rids (misattribution)."""
+
+    def __init__(self, *a, swaps: int, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.swaps_left = swaps
+        self.swapped = 0
+
+    def _run_pass(self, parts: list) -> None:
+        if self.swaps_left > 0 and len(parts) >= 2:
+            self.swaps_left -= 1
+            self.swapped += 1
+            (a, pa, ea), (b, pb, eb) = parts[0], parts[1]
+            # each request's own tokens, the other one's rid: what a rid mix-up in a server would dump
+            parts = [(_Req(b.rid, a.origin_input_ids), pa, ea), (_Req(a.rid, b.origin_input_ids), pb, eb), *parts[2:]]
+            super()._run_pass(parts)
+            for (r, _, _), orig in zip(parts[:2], (a, b)):
+                orig.progress = r.progress
+            return
+        super()._run_pass(parts)
+
+
+def prompts(n: int, seed: int) -> list:
+    from hsextract.engines.base import Prompt
+
+    g = torch.Generator().manual_seed(seed)
+    return [Prompt(i, f"s{i:03d}", torch.randint(0, 5000, (int(L),), generator=g).tolist())
+            for i, L in enumerate(torch.randint(4, 60, (n,), generator=g))]
+
+
+def sglang_engine(srv: FakeServer, **kw):
+    from hsextract.engines.base import CaptureSpec
+    from hsextract.engines.sglang_engine import SGLangEngine
+
+    kw.setdefault("timeout_s", 2.0)
+    kw.setdefault("backoff_s", 0.01)
+    return SGLangEngine(srv.url, CaptureSpec(aux_layers=AUX), srv.dumper.cfg.dump_dir, **kw)
+
+
+def dump_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "dump"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def fake_meta() -> dict:
+    return shard_metadata(aux_layers=list(AUX), hidden_size=HIDDEN, engine="sglang")
+
+
+def test_misattributed_dumps_are_rejected_and_retried(tmp_path: Path) -> None:
+    from hsextract.extract import ChunkPrompts, extract_chunk
+
+    srv = SwappingServer(dump_dir(tmp_path), AUX, swaps=2, pass_delay_s=0.05).start()
+    try:
+        ps = prompts(12, seed=11)
+        shard = tmp_path / "chunk-00000.hss"
+        cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
+        extract_chunk(cp, shard, sglang_engine(srv, concurrency=6, retries=3), fake_meta(), progress=False)
+        assert srv.swapped == 2 and srv.n_requests >= 12 + 2  # the swapped requests were asked again
+        r = ShardReader(shard)
+        assert r.sample_ids == [p.sample_id for p in ps]
+        for k, p in enumerate(ps):  # every sample holds its own states, none another's
+            assert r[k]["input_ids"].tolist() == p.input_ids
+            assert all(torch.equal(g, w) for g, w in zip(r[k]["hidden_states"], expected_states(p.input_ids, 4), strict=True))
+    finally:
+        srv.stop()
+
+
+def test_misattribution_without_retries_fails_the_chunk_without_a_shard(tmp_path: Path) -> None:
+    # (with retries, a retried request travels alone in a pass, cannot be swapped and succeeds)
+    from hsextract.extract import ChunkPrompts, extract_chunk
+
+    srv = SwappingServer(dump_dir(tmp_path), AUX, swaps=10**6, pass_delay_s=0.05).start()
+    try:
+        ps = prompts(4, seed=12)
+        cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
+        t0 = time.monotonic()
+        with pytest.raises(EngineError) as e:
+            extract_chunk(cp, tmp_path / "chunk-00000.hss", sglang_engine(srv, concurrency=4, retries=0), fake_meta(),
+                          progress=False)
+        assert re.fullmatch(
+            r"sample 's00[01]' \(index [01]\): failed 1 times although the server at http://127\.0\.0\.1:\d+ is healthy; "
+            r"last error: request hsx-\S+: (the server dumped \d+ tokens, the prompt has \d+; a rid was reused or the "
+            r"server tokenized differently|the token ids the server saw differ from the prompt's \(sha256 mismatch\))\. "
+            r"The chunk fails, no shard is written\.", str(e.value)), str(e.value)
+        assert time.monotonic() - t0 < 20
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]  # no shard, no temp
+    finally:
+        srv.stop()
+
+
+def test_server_dying_mid_chunk_leaves_no_shard(tmp_path: Path) -> None:
+    from hsextract.extract import ChunkPrompts, extract_chunk
+
+    srv = FakeServer(dump_dir(tmp_path), AUX, die_after=6).start()
+    ps = prompts(20, seed=13)
+    cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match=r"is down .*no shard is written"):
+        extract_chunk(cp, tmp_path / "chunk-00000.hss", sglang_engine(srv, concurrency=2, timeout_s=30, retries=5),
+                      fake_meta(), progress=False)
+    assert time.monotonic() - t0 < 20  # not retries x timeout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dump"]  # the samples before the death were not kept
+
+
+# ---- 6. bad config: every kind of schema violation names the key and what is allowed ---------------
+SCHEMA = ROOT / "workflow/schemas/config.schema.yaml"
+SCHEMA_CASES = {
+    # kind: (key path, bad value, words the message must hold)
+    "type": ("prompts_per_chunk", "8", ["'8' is not of type 'integer'", "instance['prompts_per_chunk']"]),
+    "enum": ("engine", "vllm", ["'vllm' is not one of ['transformers', 'sglang']", "instance['engine']"]),
+    "minimum": ("prompts_per_chunk", 0, ["0 is less than the minimum of 1", "instance['prompts_per_chunk']"]),
+    "maximum": ("shard.compression_level", 23, ["23 is greater than the maximum of 22", "instance['shard']['compression_level']"]),
+    "pattern": ("run_name", "../x", ["'../x' does not match '^[A-Za-z0-9][A-Za-z0-9._-]*$'", "instance['run_name']"]),
+    "minItems": ("aux_layers", [], ["[] should be non-empty", "instance['aux_layers']"]),
+    "uniqueItems": ("aux_layers", [1, 1], ["[1, 1] has non-unique elements", "instance['aux_layers']"]),
+    "items": ("aux_layers", [1, -2], ["-2 is less than the minimum of 0", "instance['aux_layers'][1]"]),
+    "unknown key": ("prompts_per_chunck", 4, ["'prompts_per_chunck' was unexpected"]),
+    "nested unknown key": ("transformers.devcie", "cpu", ["'devcie' was unexpected", "instance['transformers']"]),
+    "nested enum": ("transformers.dtype", "int8", ["'int8' is not one of ['bfloat16', 'float16', 'float32']",
+                                                 "instance['transformers']['dtype']"]),
+    "device pattern": ("transformers.device", "gpu", ["'gpu' does not match", "instance['transformers']['device']"]),
+    "required": ("sources", [{"format": "messages"}], ["'path' is a required property", "instance['sources'][0]"]),
+}
+
+
+@pytest.mark.parametrize("kind", SCHEMA_CASES)
+def test_each_schema_violation_names_the_key_and_what_is_allowed(kind: str) -> None:
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    key, value, words = SCHEMA_CASES[kind]
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    node = config
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = copy.deepcopy(value)
+    with pytest.raises(WorkflowError) as e:
+        validate(config, str(SCHEMA))
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, (kind, msg[:800])
+
+
+@pytest.mark.parametrize("run_name", ["../x", "/abs", "a/b", "..", ".hidden", "x/../../y", "", "a b"])
+def test_run_name_cannot_leave_the_results_folder(run_name: str) -> None:
+    from snakemake.exceptions import WorkflowError
+    from snakemake.utils import validate
+
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    config["run_name"] = run_name
+    with pytest.raises(WorkflowError, match="instance\\['run_name'\\]"):
+        validate(config, str(SCHEMA))
+
+
+# ---- 7. security ----------------------------------------------------------------------------------
+def test_server_binds_loopback_unless_configured() -> None:
+    from hsextract import server as hsrv
+
+    cfg = hsrv.ServerConfig(model="/m", aux_layers=(1,))
+    assert cfg.host == "127.0.0.1"
+    cmd = hsrv.build_command(cfg)
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    other = hsrv.build_command(hsrv.ServerConfig(model="/m", aux_layers=(1,), host="10.0.0.5"))
+    assert other[other.index("--host") + 1] == "10.0.0.5"
+
+
+def test_dump_dir_is_private_unpredictable_and_contained() -> None:
+    from hsextract import server as hsrv
+
+    dirs = [hsrv.make_dump_dir("../../etc/run") for _ in range(3)]
+    try:
+        base = dirs[0].parent
+        assert base in (Path("/dev/shm"), Path(os.environ.get("TMPDIR", "/tmp")))
+        assert len({d.name for d in dirs}) == 3  # a fresh name every time
+        for d in dirs:
+            assert d.parent == base and d.name.startswith("hsx-.._.._etc_run-")  # '/' cannot climb out
+            assert d.stat().st_mode & 0o777 == 0o700 and d.stat().st_uid == os.getuid()
+            assert len(d.name) - len("hsx-.._.._etc_run-") >= 8  # mkdtemp's random part
+    finally:
+        for d in dirs:
+            shutil.rmtree(d)
+
+
+def test_plugin_does_nothing_unless_enabled(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from hsextract.sglang_plugin import plugin
+
+    monkeypatch.delenv(plugin.ENV_DUMP_DIR, raising=False)
+    assert plugin.PluginConfig.from_env() is None
+    plugin.register()  # without the variable: returns before touching SGLang at all
+    assert plugin._DUMPER is None
+    assert plugin.PluginConfig.from_env({plugin.ENV_DUMP_DIR: ""}) is None
+    # with it, register goes on to SGLang's hook registry (absent here: the import proves it tried)
+    monkeypatch.setenv(plugin.ENV_DUMP_DIR, str(tmp_path))
+    monkeypatch.setenv(plugin.ENV_AUX_LAYERS, "1,3,5")
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError):
+            plugin.register()
+        assert plugin._DUMPER is None
+
+
+def test_unsafe_rids_are_never_dumped(tmp_path: Path) -> None:
+    from hsextract import dumpfiles
+    from hsextract.sglang_plugin import plugin
+
+    d = plugin.Dumper(plugin.PluginConfig(tmp_path, AUX), pin=False)
+    for rid in ("hsx-../../x", "hsx-a/b", "../hsx-a", "hsx-a\0b", ".hsx-a", "hsx-" + "a" * 300):
+        assert not d.accept(rid) and not dumpfiles.is_safe_rid(rid), rid
+    assert d.accept("hsx-run-c00001-0a1b2c3d-i7-a0")
+
+
+def _calls(source: str, name: str) -> list[str]:
+    """Every `name(...)` call in source, with its arguments (balanced parentheses)."""
+    out = []
+    for m in re.finditer(re.escape(name) + r"\(", source):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(source[i], 0)
+            i += 1
+        out.append(source[m.start():i])
+    return out
+
+
+def test_no_unpickling_anywhere_in_the_code() -> None:
+    files = [*ROOT.joinpath("src").rglob("*.py"), *ROOT.joinpath("workflow/scripts").glob("*.py"), ROOT / "Snakefile",
+             *ROOT.joinpath("workflow/rules").glob("*.smk")]
+    loads = []
+    for f in files:
+        text = f.read_text()
+        code = "\n".join(line.split("#", 1)[0] for line in text.splitlines())  # comments may mention it
+        for call in _calls(code, "torch.load"):
+            loads.append(f"{f.relative_to(ROOT)}: {call}")
+            assert "weights_only=True" in call, (f, call)
+        assert not re.search(r"\bimport pickle\b|\bpickle\.(loads?|Unpickler)\b|\bdill\b|\bjoblib\.load\b", code), f
+    assert len(loads) >= 3, loads  # config, validate, vocab: the grep does find them
+
+
+def test_reading_shards_never_unpickles(tmp_path: Path, ref16: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    import hsextract
+
+    (tmp_path / "shards").mkdir()
+    path = write_shard(tmp_path / "shards" / "chunk-00000.hss", [make_sample(7, seed=k) for k in range(3)])
+
+    def refuse(*a, **kw):
+        raise AssertionError("something unpickled while reading a shard")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **kw: real_load(*a, **kw) if kw.get("weights_only") is True else refuse())
+    ds = hsextract.open_dataset(tmp_path)
+    assert [tuple(ds[i]["input_ids"].shape) for i in range(len(ds))] == [(7,)] * 3
+    assert validate_shard(path, ref16)["passed"]
+
+
+def test_names_from_data_cannot_escape_the_export_folder(tmp_path: Path) -> None:
+    from hsextract.cli import main
+
+    run = tmp_path / "deep" / "run"
+    (run / "shards").mkdir(parents=True)
+    evil = ["../../../escaped", "/etc/passwd", "a/../../b", "..", "x\\..\\y"]
+    with ShardWriter(run / "shards" / "chunk-00000.hss",
+                     shard_metadata(run_name="../../escaped", model="../../m", vocab_size=1000)) as w:
+        for k, sid in enumerate(evil):
+            w.add(*make_sample(5, seed=k), sample_id=sid)
+    before = {p for p in tmp_path.rglob("*")}
+    for fmt in ("speculators-v1", "specforge", "speculators-safetensors"):
+        out = tmp_path / "deep" / "out" / fmt
+        assert main(["export", "--format", fmt, str(run), str(out)]) == 0
+    made = {p for p in tmp_path.rglob("*")} - before
+    assert made and all(p.resolve().is_relative_to((tmp_path / "deep" / "out").resolve()) for p in made), sorted(made)
+    assert ShardReader(run / "shards" / "chunk-00000.hss").sample_ids == evil  # kept as data, never as a path
+
+
+# ---- 1. hard kill of the whole workflow, and disk full inside a real extract job (slow) -------------
+RUN = "faults"
+RECORDS, PER_CHUNK, N_CHUNKS = 9, 3, 3
+CONFIG = f"""\
+run_name: {RUN}
+sources:
+  - {{path: data/conversations.jsonl, format: messages, weight: 1.0, max_records: {RECORDS}}}
+prompts_per_chunk: {PER_CHUNK}
+max_seq_len: 256
+truncate: true
+transformers: {{device: cpu, dtype: bfloat16, token_budget: 1024}}
+extract: {{threads: 1, mem_mb: 1000, retries: 0}}
+"""
+SHARDS = [f"results/{RUN}/shards/chunk-{i:05d}{SHARD_SUFFIX}" for i in range(N_CHUNKS)]
+KILLS, KILL_SEED = 3, 7
+
+
+def _wf():
+    import test_workflow as wf  # its helpers: copy the project, run snakemake, parse job stats
+
+    return wf
+
+
+def smk_env() -> dict[str, str]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def smk_argv(*args: str, cores: int = 2) -> list[str]:
+    # targets and options first: --configfile takes every word after it
+    return [*_wf().snakemake_cmd(), *args, "--cores", str(cores), "--configfile", "config/test.yaml"]
+
+
+def shard_file(wd: Path, chunk: int) -> Path:
+    return wd / SHARDS[chunk]
+
+
+def planned_extracts(wd: Path) -> dict[int, str]:
+    """chunk -> Snakemake's reason, from a dry run with --rerun-incomplete."""
+    out = _wf().smk(wd, *SHARDS, "-n", "--rerun-incomplete").stdout
+    plan = {}
+    for block in out.split("rule extract:")[1:]:
+        chunk = int(re.search(r"output: results/\S+/chunk-(\d{5})", block)[1])
+        plan[chunk] = re.search(r"reason: ([^\n:]+)", block)[1]
+    return plan
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project copy with the tiny model built and the prompts prepared: copied for every scenario."""
+    wf = _wf()
+    wd = wf.make_workdir(tmp_path_factory.mktemp("faults") / "prepared")
+    (wd / "config/test.yaml").write_text(CONFIG)
+    wf.smk(wd, f"results/{RUN}/prompts/summary.json")
+    return wd
+
+
+@pytest.fixture(scope="module")
+def reference(prepared: Path) -> Path:
+    """The uninterrupted run of the same chunks."""
+    wd = prepared.parent / "reference"
+    shutil.copytree(prepared, wd, symlinks=True)
+    _wf().smk(wd, *SHARDS)
+    return wd
+
+
+@pytest.mark.slow
+def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, reference: Path) -> None:
+    wd = prepared.parent / "killed"
+    shutil.copytree(prepared, wd, symlinks=True)
+    rng = random.Random(KILL_SEED)
+    first_seen: dict[int, int] = {}  # chunk -> mtime of its shard when first seen complete and not planned again
+    record = []
+    for attempt in range(KILLS):
+        if attempt:
+            _wf().smk(wd, "--unlock")
+        t0 = time.time()
+        logf = open(wd / f"attempt-{attempt}.log", "w")  # noqa: SIM115
+        # one job at a time, so that a kill after a finished chunk lands inside the next one
+        proc = subprocess.Popen(smk_argv(*SHARDS, "--rerun-incomplete", cores=1), cwd=wd, env=smk_env(), stdout=logf,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        logs = wd / "logs" / RUN / "extract"
+        missing = [i for i in range(N_CHUNKS) if not shard_file(wd, i).exists()]
+
+        def event() -> bool:
+            # with >= 2 chunks to do, after one of them finished (the kill lands in the next one); with one
+            # left, after its job started
+            if len(missing) >= 2:
+                return any(shard_file(wd, i).exists() and shard_file(wd, i).stat().st_mtime >= t0 for i in range(N_CHUNKS))
+            return logs.is_dir() and any(p.stat().st_mtime >= t0 for p in logs.iterdir())
+
+        while proc.poll() is None and not event():
+            time.sleep(0.05)
+        delay = rng.uniform(0.3, 3.0)  # then a seeded random moment
+        deadline = time.time() + delay
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        killed = proc.poll() is None
+        if killed:
+            os.killpg(proc.pid, signal.SIGKILL)  # Snakemake and every job it started, at once
+        proc.wait(60)
+        logf.close()
+        present = [i for i in range(N_CHUNKS) if shard_file(wd, i).exists()]
+        for i in present:  # whatever exists is a whole shard: every sample reads back with its checksums
+            r = ShardReader(shard_file(wd, i))
+            [r[k] for k in range(len(r))]
+        plan = planned_extracts(wd) if killed else {}
+        assert set(range(N_CHUNKS)) - set(present) <= set(plan)  # missing chunks are redone
+        for i in present:
+            if i not in plan:
+                first_seen.setdefault(i, shard_file(wd, i).stat().st_mtime_ns)
+        record.append({"attempt": attempt, "killed_after_s": round(time.time() - t0, 1), "killed": killed,
+                       "delay_s": round(delay, 2), "shards_present": present, "planned": plan})
+        if not killed:
+            break
+    assert sum(r["killed"] for r in record) == KILLS, record  # the faults really happened mid-run
+    assert any(i not in r["planned"] for r in record[:KILLS] for i in r["shards_present"]), record  # some survived a kill
+
+    # after the kills: unlock, rerun incomplete; it redoes exactly the planned chunks
+    if record[-1]["killed"]:
+        _wf().smk(wd, "--unlock")
+        plan = planned_extracts(wd)
+        before = {i: shard_file(wd, i).stat().st_mtime_ns for i in range(N_CHUNKS) if shard_file(wd, i).exists()}
+        done = _wf().smk(wd, *SHARDS, "--rerun-incomplete")
+        counts = _wf().job_counts(done.stdout + done.stderr)
+        assert counts.get("extract", 0) == len(plan), (counts, plan)
+        after = {i: shard_file(wd, i).stat().st_mtime_ns for i in range(N_CHUNKS)}
+        assert {i for i in before if before[i] != after[i]} <= set(plan)
+        assert all(before[i] == after[i] for i in before if i not in plan)
+        record.append({"final_plan": plan, "extract_jobs": counts.get("extract", 0)})
+    # a shard seen complete once (and not planned again) was never rewritten by a later attempt
+    assert all(shard_file(wd, i).stat().st_mtime_ns == m for i, m in first_seen.items()), first_seen
+    assert tmp_files(wd / f"results/{RUN}/shards") == []  # temps of killed writers are gone
+    assert [sample_digests(shard_file(wd, i)) for i in range(N_CHUNKS)] == \
+           [sample_digests(shard_file(reference, i)) for i in range(N_CHUNKS)]
+    nothing = _wf().smk(wd, *SHARDS, "-n")
+    assert "Nothing to be done" in nothing.stdout + nothing.stderr
+    (Path(os.environ.get("HSX_FAULTS_REPORT", wd / "kill-record.json"))).write_text(json.dumps(record, indent=1))
+    print("hard kill record:", json.dumps(record))
+
+
+@pytest.mark.slow
+def test_disk_full_in_an_extract_job(reference: Path) -> None:
+    import resource
+
+    wd = reference.parent / "diskfull"
+    shutil.copytree(reference, wd, symlinks=True)
+    victim = shard_file(wd, 2)
+    victim.unlink()
+    kept = {i: (shard_file(wd, i).stat().st_mtime_ns, hashlib.sha256(shard_file(wd, i).read_bytes()).hexdigest())
+            for i in (0, 1)}
+    limit = 64 * 1024  # above every log and metadata file Snakemake writes, below a shard
+
+    def small_disk() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run(smk_argv(*SHARDS), cwd=wd, env=smk_env(), capture_output=True, text=True, timeout=600,
+                          preexec_fn=small_disk)
+    assert proc.returncode != 0
+    log = (wd / f"logs/{RUN}/extract/chunk-00002.log").read_text()
+    assert re.search(rf"ShardError: \S*{re.escape(SHARDS[2])}: writing failed after \d+ samples \(File too large\); "
+                     r"no shard was left behind\. Free space in \S+ \(or fix the error\) and rerun the chunk\.", log), log[-2000:]
+    assert not victim.exists() and tmp_files(victim.parent) == []
+    assert kept == {i: (shard_file(wd, i).stat().st_mtime_ns, hashlib.sha256(shard_file(wd, i).read_bytes()).hexdigest())
+                    for i in (0, 1)}
