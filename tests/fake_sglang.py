@@ -71,18 +71,20 @@ class FakeServer:
     def __init__(self, dump_dir: Path, aux_layers: tuple[int, ...], host: str = "127.0.0.1", port: int = 0, *,
                  chunk: int = 64, builtin: bool = False, fail_first: int = 0, hang_first: int = 0,
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
-                 marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002) -> None:
-        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=4 << 20)
+                 marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
+                 hidden: int = HIDDEN, staging_bytes: int = 4 << 20) -> None:
+        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=staging_bytes)
         self.dumper = plg.Dumper(cfg, pin=False)
         self.dumper._is_writer_rank = True
         self.dumper.mode = "builtin" if builtin else "plugin"
-        self.dumper.hidden_size = HIDDEN
+        self.dumper.hidden_size = self.hidden = hidden
         self.k1 = len(aux_layers) + 1
         self.chunk, self.builtin = chunk, builtin
         self.fail_first, self.hang_first, self.skip_first = fail_first, hang_first, skip_dump_first
         self.die_after, self.wrong, self.exit_on_die = die_after, wrong_prompt_tokens, exit_on_die
         self.pass_delay_s = pass_delay_s
         self.n_requests = 0
+        self.rids: list[str] = []  # every rid /generate received, in arrival order
         self.passes = 0
         self.max_batch = 0
         self._lock = threading.Lock()
@@ -140,12 +142,12 @@ class FakeServer:
                         r.done.set()
 
     def _run_pass(self, parts: list) -> None:
-        rows = [torch.cat(expected_states(r.origin_input_ids, self.k1), dim=1)[pre : pre + ext]
+        rows = [torch.cat(expected_states(r.origin_input_ids[: pre + ext], self.k1, self.hidden), dim=1)[pre:]
                 for r, pre, ext in parts]
-        rows.append(torch.full((3, self.k1 * HIDDEN), -77.0, dtype=torch.bfloat16))  # graph padding
+        rows.append(torch.full((3, self.k1 * self.hidden), -77.0, dtype=torch.bfloat16))  # graph padding
         hs = torch.cat(rows)
         if self.builtin:
-            k = (self.k1 - 1) * HIDDEN
+            k = (self.k1 - 1) * self.hidden
             lo = _LogitsOut(hs[:, :k].contiguous(), hs[:, k:].contiguous())
         else:
             lo = _LogitsOut(hs)
@@ -186,6 +188,7 @@ class FakeServer:
                     return self._send(404, {"error": "not found"})
                 with srv._lock:
                     srv.n_requests += 1
+                    srv.rids.append(req.get("rid"))
                     k = srv.n_requests
                 if srv.die_after is not None and k > srv.die_after:
                     srv.die()
