@@ -67,6 +67,10 @@ class _LogitsOut:
     last_hidden_states: torch.Tensor | None = None
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 256  # listen backlog; the default 5 resets connections at 32 in flight (uvicorn: 2048)
+
+
 class FakeServer:
     def __init__(self, dump_dir: Path, aux_layers: tuple[int, ...], host: str = "127.0.0.1", port: int = 0, *,
                  chunk: int = 64, builtin: bool = False, fail_first: int = 0, hang_first: int = 0,
@@ -93,7 +97,7 @@ class FakeServer:
         self._stop = threading.Event()
         if marker:
             self.dumper.write_marker([a + 1 for a in aux_layers])
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd = _HTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
@@ -200,14 +204,14 @@ class FakeServer:
                     srv._stop.wait(3600)
                     return
                 ids = req["input_ids"]
-                r = _Req(req["rid"], ids)
+                r = _Req(req.get("rid") or f"plain-{k}", ids)  # no rid: like SGLang's random hex ones
                 r.skip = k <= srv.fail_first + srv.hang_first + srv.skip_first
                 with srv._cv:
                     srv._queue.append(r)
                     srv._cv.notify_all()
                 r.done.wait()
                 n_ids = len(ids) + (1 if srv.wrong else 0)
-                self._send(200, {"output_ids": [], "meta_info": {"id": req["rid"], "prompt_tokens": n_ids,
+                self._send(200, {"output_ids": [], "meta_info": {"id": r.rid, "prompt_tokens": n_ids,
                                                                   "completion_tokens": 0}})
 
         return H
@@ -215,6 +219,7 @@ class FakeServer:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", default="")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--chunked-prefill-size", type=int, default=64)
@@ -231,10 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     marker = cfg is not None
     if cfg is None:
         cfg = plg.PluginConfig(Path("/nonexistent"), (0,))
+    model_cfg = Path(a.model_path) / "config.json"  # a real model dir: its hidden size (throughput dry run)
+    hidden = json.loads(model_cfg.read_text()).get("hidden_size", HIDDEN) if model_cfg.is_file() else HIDDEN
     srv = FakeServer(cfg.dump_dir, cfg.aux_layers, a.host, a.port, chunk=a.chunked_prefill_size,
                      builtin=a.enable_return_aux_hidden_states, fail_first=a.fail_first, hang_first=a.hang_first,
                      skip_dump_first=a.skip_dump_first, die_after=a.die_after,
-                     wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True)
+                     wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True, hidden=hidden,
+                     staging_bytes=min(cfg.staging_bytes, 1 << 30))
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:

@@ -255,6 +255,19 @@ def test_server_without_plugin_is_refused(tmp_path: Path) -> None:
                                                "HSEXTRACT_DUMP_DIR": ""})
     with pytest.raises(EngineError, match="healthy but the hsextract plugin is not active"):
         hsrv.ensure_server(tmp_path / "server", cfg)
+    # the refused server is gone (it used to be left running: its environment lacked the dump dir)
+    assert procs_mentioning(str(tmp_path)) == []
+
+
+def procs_mentioning(s: str) -> list[int]:
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if s.encode() in p.read_bytes():
+                out.append(int(p.parent.name))
+        except OSError:
+            pass
+    return out
 
 
 def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:

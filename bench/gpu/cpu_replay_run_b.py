@@ -35,3 +35,5 @@ srv.dumper.writer.flush()
 print("writer stats:", json.loads(next(d.glob("stats-*.json")).read_text()))
 print("files left:", sorted(p.name for p in d.iterdir())[:5])
 srv.stop()
+import shutil
+shutil.rmtree(d)
