@@ -24,8 +24,12 @@ Either way the resolved `layers_to_capture` must equal [i+1 for i in aux]; other
 to start (DeepSeek's set_eagle3 takes ids raw unless the first is 1).
 
 Hooks: AROUND TpModelWorker.forward_batch_generation (outside the CUDA graphs), AFTER
-ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, before graph
-capture), AROUND LogitsProcessor._get_hidden_states_to_store (plugin mode only).
+ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, allocate the
+staging buffer, before graph capture), AROUND LogitsProcessor._get_hidden_states_to_store (plugin mode only).
+
+Repeats: a Req whose whole prompt was staged is marked (attribute on the Req object), so a retraction
+re-run of that same request is skipped; a NEW request that reuses a completed rid is dumped again (the
+writer counts it as `rids_reused`). Dropping reused rids made the client wait for markers that never came.
 """
 
 from __future__ import annotations
