@@ -1,16 +1,26 @@
 """Prefill throughput of hsextract's capture path against SGLang baselines, side by side, in one GPU call.
 
-(a) plain server, no capture, max_new_tokens 1, `--concurrency` in flight
 (b) hsextract: plugin capture + sglang engine client (`--concurrency` in flight), shards written
     (b0: the same without writing shards, to separate the shard encoder's cost)
+(a) plain server, no capture, max_new_tokens 1, `--concurrency` in flight
 (c) SGLang's own `return_hidden_states` JSON API (final state only, as JSON), same concurrency
 (d) the hand-made approach: one request at a time (client concurrency 1)
 (e) the transformers engine's way on the same GPU: HF forward with output_hidden_states, batch 8
 
-Server A (no plugin, --enable-return-hidden-states) serves (a), (c), (d); server B (hsextract plugin)
-serves (b). Weights: `--load-format dummy` from a config-only model dir (Llama-3-8B shape by default).
-Writes OUT/throughput.json and OUT/throughput.md (table of prompt tokens/s and the ratios the issue targets:
-b/a >= 0.90, b/c >= 10, b/d >= 3 at 512 tokens). Run on the GPU through bench/gpu/run_throughput.sh.
+Server B (hsextract plugin) serves (b) and runs first: it is the part not measured yet. Server A (no plugin,
+--enable-return-hidden-states) serves (a), (c), (d). Weights: `--load-format dummy` from a config-only model
+dir (Llama-3-8B shape by default).
+
+Every part runs under a wall-clock budget (`--budget-s`) and in its own try block: a failure or a skipped
+part is recorded and the rest goes on. OUT/throughput.json is rewritten after every part (partial results
+survive a kill); OUT/throughput.md holds the table of prompt tokens/s and the ratios the issue targets
+(b/a >= 0.90, b/c >= 10, b/d >= 3 at 512 tokens). For diagnosis, OUT/capture-dump/ receives the plugin's
+`plugin-*.json` and `stats-*.json` and a listing of the dump dir, and OUT/error-<part>-<len>.txt the
+client's error with its traceback. Run on the GPU through bench/gpu/run_throughput.sh.
+
+CPU dry run of the whole script against tests/fake_sglang.py (no GPU, no SGLang):
+    PYTHONPATH=src:tests python bench/sglang_throughput.py --model DIR_WITH_CONFIG_JSON \\
+        --server-module fake_sglang --skip-hf --lens 64 --n 48 --out /tmp/tp
 """
 
 from __future__ import annotations
@@ -20,11 +30,14 @@ import http.client
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,27 +47,39 @@ from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.engines.sglang_engine import SGLangEngine
 from hsextract.server import ServerConfig, ensure_server, health, stop_servers
 
+DEFAULT_SGL_ARGS = ("--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.6 "
+                    "--disable-decode-cuda-graph --load-format dummy --dtype bfloat16 "
+                    "--cuda-graph-bs-prefill 512 1024 2048 4096 8192")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
 
 def prompts_of(n: int, length: int, vocab: int, seed: int) -> list[Prompt]:
     g = torch.Generator().manual_seed(seed)
     return [Prompt(i, f"{length}-{i}", torch.randint(0, vocab, (length,), generator=g).tolist()) for i in range(n)]
 
 
-def http_run(port: int, prompts: list[Prompt], concurrency: int, extra: dict | None = None) -> dict:
-    """POST every prompt to /generate with `concurrency` in flight; wall time first send -> last reply."""
-    local = threading.local()
+def http_run(port: int, prompts: list[Prompt], concurrency: int, extra: dict | None = None,
+             timeout_s: float = 120) -> dict:
+    """POST every prompt to /generate with `concurrency` in flight; wall time first send -> last reply.
+
+    A fresh connection per request, as the sglang engine does (a kept-alive one can go stale)."""
     nbytes, lat = [0], []
     lock = threading.Lock()
 
     def one(p: Prompt) -> None:
-        c = getattr(local, "c", None) or http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        local.c = c
         body = {"input_ids": p.input_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         body.update(extra or {})
         t = time.monotonic()
-        c.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        r = c.getresponse()
-        data = r.read()
+        c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+        try:
+            c.request("POST", "/generate", body=json.dumps(body), headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            data = r.read()
+        finally:
+            c.close()
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
         with lock:
@@ -70,17 +95,30 @@ def http_run(port: int, prompts: list[Prompt], concurrency: int, extra: dict | N
             "latency_ms": 1000 * sum(lat) / len(lat), "bytes_per_response": nbytes[0] / len(prompts)}
 
 
-def start_plain(python: str, model: str, port: int, args: list[str], log: Path) -> subprocess.Popen:
+def start_plain(python: str, module: str, model: str, port: int, args: list[str], log_path: Path,
+                timeout_s: float) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HSEXTRACT_") and k != "SGLANG_PLUGINS"}
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
+    cmd = [python, "-m", module, "--model-path", model, "--host", "127.0.0.1", "--port", str(port),
            "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-hidden-states", *args]
-    p = subprocess.Popen(cmd, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 420
+    p = subprocess.Popen(cmd, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
     while health(f"http://127.0.0.1:{port}", 2.0) is not None:
         if p.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"plain server did not start (exit {p.poll()}); see {log}")
+            _kill(p)
+            raise RuntimeError(f"plain server did not start in {timeout_s:.0f} s (exit {p.poll()}); see {log_path}")
         time.sleep(1)
     return p
+
+
+def _kill(p: subprocess.Popen) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(30)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def hf_run(model_dir: str, length: int, batches: int, batch: int, aux: tuple[int, ...]) -> dict:
@@ -109,118 +147,287 @@ def hf_run(model_dir: str, length: int, batches: int, batch: int, aux: tuple[int
             "tok_s": batches * batch * length / wall, "note": "includes the copy of the 4 tensors to the CPU"}
 
 
+class Bench:
+    """Results, budget and failure bookkeeping; throughput.json is rewritten after every part."""
+
+    def __init__(self, out: Path, budget_s: float, res: dict) -> None:
+        self.out, self.res = out, res
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + budget_s
+        res.setdefault("runs", {})
+        res.setdefault("errors", {})
+        res.setdefault("skipped", {})
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        self.res["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+        tmp = self.out / ".throughput.json.tmp"
+        tmp.write_text(json.dumps(self.res, indent=1, default=str))
+        os.replace(tmp, self.out / "throughput.json")
+
+    def part(self, key: str, L: int | str, fn: Callable[[], dict], need_s: float) -> dict | None:
+        """Run one measurement if `need_s` seconds of budget are left; record its result or its error."""
+        if self.left() < need_s:
+            why = f"budget: {self.left():.0f} s left, part needs ~{need_s:.0f} s"
+            self.res["skipped"].setdefault(key, {})[str(L)] = why
+            log(f"SKIP {key} {L}: {why}")
+            self.save()
+            return None
+        log(f"start {key} {L} ({self.left():.0f} s of budget left)")
+        t = time.monotonic()
+        try:
+            r = fn()
+        except Exception as e:  # record, keep going
+            tb = traceback.format_exc()
+            self.res["errors"].setdefault(key, {})[str(L)] = f"{type(e).__name__}: {e}"
+            (self.out / f"error-{key}-{L}.txt").write_text(tb)
+            log(f"FAIL {key} {L} after {time.monotonic() - t:.1f} s: {type(e).__name__}: {str(e)[:600]}")
+            self.save()
+            return None
+        self.res["runs"].setdefault(key, {})[str(L)] = r
+        log(f"done {key} {L}: " + ", ".join(f"{k}={round(v, 1) if isinstance(v, float) else v}"
+                                          for k, v in r.items() if not isinstance(v, dict)))
+        self.save()
+        return r
+
+
+def progress_printer(label: str, total: int, every: int = 64) -> Callable[[int], None]:
+    n, t0 = [0], time.monotonic()
+
+    def tick(k: int) -> None:
+        n[0] += k
+        if n[0] % every == 0 or n[0] == total:
+            log(f"  {label}: {n[0]}/{total} samples, {time.monotonic() - t0:.1f} s")
+
+    return tick
+
+
+def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
+    """The plugin's marker and stats files and a listing of the dump dir (what was left, how big)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        entries = sorted(dump_dir.iterdir())
+    except OSError as e:
+        (dest / f"listing-{label}.txt").write_text(f"cannot list {dump_dir}: {e}\n")
+        return
+    for p in entries:
+        if p.name.startswith(("plugin-", "stats-")) and p.suffix == ".json":
+            shutil.copyfile(p, dest / f"{label}-{p.name}")
+    lines = [f"{dump_dir}: {len(entries)} entries"]
+    for p in entries[:200]:
+        try:
+            lines.append(f"{p.stat().st_size:>12} {p.name}")
+        except OSError:
+            lines.append(f"{'?':>12} {p.name}")
+    try:
+        du = shutil.disk_usage(dump_dir)
+        lines.append(f"filesystem: total {du.total >> 20} MiB, free {du.free >> 20} MiB")
+    except OSError:
+        pass
+    (dest / f"listing-{label}.txt").write_text("\n".join(lines) + "\n")
+
+
+def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], aux: tuple[int, ...],
+                  sgl: list[str]) -> None:
+    """(b0) and (b) on server B (the hsextract plugin)."""
+    from hsextract.shard import ShardWriter
+
+    state = Path(a.state)
+    cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
+                       launch_args=tuple(sgl), run_name="bench", module=a.server_module,
+                       startup_timeout_s=max(30.0, min(300.0, bench.left() - 120)), staging_mb=a.staging_mb)
+    spec = CaptureSpec(aux_layers=aux)
+    dump = bench.out / "capture-dump"
+    t = time.monotonic()
+    h = None
+    try:
+        h = ensure_server(state, cfg)
+        bench.res["startup_capture_s"] = round(time.monotonic() - t, 1)
+        log(f"capture server up in {bench.res['startup_capture_s']} s, dump dir {h.dump_dir}")
+        save_dump_diagnostics(h.dump_dir, dump, "start")
+
+        def timeout() -> float:  # per request: fail fast, and never past the budget
+            return max(10.0, min(a.request_timeout_s, bench.left() - 30))
+
+        for L, ps in sets.items():
+            eng = SGLangEngine(h, spec, concurrency=a.concurrency, timeout_s=timeout(), retries=0, run_name=f"w{L}")
+
+            def b0() -> dict:
+                list(eng.extract(ps[: a.concurrency]))  # warm-up; the same engine again below (fresh rids)
+                eng.progress = progress_printer(f"b0 {L}", len(ps))
+                t0 = time.monotonic()
+                nbytes = sum(sum(x.numel() * x.element_size() for x in c.hidden_states) for c in eng.extract(ps))
+                wall = time.monotonic() - t0
+                toks = sum(len(p.input_ids) for p in ps)
+                return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+                        "dump_bytes_per_s": nbytes / wall}
+
+            ok = bench.part("b0_capture_no_shards", L, b0, need_s=40) is not None
+            save_dump_diagnostics(h.dump_dir, dump, f"b0-{L}")
+            if not ok:
+                continue
+
+            def b() -> dict:
+                shard = bench.out / f"bench-{L}.hss"
+                meta = {"model": "llama8b-dummy", "engine": "sglang", "engine_version": eng.version(),
+                        "aux_layers": list(aux), "final_state": "post_norm", "hidden_size": 0, "dtype": "bfloat16",
+                        "config_hash": "-", "tokenizer_hash": "-", "chat_template_hash": "-"}
+                e2 = SGLangEngine(h, spec, concurrency=a.concurrency, timeout_s=timeout(), retries=0,
+                                  run_name=f"s{L}", progress=progress_printer(f"b {L}", len(ps)))
+                t0 = time.monotonic()
+                w = None
+                try:
+                    for c in e2.extract(ps):
+                        if w is None:
+                            meta["hidden_size"] = int(c.hidden_states[0].shape[1])
+                            w = ShardWriter(shard, metadata=meta, level=1, threads=8)
+                        ids = torch.tensor(ps[c.index].input_ids)
+                        w.add(input_ids=ids, hidden_states=c.hidden_states, loss_mask=torch.ones_like(ids),
+                              sample_id=c.sample_id)
+                    w.close()
+                    wall = time.monotonic() - t0
+                    size = shard.stat().st_size
+                finally:
+                    shard.unlink(missing_ok=True)
+                toks = sum(len(p.input_ids) for p in ps)
+                stats = sorted(h.dump_dir.glob("stats-*.json"))
+                return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall, "shard_bytes": size,
+                        "shard_bytes_per_s": size / wall,
+                        "writer": json.loads(stats[0].read_text()) if stats else None}
+
+            bench.part("b_capture_with_shards", L, b, need_s=60)
+            save_dump_diagnostics(h.dump_dir, dump, f"b-{L}")
+    except Exception as e:  # server start-up
+        bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
+        (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
+        log(f"FAIL capture server: {type(e).__name__}: {str(e)[:800]}")
+        bench.save()
+    finally:
+        if h is not None:
+            save_dump_diagnostics(h.dump_dir, dump, "end")
+        stop_servers(state, grace_s=10)
+
+
+def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], sgl: list[str]) -> None:
+    """(a), (c), (d) on server A (no plugin)."""
+    if bench.left() < 120:
+        bench.res["skipped"]["plain_server"] = {"-": f"budget: {bench.left():.0f} s left"}
+        log("SKIP plain server: budget")
+        bench.save()
+        return
+    t = time.monotonic()
+    try:
+        pa = start_plain(sys.executable, a.server_module, a.model, a.port, sgl, bench.out / "server-plain.log",
+                         timeout_s=max(30.0, min(300.0, bench.left() - 60)))
+    except Exception as e:
+        bench.res["errors"].setdefault("plain_server", {})["-"] = f"{type(e).__name__}: {e}"
+        log(f"FAIL plain server: {e}")
+        bench.save()
+        return
+    bench.res["startup_plain_s"] = round(time.monotonic() - t, 1)
+    log(f"plain server up in {bench.res['startup_plain_s']} s")
+    try:
+        for L, ps in sets.items():
+            def run_a() -> dict:
+                http_run(a.port, ps[: a.concurrency], a.concurrency)  # warm-up
+                return http_run(a.port, ps, a.concurrency)
+
+            if "a" in a.parts:
+                bench.part("a_plain", L, run_a, need_s=30)
+            if "c" in a.parts:
+                bench.part("c_return_hidden_states_json", L, lambda: http_run(
+                    a.port, ps[: 16 if L <= 512 else 8], a.concurrency, {"return_hidden_states": True}), need_s=40)
+            if "d" in a.parts:
+                bench.part("d_one_at_a_time", L, lambda: http_run(a.port, ps[: 50 if L <= 512 else 30], 1),
+                           need_s=20)
+    finally:
+        _kill(pa)
+
+
+def table(res: dict, lens: list[int]) -> list[str]:
+    R = res["runs"]
+    lines = ["| run | " + " | ".join(f"{L} tok/s" for L in lens) + " |", "|---|" + "---|" * len(lens)]
+    for key in R:
+        lines.append(f"| {key} | " + " | ".join(f"{R[key].get(str(L), {}).get('tok_s', float('nan')):,.0f}"
+                                                for L in lens) + " |")
+    for num, den, target in (("b_capture_with_shards", "a_plain", 0.90),
+                             ("b0_capture_no_shards", "a_plain", 0.90),
+                             ("b_capture_with_shards", "c_return_hidden_states_json", 10),
+                             ("b_capture_with_shards", "d_one_at_a_time", 3)):
+        vals = []
+        for L in lens:
+            try:
+                vals.append(f"{R[num][str(L)]['tok_s'] / R[den][str(L)]['tok_s']:.2f}")
+            except KeyError:
+                vals.append("-")
+        lines.append(f"| {num} / {den} (target >= {target} at 512) | " + " | ".join(vals) + " |")
+    for kind in ("errors", "skipped"):
+        for key, per in res.get(kind, {}).items():
+            for L, msg in per.items():
+                lines.append(f"| {kind[:-1] if kind == 'errors' else 'skipped'}: {key} {L} | {str(msg)[:200]} |")
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="config-only model dir (SGLang --load-format dummy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--aux", type=int, nargs="+", default=[1, 15, 28])
     ap.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--n", type=int, nargs="+", default=None, help="prompts per length (default 256 / 96)")
     ap.add_argument("--concurrency", type=int, default=32)
-    ap.add_argument("--sgl-args", default="--attention-backend triton --sampling-backend pytorch "
-                    "--mem-fraction-static 0.6 --disable-decode-cuda-graph --load-format dummy --dtype bfloat16 "
-                    "--cuda-graph-bs-prefill 512 1024 2048 4096 8192")
+    ap.add_argument("--sgl-args", default=DEFAULT_SGL_ARGS)
     ap.add_argument("--staging-mb", type=int, default=8192)
-    ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=520, help="skip later parts past this wall time")
+    ap.add_argument("--parts", default="b,a,c,d,e", help="comma-separated subset of b,a,c,d,e (b0 runs with b)")
+    ap.add_argument("--skip-hf", action="store_true", help="same as leaving e out of --parts")
+    ap.add_argument("--budget-s", type=float, default=440, help="wall-clock budget; later parts are skipped")
+    ap.add_argument("--request-timeout-s", type=float, default=60, help="per request dump wait (client)")
+    ap.add_argument("--server-module", default="sglang.launch_server", help="fake_sglang for a CPU dry run")
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--state", default="/tmp/hsx-bench-state")
     a = ap.parse_args()
-    t_start = time.monotonic()
+    a.parts = set(a.parts.split(","))
+    if a.skip_hf:
+        a.parts.discard("e")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     sgl = shlex.split(a.sgl_args)
     aux = tuple(a.aux)
     res: dict = {"model": a.model, "aux_layers": list(aux), "concurrency": a.concurrency, "sgl_args": a.sgl_args,
-                 "runs": {}}
-    n_of = {512: 256, 2048: 96}
+                 "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
+    bench = Bench(out, a.budget_s, res)
+    n_of = dict(zip(a.lens, a.n)) if a.n else {512: 256, 2048: 96}
     sets = {L: prompts_of(n_of.get(L, 64), L, vocab, seed=L) for L in a.lens}
+    log(f"throughput bench: lens {a.lens}, prompts {[len(s) for s in sets.values()]}, parts {sorted(a.parts)}, "
+        f"budget {a.budget_s:.0f} s")
+    bench.save()
 
-    def record(key: str, L: int, r: dict) -> None:
-        res["runs"].setdefault(key, {})[str(L)] = r
-        print(key, L, {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-        (out / "throughput.json").write_text(json.dumps(res, indent=1))
+    def on_term(signum: int, frame: object) -> None:  # `timeout` on the device: still write table + json
+        raise SystemExit(f"killed by signal {signum} after {time.monotonic() - bench.t0:.0f} s")
 
-    # ---- server A: plain (a), JSON hidden states (c), one at a time (d)
-    t = time.monotonic()
-    pa = start_plain(sys.executable, a.model, 30000, sgl, out / "server-plain.log")
-    res["startup_plain_s"] = round(time.monotonic() - t, 1)
+    signal.signal(signal.SIGTERM, on_term)
     try:
-        for L, ps in sets.items():
-            http_run(30000, ps[: a.concurrency], a.concurrency)  # warm-up
-            record("a_plain", L, http_run(30000, ps, a.concurrency))
-            record("c_return_hidden_states_json", L,
-                   http_run(30000, ps[: 16 if L <= 512 else 8], a.concurrency, {"return_hidden_states": True}))
-            record("d_one_at_a_time", L, http_run(30000, ps[: 50 if L <= 512 else 30], 1))
+        if "b" in a.parts:
+            capture_parts(a, bench, sets, aux, sgl)
+        if a.parts & {"a", "c", "d"}:
+            plain_parts(a, bench, sets, sgl)
+        if "e" in a.parts:
+            for L in a.lens:
+                bench.part("e_transformers", L, lambda: hf_run(a.model, L, batches=6 if L <= 512 else 3, batch=8,
+                                                               aux=aux), need_s=90)
+    except SystemExit as e:
+        res["errors"].setdefault("script", {})["-"] = str(e)
+        log(str(e))
     finally:
-        os.killpg(pa.pid, signal.SIGTERM)
-        pa.wait(60)
-    # ---- server B: hsextract capture (b), with and without shards
-    state = Path("/tmp/hsx-bench-state")
-    cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=30001, capture="plugin",
-                       launch_args=tuple(sgl), run_name="bench", startup_timeout_s=420, staging_mb=a.staging_mb)
-    t = time.monotonic()
-    try:
-        h = ensure_server(state, cfg)
-        res["startup_capture_s"] = round(time.monotonic() - t, 1)
-        spec = CaptureSpec(aux_layers=aux)
-        from hsextract.shard import ShardWriter
-
-        for L, ps in sets.items():
-            eng = SGLangEngine(h, spec, concurrency=a.concurrency, timeout_s=300, retries=1, run_name=f"w{L}")
-            list(eng.extract(ps[: a.concurrency]))  # warm-up
-            t0 = time.monotonic()
-            nbytes = sum(sum(x.numel() * 2 for x in c.hidden_states) for c in eng.extract(ps))
-            wall = time.monotonic() - t0
-            toks = sum(len(p.input_ids) for p in ps)
-            record("b0_capture_no_shards", L, {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-                                                "dump_bytes_per_s": nbytes / wall})
-            shard = out / f"bench-{L}.hss"
-            meta = {"model": "llama8b-dummy", "engine": "sglang", "engine_version": eng.version(),
-                    "aux_layers": list(aux), "final_state": "post_norm", "hidden_size": 0, "dtype": "bfloat16",
-                    "config_hash": "-", "tokenizer_hash": "-", "chat_template_hash": "-"}
-            t0 = time.monotonic()
-            w = None
-            for c in SGLangEngine(h, spec, concurrency=a.concurrency, timeout_s=300, retries=1,
-                                  run_name=f"s{L}").extract(ps):
-                if w is None:
-                    meta["hidden_size"] = int(c.hidden_states[0].shape[1])
-                    w = ShardWriter(shard, metadata=meta, level=1, threads=8)
-                ids = torch.tensor(ps[c.index].input_ids)
-                w.add(input_ids=ids, hidden_states=c.hidden_states, loss_mask=torch.ones_like(ids), sample_id=c.sample_id)
-            w.close()
-            wall = time.monotonic() - t0
-            stats = sorted(h.dump_dir.glob("stats-*.json"))
-            record("b_capture_with_shards", L, {
-                "n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-                "shard_bytes": shard.stat().st_size, "shard_bytes_per_s": shard.stat().st_size / wall,
-                "writer": json.loads(stats[0].read_text()) if stats else None})
-            shard.unlink()
-    finally:
-        stop_servers(state)
-    # ---- (e) transformers on the same GPU
-    if not a.skip_hf and time.monotonic() - t_start < a.budget_s - 90:
-        for L in a.lens:
-            record("e_transformers", L, hf_run(a.model, L, batches=6 if L <= 512 else 3, batch=8, aux=aux))
-    # ---- table
-    R = res["runs"]
-    lines = ["| run | " + " | ".join(f"{L} tok/s" for L in a.lens) + " |", "|---|" + "---|" * len(a.lens)]
-    for key in R:
-        lines.append(f"| {key} | " + " | ".join(f"{R[key].get(str(L), {}).get('tok_s', float('nan')):,.0f}"
-                                                for L in a.lens) + " |")
-    for num, den, target in (("b_capture_with_shards", "a_plain", 0.90),
-                             ("b_capture_with_shards", "c_return_hidden_states_json", 10),
-                             ("b_capture_with_shards", "d_one_at_a_time", 3)):
-        vals = []
-        for L in a.lens:
-            try:
-                vals.append(f"{R[num][str(L)]['tok_s'] / R[den][str(L)]['tok_s']:.2f}")
-            except KeyError:
-                vals.append("-")
-        lines.append(f"| {num} / {den} (target >= {target} at 512) | " + " | ".join(vals) + " |")
-    res["table"] = lines
-    (out / "throughput.json").write_text(json.dumps(res, indent=1))
-    (out / "throughput.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+        lines = table(res, a.lens)
+        res["table"] = lines
+        bench.save()
+        (out / "throughput.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+    return 1 if res["errors"] else 0
 
 
 if __name__ == "__main__":

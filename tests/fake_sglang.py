@@ -67,22 +67,28 @@ class _LogitsOut:
     last_hidden_states: torch.Tensor | None = None
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = 256  # listen backlog; the default 5 resets connections at 32 in flight (uvicorn: 2048)
+
+
 class FakeServer:
     def __init__(self, dump_dir: Path, aux_layers: tuple[int, ...], host: str = "127.0.0.1", port: int = 0, *,
                  chunk: int = 64, builtin: bool = False, fail_first: int = 0, hang_first: int = 0,
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
-                 marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002) -> None:
-        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=4 << 20)
+                 marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
+                 hidden: int = HIDDEN, staging_bytes: int = 4 << 20) -> None:
+        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=staging_bytes)
         self.dumper = plg.Dumper(cfg, pin=False)
         self.dumper._is_writer_rank = True
         self.dumper.mode = "builtin" if builtin else "plugin"
-        self.dumper.hidden_size = HIDDEN
+        self.dumper.hidden_size = self.hidden = hidden
         self.k1 = len(aux_layers) + 1
         self.chunk, self.builtin = chunk, builtin
         self.fail_first, self.hang_first, self.skip_first = fail_first, hang_first, skip_dump_first
         self.die_after, self.wrong, self.exit_on_die = die_after, wrong_prompt_tokens, exit_on_die
         self.pass_delay_s = pass_delay_s
         self.n_requests = 0
+        self.rids: list[str] = []  # every rid /generate received, in arrival order
         self.passes = 0
         self.max_batch = 0
         self._lock = threading.Lock()
@@ -91,7 +97,7 @@ class FakeServer:
         self._stop = threading.Event()
         if marker:
             self.dumper.write_marker([a + 1 for a in aux_layers])
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd = _HTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
@@ -140,12 +146,12 @@ class FakeServer:
                         r.done.set()
 
     def _run_pass(self, parts: list) -> None:
-        rows = [torch.cat(expected_states(r.origin_input_ids, self.k1), dim=1)[pre : pre + ext]
+        rows = [torch.cat(expected_states(r.origin_input_ids[: pre + ext], self.k1, self.hidden), dim=1)[pre:]
                 for r, pre, ext in parts]
-        rows.append(torch.full((3, self.k1 * HIDDEN), -77.0, dtype=torch.bfloat16))  # graph padding
+        rows.append(torch.full((3, self.k1 * self.hidden), -77.0, dtype=torch.bfloat16))  # graph padding
         hs = torch.cat(rows)
         if self.builtin:
-            k = (self.k1 - 1) * HIDDEN
+            k = (self.k1 - 1) * self.hidden
             lo = _LogitsOut(hs[:, :k].contiguous(), hs[:, k:].contiguous())
         else:
             lo = _LogitsOut(hs)
@@ -186,6 +192,7 @@ class FakeServer:
                     return self._send(404, {"error": "not found"})
                 with srv._lock:
                     srv.n_requests += 1
+                    srv.rids.append(req.get("rid"))
                     k = srv.n_requests
                 if srv.die_after is not None and k > srv.die_after:
                     srv.die()
@@ -197,14 +204,14 @@ class FakeServer:
                     srv._stop.wait(3600)
                     return
                 ids = req["input_ids"]
-                r = _Req(req["rid"], ids)
+                r = _Req(req.get("rid") or f"plain-{k}", ids)  # no rid: like SGLang's random hex ones
                 r.skip = k <= srv.fail_first + srv.hang_first + srv.skip_first
                 with srv._cv:
                     srv._queue.append(r)
                     srv._cv.notify_all()
                 r.done.wait()
                 n_ids = len(ids) + (1 if srv.wrong else 0)
-                self._send(200, {"output_ids": [], "meta_info": {"id": req["rid"], "prompt_tokens": n_ids,
+                self._send(200, {"output_ids": [], "meta_info": {"id": r.rid, "prompt_tokens": n_ids,
                                                                   "completion_tokens": 0}})
 
         return H
@@ -212,6 +219,7 @@ class FakeServer:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model-path", default="")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--chunked-prefill-size", type=int, default=64)
@@ -228,10 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     marker = cfg is not None
     if cfg is None:
         cfg = plg.PluginConfig(Path("/nonexistent"), (0,))
+    model_cfg = Path(a.model_path) / "config.json"  # a real model dir: its hidden size (throughput dry run)
+    hidden = json.loads(model_cfg.read_text()).get("hidden_size", HIDDEN) if model_cfg.is_file() else HIDDEN
     srv = FakeServer(cfg.dump_dir, cfg.aux_layers, a.host, a.port, chunk=a.chunked_prefill_size,
                      builtin=a.enable_return_aux_hidden_states, fail_first=a.fail_first, hang_first=a.hang_first,
                      skip_dump_first=a.skip_dump_first, die_after=a.die_after,
-                     wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True)
+                     wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True, hidden=hidden,
+                     staging_bytes=min(cfg.staging_bytes, 1 << 30))
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:

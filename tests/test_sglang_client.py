@@ -67,6 +67,19 @@ def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None
     assert eng.version().startswith("sglang None + hsextract plugin 1 (capture ")
 
 
+def test_one_engine_extracts_twice_with_fresh_rids(server: FakeServer) -> None:
+    """The H200 throughput run: a warm-up extract, then the measured one over the same prompts, on one
+    engine. Rids repeated across the calls and the second call waited for dumps that never came."""
+    ps = prompts(12, seed=11)
+    eng = engine(server, concurrency=6, timeout_s=3.0, retries=0)
+    check(list(eng.extract(ps[:6])), ps[:6])
+    check(list(eng.extract(ps)), ps)
+    assert len(server.rids) == 18 and len(set(server.rids)) == 18
+    assert {r.rsplit("-x", 1)[1].split("-")[0] for r in server.rids} == {"0", "1"}
+    server.dumper.writer.flush()
+    assert server.dumper.writer.stats.rids_reused == 0
+
+
 @pytest.mark.parametrize("server", [{"fail_first": 3}], indirect=True)
 def test_http_errors_are_retried_then_succeed(server: FakeServer) -> None:
     ps = prompts(8, seed=2)
@@ -242,6 +255,19 @@ def test_server_without_plugin_is_refused(tmp_path: Path) -> None:
                                                "HSEXTRACT_DUMP_DIR": ""})
     with pytest.raises(EngineError, match="healthy but the hsextract plugin is not active"):
         hsrv.ensure_server(tmp_path / "server", cfg)
+    # the refused server is gone (it used to be left running: its environment lacked the dump dir)
+    assert procs_mentioning(str(tmp_path)) == []
+
+
+def procs_mentioning(s: str) -> list[int]:
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if s.encode() in p.read_bytes():
+                out.append(int(p.parent.name))
+        except OSError:
+            pass
+    return out
 
 
 def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:

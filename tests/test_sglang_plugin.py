@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import re
 import sys
 import time
 import types
@@ -174,12 +175,55 @@ def test_retracted_request_rerun_is_idempotent(tmp_path: Path) -> None:
         [dumpfiles.done_name(r.rid), dumpfiles.piece_name(r.rid, 0, 30), dumpfiles.piece_name(r.rid, 30, 50)]
     )
     before = {p.name: p.read_bytes() for p in dump_files(tmp_path)}
-    # completed, then run again (retraction after prefill): ignored, files unchanged
+    # the same request object run again after its prompt was dumped (retraction after prefill): skipped
     run_pass(d, [(r, 0, 50)])
     d.writer.flush()
     assert {p.name: p.read_bytes() for p in dump_files(tmp_path)} == before
-    assert d.writer.stats.duplicates_ignored == 1
+    assert d.duplicates_skipped == 1 and d.writer.stats.rids_reused == 0
+    assert json.loads(next(tmp_path.glob("stats-*.json")).read_text())["duplicates_skipped"] == 1
     assert_matches(collect(tmp_path, r), r)
+
+
+def test_a_rid_sent_again_as_a_new_request_is_dumped_again(tmp_path: Path) -> None:
+    """The H200 throughput run: warm-up and measured run on one engine reused rids; the writer dropped the
+    second requests as duplicates and the client waited 300 s for `.done` markers that never came."""
+    d = make_dumper(tmp_path)
+    first = [Req(f"hsx-w-i{i}-a0", ids(40, i)) for i in range(4)]
+    run_pass(d, [(r, 0, 40) for r in first])
+    d.writer.flush()
+    for r in first:
+        assert_matches(collect(tmp_path, r), r)
+    again = [Req(r.rid, ids(40, 100 + i)) for i, r in enumerate(first)]  # new request objects, same rids
+    run_pass(d, [(r, 0, 40) for r in again])
+    d.writer.flush()
+    for r in again:
+        assert_matches(collect(tmp_path, r, timeout=2.0), r)
+    assert d.writer.stats.rids_reused == 4 and d.duplicates_skipped == 0
+    assert dump_files(tmp_path) == []
+
+
+def test_timeout_message_carries_the_writer_stats(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    r = Req("hsx-s", ids(10, 1))
+    run_pass(d, [(r, 0, 4)])  # first piece only: the request never completes
+    d.writer.flush()
+    with pytest.raises(dumpfiles.DumpTimeout) as e:
+        dumpfiles.collect(tmp_path, r.rid, r.origin_input_ids, K + 1, 0.05)
+    msg = str(e.value)
+    assert "(1 piece files of it are there)" in msg
+    assert re.search(r"writer stats: stats-\d+\.json \(\d+ s old\): pieces=1, staging_peak=\d+, staging_capacity=1048576", msg), msg
+    with pytest.raises(dumpfiles.DumpTimeout, match="the plugin's writer has written no stats file"):
+        dumpfiles.collect(tmp_path / "x", "hsx-none", [1], K + 1, 0.01)
+
+
+def test_staging_allocated_at_start_and_failure_refuses_to_start(tmp_path: Path) -> None:
+    d = make_dumper(tmp_path)
+    w = d.start()
+    assert d.start() is w and w.ring.buf.numel() == 1 << 20
+    huge = plg.Dumper(plg.PluginConfig(tmp_path, AUX, staging_bytes=1 << 50), pin=False)
+    with pytest.raises(plg.PluginConfigError, match=r"cannot allocate 1073741824 MiB of staging memory .*"
+                       r"lower HSEXTRACT_STAGING_MB \(config key staging_mb\)"):
+        huge.start()
 
 
 def test_prefix_cache_hit_gives_a_clear_error(tmp_path: Path) -> None:
@@ -270,8 +314,9 @@ def test_collector_timeout_message(tmp_path: Path) -> None:
     assert 0.2 <= time.monotonic() - t0 < 1.0
     assert str(e.value) == (
         f"request hsx-never: no dump marker {tmp_path}/hsx-never.done after 0.2 s although the server "
-        f"answered; the plugin wrote nothing for it (is the server running with SGLANG_PLUGINS=hsextract "
-        f"and HSEXTRACT_DUMP_DIR={tmp_path}?)"
+        f"answered (0 piece files of it are there); the plugin's writer has written no stats file (it never "
+        f"received a piece) (is the server running with SGLANG_PLUGINS=hsextract and "
+        f"HSEXTRACT_DUMP_DIR={tmp_path}?)"
     )
 
 

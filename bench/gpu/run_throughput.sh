@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # One device call (< 9 min): bench/sglang_throughput.py on the Llama-3-8B shape (dummy weights).
-#   run(command="bash bench/gpu/run_throughput.sh", carry=[".whl/one", ".whl/extra"])
+#   run(command="bash bench/gpu/run_throughput.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
+# The python part has a 430 s budget (parts that do not fit are skipped and recorded) and a hard 470 s
+# timeout; throughput.json is rewritten after every part. Extra arguments go to the script, e.g.
+#   bash bench/gpu/run_throughput.sh --parts b,a --lens 512
 source "$(dirname "$0")/setup.sh"
+T0=$SECONDS
 python3 "$REPO/bench/gpu/mk_models.py" /tmp/models --llama8b >"$OUT/mk_models.log" 2>&1
-rc=0
-timeout 560 python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b --out "$OUT" "$@" || rc=$?
-python3 -m hsextract.server stop /tmp/hsx-bench-state >/dev/null || true
-tail -c 200000 /tmp/hsx-bench-state/replica-0.log >"$OUT/server-capture.log" 2>/dev/null || true
+echo "setup took $T0 s, models $((SECONDS - T0)) s" | tee "$OUT/run.log"
+set +e
+timeout -k 15 470 python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b --out "$OUT" \
+  --budget-s 430 "$@" 2>&1 | tee -a "$OUT/run.log"
+rc=${PIPESTATUS[0]}
+set -e
+python3 -m hsextract.server stop /tmp/hsx-bench-state >/dev/null 2>&1 || true
+tail -c 300000 /tmp/hsx-bench-state/replica-0.log >"$OUT/server-capture.log" 2>/dev/null || true
+echo "exit $rc after $SECONDS s" | tee -a "$OUT/run.log"
 exit $rc

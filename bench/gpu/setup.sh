@@ -25,4 +25,5 @@ SGL_COMMON="--attention-backend triton --sampling-backend pytorch --cuda-graph-m
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch,sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
   python3 -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'transformers', m.version('transformers'))"
+  echo "cpus $(nproc), memlock $(ulimit -l)"; free -g | head -2; df -h /dev/shm /tmp
 } >"$OUT/machine.txt" 2>&1 || true

@@ -172,6 +172,27 @@ def glob_escape(s: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", s)
 
 
+STATS_KEYS = ("requests_done", "requests_failed", "pieces", "rids_reused", "duplicates_skipped", "write_errors",
+              "last_error", "queued", "staging_waits", "staging_peak", "staging_capacity")
+
+
+def writer_stats_summary(dump_dir: Path) -> str:
+    """One line from the plugin's `stats-<pid>.json` files: what the server-side writer has done."""
+    files = sorted(Path(dump_dir).glob("stats-*.json"))
+    if not files:
+        return "the plugin's writer has written no stats file (it never received a piece)"
+    parts = []
+    for f in files:
+        try:
+            st = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        kv = ", ".join(f"{k}={st[k]}" for k in STATS_KEYS if st.get(k) not in (None, 0))
+        age = time.time() - st.get("time", time.time())
+        parts.append(f"{f.name} ({age:.0f} s old): {kv or 'all zero'}")
+    return "writer stats: " + "; ".join(parts)
+
+
 @dataclass(frozen=True)
 class Collected:
     rid: str
@@ -205,10 +226,11 @@ def collect(
                 remove_rid(dump_dir, rid)
             raise DumpError(f"request {rid}: the server-side dumper reported: {msg}")
         if time.monotonic() > deadline:
+            pieces = len(list(dump_dir.glob(f"{glob_escape(rid)}.*{PIECE_SUFFIX}")))
             raise DumpTimeout(
-                f"request {rid}: no dump marker {done} after {timeout_s:g} s although the server answered; "
-                f"the plugin wrote nothing for it (is the server running with SGLANG_PLUGINS=hsextract and "
-                f"HSEXTRACT_DUMP_DIR={dump_dir}?)"
+                f"request {rid}: no dump marker {done} after {timeout_s:g} s although the server answered "
+                f"({pieces} piece files of it are there); {writer_stats_summary(dump_dir)} (is the server "
+                f"running with SGLANG_PLUGINS=hsextract and HSEXTRACT_DUMP_DIR={dump_dir}?)"
             )
         if should_stop is not None and should_stop():
             raise EngineError(f"request {rid}: collection cancelled")

@@ -256,9 +256,11 @@ def _port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
-def _stop_handle(h: ServerHandle, grace_s: float) -> bool:
+def _stop_handle(h: ServerHandle, grace_s: float, started_here: bool = False) -> bool:
+    """Kill h's process group. A pid read from a file must prove it is ours (pid reuse); one this process
+    started itself need not (its environment may not name the dump dir, e.g. HSEXTRACT_DUMP_DIR overridden)."""
     killed = False
-    if h.pid and _alive(h.pid) and _is_ours(h.pid, h.dump_dir):
+    if h.pid and _alive(h.pid) and (started_here or _is_ours(h.pid, h.dump_dir)):
         _kill_group(h.pid, grace_s)
         killed = True
     _remove_dump_dir(h.dump_dir)
@@ -303,20 +305,20 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
         while True:
             rc = proc.poll()
             if rc is not None:
-                _stop_handle(h, 1.0)
+                _stop_handle(h, 1.0, started_here=True)
                 ep.unlink(missing_ok=True)
                 raise EngineError(f"the SGLang server (replica {replica}) exited with code {rc} during start-up; "
                                   f"command: {' '.join(cmd)}\nlast lines of {log_path}:\n{_tail(log_path)}")
             if health(h.url, 2.0) is None:
                 if _has_marker(dump_dir):
                     return h
-                _stop_handle(h, cfg.stop_grace_s)
+                _stop_handle(h, cfg.stop_grace_s, started_here=True)
                 ep.unlink(missing_ok=True)
                 raise EngineError(f"the SGLang server at {h.url} is healthy but the hsextract plugin is not active "
                                   f"(no {dumpfiles.PLUGIN_MARKER_PREFIX}*.json in its dump dir): install hsextract "
                                   f"into {cfg.python}'s environment (rule build_patched_server); log: {log_path}")
             if time.monotonic() > deadline:
-                _stop_handle(h, cfg.stop_grace_s)
+                _stop_handle(h, cfg.stop_grace_s, started_here=True)
                 ep.unlink(missing_ok=True)
                 raise EngineError(f"the SGLang server (replica {replica}) was not healthy after "
                                   f"{cfg.startup_timeout_s:g} s; last lines of {log_path}:\n{_tail(log_path)}")

@@ -11,6 +11,7 @@ or as soon as the server fails its health check, the chunk fails with an EngineE
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import re
 import secrets
@@ -90,8 +91,12 @@ class SGLangEngine(Engine):
         self.health_timeout_s = health_timeout_s
         self.progress = progress
         safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:60] or "run"
-        # unique per engine instance: a rerun of a chunk never meets files or in-flight rids of an old one
+        # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice.
+        # The H200 throughput run called extract() twice on one engine (warm-up, then the measured run)
+        # with the same prompt indices; the plugin had already completed those rids and dropped them, so
+        # the second run waited for `.done` markers that never came.
         self._rid_base = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-{secrets.token_hex(4)}"
+        self._calls = itertools.count()
         self._marker: dict | None = None
 
     # ---- info -----------------------------------------------------------------------------------------
@@ -164,14 +169,14 @@ class SGLangEngine(Engine):
         return None if r.status == 200 else f"HTTP {r.status}"
 
     # ---- one prompt -----------------------------------------------------------------------------------
-    def _one(self, p: Prompt, stop: threading.Event) -> Captured:
+    def _one(self, p: Prompt, stop: threading.Event, base: str) -> Captured:
         ids = [int(x) for x in p.input_ids]
         where = f"sample {p.sample_id!r} (index {p.index})"
         last: Exception | None = None
         for attempt in range(self.retries + 1):
             if stop.is_set():
                 raise EngineError(f"{where}: cancelled because another sample of the chunk failed")
-            rid = f"{self._rid_base}-i{p.index}-a{attempt}"
+            rid = f"{base}-i{p.index}-a{attempt}"
             try:
                 self._generate(rid, ids)
                 col = dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
@@ -205,6 +210,7 @@ class SGLangEngine(Engine):
     # ---- many prompts ---------------------------------------------------------------------------------
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         self.plugin_info()
+        base = f"{self._rid_base}-x{next(self._calls)}"
         stop = threading.Event()
         window = 2 * self.concurrency  # bounded reorder buffer
         pending: deque[Future[Captured]] = deque()
@@ -218,7 +224,7 @@ class SGLangEngine(Engine):
                     if p is None:
                         exhausted = True
                         break
-                    pending.append(pool.submit(self._one, p, stop))
+                    pending.append(pool.submit(self._one, p, stop, base))
                 if not pending:
                     break
                 res = pending.popleft().result()

@@ -24,8 +24,12 @@ Either way the resolved `layers_to_capture` must equal [i+1 for i in aux]; other
 to start (DeepSeek's set_eagle3 takes ids raw unless the first is 1).
 
 Hooks: AROUND TpModelWorker.forward_batch_generation (outside the CUDA graphs), AFTER
-ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, before graph
-capture), AROUND LogitsProcessor._get_hidden_states_to_store (plugin mode only).
+ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, allocate the
+staging buffer, before graph capture), AROUND LogitsProcessor._get_hidden_states_to_store (plugin mode only).
+
+Repeats: a Req whose whole prompt was staged is marked (attribute on the Req object), so a retraction
+re-run of that same request is skipped; a NEW request that reuses a completed rid is dumped again (the
+writer counts it as `rids_reused`). Dropping reused rids made the client wait for markers that never came.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import inspect
 import json
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +66,7 @@ ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
 ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
 ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
 DEFAULT_RID_PREFIX = "hsx-"
+_DUMPED_ATTR = "_hsextract_dumped"  # set on a Req once its whole prompt was staged
 
 
 class PluginConfigError(RuntimeError):
@@ -119,12 +125,14 @@ class Dumper:
         self._delay = write_delay_s
         self._writer: DumpWriter | None = None
         self._is_writer_rank: bool | None = None
+        self.duplicates_skipped = 0  # retraction re-runs of already dumped requests (stats file)
 
     @property
     def writer(self) -> DumpWriter:
         if self._writer is None:
             self._writer = DumpWriter(
-                self.cfg.dump_dir, StagingRing(self.cfg.staging_bytes, pin=self._pin), write_delay_s=self._delay
+                self.cfg.dump_dir, StagingRing(self.cfg.staging_bytes, pin=self._pin), write_delay_s=self._delay,
+                extra_stats=lambda: {"duplicates_skipped": self.duplicates_skipped},
             )
         return self._writer
 
@@ -137,20 +145,59 @@ class Dumper:
             self._is_writer_rank = _attn_tp_rank() == 0
         return self._is_writer_rank
 
+    def start(self) -> DumpWriter:
+        """Allocate the staging buffer and start the writer now (at server start-up, writer rank only).
+
+        Lazily, an 8 GiB pinned allocation would stall the first batch, and a failing one would leave
+        the requests of that batch without any marker (the client would wait for its timeout)."""
+        if self._writer is None:
+            t0 = time.monotonic()
+            try:
+                self.writer
+            except (RuntimeError, MemoryError) as e:
+                raise PluginConfigError(
+                    f"hsextract: cannot allocate {self.cfg.staging_bytes >> 20} MiB of "
+                    f"{'pinned ' if self._pin is not False else ''}staging memory ({type(e).__name__}: {e}); "
+                    f"lower {ENV_STAGING_MB} (config key staging_mb)"
+                ) from e
+            log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s",
+                     self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(), time.monotonic() - t0)
+        return self._writer
+
+    def _already_dumped(self, req: Any) -> bool:
+        """A request object whose whole prompt was already staged: a retraction re-run, not new data.
+
+        Tracked on the request object, not by rid: a client may legitimately send a rid again after it
+        collected the first dump (a new request), and that one must be dumped again."""
+        if getattr(req, _DUMPED_ATTR, False):
+            self.duplicates_skipped += 1
+            return True
+        return False
+
     def on_extend(self, batch: Any, logits_output: Any) -> None:
         """Dump the accepted requests of one EXTEND batch; problems become `.err` markers, never crashes."""
         hs = getattr(logits_output, "hidden_states", None) if logits_output is not None else None
         last = getattr(logits_output, "last_hidden_states", None) if logits_output is not None else None
         rows = hs.shape[0] if hs is not None else sum(int(e) for e in batch.extend_lens)
-        pieces = slice_extend_batch(batch.reqs, batch.prefix_lens, batch.extend_lens, rows, self.accept)
+        pieces = slice_extend_batch(
+            batch.reqs, batch.prefix_lens, batch.extend_lens, rows, self.accept, skip=self._already_dumped
+        )
         if not pieces:
             return
+        by_rid = {r.rid: r for r in batch.reqs if isinstance(getattr(r, "rid", None), str)}
+        for p in pieces:  # marked before staging: a failed dump is not retried by a re-run either
+            if p.end == p.n_tokens:
+                try:
+                    setattr(by_rid[p.rid], _DUMPED_ATTR, True)
+                except (AttributeError, KeyError):
+                    pass
+        writer = self.start()
         try:
             sources = self._sources(hs, last, logits_output)
-            self.writer.submit(pieces, sources)
+            writer.submit(pieces, sources)
         except Exception as e:
             log.exception("hsextract: cannot dump batch of %d pieces", len(pieces))
-            self.writer.fail(sorted({(p.rid, p.n_tokens) for p in pieces}), f"{type(e).__name__}: {e}")
+            writer.fail(sorted({(p.rid, p.n_tokens) for p in pieces}), f"{type(e).__name__}: {e}")
 
     def _sources(self, hs: Any, last: Any, lo: Any) -> list[torch.Tensor]:
         k = len(self.cfg.aux_layers)
@@ -291,6 +338,8 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
                 f"hsextract: the hook on {TARGET_STORE} is not applied (see the log above); "
                 "the final state cannot be captured with this SGLang"
             )
+    if _DUMPER.is_writer_rank():
+        _DUMPER.start()  # allocate the staging buffer now: fail at start-up, not on the first batch
     _DUMPER.write_marker(resolved)
     return None
 

@@ -34,8 +34,11 @@ def slice_extend_batch(
     extend_lens: Sequence[int],
     num_rows: int,
     accept: Callable[[str], bool] = lambda rid: True,
+    skip: Callable[[Any], bool] | None = None,
 ) -> list[PieceSlice]:
-    """Pieces of the accepted requests of one EXTEND/MIXED batch whose tensors have `num_rows` rows."""
+    """Pieces of the accepted requests of one EXTEND/MIXED batch whose tensors have `num_rows` rows.
+
+    `skip(req)` drops a request by its object (a re-run of one whose prompt was already dumped)."""
     if not (len(reqs) == len(prefix_lens) == len(extend_lens)):
         raise ValueError(
             f"batch has {len(reqs)} reqs, {len(prefix_lens)} prefix lens, {len(extend_lens)} extend lens"
@@ -48,7 +51,7 @@ def slice_extend_batch(
     for req, pre, ext in zip(reqs, prefix_lens, extend_lens):
         pre, ext = int(pre), int(ext)
         rid = req.rid
-        if ext > 0 and isinstance(rid, str) and accept(rid):
+        if ext > 0 and isinstance(rid, str) and accept(rid) and not (skip is not None and skip(req)):
             n = len(req.origin_input_ids)
             end = min(pre + ext, n)
             if pre < end:

@@ -17,8 +17,8 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +50,9 @@ class WriterStats:
     requests_done: int = 0
     requests_failed: int = 0
     bytes_written: int = 0
-    duplicates_ignored: int = 0
+    rids_reused: int = 0  # a completed rid came again as a new request (dumped again)
     write_errors: int = 0
-    extra: dict = field(default_factory=dict)
+    last_error: str | None = None
 
 
 class DumpWriter:
@@ -64,6 +64,7 @@ class DumpWriter:
         max_piece_bytes: int | None = None,
         remember_completed: int = 100_000,
         write_delay_s: float = 0.0,  # tests: a slow disk
+        extra_stats: Callable[[], dict] | None = None,  # counters kept elsewhere (scheduler side)
     ) -> None:
         self.dump_dir = Path(dump_dir)
         self.ring = staging
@@ -76,8 +77,10 @@ class DumpWriter:
         self._completed: OrderedDict[str, None] = OrderedDict()
         self._remember = remember_completed
         self._delay = write_delay_s
+        self._extra_stats = extra_stats
         self.stats_every_s = 2.0
         self._last_stats = time.monotonic()
+        self._dirty = True
         self._thread = threading.Thread(target=self._run, name="hsextract-dump-writer", daemon=True)
         self._thread.start()
 
@@ -129,7 +132,13 @@ class DumpWriter:
     # ---- writer thread --------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            job = self._q.get()
+            try:
+                job = self._q.get(timeout=self.stats_every_s)
+            except queue.Empty:  # idle: bring the stats file up to date once
+                if self._dirty:
+                    self.write_stats()
+                continue
+            self._dirty = True
             if job is None:
                 return
             if job.error == "__flush__":
@@ -140,6 +149,7 @@ class DumpWriter:
                 self._handle(job)
             except Exception as e:  # never let one bad write kill the thread
                 self.stats.write_errors += 1
+                self.stats.last_error = f"{job.rid} [{job.start},{job.end}): {type(e).__name__}: {e}"[:500]
                 log.exception("hsextract: writing %s [%d,%d) failed", job.rid, job.start, job.end)
                 try:
                     dumpfiles.write_err(self.dump_dir, job.rid, f"writing piece [{job.start},{job.end}) failed: {e}")
@@ -154,7 +164,9 @@ class DumpWriter:
     def write_stats(self) -> None:
         """`stats-<pid>.json` in the dump dir: counters to judge whether the writer keeps up."""
         self._last_stats = time.monotonic()
-        info = asdict(self.stats) | {
+        self._dirty = False
+        extra = self._extra_stats() if self._extra_stats is not None else {}
+        info = asdict(self.stats) | extra | {
             "staging_capacity": self.ring.capacity, "staging_peak": self.ring.peak,
             "staging_waits": self.ring.waits, "staging_allocs": self.ring.allocs, "queued": self._q.qsize(),
             "time": time.time(),
@@ -168,9 +180,14 @@ class DumpWriter:
             log.warning("hsextract: cannot write %s", path)
 
     def _handle(self, job: _Job) -> None:
-        if job.rid in self._completed:  # a retracted/re-run request that already completed
-            self.stats.duplicates_ignored += 1
-            return
+        if job.rid in self._completed:
+            # A new request with the rid of a completed one (retraction re-runs of the same request are
+            # dropped in the scheduler, by request object). It is dumped again: ignoring it would leave
+            # the client waiting for a `.done` that never comes (the H200 throughput run, rids reused).
+            del self._completed[job.rid]
+            self.stats.rids_reused += 1
+            if self.stats.rids_reused == 1:  # once; the stats file counts them
+                log.warning("hsextract: rid %s came again after it was completed; dumping it again", job.rid)
         if job.error is not None:
             self._finish(job.rid)
             self.stats.requests_failed += 1
