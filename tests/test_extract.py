@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
+from hsextract.engines.base import Captured, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
 from hsextract.extract import ChunkPrompts, extract_chunk, read_prompts
 from hsextract.shard import ShardReader

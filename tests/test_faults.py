@@ -28,7 +28,7 @@ import torch
 import yaml
 from conftest import make_sample, shard_metadata
 
-from hsextract.errors import EngineError, ShardError
+from hsextract.errors import EngineError
 from hsextract.shard import SHARD_SUFFIX, ShardReader, ShardWriter
 from hsextract.validate import failure_line, validate_shard
 

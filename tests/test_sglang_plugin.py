@@ -19,7 +19,6 @@ from hsextract.errors import EngineError
 from hsextract.sglang_plugin import plugin as plg
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
-from hsextract.sglang_plugin.writer import DumpWriter
 
 K, H = 3, 8  # aux layers, hidden size
 AUX = (1, 3, 5)

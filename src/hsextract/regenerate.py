@@ -46,12 +46,11 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -60,6 +59,7 @@ from typing import Any, Protocol
 import torch
 
 from hsextract.conversations import Conversation, MalformedRecordError, mixture, open_sources
+from hsextract.atomic import write_atomic
 from hsextract.errors import ConfigError, EngineError
 from hsextract.loss_mask import ChatMasker
 
@@ -530,20 +530,6 @@ def stats_path(out_path: str | os.PathLike[str]) -> Path:
     return p.with_name(p.name.removesuffix(".jsonl") + ".stats.json")
 
 
-def _atomic_write(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if "b" not in mode else {})) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _record(sample_id: str, source: str, conv: Conversation) -> dict[str, Any]:
     rec: dict[str, Any] = {"id": sample_id, "source": source, "messages": conv.messages}
     if conv.tools:
@@ -655,8 +641,8 @@ def run_regenerate_chunk(config: Mapping[str, Any], chunk_index: int, out_path: 
                "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(settings).items()
                             if k != "enabled"} | {"seed_mixture": seed}}
     # Stats first: the JSONL (what Snakemake tracks) exists only once everything is written.
-    _atomic_write(stats_path(out), lambda f: f.write(json.dumps(summary, indent=2, sort_keys=True) + "\n"))
-    _atomic_write(out, lambda f: f.writelines(lines))
+    write_atomic(stats_path(out), lambda f: f.write((json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()))
+    write_atomic(out, lambda f: f.writelines(line.encode() for line in lines))
     return summary
 
 
@@ -678,7 +664,7 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
                                   f"rerun its chunk")
             f.write(data)
 
-    _atomic_write(out, write, mode="wb")
+    write_atomic(out, write)
     summed: dict[str, Any] = {"chunks": len(paths)}
     for p in paths:
         sp = stats_path(p)
@@ -695,7 +681,7 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
                     acc[kk] = acc.get(kk, 0) + vv
             elif isinstance(v, int):
                 summed[k] = summed.get(k, 0) + v
-    _atomic_write(stats_path(out), lambda f: f.write(json.dumps(summed, indent=2, sort_keys=True) + "\n"))
+    write_atomic(stats_path(out), lambda f: f.write((json.dumps(summed, indent=2, sort_keys=True) + "\n").encode()))
     return summed
 
 

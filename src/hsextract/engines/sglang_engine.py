@@ -16,7 +16,6 @@ import json
 import re
 import secrets
 import threading
-import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -158,15 +157,9 @@ class SGLangEngine(Engine):
 
     def health(self) -> str | None:
         """None when GET /health answers 200, else why not."""
-        try:
-            c = http.client.HTTPConnection(self._host, self._port, timeout=self.health_timeout_s)
-            c.request("GET", "/health")
-            r = c.getresponse()
-            r.read()
-            c.close()
-        except (OSError, http.client.HTTPException) as e:
-            return f"{type(e).__name__}: {e}"
-        return None if r.status == 200 else f"HTTP {r.status}"
+        from hsextract.server import health
+
+        return health(self.url, self.health_timeout_s)
 
     # ---- one prompt -----------------------------------------------------------------------------------
     def _one(self, p: Prompt, stop: threading.Event, base: str) -> Captured:
