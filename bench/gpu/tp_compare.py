@@ -168,6 +168,10 @@ def verdict_markdown(model: str, results: dict) -> list[str]:
         w = c.get("writers") or {}
         head = f"### {c['name']} (tp {c.get('tp')}, dp {c.get('dp')}): {'PASS' if c.get('pass') else 'FAIL'}"
         lines += [head, ""]
+        failed = [k for k, v in cmp.get("checks", {}).items() if not v] + \
+            [f"writer {k}" for k, v in (w.get("checks") or {}).items() if not v]
+        if failed:
+            lines += [f"failed checks: {', '.join(failed)}", ""]
         if c.get("error"):
             lines += [f"error: `{c['error']}`", ""]
         if cmp.get("partial_sum_suspected"):
