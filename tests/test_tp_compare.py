@@ -65,7 +65,7 @@ def test_half_value_partial_sum_fails_loudly(mode: str) -> None:
                                               "candidates": [{"name": "m-tp2", "tp": 2, "dp": 1, "pass": False,
                                                               "compare": r}]}))
     assert "## TP capture, m: FAIL" in md and "**PARTIAL SUM SUSPECTED** in ['aux4']" in md
-    want = "every_sample_within_tol" if mode == "sample" else "token_median_within_tol"
+    want = "every_sample_within_tol" if mode == "sample" else "token_median_within_tol, flipped_fraction_small"
     assert f"failed checks: {want}\n" in md
 
 
