@@ -25,11 +25,13 @@ else
   FAKE=""
 fi
 PY=${PY:-python3}
+# NVLink multicast stays off on the lent machines (device KINDS.md); the servers inherit this environment
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$REPO/bench/gpu"
 MODELS=${MODELS_DIR:-/tmp/models}; RUNS=/tmp/tp-runs; rm -rf "$RUNS"; mkdir -p "$RUNS" "$OUT/runs"
 ARGS="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-running-requests 64 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512"
 N=${N:-32}
-nvidia-smi topo -m >>"$OUT/machine.txt" 2>&1 || true
+{ nvidia-smi topo -m; env | grep -E '^(NCCL|TORCH_SYMM|NVSHMEM)_' | sort; } >>"$OUT/machine.txt" 2>&1 || true
 
 finish() {
   for d in /tmp/state-tp-*; do
