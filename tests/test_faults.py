@@ -549,7 +549,10 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
             # with >= 2 chunks to do, after one of them finished (the kill lands in the next one); with one
             # left, after its job started
             if len(missing) >= 2:
-                return any(shard_file(wd, i).exists() and shard_file(wd, i).stat().st_mtime >= t0 for i in range(N_CHUNKS))
+                # Snakemake prints "Finished jobid" once it has recorded the job's outputs; a kill between the
+                # shard's rename and that record would (rightly) redo the chunk and leave nothing to prove
+                done = any(shard_file(wd, i).exists() and shard_file(wd, i).stat().st_mtime >= t0 for i in range(N_CHUNKS))
+                return done and "Finished jobid" in (wd / f"attempt-{attempt}.log").read_text()
             return logs.is_dir() and any(p.stat().st_mtime >= t0 for p in logs.iterdir())
 
         while proc.poll() is None and not event():

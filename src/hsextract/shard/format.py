@@ -2,13 +2,14 @@
 
     file    := header record* index footer
     header  := "HSXSHARD" u16 version u16 0 u32 meta_len u32 crc32(meta) meta(JSON, UTF-8)
-    record  := "HSXR" u32 sample u64 payload_len u32 crc32(payload) u32 crc32(record header[0:20]) payload
+    record  := "HSXR" u32 sample u64 payload_len u64 xxh3_64(payload) u32 crc32(record header[0:24]) payload
     payload := u32 n_frames, n_frames x u64 frame_len, frames (zstd, each with its content checksum)
-    index   := zstd(JSON, columnar: sample_ids, offsets, record_lens, crc32, seq_lens, num_trained, raw_bytes)
+    index   := zstd(JSON, columnar: sample_ids, offsets, record_lens, payload_xxh3, seq_lens, num_trained, raw_bytes)
     footer  := u64 index_offset u64 index_len u32 crc32(index) u32 n_samples u16 version u16 0
                u32 crc32(footer[0:28]) "HSXSEND\\0"
 
-All integers little endian. Every byte of the file is covered by a checksum: a flipped byte is
+All integers little endian. Payloads (nearly all the bytes) are hashed with XXH3-64, which runs at ~7 GB/s
+where zlib's crc32 runs at ~1.8 GB/s here (it was 20% of the read time); the small structures use crc32. Every byte of the file is covered by a checksum: a flipped byte is
 an error, never data. Records carry their sample number, so a record served for the wrong
 sample is caught too, and a truncated file can be scanned to name the first damaged sample.
 """
@@ -20,18 +21,21 @@ import struct
 import zlib
 from typing import Any
 
+import xxhash
+
 FORMAT_VERSION = 1
 SHARD_SUFFIX = ".hss"
 
 HEADER_MAGIC = b"HSXSHARD"
 HEADER = struct.Struct("<8sHHII")  # magic, version, reserved, meta_len, meta_crc
 RECORD_MAGIC = b"HSXR"
-RECORD = struct.Struct("<4sIQII")  # magic, sample, payload_len, payload_crc, header_crc
+RECORD = struct.Struct("<4sIQQI")  # magic, sample, payload_len, payload_xxh3, header_crc
+RECORD_CHECKED = 24  # record header bytes covered by its crc32
 FOOTER_MAGIC = b"HSXSEND\0"
 FOOTER = struct.Struct("<QQIIHHI8s")  # index_offset, index_len, index_crc, n, version, 0, crc, magic
 FRAME_COUNT = struct.Struct("<I")
 
-INDEX_COLUMNS = ("sample_ids", "offsets", "record_lens", "crc32", "seq_lens", "num_trained", "raw_bytes")
+INDEX_COLUMNS = ("sample_ids", "offsets", "record_lens", "payload_xxh3", "seq_lens", "num_trained", "raw_bytes")
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
@@ -43,8 +47,12 @@ def pack_header(metadata: dict[str, Any]) -> bytes:
     return HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, 0, len(meta), crc32(meta)) + meta
 
 
-def pack_record_header(sample: int, payload_len: int, payload_crc: int) -> bytes:
-    head = struct.pack("<4sIQI", RECORD_MAGIC, sample, payload_len, payload_crc)
+def payload_hash(data: bytes | bytearray | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def pack_record_header(sample: int, payload_len: int, payload_xxh3: int) -> bytes:
+    head = struct.pack("<4sIQQ", RECORD_MAGIC, sample, payload_len, payload_xxh3)
     return head + struct.pack("<I", crc32(head))
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import struct
 import threading
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -116,7 +115,7 @@ class ShardReader:
         off, sample = self._data_start, 0
         while off + fmt.RECORD.size <= size:
             magic, idx, plen, _, hcrc = fmt.RECORD.unpack(self._pread(fmt.RECORD.size, off))
-            if magic != fmt.RECORD_MAGIC or idx != sample or fmt.crc32(self._pread(20, off)) != hcrc:
+            if magic != fmt.RECORD_MAGIC or idx != sample or fmt.crc32(self._pread(fmt.RECORD_CHECKED, off)) != hcrc:
                 break  # index or footer bytes, or garbage: the records end here
             if off + fmt.RECORD.size + plen > size:
                 return self._corrupt(sample, f"file truncated at byte {size}: the record ends at byte {off + fmt.RECORD.size + plen}")
@@ -154,13 +153,13 @@ class ShardReader:
         rec = self._pread(rlen, off)
         if len(rec) != rlen:
             raise self._corrupt(i, f"record cut short: {len(rec)} of {rlen} bytes")
-        magic, idx, plen, pcrc, hcrc = fmt.RECORD.unpack_from(rec)
-        if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[:20]) != hcrc:
+        magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
+        if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[: fmt.RECORD_CHECKED]) != hcrc:
             raise self._corrupt(i, "record header damaged")
         if idx != i or plen + fmt.RECORD.size != rlen:
             raise self._corrupt(i, f"record belongs to sample {idx}, not {i} (index and records disagree)")
         payload = memoryview(rec)[fmt.RECORD.size:]
-        if zlib.crc32(payload) & 0xFFFFFFFF != pcrc or pcrc != self._index["crc32"][i]:
+        if fmt.payload_hash(payload) != phash or phash != self._index["payload_xxh3"][i]:
             raise self._corrupt(i, "checksum mismatch")
         return rec
 

@@ -6,13 +6,13 @@ import json
 import os
 import secrets
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import xxhash
 import zstandard as zstd
 
 from hsextract import __version__
@@ -171,11 +171,12 @@ class ShardWriter:
         frames = list(self._pool.map(self._compress, jobs)) if self._pool else [self._compress(j) for j in jobs]
         table = fmt.pack_frame_table([len(f) for f in frames])
         payload_len = len(table) + sum(len(f) for f in frames)
-        crc = fmt.crc32(table)
+        hasher = xxhash.xxh3_64(table)
         for f in frames:
-            crc = zlib.crc32(f, crc)
+            hasher.update(f)
+        digest = hasher.intdigest()
         offset = self._file.tell()
-        self._write(fmt.pack_record_header(sample, payload_len, crc))
+        self._write(fmt.pack_record_header(sample, payload_len, digest))
         self._write(table)
         for f in frames:
             self._write(f)
@@ -184,7 +185,7 @@ class ShardWriter:
         ix["sample_ids"].append(str(sample_id))
         ix["offsets"].append(offset)
         ix["record_lens"].append(fmt.RECORD.size + payload_len)
-        ix["crc32"].append(crc)
+        ix["payload_xxh3"].append(digest)
         ix["seq_lens"].append(seq)
         ix["num_trained"].append(int((tensors[1] != 0).sum()))
         ix["raw_bytes"].append(16 * seq + self.metadata["num_hidden_tensors"] * seq * self._hidden * self._out_dtype.itemsize)
