@@ -258,8 +258,10 @@ def test_misattribution_without_retries_fails_the_chunk_without_a_shard(tmp_path
         cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
         t0 = time.monotonic()
         with pytest.raises(EngineError) as e:
-            extract_chunk(cp, tmp_path / "chunk-00000.hss", sglang_engine(srv, concurrency=4, retries=0), fake_meta(),
-                          progress=False)
+            # timeout 10 s, not 2: on a loaded CI box the writer can take longer than 2 s, and the expected
+            # error (the mix-up) must win over a dump timeout
+            extract_chunk(cp, tmp_path / "chunk-00000.hss", sglang_engine(srv, concurrency=4, retries=0, timeout_s=10.0),
+                          fake_meta(), progress=False)
         assert re.fullmatch(
             r"sample 's00[01]' \(index [01]\): failed 1 times although the server at http://127\.0\.0\.1:\d+ is healthy; "
             r"last error: request hsx-\S+: (the server dumped \d+ tokens, the prompt has \d+; a rid was reused or the "
