@@ -9,7 +9,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +19,8 @@ pytest.importorskip("snakemake_executor_plugin_slurm", reason="needs the cluster
 pytest.importorskip("snakemake_executor_plugin_kubernetes", reason="needs the cluster extra")
 pytest.importorskip("snakemake_storage_plugin_fs", reason="needs the cluster extra")
 
-ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("Snakefile", "workflow", "config", "envs", "profiles", "resources/reference", "data")
+from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
+
 RUN = "prof-test"
 RECORDS, PER_CHUNK = 24, 8
 N_CHUNKS = math.ceil(RECORDS / PER_CHUNK)
@@ -39,22 +38,8 @@ JOBS = {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_C
         "aggregate_stats": 1, "manifest": 1, "all": 1}
 
 
-def make_workdir(dest: Path, config: str = TEST_CONFIG) -> Path:
-    dest.mkdir(parents=True)
-    for name in COPIED:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, dest / name)
-    (dest / "config/test.yaml").write_text(config)
-    return dest
-
-
 def dry_run(workdir: Path, profile: str, *extra: str) -> str:
-    exe = Path(sys.executable).with_name("snakemake")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "snakemake"]
+    cmd = snakemake_cmd()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
@@ -64,11 +49,6 @@ def dry_run(workdir: Path, profile: str, *extra: str) -> str:
     )
     assert proc.returncode == 0, f"dry run with profiles/{profile} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
-
-
-def job_counts(output: str) -> dict[str, int]:
-    table = output[output.index("Job stats:"):]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)\s*$", table, re.M) if m[1] != "total"}
 
 
 def job_resources(output: str) -> dict[str, list[dict[str, str]]]:
@@ -93,7 +73,7 @@ SLURM_CPU = {"slurm_partition": "cpu", "runtime": "60", "mem_mb": "4000"}
 
 @pytest.fixture(scope="module")
 def slurm_output(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return dry_run(make_workdir(tmp_path_factory.mktemp("slurm") / "wd"), "slurm")
+    return dry_run(make_workdir(tmp_path_factory.mktemp("slurm") / "wd", TEST_CONFIG), "slurm")
 
 
 def test_slurm_dry_run_jobs_and_resources(slurm_output: str) -> None:
@@ -136,7 +116,7 @@ def test_slurm_keeps_the_rules_gpu_count(tmp_path: Path) -> None:
 
 
 def test_kubernetes_dry_run_jobs_and_resources(tmp_path: Path) -> None:
-    wd = make_workdir(tmp_path / "wd")
+    wd = make_workdir(tmp_path / "wd", TEST_CONFIG)
     # the storage (the claim in the profile): sources and reference at the config's relative paths
     store = tmp_path / "store"
     shutil.copytree(ROOT / "data", store / "data")

@@ -58,7 +58,7 @@ def snakemake_cmd() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "snakemake"]
 
 
-def make_workdir(dest: Path) -> Path:
+def make_workdir(dest: Path, config: str = TEST_CONFIG) -> Path:
     dest.mkdir(parents=True)
     for name in COPIED:
         src = ROOT / name
@@ -67,7 +67,7 @@ def make_workdir(dest: Path) -> Path:
         else:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    (dest / "config/test.yaml").write_text(TEST_CONFIG)
+    (dest / "config/test.yaml").write_text(config)
     return dest
 
 
