@@ -60,6 +60,7 @@ class ServerConfig:
     startup_timeout_s: float = 1800.0
     stop_grace_s: float = 30.0
     staging_mb: int = 4096
+    writer_threads: int = 4  # plugin threads writing piece files (HSEXTRACT_WRITER_THREADS)
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class ServerConfig:
             raise ConfigError(f"sglang.capture: {self.capture!r}; use plugin or builtin")
         if self.final_state != "post_norm":
             raise ConfigError("final_state: the sglang engine provides post_norm only")
+        if self.writer_threads < 1:
+            raise ConfigError(f"sglang.writer_threads: {self.writer_threads}; must be >= 1")
         if self.tp < 1 or self.replicas < 1:
             raise ConfigError("sglang.tp and sglang.replicas must be >= 1")
         if self.gpus is not None and len(self.gpus) < self.tp * self.replicas:
@@ -133,6 +136,7 @@ def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
     env["HSEXTRACT_AUX_LAYERS"] = ",".join(map(str, cfg.aux_layers))
     env["HSEXTRACT_FINAL_STATE"] = cfg.final_state
     env["HSEXTRACT_STAGING_MB"] = str(cfg.staging_mb)
+    env["HSEXTRACT_WRITER_THREADS"] = str(cfg.writer_threads)
     if cfg.gpus is not None or cfg.replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_set(cfg, replica)))
     env.update(cfg.env)

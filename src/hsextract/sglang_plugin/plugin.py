@@ -8,6 +8,8 @@ Environment (set by `hsextract.server`):
     HSEXTRACT_AUX_LAYERS    EAGLE-3 aux layer ids, e.g. "2,30,58" (output of decoder layer i)
     HSEXTRACT_FINAL_STATE   post_norm (the only state SGLang hands out without patching the model)
     HSEXTRACT_STAGING_MB    pinned staging buffer per scheduler process (default 4096)
+    HSEXTRACT_WRITER_THREADS threads writing piece files, per scheduler process (default 4; a rid's
+                            pieces and marker always go to one thread, in order)
     HSEXTRACT_RID_PREFIX    only requests whose rid starts with it are dumped (default "hsx-"); this
                             skips SGLang's own warmup (random hex rid) and health checks (HEALTH_CHECK_*)
 
@@ -65,6 +67,8 @@ ENV_AUX_LAYERS = "HSEXTRACT_AUX_LAYERS"
 ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
 ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
 ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
+ENV_WRITER_THREADS = "HSEXTRACT_WRITER_THREADS"
+DEFAULT_WRITER_THREADS = 4
 DEFAULT_RID_PREFIX = "hsx-"
 _DUMPED_ATTR = "_hsextract_dumped"  # set on a Req once its whole prompt was staged
 
@@ -80,6 +84,7 @@ class PluginConfig:
     final_state: str = "post_norm"
     staging_bytes: int = 4096 << 20
     rid_prefix: str = DEFAULT_RID_PREFIX
+    writer_threads: int = DEFAULT_WRITER_THREADS
 
     @property
     def expected_capture(self) -> list[int]:
@@ -111,7 +116,16 @@ class PluginConfig:
             staging = int(env.get(ENV_STAGING_MB, "4096")) << 20
         except ValueError as e:
             raise PluginConfigError(f"{ENV_STAGING_MB} must be an integer number of MiB") from e
-        return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX))
+        raw_threads = env.get(ENV_WRITER_THREADS, str(DEFAULT_WRITER_THREADS))
+        try:
+            threads = int(raw_threads)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise PluginConfigError(
+                f"{ENV_WRITER_THREADS}={raw_threads!r}: expected an integer >= 1 (config key writer_threads)"
+            )
+        return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads)
 
 
 class Dumper:
@@ -131,7 +145,8 @@ class Dumper:
     def writer(self) -> DumpWriter:
         if self._writer is None:
             self._writer = DumpWriter(
-                self.cfg.dump_dir, StagingRing(self.cfg.staging_bytes, pin=self._pin), write_delay_s=self._delay,
+                self.cfg.dump_dir, StagingRing(self.cfg.staging_bytes, pin=self._pin),
+                threads=self.cfg.writer_threads, write_delay_s=self._delay,
                 extra_stats=lambda: {"duplicates_skipped": self.duplicates_skipped},
             )
         return self._writer
@@ -160,8 +175,9 @@ class Dumper:
                     f"{'pinned ' if self._pin is not False else ''}staging memory ({type(e).__name__}: {e}); "
                     f"lower {ENV_STAGING_MB} (config key staging_mb)"
                 ) from e
-            log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s",
-                     self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(), time.monotonic() - t0)
+            log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s; %d writer threads",
+                     self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(), time.monotonic() - t0,
+                     self.cfg.writer_threads)
         return self._writer
 
     def _already_dumped(self, req: Any) -> bool:

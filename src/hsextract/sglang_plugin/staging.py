@@ -1,8 +1,11 @@
-"""A bounded staging buffer in (pinned) host memory, allocated once, used as a FIFO ring.
+"""A bounded staging buffer in (pinned) host memory, allocated once, used as a ring.
 
-The hook allocates a region per piece and copies device rows into it without waiting; the writer
-thread frees regions in the same order after writing them. When the ring is full, `alloc` blocks the
-caller (the scheduler) until the writer catches up: backpressure instead of unbounded host memory.
+The hook allocates a region per piece and copies device rows into it without waiting; writer threads
+free regions when their piece file is written. Several writer threads finish in any order, so `free`
+accepts regions out of allocation order: a freed region is marked, and the ring's tail advances over
+the freed prefix. Memory becomes reusable only once every region allocated before it is freed too (a
+slow write holds back the space behind it, never corrupts it). When the ring is full, `alloc` blocks the
+caller (the scheduler) until the writers catch up: backpressure instead of unbounded host memory.
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ class StagingRing:
             pin = torch.cuda.is_available()
         self.capacity = capacity_bytes
         self.buf = torch.empty(capacity_bytes, dtype=torch.uint8, pin_memory=pin)
-        self._live: deque[Region] = deque()
+        self._live: deque[Region] = deque()  # allocation order; [0] is the tail
+        self._outstanding: set[int] = set()  # tickets allocated and not yet freed
         self._head = 0
         self._cond = threading.Condition()
         self._ticket = 0
-        self.used = 0  # bytes in live regions
+        self.used = 0  # bytes of regions not yet reclaimed (freed ones behind a live one included)
         self.peak = 0  # high-water mark of `used`
-        self.waits = 0  # how often alloc had to wait for the writer
+        self.waits = 0  # how often alloc had to wait for the writers
         self.allocs = 0
 
     def _fit(self, n: int) -> int | None:
@@ -69,6 +73,7 @@ class StagingRing:
             self._ticket += 1
             r = Region(pos, pos + n, self._ticket)
             self._live.append(r)
+            self._outstanding.add(r.ticket)
             self._head = r.end
             self.used += n
             self.peak = max(self.peak, self.used)
@@ -82,11 +87,17 @@ class StagingRing:
         return self.buf[lo : lo + nbytes]
 
     def free(self, region: Region) -> None:
+        """Release `region` (any order); the space is reclaimed once all older regions are freed too."""
         with self._cond:
-            if not self._live or self._live[0] != region:
-                raise RuntimeError("staging regions must be freed in allocation order")
-            self._live.popleft()
-            self.used -= region.end - region.start
+            if region.ticket not in self._outstanding:
+                raise RuntimeError(f"staging region {region} is not allocated (freed twice?)")
+            self._outstanding.remove(region.ticket)
+            reclaimed = False
+            while self._live and self._live[0].ticket not in self._outstanding:
+                r = self._live.popleft()
+                self.used -= r.end - r.start
+                reclaimed = True
             if not self._live:
                 self._head = 0
-            self._cond.notify_all()
+            if reclaimed:
+                self._cond.notify_all()

@@ -1,11 +1,16 @@
-"""Stage pieces to host memory without blocking the GPU stream, and write them from one thread.
+"""Stage pieces to host memory without blocking the GPU stream, and write them from several threads.
 
 `DumpWriter.submit` runs in the scheduler (inside the forward hook): it splits each piece into row
 blocks that fit the staging ring, issues non-blocking device-to-host copies on the current stream,
-records an event and queues the job. The writer thread waits for the event, writes the piece file,
+records an event and queues the job. A writer thread waits for the event, writes the piece file,
 frees the staging region, and when a request's last piece is in, writes its `.done` marker listing
-the pieces (or `.err` when they do not cover the prompt). One thread, FIFO: regions are freed in
-allocation order, and a request's pieces are written in the order they were computed.
+the pieces (or `.err` when they do not cover the prompt).
+
+Threads: `threads` writers, each with its own FIFO queue. Every job of one rid goes to the same thread
+(crc32 of the rid mod `threads`), so a request's pieces are written in the order they were computed,
+its marker comes after its pieces, and its chain/supersede bookkeeping is touched by one thread only
+(per-thread state, no lock). Regions are freed in whatever order the threads finish; the ring reclaims
+space behind the oldest live region. Counters are shared and updated under one lock.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -55,34 +61,60 @@ class WriterStats:
     last_error: str | None = None
 
 
+_FLUSH = "__flush__"  # error text of a flush job: a barrier, not a marker
+
+
+class _Lane:
+    """One writer thread: its FIFO queue and the state of the rids hashed to it (touched by it alone)."""
+
+    def __init__(self, index: int, remember: int) -> None:
+        self.index = index
+        self.q: queue.Queue[_Job | None] = queue.Queue()
+        self.chains: dict[str, list[tuple[int, int]]] = {}
+        self.completed: OrderedDict[str, None] = OrderedDict()
+        self.remember = remember
+        self.thread: threading.Thread | None = None
+
+
 class DumpWriter:
     def __init__(
         self,
         dump_dir: Path,
         staging: StagingRing,
         *,
+        threads: int = 4,
         max_piece_bytes: int | None = None,
         remember_completed: int = 100_000,
         write_delay_s: float = 0.0,  # tests: a slow disk
         extra_stats: Callable[[], dict] | None = None,  # counters kept elsewhere (scheduler side)
     ) -> None:
+        if threads < 1:
+            raise ValueError(f"writer threads must be >= 1, got {threads}")
         self.dump_dir = Path(dump_dir)
         self.ring = staging
         self.max_piece_bytes = max_piece_bytes or max(ALIGN, staging.capacity // 4)
         if self.max_piece_bytes > staging.capacity:
             raise ValueError("max_piece_bytes exceeds the staging capacity")
-        self.stats = WriterStats()
-        self._q: queue.Queue[_Job | None] = queue.Queue()
-        self._chains: dict[str, list[tuple[int, int]]] = {}
-        self._completed: OrderedDict[str, None] = OrderedDict()
-        self._remember = remember_completed
+        self.threads = threads
+        self.stats = WriterStats()  # summed over threads; update under _lock
+        self._lock = threading.Lock()
+        self._stats_file_lock = threading.Lock()  # one writer of stats-<pid>.json (shared temp name)
         self._delay = write_delay_s
         self._extra_stats = extra_stats
         self.stats_every_s = 2.0
         self._last_stats = time.monotonic()
         self._dirty = True
-        self._thread = threading.Thread(target=self._run, name="hsextract-dump-writer", daemon=True)
-        self._thread.start()
+        per_lane = max(1, -(-remember_completed // threads))
+        self._lanes = [_Lane(i, per_lane) for i in range(threads)]
+        for lane in self._lanes:
+            lane.thread = threading.Thread(
+                target=self._run, args=(lane,), name=f"hsextract-dump-writer-{lane.index}", daemon=True
+            )
+            lane.thread.start()
+
+    def _lane(self, rid: str) -> _Lane:
+        """The rid's thread: stable (crc32, not Python's per-process salted hash) and the same for every job."""
+        return self._lanes[zlib.crc32(rid.encode()) % self.threads]
 
     # ---- scheduler side -------------------------------------------------------------------------
     def submit(self, pieces: Sequence[PieceSlice], sources: Sequence[torch.Tensor]) -> None:
@@ -93,6 +125,7 @@ class DumpWriter:
         max_rows = max(1, (self.max_piece_bytes - ALIGN * len(sources)) // row_bytes)
         cuda = any(s.is_cuda for s in sources)
         for p in pieces:
+            lane = self._lane(p.rid)
             for a in range(p.start, p.end, max_rows):
                 b = min(a + max_rows, p.end)
                 rows = b - a
@@ -110,46 +143,56 @@ class DumpWriter:
                 if cuda:
                     event = torch.cuda.Event()
                     event.record()
-                self._q.put(_Job(p.rid, p.n_tokens, a, b, p.ids, region, blocks, event))
+                lane.q.put(_Job(p.rid, p.n_tokens, a, b, p.ids, region, blocks, event))
 
     def fail(self, rids: Sequence[tuple[str, int]], message: str) -> None:
-        """Queue an `.err` marker for requests whose rows could not be staged (keeps FIFO order)."""
+        """Queue an `.err` marker for requests whose rows could not be staged (after their queued pieces)."""
         for rid, n in rids:
-            self._q.put(_Job(rid, n, 0, 0, None, None, [], None, error=message))
+            self._lane(rid).q.put(_Job(rid, n, 0, 0, None, None, [], None, error=message))
 
     def flush(self, timeout_s: float | None = None) -> None:
-        """Wait until every queued job is written (tests, shutdown)."""
-        done = threading.Event()
-        self._q.put(_Job("", 0, 0, 0, None, None, [], done, error="__flush__"))
-        if not done.wait(timeout_s):
-            raise TimeoutError("dump writer did not drain")
+        """Wait until every job queued so far, on every thread, is written (tests, shutdown)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        barriers = []
+        for lane in self._lanes:
+            done = threading.Event()
+            lane.q.put(_Job("", 0, 0, 0, None, None, [], done, error=_FLUSH))
+            barriers.append(done)
+        for done in barriers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not done.wait(left):
+                raise TimeoutError("dump writer did not drain")
+        self.write_stats()
 
     def close(self) -> None:
         self.flush()
-        self._q.put(None)
-        self._thread.join()
+        for lane in self._lanes:
+            lane.q.put(None)
+        for lane in self._lanes:
+            assert lane.thread is not None
+            lane.thread.join()
 
-    # ---- writer thread --------------------------------------------------------------------------
-    def _run(self) -> None:
+    # ---- writer threads -------------------------------------------------------------------------
+    def _run(self, lane: _Lane) -> None:
         while True:
             try:
-                job = self._q.get(timeout=self.stats_every_s)
+                job = lane.q.get(timeout=self.stats_every_s)
             except queue.Empty:  # idle: bring the stats file up to date once
                 if self._dirty:
-                    self.write_stats()
+                    self._maybe_write_stats(force=True)
                 continue
-            self._dirty = True
             if job is None:
                 return
-            if job.error == "__flush__":
-                self.write_stats()
+            if job.error == _FLUSH:
                 job.event.set()
                 continue
+            self._dirty = True
             try:
-                self._handle(job)
+                self._handle(lane, job)
             except Exception as e:  # never let one bad write kill the thread
-                self.stats.write_errors += 1
-                self.stats.last_error = f"{job.rid} [{job.start},{job.end}): {type(e).__name__}: {e}"[:500]
+                with self._lock:
+                    self.stats.write_errors += 1
+                    self.stats.last_error = f"{job.rid} [{job.start},{job.end}): {type(e).__name__}: {e}"[:500]
                 log.exception("hsextract: writing %s [%d,%d) failed", job.rid, job.start, job.end)
                 try:
                     dumpfiles.write_err(self.dump_dir, job.rid, f"writing piece [{job.start},{job.end}) failed: {e}")
@@ -158,17 +201,35 @@ class DumpWriter:
             finally:
                 if job.region is not None:
                     self.ring.free(job.region)
-            if time.monotonic() - self._last_stats > self.stats_every_s:
-                self.write_stats()
+            self._maybe_write_stats()
+
+    def _maybe_write_stats(self, force: bool = False) -> None:
+        """Periodic stats from whichever thread gets there first; the others do not wait for it."""
+        if not force and time.monotonic() - self._last_stats <= self.stats_every_s:
+            return
+        if not self._stats_file_lock.acquire(blocking=False):
+            return
+        try:
+            if force or time.monotonic() - self._last_stats > self.stats_every_s:
+                self._write_stats_locked()
+        finally:
+            self._stats_file_lock.release()
 
     def write_stats(self) -> None:
         """`stats-<pid>.json` in the dump dir: counters to judge whether the writer keeps up."""
+        with self._stats_file_lock:
+            self._write_stats_locked()
+
+    def _write_stats_locked(self) -> None:
         self._last_stats = time.monotonic()
         self._dirty = False
         extra = self._extra_stats() if self._extra_stats is not None else {}
-        info = asdict(self.stats) | extra | {
+        with self._lock:
+            counters = asdict(self.stats)
+        info = counters | extra | {
             "staging_capacity": self.ring.capacity, "staging_peak": self.ring.peak,
-            "staging_waits": self.ring.waits, "staging_allocs": self.ring.allocs, "queued": self._q.qsize(),
+            "staging_waits": self.ring.waits, "staging_allocs": self.ring.allocs,
+            "queued": sum(lane.q.qsize() for lane in self._lanes), "writer_threads": self.threads,
             "time": time.time(),
         }
         path = self.dump_dir / f"stats-{os.getpid()}.json"
@@ -179,47 +240,53 @@ class DumpWriter:
         except OSError:
             log.warning("hsextract: cannot write %s", path)
 
-    def _handle(self, job: _Job) -> None:
-        if job.rid in self._completed:
+    def _handle(self, lane: _Lane, job: _Job) -> None:
+        if job.rid in lane.completed:
             # A new request with the rid of a completed one (retraction re-runs of the same request are
             # dropped in the scheduler, by request object). It is dumped again: ignoring it would leave
             # the client waiting for a `.done` that never comes (the H200 throughput run, rids reused).
-            del self._completed[job.rid]
-            self.stats.rids_reused += 1
-            if self.stats.rids_reused == 1:  # once; the stats file counts them
+            del lane.completed[job.rid]
+            with self._lock:
+                self.stats.rids_reused += 1
+                first = self.stats.rids_reused == 1
+            if first:  # once; the stats file counts them
                 log.warning("hsextract: rid %s came again after it was completed; dumping it again", job.rid)
         if job.error is not None:
-            self._finish(job.rid)
-            self.stats.requests_failed += 1
+            self._finish(lane, job.rid)
+            with self._lock:
+                self.stats.requests_failed += 1
             dumpfiles.write_err(self.dump_dir, job.rid, job.error)
             return
         if job.event is not None:
             job.event.synchronize()
         if self._delay:
             time.sleep(self._delay)
-        chain = self._chains.setdefault(job.rid, [])
+        chain = lane.chains.setdefault(job.rid, [])
         # A piece starting at or before an earlier piece's end supersedes it (retraction re-runs).
         keep = [(s, e) for s, e in chain if e <= job.start]
         for s, e in chain:
             if (s, e) not in keep and (s, e) != (job.start, job.end):
                 (self.dump_dir / dumpfiles.piece_name(job.rid, s, e)).unlink(missing_ok=True)
         dumpfiles.write_piece(self.dump_dir, job.rid, job.start, job.end, job.n_tokens, job.blocks)
-        self.stats.pieces += 1
-        self.stats.bytes_written += sum(b.numel() * b.element_size() for b in job.blocks)
+        nbytes = sum(b.numel() * b.element_size() for b in job.blocks)
+        with self._lock:
+            self.stats.pieces += 1
+            self.stats.bytes_written += nbytes
         keep.append((job.start, job.end))
-        self._chains[job.rid] = keep
+        lane.chains[job.rid] = keep
         if job.end == job.n_tokens:
-            self._complete(job, keep)
+            self._complete(lane, job, keep)
 
-    def _complete(self, job: _Job, chain: list[tuple[int, int]]) -> None:
+    def _complete(self, lane: _Lane, job: _Job, chain: list[tuple[int, int]]) -> None:
         pos = 0
         for s, e in chain:
             if s != pos:
                 break
             pos = e
-        self._finish(job.rid)
+        self._finish(lane, job.rid)
         if pos != job.n_tokens:
-            self.stats.requests_failed += 1
+            with self._lock:
+                self.stats.requests_failed += 1
             dumpfiles.write_err(
                 self.dump_dir,
                 job.rid,
@@ -241,14 +308,14 @@ class DumpWriter:
                 "width": sum(b.shape[1] for b in blk),
             },
         )
-        self.stats.requests_done += 1
+        with self._lock:
+            self.stats.requests_done += 1
 
-    def _finish(self, rid: str) -> None:
-        self._chains.pop(rid, None)
-        self._completed[rid] = None
-        while len(self._completed) > self._remember:
-            self._completed.popitem(last=False)
-
+    def _finish(self, lane: _Lane, rid: str) -> None:
+        lane.chains.pop(rid, None)
+        lane.completed[rid] = None
+        while len(lane.completed) > lane.remember:
+            lane.completed.popitem(last=False)
 
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
