@@ -3,6 +3,7 @@ and the writer-thread setting from the environment / server config."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -116,7 +117,7 @@ def test_interleaved_rids_on_four_threads_keep_order_bytes_and_markers(
         n = int(torch.randint(20, 90, (1,), generator=g))
         cuts = sorted(set(torch.randint(1, n, (3,), generator=g).tolist()))
         bounds = [0, *cuts, n]
-        reqs[f"hsx-r{i}"] = (token_ids(i, n), states(i, n), list(zip(bounds, bounds[1:])))
+        reqs[f"hsx-r{i}"] = (token_ids(i, n), states(i, n), list(itertools.pairwise(bounds)))
     assert len({w._lane(rid).index for rid in reqs}) == 4  # every thread gets rids
     for k in range(max(len(r[2]) for r in reqs.values())):  # piece k of every rid, then piece k+1 ...
         for rid, (ids, ref, pieces) in reqs.items():
@@ -132,7 +133,7 @@ def test_interleaved_rids_on_four_threads_keep_order_bytes_and_markers(
         # written in submission order: contiguous row blocks of at most 16 rows, covering [0, n)
         spans = [(s, e) for _, s, e in jobs]
         assert spans[0][0] == 0 and spans[-1][1] == len(ids)
-        assert all(e == s2 for (_, e), (s2, _) in zip(spans, spans[1:])) and all(e - s <= 16 for s, e in spans)
+        assert all(e == s2 for (_, e), (s2, _) in itertools.pairwise(spans)) and all(e - s <= 16 for s, e in spans)
         done = json.loads((tmp_path / dumpfiles.done_name(rid)).read_text())
         assert done["pieces"] == [list(s) for s in spans] and done["n_tokens"] == len(ids)
         assert done["width"] == W and done["dtype"] == "bfloat16"
