@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "retries": 3,
     "backoff_s": 1.0,
     "staging_mb": 4096,
+    "writer_threads": 4,
     "startup_timeout_s": 1800.0,
     "server_url": None,
     "servers": [],
@@ -116,6 +117,7 @@ def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python
         run_name=str(config["run_name"]),
         startup_timeout_s=float(s["startup_timeout_s"]),
         staging_mb=int(s["staging_mb"]),
+        writer_threads=int(s["writer_threads"]),
     )
 
 
