@@ -237,7 +237,8 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
                        launch_args=tuple(sgl), run_name="bench", module=a.server_module,
-                       startup_timeout_s=max(30.0, min(300.0, bench.left() - 120)), staging_mb=a.staging_mb)
+                       startup_timeout_s=max(30.0, min(300.0, bench.left() - 120)), staging_mb=a.staging_mb,
+                       writer_threads=a.writer_threads)
     spec = CaptureSpec(aux_layers=aux)
     dump = bench.out / "capture-dump"
     t = time.monotonic()
@@ -251,21 +252,22 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
         def timeout() -> float:  # per request: fail fast, and never past the budget
             return max(10.0, min(a.request_timeout_s, bench.left() - 30))
 
-        for L, ps in sets.items():
-            eng = SGLangEngine(h, spec, concurrency=a.concurrency, timeout_s=timeout(), retries=0, run_name=f"w{L}")
+        for cc, (L, ps) in ((cc, x) for cc in a.concurrency for x in sets.items()):
+            b0_key, b_key = key("b0_capture_no_shards", cc, a), key("b_capture_with_shards", cc, a)
+            eng = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0, run_name=f"w{L}")
 
             def b0() -> dict:
-                list(eng.extract(ps[: a.concurrency]))  # warm-up; the same engine again below (fresh rids)
-                eng.progress = progress_printer(f"b0 {L}", len(ps))
+                list(eng.extract(ps[:cc]))  # warm-up; the same engine again below (fresh rids)
+                eng.progress = progress_printer(f"{b0_key} {L}", len(ps))
                 t0 = time.monotonic()
                 nbytes = sum(sum(x.numel() * x.element_size() for x in c.hidden_states) for c in eng.extract(ps))
                 wall = time.monotonic() - t0
                 toks = sum(len(p.input_ids) for p in ps)
                 return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-                        "dump_bytes_per_s": nbytes / wall}
+                        "dump_bytes_per_s": nbytes / wall, "writer": writer_stats(h.dump_dir)}
 
-            ok = bench.part("b0_capture_no_shards", L, b0, need_s=40) is not None
-            save_dump_diagnostics(h.dump_dir, dump, f"b0-{L}")
+            ok = bench.part(b0_key, L, b0, need_s=40) is not None
+            save_dump_diagnostics(h.dump_dir, dump, f"b0-{cc}-{L}")
             if not ok:
                 continue
 
@@ -274,31 +276,38 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                 meta = {"model": "llama8b-dummy", "engine": "sglang", "engine_version": eng.version(),
                         "aux_layers": list(aux), "final_state": "post_norm", "hidden_size": 0, "dtype": "bfloat16",
                         "config_hash": "-", "tokenizer_hash": "-", "chat_template_hash": "-"}
-                e2 = SGLangEngine(h, spec, concurrency=a.concurrency, timeout_s=timeout(), retries=0,
-                                  run_name=f"s{L}", progress=progress_printer(f"b {L}", len(ps)))
+                e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
+                                  run_name=f"s{L}", progress=progress_printer(f"{b_key} {L}", len(ps)))
                 t0 = time.monotonic()
-                w = None
+                w, add_s = None, 0.0
                 try:
                     for c in e2.extract(ps):
+                        t = time.monotonic()
                         if w is None:
                             meta["hidden_size"] = int(c.hidden_states[0].shape[1])
-                            w = ShardWriter(shard, metadata=meta, level=1, threads=8)
+                            w = ShardWriter(shard, metadata=meta, level=a.shard_level, threads=a.shard_threads)
                         ids = torch.tensor(ps[c.index].input_ids)
                         w.add(input_ids=ids, hidden_states=c.hidden_states, loss_mask=torch.ones_like(ids),
                               sample_id=c.sample_id)
+                        add_s += time.monotonic() - t
+                    t = time.monotonic()
                     w.close()
+                    close_s = time.monotonic() - t
                     wall = time.monotonic() - t0
                     size = shard.stat().st_size
                 finally:
                     shard.unlink(missing_ok=True)
                 toks = sum(len(p.input_ids) for p in ps)
-                stats = sorted(h.dump_dir.glob("stats-*.json"))
+                raw = sum(len(p.input_ids) * (16 + (len(aux) + 1) * 2 * meta["hidden_size"]) for p in ps)
+                # add_s: time the consumer spent in ShardWriter.add (encoding backlog); close_s: the last
+                # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
                 return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall, "shard_bytes": size,
-                        "shard_bytes_per_s": size / wall,
-                        "writer": json.loads(stats[0].read_text()) if stats else None}
+                        "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall, "ratio": raw / size,
+                        "add_s": add_s, "close_s": close_s, "shard_threads": a.shard_threads,
+                        "shard_level": a.shard_level, "writer": writer_stats(h.dump_dir)}
 
-            bench.part("b_capture_with_shards", L, b, need_s=60)
-            save_dump_diagnostics(h.dump_dir, dump, f"b-{L}")
+            bench.part(b_key, L, b, need_s=60)
+            save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
     except Exception as e:  # server start-up
         bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
         (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
@@ -308,6 +317,21 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
         if h is not None:
             save_dump_diagnostics(h.dump_dir, dump, "end")
         stop_servers(state, grace_s=10)
+
+
+def key(name: str, cc: int, a: argparse.Namespace) -> str:
+    """Result key: the first --concurrency keeps the plain name (the issue's ratios), others get @cc."""
+    return name if cc == a.concurrency[0] else f"{name}@{cc}"
+
+
+def writer_stats(dump_dir: Path) -> dict:
+    """The plugin writers' counters (summed over scheduler processes): did the dump keep up?"""
+    out: dict = {}
+    for f in sorted(Path(dump_dir).glob("stats-*.json")):
+        for k, v in json.loads(f.read_text()).items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "time":
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], sgl: list[str]) -> None:
@@ -330,15 +354,15 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
     log(f"plain server up in {bench.res['startup_plain_s']} s")
     try:
         for L, ps in sets.items():
-            def run_a() -> dict:
-                http_run(a.port, ps[: a.concurrency], a.concurrency)  # warm-up
-                return http_run(a.port, ps, a.concurrency)
+            for cc in a.concurrency if "a" in a.parts else ():
+                def run_a() -> dict:
+                    http_run(a.port, ps[:cc], cc)  # warm-up
+                    return http_run(a.port, ps, cc)
 
-            if "a" in a.parts:
-                bench.part("a_plain", L, run_a, need_s=30)
+                bench.part(key("a_plain", cc, a), L, run_a, need_s=30)
             if "c" in a.parts:
                 bench.part("c_return_hidden_states_json", L, lambda: http_run(
-                    a.port, ps[: 16 if L <= 512 else 8], a.concurrency, {"return_hidden_states": True}), need_s=40)
+                    a.port, ps[: 16 if L <= 512 else 8], a.concurrency[0], {"return_hidden_states": True}), need_s=40)
             if "d" in a.parts:
                 bench.part("d_one_at_a_time", L, lambda: http_run(a.port, ps[: 50 if L <= 512 else 30], 1),
                            need_s=20)
@@ -346,14 +370,17 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
         _kill(pa)
 
 
-def table(res: dict, lens: list[int]) -> list[str]:
+def table(res: dict, lens: list[int], concurrency: list[int]) -> list[str]:
     R = res["runs"]
     lines = ["| run | " + " | ".join(f"{L} tok/s" for L in lens) + " |", "|---|" + "---|" * len(lens)]
     for key in R:
         lines.append(f"| {key} | " + " | ".join(f"{R[key].get(str(L), {}).get('tok_s', float('nan')):,.0f}"
                                                 for L in lens) + " |")
+    more = [(f"{n}@{cc}", f"a_plain@{cc}", 0.90) for cc in concurrency[1:]
+            for n in ("b_capture_with_shards", "b0_capture_no_shards")]
     for num, den, target in (("b_capture_with_shards", "a_plain", 0.90),
                              ("b0_capture_no_shards", "a_plain", 0.90),
+                             *more,
                              ("b_capture_with_shards", "c_return_hidden_states_json", 10),
                              ("b_capture_with_shards", "d_one_at_a_time", 3)):
         vals = []
@@ -377,7 +404,11 @@ def main() -> int:
     ap.add_argument("--aux", type=int, nargs="+", default=[1, 15, 28])
     ap.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--n", type=int, nargs="+", default=None, help="prompts per length (default 256 / 96)")
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 64],
+                    help="requests in flight; (a), (b0), (b) run at each, the first is the issue's table")
+    ap.add_argument("--shard-threads", type=int, default=8, help="ShardWriter threads (config shard.threads)")
+    ap.add_argument("--shard-level", type=int, default=3, help="zstd level (config shard.compression_level)")
+    ap.add_argument("--writer-threads", type=int, default=4, help="plugin dump writer threads (sglang.writer_threads)")
     ap.add_argument("--sgl-args", default=DEFAULT_SGL_ARGS)
     ap.add_argument("--staging-mb", type=int, default=8192)
     ap.add_argument("--parts", default="b,a,c,d,e", help="comma-separated subset of b,a,c,d,e (b0 runs with b)")
@@ -397,6 +428,7 @@ def main() -> int:
     sgl = shlex.split(a.sgl_args)
     aux = tuple(a.aux)
     res: dict = {"model": a.model, "aux_layers": list(aux), "concurrency": a.concurrency, "sgl_args": a.sgl_args,
+                 "shard_threads": a.shard_threads, "shard_level": a.shard_level, "writer_threads": a.writer_threads,
                  "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
     bench = Bench(out, a.budget_s, res)
     n_of = dict(zip(a.lens, a.n)) if a.n else {512: 256, 2048: 96}
@@ -422,7 +454,7 @@ def main() -> int:
         res["errors"].setdefault("script", {})["-"] = str(e)
         log(str(e))
     finally:
-        lines = table(res, a.lens)
+        lines = table(res, a.lens, a.concurrency)
         res["table"] = lines
         bench.save()
         (out / "throughput.md").write_text("\n".join(lines) + "\n")

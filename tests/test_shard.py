@@ -77,10 +77,36 @@ def test_ten_thousand_samples_random_access_equals_sequential(tmp_path):
 
 
 def test_threads_give_identical_bytes(tmp_path):
-    samples = [make_sample(20, seed=k) for k in range(4)]
+    # 12 samples of varied lengths: more than the 4 the 3-thread writer encodes ahead (pipelined), so
+    # records finishing out of order must still land in call order
+    samples = [make_sample(1 + 17 * (k % 5), seed=k) for k in range(12)]
     a = write(tmp_path / "a.hss", samples, threads=1).read_bytes()
     b = write(tmp_path / "b.hss", samples, threads=3).read_bytes()
     assert a == b
+    r = ShardReader(tmp_path / "b.hss")
+    assert r.sample_ids == [f"s{k}" for k in range(12)]
+    for k, (ids, hs, mask) in enumerate(samples):
+        assert_same(r[k], ids, hs, mask)
+
+
+def test_failing_background_encode_leaves_no_shard(tmp_path, monkeypatch):
+    """An error inside a worker thread surfaces from add()/close() and no shard or temp file remains."""
+    w = ShardWriter(tmp_path / "a.hss", shard_metadata(), threads=2)
+    real = w._encode
+    calls = []
+
+    def flaky(tensors):
+        calls.append(1)
+        if len(calls) == 2:
+            raise MemoryError("simulated")
+        return real(tensors)
+
+    monkeypatch.setattr(w, "_encode", flaky)
+    with pytest.raises(MemoryError, match="simulated"):
+        with w:
+            for k in range(6):
+                w.add(*make_sample(5, seed=k))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_metadata_is_self_describing(tmp_path):

@@ -8,6 +8,9 @@ source "$(dirname "$0")/setup.sh"
 T0=$SECONDS
 python3 "$REPO/bench/gpu/mk_models.py" /tmp/models --llama8b >"$OUT/mk_models.log" 2>&1
 echo "setup took $T0 s, models $((SECONDS - T0)) s" | tee "$OUT/run.log"
+# The shards of (b) go to $OUT's disk, fsynced: its sequential write speed bounds (b) (2 GB, fdatasync).
+dd if=/dev/zero of="$OUT/ddprobe" bs=16M count=128 conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write ($OUT): /' | tee -a "$OUT/run.log"
+rm -f "$OUT/ddprobe"; df -h "$OUT" | tail -1 | tee -a "$OUT/run.log"
 set +e
 timeout -k 15 470 python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b --out "$OUT" \
   --budget-s 430 "$@" 2>&1 | tee -a "$OUT/run.log"

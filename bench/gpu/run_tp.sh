@@ -43,6 +43,7 @@ finish() {
   $PY -m hsextract.sglang_compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
   cat "$OUT"/tp-*.md >"$OUT/tp.md" 2>/dev/null || true
   echo "exit ${rc:-?} after ${SECONDS} s" | tee -a "$OUT/run.log"
+  pack_out
 }
 trap finish EXIT
 

@@ -27,3 +27,12 @@ SGL_COMMON="--attention-backend triton --sampling-backend pytorch --cuda-graph-m
   python3 -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'transformers', m.version('transformers'))"
   echo "cpus $(nproc), memlock $(ulimit -l)"; free -g | head -2; df -h /dev/shm /tmp
 } >"$OUT/machine.txt" 2>&1 || true
+# At most 8 files come back from $OUT: on exit, everything goes into $OUT/all.tgz, and only the
+# summaries (*.md, run.log) stay beside it.
+pack_out() {
+  local rc=$?
+  tar czf /tmp/hsx-all.tgz -C "$OUT" --exclude=all.tgz . 2>/dev/null && mv /tmp/hsx-all.tgz "$OUT/all.tgz" &&
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name all.tgz ! -name '*.md' ! -name run.log -exec rm -rf {} +
+  return $rc
+}
+trap pack_out EXIT

@@ -235,7 +235,7 @@ def collect(
         if should_stop is not None and should_stop():
             raise EngineError(f"request {rid}: collection cancelled")
         time.sleep(sleep)
-        sleep = min(sleep * 1.5, 0.05)
+        sleep = min(sleep * 1.5, 0.01)  # the dump is due right after the HTTP answer: poll closely
     info = json.loads(done.read_text())
     n = len(input_ids)
     if info.get("n_tokens") != n:

@@ -6,7 +6,8 @@ import json
 import os
 import secrets
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,8 @@ class ShardWriter:
     """Write samples to `path` through a temporary file; the shard appears only when complete.
 
     Use as a context manager: an exception inside the block removes the temporary file and no
-    shard is left. Memory stays at about one sample: each record is encoded and written by add().
+    shard is left. With threads=1 add() encodes and writes each record; with threads=N up to N+1
+    samples are encoded in parallel ahead of the file, so memory stays at about N+2 samples.
     """
 
     def __init__(
@@ -110,6 +112,8 @@ class ShardWriter:
         self._fp8 = precision == "fp8_e4m3"
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hsx-enc") if threads > 1 else None
+        self._pending: deque[tuple[int, Future[tuple[list[bytes], int]]]] = deque()
+        self._depth = threads + 1  # samples encoding ahead of the file: memory ~ (threads + 2) samples
         remove_stale_temps(self.path)
         self._tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
         self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed in close()/abort()
@@ -117,7 +121,7 @@ class ShardWriter:
         self._closed = False
         self._write(fmt.pack_header(self.metadata))
 
-    # -- encoding -------------------------------------------------------------------------
+    # -- encoding (worker threads when threads > 1) ---------------------------------------
     def _compressors(self) -> tuple[zstd.ZstdCompressor, zstd.ZstdCompressor, zstd.ZstdCompressor]:
         # zstd compressor objects must not be shared between threads
         if not hasattr(self._local, "c"):
@@ -125,9 +129,23 @@ class ShardWriter:
                              self._codec.low_plane_compressor())
         return self._local.c
 
-    def _compress(self, job: tuple[int, Any]) -> bytes:
-        kind, data = job  # 0: whole tensor, 1: top byte plane, 2: a lower byte plane
-        return self._compressors()[kind].compress(data)
+    def _encode(self, tensors: list[torch.Tensor]) -> tuple[list[bytes], int]:
+        """One record's payload, [frame table, frames...], and its xxh3 digest. Runs on any thread."""
+        whole, top_plane, low_plane = self._compressors()
+        frames: list[bytes] = []
+        for piece, t in zip(self._pieces, tensors, strict=True):
+            raw = to_bytes(t)
+            if piece["planes"] == 1:
+                frames.append(whole.compress(raw))
+            else:
+                top = piece["planes"] - 1  # little endian: the last plane holds sign and exponent
+                frames.extend((top_plane if k == top else low_plane).compress(p)
+                              for k, p in enumerate(split_planes(raw, piece["planes"])))
+        table = fmt.pack_frame_table([len(f) for f in frames])
+        hasher = xxhash.xxh3_64(table)
+        for f in frames:
+            hasher.update(f)
+        return [table, *frames], hasher.intdigest()
 
     def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
                  loss_mask: torch.Tensor) -> list[torch.Tensor]:
@@ -156,42 +174,48 @@ class ShardWriter:
     # -- public API -----------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor,
             sample_id: str = "") -> None:
+        """Append one sample. With threads > 1 it is encoded in the background (records still land in
+        call order): do not modify its tensors in place after add() returns."""
         if self._closed:
             raise ShardError(f"{self.path}: add() after close()")
-        sample = len(self._index["offsets"])
+        sample = len(self._index["sample_ids"])
         tensors = self._tensors(sample, input_ids, hidden_states, loss_mask)
-        jobs: list[tuple[int, Any]] = []
-        for piece, t in zip(self._pieces, tensors, strict=True):
-            raw = to_bytes(t)
-            if piece["planes"] == 1:
-                jobs.append((0, raw))
-            else:
-                top = piece["planes"] - 1  # little endian: the last plane holds sign and exponent
-                jobs.extend((1 if k == top else 2, p) for k, p in enumerate(split_planes(raw, piece["planes"])))
-        frames = list(self._pool.map(self._compress, jobs)) if self._pool else [self._compress(j) for j in jobs]
-        table = fmt.pack_frame_table([len(f) for f in frames])
-        payload_len = len(table) + sum(len(f) for f in frames)
-        hasher = xxhash.xxh3_64(table)
-        for f in frames:
-            hasher.update(f)
-        digest = hasher.intdigest()
-        offset = self._file.tell()
-        self._write(fmt.pack_record_header(sample, payload_len, digest))
-        self._write(table)
-        for f in frames:
-            self._write(f)
         seq = input_ids.numel()
         ix = self._index
         ix["sample_ids"].append(str(sample_id))
-        ix["offsets"].append(offset)
-        ix["record_lens"].append(fmt.RECORD.size + payload_len)
-        ix["payload_xxh3"].append(digest)
         ix["seq_lens"].append(seq)
         ix["num_trained"].append(int((tensors[1] != 0).sum()))
         ix["raw_bytes"].append(16 * seq + self.metadata["num_hidden_tensors"] * seq * self._hidden * self._out_dtype.itemsize)
+        if self._pool is None:
+            self._write_record(sample, *self._encode(tensors))
+            return
+        # Pipelined across samples: a stream of mid-sized samples (the SGLang path: 512-token prompts,
+        # 16 MB each) then keeps every thread busy, where splitting one sample's planes did not.
+        self._pending.append((sample, self._pool.submit(self._encode, tensors)))
+        while len(self._pending) > self._depth:
+            self._write_oldest()
+
+    def _write_oldest(self) -> None:
+        sample, fut = self._pending.popleft()
+        try:
+            parts, digest = fut.result()
+        except BaseException:
+            self.abort()
+            raise
+        self._write_record(sample, parts, digest)
+
+    def _write_record(self, sample: int, parts: list[bytes], digest: int) -> None:
+        payload_len = sum(len(x) for x in parts)
+        ix = self._index
+        ix["offsets"].append(self._file.tell())
+        ix["record_lens"].append(fmt.RECORD.size + payload_len)
+        ix["payload_xxh3"].append(digest)
+        self._write(fmt.pack_record_header(sample, payload_len, digest))
+        for x in parts:
+            self._write(x)
 
     def __len__(self) -> int:
-        return len(self._index["offsets"])
+        return len(self._index["sample_ids"])
 
     def _write(self, data: bytes) -> None:
         try:
@@ -207,6 +231,8 @@ class ShardWriter:
         """Write index and footer, fsync, rename into place. Returns what was stored."""
         if self._closed:
             raise ShardError(f"{self.path}: close() called twice")
+        while self._pending:
+            self._write_oldest()
         index = zstd.ZstdCompressor(level=3, write_checksum=True).compress(
             json.dumps(self._index, separators=(",", ":")).encode()
         )
@@ -248,8 +274,9 @@ class ShardWriter:
             pass  # close() flushes the buffered tail, which fails again on a full disk; the temp goes anyway
         finally:
             self._tmp.unlink(missing_ok=True)
+            self._pending.clear()
             if self._pool:
-                self._pool.shutdown(cancel_futures=True)
+                self._pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "ShardWriter":
         return self
