@@ -75,9 +75,9 @@ class FakeServer:
                  chunk: int = 64, builtin: bool = False, fail_first: int = 0, hang_first: int = 0,
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
-                 hidden: int = HIDDEN, staging_bytes: int = 4 << 20) -> None:
+                 hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=staging_bytes)
-        self.dumper = plg.Dumper(cfg, pin=False)
+        self.dumper = plg.Dumper(cfg, pin=False, write_delay_s=write_delay_s)
         self.dumper._is_writer_rank = True
         self.dumper.mode = "builtin" if builtin else "plugin"
         self.dumper.hidden_size = self.hidden = hidden
@@ -90,6 +90,8 @@ class FakeServer:
         self.rids: list[str] = []  # every rid /generate received, in arrival order
         self.passes = 0
         self.max_batch = 0
+        self.inflight = 0  # /generate requests being served right now, and the most at once
+        self.max_inflight = 0
         self._lock = threading.Lock()
         self._queue: list[_Req] = []
         self._cv = threading.Condition()
@@ -208,7 +210,12 @@ class FakeServer:
                 with srv._cv:
                     srv._queue.append(r)
                     srv._cv.notify_all()
+                with srv._lock:
+                    srv.inflight += 1
+                    srv.max_inflight = max(srv.max_inflight, srv.inflight)
                 r.done.wait()
+                with srv._lock:
+                    srv.inflight -= 1
                 n_ids = len(ids) + (1 if srv.wrong else 0)
                 self._send(200, {"output_ids": [], "meta_info": {"id": r.rid, "prompt_tokens": n_ids,
                                                                   "completion_tokens": 0}})

@@ -67,6 +67,15 @@ def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None
     assert eng.version().startswith("sglang None + hsextract plugin 1 (capture ")
 
 
+@pytest.mark.parametrize("server", [{"write_delay_s": 0.05}], indirect=True)
+def test_concurrency_bounds_requests_in_flight_not_dump_collection(server: FakeServer) -> None:
+    """`concurrency` requests at the server at most, and reached, although every dump lags its answer by
+    50 ms: a request frees its slot when answered, while its thread still waits for the dump."""
+    ps = prompts(40, seed=4)
+    check(list(engine(server, concurrency=4).extract(ps)), ps)
+    assert server.max_inflight == 4
+
+
 def test_one_engine_extracts_twice_with_fresh_rids(server: FakeServer) -> None:
     """The H200 throughput run: a warm-up extract, then the measured one over the same prompts, on one
     engine. Rids repeated across the calls and the second call waited for dumps that never came."""

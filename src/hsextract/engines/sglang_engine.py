@@ -15,6 +15,7 @@ import itertools
 import json
 import re
 import secrets
+import sys
 import threading
 import urllib.parse
 from collections import deque
@@ -97,6 +98,11 @@ class SGLangEngine(Engine):
         self._rid_base = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-{secrets.token_hex(4)}"
         self._calls = itertools.count()
         self._marker: dict | None = None
+        # `concurrency` bounds the requests the server holds, not the threads: a request's thread frees
+        # its slot when the HTTP answer comes and then collects the dump, so the server's queue stays
+        # full while dumps are read (on the H200, collecting inside the slot starved the GPU: 0.66 of
+        # the plain server at 512-token prompts with 32 in flight).
+        self._http_slots = threading.BoundedSemaphore(concurrency)
 
     # ---- info -----------------------------------------------------------------------------------------
     def plugin_info(self) -> dict:
@@ -171,7 +177,8 @@ class SGLangEngine(Engine):
                 raise EngineError(f"{where}: cancelled because another sample of the chunk failed")
             rid = f"{base}-i{p.index}-a{attempt}"
             try:
-                self._generate(rid, ids)
+                with self._http_slots:
+                    self._generate(rid, ids)
                 col = dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
                                         should_stop=stop.is_set)
                 hs = col.hidden_states
@@ -205,10 +212,14 @@ class SGLangEngine(Engine):
         self.plugin_info()
         base = f"{self._rid_base}-x{next(self._calls)}"
         stop = threading.Event()
-        window = 2 * self.concurrency  # bounded reorder buffer
+        window = 2 * self.concurrency  # bounded reorder buffer: at most this many samples in memory
         pending: deque[Future[Captured]] = deque()
         it = iter(prompts)
-        pool = ThreadPoolExecutor(max_workers=self.concurrency, thread_name_prefix="hsx-sglang")
+        pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="hsx-sglang")
+        # Dozens of threads each take the GIL back after every blocking call (socket, file, zstd); at the
+        # default 5 ms switch interval those hand-overs, not the work, bounded the client on the H200.
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(min(switch, 0.0005))
         try:
             exhausted = False
             while True:
@@ -231,3 +242,4 @@ class SGLangEngine(Engine):
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            sys.setswitchinterval(switch)
