@@ -237,7 +237,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
                        launch_args=tuple(sgl), run_name="bench", module=a.server_module,
-                       startup_timeout_s=max(30.0, min(300.0, bench.left() - 120)), staging_mb=a.staging_mb,
+                       startup_timeout_s=max(180.0, min(300.0, bench.left() - 60)), staging_mb=a.staging_mb,
                        writer_threads=a.writer_threads)
     spec = CaptureSpec(aux_layers=aux)
     dump = bench.out / "capture-dump"
