@@ -250,3 +250,32 @@ def test_reader_survives_fork_and_pickle(tmp_path):
     assert len(got) == 8
     for k, s in enumerate(got):
         assert_same(s, *samples[k])
+
+
+def test_frames_with_content_checksums_still_read(tmp_path, monkeypatch):
+    """Shards written before 2026-12-02 carry zstd content checksums in every frame; they must read."""
+    import zstandard as zstd
+
+    from hsextract.shard.codec import Codec
+
+    def with_checksum(make):
+        def f(self):
+            c = make(self)
+            return zstd.ZstdCompressor(compression_params=zstd.ZstdCompressionParameters.from_level(
+                self.level, write_checksum=True)) if c is not None else c
+        return f
+
+    for name in ("plane_compressor", "low_plane_compressor", "whole_compressor"):
+        monkeypatch.setattr(Codec, name, with_checksum(getattr(Codec, name)))
+    samples = [make_sample(9, seed=k) for k in range(3)]
+    path = write(tmp_path / "old.hss", samples)
+    monkeypatch.undo()
+    data = path.read_bytes()
+    r = ShardReader(path)
+    table = r._index["offsets"][0] + fmt.RECORD.size  # sample 0's frame table: u32 count, u64 lengths
+    n_frames = int.from_bytes(data[table:table + 4], "little")
+    assert zstd.get_frame_parameters(data[table + 4 + 8 * n_frames:]).has_checksum
+    new = write(tmp_path / "new.hss", samples).read_bytes()  # today's writer: no content checksum
+    assert not zstd.get_frame_parameters(new[table + 4 + 8 * n_frames:]).has_checksum
+    for k, (ids, hs, mask) in enumerate(samples):
+        assert_same(r[k], ids, hs, mask)
