@@ -275,8 +275,14 @@ def compare(ref: Sequence[Trace], got: Sequence[Trace], threshold: float = FLIP_
             m_secondary.append(r.margins[i][d & ~primary])
             m_same.append(r.margins[i][~d])
             upstream |= torch.cummax(d.int(), dim=0).values.bool()
+    all_diff, all_same = torch.cat(m_diff), torch.cat(m_same)
     margin = {
-        "route_diff": _quantiles(torch.cat(m_diff)),
+        # how often a choice with a margin below t changed: the near-tie rate per margin band
+        "changed_below": {
+            f"{t:g}": {"choices": int((all_diff < t).sum() + (all_same < t).sum()), "changed": int((all_diff < t).sum())}
+            for t in (1e-3, 1e-2, 1e-1)
+        },
+        "route_diff": _quantiles(all_diff),
         "route_diff_primary": _quantiles(torch.cat(m_primary)),
         "route_diff_secondary": _quantiles(torch.cat(m_secondary)),
         "route_same": _quantiles(torch.cat(m_same)),
@@ -326,7 +332,9 @@ def markdown(result: dict[str, Any]) -> str:
                     f"{key}: –" if q is None else f"{key} (n={q['n']}): min {q['min']:.1e}, p10 {q['p10']:.1e}, "
                     f"median {q['median']:.1e}, p90 {q['p90']:.1e}, max {q['max']:.1e}"
                 )
-            lines += ["", "Reference's top-k margin (k-th − (k+1)-th biased score): " + "; ".join(parts), ""]
+            below = ", ".join(f"< {t}: {v['changed']}/{v['choices']}" for t, v in m["changed_below"].items())
+            lines += ["", "Reference's top-k margin (k-th − (k+1)-th biased score): " + "; ".join(parts),
+                      "", f"Choices changed by margin band: {below}", ""]
     return "\n".join(lines)
 
 
