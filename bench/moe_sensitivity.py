@@ -279,7 +279,10 @@ def compare(ref: Sequence[Trace], got: Sequence[Trace], threshold: float = FLIP_
     margin = {
         # how often a choice with a margin below t changed: the near-tie rate per margin band
         "changed_below": {
-            f"{t:g}": {"choices": int((all_diff < t).sum() + (all_same < t).sum()), "changed": int((all_diff < t).sum())}
+            f"{t:g}": {
+                "choices": int((all_diff < t).sum() + (all_same < t).sum()),
+                "changed": int((all_diff < t).sum()),
+            }
             for t in (1e-3, 1e-2, 1e-1)
         },
         "route_diff": _quantiles(all_diff),
@@ -305,16 +308,23 @@ def _fmt(x: float | None, spec: str = ".1e") -> str:
 
 def markdown(result: dict[str, Any]) -> str:
     lines = []
-    for variant, label in (("router_as_built", "routers as built (bias 0)"), ("routing_fixed", "routing fixed (bias 0, 2, 4, ...)")):
+    for variant, label in (
+        ("router_as_built", "routers as built (bias 0)"),
+        ("routing_fixed", "routing fixed (bias 0, 2, 4, ...)"),
+    ):
         for cand, res in result[variant].items():
             tag = " (chosen)" if cand == result["chosen_candidate"] else ""
             lines += [
-                f"**{label}; reference bf16 alone vs {cand}{tag}**, {res['tokens']} tokens, "
-                f"route changes {res['route_diff_events']} of {res['route_events']} token×MoE-layer choices",
+                (
+                    f"**{label}; reference bf16 alone vs {cand}{tag}**, {res['tokens']} tokens, "
+                    f"route changes {res['route_diff_events']} of {res['route_events']} token×MoE-layer choices"
+                ),
                 "",
-                "| output | median | p90 | p99 | max | flipped (rel > 0.1) | tokens w/ route change ≤ L | "
-                "flipped w/ own route change ≤ L | flipped w/ route change ≤ L at or before the token | "
-                "max rel, no route change in context | route-changed tokens flipped |",
+                (
+                    "| output | median | p90 | p99 | max | flipped (rel > 0.1) | tokens w/ route change ≤ L | "
+                    "flipped w/ own route change ≤ L | flipped w/ route change ≤ L at or before the token | "
+                    "max rel, no route change in context | route-changed tokens flipped |"
+                ),
                 "|---|---|---|---|---|---|---|---|---|---|---|",
             ]
             for name, o in res["outputs"].items():
@@ -329,12 +339,19 @@ def markdown(result: dict[str, Any]) -> str:
             for key in ("route_diff", "route_diff_primary", "route_diff_secondary", "route_same"):
                 q = m[key]
                 parts.append(
-                    f"{key}: –" if q is None else f"{key} (n={q['n']}): min {q['min']:.1e}, p10 {q['p10']:.1e}, "
+                    f"{key}: –"
+                    if q is None
+                    else f"{key} (n={q['n']}): min {q['min']:.1e}, p10 {q['p10']:.1e}, "
                     f"median {q['median']:.1e}, p90 {q['p90']:.1e}, max {q['max']:.1e}"
                 )
             below = ", ".join(f"< {t}: {v['changed']}/{v['choices']}" for t, v in m["changed_below"].items())
-            lines += ["", "Reference's top-k margin (k-th − (k+1)-th biased score): " + "; ".join(parts),
-                      "", f"Choices changed by margin band: {below}", ""]
+            lines += [
+                "",
+                "Reference's top-k margin (k-th − (k+1)-th biased score): " + "; ".join(parts),
+                "",
+                f"Choices changed by margin band: {below}",
+                "",
+            ]
     return "\n".join(lines)
 
 
@@ -378,8 +395,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     p.add_argument("--seed", type=int, default=0, help="the model's seed (the workflow's default is 0)")
     p.add_argument("--prompt-seed", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--gpu-json", type=Path, default=None,
-                   help="an H200 fidelity-tiny.json: adds its per-token flips (key token.right) to the summary table")
+    p.add_argument(
+        "--gpu-json",
+        type=Path,
+        default=None,
+        help="an H200 fidelity-tiny.json: adds its per-token flips (key token.right) to the summary table",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -401,8 +422,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "first_k_dense_replace": cfg.first_k_dense_replace,
             "vocab_size": cfg.vocab_size,
         },
-        "prompts": {"n": args.prompts, "min_len": args.min_len, "max_len": args.max_len, "seed": args.prompt_seed,
-                    "tokens": sum(map(len, prompts))},
+        "prompts": {
+            "n": args.prompts,
+            "min_len": args.min_len,
+            "max_len": args.max_len,
+            "seed": args.prompt_seed,
+            "tokens": sum(map(len, prompts)),
+        },
         "candidates": {
             "fp32_alone": "bf16 weights cast exactly to fp32, fp32 compute, each prompt alone, outputs rounded to bf16",
             "bf16_batched": f"bf16, right-padded batches of {args.batch} prompts (mixed lengths)",
@@ -425,9 +451,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         result[variant] = {c: compare(ref, numerics(m, prompts, c, args.batch)) for c in CANDIDATES}
         result[variant]["_self"] = compare(ref, ref)
     self_checks = {v: result[v].pop("_self") for v in ("router_as_built", "routing_fixed")}
-    result["reference_vs_itself_max_rel"] = max(
-        o["max"] for s in self_checks.values() for o in s["outputs"].values()
-    )
+    result["reference_vs_itself_max_rel"] = max(o["max"] for s in self_checks.values() for o in s["outputs"].values())
     l1 = {c: result["router_as_built"][c]["outputs"]["layer1"]["median"] for c in CANDIDATES}
     result["layer1_median"] = l1
     result["chosen_candidate"] = min(CANDIDATES, key=lambda c: abs(l1[c] - GPU_AUX1_MEDIAN))
@@ -438,8 +462,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print(markdown(result))
     print(f"Summary, reference bf16 alone vs {result['chosen_candidate']}:\n")
     print(summary_markdown(result, gpu) + "\n")
-    print(f"layer-1 medians {l1}; chosen {result['chosen_candidate']}; reference vs itself max rel "
-          f"{result['reference_vs_itself_max_rel']}; {result['seconds']} s; wrote {args.out}")
+    print(
+        f"layer-1 medians {l1}; chosen {result['chosen_candidate']}; reference vs itself max rel "
+        f"{result['reference_vs_itself_max_rel']}; {result['seconds']} s; wrote {args.out}"
+    )
     return result
 
 
