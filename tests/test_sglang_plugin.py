@@ -345,6 +345,38 @@ def test_piece_file_layout_is_magic_json_raw(tmp_path: Path) -> None:
     assert [x.name for x in dump_files(tmp_path)] == ["hsx-f.0000000004-0000000007.piece"]
 
 
+@pytest.mark.parametrize("builtin", [False, True])
+def test_one_block_per_tensor_and_a_one_piece_dump_is_not_copied(tmp_path: Path, builtin: bool) -> None:
+    """The plugin writes K+1 blocks of width H per piece; the collector hands a one-piece dump's blocks
+    out as read: K+1 contiguous tensors over the one buffer the file was read into."""
+    d = make_dumper(tmp_path)
+    r = Req("hsx-one", ids(9, 3))
+    run_pass(d, [(r, 0, 9)], pad=2, builtin=builtin)
+    d.writer.flush()
+    (piece,) = tmp_path.glob("hsx-one.*.piece")
+    header, _ = dumpfiles.read_piece(piece)
+    assert [b["shape"] for b in header["blocks"]] == [[9, H]] * (K + 1)
+    got = collect(tmp_path, r)
+    assert_matches(got, r)
+    assert all(t.is_contiguous() for t in got)
+    # views into the one buffer the piece was read into, back to back as in the file: no copies
+    ptrs = [t.data_ptr() for t in got]
+    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == [9 * H * 2] * K
+
+
+def test_collector_reads_the_older_one_wide_block_layout(tmp_path: Path) -> None:
+    """Plugins before 2026-12-02 wrote one [rows, (K+1)*H] block per piece; such dumps still assemble."""
+    r = Req("hsx-old", ids(12, 4))
+    rows = full_states(r.origin_input_ids)
+    dumpfiles.write_piece(tmp_path, r.rid, 0, 5, 12, [rows[:5]])
+    dumpfiles.write_piece(tmp_path, r.rid, 5, 12, 12, [rows[5:]])
+    dumpfiles.write_done(tmp_path, r.rid, {"n_tokens": 12, "pieces": [[0, 5], [5, 12]],
+                                            "ids_sha256": dumpfiles.ids_digest(r.origin_input_ids)})
+    got = collect(tmp_path, r)
+    assert_matches(got, r)
+    assert all(t.is_contiguous() for t in got)
+
+
 # ---- capture set-up and hooks ---------------------------------------------------------------------
 class _Inner(torch.nn.Module):
     def __init__(self) -> None:

@@ -120,14 +120,16 @@ def write_piece(
 def read_piece(path: Path) -> tuple[dict, list[torch.Tensor]]:
     """Read one piece file; raises DumpError naming the file on any structural problem."""
     path = Path(path)
-    data = bytearray(path.stat().st_size)
-    with open(path, "rb") as f:
+    # uninitialised and unbuffered: a zero-filled bytearray read through a buffer ran at ~0.65 GB/s per
+    # core, this at ~3 GB/s (16 MB pieces on tmpfs)
+    data = np.empty(path.stat().st_size, dtype=np.uint8)
+    with open(path, "rb", buffering=0) as f:
         got = f.readinto(data)
-    if got != len(data) or data[:8] != MAGIC or len(data) < 12:
+    if got != len(data) or len(data) < 12 or data[:8].tobytes() != MAGIC:
         raise DumpError(f"{path}: not a dump piece (bad magic or truncated); delete the dump directory and rerun")
     (hlen,) = struct.unpack_from("<I", data, 8)
     try:
-        header = json.loads(bytes(data[12 : 12 + hlen]))
+        header = json.loads(data[12 : 12 + hlen].tobytes())
     except ValueError as e:
         raise DumpError(f"{path}: unreadable piece header ({e})") from e
     if header.get("format") != FORMAT:
@@ -257,17 +259,31 @@ def collect(
         pos = end
     if pos != n:
         raise DumpError(f"request {rid}: pieces cover tokens [0,{pos}) of {n}")
-    widths = [[t.shape[1] for t in blocks] for blocks in blocks_per_piece]
-    rows = torch.cat([torch.cat(blocks, dim=1) for blocks in blocks_per_piece], dim=0) if len(
-        blocks_per_piece
-    ) > 1 or len(widths[0]) > 1 else blocks_per_piece[0][0]
-    total = rows.shape[1]
-    if total % num_tensors:
-        raise DumpError(f"request {rid}: {total} columns do not split into {num_tensors} tensors")
-    h = total // num_tensors
-    hidden = [rows[:, i * h : (i + 1) * h].clone() for i in range(num_tensors)]
+    hidden = _assemble(rid, blocks_per_piece, num_tensors)
     if remove:
         for start, end in info["pieces"]:
             (dump_dir / piece_name(rid, start, end)).unlink(missing_ok=True)
         done.unlink(missing_ok=True)
     return Collected(rid=rid, hidden_states=hidden, pieces=len(info["pieces"]))
+
+
+def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors: int) -> list[torch.Tensor]:
+    """num_tensors contiguous [n_tokens, H] tensors from the pieces' blocks, copying as little as possible.
+
+    The plugin writes one block per tensor: a one-piece dump's blocks are used as read (no copy), pieces
+    of a chunked prompt are joined along rows. Other block layouts (e.g. one [rows, K*H] block, written
+    by plugins before 2026-12-02) are split by columns."""
+    widths = {tuple(t.shape[1] for t in blocks) for blocks in blocks_per_piece}
+    if len(widths) == 1 and len(blocks_per_piece[0]) == num_tensors and len(set(next(iter(widths)))) == 1:
+        if len(blocks_per_piece) == 1:
+            return list(blocks_per_piece[0])
+        return [torch.cat([blocks[i] for blocks in blocks_per_piece], dim=0) for i in range(num_tensors)]
+    if len(blocks_per_piece) == 1 and len(blocks_per_piece[0]) == 1:
+        rows = blocks_per_piece[0][0]
+    else:
+        rows = torch.cat([torch.cat(blocks, dim=1) for blocks in blocks_per_piece], dim=0)
+    total = rows.shape[1]
+    if total % num_tensors:
+        raise DumpError(f"request {rid}: {total} columns do not split into {num_tensors} tensors")
+    h = total // num_tensors
+    return [rows[:, i * h : (i + 1) * h].contiguous() for i in range(num_tensors)]

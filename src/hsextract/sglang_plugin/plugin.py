@@ -235,7 +235,9 @@ class Dumper:
             sources = [hs]
         if self.hidden_size is not None and h != self.hidden_size:
             raise RuntimeError(f"captured hidden size {h}, model hidden size {self.hidden_size}")
-        return sources
+        # One block per tensor (column views; staging makes each contiguous): the client then uses a
+        # one-piece dump's blocks as they are, instead of copying columns out of [T, (K+1)*H] rows.
+        return [src[:, j : j + h] for src in sources for j in range(0, src.shape[1], h)]
 
     # ---- capture set-up ---------------------------------------------------------------------------
     def setup_model(self, model: Any, server_args: Any) -> None:
