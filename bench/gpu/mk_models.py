@@ -3,6 +3,9 @@
     python3 mk_models.py OUT_DIR [--llama8b]
 OUT_DIR/llama     tiny Llama (8 layers, hidden 256), as in notes/sglang-on-h200.md
 OUT_DIR/deepseek  small DeepseekV3 (MLA + MoE, 8 layers, hidden 256, 8 routed experts, top-2)
+OUT_DIR/tiny      the workflow's tiny DeepseekV3 (hsextract.tinymodel)
+OUT_DIR/tiny-fixed  the same weights with routing made unambiguous (bench/moe_sensitivity.py fix_routing:
+                  expert e biased by 2e, so every token goes to the same top-2): the control for MoE flips
 OUT_DIR/llama8b   Llama-3-8B shape, config.json only (SGLang: --load-format dummy; HF: random init on GPU)
 A byte-level tokenizer is not needed: every request is sent as token ids (--skip-tokenizer-init).
 """
@@ -47,6 +50,24 @@ def save(model_cls, cfg, out: Path, seed: int) -> None:
     print(out, sum(p.numel() for p in m.parameters()), "parameters", flush=True)
 
 
+def tiny_fixed(src: Path, dst: Path) -> None:
+    """`src` with every MoE router's selection fixed (weights unchanged), tokenizer files copied."""
+    import shutil
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from moe_sensitivity import fix_routing
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    fix_routing(m)
+    m.save_pretrained(dst)
+    for f in src.iterdir():
+        if f.is_file() and not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+    print(dst, "routing fixed", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -65,6 +86,8 @@ def main() -> None:
             make_tiny_model(out / "tiny", Path(__file__).resolve().parents[2] / "data" / "conversations.jsonl")
         except Exception as e:  # noqa: BLE001 - the other models must still be built
             print("tiny model failed:", repr(e), flush=True)
+    if (out / "tiny" / "config.json").exists() and not (out / "tiny-fixed" / "config.json").exists():
+        tiny_fixed(out / "tiny", out / "tiny-fixed")
     if a.llama8b:
         (out / "llama8b").mkdir(parents=True, exist_ok=True)
         cfg = llama8b().to_dict()

@@ -3,7 +3,8 @@
 # patched SGLang 0.5.16 server with this project's plugin, against the transformers engine on the same GPU.
 # Results: $OUT/fidelity-<name>.{json,md}, $OUT/<name>-{plugin,stats}-*.json, server logs, run.log.
 #   run(command="bash bench/gpu/run_fidelity.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
-# MODELS picks which to run, in order (name:aux ids, one server each; the first start pays the triton JIT,
+# Default order: tiny-fixed (routing made unambiguous: the control for MoE flips) and tiny first, then the
+# two that passed on 2026-12-02; the budget skips what does not fit. MODELS picks which to run, in order (name:aux ids, one server each; the first start pays the triton JIT,
 # ~2 min, later ones ~1 min). MoE models first: they carry the new per-token checks. A model that does not
 # fit in the remaining budget (BUDGET_S, default 420 s after set-up) is skipped and says so in its .md.
 source "$(dirname "$0")/setup.sh"
@@ -13,7 +14,7 @@ ARGS="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-runn
 END=$((SECONDS + ${BUDGET_S:-420}))
 rc=0
 echo "set-up done at ${SECONDS} s" | tee "$OUT/run.log"
-for spec in ${MODELS:-deepseek:2,4,6 tiny:1,5,7 llama:1,3,5}; do
+for spec in ${MODELS:-tiny-fixed:1,5,7 tiny:1,5,7 deepseek:2,4,6 llama:1,3,5}; do
   name=${spec%%:*}; aux=${spec#*:}; port=$((30000 + ${#name}))
   left=$((END - SECONDS))
   if [ "$left" -lt 100 ]; then
