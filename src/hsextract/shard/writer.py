@@ -223,7 +223,7 @@ class ShardWriter:
         except OSError as e:
             self.abort()
             raise ShardError(
-                f"{self.path}: writing failed after {len(self)} samples ({e.strerror or e}); "
+                f"{self.path}: writing failed after {len(self._index['offsets'])} samples ({e.strerror or e}); "
                 f"no shard was left behind. Free space in {self.path.parent} (or fix the error) and rerun the chunk."
             ) from e
 
