@@ -324,10 +324,20 @@ def key(name: str, cc: int, a: argparse.Namespace) -> str:
     return name if cc == a.concurrency[0] else f"{name}@{cc}"
 
 
-def writer_stats(dump_dir: Path) -> dict:
-    """The plugin writers' counters (summed over scheduler processes): did the dump keep up?"""
-    out: dict = {}
-    for f in sorted(Path(dump_dir).glob("stats-*.json")):
+def writer_stats(dump_dir: Path, wait_s: float = 3.0) -> dict:
+    """The plugin writers' counters (summed over scheduler processes): did the dump keep up?
+
+    The writers refresh `stats-*.json` once idle for 2 s; wait (up to `wait_s`) for a file written after
+    this call, so the counters include the part just measured."""
+    t0, deadline = time.time(), time.monotonic() + wait_s
+    files: list[Path] = []
+    while time.monotonic() < deadline:
+        files = sorted(Path(dump_dir).glob("stats-*.json"))
+        if files and all(json.loads(f.read_text()).get("time", 0) > t0 for f in files):
+            break
+        time.sleep(0.2)
+    out: dict = {"fresh": bool(files) and time.monotonic() < deadline}
+    for f in files:
         for k, v in json.loads(f.read_text()).items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "time":
                 out[k] = out.get(k, 0) + v

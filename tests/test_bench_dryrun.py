@@ -1,0 +1,39 @@
+"""bench/sglang_throughput.py end to end against tests/fake_sglang.py: a broken GPU bench costs device time."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 1000}))
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}")
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sglang_throughput.py"), "--model", str(model), "--server-module",
+         "fake_sglang", "--skip-hf", "--lens", "64", "--n", "24", "--aux", "0", "1", "2", "--concurrency", "4",
+         "8", "--shard-threads", "2", "--out", str(out), "--state", str(tmp_path / "state"),
+         "--port", str(32000 + os.getpid() % 1000)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    res = json.loads((out / "throughput.json").read_text())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert res["errors"] == {} and res["skipped"] == {}
+    runs = res["runs"]
+    assert sorted(runs) == sorted([
+        "a_plain", "a_plain@8", "b0_capture_no_shards", "b0_capture_no_shards@8", "b_capture_with_shards",
+        "b_capture_with_shards@8", "c_return_hidden_states_json", "d_one_at_a_time"])
+    b = runs["b_capture_with_shards"]["64"]
+    assert b["n"] == 24 and b["tokens"] == 24 * 64 and b["shard_threads"] == 2
+    assert b["writer"]["requests_done"] >= 24 and b["writer"]["writer_threads"] == 4
+    assert b["ratio"] > 1.0 and b["shard_bytes"] > 0  # the shard was really written (and compressed)
+    table = (out / "throughput.md").read_text()
+    assert "| b_capture_with_shards@8 / a_plain@8 (target >= 0.9 at 512) |" in table
