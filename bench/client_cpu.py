@@ -78,7 +78,7 @@ def run_variant(label: str, src: Path, fake: Path, a: argparse.Namespace) -> dic
     env = dict(os.environ, PYTHONPATH=f"{src}:{fake.parent}")
     out = subprocess.run([sys.executable, __file__, "--child", "--fake", str(fake), "--n", str(a.n),
                           "--tokens", str(a.tokens), "--hidden", str(a.hidden), "--shard-threads",
-                          str(a.shard_threads)], env=env, capture_output=True, text=True, timeout=1800)
+                          str(a.shard_threads)], env=env, capture_output=True, text=True, timeout=1800, check=False)
     if out.returncode != 0:
         raise SystemExit(f"{label}: child failed\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
