@@ -204,6 +204,14 @@ def shard_roundtrip(a: argparse.Namespace, prompts: list[Prompt], got: list[Capt
         res["shard_roundtrip_exact"] = all(
             all(torch.equal(x, y) for x, y in zip(r[i]["hidden_states"], got[i].hidden_states)) for i in range(len(r)))
         res["shard_bytes"] = shard.stat().st_size
+        # what `hsextract validate --reference` says of it (the speculators v1 reference sample in resources/)
+        from hsextract.validate import failure_line, validate_shard
+
+        vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+        rep = validate_shard(shard, Path(__file__).resolve().parents[2] / "resources" / "reference" /
+                             "speculators-v1-data_0.pt", vocab_size=vocab)
+        res["shard_validate_passed"] = rep["passed"]
+        res["shard_validate_failure"] = failure_line(rep)
         shard.unlink()
     except Exception as e:  # report, do not hide the fidelity numbers
         res["shard_error"] = f"{type(e).__name__}: {e}"
@@ -363,6 +371,7 @@ def main() -> int:
         res.update(evaluate(prompts, got, alone, refs, aux, tol=a.tol, token_tol=a.token_tol,
                             flip_bound=a.flip_bound, mode=mode, long_from=a.chunked_prefill_size))
         res["checks"]["shard_roundtrip"] = res.get("shard_roundtrip_exact", False)
+        res["checks"]["shard_validates"] = res.get("shard_validate_passed", False)
         res["pass"] = all(res["checks"].values())
     except Exception as e:
         res["error"] = f"{stage}: {type(e).__name__}: {e}"
