@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import itertools
 import json
 import os
 import shlex
@@ -43,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from hsextract import dumpfiles
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.engines.sglang_engine import SGLangEngine
 from hsextract.server import ServerConfig, ensure_server, health, stop_servers
@@ -252,7 +254,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
         def timeout() -> float:  # per request: fail fast, and never past the budget
             return max(10.0, min(a.request_timeout_s, bench.left() - 30))
 
-        for cc, (L, ps) in ((cc, x) for cc in a.concurrency for x in sets.items()):
+        for cc, (L, ps) in itertools.product(a.concurrency, sets.items()):
             b0_key, b_key = key("b0_capture_no_shards", cc, a), key("b_capture_with_shards", cc, a)
             eng = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0, run_name=f"w{L}")
 
@@ -291,14 +293,13 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                               sample_id=c.sample_id)
                         add_s += time.monotonic() - t
                     t = time.monotonic()
-                    w.close()
+                    summary = w.close()
                     close_s = time.monotonic() - t
                     wall = time.monotonic() - t0
-                    size = shard.stat().st_size
                 finally:
                     shard.unlink(missing_ok=True)
                 toks = sum(len(p.input_ids) for p in ps)
-                raw = sum(len(p.input_ids) * (16 + (len(aux) + 1) * 2 * meta["hidden_size"]) for p in ps)
+                size, raw = summary.stored_bytes, summary.raw_bytes
                 # add_s: time the consumer spent in ShardWriter.add (encoding backlog); close_s: the last
                 # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
                 return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall, "shard_bytes": size,
@@ -330,15 +331,15 @@ def writer_stats(dump_dir: Path, wait_s: float = 3.0) -> dict:
     The writers refresh `stats-*.json` once idle for 2 s; wait (up to `wait_s`) for a file written after
     this call, so the counters include the part just measured."""
     t0, deadline = time.time(), time.monotonic() + wait_s
-    files: list[Path] = []
-    while time.monotonic() < deadline:
-        files = sorted(Path(dump_dir).glob("stats-*.json"))
-        if files and all(json.loads(f.read_text()).get("time", 0) > t0 for f in files):
+    while True:
+        stats = dumpfiles.read_writer_stats(dump_dir)
+        fresh = bool(stats) and all(st.get("time", 0) > t0 for st in stats.values())
+        if fresh or time.monotonic() >= deadline:
             break
         time.sleep(0.2)
-    out: dict = {"fresh": bool(files) and time.monotonic() < deadline}
-    for f in files:
-        for k, v in json.loads(f.read_text()).items():
+    out: dict = {"fresh": fresh}
+    for st in stats.values():
+        for k, v in st.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "time":
                 out[k] = out.get(k, 0) + v
     return out

@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from hsextract import dumpfiles
+
 from fidelity import FLIP, dist, make_prompts, rel, token_rel  # bench/gpu/fidelity.py: same statistics
 
 TOL = 2e-2
@@ -151,10 +153,7 @@ def check_writers(markers: list[dict], stats: dict[int, dict], *, expected_reque
 
 def read_dump_dir(dump_dir: Path) -> tuple[list[dict], dict[int, dict]]:
     markers = [json.loads(f.read_text()) for f in sorted(Path(dump_dir).glob("plugin-*.json"))]
-    stats = {}
-    for f in sorted(Path(dump_dir).glob("stats-*.json")):
-        stats[int(f.stem.split("-", 1)[1])] = json.loads(f.read_text())
-    return markers, stats
+    return markers, dumpfiles.read_writer_stats(dump_dir)
 
 
 def verdict_markdown(model: str, results: dict) -> list[str]:

@@ -178,20 +178,27 @@ STATS_KEYS = ("requests_done", "requests_failed", "pieces", "rids_reused", "dupl
               "last_error", "queued", "staging_waits", "staging_peak", "staging_capacity")
 
 
-def writer_stats_summary(dump_dir: Path) -> str:
-    """One line from the plugin's `stats-<pid>.json` files: what the server-side writer has done."""
-    files = sorted(Path(dump_dir).glob("stats-*.json"))
-    if not files:
-        return "the plugin's writer has written no stats file (it never received a piece)"
-    parts = []
-    for f in files:
+def read_writer_stats(dump_dir: Path) -> dict[int, dict]:
+    """The plugin's `stats-<pid>.json` files, by scheduler pid (one per writer rank); unreadable ones skipped."""
+    out = {}
+    for f in sorted(Path(dump_dir).glob("stats-*.json")):
         try:
-            st = json.loads(f.read_text())
+            out[int(f.stem.split("-", 1)[1])] = json.loads(f.read_text())
         except (OSError, ValueError):
             continue
+    return out
+
+
+def writer_stats_summary(dump_dir: Path) -> str:
+    """One line from the plugin's `stats-<pid>.json` files: what the server-side writer has done."""
+    stats = read_writer_stats(dump_dir)
+    if not stats:
+        return "the plugin's writer has written no stats file (it never received a piece)"
+    parts = []
+    for pid, st in stats.items():
         kv = ", ".join(f"{k}={st[k]}" for k in STATS_KEYS if st.get(k) not in (None, 0))
         age = time.time() - st.get("time", time.time())
-        parts.append(f"{f.name} ({age:.0f} s old): {kv or 'all zero'}")
+        parts.append(f"stats-{pid}.json ({age:.0f} s old): {kv or 'all zero'}")
     return "writer stats: " + "; ".join(parts)
 
 
@@ -273,8 +280,8 @@ def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors:
     The plugin writes one block per tensor: a one-piece dump's blocks are used as read (no copy), pieces
     of a chunked prompt are joined along rows. Other block layouts (e.g. one [rows, K*H] block, written
     by plugins before 2026-12-02) are split by columns."""
-    widths = {tuple(t.shape[1] for t in blocks) for blocks in blocks_per_piece}
-    if len(widths) == 1 and len(blocks_per_piece[0]) == num_tensors and len(set(next(iter(widths)))) == 1:
+    widths = {t.shape[1] for blocks in blocks_per_piece for t in blocks}
+    if len(widths) == 1 and all(len(blocks) == num_tensors for blocks in blocks_per_piece):  # block per tensor
         if len(blocks_per_piece) == 1:
             return list(blocks_per_piece[0])
         return [torch.cat([blocks[i] for blocks in blocks_per_piece], dim=0) for i in range(num_tensors)]
