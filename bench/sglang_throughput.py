@@ -206,6 +206,34 @@ def progress_printer(label: str, total: int, every: int = 64) -> Callable[[int],
     return tick
 
 
+def timeline_summary(events: list[dict], dest: Path) -> dict:
+    """Where the samples' time went (SGLangEngine.timeline): writes the raw events to `dest`, returns
+    medians/max of each step and when (s after the first request was queued) the last sample reached it."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(json.dumps(events))
+    by: dict[int, dict] = {}
+    for e in events:
+        by.setdefault(e["index"], {}).update(e)
+    rows = [r for r in by.values() if "collected" in r and "yielded" in r]
+    if not rows:
+        return {}
+    t0 = min(r["queued"] for r in rows)
+    steps = {"slot_wait": ("queued", "sent"), "http": ("sent", "answered"), "write": ("staged", "written"),
+             "marker_after_answer": ("answered", "written"), "collect_after_marker": ("written", "collected"),
+             "yield_after_collect": ("collected", "yielded")}
+    out: dict = {}
+    for name, (a, b) in steps.items():
+        d = sorted(r[b] - r[a] for r in rows if r.get(a) is not None and r.get(b) is not None)
+        if d:
+            out[name] = {"median": round(d[len(d) // 2], 4), "p90": round(d[int(len(d) * 0.9)], 4),
+                         "max": round(d[-1], 4)}
+    for k in ("answered", "written", "collected", "yielded"):
+        v = [r[k] for r in rows if r.get(k) is not None]
+        if v:
+            out[f"last_{k}_s"] = round(max(v) - t0, 3)
+    return out
+
+
 def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
     """The plugin's marker and stats files and a listing of the dump dir (what was left, how big)."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -261,12 +289,15 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             def b0() -> dict:
                 list(eng.extract(ps[:cc]))  # warm-up; the same engine again below (fresh rids)
                 eng.progress = progress_printer(f"{b0_key} {L}", len(ps))
+                eng.timeline = []
                 t0 = time.monotonic()
                 nbytes = sum(sum(x.numel() * x.element_size() for x in c.hidden_states) for c in eng.extract(ps))
                 wall = time.monotonic() - t0
                 toks = sum(len(p.input_ids) for p in ps)
+                tl = timeline_summary(eng.timeline, bench.out / "timelines" / f"{b0_key}-{L}.json")
+                log(f"  timeline: {json.dumps(tl)}")
                 return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-                        "dump_bytes_per_s": nbytes / wall, "writer": writer_stats(h.dump_dir)}
+                        "dump_bytes_per_s": nbytes / wall, "timeline": tl, "writer": writer_stats(h.dump_dir)}
 
             ok = bench.part(b0_key, L, b0, need_s=40) is not None
             save_dump_diagnostics(h.dump_dir, dump, f"b0-{cc}-{L}")
@@ -280,6 +311,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                         "config_hash": "-", "tokenizer_hash": "-", "chat_template_hash": "-"}
                 e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
                                   run_name=f"s{L}", progress=progress_printer(f"{b_key} {L}", len(ps)))
+                e2.timeline = []
                 t0 = time.monotonic()
                 w, add_s = None, 0.0
                 try:
@@ -300,12 +332,14 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                     shard.unlink(missing_ok=True)
                 toks = sum(len(p.input_ids) for p in ps)
                 size, raw = summary.stored_bytes, summary.raw_bytes
+                tl = timeline_summary(e2.timeline, bench.out / "timelines" / f"{b_key}-{L}.json")
+                log(f"  timeline: {json.dumps(tl)}")
                 # add_s: time the consumer spent in ShardWriter.add (encoding backlog); close_s: the last
                 # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
                 return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall, "shard_bytes": size,
                         "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall, "ratio": raw / size,
                         "add_s": add_s, "close_s": close_s, "shard_threads": a.shard_threads,
-                        "shard_level": a.shard_level, "writer": writer_stats(h.dump_dir)}
+                        "shard_level": a.shard_level, "timeline": tl, "writer": writer_stats(h.dump_dir)}
 
             bench.part(b_key, L, b, need_s=60)
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")

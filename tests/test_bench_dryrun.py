@@ -35,5 +35,10 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     assert b["n"] == 24 and b["tokens"] == 24 * 64 and b["shard_threads"] == 2
     assert b["writer"]["requests_done"] >= 24 and b["writer"]["writer_threads"] == 4
     assert b["ratio"] > 1.0 and b["shard_bytes"] > 0  # the shard was really written (and compressed)
+    # the per-sample timeline reaches from the client through the plugin's marker timestamps and back
+    tl = b["timeline"]
+    assert set(tl) >= {"slot_wait", "http", "write", "marker_after_answer", "collect_after_marker"}
+    assert 0 < tl["last_answered_s"] <= tl["last_collected_s"] <= tl["last_yielded_s"] < b["wall_s"] + 1
+    assert len(json.loads((out / "timelines" / "b_capture_with_shards-64.json").read_text())) == 2 * 24
     table = (out / "throughput.md").read_text()
     assert "| b_capture_with_shards@8 / a_plain@8 (target >= 0.9 at 512) |" in table

@@ -207,6 +207,7 @@ class Collected:
     rid: str
     hidden_states: list[torch.Tensor]  # num_tensors x [n_tokens, hidden]
     pieces: int
+    marker: dict  # the `.done` marker's contents (pieces, digests, the writer's timestamps)
 
 
 def collect(
@@ -271,7 +272,7 @@ def collect(
         for start, end in info["pieces"]:
             (dump_dir / piece_name(rid, start, end)).unlink(missing_ok=True)
         done.unlink(missing_ok=True)
-    return Collected(rid=rid, hidden_states=hidden, pieces=len(info["pieces"]))
+    return Collected(rid=rid, hidden_states=hidden, pieces=len(info["pieces"]), marker=info)
 
 
 def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors: int) -> list[torch.Tensor]:

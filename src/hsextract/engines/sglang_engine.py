@@ -17,6 +17,7 @@ import re
 import secrets
 import sys
 import threading
+import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -103,6 +104,9 @@ class SGLangEngine(Engine):
         # full while dumps are read (on the H200, collecting inside the slot starved the GPU: 0.66 of
         # the plain server at 512-token prompts with 32 in flight).
         self._http_slots = threading.BoundedSemaphore(concurrency)
+        # Set to a list to record, per sample, when (wall clock) it was queued, sent, answered, dumped by
+        # the plugin and collected: where a slow run loses its time (bench/sglang_throughput.py).
+        self.timeline: list[dict] | None = None
 
     # ---- info -----------------------------------------------------------------------------------------
     def plugin_info(self) -> dict:
@@ -177,10 +181,20 @@ class SGLangEngine(Engine):
                 raise EngineError(f"{where}: cancelled because another sample of the chunk failed")
             rid = f"{base}-i{p.index}-a{attempt}"
             try:
+                t_queued = time.time()
                 with self._http_slots:
+                    t_sent = time.time()
                     self._generate(rid, ids)
+                t_answer = time.time()
                 col = dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
                                         should_stop=stop.is_set)
+                if self.timeline is not None:
+                    self.timeline.append({
+                        "index": p.index, "tokens": len(ids), "queued": t_queued, "sent": t_sent,
+                        "answered": t_answer, "staged": col.marker.get("staged_at"),
+                        "written": col.marker.get("written_at"), "lane": col.marker.get("lane"),
+                        "collected": time.time(),
+                    })
                 hs = col.hidden_states
                 expected_h = (self._marker or {}).get("hidden_size")
                 if expected_h and hs[0].shape[1] != expected_h:
@@ -232,6 +246,8 @@ class SGLangEngine(Engine):
                 if not pending:
                     break
                 res = pending.popleft().result()
+                if self.timeline is not None:
+                    self.timeline.append({"index": res.index, "yielded": time.time()})
                 if self.progress is not None:
                     self.progress(1)
                 yield res

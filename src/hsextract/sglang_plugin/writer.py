@@ -48,6 +48,7 @@ class _Job:
     blocks: list[torch.Tensor]
     event: Any
     error: str | None = None
+    staged_at: float = 0.0  # wall clock at submit; with the marker's written_at it shows the writer's lag
 
 
 @dataclass
@@ -143,7 +144,7 @@ class DumpWriter:
                 if cuda:
                     event = torch.cuda.Event()
                     event.record()
-                lane.q.put(_Job(p.rid, p.n_tokens, a, b, p.ids, region, blocks, event))
+                lane.q.put(_Job(p.rid, p.n_tokens, a, b, p.ids, region, blocks, event, staged_at=time.time()))
 
     def fail(self, rids: Sequence[tuple[str, int]], message: str) -> None:
         """Queue an `.err` marker for requests whose rows could not be staged (after their queued pieces)."""
@@ -306,6 +307,10 @@ class DumpWriter:
                 "ids_sha256": dumpfiles.ids_digest(job.ids),
                 "dtype": dumpfiles.dtype_name(blk[0].dtype) if blk else None,
                 "width": sum(b.shape[1] for b in blk),
+                # diagnostics (clients may ignore them): when the last piece was staged and the marker written
+                "staged_at": job.staged_at,
+                "written_at": time.time(),
+                "lane": lane.index,
             },
         )
         with self._lock:
