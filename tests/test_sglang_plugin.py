@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import re
 import sys
 import time
@@ -215,10 +216,14 @@ def test_timeout_message_carries_the_writer_stats(tmp_path: Path) -> None:
         dumpfiles.collect(tmp_path / "x", "hsx-none", [1], K + 1, 0.01)
 
 
-def test_staging_allocated_at_start_and_failure_refuses_to_start(tmp_path: Path) -> None:
+def test_staging_allocated_at_start_and_failure_refuses_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)  # CPython's default
+    set_to: list[float] = []
+    monkeypatch.setattr(sys, "setswitchinterval", set_to.append)
     d = make_dumper(tmp_path)
     w = d.start()
     assert d.start() is w and w.ring.buf.numel() == 1 << 20
+    assert set_to == [0.0005]  # the writer threads get the GIL back from the spinning scheduler quickly
     huge = plg.Dumper(plg.PluginConfig(tmp_path, AUX, staging_bytes=1 << 50), pin=False)
     with pytest.raises(plg.PluginConfigError, match=r"cannot allocate 1073741824 MiB of staging memory .*"
                        r"lower HSEXTRACT_STAGING_MB \(config key staging_mb\)"):
@@ -330,6 +335,22 @@ def test_collector_rejects_other_token_ids(tmp_path: Path) -> None:
         dumpfiles.collect(tmp_path, r.rid, ids(12, 2), K + 1, 1.0, remove=False)
     with pytest.raises(EngineError, match="the server dumped 12 tokens, the prompt has 11"):
         dumpfiles.collect(tmp_path, r.rid, ids(11, 1), K + 1, 1.0, remove=False)
+
+
+def test_raw_blocks_and_partial_writev_give_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer threads hand RawBlocks (views of the staging ring); os.writev may write only part of
+    what it is given (e.g. past 2 GiB on Linux): the file must still hold every byte once, in order."""
+    a = torch.randn(5, 7).to(torch.bfloat16)
+    b = torch.randn(5, 3).to(torch.bfloat16)
+    ref = dumpfiles.write_piece(tmp_path, "hsx-t", 0, 5, 5, [a, b]).read_bytes()
+    real = os.writev
+    monkeypatch.setattr(dumpfiles.os, "writev", lambda fd, bufs: real(fd, [bytes(memoryview(bufs[0])[:13])]))
+    raw = [dumpfiles.RawBlock("bfloat16", (5, t.shape[1]), memoryview(t.view(torch.uint8).reshape(-1).numpy()))
+           for t in (a, b)]
+    got = dumpfiles.write_piece(tmp_path, "hsx-t", 0, 5, 5, raw).read_bytes()
+    assert got == ref
+    _, (a2, b2) = dumpfiles.read_piece(tmp_path / dumpfiles.piece_name("hsx-t", 0, 5))
+    assert torch.equal(a2, a) and torch.equal(b2, b)
 
 
 def test_piece_file_layout_is_magic_json_raw(tmp_path: Path) -> None:

@@ -87,28 +87,57 @@ def ids_digest(ids: Sequence[int] | np.ndarray) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).hexdigest()
 
 
+@dataclass(frozen=True)
+class RawBlock:
+    """One block of a piece as raw bytes: what the plugin's writer threads hand to `write_piece`, so they
+    run no torch op (each releases and retakes the GIL, which SGLang's spinning scheduler holds)."""
+
+    dtype: str
+    shape: tuple[int, int]
+    data: memoryview  # uint8, rows * width * itemsize bytes
+
+
+def _writev_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
+    views = [memoryview(c).cast("B") for c in chunks]
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
 def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
+    # os-level calls: four GIL round trips per file (open, writev, close, replace), where a buffered
+    # file object took one per large write plus its flush
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        for c in chunks:
-            f.write(c)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _writev_all(fd, chunks)
+    finally:
+        os.close(fd)
     os.replace(tmp, path)
 
 
 def write_piece(
-    dump_dir: Path, rid: str, start: int, end: int, n_tokens: int, blocks: Sequence[torch.Tensor]
+    dump_dir: Path, rid: str, start: int, end: int, n_tokens: int, blocks: Sequence[torch.Tensor | RawBlock]
 ) -> Path:
-    """Write one piece. `blocks` are CPU tensors [end-start, width_j]; bytes are taken as they are."""
+    """Write one piece. `blocks` are CPU tensors [end-start, width_j] (bytes taken as they are) or RawBlocks."""
     header_blocks, payload, off = [], [], 0
     for b in blocks:
-        if b.dim() != 2 or b.shape[0] != end - start:
+        if isinstance(b, torch.Tensor):
+            if b.dim() != 2:
+                raise ValueError(f"piece {rid} [{start},{end}): block of shape {tuple(b.shape)} is not 2-D")
+            b = RawBlock(dtype_name(b.dtype), (b.shape[0], b.shape[1]),
+                         memoryview(b.contiguous().view(torch.uint8).reshape(-1).numpy()))
+        if b.shape[0] != end - start:
             raise ValueError(f"piece {rid} [{start},{end}): block of shape {tuple(b.shape)} has the wrong rows")
-        raw = b.contiguous().view(torch.uint8).reshape(-1).numpy()
-        header_blocks.append(
-            {"dtype": dtype_name(b.dtype), "shape": list(b.shape), "offset": off, "nbytes": raw.nbytes}
-        )
-        payload.append(memoryview(raw))
-        off += raw.nbytes
+        n = len(b.data)
+        header_blocks.append({"dtype": b.dtype, "shape": list(b.shape), "offset": off, "nbytes": n})
+        payload.append(b.data)
+        off += n
     header = json.dumps(
         {"format": FORMAT, "rid": rid, "start": start, "end": end, "n_tokens": n_tokens, "blocks": header_blocks}
     ).encode()

@@ -41,6 +41,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from hsextract.sglang_plugin.writer import DumpWriter
 log = logging.getLogger("hsextract.sglang_plugin")
 
 PLUGIN_VERSION = "1"
+WRITER_SWITCH_INTERVAL_S = 0.0005
 TARGET_FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 TARGET_LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 TARGET_INIT_BACKENDS = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
@@ -175,9 +177,14 @@ class Dumper:
                     f"{'pinned ' if self._pin is not False else ''}staging memory ({type(e).__name__}: {e}); "
                     f"lower {ENV_STAGING_MB} (config key staging_mb)"
                 ) from e
-            log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s; %d writer threads",
-                     self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(), time.monotonic() - t0,
-                     self.cfg.writer_threads)
+            # SGLang's scheduler loop runs Python without pause and holds the GIL; a writer thread back
+            # from a write (which releases it) waits up to the switch interval to go on. At the default
+            # 5 ms the writers lagged the forward by 0.2-0.4 s per request and ~1 GB/s in all on the H200
+            # (bench/plugin_writer_gil.py reproduces it on a CPU).
+            sys.setswitchinterval(min(sys.getswitchinterval(), WRITER_SWITCH_INTERVAL_S))
+            log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s; %d writer threads, "
+                     "GIL switch interval %.1f ms", self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(),
+                     time.monotonic() - t0, self.cfg.writer_threads, sys.getswitchinterval() * 1e3)
         return self._writer
 
     def _already_dumped(self, req: Any) -> bool:

@@ -45,7 +45,7 @@ class _Job:
     end: int
     ids: Any
     region: Region | None
-    blocks: list[torch.Tensor]
+    blocks: list[dumpfiles.RawBlock]  # views of the staging ring: the writer thread runs no torch op
     event: Any
     error: str | None = None
     staged_at: float = 0.0  # wall clock at submit; with the marker's written_at it shows the writer's lag
@@ -97,6 +97,7 @@ class DumpWriter:
         if self.max_piece_bytes > staging.capacity:
             raise ValueError("max_piece_bytes exceeds the staging capacity")
         self.threads = threads
+        self._mem = memoryview(staging.buf.numpy())  # the ring's bytes, sliced without torch ops
         self.stats = WriterStats()  # summed over threads; update under _lock
         self._lock = threading.Lock()
         self._stats_file_lock = threading.Lock()  # one writer of stats-<pid>.json (shared temp name)
@@ -125,6 +126,7 @@ class DumpWriter:
         row_bytes = sum(s.shape[1] * s.element_size() for s in sources)
         max_rows = max(1, (self.max_piece_bytes - ALIGN * len(sources)) // row_bytes)
         cuda = any(s.is_cuda for s in sources)
+        dtypes = [dumpfiles.dtype_name(s.dtype) for s in sources]
         for p in pieces:
             lane = self._lane(p.rid)
             for a in range(p.start, p.end, max_rows):
@@ -134,11 +136,12 @@ class DumpWriter:
                 sizes = [_aligned(rows * s.shape[1] * s.element_size()) for s in sources]
                 region = self.ring.alloc(sum(sizes))
                 blocks, off = [], 0
-                for s, size in zip(sources, sizes):
+                for s, size, dt in zip(sources, sizes, dtypes):
                     nbytes = rows * s.shape[1] * s.element_size()
                     dst = self.ring.view(region, off, nbytes).view(s.dtype).view(rows, s.shape[1])
                     dst.copy_(s[r0 : r0 + rows], non_blocking=cuda)
-                    blocks.append(dst)
+                    lo = region.start + off
+                    blocks.append(dumpfiles.RawBlock(dt, (rows, s.shape[1]), self._mem[lo : lo + nbytes]))
                     off += size
                 event = None
                 if cuda:
@@ -269,7 +272,7 @@ class DumpWriter:
             if (s, e) not in keep and (s, e) != (job.start, job.end):
                 (self.dump_dir / dumpfiles.piece_name(job.rid, s, e)).unlink(missing_ok=True)
         dumpfiles.write_piece(self.dump_dir, job.rid, job.start, job.end, job.n_tokens, job.blocks)
-        nbytes = sum(b.numel() * b.element_size() for b in job.blocks)
+        nbytes = sum(len(b.data) for b in job.blocks)
         with self._lock:
             self.stats.pieces += 1
             self.stats.bytes_written += nbytes
@@ -305,7 +308,7 @@ class DumpWriter:
                 "n_tokens": job.n_tokens,
                 "pieces": [list(c) for c in chain],
                 "ids_sha256": dumpfiles.ids_digest(job.ids),
-                "dtype": dumpfiles.dtype_name(blk[0].dtype) if blk else None,
+                "dtype": blk[0].dtype if blk else None,
                 "width": sum(b.shape[1] for b in blk),
                 # diagnostics (clients may ignore them): when the last piece was staged and the marker written
                 "staged_at": job.staged_at,
