@@ -109,6 +109,37 @@ def test_failing_background_encode_leaves_no_shard(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_background_sync_runs_while_writing_and_changes_no_byte(tmp_path, monkeypatch):
+    samples = [make_sample(1 + 17 * (k % 5), seed=k) for k in range(12)]
+    ref = write(tmp_path / "a.hss", samples, sync_every_mb=0).read_bytes()
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd)))
+    w = ShardWriter(tmp_path / "b.hss", shard_metadata(), threads=2)
+    w._sync_every = 4096  # bytes here; MB in the API
+    with w:
+        for k, (ids, hs, mask) in enumerate(samples):
+            w.add(ids, hs, mask, sample_id=f"s{k}")
+    assert (tmp_path / "b.hss").read_bytes() == ref
+    assert len(synced) >= 2 and all(0 < n < len(ref) for n in synced)  # during the writing, not at close
+
+
+def test_failing_background_sync_leaves_no_shard(tmp_path, monkeypatch):
+    def eio(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", eio)
+    w = ShardWriter(tmp_path / "a.hss", shard_metadata(), threads=1)
+    w._sync_every = 1024
+    # raised by the next write after the sync failed, or by close() if the sync thread had not finished by then
+    with pytest.raises(ShardError, match=r"a\.hss: (writing failed after \d+ samples \(Input/output error\)|"
+                                         r"finishing the shard failed \(\[Errno 5\] Input/output error\)); no shard "):
+        with w:
+            for k in range(20):
+                w.add(*make_sample(20, seed=k))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_metadata_is_self_describing(tmp_path):
     r = ShardReader(write(tmp_path / "a.hss", [make_sample(3)], level=5))
     m = r.metadata
