@@ -16,6 +16,10 @@ Piece file, format 1 (little endian):
 
 The blocks of one piece, concatenated along columns, give [rows, num_tensors * hidden] in layer order
 (aux layers, then the final state). No pickle: tensors are raw bytes, the header is JSON.
+
+`.done` marker, JSON: {"format", "rid", "n_tokens", "pieces": [[start, end], ...], "ids_sha256", "dtype",
+"width"}, plus diagnostics a reader may ignore: "staged_at" and "written_at" (wall clock when the last
+piece was staged in the forward hook and when the marker was written) and "lane" (the writer thread).
 """
 
 from __future__ import annotations
