@@ -1,13 +1,14 @@
-"""The plugin's dump writer beside a busy scheduler thread: how fast do its threads write?
+"""The plugin's dump writer beside a busy scheduler thread: how long from the hook to the `.done` marker?
 
-On the H200 (bench/results/h200-2026-12-03, timeline of run 4) the plugin's writer threads lagged the
-forward by 0.23-0.38 s per request (median) and up to 3.7 s at the end: ~1 GB/s in all where the
-server produced 1.4 GB/s. They live in SGLang's scheduler process, whose event loop spins in Python and
-holds the GIL; a writer thread coming back from a write (which releases the GIL) waits up to the switch
-interval for it. This script reproduces that on the CPU: the main thread spins in Python as the
-scheduler does, `DumpWriter` writes `--n` pieces of `--mb` MB to `--dir` from `--threads` threads, and
-the time from the first submit to the last `.done` marker is measured, per switch interval, in one run. The main thread is the scheduler: it submits every piece (staging copies, as the
-forward hook does), then spins in Python until the writers report the last request done.
+On the H200 (bench/results/h200-2026-12-03, timeline of run 4) the last `.done` marker of a 512-token run
+came 0.95-3.5 s after the server's last HTTP answer: the writer threads fell behind. They live in SGLang's
+scheduler process, whose event loop spins in Python and holds the GIL; a writer thread coming back from
+a write (which releases the GIL) waits up to the switch interval for it. This script reproduces that on
+the CPU: the main thread plays the scheduler, submitting one `--mb` MB piece (4 bf16 blocks) at a time at
+`--offered-gbps` and spinning in Python in between and afterwards, while `DumpWriter` writes them to
+`--dir` from `--threads` threads. Per switch interval (5 ms, CPython's default, and 0.5 ms, what the
+plugin sets), in one run: hook -> marker lag (median, max) from the markers' staged_at / written_at, and
+the tail after the last submit.
 
     PYTHONPATH=src python bench/plugin_writer_gil.py [--dir /dev/shm] [--n 96] [--mb 16]
 """

@@ -93,8 +93,9 @@ def ids_digest(ids: Sequence[int] | np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class RawBlock:
-    """One block of a piece as raw bytes: what the plugin's writer threads hand to `write_piece`, so they
-    run no torch op (each releases and retakes the GIL, which SGLang's spinning scheduler holds)."""
+    """One block of a piece as raw bytes (a view of the staging ring): the plugin's writer threads hand
+    these to `write_piece` and touch no tensor, so each piece costs them only the few GIL round trips of
+    `_atomic_write`; the GIL is held by SGLang's spinning scheduler most of the time."""
 
     dtype: str
     shape: tuple[int, int]

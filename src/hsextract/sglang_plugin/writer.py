@@ -45,7 +45,7 @@ class _Job:
     end: int
     ids: Any
     region: Region | None
-    blocks: list[dumpfiles.RawBlock]  # views of the staging ring: the writer thread runs no torch op
+    blocks: list[dumpfiles.RawBlock]  # views of the staging ring: the writer thread touches no tensor
     event: Any
     error: str | None = None
     staged_at: float = 0.0  # wall clock at submit; with the marker's written_at it shows the writer's lag
@@ -97,7 +97,7 @@ class DumpWriter:
         if self.max_piece_bytes > staging.capacity:
             raise ValueError("max_piece_bytes exceeds the staging capacity")
         self.threads = threads
-        self._mem = memoryview(staging.buf.numpy())  # the ring's bytes, sliced without torch ops
+        self._mem = memoryview(staging.buf.numpy())  # the ring's bytes, sliced in the scheduler thread
         self.stats = WriterStats()  # summed over threads; update under _lock
         self._lock = threading.Lock()
         self._stats_file_lock = threading.Lock()  # one writer of stats-<pid>.json (shared temp name)
