@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -64,6 +65,21 @@ def test_writes_every_sample_in_order(tmp_path: Path) -> None:
         ids = torch.tensor(p.input_ids[i], dtype=torch.float32)
         assert torch.equal(s["hidden_states"][2], (ids[:, None] * 3 + torch.arange(HIDDEN)).to(torch.bfloat16))
     assert validate_shard(tmp_path / "c.hss", _reference(tmp_path))["passed"]
+
+
+def test_summary_says_where_the_time_went(tmp_path: Path) -> None:
+    """A slow engine shows as engine_wait_s, a slow shard writer as shard_add_s / shard_close_s."""
+
+    class SlowEngine(FakeEngine):
+        def extract(self, prompts):
+            for c in super().extract(prompts):
+                time.sleep(0.2)
+                yield c
+
+    s = extract_chunk(prompts(4), tmp_path / "c.hss", SlowEngine(), META, progress=False)
+    assert 0.8 <= s["engine_wait_s"] <= s["seconds"]
+    assert s["shard_add_s"] + s["shard_close_s"] < 0.5 < s["engine_wait_s"] - 0.3
+    assert s["engine_wait_s"] + s["shard_add_s"] + s["shard_close_s"] <= s["seconds"]
 
 
 def _reference(tmp_path: Path) -> Path:

@@ -140,8 +140,17 @@ def extract_chunk(
     start = time.perf_counter()
     bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr, disable=not progress, mininterval=2.0)
     written = 0
+    # where the chunk's time went: waiting for the engine, or inside the shard writer (add blocks while
+    # `threads` + 1 samples are still encoding; close writes the last records, the index and the fsync)
+    wait_s = add_s = close_s = 0.0
     with ShardWriter(shard_path, metadata=dict(metadata), level=level, threads=threads, precision=precision) as writer:
-        for captured in engine.extract(items):
+        samples = iter(engine.extract(items))
+        while True:
+            t = time.perf_counter()
+            captured = next(samples, None)
+            wait_s += time.perf_counter() - t
+            if captured is None:
+                break
             if captured.index != written or captured.sample_id != prompts.sample_ids[written]:
                 raise EngineError(
                     f"{shard_path}: engine returned sample {captured.sample_id!r} (index {captured.index}) "
@@ -155,16 +164,21 @@ def extract_chunk(
                     f"{shard_path}: sample {captured.sample_id}: engine returned tensors {shapes}, expected "
                     f"{n_tensors} of ({seq}, {hidden_size}); padding must be sliced off per sample"
                 )
+            t = time.perf_counter()
             writer.add(
                 input_ids=torch.tensor(prompts.input_ids[written], dtype=torch.int64),
                 hidden_states=hs,
                 loss_mask=torch.tensor(prompts.loss_masks[written], dtype=torch.int64),
                 sample_id=captured.sample_id,
             )
+            add_s += time.perf_counter() - t
             written += 1
             bar.update(seq)
         if written != len(items):
             raise EngineError(f"{shard_path}: engine returned {written} of {len(items)} samples")
+        t = time.perf_counter()
+        writer.close()
+        close_s = time.perf_counter() - t
     bar.close()
     seconds = time.perf_counter() - start
     return {
@@ -175,6 +189,9 @@ def extract_chunk(
         "seconds": round(seconds, 3),
         "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
         "bytes": Path(shard_path).stat().st_size,
+        "engine_wait_s": round(wait_s, 3),
+        "shard_add_s": round(add_s, 3),
+        "shard_close_s": round(close_s, 3),
     }
 
 

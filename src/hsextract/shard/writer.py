@@ -322,7 +322,8 @@ class ShardWriter:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         if exc_type is None:
-            self.close()
+            if not self._closed:  # the block may have closed it itself (to time it, or for its summary)
+                self.close()
         else:
             self.abort()
 
