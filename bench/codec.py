@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard import ShardReader, ShardWriter, placeholder_metadata
 
 Sample = dict[str, object]
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,8 +142,7 @@ def bench_zstd(samples: list[Sample]) -> tuple[int, tuple[float, float], tuple[f
 
 
 def bench_ours(samples: list[Sample], hidden: int, threads: int, folder: Path) -> tuple[int, tuple[float, float], tuple[float, float]]:
-    meta = dict(model="bench", engine="bench", engine_version="0", aux_layers=[2, 4, 6], final_state="post_norm",
-                hidden_size=hidden, dtype="bfloat16", config_hash="-", tokenizer_hash="-", chat_template_hash="-")
+    meta = placeholder_metadata(hidden, [2, 4, 6], engine_version="0")
     path = folder / f"bench-{threads}.hss"
 
     def enc() -> None:

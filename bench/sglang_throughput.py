@@ -262,7 +262,8 @@ def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
 def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], aux: tuple[int, ...],
                   sgl: list[str]) -> None:
     """(b0) and (b) on server B (the hsextract plugin)."""
-    from hsextract.shard import ShardWriter
+    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.shard import placeholder_metadata
 
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
@@ -305,41 +306,32 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                 continue
 
             def b() -> dict:
+                # the workflow's own extract path (extract_chunk: order and shape checks, ShardWriter, timing)
                 shard = bench.out / f"bench-{L}.hss"
-                meta = {"model": "llama8b-dummy", "engine": "sglang", "engine_version": eng.version(),
-                        "aux_layers": list(aux), "final_state": "post_norm", "hidden_size": 0, "dtype": "bfloat16",
-                        "config_hash": "-", "tokenizer_hash": "-", "chat_template_hash": "-"}
+                meta = placeholder_metadata(eng.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
+                                            engine="sglang", engine_version=eng.version())
+                chunk = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps],
+                                     [[1] * len(p.input_ids) for p in ps])
                 e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
                                   run_name=f"s{L}", progress=progress_printer(f"{b_key} {L}", len(ps)))
                 e2.timeline = []
                 t0 = time.monotonic()
-                w, add_s = None, 0.0
                 try:
-                    for c in e2.extract(ps):
-                        t = time.monotonic()
-                        if w is None:
-                            meta["hidden_size"] = int(c.hidden_states[0].shape[1])
-                            w = ShardWriter(shard, metadata=meta, level=a.shard_level, threads=a.shard_threads)
-                        ids = torch.tensor(ps[c.index].input_ids)
-                        w.add(input_ids=ids, hidden_states=c.hidden_states, loss_mask=torch.ones_like(ids),
-                              sample_id=c.sample_id)
-                        add_s += time.monotonic() - t
-                    t = time.monotonic()
-                    summary = w.close()
-                    close_s = time.monotonic() - t
+                    r = extract_chunk(chunk, shard, e2, meta, level=a.shard_level, threads=a.shard_threads,
+                                      progress=False)
                     wall = time.monotonic() - t0
                 finally:
                     shard.unlink(missing_ok=True)
-                toks = sum(len(p.input_ids) for p in ps)
-                size, raw = summary.stored_bytes, summary.raw_bytes
+                size, raw = r["bytes"], r["raw_bytes"]
                 tl = timeline_summary(e2.timeline, bench.out / "timelines" / f"{b_key}-{L}.json")
                 log(f"  timeline: {json.dumps(tl)}")
                 # add_s: time the consumer spent in ShardWriter.add (encoding backlog); close_s: the last
                 # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
-                return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall, "shard_bytes": size,
-                        "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall, "ratio": raw / size,
-                        "add_s": add_s, "close_s": close_s, "shard_threads": a.shard_threads,
-                        "shard_level": a.shard_level, "timeline": tl, "writer": writer_stats(h.dump_dir)}
+                return {"n": len(ps), "tokens": r["tokens"], "wall_s": wall, "tok_s": r["tokens"] / wall,
+                        "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
+                        "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
+                        "shard_threads": a.shard_threads, "shard_level": a.shard_level, "timeline": tl,
+                        "writer": writer_stats(h.dump_dir)}
 
             bench.part(b_key, L, b, need_s=60)
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")

@@ -18,11 +18,9 @@ from pathlib import Path
 
 import torch
 
-from hsextract.shard import ShardWriter
+from hsextract.shard import ShardWriter, placeholder_metadata
 
-META = {"model": "bench", "engine": "bench", "engine_version": "-", "aux_layers": [1, 2, 3],
-        "final_state": "post_norm", "hidden_size": 4096, "dtype": "bfloat16", "config_hash": "-",
-        "tokenizer_hash": "-", "chat_template_hash": "-"}
+META = placeholder_metadata(4096, [1, 2, 3])
 
 
 def one(path: Path, samples: list[list[torch.Tensor]], threads: int, sync_mb: int) -> dict:

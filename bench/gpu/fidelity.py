@@ -189,13 +189,12 @@ def batched_candidate(a: argparse.Namespace, prompts: list[Prompt], spec: Captur
 def shard_roundtrip(a: argparse.Namespace, prompts: list[Prompt], got: list[Captured], aux: tuple[int, ...],
                     res: dict, out: Path) -> None:
     try:
-        from hsextract.shard import ShardReader, ShardWriter
+        from hsextract.shard import ShardReader, ShardWriter, placeholder_metadata
 
         shard = out / f"{a.name}.hss"
         H = got[0].hidden_states[0].shape[1]
-        meta = {"model": a.name, "engine": "sglang", "engine_version": res.get("engine_version", "?"),
-                "aux_layers": list(aux), "final_state": "post_norm", "hidden_size": H, "dtype": "bfloat16",
-                "config_hash": "-", "tokenizer_hash": "-", "chat_template_hash": "-"}
+        meta = placeholder_metadata(H, aux, model=a.name, engine="sglang",
+                                    engine_version=res.get("engine_version", "?"))
         with ShardWriter(shard, metadata=meta, level=3, threads=4) as w:
             for p, c in zip(prompts, got):
                 ids = torch.tensor(p.input_ids)

@@ -177,7 +177,7 @@ def extract_chunk(
         if written != len(items):
             raise EngineError(f"{shard_path}: engine returned {written} of {len(items)} samples")
         t = time.perf_counter()
-        writer.close()
+        stored = writer.close()
         close_s = time.perf_counter() - t
     bar.close()
     seconds = time.perf_counter() - start
@@ -188,7 +188,8 @@ def extract_chunk(
         "trained_tokens": int(sum(sum(m) for m in prompts.loss_masks)),
         "seconds": round(seconds, 3),
         "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
-        "bytes": Path(shard_path).stat().st_size,
+        "bytes": stored.stored_bytes,
+        "raw_bytes": stored.raw_bytes,
         "engine_wait_s": round(wait_s, 3),
         "shard_add_s": round(add_s, 3),
         "shard_close_s": round(close_s, 3),

@@ -2,6 +2,7 @@
 
 from hsextract.shard.format import FORMAT_VERSION, SHARD_SUFFIX
 from hsextract.shard.reader import ShardReader
-from hsextract.shard.writer import REQUIRED_METADATA, ShardSummary, ShardWriter
+from hsextract.shard.writer import REQUIRED_METADATA, ShardSummary, ShardWriter, placeholder_metadata
 
-__all__ = ["FORMAT_VERSION", "REQUIRED_METADATA", "SHARD_SUFFIX", "ShardReader", "ShardSummary", "ShardWriter"]
+__all__ = ["FORMAT_VERSION", "REQUIRED_METADATA", "SHARD_SUFFIX", "ShardReader", "ShardSummary", "ShardWriter",
+           "placeholder_metadata"]
