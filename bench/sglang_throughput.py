@@ -4,12 +4,16 @@
     (b0: the same without writing shards, to separate the shard encoder's cost)
 (a) plain server, no capture, max_new_tokens 1, `--concurrency` in flight
 (c) SGLang's own `return_hidden_states` JSON API (final state only, as JSON), same concurrency
-(d) the hand-made approach: one request at a time (client concurrency 1)
+(d) the hand-made approach's bound: one request at a time (client concurrency 1) to the plain server, no
+    capture, nothing saved: what any one-prompt-at-a-time loop can reach at best
+(d') the hand-made approach itself (`d_handmade_pt`): one prompt at a time through the capturing server,
+    each sample saved as its own raw .pt (a speculators v1 dict, torch.save), as users write it today
 (e) the transformers engine's way on the same GPU: HF forward with output_hidden_states, batch 8
 
-Server B (hsextract plugin) serves (b) and runs first: it is the part not measured yet. Server A (no plugin,
---enable-return-hidden-states) serves (a), (c), (d). Weights: `--load-format dummy` from a config-only model
-dir (Llama-3-8B shape by default).
+Server B (hsextract plugin) serves (b), (b0), (d') and runs first: it is the part not measured yet. Server A
+(no plugin, --enable-return-hidden-states) serves (a), (c), (d). Every part also records the CPU it used (the
+whole machine's busy cores and the client's own); --profile samples GIL holders with py-spy. Weights:
+`--load-format dummy` from a config-only model dir (Llama-3-8B shape by default).
 
 Every part runs under a wall-clock budget (`--budget-s`) and in its own try block: a failure or a skipped
 part is recorded and the rest goes on. OUT/throughput.json is rewritten after every part (partial results
@@ -123,6 +127,59 @@ def _kill(p: subprocess.Popen) -> None:
             pass
 
 
+def cpu_snapshot() -> tuple[float, float, float, float]:
+    """(machine busy jiffies, machine total jiffies, this process's CPU seconds, monotonic time)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        busy, total = float(sum(v) - v[3] - v[4]), float(sum(v))  # idle and iowait are not busy
+    except (OSError, ValueError, IndexError):
+        busy = total = 0.0
+    t = os.times()
+    return busy, total, t.user + t.system, time.monotonic()
+
+
+def cpu_use(before: tuple[float, float, float, float]) -> dict:
+    """CPU used since `before`, in cores: the whole machine (server, client, all) and this client process."""
+    after = cpu_snapshot()
+    wall = max(after[3] - before[3], 1e-9)
+    total = after[1] - before[1]
+    machine = (after[0] - before[0]) / total * (os.cpu_count() or 1) if total > 0 else None
+    return {"machine_busy_cores": None if machine is None else round(machine, 2),
+            "client_cores": round((after[2] - before[2]) / wall, 2), "cpus": os.cpu_count()}
+
+
+class Profile:
+    """`py-spy record --gil` of a process for a while (HSX_PYSPY names the binary): which code holds the
+    GIL, as collapsed stacks; samples / (rate x seconds) is the share of time the GIL was held at all."""
+
+    RATE = 100
+
+    def __init__(self, out: Path, name: str, pid: int, seconds: float, enabled: bool = True) -> None:
+        self.path, self.proc, self.seconds = out / "profiles" / f"{name}.txt", None, seconds
+        exe = os.environ.get("HSX_PYSPY")
+        if not enabled or not exe:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [exe, "record", "--pid", str(pid), "--rate", str(self.RATE), "--duration", str(int(seconds)),
+               "--gil", "--nonblocking", "--format", "raw", "-o", str(self.path)]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.path.with_suffix(".log"), "w"))
+
+    def result(self) -> dict | None:
+        if self.proc is None:
+            return None
+        try:
+            self.proc.wait(self.seconds + 20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        try:
+            samples = sum(int(line.rsplit(" ", 1)[1]) for line in self.path.read_text().splitlines() if line.strip())
+        except (OSError, ValueError, IndexError):
+            return {"file": self.path.name, "error": self.path.with_suffix(".log").read_text()[-300:]}
+        return {"file": self.path.name, "gil_samples": samples,
+                "gil_held_share": round(samples / (self.RATE * self.seconds), 3)}
+
+
 def hf_run(model_dir: str, length: int, batches: int, batch: int, aux: tuple[int, ...]) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -179,8 +236,10 @@ class Bench:
             return None
         log(f"start {key} {L} ({self.left():.0f} s of budget left)")
         t = time.monotonic()
+        cpu0 = cpu_snapshot()
         try:
             r = fn()
+            r["cpu"] = cpu_use(cpu0)
         except Exception as e:  # record, keep going
             tb = traceback.format_exc()
             self.res["errors"].setdefault(key, {})[str(L)] = f"{type(e).__name__}: {e}"
@@ -261,7 +320,7 @@ def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
 
 def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], aux: tuple[int, ...],
                   sgl: list[str]) -> None:
-    """(b0) and (b) on server B (the hsextract plugin)."""
+    """(b0), (b) and (d') on server B (the hsextract plugin); (b) again at the other --shard-threads."""
     from hsextract.extract import ChunkPrompts, extract_chunk
     from hsextract.shard import placeholder_metadata
 
@@ -283,58 +342,89 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
         def timeout() -> float:  # per request: fail fast, and never past the budget
             return max(10.0, min(a.request_timeout_s, bench.left() - 30))
 
+        first = (a.concurrency[0], a.lens[0])
+
+        def b0(L: int, ps: list[Prompt], cc: int, name: str) -> dict:
+            eng = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0, run_name=f"w{L}")
+            list(eng.extract(ps[:cc]))  # warm-up; the same engine again below (fresh rids)
+            eng.progress = progress_printer(f"{name} {L}", len(ps))
+            eng.timeline = []
+            # the scheduler process (its pid is in the plugin's marker): what holds its GIL while capturing
+            prof = Profile(bench.out, f"scheduler-{name}-{L}", eng.plugin_info()["pid"], a.profile_s, a.profile) \
+                if (cc, L) == first else None
+            t0 = time.monotonic()
+            nbytes = sum(sum(x.numel() * x.element_size() for x in c.hidden_states) for c in eng.extract(ps))
+            wall = time.monotonic() - t0
+            toks = sum(len(p.input_ids) for p in ps)
+            tl = timeline_summary(eng.timeline, bench.out / "timelines" / f"{name}-{L}.json")
+            log(f"  timeline: {json.dumps(tl)}")
+            return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
+                    "dump_bytes_per_s": nbytes / wall, "timeline": tl, "writer": writer_stats(h.dump_dir),
+                    "profile": prof.result() if prof else None}
+
+        def b(L: int, ps: list[Prompt], cc: int, threads: int, name: str) -> dict:
+            # the workflow's own extract path (extract_chunk: order and shape checks, ShardWriter, timing)
+            e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
+                              run_name=f"s{L}-{threads}", progress=progress_printer(f"{name} {L}", len(ps)))
+            shard = bench.out / f"bench-{L}.hss"
+            meta = placeholder_metadata(e2.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
+                                        engine="sglang", engine_version=e2.version())
+            chunk = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps],
+                                 [[1] * len(p.input_ids) for p in ps])
+            e2.timeline = []
+            prof = Profile(bench.out, f"client-{name}-{L}", os.getpid(), a.profile_s, a.profile) \
+                if (cc, L) == first and threads == a.shard_threads[0] else None
+            t0 = time.monotonic()
+            try:
+                r = extract_chunk(chunk, shard, e2, meta, level=a.shard_level, threads=threads, progress=False)
+                wall = time.monotonic() - t0
+            finally:
+                shard.unlink(missing_ok=True)
+            size, raw = r["bytes"], r["raw_bytes"]
+            tl = timeline_summary(e2.timeline, bench.out / "timelines" / f"{name}-{L}.json")
+            log(f"  timeline: {json.dumps(tl)}")
+            # add_s: time the consumer spent in ShardWriter.add (encoding backlog); close_s: the last
+            # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
+            return {"n": len(ps), "tokens": r["tokens"], "wall_s": wall, "tok_s": r["tokens"] / wall,
+                    "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
+                    "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
+                    "shard_threads": threads, "shard_level": a.shard_level, "timeline": tl,
+                    "writer": writer_stats(h.dump_dir), "profile": prof.result() if prof else None}
+
+        def handmade(L: int, ps: list[Prompt]) -> dict:
+            """(d'): what users write by hand, as fast as it goes: one prompt at a time through the capturing
+            server (a patched model's dump), each sample saved as its own raw .pt (speculators v1 dict)."""
+            e1 = SGLangEngine(h, spec, concurrency=1, timeout_s=timeout(), retries=0, run_name=f"d{L}")
+            folder = bench.out / f"handmade-{L}"
+            folder.mkdir(exist_ok=True)
+            nbytes, t0 = 0, time.monotonic()
+            try:
+                for p in ps:
+                    (c,) = e1.extract([p])
+                    f = folder / f"data_{p.index}.pt"
+                    torch.save({"input_ids": torch.tensor(p.input_ids), "hidden_states": c.hidden_states,
+                                "loss_mask": torch.ones(len(p.input_ids), dtype=torch.long)}, f)
+                    nbytes += f.stat().st_size
+                wall = time.monotonic() - t0
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            toks = sum(len(p.input_ids) for p in ps)
+            return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall, "pt_bytes": nbytes}
+
         for cc, (L, ps) in itertools.product(a.concurrency, sets.items()):
             b0_key, b_key = key("b0_capture_no_shards", cc, a), key("b_capture_with_shards", cc, a)
-            eng = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0, run_name=f"w{L}")
-
-            def b0() -> dict:
-                list(eng.extract(ps[:cc]))  # warm-up; the same engine again below (fresh rids)
-                eng.progress = progress_printer(f"{b0_key} {L}", len(ps))
-                eng.timeline = []
-                t0 = time.monotonic()
-                nbytes = sum(sum(x.numel() * x.element_size() for x in c.hidden_states) for c in eng.extract(ps))
-                wall = time.monotonic() - t0
-                toks = sum(len(p.input_ids) for p in ps)
-                tl = timeline_summary(eng.timeline, bench.out / "timelines" / f"{b0_key}-{L}.json")
-                log(f"  timeline: {json.dumps(tl)}")
-                return {"n": len(ps), "tokens": toks, "wall_s": wall, "tok_s": toks / wall,
-                        "dump_bytes_per_s": nbytes / wall, "timeline": tl, "writer": writer_stats(h.dump_dir)}
-
-            ok = bench.part(b0_key, L, b0, need_s=40) is not None
+            ok = bench.part(b0_key, L, lambda: b0(L, ps, cc, b0_key), need_s=40) is not None
             save_dump_diagnostics(h.dump_dir, dump, f"b0-{cc}-{L}")
             if not ok:
                 continue
-
-            def b() -> dict:
-                # the workflow's own extract path (extract_chunk: order and shape checks, ShardWriter, timing)
-                shard = bench.out / f"bench-{L}.hss"
-                meta = placeholder_metadata(eng.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
-                                            engine="sglang", engine_version=eng.version())
-                chunk = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps],
-                                     [[1] * len(p.input_ids) for p in ps])
-                e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
-                                  run_name=f"s{L}", progress=progress_printer(f"{b_key} {L}", len(ps)))
-                e2.timeline = []
-                t0 = time.monotonic()
-                try:
-                    r = extract_chunk(chunk, shard, e2, meta, level=a.shard_level, threads=a.shard_threads,
-                                      progress=False)
-                    wall = time.monotonic() - t0
-                finally:
-                    shard.unlink(missing_ok=True)
-                size, raw = r["bytes"], r["raw_bytes"]
-                tl = timeline_summary(e2.timeline, bench.out / "timelines" / f"{b_key}-{L}.json")
-                log(f"  timeline: {json.dumps(tl)}")
-                # add_s: time the consumer spent in ShardWriter.add (encoding backlog); close_s: the last
-                # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
-                return {"n": len(ps), "tokens": r["tokens"], "wall_s": wall, "tok_s": r["tokens"] / wall,
-                        "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
-                        "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
-                        "shard_threads": a.shard_threads, "shard_level": a.shard_level, "timeline": tl,
-                        "writer": writer_stats(h.dump_dir)}
-
-            bench.part(b_key, L, b, need_s=60)
+            bench.part(b_key, L, lambda: b(L, ps, cc, a.shard_threads[0], b_key), need_s=60)
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
+            if "d" in a.parts and cc == a.concurrency[0]:
+                bench.part("d_handmade_pt", L, lambda: handmade(L, ps[: 50 if L <= 512 else 30]), need_s=30)
+        cc, L = first
+        for threads in a.shard_threads[1:]:  # encoder variants: the first length and concurrency only
+            name = f"{key('b_capture_with_shards', cc, a)}/t{threads}"
+            bench.part(name, L, lambda: b(L, sets[L], cc, threads, name), need_s=60)
     except Exception as e:  # server start-up
         bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
         (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
@@ -419,7 +509,8 @@ def table(res: dict, lens: list[int], concurrency: list[int]) -> list[str]:
                              ("b0_capture_no_shards", "a_plain", 0.90),
                              *more,
                              ("b_capture_with_shards", "c_return_hidden_states_json", 10),
-                             ("b_capture_with_shards", "d_one_at_a_time", 3)):
+                             ("b_capture_with_shards", "d_one_at_a_time", 3),
+                             ("b_capture_with_shards", "d_handmade_pt", 3)):
         vals = []
         for L in lens:
             try:
@@ -440,10 +531,14 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--aux", type=int, nargs="+", default=[1, 15, 28])
     ap.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
-    ap.add_argument("--n", type=int, nargs="+", default=None, help="prompts per length (default 256 / 96)")
+    ap.add_argument("--n", type=int, nargs="+", default=None,
+                    help="prompts per length (default 1024 / 256: steady state, the start and the tail of a run "
+                         "weigh as little as in a production chunk of 2048 prompts)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 64],
                     help="requests in flight; (a), (b0), (b) run at each, the first is the issue's table")
-    ap.add_argument("--shard-threads", type=int, default=8, help="ShardWriter threads (config shard.threads)")
+    ap.add_argument("--shard-threads", type=int, nargs="+", default=[8],
+                    help="ShardWriter threads (config shard.threads); (b) runs again at the first length for each "
+                         "further value")
     ap.add_argument("--shard-level", type=int, default=3, help="zstd level (config shard.compression_level)")
     ap.add_argument("--writer-threads", type=int, default=4, help="plugin dump writer threads (sglang.writer_threads)")
     ap.add_argument("--sgl-args", default=DEFAULT_SGL_ARGS)
@@ -453,6 +548,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=440, help="wall-clock budget; later parts are skipped")
     ap.add_argument("--request-timeout-s", type=float, default=60, help="per request dump wait (client)")
     ap.add_argument("--server-module", default="sglang.launch_server", help="fake_sglang for a CPU dry run")
+    ap.add_argument("--profile", action="store_true",
+                    help="py-spy (HSX_PYSPY) samples GIL holders: the scheduler during (b0), the client during (b)")
+    ap.add_argument("--profile-s", type=float, default=8.0)
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--state", default="/tmp/hsx-bench-state")
     a = ap.parse_args()
@@ -468,7 +566,7 @@ def main() -> int:
                  "shard_threads": a.shard_threads, "shard_level": a.shard_level, "writer_threads": a.writer_threads,
                  "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
     bench = Bench(out, a.budget_s, res)
-    n_of = dict(zip(a.lens, a.n)) if a.n else {512: 256, 2048: 96}
+    n_of = dict(zip(a.lens, a.n)) if a.n else {512: 1024, 2048: 256}
     sets = {L: prompts_of(n_of.get(L, 64), L, vocab, seed=L) for L in a.lens}
     log(f"throughput bench: lens {a.lens}, prompts {[len(s) for s in sets.values()]}, parts {sorted(a.parts)}, "
         f"budget {a.budget_s:.0f} s")

@@ -20,7 +20,7 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sglang_throughput.py"), "--model", str(model), "--server-module",
          "fake_sglang", "--skip-hf", "--lens", "64", "--n", "24", "--aux", "0", "1", "2", "--concurrency", "4",
-         "8", "--shard-threads", "2", "--out", str(out), "--state", str(tmp_path / "state"),
+         "8", "--shard-threads", "2", "1", "--out", str(out), "--state", str(tmp_path / "state"),
          "--port", str(32000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
@@ -30,7 +30,14 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     runs = res["runs"]
     assert sorted(runs) == sorted([
         "a_plain", "a_plain@8", "b0_capture_no_shards", "b0_capture_no_shards@8", "b_capture_with_shards",
-        "b_capture_with_shards@8", "c_return_hidden_states_json", "d_one_at_a_time"])
+        "b_capture_with_shards/t1", "b_capture_with_shards@8", "c_return_hidden_states_json", "d_handmade_pt",
+        "d_one_at_a_time"])
+    assert runs["b_capture_with_shards/t1"]["64"]["shard_threads"] == 1
+    d = runs["d_handmade_pt"]["64"]  # one prompt at a time, a raw .pt each: 4 bf16 [64, 64] tensors and more
+    assert d["n"] == 24 and d["pt_bytes"] > 24 * 4 * 64 * 64 * 2 and not (out / "handmade-64").exists()
+    for part in runs.values():  # every part says what CPU it used
+        cpu = part["64"]["cpu"]
+        assert cpu["cpus"] == os.cpu_count() and cpu["client_cores"] >= 0 and cpu["machine_busy_cores"] >= 0
     b = runs["b_capture_with_shards"]["64"]
     assert b["n"] == 24 and b["tokens"] == 24 * 64 and b["shard_threads"] == 2
     assert b["writer"]["requests_done"] >= 24 and b["writer"]["writer_threads"] == 4

@@ -11,6 +11,11 @@ echo "setup took $T0 s, models $((SECONDS - T0)) s" | tee "$OUT/run.log"
 # The shards of (b) go to $OUT's disk, fsynced: its sequential write speed bounds (b) (2 GB, fdatasync).
 dd if=/dev/zero of="$OUT/ddprobe" bs=16M count=128 conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write ($OUT): /' | tee -a "$OUT/run.log"
 rm -f "$OUT/ddprobe"; df -h "$OUT" | tail -1 | tee -a "$OUT/run.log"
+# The shard encoder alone on this host's CPU (no server yet), by threads: its capacity beside nothing.
+if [ "${ENCODE_SWEEP:-1}" = 1 ]; then
+  timeout 60 python3 "$REPO/bench/shard_encode.py" --threads 1 4 8 16 --samples 96 --repeats 1 \
+    --out "$OUT/encode.json" 2>&1 | sed 's/^/shard_encode: /' | tee -a "$OUT/run.log" || true
+fi
 set +e
 timeout -k 15 470 python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b --out "$OUT" \
   --budget-s 430 "$@" 2>&1 | tee -a "$OUT/run.log"

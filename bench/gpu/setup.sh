@@ -14,6 +14,11 @@ if ! python3 -c "import zstandard, xxhash" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/extra "$REPO"/.whl/extra/*.whl
   EXTRA=/tmp/extra
 fi
+# py-spy for --profile, if carried (.whl/diag, bench/gpu/build-extra.sh)
+if ls "$REPO"/.whl/diag/py_spy-*.whl >/dev/null 2>&1 && [ ! -x /tmp/diag/bin/py-spy ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/diag "$REPO"/.whl/diag/py_spy-*.whl || true
+fi
+[ -x /tmp/diag/bin/py-spy ] && export HSX_PYSPY=/tmp/diag/bin/py-spy
 # The plugin's entry point without pip: a dist-info next to the source tree on the path.
 DI=/tmp/plug/hsextract-0.1.0.dist-info; mkdir -p "$DI"
 printf 'Metadata-Version: 2.1\nName: hsextract\nVersion: 0.1.0\n' >"$DI/METADATA"
