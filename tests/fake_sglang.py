@@ -213,7 +213,12 @@ class FakeServer:
                 with srv._lock:
                     srv.inflight += 1
                     srv.max_inflight = max(srv.max_inflight, srv.inflight)
-                r.done.wait()
+                # a dead server's connections close (a real one's process exit resets them): without this,
+                # a request in flight when the fake "died" hung until the client's timeout
+                while not r.done.wait(0.05):
+                    if srv._stop.is_set():
+                        self.close_connection = True
+                        return
                 with srv._lock:
                     srv.inflight -= 1
                 n_ids = len(ids) + (1 if srv.wrong else 0)
