@@ -139,14 +139,36 @@ def cpu_snapshot() -> tuple[float, float, float, float]:
     return busy, total, t.user + t.system, time.monotonic()
 
 
-def cpu_use(before: tuple[float, float, float, float]) -> dict:
-    """CPU used since `before`, in cores: the whole machine (server, client, all) and this client process."""
+def proc_ticks() -> dict[int, tuple[str, int]]:
+    """pid -> (name, user+system clock ticks) of every process (SGLang names its own: sglang::scheduler...)."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            name = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1][:40]
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        out[int(d.name)] = (name or stat[stat.index("(") + 1 : stat.rindex(")")], int(fields[11]) + int(fields[12]))
+    return out
+
+
+def cpu_use(before: tuple[float, float, float, float], procs: dict[int, tuple[str, int]]) -> dict:
+    """CPU used since `before`, in cores: the whole machine (server, client, all), this client process, and
+    the processes that used the most (which of the server's processes pays for the capture)."""
     after = cpu_snapshot()
     wall = max(after[3] - before[3], 1e-9)
     total = after[1] - before[1]
     machine = (after[0] - before[0]) / total * (os.cpu_count() or 1) if total > 0 else None
+    hz = os.sysconf("SC_CLK_TCK")
+    top = sorted(((t - procs[pid][1] if pid in procs else t, f"{name}[{pid}]")
+                  for pid, (name, t) in proc_ticks().items()), reverse=True)[:8]
+    cores = {name: round(d / hz / wall, 2) for d, name in top}
     return {"machine_busy_cores": None if machine is None else round(machine, 2),
-            "client_cores": round((after[2] - before[2]) / wall, 2), "cpus": os.cpu_count()}
+            "client_cores": round((after[2] - before[2]) / wall, 2), "cpus": os.cpu_count(),
+            "top": {name: c for name, c in cores.items() if c > 0}}
 
 
 class Profile:
@@ -236,10 +258,10 @@ class Bench:
             return None
         log(f"start {key} {L} ({self.left():.0f} s of budget left)")
         t = time.monotonic()
-        cpu0 = cpu_snapshot()
+        procs, cpu0 = proc_ticks(), cpu_snapshot()
         try:
             r = fn()
-            r["cpu"] = cpu_use(cpu0)
+            r["cpu"] = cpu_use(cpu0, procs)
         except Exception as e:  # record, keep going
             tb = traceback.format_exc()
             self.res["errors"].setdefault(key, {})[str(L)] = f"{type(e).__name__}: {e}"
@@ -362,18 +384,20 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                     "dump_bytes_per_s": nbytes / wall, "timeline": tl, "writer": writer_stats(h.dump_dir),
                     "profile": prof.result() if prof else None}
 
-        def b(L: int, ps: list[Prompt], cc: int, threads: int, name: str) -> dict:
+        def b(L: int, ps: list[Prompt], cc: int, variant: str, name: str) -> dict:
             # the workflow's own extract path (extract_chunk: order and shape checks, ShardWriter, timing)
+            threads, _, where = variant.partition(":")
+            threads = int(threads)
             e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
                               run_name=f"s{L}-{threads}", progress=progress_printer(f"{name} {L}", len(ps)))
-            shard = bench.out / f"bench-{L}.hss"
+            shard = Path(where or bench.out) / f"bench-{L}.hss"
             meta = placeholder_metadata(e2.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
                                         engine="sglang", engine_version=e2.version())
             chunk = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps],
                                  [[1] * len(p.input_ids) for p in ps])
             e2.timeline = []
             prof = Profile(bench.out, f"client-{name}-{L}", os.getpid(), a.profile_s, a.profile) \
-                if (cc, L) == first and threads == a.shard_threads[0] else None
+                if (cc, L) == first and variant == a.shard_threads[0] else None
             t0 = time.monotonic()
             try:
                 r = extract_chunk(chunk, shard, e2, meta, level=a.shard_level, threads=threads, progress=False)
@@ -388,7 +412,8 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             return {"n": len(ps), "tokens": r["tokens"], "wall_s": wall, "tok_s": r["tokens"] / wall,
                     "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
                     "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
-                    "shard_threads": threads, "shard_level": a.shard_level, "timeline": tl,
+                    "encode_wait_s": r["shard_encode_wait_s"], "write_s": r["shard_write_s"],
+                    "shard_threads": threads, "shard_dir": str(shard.parent), "shard_level": a.shard_level, "timeline": tl,
                     "writer": writer_stats(h.dump_dir), "profile": prof.result() if prof else None}
 
         def handmade(L: int, ps: list[Prompt]) -> dict:
@@ -421,10 +446,18 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
             if "d" in a.parts and cc == a.concurrency[0]:
                 bench.part("d_handmade_pt", L, lambda: handmade(L, ps[: 50 if L <= 512 else 30]), need_s=30)
+        # shard writer variants at the first length and concurrency, alternated --repeats times (the H200
+        # host's speed drifts between parts); the first variant's first run is the main (b) above
         cc, L = first
-        for threads in a.shard_threads[1:]:  # encoder variants: the first length and concurrency only
-            name = f"{key('b_capture_with_shards', cc, a)}/t{threads}"
-            bench.part(name, L, lambda: b(L, sets[L], cc, threads, name), need_s=60)
+        for rep in range(a.repeats):
+            for i, variant in enumerate(a.shard_threads):
+                if rep == 0 and i == 0:
+                    continue
+                name = f"{key('b_capture_with_shards', cc, a)}/t{variant.replace('/', '_')}#{rep + 1}"
+                bench.part(name, L, lambda: b(L, sets[L], cc, variant, name), need_s=60)
+        if a.repeats > 1:
+            name = f"{key('b0_capture_no_shards', cc, a)}#2"
+            bench.part(name, L, lambda: b0(L, sets[L], cc, name), need_s=40)
     except Exception as e:  # server start-up
         bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
         (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
@@ -493,6 +526,10 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
             if "d" in a.parts:
                 bench.part("d_one_at_a_time", L, lambda: http_run(a.port, ps[: 50 if L <= 512 else 30], 1),
                            need_s=20)
+        if a.repeats > 1 and "a" in a.parts:  # the plain server again, last: how far the host drifted
+            L, ps = next(iter(sets.items()))
+            bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L, lambda: http_run(a.port, ps, a.concurrency[0]),
+                       need_s=30)
     finally:
         _kill(pa)
 
@@ -536,9 +573,11 @@ def main() -> int:
                          "weigh as little as in a production chunk of 2048 prompts)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[32, 64],
                     help="requests in flight; (a), (b0), (b) run at each, the first is the issue's table")
-    ap.add_argument("--shard-threads", type=int, nargs="+", default=[8],
-                    help="ShardWriter threads (config shard.threads); (b) runs again at the first length for each "
-                         "further value")
+    ap.add_argument("--shard-threads", nargs="+", default=["8"],
+                    help="ShardWriter threads (config shard.threads), THREADS or THREADS:DIR (where the shard goes; "
+                         "default --out); (b) runs again at the first length for each further value")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="alternate the --shard-threads variants this many times; (b0) and (a) run again at the end")
     ap.add_argument("--shard-level", type=int, default=3, help="zstd level (config shard.compression_level)")
     ap.add_argument("--writer-threads", type=int, default=4, help="plugin dump writer threads (sglang.writer_threads)")
     ap.add_argument("--sgl-args", default=DEFAULT_SGL_ARGS)

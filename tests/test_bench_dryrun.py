@@ -16,11 +16,13 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 1000}))
     out = tmp_path / "out"
+    elsewhere = tmp_path / "elsewhere"  # a shard-writer variant that writes its shard to another folder
+    elsewhere.mkdir()
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}")
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sglang_throughput.py"), "--model", str(model), "--server-module",
          "fake_sglang", "--skip-hf", "--lens", "64", "--n", "24", "--aux", "0", "1", "2", "--concurrency", "4",
-         "8", "--shard-threads", "2", "1", "--out", str(out), "--state", str(tmp_path / "state"),
+         "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out), "--state", str(tmp_path / "state"),
          "--port", str(32000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
@@ -28,16 +30,19 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert res["errors"] == {} and res["skipped"] == {}
     runs = res["runs"]
+    v1 = f"b_capture_with_shards/t1:{str(elsewhere).replace('/', '_')}"
     assert sorted(runs) == sorted([
-        "a_plain", "a_plain@8", "b0_capture_no_shards", "b0_capture_no_shards@8", "b_capture_with_shards",
-        "b_capture_with_shards/t1", "b_capture_with_shards@8", "c_return_hidden_states_json", "d_handmade_pt",
-        "d_one_at_a_time"])
-    assert runs["b_capture_with_shards/t1"]["64"]["shard_threads"] == 1
+        "a_plain", "a_plain#2", "a_plain@8", "b0_capture_no_shards", "b0_capture_no_shards#2",
+        "b0_capture_no_shards@8", "b_capture_with_shards", f"{v1}#1", "b_capture_with_shards/t2#2", f"{v1}#2",
+        "b_capture_with_shards@8", "c_return_hidden_states_json", "d_handmade_pt", "d_one_at_a_time"])
+    assert runs[f"{v1}#2"]["64"]["shard_threads"] == 1 and runs[f"{v1}#2"]["64"]["shard_dir"] == str(elsewhere)
+    assert runs["b_capture_with_shards/t2#2"]["64"]["shard_dir"] == str(out) and list(elsewhere.iterdir()) == []
     d = runs["d_handmade_pt"]["64"]  # one prompt at a time, a raw .pt each: 4 bf16 [64, 64] tensors and more
     assert d["n"] == 24 and d["pt_bytes"] > 24 * 4 * 64 * 64 * 2 and not (out / "handmade-64").exists()
     for part in runs.values():  # every part says what CPU it used
         cpu = part["64"]["cpu"]
         assert cpu["cpus"] == os.cpu_count() and cpu["client_cores"] >= 0 and cpu["machine_busy_cores"] >= 0
+        assert cpu["top"] and all(v > 0 for v in cpu["top"].values())
     b = runs["b_capture_with_shards"]["64"]
     assert b["n"] == 24 and b["tokens"] == 24 * 64 and b["shard_threads"] == 2
     assert b["writer"]["requests_done"] >= 24 and b["writer"]["writer_threads"] == 4

@@ -126,6 +126,38 @@ def test_background_sync_runs_while_writing_and_changes_no_byte(tmp_path, monkey
     assert len(synced) >= 2 and all(0 < n < len(ref) for n in synced)  # during the writing, not at close
 
 
+def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, monkeypatch):
+    import time
+
+    real_encode = ShardWriter._encode
+    monkeypatch.setattr(ShardWriter, "_encode", lambda self, t: (time.sleep(0.1), real_encode(self, t))[1])
+    with ShardWriter(tmp_path / "slow-encoder.hss", shard_metadata(), threads=2) as w:
+        for k in range(8):
+            w.add(*make_sample(5, seed=k))
+        enc = w.close()
+    monkeypatch.setattr(ShardWriter, "_encode", real_encode)
+
+    class SlowFile:  # a disk that takes 50 ms per write
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, b):
+            time.sleep(0.05)
+            return self.f.write(b)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    with ShardWriter(tmp_path / "slow-disk.hss", shard_metadata(), threads=2) as w:
+        w._file = SlowFile(w._file)
+        for k in range(4):
+            w.add(*make_sample(5, seed=k))
+        disk = w.close()
+    # 8 samples of 0.1 s on 2 threads: ~0.4 s of waiting; 4 records of several writes each, plus header/index
+    assert enc.encode_wait_s >= 0.25 and enc.write_s < 0.1
+    assert disk.write_s >= 0.05 * 4 * 2 and disk.encode_wait_s < 0.1
+
+
 def test_failing_background_sync_leaves_no_shard(tmp_path, monkeypatch):
     def eio(fd):
         raise OSError(5, "Input/output error")

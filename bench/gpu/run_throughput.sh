@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # One device call (< 9 min): bench/sglang_throughput.py on the Llama-3-8B shape (dummy weights).
 #   run(command="bash bench/gpu/run_throughput.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
-# The python part has a 430 s budget (parts that do not fit are skipped and recorded) and a hard 470 s
-# timeout; throughput.json is rewritten after every part. Extra arguments go to the script, e.g.
+# The python part has a 430 s budget (BUDGET_S; parts that do not fit are skipped and recorded) and a hard
+# timeout 40 s later; throughput.json is rewritten after every part. DD_GB: size of the disk probe (2). Extra arguments go to the script, e.g.
 #   bash bench/gpu/run_throughput.sh --parts b,a --lens 512
 source "$(dirname "$0")/setup.sh"
 T0=$SECONDS
 python3 "$REPO/bench/gpu/mk_models.py" /tmp/models --llama8b >"$OUT/mk_models.log" 2>&1
 echo "setup took $T0 s, models $((SECONDS - T0)) s" | tee "$OUT/run.log"
 # The shards of (b) go to $OUT's disk, fsynced: its sequential write speed bounds (b) (2 GB, fdatasync).
-dd if=/dev/zero of="$OUT/ddprobe" bs=16M count=128 conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write ($OUT): /' | tee -a "$OUT/run.log"
+dd if=/dev/zero of="$OUT/ddprobe" bs=16M count=$((64 * ${DD_GB:-2})) conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write ($OUT): /' | tee -a "$OUT/run.log"
 rm -f "$OUT/ddprobe"; df -h "$OUT" | tail -1 | tee -a "$OUT/run.log"
 # The shard encoder alone on this host's CPU (no server yet), by threads: its capacity beside nothing.
 if [ "${ENCODE_SWEEP:-1}" = 1 ]; then
@@ -17,8 +17,9 @@ if [ "${ENCODE_SWEEP:-1}" = 1 ]; then
     --out "$OUT/encode.json" 2>&1 | sed 's/^/shard_encode: /' | tee -a "$OUT/run.log" || true
 fi
 set +e
-timeout -k 15 470 python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b --out "$OUT" \
-  --budget-s 430 "$@" 2>&1 | tee -a "$OUT/run.log"
+BUDGET_S=${BUDGET_S:-430}
+timeout -k 15 $((BUDGET_S + 40)) python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b \
+  --out "$OUT" --budget-s "$BUDGET_S" "$@" 2>&1 | tee -a "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 set -e
 python3 -m hsextract.server stop /tmp/hsx-bench-state >/dev/null 2>&1 || true

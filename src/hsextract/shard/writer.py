@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +45,10 @@ class ShardSummary:
     num_tokens: int
     raw_bytes: int
     stored_bytes: int
+    # where add() and close() waited: for encoder threads (encoding is behind), or in the file's writes
+    # (the disk is behind: the page cache throttles a writer that outruns it)
+    encode_wait_s: float = 0.0
+    write_s: float = 0.0
 
 
 def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
@@ -139,6 +144,7 @@ class ShardWriter:
         self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed in close()/abort()
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.INDEX_COLUMNS}
         self._closed = False
+        self.encode_wait_s = self.write_s = 0.0
         self._write(fmt.pack_header(self.metadata))
 
     # -- encoding (worker threads when threads > 1) ---------------------------------------
@@ -217,8 +223,10 @@ class ShardWriter:
 
     def _write_oldest(self) -> None:
         sample, fut = self._pending.popleft()
+        t = time.perf_counter()
         try:
             parts, digest = fut.result()
+            self.encode_wait_s += time.perf_counter() - t
         except BaseException:
             self.abort()
             raise
@@ -238,8 +246,10 @@ class ShardWriter:
         return len(self._index["sample_ids"])
 
     def _write(self, data: bytes) -> None:
+        t = time.perf_counter()
         try:
             self._file.write(data)
+            self.write_s += time.perf_counter() - t
             self._unsynced += len(data)
             if self._syncer is not None and self._unsynced >= self._sync_every:
                 self._background_sync()
@@ -303,6 +313,8 @@ class ShardWriter:
             num_tokens=sum(self._index["seq_lens"]),
             raw_bytes=sum(self._index["raw_bytes"]),
             stored_bytes=self.path.stat().st_size,
+            encode_wait_s=round(self.encode_wait_s, 3),
+            write_s=round(self.write_s, 3),
         )
 
     def abort(self) -> None:
