@@ -24,5 +24,8 @@ rc=${PIPESTATUS[0]}
 set -e
 python3 -m hsextract.server stop /tmp/hsx-bench-state >/dev/null 2>&1 || true
 tail -c 300000 /tmp/hsx-bench-state/replica-0.log >"$OUT/server-capture.log" 2>/dev/null || true
+# every prefill batch of both servers (size, queue, throughput), whatever the tail above cut off
+grep -h "Prefill batch" /tmp/hsx-bench-state/replica-0.log >"$OUT/server-capture-prefill-batches.log" 2>/dev/null || true
+grep -h "Prefill batch" "$OUT/server-plain.log" >"$OUT/server-plain-prefill-batches.log" 2>/dev/null || true
 echo "exit $rc after $SECONDS s" | tee -a "$OUT/run.log"
 exit $rc
