@@ -120,8 +120,6 @@ def test_background_sync_runs_while_writing_and_changes_no_byte(tmp_path, monkey
     with w:
         for k, (ids, hs, mask) in enumerate(samples):
             w.add(ids, hs, mask, sample_id=f"s{k}")
-            if w._sync is not None:  # a disk that keeps up: otherwise a slow sync (loaded CI) skips the next
-                w._sync.result()
     assert (tmp_path / "b.hss").read_bytes() == ref
     assert len(synced) >= 2 and all(0 < n < len(ref) for n in synced)  # during the writing, not at close
 
@@ -156,6 +154,38 @@ def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, 
     # 8 samples of 0.1 s on 2 threads: ~0.4 s of waiting; 4 records of several writes each, plus header/index
     assert enc.encode_wait_s >= 0.25 and enc.write_s < 0.1
     assert disk.write_s >= 0.05 * 4 * 2 and disk.encode_wait_s < 0.1
+
+
+def test_a_stalling_disk_does_not_stop_add_within_the_write_ahead(tmp_path):
+    import time
+
+    samples = [make_sample(9, seed=k) for k in range(6)]
+    ref = write(tmp_path / "ref.hss", samples).read_bytes()
+
+    def stalling(w):
+        real = w._file.write
+
+        def slow(b):
+            time.sleep(0.03)  # every write: a disk in a journal commit
+            return real(b)
+
+        w._file.write = slow  # only the writer thread calls it
+        return w
+
+    for ahead, adds_max in ((1 << 30, 0.1), (1, None)):
+        w = stalling(ShardWriter(tmp_path / f"a{ahead}.hss", shard_metadata(), threads=2))
+        w._ahead = ahead  # bytes here; MB in the API
+        t = time.perf_counter()
+        with w:
+            for k, (ids, hs, mask) in enumerate(samples):
+                w.add(ids, hs, mask, sample_id=f"s{k}")
+            adds = time.perf_counter() - t
+            summary = w.close()
+        assert (tmp_path / f"a{ahead}.hss").read_bytes() == ref
+        if adds_max:  # everything fits ahead: add() never waits for the disk, close() does
+            assert adds < adds_max and summary.write_s > 0.03 * len(samples)
+        else:  # no room ahead: each record waits for the one before it to be written
+            assert adds > 0.03 * (len(samples) - 2)
 
 
 def test_failing_background_sync_leaves_no_shard(tmp_path, monkeypatch):

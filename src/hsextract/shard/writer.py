@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import secrets
 import threading
 import time
@@ -100,9 +101,12 @@ class ShardWriter:
     shard is left. With threads=1 add() encodes and writes each record; with threads=N up to N+1
     samples are encoded in parallel ahead of the file, so memory stays at about N+2 samples.
 
-    Every `sync_every_mb` MB written, a background fdatasync pushes what the file holds so far to the
-    disk: the kernel otherwise keeps gigabytes dirty and close()'s fsync writes them all while the run
-    waits (1.4 s of a 4.8 s, 2.9 GB shard on the H200). 0 turns it off.
+    The file is written by a writer thread, up to `write_ahead_mb` MB behind add(): a disk that stalls
+    now and then (a journal commit) no longer stops the caller, which on the SGLang path stops the
+    requests (H200 run 8: add() spent 4-6 s of 13-15 s inside the file's writes, with encoding never
+    behind). Every `sync_every_mb` MB that thread also runs fdatasync: the kernel otherwise keeps
+    gigabytes dirty and close()'s fsync writes them all while the run waits (1.4 s of a 4.8 s, 2.9 GB
+    shard on the H200). 0 turns it off.
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class ShardWriter:
         threads: int = 1,
         precision: str = "bf16",
         sync_every_mb: int = 256,
+        write_ahead_mb: int = 256,
     ) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
@@ -137,7 +142,8 @@ class ShardWriter:
         self._depth = threads + 1  # samples encoding ahead of the file: memory ~ (threads + 2) samples
         self._sync_every = sync_every_mb << 20
         self._unsynced = 0
-        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="hsx-sync") if sync_every_mb else None
+        self._ahead = max(1, write_ahead_mb) << 20
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="hsx-sync")
         self._sync: Future[None] | None = None
         remove_stale_temps(self.path)
         self._tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
@@ -145,6 +151,14 @@ class ShardWriter:
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.INDEX_COLUMNS}
         self._closed = False
         self.encode_wait_s = self.write_s = 0.0
+        # the writer thread: chunks in file order; _queued bytes handed over and not yet written
+        self._wq: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._wcond = threading.Condition()
+        self._queued = 0
+        self._werr: BaseException | None = None
+        self._pos = 0  # bytes handed to the writer: the next record's offset
+        self._wthread = threading.Thread(target=self._writer_loop, name="hsx-shard-write", daemon=True)
+        self._wthread.start()
         self._write(fmt.pack_header(self.metadata))
 
     # -- encoding (worker threads when threads > 1) ---------------------------------------
@@ -235,46 +249,84 @@ class ShardWriter:
     def _write_record(self, sample: int, parts: list[bytes], digest: int) -> None:
         payload_len = sum(len(x) for x in parts)
         ix = self._index
-        ix["offsets"].append(self._file.tell())
+        ix["offsets"].append(self._pos)
         ix["record_lens"].append(fmt.RECORD.size + payload_len)
         ix["payload_xxh3"].append(digest)
-        self._write(fmt.pack_record_header(sample, payload_len, digest))
-        for x in parts:
-            self._write(x)
+        self._write(fmt.pack_record_header(sample, payload_len, digest), *parts)
 
     def __len__(self) -> int:
         return len(self._index["sample_ids"])
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, *chunks: bytes) -> None:
+        """Hand `chunks` to the writer thread; wait while it is `write_ahead_mb` behind (timed as write_s)."""
+        n = sum(len(c) for c in chunks)
         t = time.perf_counter()
-        try:
-            self._file.write(data)
-            self.write_s += time.perf_counter() - t
-            self._unsynced += len(data)
-            if self._syncer is not None and self._unsynced >= self._sync_every:
-                self._background_sync()
-        except OSError as e:
-            self.abort()
-            raise ShardError(
-                f"{self.path}: writing failed after {len(self._index['offsets'])} samples ({e.strerror or e}); "
-                f"no shard was left behind. Free space in {self.path.parent} (or fix the error) and rerun the chunk."
-            ) from e
+        with self._wcond:
+            while self._queued and self._queued + n > self._ahead and self._werr is None:
+                self._wcond.wait()
+            self._queued += n
+        self.write_s += time.perf_counter() - t
+        self._raise_write_error()
+        self._wq.put(list(chunks))
+        self._pos += n
+
+    def _writer_loop(self) -> None:
+        while (chunks := self._wq.get()) is not None:
+            n = sum(len(c) for c in chunks)
+            try:
+                if self._werr is None:  # after an error: drain, write nothing
+                    for c in chunks:
+                        self._file.write(c)
+                    self._unsynced += n
+                    if self._sync_every and self._unsynced >= self._sync_every:
+                        self._background_sync()
+            except BaseException as e:  # noqa: BLE001 - reported by the next add() or close()
+                self._werr = e
+            finally:
+                with self._wcond:
+                    self._queued -= n
+                    self._wcond.notify_all()
 
     def _background_sync(self) -> None:
-        """Start an fdatasync of what the file holds unless one is still running (then try next time)."""
+        """Start an fdatasync of what the file holds unless one still runs (then try next time). On its own
+        thread: the writer goes on filling the page cache while the disk takes the last 256 MB (writing
+        and syncing in one thread was 25% slower on bench/shard_sync.py)."""
         if self._sync is not None:
             if not self._sync.done():
                 return
             self._sync.result()  # an OSError from the disk surfaces here, as a failed write
         self._file.flush()
         self._unsynced = 0
-        assert self._syncer is not None
         self._sync = self._syncer.submit(os.fdatasync, self._file.fileno())
 
     def _wait_sync(self) -> None:
         if self._sync is not None:
             fut, self._sync = self._sync, None
             fut.result()
+
+    def _raise_write_error(self) -> None:
+        e = self._werr
+        if e is None:
+            return
+        self.abort()
+        strerror = e.strerror if isinstance(e, OSError) else None
+        raise ShardError(
+            f"{self.path}: writing failed after {len(self._index['offsets'])} samples ({strerror or e}); "
+            f"no shard was left behind. Free space in {self.path.parent} (or fix the error) and rerun the chunk."
+        ) from e
+
+    def _stop_writer(self) -> None:
+        """Let the writer thread finish what it holds (the consumer waits: write_s) and end."""
+        if self._wthread.is_alive():
+            t = time.perf_counter()
+            self._wq.put(None)
+            self._wthread.join()
+            try:  # the last background sync: its error is a failed write too
+                self._wait_sync()
+            except OSError as e:
+                if self._werr is None:
+                    self._werr = e
+            self.write_s += time.perf_counter() - t
 
     def close(self) -> ShardSummary:
         """Write index and footer, fsync, rename into place. Returns what was stored."""
@@ -285,11 +337,12 @@ class ShardWriter:
         index = zstd.ZstdCompressor(level=3, write_checksum=True).compress(
             json.dumps(self._index, separators=(",", ":")).encode()
         )
-        offset = self._file.tell()
+        offset = self._pos
         self._write(index)
         self._write(fmt.pack_footer(offset, index, len(self)))
+        self._stop_writer()
+        self._raise_write_error()
         try:
-            self._wait_sync()
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
@@ -305,8 +358,7 @@ class ShardWriter:
         self._closed = True
         if self._pool:
             self._pool.shutdown()
-        if self._syncer:
-            self._syncer.shutdown()
+        self._syncer.shutdown()
         return ShardSummary(
             path=str(self.path),
             num_samples=len(self),
@@ -322,12 +374,11 @@ class ShardWriter:
         if self._closed:
             return
         self._closed = True
-        try:  # the sync thread must be done with the descriptor before it is closed (and its number reused)
-            self._wait_sync()
-        except OSError:
-            pass
-        if self._syncer:
-            self._syncer.shutdown()
+        # the writer thread must be done with the file before it is closed: it drops what it still holds
+        if self._werr is None:
+            self._werr = ShardError("aborted")
+        self._stop_writer()
+        self._syncer.shutdown()
         try:
             self._file.close()
         except OSError:
