@@ -22,7 +22,8 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sglang_throughput.py"), "--model", str(model), "--server-module",
          "fake_sglang", "--skip-hf", "--lens", "64", "--n", "24", "--aux", "0", "1", "2", "--concurrency", "4",
-         "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out), "--state", str(tmp_path / "state"),
+         "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out),
+         "--state", str(tmp_path / "state"),
          "--port", str(32000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )

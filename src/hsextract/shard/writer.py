@@ -104,9 +104,9 @@ class ShardWriter:
     The file is written by a writer thread, up to `write_ahead_mb` MB behind add(): a disk that stalls
     now and then (a journal commit) no longer stops the caller, which on the SGLang path stops the
     requests (H200 run 8: add() spent 4-6 s of 13-15 s inside the file's writes, with encoding never
-    behind). Every `sync_every_mb` MB that thread also runs fdatasync: the kernel otherwise keeps
-    gigabytes dirty and close()'s fsync writes them all while the run waits (1.4 s of a 4.8 s, 2.9 GB
-    shard on the H200). 0 turns it off.
+    behind). Every `sync_every_mb` MB that thread also starts an fdatasync on another thread: the kernel
+    otherwise keeps gigabytes dirty and close()'s fsync writes them all while the run waits (1.4 s of a
+    4.8 s, 2.9 GB shard on the H200). 0 turns it off.
     """
 
     def __init__(
