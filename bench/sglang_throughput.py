@@ -413,7 +413,8 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                     "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
                     "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
                     "encode_wait_s": r["shard_encode_wait_s"], "write_s": r["shard_write_s"],
-                    "shard_threads": threads, "shard_dir": str(shard.parent), "shard_level": a.shard_level, "timeline": tl,
+                    "shard_threads": threads, "shard_dir": str(shard.parent), "shard_level": a.shard_level,
+                    "timeline": tl,
                     "writer": writer_stats(h.dump_dir), "profile": prof.result() if prof else None}
 
         def handmade(L: int, ps: list[Prompt]) -> dict:
@@ -528,8 +529,8 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
                            need_s=20)
         if a.repeats > 1 and "a" in a.parts:  # the plain server again, last: how far the host drifted
             L, ps = next(iter(sets.items()))
-            bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L, lambda: http_run(a.port, ps, a.concurrency[0]),
-                       need_s=30)
+            bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L,
+                       lambda: http_run(a.port, ps, a.concurrency[0]), need_s=30)
     finally:
         _kill(pa)
 
