@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hsextract.shard import ShardWriter, placeholder_metadata
+from shard_sync import activation_samples  # the same random activations (bench/ is the script's folder)
 
 META = placeholder_metadata(4096, [1, 2, 3])
 
@@ -50,10 +51,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     a = ap.parse_args()
-    g = torch.Generator().manual_seed(0)
-    pool = [[(torch.randn(512, 4096, generator=g) * 3).to(torch.bfloat16) for _ in range(4)]
-            for _ in range(a.distinct)]
-    samples = [pool[i % a.distinct] for i in range(a.samples)]
+    samples = activation_samples(a.samples, a.distinct)
     d = Path(tempfile.mkdtemp(prefix="hsx-enc-", dir=a.dir))
     rows = []
     try:

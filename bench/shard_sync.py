@@ -23,6 +23,13 @@ from hsextract.shard import ShardWriter, placeholder_metadata
 META = placeholder_metadata(4096, [1, 2, 3])
 
 
+def activation_samples(n: int, distinct: int = 8) -> list[list[torch.Tensor]]:
+    """`n` samples of 4 random bf16 [512, 4096] activations (16 MB), `distinct` of them reused round robin."""
+    g = torch.Generator().manual_seed(0)
+    pool = [[(torch.randn(512, 4096, generator=g) * 3).to(torch.bfloat16) for _ in range(4)] for _ in range(distinct)]
+    return [pool[i % distinct] for i in range(n)]
+
+
 def one(path: Path, samples: list[list[torch.Tensor]], threads: int, sync_mb: int) -> dict:
     ids = torch.arange(samples[0][0].shape[0])
     t0 = time.monotonic()
@@ -46,10 +53,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=2)
     a = ap.parse_args()
-    g = torch.Generator().manual_seed(0)
-    pool = [[(torch.randn(512, 4096, generator=g) * 3).to(torch.bfloat16) for _ in range(4)]
-            for _ in range(a.distinct)]
-    samples = [pool[i % a.distinct] for i in range(a.samples)]
+    samples = activation_samples(a.samples, a.distinct)
     d = Path(tempfile.mkdtemp(prefix="hsx-sync-", dir=a.dir))
     for _ in range(a.repeats):
         for mb in (0, 256):
