@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -124,9 +125,19 @@ def test_background_sync_runs_while_writing_and_changes_no_byte(tmp_path, monkey
     assert len(synced) >= 2 and all(0 < n < len(ref) for n in synced)  # during the writing, not at close
 
 
-def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, monkeypatch):
-    import time
+def slow_disk(w: ShardWriter, delay_s: float = 0.05) -> ShardWriter:
+    """Every write of `w`'s file takes `delay_s` (a disk in a journal commit); only its writer thread writes."""
+    real = w._file.write
 
+    def slow(b):
+        time.sleep(delay_s)
+        return real(b)
+
+    w._file.write = slow
+    return w
+
+
+def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, monkeypatch):
     real_encode = ShardWriter._encode
     monkeypatch.setattr(ShardWriter, "_encode", lambda self, t: (time.sleep(0.1), real_encode(self, t))[1])
     with ShardWriter(tmp_path / "slow-encoder.hss", shard_metadata(), threads=2) as w:
@@ -135,19 +146,7 @@ def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, 
         enc = w.close()
     monkeypatch.setattr(ShardWriter, "_encode", real_encode)
 
-    class SlowFile:  # a disk that takes 50 ms per write
-        def __init__(self, f):
-            self.f = f
-
-        def write(self, b):
-            time.sleep(0.05)
-            return self.f.write(b)
-
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-    with ShardWriter(tmp_path / "slow-disk.hss", shard_metadata(), threads=2) as w:
-        w._file = SlowFile(w._file)
+    with slow_disk(ShardWriter(tmp_path / "slow-disk.hss", shard_metadata(), threads=2)) as w:
         for k in range(4):
             w.add(*make_sample(5, seed=k))
         disk = w.close()
@@ -157,23 +156,10 @@ def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, 
 
 
 def test_a_stalling_disk_does_not_stop_add_within_the_write_ahead(tmp_path):
-    import time
-
     samples = [make_sample(9, seed=k) for k in range(6)]
     ref = write(tmp_path / "ref.hss", samples).read_bytes()
-
-    def stalling(w):
-        real = w._file.write
-
-        def slow(b):
-            time.sleep(0.05)  # every write: a disk in a journal commit
-            return real(b)
-
-        w._file.write = slow  # only the writer thread calls it
-        return w
-
     for ahead, adds_max in ((1 << 30, 0.2), (1, None)):
-        w = stalling(ShardWriter(tmp_path / f"a{ahead}.hss", shard_metadata(), threads=2))
+        w = slow_disk(ShardWriter(tmp_path / f"a{ahead}.hss", shard_metadata(), threads=2))
         w._ahead = ahead  # bytes here; MB in the API
         t = time.perf_counter()
         with w:

@@ -141,7 +141,8 @@ def extract_chunk(
     bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr, disable=not progress, mininterval=2.0)
     written = 0
     # where the chunk's time went: waiting for the engine, or inside the shard writer (add blocks while
-    # `threads` + 1 samples are still encoding; close writes the last records, the index and the fsync)
+    # `threads` + 1 samples are still encoding or the file's writer thread is 256 MB behind; close writes
+    # the last records, the index and the fsync)
     wait_s = add_s = close_s = 0.0
     with ShardWriter(shard_path, metadata=dict(metadata), level=level, threads=threads, precision=precision) as writer:
         samples = iter(engine.extract(items))

@@ -264,9 +264,10 @@ class ShardWriter:
         with self._wcond:
             while self._queued and self._queued + n > self._ahead and self._werr is None:
                 self._wcond.wait()
-            self._queued += n
+            if self._werr is None:
+                self._queued += n
         self.write_s += time.perf_counter() - t
-        self._raise_write_error()
+        self._raise_write_error()  # an earlier write failed: nothing more is handed over
         self._wq.put(list(chunks))
         self._pos += n
 
