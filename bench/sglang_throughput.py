@@ -413,6 +413,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                     "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
                     "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
                     "encode_wait_s": r["shard_encode_wait_s"], "write_s": r["shard_write_s"],
+                    "disk_s": r["shard_disk_s"],
                     "shard_threads": threads, "shard_dir": str(shard.parent), "shard_level": a.shard_level,
                     "timeline": tl,
                     "writer": writer_stats(h.dump_dir), "profile": prof.result() if prof else None}

@@ -42,6 +42,7 @@ def one(path: Path, samples: list[list[torch.Tensor]], threads: int, sync_mb: in
     path.unlink()
     return {"sync_every_mb": sync_mb, "adds_s": round(t1 - t0, 2), "close_s": round(t2 - t1, 2),
             "wall_s": round(t2 - t0, 2), "encode_wait_s": summary.encode_wait_s, "write_s": summary.write_s,
+            "disk_s": summary.disk_s,
             "stored_mb": summary.stored_bytes >> 20}
 
 

@@ -194,9 +194,11 @@ def extract_chunk(
         "engine_wait_s": round(wait_s, 3),
         "shard_add_s": round(add_s, 3),
         "shard_close_s": round(close_s, 3),
-        # of add + close: waiting for the encoder threads, and inside the file's writes (a slow disk)
+        # of add + close: waiting for the encoder threads, and for the file's writer thread (a slow disk);
+        # disk_s: the writer thread's time in write(), mostly hidden behind the run by the write-ahead
         "shard_encode_wait_s": stored.encode_wait_s,
         "shard_write_s": stored.write_s,
+        "shard_disk_s": stored.disk_s,
     }
 
 

@@ -46,10 +46,12 @@ class ShardSummary:
     num_tokens: int
     raw_bytes: int
     stored_bytes: int
-    # where add() and close() waited: for encoder threads (encoding is behind), or in the file's writes
-    # (the disk is behind: the page cache throttles a writer that outruns it)
+    # where add() and close() waited: for encoder threads (encoding is behind), or for the writer thread
+    # (the disk is behind by more than the write-ahead: the page cache throttles a writer that outruns it)
     encode_wait_s: float = 0.0
     write_s: float = 0.0
+    # the writer thread's own time in the file's write() calls: the disk's time, waited for or not
+    disk_s: float = 0.0
 
 
 def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
@@ -150,7 +152,7 @@ class ShardWriter:
         self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed in close()/abort()
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.INDEX_COLUMNS}
         self._closed = False
-        self.encode_wait_s = self.write_s = 0.0
+        self.encode_wait_s = self.write_s = self.disk_s = 0.0
         # the writer thread: chunks in file order; _queued bytes handed over and not yet written
         self._wq: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
         self._wcond = threading.Condition()
@@ -276,8 +278,10 @@ class ShardWriter:
             n = sum(len(c) for c in chunks)
             try:
                 if self._werr is None:  # after an error: drain, write nothing
+                    t = time.perf_counter()
                     for c in chunks:
                         self._file.write(c)
+                    self.disk_s += time.perf_counter() - t
                     self._unsynced += n
                     if self._sync_every and self._unsynced >= self._sync_every:
                         self._background_sync()
@@ -368,6 +372,7 @@ class ShardWriter:
             stored_bytes=self.path.stat().st_size,
             encode_wait_s=round(self.encode_wait_s, 3),
             write_s=round(self.write_s, 3),
+            disk_s=round(self.disk_s, 3),
         )
 
     def abort(self) -> None:
