@@ -237,6 +237,19 @@ def test_writer_threads_from_env(tmp_path: Path) -> None:
         )
 
 
+def test_copy_stream_from_env(tmp_path: Path) -> None:
+    base = {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1,3,5"}
+    assert plg.PluginConfig.from_env(base).copy_stream is True
+    off = plg.PluginConfig.from_env(base | {"HSEXTRACT_COPY_STREAM": "0"})
+    assert off.copy_stream is False
+    d = plg.Dumper(off, pin=False)
+    assert d.start()._use_copy_stream is False
+    d.writer.close()
+    with pytest.raises(plg.PluginConfigError) as e:
+        plg.PluginConfig.from_env(base | {"HSEXTRACT_COPY_STREAM": "yes"})
+    assert str(e.value) == "HSEXTRACT_COPY_STREAM='yes': expected 1 (side stream) or 0"
+
+
 def test_server_config_passes_writer_threads(tmp_path: Path) -> None:
     cfg = server.ServerConfig(model="m", aux_layers=(1, 2))
     assert server.build_env(cfg, tmp_path, base={})["HSEXTRACT_WRITER_THREADS"] == "4"

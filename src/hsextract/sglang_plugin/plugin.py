@@ -12,6 +12,8 @@ Environment (set by `hsextract.server`):
                             pieces and marker always go to one thread, in order)
     HSEXTRACT_RID_PREFIX    only requests whose rid starts with it are dumped (default "hsx-"); this
                             skips SGLang's own warmup (random hex rid) and health checks (HEALTH_CHECK_*)
+    HSEXTRACT_COPY_STREAM   1 (default): device-to-host copies on a side stream, beside the next forward;
+                            0: on the forward's stream (saves one device copy of each batch's rows)
 
 Capture source:
   * `builtin`: the server runs with `--enable-return-aux-hidden-states` (SGLang >= 0.5.2x):
@@ -70,6 +72,7 @@ ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
 ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
 ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
 ENV_WRITER_THREADS = "HSEXTRACT_WRITER_THREADS"
+ENV_COPY_STREAM = "HSEXTRACT_COPY_STREAM"
 DEFAULT_WRITER_THREADS = 4
 DEFAULT_RID_PREFIX = "hsx-"
 _DUMPED_ATTR = "_hsextract_dumped"  # set on a Req once its whole prompt was staged
@@ -87,6 +90,7 @@ class PluginConfig:
     staging_bytes: int = 4096 << 20
     rid_prefix: str = DEFAULT_RID_PREFIX
     writer_threads: int = DEFAULT_WRITER_THREADS
+    copy_stream: bool = True
 
     @property
     def expected_capture(self) -> list[int]:
@@ -127,7 +131,11 @@ class PluginConfig:
             raise PluginConfigError(
                 f"{ENV_WRITER_THREADS}={raw_threads!r}: expected an integer >= 1 (config key writer_threads)"
             )
-        return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads)
+        copy_stream = env.get(ENV_COPY_STREAM, "1")
+        if copy_stream not in ("0", "1"):
+            raise PluginConfigError(f"{ENV_COPY_STREAM}={copy_stream!r}: expected 1 (side stream) or 0")
+        return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads,
+                   copy_stream == "1")
 
 
 class Dumper:
@@ -148,7 +156,7 @@ class Dumper:
         if self._writer is None:
             self._writer = DumpWriter(
                 self.cfg.dump_dir, StagingRing(self.cfg.staging_bytes, pin=self._pin),
-                threads=self.cfg.writer_threads, write_delay_s=self._delay,
+                threads=self.cfg.writer_threads, write_delay_s=self._delay, copy_stream=self.cfg.copy_stream,
                 extra_stats=lambda: {"duplicates_skipped": self.duplicates_skipped},
             )
         return self._writer
