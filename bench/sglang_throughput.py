@@ -350,7 +350,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
                        launch_args=tuple(sgl), run_name="bench", module=a.server_module,
                        startup_timeout_s=max(180.0, min(300.0, bench.left() - 60)), staging_mb=a.staging_mb,
-                       writer_threads=a.writer_threads)
+                       writer_threads=a.writer_threads, prefill_cuda_graph=a.prefill_cuda_graph)
     spec = CaptureSpec(aux_layers=aux)
     dump = bench.out / "capture-dump"
     t = time.monotonic()
@@ -582,6 +582,8 @@ def main() -> int:
                     help="alternate the --shard-threads variants this many times; (b0) and (a) run again at the end")
     ap.add_argument("--shard-level", type=int, default=3, help="zstd level (config shard.compression_level)")
     ap.add_argument("--writer-threads", type=int, default=4, help="plugin dump writer threads (sglang.writer_threads)")
+    ap.add_argument("--prefill-cuda-graph", action="store_true",
+                    help="capture server on SGLang's prefill CUDA graphs (sglang.prefill_cuda_graph; default eager)")
     ap.add_argument("--sgl-args", default=DEFAULT_SGL_ARGS)
     ap.add_argument("--staging-mb", type=int, default=8192)
     ap.add_argument("--parts", default="b,a,c,d,e", help="comma-separated subset of b,a,c,d,e (b0 runs with b)")
@@ -605,6 +607,7 @@ def main() -> int:
     aux = tuple(a.aux)
     res: dict = {"model": a.model, "aux_layers": list(aux), "concurrency": a.concurrency, "sgl_args": a.sgl_args,
                  "shard_threads": a.shard_threads, "shard_level": a.shard_level, "writer_threads": a.writer_threads,
+                 "prefill_cuda_graph": a.prefill_cuda_graph,
                  "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
     bench = Bench(out, a.budget_s, res)
     n_of = dict(zip(a.lens, a.n)) if a.n else {512: 1024, 2048: 256}

@@ -279,6 +279,19 @@ def procs_mentioning(s: str) -> list[int]:
     return out
 
 
+def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Path) -> None:
+    from hsextract.engines.sglang_config import server_config_from
+
+    base = {"model": "/m", "aux_layers": [1, 3], "run_name": "r"}
+    tail = ["--skip-tokenizer-init", "--enable-return-hidden-states"]
+    off = server_config_from(base, python="/py")
+    assert off.prefill_cuda_graph is False
+    assert hsrv.build_command(off)[-3:] == [*tail, "--disable-prefill-cuda-graph"]
+    on = server_config_from(base | {"sglang": {"prefill_cuda_graph": True}}, python="/py")
+    assert hsrv.build_command(on)[-2:] == tail  # graphs captured in FULL mode, as before
+    assert hsrv.config_hash(off, 0) != hsrv.config_hash(on, 0)  # a running server of the other kind is not reused
+
+
 def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
     cfg = hsrv.ServerConfig(model="/m", aux_layers=(2, 30, 58), python="/env/bin/python", tp=8,
                             capture="builtin", launch_args=("--mem-fraction-static", "0.8"))
@@ -286,7 +299,7 @@ def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
         "/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
         "30000", "--tp", "8", "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-aux-hidden-states",
         "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "2", "30", "58",
-        "--mem-fraction-static", "0.8"]
+        "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.8"]
     with pytest.raises(ConfigError, match="2 replicas x tp 8 need 16"):
         hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)))
     assert hsrv.gpu_set(hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3), 2) == [4, 5]

@@ -146,7 +146,7 @@ def sglang_candidate(a: argparse.Namespace, prompts: list[Prompt], spec: Capture
     cfg = ServerConfig(model=a.model, aux_layers=spec.aux_layers, python=sys.executable, port=a.port,
                        chunked_prefill_size=a.chunked_prefill_size, capture="plugin",
                        launch_args=tuple(shlex.split(a.sgl_args)), run_name=a.name,
-                       startup_timeout_s=a.startup_timeout)
+                       startup_timeout_s=a.startup_timeout, prefill_cuda_graph=a.prefill_cuda_graph)
     t0 = time.monotonic()
     h = None
     try:
@@ -330,6 +330,7 @@ def main() -> int:
     ap.add_argument("--candidate", choices=["sglang", "transformers-batched"], default="sglang")
     ap.add_argument("--direct-hf", type=int, default=8, help="prompts cross-checked against a plain HF forward")
     ap.add_argument("--startup-timeout", type=float, default=300)
+    ap.add_argument("--prefill-cuda-graph", action="store_true", help="prefills on SGLang's graphs (default eager)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@
 # two that passed on 2026-12-02; the budget skips what does not fit. MODELS picks which to run, in order (name:aux ids, one server each; the first start pays the triton JIT,
 # ~2 min, later ones ~1 min). MoE models first: they carry the new per-token checks. A model that does not
 # fit in the remaining budget (BUDGET_S, default 420 s after set-up) is skipped and says so in its .md.
+# The servers run prefills eagerly (sglang.prefill_cuda_graph false, the default); PREFILL_GRAPH=1 puts
+# them on SGLang's FULL-mode prefill graphs, as every fidelity run before 2026-12-03 run 11 did.
 source "$(dirname "$0")/setup.sh"
 cd "$REPO/bench/gpu"
 python3 mk_models.py /tmp/models >"$OUT/mk_models.log" 2>&1
@@ -25,7 +27,7 @@ for spec in ${MODELS:-tiny-fixed:1,5,7 tiny:1,5,7 deepseek:2,4,6 llama:1,3,5}; d
   set +e
   timeout -k 10 "$t" python3 fidelity.py --model /tmp/models/$name --name $name --aux ${aux//,/ } \
     --state /tmp/state-$name --out "$OUT" --sgl-args "$ARGS" --chunked-prefill-size 128 --port $port \
-    --startup-timeout $(( t - 60 )) >>"$OUT/run.log" 2>&1
+    --startup-timeout $(( t - 60 )) ${PREFILL_GRAPH:+--prefill-cuda-graph} >>"$OUT/run.log" 2>&1
   r=$?
   set -e
   [ "$r" -ne 0 ] && rc=1

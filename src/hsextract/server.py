@@ -61,6 +61,9 @@ class ServerConfig:
     stop_grace_s: float = 30.0
     staging_mb: int = 4096
     writer_threads: int = 4  # plugin threads writing piece files (HSEXTRACT_WRITER_THREADS)
+    # SGLang's (breakable) prefill CUDA graphs. Off: every prefill runs eagerly, which was faster with capture
+    # on the H200 (a 16 x 512-token batch 170 ms eager vs 185-194 ms on FULL-mode graphs; bench/README.md)
+    prefill_cuda_graph: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,7 +126,9 @@ def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
         cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DFLASH",
                 "--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layers)]
     else:
-        cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs captured in FULL mode
+        cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs, if on, captured in FULL mode
+    if not cfg.prefill_cuda_graph:
+        cmd += ["--disable-prefill-cuda-graph"]
     return cmd + list(cfg.launch_args)
 
 

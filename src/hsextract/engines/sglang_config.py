@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "backoff_s": 1.0,
     "staging_mb": 4096,
     "writer_threads": 4,
+    "prefill_cuda_graph": False,
     "startup_timeout_s": 1800.0,
     "server_url": None,
     "servers": [],
@@ -118,6 +119,7 @@ def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python
         startup_timeout_s=float(s["startup_timeout_s"]),
         staging_mb=int(s["staging_mb"]),
         writer_threads=int(s["writer_threads"]),
+        prefill_cuda_graph=bool(s["prefill_cuda_graph"]),
     )
 
 
