@@ -15,8 +15,8 @@ step() {  # step NAME COMMAND...: OUT=$TOP/NAME, output appended to $TOP/run.log
   tail -n 25 "$TOP/$name.log" >>"$TOP/run.log"
 }
 step copy-stream bash -c "source '$HERE/setup.sh' && python3 '$HERE/check_copy_stream.py' --out \"\$OUT/copy_stream.json\""
-step fidelity env MODELS=llama:1,3,5 BUDGET_S=170 bash "$HERE/run_fidelity.sh"
-step throughput env ENCODE_SWEEP=0 BUDGET_S=${BUDGET_S:-300} DD_GB=1 bash "$HERE/run_throughput.sh" \
+step fidelity env MODELS=llama:1,3,5 BUDGET_S=${FIDELITY_BUDGET_S:-230} bash "$HERE/run_fidelity.sh"
+step throughput env ENCODE_SWEEP=0 BUDGET_S=${BUDGET_S:-260} DD_GB=1 bash "$HERE/run_throughput.sh" \
   --concurrency 32 --lens 512 --parts b,a --shard-threads 8 --repeats 2
 cat "$TOP"/*/*.md >"$TOP/summary.md" 2>/dev/null
 tar czf /tmp/hsx-top.tgz -C "$TOP" . && rm -rf "$TOP"/* && mv /tmp/hsx-top.tgz "$TOP/all.tgz"

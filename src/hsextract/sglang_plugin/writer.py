@@ -5,13 +5,16 @@ blocks that fit the staging ring, issues non-blocking device-to-host copies, rec
 the job.
 
 On CUDA the device-to-host copies run on a side stream of their own (`copy_stream`, on by default): the
-batch's captured rows are first cloned on the forward's stream (a device copy, ~0.1 ms for 256 MB; the
-next forward may overwrite the originals, CUDA graph outputs), and the PCIe copy of the clone then runs
-beside the next forward instead of before it (on the H200 a 16-request batch of 512 tokens took 185-194 ms
-with capture against 177-179 ms without, 268 MB to the host at PCIe speed: H200 runs 7-9). When the
-clone does not fit in device memory the batch falls back to copies on the forward's stream. A writer thread waits for the event, writes the piece file,
-frees the staging region, and when a request's last piece is in, writes its `.done` marker listing
-the pieces (or `.err` when they do not cover the prompt).
+batch's captured rows are first cloned on the forward's stream (a device copy; the next forward may
+overwrite the originals, CUDA graph outputs), and the PCIe copy of the clone then runs beside the next
+forward instead of before it. On the H200 a 143 ms stand-in forward followed by a 268 MB dump took
+153.0 ms per batch with copies on the forward's stream and 149.5 ms with the side stream
+(bench/gpu/check_copy_stream.py). When the clone does not fit in device memory the batch falls back to
+copies on the forward's stream.
+
+A writer thread waits for the event, writes the piece file, frees the staging region, and when a
+request's last piece is in, writes its `.done` marker listing the pieces (or `.err` when they do not
+cover the prompt).
 
 Threads: `threads` writers, each with its own FIFO queue. Every job of one rid goes to the same thread
 (crc32 of the rid mod `threads`), so a request's pieces are written in the order they were computed,
