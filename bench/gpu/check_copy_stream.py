@@ -31,6 +31,11 @@ def columns(src: torch.Tensor, h: int) -> list[torch.Tensor]:
     return [src[:, j : j + h] for j in range(0, src.shape[1], h)]  # as Dumper._sources hands them over
 
 
+def clear(dump: Path) -> None:
+    for p in dump.iterdir():
+        p.unlink()
+
+
 def busy(a: torch.Tensor, n: int) -> None:
     for _ in range(n):
         a = a @ a
@@ -86,8 +91,7 @@ def timing(copy_stream: bool, dump: Path, batches: int, matmuls: int) -> float:
     torch.cuda.synchronize()  # the GPU's time: forwards plus whatever copies sat between them
     wall = time.perf_counter() - t0
     w.close()
-    for p in dump.iterdir():
-        p.unlink()
+    clear(dump)
     return wall / batches
 
 
@@ -103,8 +107,7 @@ def main() -> int:
         dump = Path(d)
         for name, cs, oom in (("on", True, False), ("off", False, False), ("on, clone fails", True, True)):
             res["checks"][name] = check_bytes(cs, oom, dump) or "ok"
-            for p in dump.iterdir():
-                p.unlink()
+            clear(dump)
         timing(True, dump, 2, a.matmuls)  # warm-up: kernels, pinned allocation
         for _ in range(a.repeats):
             for key, cs in (("off", False), ("on", True)):
