@@ -75,7 +75,8 @@ class FakeServer:
                  chunk: int = 64, builtin: bool = False, fail_first: int = 0, hang_first: int = 0,
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
-                 hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0) -> None:
+                 hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
+                 gather: int = 0) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=staging_bytes)
         self.dumper = plg.Dumper(cfg, pin=False, write_delay_s=write_delay_s)
         self.dumper._is_writer_rank = True
@@ -86,6 +87,9 @@ class FakeServer:
         self.fail_first, self.hang_first, self.skip_first = fail_first, hang_first, skip_dump_first
         self.die_after, self.wrong, self.exit_on_die = die_after, wrong_prompt_tokens, exit_on_die
         self.pass_delay_s = pass_delay_s
+        # the first pass waits for `gather` requests (5 s at most) and takes them in rid order: a test whose
+        # outcome depends on which requests share that pass gets the same pass on a loaded machine
+        self.gather = gather
         self.n_requests = 0
         self.rids: list[str] = []  # every rid /generate received, in arrival order
         self.passes = 0
@@ -124,10 +128,15 @@ class FakeServer:
 
     # ---- scheduler: chunked-prefill batching --------------------------------------------------------
     def _schedule(self) -> None:
+        gather = self.gather
         while not self._stop.is_set():
             with self._cv:
                 while not self._queue and not self._stop.is_set():
                     self._cv.wait(0.1)
+                if gather:
+                    self._cv.wait_for(lambda: len(self._queue) >= gather or self._stop.is_set(), timeout=5.0)
+                    self._queue.sort(key=lambda r: r.rid)
+                    gather = 0
                 if self._stop.is_set():
                     return
                 time.sleep(self.pass_delay_s)  # let concurrent requests gather into one pass

@@ -252,7 +252,9 @@ def test_misattribution_without_retries_fails_the_chunk_without_a_shard(tmp_path
     # (with retries, a retried request travels alone in a pass, cannot be swapped and succeeds)
     from hsextract.extract import ChunkPrompts, extract_chunk
 
-    srv = SwappingServer(dump_dir(tmp_path), AUX, swaps=10**6, pass_delay_s=0.05).start()
+    # all 4 requests in the first pass, in index order: s000 and s001 are the swapped pair (on a loaded CI
+    # box they once arrived apart, s001 and s002 were swapped and s001's marker never came)
+    srv = SwappingServer(dump_dir(tmp_path), AUX, swaps=10**6, pass_delay_s=0.05, gather=4).start()
     try:
         ps = prompts(4, seed=12)
         cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
