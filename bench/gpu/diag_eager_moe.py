@@ -25,12 +25,15 @@ from pathlib import Path
 from hsextract.server import ServerConfig, build_command, build_env, health, make_dump_dir
 
 VARIANTS = {
-    # name: (plugin on, prefill graphs, --enable-return-hidden-states, request hidden states, extra env)
+    # name: (plugin on, prefill graphs, --enable-return-hidden-states, request hidden states, extra env;
+    # env ARGS: extra server flags)
     "plugin-eager-blocking": (True, False, True, False, {"CUDA_LAUNCH_BLOCKING": "1"}),
     "plain-eager": (False, False, False, False, {}),
     "plain-eager-rhs": (False, False, True, True, {}),
     "plugin-graph": (True, True, True, False, {}),
     "plugin-eager-no-copy-stream": (True, False, True, False, {"HSEXTRACT_COPY_STREAM": "0"}),
+    "plain-eager-no-overlap": (False, False, False, False, {"ARGS": "--disable-overlap-schedule"}),
+    "plugin-eager-no-overlap": (True, False, True, False, {"ARGS": "--disable-overlap-schedule"}),
 }
 
 
@@ -46,11 +49,11 @@ def run_variant(name: str, a: argparse.Namespace, vocab: int, out: Path) -> dict
     cfg = ServerConfig(model=a.model, aux_layers=tuple(a.aux), python=sys.executable, port=a.port,
                        chunked_prefill_size=a.chunked_prefill_size, prefill_cuda_graph=graphs,
                        launch_args=tuple(a.sgl_args.split()), module=a.module)
-    cmd = build_command(cfg)
+    cmd = build_command(cfg) + extra.get("ARGS", "").split()
     if not rhs:
         cmd.remove("--enable-return-hidden-states")
     env = build_env(cfg, dump) if plugin else dict(os.environ)
-    env.update(extra)
+    env.update({k: v for k, v in extra.items() if k != "ARGS"})
     log = out / f"server-{name}.log"
     t0 = time.monotonic()
     with open(log, "w") as f:
