@@ -5,7 +5,8 @@ first prefill), and does it answer 8 concurrent 200-token prompts? Variants sepa
 from SGLang's eager path: plain server, plain server with `--enable-return-hidden-states` and requests
 asking for hidden states (SGLang's own FULL capture mode), the plugin with CUDA_LAUNCH_BLOCKING=1 (the
 faulting kernel in the traceback), the plugin on prefill graphs (as on 2026-12-02), the plugin without the
-side copy stream, plain and plugin without the overlap scheduler. Writes $OUT/diag-eager.json and one server log per variant. Run by bench/gpu/run_diag_eager.sh.
+side copy stream, plain and plugin without the overlap scheduler. Writes $OUT/diag-eager.json and one
+server log per variant. Run by bench/gpu/run_diag_eager.sh; results in bench/README.md run 14.
 """
 from __future__ import annotations
 
