@@ -6,7 +6,7 @@
 source "$(dirname "$0")/setup.sh"
 cd "$REPO/bench/gpu"
 python3 mk_models.py /tmp/models >"$OUT/mk_models.log" 2>&1
-ARGS="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-running-requests 64 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512"
+ARGS=$SGL_SMALL
 python3 diag_eager_moe.py --model /tmp/models/${MODEL:-tiny} --aux 1 5 7 --sgl-args "$ARGS" --out "$OUT" \
   --budget-s "${BUDGET_S:-480}" ${VARIANTS:+--variants "$VARIANTS"} 2>&1 | tee "$OUT/run.log"
 python3 - "$OUT/diag-eager.json" <<'PY' | tee "$OUT/diag-eager.md"

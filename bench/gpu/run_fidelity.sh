@@ -12,7 +12,7 @@
 source "$(dirname "$0")/setup.sh"
 cd "$REPO/bench/gpu"
 python3 mk_models.py /tmp/models >"$OUT/mk_models.log" 2>&1
-ARGS="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-running-requests 64 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512"
+ARGS=$SGL_SMALL
 END=$((SECONDS + ${BUDGET_S:-420}))
 rc=0
 echo "set-up done at ${SECONDS} s" | tee "$OUT/run.log"

@@ -18,8 +18,9 @@
 if [ "${TP_DRY:-0}" = 1 ]; then
   set -euo pipefail
   REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd); OUT=${OUT:-/tmp/hsx-out}; mkdir -p "$OUT"
-  export PYTHONPATH=$REPO/src:$REPO/tests; SGL_COMMON=""; : >"$OUT/machine.txt"
+  export PYTHONPATH=$REPO/src:$REPO/tests; SGL_COMMON=""; SGL_SMALL=""; : >"$OUT/machine.txt"
   FAKE="--module fake_sglang"
+  pack_out() { :; }  # results stay unpacked under $OUT
 else
   source "$(dirname "$0")/setup.sh"
   FAKE=""
@@ -29,7 +30,7 @@ PY=${PY:-python3}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$REPO/bench/gpu"
 MODELS=${MODELS_DIR:-/tmp/models}; RUNS=/tmp/tp-runs; rm -rf "$RUNS"; mkdir -p "$RUNS" "$OUT/runs"
-ARGS="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-running-requests 64 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512"
+ARGS=$SGL_SMALL
 N=${N:-32}
 { nvidia-smi topo -m; env | grep -E '^(NCCL|TORCH_SYMM|NVSHMEM)_' | sort; } >>"$OUT/machine.txt" 2>&1 || true
 

@@ -27,6 +27,8 @@ export PYTHONPATH=/tmp/site:$REPO/src:/tmp/plug${EXTRA:+:$EXTRA}
 export SGLANG_IS_FLASHINFER_AVAILABLE=false PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
 # Flags that worked with the slimmed bundle (notes/sglang-on-h200.md): triton attention only.
 SGL_COMMON="--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs-decode 16"
+# The small models of mk_models.py (fidelity, TP, diagnostics): one server on a shared GPU.
+SGL_SMALL="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-running-requests 64 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch,sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
   python3 -c "import importlib.metadata as m; print('sglang', m.version('sglang'), 'transformers', m.version('transformers'))"
