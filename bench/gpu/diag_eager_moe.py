@@ -1,4 +1,4 @@
-"""Why does the workflow's tiny DeepseekV3 crash SGLang 0.5.16 with eager prefills (2026-12-03 run 12)?
+"""Why does the workflow's tiny DeepseekV3 crash SGLang 0.5.16 at start-up (bench/README.md runs 12, 14)?
 
 One server per variant, one after another, on the same model: does it start (SGLang's own warmup is its
 first prefill), and does it answer 8 concurrent 200-token prompts? Variants separate this project's plugin

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One device call (~6 min): why the workflow's tiny DeepseekV3 crashed SGLang 0.5.16 at its warmup with
-# eager prefills (run 12), variant by variant (bench/gpu/diag_eager_moe.py). Results: $OUT/diag-eager.json,
+# One device call (~8 min): why the workflow's tiny DeepseekV3 crashed SGLang 0.5.16 at its warm-up
+# (bench/README.md runs 12, 14), variant by variant (bench/gpu/diag_eager_moe.py). Results: $OUT/diag-eager.json,
 # one server log per variant, run.log.
 #   run(command="bash bench/gpu/run_diag_eager.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
 source "$(dirname "$0")/setup.sh"
