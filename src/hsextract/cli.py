@@ -55,6 +55,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--force", action="store_true", help="write into a non-empty OUT_DIR, overwriting")
+    p.add_argument("--allow-missing", action="store_true",
+                   help="export the shards that are present and match dataset.json, warning about the others")
     p.set_defaults(func=cmd_export)
 
 
@@ -63,7 +65,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     with warnings.catch_warnings():  # export() already printed it to stderr; once is enough on a terminal
         warnings.simplefilter("ignore", FinalNormWarning)
-        summary = export(args.run_dir, args.out_dir, args.fmt, force=args.force)
+        summary = export(args.run_dir, args.out_dir, args.fmt, force=args.force, allow_missing=args.allow_missing)
     print(f"exported {summary['num_samples']} samples ({summary['num_tokens']} tokens) as {args.fmt} "
           f"to {summary['data_path']}")
     return 0

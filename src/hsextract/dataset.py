@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import json
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,14 +19,58 @@ from hsextract.shard import SHARD_SUFFIX, ShardReader
 CONSISTENT_KEYS = ("model", "aux_layers", "final_state", "hidden_size", "dtype", "num_hidden_tensors")
 
 
-def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """A run's results folder (its shards/), a folder of shards, one shard, or a list of shards."""
+MANIFEST_NAME = "dataset.json"
+
+
+def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
+    """The shards dataset.json lists, each checked to exist with the recorded size (and sha256 if asked).
+
+    A run folder is read through its manifest, not by globbing: a deleted or truncated shard must be an
+    error, never a silently smaller dataset. `allow_missing` reads what is there, with a warning on stderr.
+    """
+    manifest = run_dir / MANIFEST_NAME
+    try:
+        entries = json.loads(manifest.read_text())["shards"]
+        listed = [(run_dir / e["path"], int(e["bytes"]), str(e["sha256"])) for e in entries]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ShardError(f"{manifest}: not a readable hsextract dataset.json ({type(e).__name__}: {e}); "
+                         f"rerun the workflow to rewrite it") from None
+    from hsextract.provenance import sha256_file
+
+    ok: list[Path] = []
+    problems: list[str] = []
+    for path, size, sha in listed:
+        if not path.is_file():
+            problems.append(f"{path}: listed in {manifest} but missing")
+        elif path.stat().st_size != size:
+            problems.append(f"{path}: {path.stat().st_size} bytes, {manifest} records {size}")
+        elif verify_checksums and sha256_file(path) != sha:
+            problems.append(f"{path}: sha256 differs from the one {manifest} records")
+        else:
+            ok.append(path)
+    if problems:
+        what = "; ".join(problems)
+        if not allow_missing:
+            raise ShardError(f"{what}. Rerun the workflow (`snakemake --cores N`): only these chunks are "
+                             f"extracted again; or pass allow_missing=True to read the other shards")
+        print(f"WARNING: reading {len(ok)} of {len(listed)} shards: {what}", file=sys.stderr)
+    if not ok:
+        raise ShardError(f"{manifest}: none of its {len(listed)} shards can be read")
+    return ok
+
+
+def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
+    """A run's results folder (the shards its dataset.json lists; else its shards/), a folder of shards,
+    one shard, or a list of shards."""
     if isinstance(path, (str, os.PathLike)):
         p = Path(path)
         if p.is_file():
             return [p]
         if not p.is_dir():
             raise ShardError(f"{p}: no such shard, run folder or shard folder")
+        if (p / MANIFEST_NAME).is_file():
+            return manifest_shards(p, verify_checksums=verify_checksums, allow_missing=allow_missing)
         folder = p / "shards" if (p / "shards").is_dir() else p
         shards = sorted(folder.glob(f"*{SHARD_SUFFIX}"))
         if not shards:
@@ -92,5 +138,10 @@ class HiddenStateDataset(Dataset):
             yield from r.iter_samples()
 
 
-def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> HiddenStateDataset:
-    return HiddenStateDataset(find_shards(path))
+def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
+                 verify_checksums: bool = False, allow_missing: bool = False) -> HiddenStateDataset:
+    """All samples of a run folder (as its dataset.json lists them), a shard folder, a shard or a list.
+
+    A run folder's listed shards must all be present with their recorded size; `verify_checksums` also
+    compares each whole file's sha256 (reads every byte); `allow_missing` reads what is there, warning."""
+    return HiddenStateDataset(find_shards(path, verify_checksums=verify_checksums, allow_missing=allow_missing))

@@ -22,13 +22,16 @@ FORMATS = tuple(EXPORTERS)
 
 
 def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt: str,
-           force: bool = False) -> dict[str, Any]:
-    """Stream every sample of open_dataset(run_dir) into out_dir in format `fmt`; returns a summary."""
+           force: bool = False, allow_missing: bool = False) -> dict[str, Any]:
+    """Stream every sample of open_dataset(run_dir) into out_dir in format `fmt`; returns a summary.
+
+    A run folder's shards are checked against dataset.json's sizes and sha256 first (export reads every
+    byte anyway): a missing or changed shard is an error unless `allow_missing`."""
     from hsextract.dataset import open_dataset
 
     if fmt not in EXPORTERS:
         raise ConfigError(f"export format {fmt!r}: use one of {', '.join(FORMATS)}")
-    ds = open_dataset(run_dir)
+    ds = open_dataset(run_dir, verify_checksums=True, allow_missing=allow_missing)
     out = Path(out_dir)
     prepare_out_dir(out, force)
     final_state = ds.metadata["final_state"]

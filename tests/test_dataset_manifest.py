@@ -1,0 +1,66 @@
+"""A run folder is read through its dataset.json: a missing or changed shard is an error naming it."""
+
+import json
+
+import pytest
+from conftest import make_sample, shard_metadata
+
+from hsextract import open_dataset
+from hsextract.errors import ShardError
+from hsextract.export import export
+from hsextract.provenance import sha256_file
+from hsextract.shard import ShardWriter
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A run folder with three one-sample shards and the dataset.json that lists them."""
+    run = tmp_path / "run"
+    (run / "shards").mkdir(parents=True)
+    entries = []
+    for chunk in range(3):
+        path = run / "shards" / f"chunk-{chunk:05d}.hss"
+        with ShardWriter(path, shard_metadata(final_state="pre_norm", chunk=chunk)) as w:
+            w.add(*make_sample(5 + chunk, seed=chunk), sample_id=f"id{chunk}")
+        entries.append({"path": f"shards/{path.name}", "bytes": path.stat().st_size, "sha256": sha256_file(path)})
+    (run / "dataset.json").write_text(json.dumps({"shards": entries}))
+    return run
+
+
+def test_reads_every_listed_shard(run):
+    assert len(open_dataset(run)) == 3
+
+
+def test_deleted_shard_is_an_error_naming_it(run):
+    gone = run / "shards" / "chunk-00001.hss"
+    gone.unlink()
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert f"{gone}: listed in {run / 'dataset.json'} but missing" in str(e.value)
+    assert "only these chunks are extracted again" in str(e.value)
+
+
+def test_allow_missing_reads_the_rest_with_a_warning(run, capsys):
+    (run / "shards" / "chunk-00001.hss").unlink()
+    ds = open_dataset(run, allow_missing=True)
+    assert [ds[i]["input_ids"].shape[0] for i in range(len(ds))] == [5, 7]
+    assert "WARNING: reading 2 of 3 shards" in capsys.readouterr().err
+
+
+def test_truncated_shard_is_an_error(run):
+    path = run / "shards" / "chunk-00002.hss"
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 10)
+    with pytest.raises(ShardError, match=f"{path}: {size - 10} bytes, .* records {size}"):
+        open_dataset(run)
+
+
+def test_export_compares_checksums(run, tmp_path):
+    path = run / "shards" / "chunk-00000.hss"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF  # inside the sample record: same size, other bytes
+    path.write_bytes(bytes(data))
+    assert len(open_dataset(run)) == 3  # sizes agree: opening alone does not hash
+    with pytest.raises(ShardError, match="chunk-00000.hss: sha256 differs"):
+        export(run, tmp_path / "out", "speculators-v1")
