@@ -26,7 +26,8 @@ validate(config, "workflow/schemas/config.schema.yaml")
 
 from hsextract.config import check as check_config
 
-# Semantic checks (layer ids vs depth, model, reference sample) before any job; sets the chunk count.
+# Semantic checks (layer ids vs depth, model, reference sample) before any job: the settings tree
+# (PLAN.settings, what workflow/rules/common.smk computes its values from) and the chunk count.
 PLAN = check_config(config)
 
 
@@ -37,9 +38,14 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/model.smk"
 
 
-if config["regenerate"]["enabled"]:
+if SETTINGS.regenerate.enabled:
 
     include: "workflow/rules/regenerate.smk"
+
+
+if SETTINGS.engine == "sglang":
+
+    include: "workflow/rules/server.smk"
 
 
 include: "workflow/rules/prepare.smk"

@@ -68,26 +68,27 @@ def main() -> None:
 
     from hsextract.engines.transformers_engine import TransformersEngine
     from hsextract.extract import capture_spec, extract_chunk, read_prompts, shard_metadata
-    from hsextract.prepare import run_prepare
+    from hsextract.prepare import chunk_name, run_prepare
+    from hsextract.settings import from_config
 
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    config["sources"][0].update(path=str(ROOT / config["sources"][0]["path"]), max_records=args.records, name=None, split=None)
-    config.update(prompts_per_chunk=args.records, max_seq_len=args.max_seq_len)
+    config["sources"][0].update(path=str(ROOT / config["sources"][0]["path"]), max_records=args.records)
+    config.update(prompts_per_chunk=args.records, max_seq_len=args.max_seq_len, model=args.model)
+    settings = from_config(config)
     if not Path(args.model, "config.json").is_file():
         from hsextract.tinymodel import make_tiny_model
 
         print(f"building the tiny model at {args.model}", file=sys.stderr)
-        make_tiny_model(args.model, config["sources"][0]["path"], seed=config["seed"])
-    config["model"] = args.model
+        make_tiny_model(args.model, settings.prepare.sources[0].path, seed=settings.prepare.seed)
 
     with tempfile.TemporaryDirectory(prefix="hsx-bench-") as tmp:
-        run_prepare(config, args.model, tmp, 1)
-        prompts = read_prompts(Path(tmp) / "chunk-00000.parquet")
+        run_prepare(settings.prepare, args.model, tmp, 1)
+        prompts = read_prompts(Path(tmp) / chunk_name(0))
         n_tokens = sum(len(x) for x in prompts.input_ids)
-        spec = capture_spec(config)
-        t = config["transformers"]
-        engine = TransformersEngine(args.model, spec, device="cpu", dtype=t["dtype"], token_budget=t["token_budget"])
-        meta = shard_metadata(config, engine, engine.hidden_size, 0)
+        spec = capture_spec(settings.extract)
+        t = settings.extract.transformers
+        engine = TransformersEngine(args.model, spec, device="cpu", dtype=t.dtype, token_budget=t.token_budget)
+        meta = shard_metadata(settings.extract, engine, engine.hidden_size, 0)
         from hsextract.engines.base import Prompt
 
         items = [Prompt(i, s, list(ids)) for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
@@ -111,9 +112,9 @@ def main() -> None:
         shard = Path(tmp) / "bench.hss"
 
         def ours() -> None:
-            c = config["shard"]
-            extract_chunk(prompts, shard, engine, meta, level=c["compression_level"], threads=c["threads"],
-                          precision=c["precision"], progress=False)
+            c = settings.extract.shard
+            extract_chunk(prompts, shard, engine, meta, level=c.compression_level, threads=c.threads,
+                          precision=c.precision, progress=False)
 
         plain()  # warm-up (allocator, kernels)
         best = {"plain forward": (float("inf"), float("inf")), "extract job": (float("inf"), float("inf"))}
@@ -132,7 +133,7 @@ def main() -> None:
         f"machine: {machine()}",
         "",
         f"{len(items)} samples, {n_tokens} tokens (tiny DeepseekV3: 10 layers, hidden 256, bf16), "
-        f"{len(batches)} batches of at most {config['transformers']['token_budget']} tokens; "
+        f"{len(batches)} batches of at most {settings.extract.transformers.token_budget} tokens; "
         f"4 tensors per sample, shard {stored / 1e6:.1f} MB; best of {args.repeats}",
         "",
         "| path | tokens/s (wall) | tokens/s (per CPU second) | ratio wall | ratio CPU |",

@@ -75,7 +75,7 @@ def test_export_warning_printed_once(shard, tmp_path, capsys):
 def test_errors_exit_2_with_a_message(shard, tmp_path, capsys):
     path, _ = shard
     assert main(["validate", "--reference", str(tmp_path / "nope.pt"), str(path)]) == 2
-    assert "hsextract validate: error: reference sample" in capsys.readouterr().err
+    assert f"hsextract validate: error: --reference: {tmp_path / 'nope.pt'}: no such file" in capsys.readouterr().err
     assert main(["inspect", str(tmp_path / "missing.hss")]) == 2
     assert "no such shard file" in capsys.readouterr().err
     ref = tmp_path / "ref.pt"

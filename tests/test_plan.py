@@ -13,7 +13,12 @@ import yaml
 
 from hsextract.cli import main
 from hsextract.errors import ConfigError
-from hsextract.plan import plan
+from hsextract.plan import plan as plan_settings
+from hsextract.settings import from_config
+
+
+def plan(config: dict, samples: int, **kwargs):
+    return plan_settings(from_config(config), samples, **kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,12 +29,12 @@ def small(tmp_path: Path) -> dict:
     model.mkdir()
     # nested like Kimi-K2.5's multimodal config: the text model's hidden size counts
     (model / "config.json").write_text(json.dumps({"hidden_size": 9999, "text_config": {"hidden_size": 64, "num_hidden_layers": 8}}))
-    return {"model": str(model), "aux_layers": [1, 5, 7], "prompts_per_chunk": 10, "chunks_per_job": 3,
+    return {"model": str(model), "aux_layers": [1, 5, 7], "prompts_per_chunk": 10,
             "engine": "transformers", "transformers": {"device": "cuda"}, "shard": {"precision": "bf16"}}
 
 
 def test_small_config_exact(small: dict) -> None:
-    p = plan(small, 95, mean_tokens=100, tokens_per_s=50, nodes=2, gpus_per_node=4)
+    p = plan(small, 95, chunks_per_job=3, mean_tokens=100, tokens_per_s=50, nodes=2, gpus_per_node=4)
     # by hand: 95 x 100 tokens; 16 + 4 tensors x 64 x 2 B = 528 B/token; 9500 x 528 = 5,016,000 B raw;
     # x 0.6965 = 3,493,644 B stored; ceil(95/10) = 10 chunks; ceil(10/3) = 4 jobs;
     # per shard ceil(349,364.4) = 349,365; per job 3 x 349,365; busiest of 2 nodes runs 2 jobs.
@@ -51,13 +56,11 @@ def test_small_config_exact(small: dict) -> None:
 
 def test_defaults_from_config(small: dict) -> None:
     # transformers on cuda: 1 GPU per node; no chunks_per_job: 1; no throughput: no hours
-    del small["chunks_per_job"]
     p = plan(small, 95, mean_tokens=100)
     assert (p["gpus_per_node"], p["chunk_jobs"], p["node_hours"], p["gpu_hours"]) == (1, 10, None, None)
     assert p["stored_bytes_per_node"] == p["stored_bytes"] == 3_493_644
     small["engine"], small["sglang"] = "sglang", {"tp": 8, "replicas": 2}
-    small["extract"] = {"chunks_per_job": 4}
-    p = plan(small, 95, mean_tokens=100, tokens_per_s=50)
+    p = plan(small, 95, chunks_per_job=4, mean_tokens=100, tokens_per_s=50)
     assert (p["gpus_per_node"], p["chunk_jobs"]) == (16, 3)
     assert p["gpu_hours"] == pytest.approx(16 * 190 / 3600, rel=1e-12)
 
@@ -133,7 +136,8 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     base.write_text(yaml.safe_dump(small))
     # a later file overrides key by key inside mappings, as snakemake merges --configfile
     over.write_text(yaml.safe_dump({"shard": {"compression_level": 5}, "prompts_per_chunk": 19}))
-    assert main(["plan", "--configfile", str(base), str(over), "--samples", "95", "--mean-tokens", "100"]) == 0
+    assert main(["plan", "--configfile", str(base), str(over), "--samples", "95", "--mean-tokens", "100",
+                 "--chunks-per-job", "3"]) == 0
     table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines())
     assert table["tokens"] == "9,500"
     assert table["raw bytes (speculators v1)"] == "5.016 MB (5,016,000 B)"
@@ -145,3 +149,9 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     base.write_text(yaml.safe_dump(small))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
     assert capsys.readouterr().err.strip() == f"hsextract plan: error: prompts_per_chunk: missing from {base}; the plan needs it"
+    small.update(prompts_per_chunk=19, chunks_per_job=3)  # a key the schema does not know
+    base.write_text(yaml.safe_dump(small))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hsextract plan: error: config: Additional properties are not allowed ('chunks_per_job' was unexpected) "
+        "(workflow/schemas/config.schema.yaml)")

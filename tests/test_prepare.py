@@ -12,6 +12,7 @@ from hsextract.conversations import Conversation, MalformedRecordError
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker
 from hsextract.prepare import SCHEMA, num_chunks, run_prepare
+from hsextract.settings import from_config
 from hsextract.vocab import load_token_freq, token_freq_from_prompts
 
 
@@ -35,7 +36,7 @@ def _write(tmp_path, lines):
 
 
 def _cfg(path, **kw):
-    return {"sources": [{"path": str(path), "name": "d"}], "seed": 3, "prompts_per_chunk": 2, **kw}
+    return from_config({"sources": [{"path": str(path), "name": "d"}], "seed": 3, "prompts_per_chunk": 2, **kw}).prepare
 
 
 def _rows(out, n):

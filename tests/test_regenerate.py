@@ -20,6 +20,7 @@ from hsextract.conversations import Conversation
 from hsextract.errors import ConfigError, EngineError
 from hsextract.loss_mask import ChatMasker
 from hsextract.prepare import run_prepare
+from hsextract.settings import from_config
 from hsextract.regenerate import (RegenSettings, RegenStats, SGLangGenerator, TransformersGenerator, chunk_name,
                                   concat_chunks, cut_at_stop, end_of_turn_ids, num_chunks, parse_settings,
                                   regenerate_chunk, run_regenerate_chunk, stats_path)
@@ -212,8 +213,9 @@ def test_chunks_then_prepare_uses_the_same_template(tmp_path):
 
     # prepare reads the regenerated file with the same tokenizer/template: every prompt the model saw is a
     # prefix of a stored sample, and when the re-tokenized turn equals the generated ids, so is prompt+turn.
-    summary = run_prepare({"sources": [{"path": str(out), "name": "r"}], "seed": 1, "prompts_per_chunk": 2,
-                           "dedup": False}, tok, tmp_path / "prompts", 3)
+    prepare = from_config({"sources": [{"path": str(out), "name": "r"}], "seed": 1, "prompts_per_chunk": 2,
+                           "dedup": False}).prepare
+    summary = run_prepare(prepare, tok, tmp_path / "prompts", 3)
     rows = [r for k in range(3) for r in pq.read_table(tmp_path / "prompts" / f"chunk-{k:05d}.parquet").to_pylist()]
     assert summary["kept"] == 5 and len(rows) == 5
     stored = [r["input_ids"] for r in rows]

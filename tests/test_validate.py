@@ -9,7 +9,9 @@ from conftest import make_sample, shard_metadata
 from hsextract.cli import main
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard import format as fmt
-from hsextract.validate import check_sample, failure_line, load_reference, reference_layout, validate_shard
+from hsextract.reference import ReferenceSampleError
+from hsextract.reference import load as load_reference
+from hsextract.validate import check_sample, failure_line, reference_layout, validate_shard
 
 REFERENCE = "resources/reference/speculators-v1-data_0.pt"
 
@@ -180,9 +182,9 @@ def test_damaged_header_names_the_shard_structure(tmp_path, ref16):
 def test_reference_must_load_without_pickle(tmp_path):
     bad = tmp_path / "obj.pt"
     torch.save([1, 2], bad)
-    with pytest.raises(Exception, match="holds a list"):
+    with pytest.raises(ReferenceSampleError, match=r"^reference_sample: .*obj.pt is not a speculators v1 sample: it holds a list"):
         load_reference(bad)
-    with pytest.raises(Exception, match="no such file"):
+    with pytest.raises(ReferenceSampleError, match=r"^reference_sample: .*missing.pt: no such file"):
         load_reference(tmp_path / "missing.pt")
 
 
@@ -193,5 +195,5 @@ class NotATensor:
 def test_reference_with_pickled_objects_is_refused(tmp_path):
     bad = tmp_path / "pickled.pt"
     torch.save({"input_ids": NotATensor()}, bad)
-    with pytest.raises(Exception, match="cannot be loaded with weights_only=True"):
+    with pytest.raises(ReferenceSampleError, match=r"^reference_sample: .*pickled.pt cannot be loaded with weights_only=True"):
         load_reference(bad)

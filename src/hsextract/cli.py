@@ -27,11 +27,12 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from hsextract.validate import failure_line, load_reference, validate_shard
+    from hsextract import reference
+    from hsextract.validate import failure_line, validate_shard
 
     if args.report and len(args.shards) != 1:
         raise HsxError(f"--report names one file but {len(args.shards)} shards were given; use --report-dir")
-    ref = load_reference(args.reference)
+    ref = reference.load(args.reference, key="--reference")
     failed = 0
     for shard in args.shards:
         report_path = args.report or (Path(args.report_dir) / f"{Path(shard).stem}.json" if args.report_dir else None)
@@ -104,6 +105,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpus-per-node", type=int,
                    help="GPUs per node (default: sglang.tp x sglang.replicas, or 1 for transformers on cuda)")
     p.add_argument("--hidden-size", type=int, help="hidden size when `model` is not a local directory (Kimi-K2.5: 7168)")
+    p.add_argument("--chunks-per-job", type=int, default=1,
+                   help="extract jobs one cluster job runs one after the other (Snakemake job groups; default 1)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_plan)
 
@@ -120,6 +123,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from hsextract.errors import ConfigError
     from hsextract.plan import format_plan, plan
+    from hsextract.settings import from_config
 
     config: dict = {}
     for path in args.configfile:
@@ -133,9 +137,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for key in ("model", "aux_layers", "prompts_per_chunk"):
         if key not in config:
             raise ConfigError(f"{key}: missing from {' + '.join(args.configfile)}; the plan needs it")
-    result = plan(config, args.samples, mean_tokens=args.mean_tokens, prepare_summary=args.prepare_summary,
-                  tokens_per_s=args.tokens_per_s, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
-                  hidden_size=args.hidden_size)
+    result = plan(from_config(config), args.samples, chunks_per_job=args.chunks_per_job, mean_tokens=args.mean_tokens,
+                  prepare_summary=args.prepare_summary, tokens_per_s=args.tokens_per_s, nodes=args.nodes,
+                  gpus_per_node=args.gpus_per_node, hidden_size=args.hidden_size)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 

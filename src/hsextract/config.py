@@ -1,199 +1,62 @@
 """Semantic checks of a workflow config, run at parse time before any job starts.
 
-The JSON Schema (workflow/schemas/config.schema.yaml) checks types, ranges and unknown keys;
-this module checks what a schema cannot: layer ids against the model's depth, that the model
-and the reference sample can be read, and that the reference sample's layout is comparable
-with what the run will write. Every failure is a ConfigError that names the key.
+`hsextract.settings` checks the config against the JSON Schema (types, ranges, unknown keys) and
+fills its defaults; this module checks what a schema cannot: layer ids against the model's depth,
+that the model and the reference sample can be read, and that the reference sample's layout is
+comparable with what the run will write. Every failure is a ConfigError that names the key.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from hsextract import chunks
 from hsextract.errors import ConfigError
-
-# Keys that hold sizes or counts, checked > 0 (also when the config did not come through the schema).
-POSITIVE_KEYS: tuple[str, ...] = (
-    "prompts_per_chunk",
-    "max_seq_len",
-    "transformers.token_budget",
-    "extract.threads",
-    "extract.mem_mb",
-    "shard.threads",
-    "shard.compression_level",
-    "stats.position_bins",
-    "stats.seq_len_bins",
-)
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    hidden_size: int
-    source: str  # where the shape was read from, for messages
-    vocab_size: int | None = None
-
-
-@dataclass(frozen=True)
-class ReferenceLayout:
-    num_tensors: int
-    hidden_size: int
-    seq_len: int
+from hsextract.model_info import ModelShape, read_model_shape, tiny_model_shape
+from hsextract.reference import ReferenceLayout, read_layout
+from hsextract.settings import Settings, from_config
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What the checks learned, used by the workflow to lay out its jobs."""
+    """The checked settings tree, and what the checks learned that the workflow lays its jobs out by."""
 
+    settings: Settings
     n_records: int
     n_chunks: int
     model: ModelShape
     reference: ReferenceLayout
 
 
-def lookup(config: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    # Multimodal checkpoints (Kimi-K2.5) nest the language model's settings.
-    for key in ("text_config", "language_config", "llm_config"):
-        if isinstance(cfg.get(key), dict) and "num_hidden_layers" in cfg[key]:
-            return cfg[key]
-    return cfg
-
-
-def read_model_shape(model: str) -> ModelShape:
-    """Depth and hidden size of a local model directory or a hub id (via transformers' cache)."""
-    path = Path(model)
-    if path.is_dir():
-        cfg_path = path / "config.json"
-        try:
-            cfg = json.loads(cfg_path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"model: cannot read {cfg_path} ({e}); `model` must be a Hugging Face model "
-                f"directory with a config.json, or a hub id this machine can reach"
-            ) from None
-        source = str(cfg_path)
-    else:
-        try:
-            from transformers import AutoConfig
-
-            cfg = AutoConfig.from_pretrained(model).to_dict()
-        except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
-            raise ConfigError(
-                f"model: {model!r} is not a readable model directory and its config could not be "
-                f"loaded as a hub id ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                f"set `model` to a local Hugging Face model directory"
-            ) from None
-        source = f"hub config of {model}"
-    text = _text_config(cfg)
-    try:
-        vocab = text.get("vocab_size", cfg.get("vocab_size"))
-        return ModelShape(
-            int(text["num_hidden_layers"]), int(text["hidden_size"]), source, int(vocab) if vocab is not None else None
-        )
-    except (KeyError, TypeError, ValueError):
-        raise ConfigError(
-            f"model: {source} has no integer num_hidden_layers/hidden_size; "
-            f"`model` must be a causal LM that transformers loads"
-        ) from None
-
-
-def tiny_model_shape() -> ModelShape:
-    from hsextract import tinymodel
-
-    cfg = tinymodel.TINY_CONFIG
-    return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), "the tiny model (hsextract.tinymodel)")
-
-
-def read_reference(path: str) -> ReferenceLayout:
-    """Load and check one speculators v1 sample: the layout every shard must match."""
-    key = "reference_sample"
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(
-            f"{key}: {path} is not a file; point it at one sample (.pt) of a speculators v1 dataset"
-        )
-    try:
-        sample = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - unpickling errors vary
-        raise ConfigError(
-            f"{key}: {path} cannot be loaded with torch.load(weights_only=True) ({type(e).__name__}); "
-            f"it must be a speculators v1 sample (dict of input_ids, hidden_states, loss_mask)"
-        ) from None
-
-    def bad(what: str) -> ConfigError:
-        return ConfigError(
-            f"{key}: {path} is not a speculators v1 sample: {what}. Expected a dict with "
-            f"input_ids int64 [seq], hidden_states list of [seq, H] tensors, loss_mask int64 [seq]"
-        )
-
-    if not isinstance(sample, dict) or set(sample) != {"input_ids", "hidden_states", "loss_mask"}:
-        keys = sorted(sample) if isinstance(sample, dict) else type(sample).__name__
-        raise bad(f"it holds {keys}")
-    ids, hs, mask = sample["input_ids"], sample["hidden_states"], sample["loss_mask"]
-    for name, t in (("input_ids", ids), ("loss_mask", mask)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
-            raise bad(f"{name} is not a 1-D int64 tensor")
-    seq = ids.shape[0]
-    if mask.shape[0] != seq:
-        raise bad(f"loss_mask has {mask.shape[0]} tokens, input_ids {seq}")
-    if not isinstance(hs, (list, tuple)) or not hs:
-        raise bad("hidden_states is not a non-empty list of tensors")
-    sizes = set()
-    for i, t in enumerate(hs):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != seq or not t.is_floating_point():
-            raise bad(f"hidden_states[{i}] is not a float [seq={seq}, H] tensor")
-        sizes.add(t.shape[1])
-    if len(sizes) != 1:
-        raise bad(f"hidden_states have different hidden sizes {sorted(sizes)}")
-    return ReferenceLayout(num_tensors=len(hs), hidden_size=sizes.pop(), seq_len=seq)
-
-
-def check_sizes(config: Mapping[str, Any]) -> None:
-    for key in POSITIVE_KEYS:
-        value = lookup(config, key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(f"{key}: {value!r} is not allowed; it must be an integer > 0")
-
-
-def check_tiny_model_path(config: Mapping[str, Any]) -> None:
-    if not config.get("make_tiny_model"):
+def check_tiny_model_path(s: Settings) -> None:
+    if not s.make_tiny_model:
         return
-    model = Path(str(config["model"]))
+    model = Path(s.model)
     if model.is_absolute() or not model.parts or model.parts[0] != "resources" or ".." in model.parts:
         raise ConfigError(
             f"make_tiny_model: true builds a random-weight model at `model`, so model must be a "
-            f"relative path under resources/ (got {config['model']!r}); for a real model set "
+            f"relative path under resources/ (got {s.model!r}); for a real model set "
             f"make_tiny_model: false"
         )
-    if not any(str(src.get("path", "")).endswith(".jsonl") for src in config["sources"]):
+    if tiny_model_corpus(s) is None:
         raise ConfigError(
             "make_tiny_model: true trains the tiny model's tokenizer on the first .jsonl source, "
             "but `sources` has none; add one or set make_tiny_model: false"
         )
 
 
-def check_engine(config: Mapping[str, Any]) -> None:
-    if config.get("engine") == "sglang":
+def tiny_model_corpus(s: Settings) -> str | None:
+    """The text the tiny model's tokenizer is trained on: the first JSONL source."""
+    return next((src.path for src in s.prepare.sources if src.path.endswith(".jsonl")), None)
+
+
+def check_engine(s: Settings) -> None:
+    if s.engine == "sglang":
         try:
-            import hsextract.engines.sglang_engine  # noqa: F401
+            import hsextract.engines.sglang_engine  # noqa: F401 - importable is what is checked
         except ImportError as e:
             raise ConfigError(
                 f"engine: sglang is not usable in this installation ({e}); use engine: transformers "
@@ -201,74 +64,64 @@ def check_engine(config: Mapping[str, Any]) -> None:
             ) from None
 
 
-def check_layers(config: Mapping[str, Any], shape: ModelShape) -> None:
-    layers = list(config["aux_layers"])
-    for i, layer in enumerate(layers):
-        if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
-            raise ConfigError(f"aux_layers[{i}]: {layer!r} is not a layer id; ids are integers >= 0")
+def check_layers(s: Settings, shape: ModelShape) -> None:
+    # ids >= 0 and unique: the schema's
+    for i, layer in enumerate(s.aux_layers):
         if layer >= shape.num_layers:
             raise ConfigError(
                 f"aux_layers[{i}]: layer {layer} is beyond the model's depth: {shape.source} has "
                 f"{shape.num_layers} decoder layers, so ids 0..{shape.num_layers - 1} are allowed"
             )
-    if len(set(layers)) != len(layers):
-        raise ConfigError(f"aux_layers: {layers} repeats a layer id; each id must appear once")
 
 
-def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: ReferenceLayout) -> None:
-    want = len(config["aux_layers"]) + 1
+def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> None:
+    want = len(s.aux_layers) + 1
     if ref.num_tensors != want:
         raise ConfigError(
-            f"reference_sample: {config['reference_sample']} holds {ref.num_tensors} hidden-state "
-            f"tensors, but aux_layers has {len(config['aux_layers'])} layers, so shards hold {want} "
+            f"reference_sample: {s.reference_sample} holds {ref.num_tensors} hidden-state "
+            f"tensors, but aux_layers has {len(s.aux_layers)} layers, so shards hold {want} "
             f"(aux layers + final state); use a reference sample with {want} tensors or change aux_layers"
         )
     # The shipped reference is Kimi-shaped and checks layout only; the workflow's own tiny model
     # is therefore not comparable by hidden size. A real model is: its reference should come
     # from a dataset of the same model.
-    if not config.get("make_tiny_model") and ref.hidden_size != shape.hidden_size:
+    if s.validate.same_model and ref.hidden_size != shape.hidden_size:
         raise ConfigError(
-            f"reference_sample: {config['reference_sample']} has hidden size {ref.hidden_size}, but "
-            f"model {config['model']} has hidden size {shape.hidden_size}; point reference_sample at "
+            f"reference_sample: {s.reference_sample} has hidden size {ref.hidden_size}, but "
+            f"model {s.model} has hidden size {shape.hidden_size}; point reference_sample at "
             f"a sample of a dataset of this model"
         )
 
 
-def count_chunks(n_records: int, prompts_per_chunk: int) -> int:
-    return math.ceil(n_records / prompts_per_chunk)
+def count_records(s: Settings) -> int:
+    from hsextract.conversations import count_records as count
 
-
-def check(config: Mapping[str, Any]) -> Plan:
-    """All semantic checks, in the order a user would fix them; returns the run's plan."""
-    check_sizes(config)
-    check_tiny_model_path(config)
-    check_engine(config)
-    model = str(config["model"])
-    if config.get("make_tiny_model") and not Path(model, "config.json").is_file():
-        shape = tiny_model_shape()
-    else:
-        shape = read_model_shape(model)
-    check_layers(config, shape)
-    ref = read_reference(str(config["reference_sample"]))
-    check_reference(config, shape, ref)
-
-    from hsextract.conversations import count_records
-
-    sources = list(config["sources"])
-    for i, src in enumerate(sources):
-        if not Path(src["path"]).exists():
-            raise ConfigError(f"sources[{i}].path: {src['path']} does not exist")
+    for i, src in enumerate(s.prepare.sources):
+        if not Path(src.path).exists():
+            raise ConfigError(f"sources[{i}].path: {src.path} does not exist")
     try:
-        n_records = int(count_records(sources))
+        n_records = int(count(s.prepare.source_dicts()))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a reader error means the source is unusable
         raise ConfigError(f"sources: cannot count records ({type(e).__name__}: {e})") from None
     if n_records == 0:
         raise ConfigError("sources: the sources hold no records; nothing to extract")
-    return Plan(
-        n_records=n_records,
-        n_chunks=count_chunks(n_records, int(config["prompts_per_chunk"])),
-        model=shape,
-        reference=ref,
-    )
+    return n_records
+
+
+def check(config: Mapping[str, Any]) -> Plan:
+    """Schema and semantic checks, in the order a user would fix them; the settings tree and the run's plan."""
+    s = from_config(config)
+    check_tiny_model_path(s)
+    check_engine(s)
+    if s.make_tiny_model and not Path(s.model, "config.json").is_file():
+        shape = tiny_model_shape()
+    else:
+        shape = read_model_shape(s.model)
+    check_layers(s, shape)
+    ref = read_layout(s.reference_sample)
+    check_reference(s, shape, ref)
+    n_records = count_records(s)
+    return Plan(settings=s, n_records=n_records, n_chunks=chunks.count(n_records, s.prepare.prompts_per_chunk),
+                model=shape, reference=ref)

@@ -21,7 +21,8 @@ import torch
 from tqdm import tqdm
 
 from hsextract import provenance
-from hsextract.config import read_model_shape
+from hsextract.model_info import read_model_shape
+from hsextract.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
 
@@ -55,38 +56,40 @@ def read_prompts(path: str | Path) -> ChunkPrompts:
     return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks)
 
 
-def capture_spec(config: Mapping[str, Any]) -> CaptureSpec:
-    return CaptureSpec(aux_layers=tuple(int(i) for i in config["aux_layers"]), final_state=config["final_state"])
+def capture_spec(settings: ExtractSettings) -> CaptureSpec:
+    return CaptureSpec(aux_layers=settings.aux_layers, final_state=settings.final_state)
 
 
-def build_engine(config: Mapping[str, Any], spec: CaptureSpec, chunk: int = 0) -> Engine:
-    """The engine the config asks for; `engine: sglang` picks (or starts) the chunk's server
+def build_engine(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0) -> Engine:
+    """The engine the settings ask for; `engine: sglang` picks (or starts) the chunk's server
     through hsextract.engines.sglang_config."""
-    name = config["engine"]
+    name = settings.engine
     if name == "transformers":
         from hsextract.engines.transformers_engine import TransformersEngine
 
-        t = config["transformers"]
-        device = t["device"]
+        t = settings.transformers
+        device = t.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersEngine(
-            config["model"], spec, device=device, dtype=t["dtype"], token_budget=int(t["token_budget"])
-        )
+        return TransformersEngine(settings.model, spec, device=device, dtype=t.dtype, token_budget=t.token_budget)
     if name == "sglang":
+        import dataclasses
+
         from hsextract.engines.sglang_config import engine_from_config
 
+        config = {"run_name": settings.run_name, "model": settings.model, "aux_layers": list(settings.aux_layers),
+                  "final_state": settings.final_state, "sglang": dataclasses.asdict(settings.sglang)}
         return engine_from_config(config, spec, chunk)
     raise EngineError(f"engine: unknown engine {name!r}; use transformers or sglang")
 
 
-def model_dtype(config: Mapping[str, Any]) -> str:
+def model_dtype(settings: ExtractSettings) -> str:
     """dtype of the captured activations (the shard's precision setting may store them as fp8)."""
-    return str(config["transformers"]["dtype"]) if config["engine"] == "transformers" else "bfloat16"
+    return settings.transformers.dtype if settings.engine == "transformers" else "bfloat16"
 
 
 def shard_metadata(
-    config: Mapping[str, Any],
+    settings: ExtractSettings,
     engine: Engine,
     hidden_size: int,
     chunk: int,
@@ -98,23 +101,24 @@ def shard_metadata(
     `chat_template_hash` is the sha256 of the template prepare applied (its summary.json); without
     it, the tokenizer's stored template is hashed.
     """
-    tok_dir = str(config.get("tokenizer") or config["model"])
+    s = settings
+    tok_dir = s.tokenizer_dir
     if chat_template_hash is None:
         chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))
     return {
-        "model": str(config["model"]),
-        "engine": config["engine"],
+        "model": s.model,
+        "engine": s.engine,
         "engine_version": engine.version(),
-        "aux_layers": [int(i) for i in config["aux_layers"]],
-        "final_state": config["final_state"],
+        "aux_layers": list(s.aux_layers),
+        "final_state": s.final_state,
         "hidden_size": int(hidden_size),
-        "dtype": model_dtype(config),
-        "config_hash": provenance.config_hash(config),
-        "model_hash": provenance.model_hash(str(config["model"])),
+        "dtype": model_dtype(s),
+        "config_hash": s.config_hash,
+        "model_hash": provenance.model_hash(s.model),
         "tokenizer_hash": provenance.tokenizer_hash(tok_dir),
         "chat_template_hash": chat_template_hash,
         "vocab_size": vocab_size,  # validation checks every id against it
-        "run_name": config["run_name"],
+        "run_name": s.run_name,
         "chunk": int(chunk),
     }
 
@@ -203,7 +207,7 @@ def extract_chunk(
 
 
 def run_extract(
-    config: Mapping[str, Any],
+    settings: ExtractSettings,
     prompts_path: str | Path,
     shard_path: str | Path,
     chunk: int,
@@ -215,13 +219,12 @@ def run_extract(
     template_hash = None
     if prepare_summary is not None:
         template_hash = json.loads(Path(prepare_summary).read_text()).get("chat_template_sha256")
-    spec = capture_spec(config)
-    shape = read_model_shape(str(config["model"]))
-    shard = config["shard"]
-    with build_engine(config, spec, chunk) as engine:
-        meta = shard_metadata(config, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size)
+    spec = capture_spec(settings)
+    shape = read_model_shape(settings.model)
+    shard = settings.shard
+    with build_engine(settings, spec, chunk) as engine:
+        meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size)
         return extract_chunk(
             prompts, shard_path, engine, meta,
-            level=int(shard["compression_level"]), threads=int(shard["threads"]),
-            precision=shard["precision"], progress=progress,
+            level=shard.compression_level, threads=shard.threads, precision=shard.precision, progress=progress,
         )

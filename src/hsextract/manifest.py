@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from hsextract import provenance
 from hsextract.errors import ValidationFailure
+from hsextract.settings import Settings
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
@@ -33,7 +34,7 @@ def _load_json(path: str | Path) -> Any:
 
 
 def build_manifest(
-    config: Mapping[str, Any],
+    settings: Settings,
     *,
     shards: Sequence[str | Path],
     validation: Sequence[str | Path],
@@ -84,17 +85,17 @@ def build_manifest(
     meta = first_meta or {}
     prep = _load_json(prepare_summary)
     dropped = {str(k): int(v) for k, v in (prep.get("dropped") or {}).items()}
-    tok_dir = str(config.get("tokenizer") or config["model"])
+    s = settings
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
-        "run_name": config["run_name"],
+        "run_name": s.run_name,
         "layout": "speculators-v1",  # what a sample reads back as
-        "model": str(config["model"]),
-        "engine": config["engine"],
+        "model": s.model,
+        "engine": s.engine,
         "engine_version": meta.get("engine_version"),
-        "aux_layers": [int(i) for i in config["aux_layers"]],
-        "final_state": config["final_state"],
+        "aux_layers": list(s.aux_layers),
+        "final_state": s.final_state,
         "hidden_size": meta.get("hidden_size"),
         "dtype": meta.get("dtype"),
         "precision": meta.get("precision"),
@@ -111,11 +112,11 @@ def build_manifest(
         "token_freq": {"path": _rel(token_freq, root), "sha256": provenance.sha256_file(token_freq)},
         "provenance": {
             "versions": provenance.versions(),
-            "config_hash": provenance.config_hash(config),
-            "model_hash": meta.get("model_hash") or provenance.model_hash(str(config["model"])),
-            "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(tok_dir),
+            "config_hash": s.config_hash,
+            "model_hash": meta.get("model_hash") or provenance.model_hash(s.model),
+            "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.tokenizer_dir),
             "chat_template_hash": meta.get("chat_template_hash"),
             "prepare": {k: v for k, v in prep.items() if k != "dropped"},
-            "config": dict(config),
+            "config": dict(s.config),
         },
     }

@@ -13,7 +13,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hsextract.chunks import count as count_chunks
 from hsextract.errors import ConfigError
+from hsextract.model_info import ModelInfoError, local_hidden_size
+from hsextract.settings import Settings
 
 # Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
 IDS_MASK_BYTES = 16
@@ -29,24 +32,6 @@ CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations,
 CODEC_RATIO_FP8 = 1.0
 
 
-def _hidden_size_of(model: str) -> int | None:
-    cfg_path = Path(model) / "config.json"
-    if not cfg_path.is_file():
-        return None
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model: cannot read {cfg_path} ({e}); give --hidden-size") from None
-    # multimodal checkpoints (Kimi-K2.5) nest the language model's settings
-    for key in ("text_config", "language_config", "llm_config"):
-        if isinstance(cfg.get(key), dict) and "hidden_size" in cfg[key]:
-            cfg = cfg[key]
-            break
-    if not isinstance(cfg.get("hidden_size"), int):
-        raise ConfigError(f"model: {cfg_path} has no integer hidden_size; give --hidden-size")
-    return int(cfg["hidden_size"])
-
-
 def _tokens_per_record(summary_path: str) -> float:
     try:
         summary = json.loads(Path(summary_path).read_text())
@@ -60,27 +45,17 @@ def _tokens_per_record(summary_path: str) -> float:
     return tokens / read
 
 
-def _chunks_per_job(config: Mapping[str, Any]) -> int:
-    for value in (config.get("chunks_per_job"), (config.get("extract") or {}).get("chunks_per_job")):
-        if value is not None:
-            return int(value)
-    return 1
-
-
-def _default_gpus_per_node(config: Mapping[str, Any]) -> int | None:
-    if config.get("engine") == "sglang":
-        sg = config.get("sglang") or {}
-        if sg.get("tp"):
-            return int(sg["tp"]) * int(sg.get("replicas") or 1)
-        return None
-    device = str((config.get("transformers") or {}).get("device", "cpu"))
-    return None if device == "cpu" else 1
+def _default_gpus_per_node(s: Settings) -> int | None:
+    if s.engine == "sglang":
+        return s.extract.sglang.tp * s.extract.sglang.replicas
+    return None if s.extract.transformers.device == "cpu" else 1
 
 
 def plan(
-    config: Mapping[str, Any],
+    settings: Settings,
     samples: int,
     *,
+    chunks_per_job: int = 1,
     mean_tokens: float | None = None,
     prepare_summary: str | None = None,
     tokens_per_s: float | None = None,
@@ -88,7 +63,10 @@ def plan(
     gpus_per_node: int | None = None,
     hidden_size: int | None = None,
 ) -> dict[str, Any]:
-    """The figures of a run of `samples` input records; `tokens_per_s` is one node's throughput."""
+    """The figures of a run of `samples` input records; `tokens_per_s` is one node's throughput.
+
+    `chunks_per_job`: extract jobs a cluster job runs one after the other (Snakemake job groups).
+    """
     if samples <= 0:
         raise ConfigError(f"--samples: {samples} is not allowed; give the number of input records (> 0)")
     if nodes <= 0:
@@ -104,9 +82,14 @@ def plan(
         per_record, token_source = float(mean_tokens), "--mean-tokens"
     else:
         per_record, token_source = _tokens_per_record(str(prepare_summary)), f"measured: {prepare_summary}"
-    model = str(config.get("model", ""))
+    if chunks_per_job <= 0:
+        raise ConfigError(f"--chunks-per-job: {chunks_per_job} is not allowed; it must be >= 1")
+    model = settings.model
     if hidden_size is None:
-        hidden_size = _hidden_size_of(model)
+        try:
+            hidden_size = local_hidden_size(model)
+        except ModelInfoError as e:
+            raise ModelInfoError(f"{e}; give --hidden-size") from None
         if hidden_size is None:
             raise ConfigError(
                 f"model: {model!r} is not a local directory with a config.json; give --hidden-size "
@@ -117,12 +100,12 @@ def plan(
     if tokens_per_s is not None and tokens_per_s <= 0:
         raise ConfigError(f"--tokens-per-s: {tokens_per_s} is not allowed; it must be > 0")
     if gpus_per_node is None:
-        gpus_per_node = _default_gpus_per_node(config)
+        gpus_per_node = _default_gpus_per_node(settings)
     if gpus_per_node is not None and gpus_per_node <= 0:
         raise ConfigError(f"--gpus-per-node: {gpus_per_node} is not allowed; it must be >= 1")
 
-    n_tensors = len(config["aux_layers"]) + 1
-    precision = str((config.get("shard") or {}).get("precision", "bf16"))
+    n_tensors = len(settings.aux_layers) + 1
+    precision = settings.extract.shard.precision
     tokens = round(samples * per_record)
     raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * BF16_BYTES
     raw = tokens * raw_per_token
@@ -134,9 +117,9 @@ def plan(
         ratio, ratio_source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
         stored = math.ceil(raw * Fraction(str(ratio)))  # exact: no float rounding up a whole byte
 
-    ppc = int(config["prompts_per_chunk"])
-    chunks = math.ceil(samples / ppc)
-    cpj = _chunks_per_job(config)
+    ppc = settings.prepare.prompts_per_chunk
+    chunks = count_chunks(samples, ppc)
+    cpj = chunks_per_job
     jobs = math.ceil(chunks / cpj)
 
     node_hours = gpu_hours = wall_hours = None

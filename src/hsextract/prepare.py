@@ -4,7 +4,7 @@ Outputs in `out_dir`:
   chunk-NNNNN.parquet   one per chunk, always all `num_chunks` of them (some may hold 0 rows).
                         Record k of the mixture (0-based, malformed records included) goes to chunk
                         k // prompts_per_chunk, so the chunk count is known before anything is read:
-                        `num_chunks(config)` = ceil(count_records / prompts_per_chunk).
+                        `num_chunks(settings)` = ceil(count_records / prompts_per_chunk) (hsextract.chunks).
                         Columns: sample_id string, input_ids list<int64>, loss_mask list<int8>,
                         num_tokens int32, num_trained int32, source string.
   token_freq.pt         torch.save({token_id: count}) over trained tokens of kept samples (speculators format).
@@ -12,42 +12,32 @@ Outputs in `out_dir`:
                         and per chunk.
 Every file is written to a temporary name in `out_dir` and renamed.
 
-Config keys read (defaults in DEFAULTS): sources, seed, prompts_per_chunk, max_seq_len, truncate,
-min_trained_tokens, train_on_eot, train_on_reasoning, dedup, strict, chat_template_kwargs, chat_template.
+Settings: hsextract.settings.PrepareSettings (the config's sources, mixture and filter keys).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hsextract import chunks
 from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.settings import PrepareSettings
 from hsextract.vocab import save_token_freq, token_freq
 
-DEFAULTS: dict[str, Any] = {
-    "seed": 0,
-    "max_seq_len": None,  # None: no limit
-    "truncate": False,  # over max_seq_len: False drops the sample, True cuts it
-    "min_trained_tokens": 1,
-    "train_on_eot": True,
-    "train_on_reasoning": True,
-    "dedup": True,
-    "strict": True,
-    "chat_template_kwargs": {},
-    "chat_template": None,  # path to a .jinja file or template text; None: the tokenizer's own
-}
+# the settings a summary records (the chat template is recorded by its hash)
+SUMMARY_SETTINGS = ("seed", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot", "train_on_reasoning",
+                    "dedup", "strict", "chat_template_kwargs", "prompts_per_chunk")
 
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -65,34 +55,12 @@ TEMPLATE_ERROR = "template_error"
 
 
 def chunk_name(chunk: int) -> str:
-    return f"chunk-{chunk:05d}.parquet"
+    return chunks.name(chunk, ".parquet")
 
 
-def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    cfg = {**DEFAULTS, **{k: v for k, v in config.items() if k in DEFAULTS or k in ("sources", "prompts_per_chunk")}}
-    ppc = cfg.get("prompts_per_chunk")
-    if isinstance(ppc, bool) or not isinstance(ppc, int) or ppc <= 0:
-        raise ConfigError(f"config key `prompts_per_chunk` must be a positive integer, got {ppc!r}")
-    msl = cfg["max_seq_len"]
-    if msl is not None and (isinstance(msl, bool) or not isinstance(msl, int) or msl <= 0):
-        raise ConfigError(f"config key `max_seq_len` must be a positive integer or null, got {msl!r}")
-    mtt = cfg["min_trained_tokens"]
-    if isinstance(mtt, bool) or not isinstance(mtt, int) or mtt < 0:
-        raise ConfigError(f"config key `min_trained_tokens` must be an integer >= 0, got {mtt!r}")
-    for key in ("truncate", "train_on_eot", "train_on_reasoning", "dedup", "strict"):
-        if not isinstance(cfg[key], bool):
-            raise ConfigError(f"config key `{key}` must be true or false, got {cfg[key]!r}")
-    if not isinstance(cfg["chat_template_kwargs"] or {}, Mapping):
-        raise ConfigError("config key `chat_template_kwargs` must be a mapping")
-    if isinstance(cfg["seed"], bool) or not isinstance(cfg["seed"], int):
-        raise ConfigError(f"config key `seed` must be an integer, got {cfg['seed']!r}")
-    return cfg
-
-
-def num_chunks(config: Mapping[str, Any]) -> int:
-    """Chunk count from the config alone (cheap: counts records, parses nothing): what Snakemake needs."""
-    cfg = _settings(config)
-    return math.ceil(count_records(cfg["sources"]) / cfg["prompts_per_chunk"])
+def num_chunks(settings: PrepareSettings) -> int:
+    """Chunk count from the settings alone (cheap: counts records, parses nothing): what Snakemake needs."""
+    return chunks.count(count_records(settings.source_dicts()), settings.prompts_per_chunk)
 
 
 def load_tokenizer(tokenizer: Any, chat_template: str | None = None) -> Any:
@@ -135,31 +103,31 @@ def _new_stats() -> dict[str, Any]:
     return {"read": 0, "kept": 0, "truncated": 0, "dropped": Counter(), "tokens": 0, "trained_tokens": 0}
 
 
-def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | os.PathLike[str],
+def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | os.PathLike[str],
                 num_chunks: int) -> dict[str, Any]:
     """Run the stage; returns the summary dict (also written to out_dir/summary.json).
 
-    `num_chunks` is the count the workflow computed at parse time (`num_chunks(config)`); a mismatch means
+    `num_chunks` is the count the workflow computed at parse time (`num_chunks(settings)`); a mismatch means
     the sources changed since, and is an error. `tokenizer_path` may also be a tokenizer object.
     """
-    cfg = _settings(config)
-    sources = open_sources(cfg["sources"])
-    order = mixture(sources, cfg["seed"])
-    ppc = cfg["prompts_per_chunk"]
-    expected = math.ceil(len(order) / ppc)
+    cfg = settings
+    sources = open_sources(cfg.source_dicts())
+    order = mixture(sources, cfg.seed)
+    ppc = cfg.prompts_per_chunk
+    expected = chunks.count(len(order), ppc)
     if not order:
         raise ConfigError("config key `sources`: the sources hold no records (after weights and max_records)")
     if num_chunks != expected:
         raise ConfigError(
             f"num_chunks is {num_chunks} but the sources now hold {len(order)} records = {expected} chunks of "
             f"{ppc}; the inputs changed after the workflow was parsed: rerun snakemake")
-    tokenizer = load_tokenizer(tokenizer_path, cfg["chat_template"])
-    masker = ChatMasker(tokenizer, train_on_eot=cfg["train_on_eot"], train_on_reasoning=cfg["train_on_reasoning"],
-                        chat_template_kwargs=dict(cfg["chat_template_kwargs"] or {}))
+    tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template)
+    masker = ChatMasker(tokenizer, train_on_eot=cfg.train_on_eot, train_on_reasoning=cfg.train_on_reasoning,
+                        chat_template_kwargs=dict(cfg.chat_template_kwargs or {}))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    strict, msl = cfg["strict"], cfg["max_seq_len"]
+    strict, msl = cfg.strict, cfg.max_seq_len
     total = _new_stats()
     per_source = {s.spec.name: _new_stats() for s in sources}
     per_chunk: list[dict[str, int]] = []
@@ -189,7 +157,7 @@ def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | o
                 raise
             drop(st, e.reason)
             continue
-        if cfg["dedup"]:
+        if cfg.dedup:
             h = conversation_hash(conv)
             origin = (entry.source, entry.index)
             if seen.setdefault(h, origin) != origin:  # repeats of one record (weight > 1) are not duplicates
@@ -204,14 +172,14 @@ def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | o
             continue
         ids, mask = sample.input_ids, sample.loss_mask
         if msl is not None and len(ids) > msl:
-            if not cfg["truncate"]:
+            if not cfg.truncate:
                 drop(st, TOO_LONG)
                 continue
             ids, mask = ids[:msl], mask[:msl]
             st["truncated"] += 1
             total["truncated"] += 1
         n_trained = sum(mask)
-        if n_trained < cfg["min_trained_tokens"]:
+        if n_trained < cfg.min_trained_tokens:
             drop(st, NO_TRAINED_TOKENS)
             continue
         rows.append({"sample_id": entry.sample_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
@@ -235,7 +203,7 @@ def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | o
         "per_chunk": per_chunk,
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
-        "settings": {k: cfg[k] for k in DEFAULTS if k != "chat_template"} | {"prompts_per_chunk": ppc},
+        "settings": {k: getattr(cfg, k) for k in SUMMARY_SETTINGS} | {"chat_template_kwargs": dict(cfg.chat_template_kwargs)},
     }
     text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
     _atomic_write_bytes(out / "summary.json", lambda tmp: Path(tmp).write_text(text))
@@ -247,5 +215,5 @@ def _jsonable(st: dict[str, Any]) -> dict[str, Any]:
 
 
 # `token_freq` is re-exported for callers that recompute frequencies from chunks.
-__all__ = ["DEFAULTS", "SCHEMA", "chunk_name", "conversation_hash", "load_tokenizer", "num_chunks", "run_prepare",
+__all__ = ["SCHEMA", "chunk_name", "conversation_hash", "load_tokenizer", "num_chunks", "run_prepare",
            "token_freq"]

@@ -27,25 +27,11 @@ from typing import Any
 import torch
 
 from hsextract import __version__
-from hsextract.errors import CorruptShardError, ShardError, ValidationFailure
+from hsextract import reference as reference_sample
+from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader
 
 CHECKS = ("integrity", "checksum", "layout", "seq_len", "finite", "zero_row", "loss_mask", "input_ids")
-V1_KEYS = ("input_ids", "hidden_states", "loss_mask")
-
-
-def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """A speculators v1 sample file, loaded without pickle (weights_only=True)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValidationFailure(f"reference sample {p}: no such file; point --reference at one data_N.pt of your dataset")
-    try:
-        ref = torch.load(p, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
-        raise ValidationFailure(f"reference sample {p}: cannot be loaded with weights_only=True ({e})") from e
-    if not isinstance(ref, dict):
-        raise ValidationFailure(f"reference sample {p}: holds a {type(ref).__name__}, expected a dict with keys {list(V1_KEYS)}")
-    return ref
 
 
 def _describe(value: Any) -> dict[str, Any]:
@@ -163,7 +149,7 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
                    vocab_size: int | None = None, report_path: str | os.PathLike[str] | None = None,
                    same_model: bool = False) -> dict[str, Any]:
     """Check every sample of one shard; return (and write, if report_path) the JSON report."""
-    ref = reference if isinstance(reference, dict) else load_reference(reference)
+    ref = reference if isinstance(reference, dict) else reference_sample.load(reference)
     layout = reference_layout(ref)
     checks = _empty_checks()
     report: dict[str, Any] = {

@@ -1,34 +1,60 @@
 import re
 
+from hsextract import chunks
+from hsextract.config import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
 
-RUN = config["run_name"]
+# Every value the rule files read, computed once here from the checked settings (the Snakefile's
+# PLAN); rule files only read them, so the order of the includes does not matter.
+SETTINGS = PLAN.settings
+RUN = SETTINGS.run_name
 N_CHUNKS = PLAN.n_chunks
-CHUNKS = [f"{i:05d}" for i in range(N_CHUNKS)]
-MODEL = str(config["model"])
-TOKENIZER = str(config["tokenizer"] or config["model"])
+CHUNKS = chunks.labels(N_CHUNKS)
+MODEL = SETTINGS.model
+TOKENIZER = SETTINGS.tokenizer_dir
 
-# Hooks for engines that need more than the model (engine: sglang, workflow/rules/server.smk):
-# ENGINE_INPUTS adds named inputs to every extract job (give a server build marker as
-# ancient(...) so a rebuilt marker does not redo finished chunks), EXTRACT_GPUS overrides
-# the gpu resource of an extract job, ON_START/ON_FINISH take callables run by
-# onstart and by onsuccess/onerror (start or stop a shared server).
-ENGINE_INPUTS = {}
-EXTRACT_GPUS = None
-ON_START = []
-ON_FINISH = []
-# What prepare reads: the configured sources, or the regenerated conversations
-# (workflow/rules/regenerate.smk replaces this when regenerate.enabled is true).
-PREPARE_SOURCES = list(config["sources"])
+# regenerate.enabled (workflow/rules/regenerate.smk): the assistant turns are rewritten into
+# REGEN_DIR, and prepare reads the regenerated conversations instead of the configured sources.
+REGEN_DIR = f"results/{RUN}/regenerated"
+if SETTINGS.regenerate.enabled:
+    PREPARE_SOURCES = [
+        {
+            "path": f"{REGEN_DIR}/conversations.jsonl",
+            "name": "regenerated",
+            "format": "messages",
+        }
+    ]
+else:
+    PREPARE_SOURCES = SETTINGS.prepare.source_dicts()
 
-if config["engine"] == "sglang":
+# engine: sglang (workflow/rules/server.smk). External servers (sglang.server_url/servers) need
+# nothing built or started; local ones are started by the extraction jobs, which take the build
+# marker of rule build_patched_server as an ancient() input (a rebuilt marker does not redo
+# finished chunks); onstart kills a server left by a crashed run, onsuccess/onerror stop ours.
+SGLANG = SETTINGS.engine == "sglang"
+if SGLANG:
+    from hsextract.engines import sglang_config
 
-    include: "server.smk"
+    SGLANG_URLS = sglang_config.external_urls(config)
+else:
+    SGLANG_URLS = []
+SGLANG_LOCAL = SGLANG and not SGLANG_URLS
+SERVER_DIR = f"results/{RUN}/server"
+# named inputs of every extract job
+ENGINE_INPUTS = {"patched": ancient(f"{SERVER_DIR}/patched.json")} if SGLANG_LOCAL else {}
+# callables run by onstart, and by onsuccess/onerror
+ON_START = [lambda: sglang_config.stop_local_servers(config)] if SGLANG_LOCAL else []
+ON_FINISH = list(ON_START)
+# GPUs of an extract job: the sglang server holds the GPUs (a job is a client); the transformers
+# engine takes one unless it runs on the CPU
+EXTRACT_GPUS = (
+    0 if SGLANG or SETTINGS.extract.transformers.device == "cpu" else 1
+)
 
 
 wildcard_constraints:
     run=re.escape(RUN),
-    chunk=r"\d{5}",
+    chunk=chunks.WILDCARD,
     format=r"[a-z0-9-]+",
 
 
@@ -39,7 +65,7 @@ def run_hooks(hooks):
 
 def get_model_input(wildcards):
     """The tiny model directory when the workflow builds it; a real model is not a DAG input."""
-    return {"model": MODEL} if config["make_tiny_model"] else {}
+    return {"model": MODEL} if SETTINGS.make_tiny_model else {}
 
 
 def get_prepare_inputs(wildcards):
@@ -89,23 +115,13 @@ def get_extract_settings(wildcards):
     return settings
 
 
-def get_extract_gpus(wildcards):
-    if EXTRACT_GPUS is not None:
-        return EXTRACT_GPUS
-    device = config["transformers"]["device"]
-    return 1 if config["engine"] == "transformers" and device != "cpu" else 0
-
-
 def get_extract_mem_mb(wildcards, attempt):
-    return config["extract"]["mem_mb"] * attempt
+    return SETTINGS.extract.mem_mb * attempt
 
 
 def get_tiny_model_corpus(wildcards):
-    """Text the tiny model's tokenizer is trained on: the first JSONL source."""
-    for src in config["sources"]:
-        if src["path"].endswith(".jsonl"):
-            return src["path"]
-    raise ValueError("make_tiny_model needs a jsonl source to train its tokenizer on")
+    """Text the tiny model's tokenizer is trained on (config.check made sure there is one)."""
+    return tiny_model_corpus(SETTINGS)
 
 
 def get_prompts(wildcards):
@@ -143,7 +159,7 @@ def get_final_outputs():
         f"results/{RUN}/stats/summary.tsv",
         *get_all_validation(None),
         *expand(
-            "results/{run}/export/{format}", run=RUN, format=config["export_formats"]
+            "results/{run}/export/{format}", run=RUN, format=SETTINGS.export_formats
         ),
     ]
 
@@ -151,7 +167,7 @@ def get_final_outputs():
 # regenerate.enabled (workflow/rules/regenerate.smk)
 def get_regenerate_inputs(wildcards):
     inputs = get_model_input(wildcards)
-    inputs["sources"] = [src["path"] for src in config["sources"]]
+    inputs["sources"] = [src.path for src in SETTINGS.prepare.sources]
     return inputs
 
 

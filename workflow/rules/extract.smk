@@ -9,13 +9,13 @@ rule extract:
         "logs/{run}/extract/chunk-{chunk}.log",
     benchmark:
         "benchmarks/{run}/extract/chunk-{chunk}.tsv"
-    retries: config["extract"]["retries"]
+    retries: SETTINGS.extract.retries
     conda:
         "../../envs/extract.yaml"
-    threads: config["extract"]["threads"]
+    threads: SETTINGS.extract.threads
     resources:
         mem_mb=get_extract_mem_mb,
-        gpu=get_extract_gpus,
+        gpu=EXTRACT_GPUS,
     params:
         chunk=lambda wildcards: int(wildcards.chunk),
         # config values that change a shard's content: a change reruns the chunk (params trigger)

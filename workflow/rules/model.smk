@@ -1,4 +1,4 @@
-if config["make_tiny_model"]:
+if SETTINGS.make_tiny_model:
 
     rule make_tiny_model:
         input:
@@ -12,6 +12,6 @@ if config["make_tiny_model"]:
         conda:
             "../../envs/model.yaml"
         params:
-            seed=config["seed"],
+            seed=SETTINGS.prepare.seed,
         script:
             "../scripts/make_tiny_model.py"

@@ -1,14 +1,7 @@
 # regenerate.enabled: the assistant turns rewritten by the target model, one job per chunk of
 # input records (the same chunks as prepare's, so a failed chunk reruns alone), joined into the
-# conversation file that prepare then reads instead of the configured sources.
-REGEN_DIR = f"results/{RUN}/regenerated"
-PREPARE_SOURCES = [
-    {
-        "path": f"{REGEN_DIR}/conversations.jsonl",
-        "name": "regenerated",
-        "format": "messages",
-    }
-]
+# conversation file that prepare then reads instead of the configured sources (REGEN_DIR and
+# PREPARE_SOURCES: common.smk).
 
 
 rule regenerate_chunk:
@@ -23,7 +16,7 @@ rule regenerate_chunk:
         f"benchmarks/{RUN}/regenerate/chunk-{{chunk}}.tsv"
     conda:
         "../../envs/extract.yaml"
-    threads: config["extract"]["threads"]
+    threads: SETTINGS.extract.threads
     resources:
         mem_mb=get_extract_mem_mb,
     params:

@@ -1,19 +1,9 @@
 # engine: sglang. Local servers: rule build_patched_server installs the plugin into the server's
-# Python and writes patched.json; extraction jobs take it as an ancient() input (a rebuilt marker
-# does not redo finished chunks) and start or reuse the server themselves (hsextract.server,
-# notes/snakemake.md A6.3); onstart kills a server left by a crashed run, onsuccess/onerror stop
-# ours. External servers (sglang.server_url / sglang.servers): nothing to build or start.
-from hsextract.engines import sglang_config
-
-SGLANG_URLS = sglang_config.external_urls(config)
-SERVER_DIR = f"results/{RUN}/server"
-# the server holds the GPUs; an extraction job is a client
-EXTRACT_GPUS = 0
-
-if not SGLANG_URLS:
-    ENGINE_INPUTS["patched"] = ancient(f"{SERVER_DIR}/patched.json")
-    ON_START.append(lambda: sglang_config.stop_local_servers(config))
-    ON_FINISH.append(lambda: sglang_config.stop_local_servers(config))
+# Python and writes patched.json; extraction jobs start or reuse the server themselves
+# (hsextract.server, notes/snakemake.md A6.3). External servers (sglang.server_url /
+# sglang.servers): nothing to build or start. The values read here (SGLANG_LOCAL, SERVER_DIR) and
+# the hooks that stop servers are computed in common.smk.
+if SGLANG_LOCAL:
 
     rule build_patched_server:
         output:
@@ -23,7 +13,7 @@ if not SGLANG_URLS:
         conda:
             "../../envs/sglang.yaml"
         params:
-            python=config["sglang"]["python"],
+            python=SETTINGS.extract.sglang.python,
             repo=workflow.basedir,
         script:
             "../scripts/build_patched_server.py"

@@ -10,7 +10,7 @@ rule stats:
     conda:
         "../../envs/stats.yaml"
     params:
-        position_bins=config["stats"]["position_bins"],
+        position_bins=SETTINGS.stats.position_bins,
     script:
         "../scripts/stats.py"
 
@@ -76,6 +76,6 @@ rule aggregate_stats:
     conda:
         "../../envs/stats.yaml"
     params:
-        seq_len_bins=config["stats"]["seq_len_bins"],
+        seq_len_bins=SETTINGS.stats.seq_len_bins,
     script:
         "../scripts/aggregate_stats.py"

@@ -2,7 +2,7 @@ rule validate:
     input:
         shard=get_shard,
         prompts=get_prompts,
-        reference=config["reference_sample"],
+        reference=SETTINGS.validate.reference_sample,
     output:
         report="results/{run}/validation/chunk-{chunk}.json",
     log:
@@ -11,6 +11,6 @@ rule validate:
         "../../envs/validate.yaml"
     params:
         # the reference's hidden size counts only for a real model (see config/README.md)
-        same_model=not config["make_tiny_model"],
+        same_model=SETTINGS.validate.same_model,
     script:
         "../scripts/validate.py"

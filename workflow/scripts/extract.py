@@ -9,11 +9,12 @@ import json
 import torch
 
 from hsextract.extract import run_extract
+from hsextract.settings import from_config
 
 # CPU engines use exactly the job's threads (Snakemake schedules by them).
 torch.set_num_threads(int(snakemake.threads))  # noqa: F821
 summary = run_extract(
-    dict(snakemake.config),  # noqa: F821
+    from_config(snakemake.config).extract,  # noqa: F821
     snakemake.input.prompts,  # noqa: F821
     snakemake.output.shard,  # noqa: F821
     chunk=int(snakemake.params.chunk),  # noqa: F821

@@ -6,9 +6,10 @@ sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 
 from hsextract.atomic import write_json_atomic
 from hsextract.manifest import build_manifest
+from hsextract.settings import from_config
 
 manifest = build_manifest(
-    dict(snakemake.config),  # noqa: F821
+    from_config(snakemake.config),  # noqa: F821
     shards=list(snakemake.input.shards),  # noqa: F821
     validation=list(snakemake.input.validation),  # noqa: F821
     chunk_stats=list(snakemake.input.chunk_stats),  # noqa: F821

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from hsextract.atomic import write_json_atomic
 from hsextract.prepare import run_prepare
+from hsextract.settings import from_config
 
 out_dir = Path(snakemake.output.summary).parent  # noqa: F821
-config = dict(snakemake.config)  # noqa: F821
-# the configured sources, or the regenerated conversations (regenerate.enabled)
-config["sources"] = list(snakemake.params.sources)  # noqa: F821
+# the configured sources, or the regenerated conversations (regenerate.enabled): common.smk's PREPARE_SOURCES
+settings = from_config({**snakemake.config, "sources": list(snakemake.params.sources)})  # noqa: F821
 summary = run_prepare(
-    config,
+    settings.prepare,
     snakemake.params.tokenizer,  # noqa: F821
     out_dir,
     int(snakemake.params.num_chunks),  # noqa: F821

@@ -1,0 +1,108 @@
+"""What hsextract reads from a model's config.json: depth, hidden size and vocabulary size.
+
+One lookup of the language model's settings (`text_config`) for every caller: the config checks,
+the extract job's shard metadata and the capacity planner. Failures are ModelInfoError (a
+ConfigError: the `model` key points at something that cannot be read).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hsextract.errors import ConfigError
+
+# Multimodal checkpoints (Kimi-K2.5) nest the language model's settings under one of these keys.
+NESTED_KEYS = ("text_config", "language_config", "llm_config")
+
+
+class ModelInfoError(ConfigError):
+    """The model's config cannot be read, or lacks the sizes hsextract needs."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_layers: int
+    hidden_size: int
+    source: str  # where the shape was read from, for messages
+    vocab_size: int | None = None
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The language model's part of a config.json: the nested text config, else the config itself."""
+    for key in NESTED_KEYS:
+        nested = cfg.get(key)
+        if isinstance(nested, dict) and ("num_hidden_layers" in nested or "hidden_size" in nested):
+            return nested
+    return cfg
+
+
+def _read_local(path: Path) -> dict[str, Any]:
+    cfg_path = path / "config.json"
+    try:
+        return json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelInfoError(
+            f"model: cannot read {cfg_path} ({e}); `model` must be a Hugging Face model "
+            f"directory with a config.json, or a hub id this machine can reach"
+        ) from None
+
+
+def _read_hub(model: str) -> dict[str, Any]:
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model).to_dict()
+    except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise ModelInfoError(
+            f"model: {model!r} is not a readable model directory and its config could not be "
+            f"loaded as a hub id ({type(e).__name__}: {first}); set `model` to a local Hugging Face model directory"
+        ) from None
+
+
+def _shape(cfg: dict[str, Any], source: str) -> ModelShape:
+    text = text_config(cfg)
+    try:
+        vocab = text.get("vocab_size", cfg.get("vocab_size"))
+        return ModelShape(int(text["num_hidden_layers"]), int(text["hidden_size"]), source,
+                          int(vocab) if vocab is not None else None)
+    except (KeyError, TypeError, ValueError):
+        raise ModelInfoError(
+            f"model: {source} has no integer num_hidden_layers/hidden_size; "
+            f"`model` must be a causal LM that transformers loads"
+        ) from None
+
+
+def read_model_shape(model: str) -> ModelShape:
+    """Shape of a local model directory, or of a hub id (via transformers' cache)."""
+    path = Path(model)
+    if path.is_dir():
+        return _shape(_read_local(path), str(path / "config.json"))
+    return _shape(_read_hub(model), f"hub config of {model}")
+
+
+def local_hidden_size(model: str) -> int | None:
+    """Hidden size from a local model directory's config.json; None when `model` has none (no hub access)."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        return None
+    source = str(path / "config.json")
+    hidden = text_config(_read_local(path)).get("hidden_size")
+    if isinstance(hidden, bool) or not isinstance(hidden, int):
+        raise ModelInfoError(f"model: {source} has no integer hidden_size")
+    return hidden
+
+
+def tiny_model_shape() -> ModelShape:
+    """Shape of the workflow's tiny model, known before rule make_tiny_model builds it."""
+    from hsextract import tinymodel
+
+    cfg = tinymodel.TINY_CONFIG
+    return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), "the tiny model (hsextract.tinymodel)")
+
+
+__all__ = ["ModelInfoError", "ModelShape", "NESTED_KEYS", "local_hidden_size", "read_model_shape", "text_config",
+           "tiny_model_shape"]
