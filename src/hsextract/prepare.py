@@ -141,9 +141,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         total["dropped"][reason] += 1
 
     for k, entry in enumerate(order):
-        while k // ppc > chunk:
+        while chunks.of_record(k, ppc) > chunk:
             _write_chunk(out, chunk, rows)
-            per_chunk.append({"chunk": chunk, "records": min(ppc, len(order) - chunk * ppc), "rows": len(rows),
+            per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
                               "tokens": sum(r["num_tokens"] for r in rows)})
             rows, chunk = [], chunk + 1
         src = sources[entry.source]
@@ -190,7 +190,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             s["tokens"] += len(ids)
             s["trained_tokens"] += n_trained
     _write_chunk(out, chunk, rows)
-    per_chunk.append({"chunk": chunk, "records": len(order) - chunk * ppc, "rows": len(rows),
+    per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
                       "tokens": sum(r["num_tokens"] for r in rows)})
 
     save_token_freq(dict(freq), out / "token_freq.pt")
@@ -203,7 +203,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "per_chunk": per_chunk,
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
-        "settings": {k: getattr(cfg, k) for k in SUMMARY_SETTINGS} | {"chat_template_kwargs": dict(cfg.chat_template_kwargs)},
+        "settings": {k: getattr(cfg, k) for k in SUMMARY_SETTINGS}
+        | {"chat_template_kwargs": dict(cfg.chat_template_kwargs)},
     }
     text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
     _atomic_write_bytes(out / "summary.json", lambda tmp: Path(tmp).write_text(text))
