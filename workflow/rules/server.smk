@@ -7,8 +7,10 @@ from hsextract.engines import sglang_config
 
 SGLANG_URLS = sglang_config.external_urls(config)
 SERVER_DIR = f"results/{RUN}/server"
-# the server holds the GPUs; an extraction job is a client
-EXTRACT_GPUS = 0
+# An extraction job starts (or reuses) its own local servers: it needs their tp x replicas GPUs on its
+# node. With external servers it is a client and needs none.
+_SGLANG = sglang_config.settings(config)
+EXTRACT_GPUS = 0 if SGLANG_URLS else _SGLANG["tp"] * _SGLANG["replicas"]
 
 if not SGLANG_URLS:
     ENGINE_INPUTS["patched"] = ancient(f"{SERVER_DIR}/patched.json")
