@@ -242,9 +242,19 @@ def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: Reference
 
 def check_tokenizer(config: Mapping[str, Any]) -> None:
     """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
-    from hsextract.tokenizer_loading import check_tokenizer_source
+    from hsextract.tokenizer_loading import KEY, check_tokenizer_source
 
-    check_tokenizer_source(str(config.get("tokenizer") or config["model"]), bool(config.get("trust_remote_code")))
+    source = str(config.get("tokenizer") or config["model"])
+    trusted = bool(config.get(KEY))
+    built_here = config.get("make_tiny_model") and not config.get("tokenizer")
+    if built_here and config.get("tiny_model_tokenizer") == "kimi" and not trusted:
+        raise ConfigError(
+            f"{KEY}: make_tiny_model builds {source} with tiny_model_tokenizer: kimi, a tokenizer that is custom "
+            f"code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as Kimi-K2.5's is), "
+            f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
+            f"tiny_model_tokenizer: fast")
+    if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
+        check_tokenizer_source(source, trusted)
 
 
 def count_chunks(n_records: int, prompts_per_chunk: int) -> int:
