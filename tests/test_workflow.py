@@ -139,7 +139,7 @@ def test_full_run_validates(full_run: Path) -> None:
     assert counts["samples"] + counts["dropped_samples"] == RECORDS
     assert counts["dropped"] == prep["dropped"]
     assert counts["compression_ratio"] > 1.0
-    assert manifest["aux_layers"] == [1, 5, 7] and manifest["final_state"] == "post_norm"
+    assert manifest["aux_layers"] == [1, 5, 7] and manifest["final_state"] == "pre_norm"
     assert manifest["provenance"]["config"]["run_name"] == RUN
     assert len(manifest["provenance"]["model_hash"]) == 64
     # token frequencies from the shards equal prepare's, computed from the prompts
@@ -192,8 +192,9 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
                 pre = last["out"][0]
                 post = model.model.norm(last["out"])[0]
             assert torch.equal(post, hs[-1][0])  # transformers' last hidden state is post-norm
-            right = [hs[layer + 1][0] for layer in aux] + [post]
-            wrong = [hs[layer + 2][0] for layer in aux] + [pre]
+            # final_state: pre_norm (the default): the last decoder layer's output, not the normed one
+            right = [hs[layer + 1][0] for layer in aux] + [pre]
+            wrong = [hs[layer + 2][0] for layer in aux] + [post]
             for j in range(4):
                 err = token_errors(s["hidden_states"][j], right[j])
                 where = f"chunk {i} sample {k} tensor {j}"
@@ -202,6 +203,23 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
                 assert float(token_errors(s["hidden_states"][j], wrong[j]).median()) >= WRONG_MEDIAN, where
             checked += 1
     assert checked >= 6
+
+
+def test_default_run_exports_to_speculators_without_final_norm_warning(
+    full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hsextract.export import export
+    from hsextract.final_norm import read_final_norm
+
+    rd = full_run / "results" / RUN
+    meta = ShardReader(shard_path(full_run, 0)).metadata
+    assert meta["final_state"] == "pre_norm"
+    norm = read_final_norm(str(full_run / "resources/tiny-model"))
+    assert meta["final_norm"] == norm.to_metadata()
+    summary = export(rd, tmp_path / "v1", "speculators-v1")
+    assert summary["warning"] is None and capsys.readouterr().err == ""
+    summary = export(rd, tmp_path / "sf", "specforge")  # pre -> post through the recorded norm
+    assert summary["warning"] is None and summary["final_norm_applied"] and capsys.readouterr().err == ""
 
 
 def test_report_after_run(full_run: Path) -> None:
