@@ -18,7 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # tree leaves that are no schema key of their own: copies of run-wide keys a stage needs, and derived values
 DERIVED = {
     "config", "config_hash", "extract.config_hash", "validate.same_model", "validate.reference_sample",
-    *(f"extract.{k}" for k in ("run_name", "model", "tokenizer", "engine", "aux_layers", "final_state")),
+    "prepare.trust_remote_code",
+    *(f"extract.{k}" for k in ("run_name", "model", "tokenizer", "engine", "aux_layers", "final_state",
+                                "trust_remote_code")),
 }
 
 
@@ -83,7 +85,7 @@ def test_defaults_are_the_schemas() -> None:
         st.Source(path="x.jsonl", format="auto", weight=1.0, max_records=None, name=None, split=None),
     )
     assert s.validate == st.ValidateSettings("resources/reference/speculators-v1-data_0.pt", same_model=True)
-    assert (s.extract.model, s.extract.aux_layers, s.extract.config_hash) == ("resources/tiny-model", (1, 5, 7),
+    assert (s.extract.model, s.extract.aux_layers, s.extract.config_hash) == ("resources/tiny-model", None,
                                                                             s.config_hash)
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import chunks
+from hsextract.capture import resolve_aux_layers
 from hsextract.errors import ConfigError
 from hsextract.model_info import ModelShape, read_model_shape, tiny_model_shape
 from hsextract.reference import ReferenceLayout, read_layout
@@ -29,6 +30,7 @@ class Plan:
     n_chunks: int
     model: ModelShape
     reference: ReferenceLayout
+    aux_layers: list[int]  # resolved from `capture` and `aux_layers` (hsextract.capture); also in settings
 
 
 def check_tiny_model_path(s: Settings) -> None:
@@ -64,23 +66,28 @@ def check_engine(s: Settings) -> None:
             ) from None
 
 
-def check_layers(s: Settings, shape: ModelShape) -> None:
-    # ids >= 0 and unique: the schema's
-    for i, layer in enumerate(s.aux_layers):
+def check_layers(s: Settings, shape: ModelShape) -> list[int]:
+    """The run's aux layer ids (preset or explicit list), each checked against the model's depth."""
+    # ids >= 0 and unique in an explicit list: the schema's
+    layers = resolve_aux_layers(s.config, shape.num_layers)
+    for i, layer in enumerate(layers):
         if layer >= shape.num_layers:
             raise ConfigError(
                 f"aux_layers[{i}]: layer {layer} is beyond the model's depth: {shape.source} has "
                 f"{shape.num_layers} decoder layers, so ids 0..{shape.num_layers - 1} are allowed"
             )
+    return layers
 
 
 def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> None:
-    want = len(s.aux_layers) + 1
+    aux = list(s.aux_layers or ())
+    want = len(aux) + 1
     if ref.num_tensors != want:
         raise ConfigError(
             f"reference_sample: {s.reference_sample} holds {ref.num_tensors} hidden-state "
-            f"tensors, but aux_layers has {len(s.aux_layers)} layers, so shards hold {want} "
-            f"(aux layers + final state); use a reference sample with {want} tensors or change aux_layers"
+            f"tensors, but aux_layers {aux} (capture: {s.capture}) has {len(aux)} layers, "
+            f"so shards hold {want} (aux layers + final state); use a reference sample with {want} tensors "
+            f"or change aux_layers"
         )
     # The shipped reference is Kimi-shaped and checks layout only; the workflow's own tiny model
     # is therefore not comparable by hidden size. A real model is: its reference should come
@@ -91,6 +98,22 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
             f"model {s.model} has hidden size {shape.hidden_size}; point reference_sample at "
             f"a sample of a dataset of this model"
         )
+
+
+def check_tokenizer(s: Settings) -> None:
+    """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
+    from hsextract.tokenizer_loading import KEY, check_tokenizer_source
+
+    source = s.tokenizer_dir
+    built_here = s.make_tiny_model and not s.tokenizer
+    if built_here and s.tiny_model_tokenizer == "kimi" and not s.trust_remote_code:
+        raise ConfigError(
+            f"{KEY}: make_tiny_model builds {source} with tiny_model_tokenizer: kimi, a tokenizer that is custom "
+            f"code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as Kimi-K2.5's is), "
+            f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
+            f"tiny_model_tokenizer: fast")
+    if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
+        check_tokenizer_source(source, s.trust_remote_code)
 
 
 def count_records(s: Settings) -> int:
@@ -111,7 +134,11 @@ def count_records(s: Settings) -> int:
 
 
 def check(config: Mapping[str, Any]) -> Plan:
-    """Schema and semantic checks, in the order a user would fix them; the settings tree and the run's plan."""
+    """Schema and semantic checks, in the order a user would fix them; the settings tree and the run's plan.
+
+    The tree's aux_layers are the resolved ids (a `capture` preset's, or the explicit list), as are those
+    of the config the workflow hands its jobs (the Snakefile sets them), so both hash alike.
+    """
     s = from_config(config)
     check_tiny_model_path(s)
     check_engine(s)
@@ -119,9 +146,11 @@ def check(config: Mapping[str, Any]) -> Plan:
         shape = tiny_model_shape()
     else:
         shape = read_model_shape(s.model)
-    check_layers(s, shape)
+    aux_layers = check_layers(s, shape)
+    s = from_config({**s.config, "aux_layers": aux_layers})
+    check_tokenizer(s)
     ref = read_layout(s.reference_sample)
     check_reference(s, shape, ref)
     n_records = count_records(s)
     return Plan(settings=s, n_records=n_records, n_chunks=chunks.count(n_records, s.prepare.prompts_per_chunk),
-                model=shape, reference=ref)
+                model=shape, reference=ref, aux_layers=aux_layers)

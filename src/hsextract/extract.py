@@ -25,6 +25,7 @@ from hsextract.model_info import read_model_shape
 from hsextract.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
+from hsextract.final_norm import final_norm_metadata
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 
@@ -103,6 +104,10 @@ def shard_metadata(
     """
     s = settings
     tok_dir = s.tokenizer_dir
+    norm, why = final_norm_metadata(s.model, model_dtype(s))
+    if norm is None and s.final_state == "pre_norm":
+        print(f"WARNING: the final norm is not recorded in the shards ({why}); an export to a post-norm "
+              "consumer (specforge) will refuse this pre_norm data", file=sys.stderr, flush=True)
     if chat_template_hash is None:
         chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))
     return {
@@ -111,6 +116,7 @@ def shard_metadata(
         "engine_version": engine.version(),
         "aux_layers": list(s.aux_layers),
         "final_state": s.final_state,
+        "final_norm": norm,  # hsextract.final_norm: post-norm = norm(pre-norm) at export
         "hidden_size": int(hidden_size),
         "dtype": model_dtype(s),
         "config_hash": s.config_hash,

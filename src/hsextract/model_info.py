@@ -39,7 +39,7 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def _read_local(path: Path) -> dict[str, Any]:
+def _read_local(path: Path) -> Any:
     cfg_path = path / "config.json"
     try:
         return json.loads(cfg_path.read_text())
@@ -50,11 +50,11 @@ def _read_local(path: Path) -> dict[str, Any]:
         ) from None
 
 
-def _read_hub(model: str) -> dict[str, Any]:
+def _read_hub(model: str) -> Any:
     try:
-        from transformers import AutoConfig
+        from huggingface_hub import hf_hub_download
 
-        return AutoConfig.from_pretrained(model).to_dict()
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
     except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
         first = str(e).splitlines()[0] if str(e) else ""
         raise ModelInfoError(
@@ -63,7 +63,9 @@ def _read_hub(model: str) -> dict[str, Any]:
         ) from None
 
 
-def _shape(cfg: dict[str, Any], source: str) -> ModelShape:
+def _shape(cfg: Any, source: str) -> ModelShape:
+    if not isinstance(cfg, dict):
+        raise ModelInfoError(f"model: {source} is not a JSON object; `model` must be a causal LM that transformers loads")
     text = text_config(cfg)
     try:
         vocab = text.get("vocab_size", cfg.get("vocab_size"))
@@ -77,7 +79,11 @@ def _shape(cfg: dict[str, Any], source: str) -> ModelShape:
 
 
 def read_model_shape(model: str) -> ModelShape:
-    """Shape of a local model directory, or of a hub id (via transformers' cache)."""
+    """Depth and hidden size of a local model directory, or of a hub id (its config.json, fetched or cached).
+
+    Only config.json is read, as JSON: no code of the checkpoint runs (Kimi-K2.5's config class is custom
+    code), and no weights are needed, so a dry run plans a production run from a config directory alone.
+    """
     path = Path(model)
     if path.is_dir():
         return _shape(_read_local(path), str(path / "config.json"))
@@ -90,7 +96,10 @@ def local_hidden_size(model: str) -> int | None:
     if not (path / "config.json").is_file():
         return None
     source = str(path / "config.json")
-    hidden = text_config(_read_local(path)).get("hidden_size")
+    cfg = _read_local(path)
+    if not isinstance(cfg, dict):
+        raise ModelInfoError(f"model: {source} is not a JSON object")
+    hidden = text_config(cfg).get("hidden_size")
     if isinstance(hidden, bool) or not isinstance(hidden, int):
         raise ModelInfoError(f"model: {source} has no integer hidden_size")
     return hidden

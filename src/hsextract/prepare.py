@@ -33,11 +33,12 @@ from hsextract.conversations import (Conversation, MalformedRecordError, count_r
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.settings import PrepareSettings
+from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
 
 # the settings a summary records (the chat template is recorded by its hash)
 SUMMARY_SETTINGS = ("seed", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot", "train_on_reasoning",
-                    "dedup", "strict", "chat_template_kwargs", "prompts_per_chunk")
+                    "dedup", "strict", "chat_template_kwargs", "trust_remote_code", "prompts_per_chunk")
 
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -61,21 +62,6 @@ def chunk_name(chunk: int) -> str:
 def num_chunks(settings: PrepareSettings) -> int:
     """Chunk count from the settings alone (cheap: counts records, parses nothing): what Snakemake needs."""
     return chunks.count(count_records(settings.source_dicts()), settings.prompts_per_chunk)
-
-
-def load_tokenizer(tokenizer: Any, chat_template: str | None = None) -> Any:
-    """A fast tokenizer from a path (or a tokenizer object), with an optional chat template override."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load a tokenizer from {tokenizer}: {e}") from e
-    if chat_template:
-        p = Path(chat_template)
-        tokenizer.chat_template = p.read_text() if len(chat_template) < 4096 and p.is_file() else chat_template
-    return tokenizer
 
 
 def conversation_hash(conv: Conversation) -> str:
@@ -121,7 +107,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         raise ConfigError(
             f"num_chunks is {num_chunks} but the sources now hold {len(order)} records = {expected} chunks of "
             f"{ppc}; the inputs changed after the workflow was parsed: rerun snakemake")
-    tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template)
+    tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
     masker = ChatMasker(tokenizer, train_on_eot=cfg.train_on_eot, train_on_reasoning=cfg.train_on_reasoning,
                         chat_template_kwargs=dict(cfg.chat_template_kwargs or {}))
     out = Path(out_dir)

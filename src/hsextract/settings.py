@@ -64,6 +64,7 @@ class PrepareSettings:
     strict: bool
     chat_template: str | None
     chat_template_kwargs: Mapping[str, Any]
+    trust_remote_code: bool
 
     def source_dicts(self) -> list[dict[str, Any]]:
         return [s.as_dict() for s in self.sources]
@@ -114,8 +115,9 @@ class ExtractSettings:
     model: str
     tokenizer: str | None
     engine: str
-    aux_layers: tuple[int, ...]
+    aux_layers: tuple[int, ...] | None  # None: a `capture` preset not yet resolved (config.check resolves it)
     final_state: str
+    trust_remote_code: bool
     config_hash: str
     # the `extract:` job keys
     threads: int
@@ -173,9 +175,12 @@ class Settings:
     run_name: str
     model: str
     make_tiny_model: bool
+    tiny_model_tokenizer: str
     tokenizer: str | None
+    trust_remote_code: bool
     engine: str
-    aux_layers: tuple[int, ...]
+    capture: str
+    aux_layers: tuple[int, ...] | None  # None: the `capture` preset's, resolved by config.check
     final_state: str
     reference_sample: str
     export_formats: tuple[str, ...]
@@ -198,8 +203,11 @@ SCHEMA_TO_TREE: dict[str, str] = {
     "run_name": "run_name",
     "model": "model",
     "make_tiny_model": "make_tiny_model",
+    "tiny_model_tokenizer": "tiny_model_tokenizer",
     "tokenizer": "tokenizer",
+    "trust_remote_code": "trust_remote_code",
     "engine": "engine",
+    "capture": "capture",
     "aux_layers": "aux_layers",
     "final_state": "final_state",
     "reference_sample": "reference_sample",
@@ -276,7 +284,7 @@ def from_config(config: Mapping[str, Any]) -> Settings:
 
     c = fill_defaults(config)
     digest = config_hash(c)
-    aux = tuple(int(i) for i in c["aux_layers"])
+    aux = _tuple(c["aux_layers"])
     prepare = _section(
         PrepareSettings, c,
         sources=tuple(_section(Source, s) for s in c["sources"]),

@@ -45,11 +45,15 @@ ENGINE_INPUTS = {"patched": ancient(f"{SERVER_DIR}/patched.json")} if SGLANG_LOC
 # callables run by onstart, and by onsuccess/onerror
 ON_START = [lambda: sglang_config.stop_local_servers(config)] if SGLANG_LOCAL else []
 ON_FINISH = list(ON_START)
-# GPUs of an extract job: the sglang server holds the GPUs (a job is a client); the transformers
-# engine takes one unless it runs on the CPU
-EXTRACT_GPUS = (
-    0 if SGLANG or SETTINGS.extract.transformers.device == "cpu" else 1
-)
+# GPUs of an extract job: one that starts (or reuses) its own local sglang servers needs their
+# tp x replicas GPUs on its node; with external servers it is a client and needs none; the
+# transformers engine takes one unless it runs on the CPU.
+if SGLANG:
+    EXTRACT_GPUS = (
+        0 if SGLANG_URLS else SETTINGS.extract.sglang.tp * SETTINGS.extract.sglang.replicas
+    )
+else:
+    EXTRACT_GPUS = 0 if SETTINGS.extract.transformers.device == "cpu" else 1
 
 
 wildcard_constraints:
@@ -154,7 +158,10 @@ def get_all_chunk_stats(wildcards):
 
 
 def get_final_outputs():
+    # every shard is a target: a deleted shard reruns its chunk (a missing intermediate file alone
+    # does not make Snakemake redo the jobs after it)
     return [
+        *get_all_shards(None),
         f"results/{RUN}/dataset.json",
         f"results/{RUN}/stats/summary.tsv",
         *get_all_validation(None),

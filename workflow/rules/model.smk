@@ -13,5 +13,6 @@ if SETTINGS.make_tiny_model:
             "../../envs/model.yaml"
         params:
             seed=SETTINGS.prepare.seed,
+            tokenizer=SETTINGS.tiny_model_tokenizer,
         script:
             "../scripts/make_tiny_model.py"

@@ -3,6 +3,9 @@
 # (hsextract.server, notes/snakemake.md A6.3). External servers (sglang.server_url /
 # sglang.servers): nothing to build or start. The values read here (SGLANG_LOCAL, SERVER_DIR) and
 # the hooks that stop servers are computed in common.smk.
+from snakemake_interface_executor_plugins.settings import DeploymentMethod
+
+
 if SGLANG_LOCAL:
 
     rule build_patched_server:
@@ -14,6 +17,8 @@ if SGLANG_LOCAL:
             "../../envs/sglang.yaml"
         params:
             python=SETTINGS.extract.sglang.python,
+            # null python: the job's interpreter, only if it is envs/sglang.yaml's (--sdm conda)
+            conda_env=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method,
             repo=workflow.basedir,
         script:
             "../scripts/build_patched_server.py"
