@@ -32,7 +32,7 @@ def child(a: argparse.Namespace) -> None:
     import torch
 
     from hsextract.engines.base import CaptureSpec, Prompt
-    from hsextract.engines.sglang_engine import SGLangEngine
+    from hsextract.sglang.client import SGLangEngine
     from hsextract.shard import ShardWriter
 
     aux = (1, 15, 28)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 
 
 def measure(layout: str, tokens: int, hidden: int, n: int, reps: int = 3) -> float:

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import torch
 from fake_sglang import FakeServer
 from hsextract.engines.base import CaptureSpec, Prompt
-from hsextract.engines.sglang_engine import SGLangEngine
+from hsextract.sglang.client import SGLangEngine
 from hsextract.errors import EngineError
 
 H, AUX, L, N = 4096, (1, 15, 28), 512, int(sys.argv[1]) if len(sys.argv) > 1 else 64

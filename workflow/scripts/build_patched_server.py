@@ -4,7 +4,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 
-from hsextract.engines.sglang_config import build_patched
+from hsextract.sglang.config import build_patched
 
 info = build_patched(
     dict(snakemake.config),  # noqa: F821
