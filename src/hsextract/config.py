@@ -58,7 +58,7 @@ def tiny_model_corpus(s: Settings) -> str | None:
 def check_engine(s: Settings) -> None:
     if s.engine == "sglang":
         try:
-            import hsextract.engines.sglang_engine  # noqa: F401 - importable is what is checked
+            import hsextract.sglang.client  # noqa: F401 - importable is what is checked
         except ImportError as e:
             raise ConfigError(
                 f"engine: sglang is not usable in this installation ({e}); use engine: transformers "

@@ -63,7 +63,7 @@ def capture_spec(settings: ExtractSettings) -> CaptureSpec:
 
 def build_engine(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0) -> Engine:
     """The engine the settings ask for; `engine: sglang` picks (or starts) the chunk's server
-    through hsextract.engines.sglang_config."""
+    through hsextract.sglang.config."""
     name = settings.engine
     if name == "transformers":
         from hsextract.engines.transformers_engine import TransformersEngine
@@ -76,7 +76,7 @@ def build_engine(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0) -
     if name == "sglang":
         import dataclasses
 
-        from hsextract.engines.sglang_config import engine_from_config
+        from hsextract.sglang.config import engine_from_config
 
         config = {"run_name": settings.run_name, "model": settings.model, "aux_layers": list(settings.aux_layers),
                   "final_state": settings.final_state, "sglang": dataclasses.asdict(settings.sglang)}

@@ -33,7 +33,7 @@ else:
 # finished chunks); onstart kills a server left by a crashed run, onsuccess/onerror stop ours.
 SGLANG = SETTINGS.engine == "sglang"
 if SGLANG:
-    from hsextract.engines import sglang_config
+    from hsextract.sglang import config as sglang_config
 
     SGLANG_URLS = sglang_config.external_urls(config)
 else:
