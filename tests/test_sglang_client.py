@@ -280,14 +280,15 @@ def procs_mentioning(s: str) -> list[int]:
 
 
 def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Path) -> None:
+    from hsextract.settings import from_config
     from hsextract.sglang.config import server_config_from
 
-    base = {"model": "/m", "aux_layers": [1, 3], "run_name": "r"}
+    base = {"model": "/m", "aux_layers": [1, 3], "run_name": "r", "final_state": "post_norm"}
     tail = ["--skip-tokenizer-init", "--enable-return-hidden-states"]
-    off = server_config_from(base, python="/py")
+    off = server_config_from(from_config(base).extract, python="/py")
     assert off.prefill_cuda_graph is False
     assert hsrv.build_command(off)[-3:] == [*tail, "--disable-prefill-cuda-graph"]
-    on = server_config_from(base | {"sglang": {"prefill_cuda_graph": True}}, python="/py")
+    on = server_config_from(from_config(base | {"sglang": {"prefill_cuda_graph": True}}).extract, python="/py")
     assert hsrv.build_command(on)[-2:] == tail  # graphs captured in FULL mode, as before
     assert hsrv.config_hash(off, 0) != hsrv.config_hash(on, 0)  # a running server of the other kind is not reused
 

@@ -74,13 +74,9 @@ def build_engine(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0) -
             device = "cuda" if torch.cuda.is_available() else "cpu"
         return TransformersEngine(settings.model, spec, device=device, dtype=t.dtype, token_budget=t.token_budget)
     if name == "sglang":
-        import dataclasses
-
         from hsextract.sglang.config import engine_from_config
 
-        config = {"run_name": settings.run_name, "model": settings.model, "aux_layers": list(settings.aux_layers),
-                  "final_state": settings.final_state, "sglang": dataclasses.asdict(settings.sglang)}
-        return engine_from_config(config, spec, chunk)
+        return engine_from_config(settings, spec, chunk)
     raise EngineError(f"engine: unknown engine {name!r}; use transformers or sglang")
 
 

@@ -35,7 +35,7 @@ SGLANG = SETTINGS.engine == "sglang"
 if SGLANG:
     from hsextract.sglang import config as sglang_config
 
-    SGLANG_URLS = sglang_config.external_urls(config)
+    SGLANG_URLS = sglang_config.external_urls(SETTINGS.extract)
 else:
     SGLANG_URLS = []
 SGLANG_LOCAL = SGLANG and not SGLANG_URLS
@@ -43,7 +43,7 @@ SERVER_DIR = f"results/{RUN}/server"
 # named inputs of every extract job
 ENGINE_INPUTS = {"patched": ancient(f"{SERVER_DIR}/patched.json")} if SGLANG_LOCAL else {}
 # callables run by onstart, and by onsuccess/onerror
-ON_START = [lambda: sglang_config.stop_local_servers(config)] if SGLANG_LOCAL else []
+ON_START = [lambda: sglang_config.stop_local_servers(SETTINGS.extract)] if SGLANG_LOCAL else []
 ON_FINISH = list(ON_START)
 # GPUs of an extract job: one that starts (or reuses) its own local sglang servers needs their
 # tp x replicas GPUs on its node; with external servers it is a client and needs none; the

@@ -1,4 +1,5 @@
-"""Workflow config -> SGLang server settings and client: the glue between `sglang:` and server.py / client.py.
+"""Extract settings -> SGLang server settings and client: the glue between `sglang:` (settings.extract.sglang)
+and server.py / client.py.
 
 Three ways to reach a server, chosen by the `sglang:` section:
   - `server_url`: one server that runs elsewhere; nothing is built or started.
@@ -17,57 +18,24 @@ import hashlib
 import json
 import subprocess
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from hsextract import __version__
 from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
-
-# Defaults of the `sglang:` section (the schema repeats them; scripts may get a config without it).
-DEFAULTS: dict[str, Any] = {
-    "python": None,
-    "launch_args": [],
-    "host": "127.0.0.1",
-    "port": 30000,
-    "tp": 1,
-    "replicas": 1,
-    "gpus": None,
-    "chunked_prefill_size": None,
-    "capture": "plugin",
-    "concurrency": 32,
-    "timeout_s": 600.0,
-    "retries": 3,
-    "backoff_s": 1.0,
-    "staging_mb": 4096,
-    "writer_threads": 4,
-    "prefill_cuda_graph": False,
-    "startup_timeout_s": 1800.0,
-    "server_url": None,
-    "servers": [],
-    "dump_dir": None,
-}
+from hsextract.settings import ExtractSettings
 
 PLUGIN_FILES = ("sglang_plugin",)  # what the server process imports, under src/hsextract/
 
 
-def settings(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The `sglang:` section with defaults filled; ConfigError for unknown keys."""
-    section = config.get("sglang") or {}
-    unknown = sorted(set(section) - set(DEFAULTS))
-    if unknown:
-        raise ConfigError(f"sglang: unknown keys {unknown}; allowed: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **section}
-
-
-def external_urls(config: Mapping[str, Any]) -> list[str]:
+def external_urls(settings: ExtractSettings) -> list[str]:
     """URLs of servers that run elsewhere (`server_url` or `servers`); empty when servers are started here."""
-    s = settings(config)
-    if s["server_url"] and s["servers"]:
+    s = settings.sglang
+    if s.server_url and s.servers:
         raise ConfigError("sglang: set either server_url (one server) or servers (several), not both")
-    urls = [s["server_url"]] if s["server_url"] else list(s["servers"] or [])
-    if urls and not s["dump_dir"]:
+    urls = [s.server_url] if s.server_url else list(s.servers)
+    if urls and not s.dump_dir:
         raise ConfigError(
             "sglang.dump_dir is required with sglang.server_url/servers: the directory the servers' "
             "HSEXTRACT_DUMP_DIR names, as seen from the machine that runs the extraction jobs"
@@ -75,21 +43,20 @@ def external_urls(config: Mapping[str, Any]) -> list[str]:
     return urls
 
 
-def state_dir(config: Mapping[str, Any], root: str | Path = ".") -> Path:
+def state_dir(settings: ExtractSettings, root: str | Path = ".") -> Path:
     """Where local servers' pid/endpoint files, locks, logs and patched.json live."""
-    return Path(root) / "results" / str(config["run_name"]) / "server"
+    return Path(root) / "results" / settings.run_name / "server"
 
 
-def patched_path(config: Mapping[str, Any], root: str | Path = ".") -> Path:
-    return state_dir(config, root) / "patched.json"
+def patched_path(settings: ExtractSettings, root: str | Path = ".") -> Path:
+    return state_dir(settings, root) / "patched.json"
 
 
-def server_python(config: Mapping[str, Any], root: str | Path = ".") -> str:
+def server_python(settings: ExtractSettings, root: str | Path = ".") -> str:
     """`sglang.python`, else the interpreter rule build_patched_server installed into, else this one."""
-    s = settings(config)
-    if s["python"]:
-        return str(s["python"])
-    p = patched_path(config, root)
+    if settings.sglang.python:
+        return settings.sglang.python
+    p = patched_path(settings, root)
     if p.is_file():
         py = json.loads(p.read_text()).get("python")
         if py:
@@ -113,66 +80,66 @@ def build_python(python: str | None, conda_env: bool) -> str:
     )
 
 
-def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python: str | None = None) -> Any:
+def server_config_from(settings: ExtractSettings, root: str | Path = ".", python: str | None = None) -> Any:
     """The ServerConfig of local replicas."""
     from hsextract.sglang.server import ServerConfig
 
-    s = settings(config)
+    s = settings.sglang
     return ServerConfig(
-        model=str(config["model"]),
-        aux_layers=tuple(int(i) for i in config["aux_layers"]),
-        python=python or server_python(config, root),
-        final_state=str(config.get("final_state", "post_norm")),
-        host=str(s["host"]),
-        port=int(s["port"]),
-        tp=int(s["tp"]),
-        replicas=int(s["replicas"]),
-        gpus=tuple(int(g) for g in s["gpus"]) if s["gpus"] is not None else None,
-        chunked_prefill_size=int(s["chunked_prefill_size"]) if s["chunked_prefill_size"] is not None else None,
-        capture=str(s["capture"]),
-        launch_args=tuple(str(a) for a in s["launch_args"]),
-        run_name=str(config["run_name"]),
-        startup_timeout_s=float(s["startup_timeout_s"]),
-        staging_mb=int(s["staging_mb"]),
-        writer_threads=int(s["writer_threads"]),
-        prefill_cuda_graph=bool(s["prefill_cuda_graph"]),
+        model=settings.model,
+        aux_layers=tuple(settings.aux_layers or ()),
+        python=python or server_python(settings, root),
+        final_state=settings.final_state,
+        host=s.host,
+        port=s.port,
+        tp=s.tp,
+        replicas=s.replicas,
+        gpus=s.gpus,
+        chunked_prefill_size=s.chunked_prefill_size,
+        capture=s.capture,
+        launch_args=s.launch_args,
+        run_name=settings.run_name,
+        startup_timeout_s=float(s.startup_timeout_s),
+        staging_mb=s.staging_mb,
+        writer_threads=s.writer_threads,
+        prefill_cuda_graph=s.prefill_cuda_graph,
     )
 
 
-def engine_from_config(config: Mapping[str, Any], spec: CaptureSpec, chunk: int = 0, root: str | Path = ".") -> Any:
+def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0, root: str | Path = ".") -> Any:
     """The sglang engine for one chunk: an external server (spread by chunk) or a local replica, started
     or reused."""
     from hsextract.sglang.client import SGLangEngine
 
-    s = settings(config)
-    urls = external_urls(config)
+    s = settings.sglang
+    urls = external_urls(settings)
     if urls:
         server: Any = urls[chunk % len(urls)]
-        dump_dir = s["dump_dir"]
+        dump_dir = s.dump_dir
     else:
         from hsextract.sglang.server import ensure_server, replica_for_chunk
 
-        cfg = server_config_from(config, root)
-        server = ensure_server(state_dir(config, root), cfg, replica=replica_for_chunk(chunk, cfg.replicas))
+        cfg = server_config_from(settings, root)
+        server = ensure_server(state_dir(settings, root), cfg, replica=replica_for_chunk(chunk, cfg.replicas))
         dump_dir = None
     return SGLangEngine(
         server,
         spec,
         dump_dir,
-        concurrency=int(s["concurrency"]),
-        timeout_s=float(s["timeout_s"]),
-        retries=int(s["retries"]),
-        backoff_s=float(s["backoff_s"]),
-        run_name=str(config["run_name"]),
+        concurrency=s.concurrency,
+        timeout_s=float(s.timeout_s),
+        retries=s.retries,
+        backoff_s=float(s.backoff_s),
+        run_name=settings.run_name,
         chunk=chunk,
     )
 
 
-def stop_local_servers(config: Mapping[str, Any], root: str | Path = ".") -> list[int]:
+def stop_local_servers(settings: ExtractSettings, root: str | Path = ".") -> list[int]:
     """Stop the local replicas of this run (onstart: stale ones; onsuccess/onerror: ours)."""
     from hsextract.sglang.server import stop_servers
 
-    d = state_dir(config, root)
+    d = state_dir(settings, root)
     return stop_servers(d) if d.is_dir() else []
 
 
@@ -190,7 +157,7 @@ def plugin_source_hash(package_dir: str | Path | None = None) -> str:
 
 
 def build_patched(
-    config: Mapping[str, Any],
+    settings: ExtractSettings,
     out: str | Path,
     repo: str | Path,
     python: str | None = None,
@@ -204,7 +171,7 @@ def build_patched(
     from hsextract.sglang.server import build_command
     from hsextract.sglang.compat import check_installed
 
-    py = python or server_python(config, root)
+    py = python or server_python(settings, root)
     if install:
         cmd = [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", str(repo)]
         print("+", " ".join(cmd), flush=True)
@@ -215,7 +182,7 @@ def build_patched(
                               f"{proc.stderr.strip()[-800:]}")
     report = check_installed(py).summary()
     print(json.dumps(report, indent=1), flush=True)
-    cfg = server_config_from(config, root, python=py)
+    cfg = server_config_from(settings, root, python=py)
     if not report["ok"]:
         problems = "\n".join(p["text"] for p in report["problems"][:20])
         raise EngineError(
