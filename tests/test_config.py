@@ -90,7 +90,8 @@ def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
         check(cfg)
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
     cfg["reference_sample"] = "junk.pt"
-    with pytest.raises(ReferenceSampleError, match=r"^reference_sample: junk.pt cannot be loaded with weights_only=True"):
+    with pytest.raises(ReferenceSampleError,
+                       match=r"^reference_sample: junk.pt cannot be loaded with weights_only=True"):
         check(cfg)
     cfg["reference_sample"] = "missing.pt"
     with pytest.raises(ReferenceSampleError, match=r"^reference_sample: missing.pt: no such file"):

@@ -182,7 +182,8 @@ def test_damaged_header_names_the_shard_structure(tmp_path, ref16):
 def test_reference_must_load_without_pickle(tmp_path):
     bad = tmp_path / "obj.pt"
     torch.save([1, 2], bad)
-    with pytest.raises(ReferenceSampleError, match=r"^reference_sample: .*obj.pt is not a speculators v1 sample: it holds a list"):
+    with pytest.raises(ReferenceSampleError,
+                       match=r"^reference_sample: .*obj.pt is not a speculators v1 sample: it holds a list"):
         load_reference(bad)
     with pytest.raises(ReferenceSampleError, match=r"^reference_sample: .*missing.pt: no such file"):
         load_reference(tmp_path / "missing.pt")
@@ -195,5 +196,6 @@ class NotATensor:
 def test_reference_with_pickled_objects_is_refused(tmp_path):
     bad = tmp_path / "pickled.pt"
     torch.save({"input_ids": NotATensor()}, bad)
-    with pytest.raises(ReferenceSampleError, match=r"^reference_sample: .*pickled.pt cannot be loaded with weights_only=True"):
+    with pytest.raises(ReferenceSampleError,
+                       match=r"^reference_sample: .*pickled.pt cannot be loaded with weights_only=True"):
         load_reference(bad)

@@ -65,7 +65,8 @@ def _read_hub(model: str) -> Any:
 
 def _shape(cfg: Any, source: str) -> ModelShape:
     if not isinstance(cfg, dict):
-        raise ModelInfoError(f"model: {source} is not a JSON object; `model` must be a causal LM that transformers loads")
+        raise ModelInfoError(
+            f"model: {source} is not a JSON object; `model` must be a causal LM that transformers loads")
     text = text_config(cfg)
     try:
         vocab = text.get("vocab_size", cfg.get("vocab_size"))
