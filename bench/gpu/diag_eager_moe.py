@@ -23,7 +23,8 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from hsextract.sglang.server import ServerConfig, build_command, build_env, health, make_dump_dir
+from hsextract.sglang.api import health
+from hsextract.sglang.server import ServerConfig, build_command, build_env, make_dump_dir
 
 VARIANTS = {
     # name: (plugin on, prefill graphs, --enable-return-hidden-states, request hidden states, extra env;

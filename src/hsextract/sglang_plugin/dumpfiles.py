@@ -45,6 +45,9 @@ PIECE_SUFFIX = ".piece"
 DONE_SUFFIX = ".done"
 ERR_SUFFIX = ".err"
 PLUGIN_MARKER_PREFIX = "plugin-"
+# The plugin dumps only requests whose rid starts with this (default of HSEXTRACT_RID_PREFIX); the capture
+# client names its rids with it, and any other request to the server (regenerate's) must not.
+RID_PREFIX = "hsx-"
 _RID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
 
 _DTYPES: dict[str, torch.dtype] = {

@@ -74,7 +74,7 @@ ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
 ENV_WRITER_THREADS = "HSEXTRACT_WRITER_THREADS"
 ENV_COPY_STREAM = "HSEXTRACT_COPY_STREAM"
 DEFAULT_WRITER_THREADS = 4
-DEFAULT_RID_PREFIX = "hsx-"
+DEFAULT_RID_PREFIX = dumpfiles.RID_PREFIX
 _DUMPED_ATTR = "_hsextract_dumped"  # set on a Req once its whole prompt was staged
 
 
@@ -186,9 +186,8 @@ class Dumper:
                     f"lower {ENV_STAGING_MB} (config key staging_mb)"
                 ) from e
             # SGLang's scheduler loop runs Python without pause and holds the GIL; a writer thread back
-            # from a write (which releases it) waits up to the switch interval to go on. At the default
-            # 5 ms the writers lagged the forward by 0.2-0.4 s per request and ~1 GB/s in all on the H200
-            # (bench/plugin_writer_gil.py reproduces it on a CPU).
+            # from a write (which releases it) waits up to the switch interval to go on, and at the default
+            # 5 ms the writers fall behind the forward (bench/plugin_writer_gil.py measures it on a CPU).
             sys.setswitchinterval(min(sys.getswitchinterval(), WRITER_SWITCH_INTERVAL_S))
             log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s; %d writer threads, "
                      "GIL switch interval %.1f ms", self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(),
