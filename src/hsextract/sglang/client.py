@@ -27,8 +27,7 @@ from hsextract.engines.base import CaptureSpec, Captured, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
 from hsextract.sglang_plugin import dumpfiles
-
-RID_PREFIX = dumpfiles.RID_PREFIX  # the plugin dumps only rids with this prefix
+from hsextract.sglang_plugin.settings import DEFAULT_RID_PREFIX as RID_PREFIX  # the plugin dumps these rids only
 # Failures worth another attempt: the request (TransientError) or its dump files (missing, late, broken).
 RETRYABLE = (TransientError, dumpfiles.DumpTimeout, dumpfiles.DumpError)
 

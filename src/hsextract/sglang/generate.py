@@ -17,7 +17,7 @@ from hsextract.engines.base import SamplingSettings, cut_at_stop
 from hsextract.errors import EngineError
 from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
 
-RID_PREFIX = "regen-"  # not dumpfiles.RID_PREFIX (tests/test_regenerate.py checks the plugin ignores it)
+RID_PREFIX = "regen-"  # not the plugin's DEFAULT_RID_PREFIX (tests/test_regenerate.py checks it is not dumped)
 MAX_BACKOFF_S = 10.0
 
 

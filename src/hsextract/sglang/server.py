@@ -37,6 +37,7 @@ from pathlib import Path
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang.api import health
 from hsextract.sglang_plugin import dumpfiles
+from hsextract.sglang_plugin import settings as ps
 
 DUMP_DIR_PREFIX = "hsx-"
 
@@ -137,11 +138,11 @@ def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
     env = dict(os.environ if base is None else base)
     plugins = [p for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     env["SGLANG_PLUGINS"] = ",".join(dict.fromkeys([*plugins, "hsextract"]))
-    env["HSEXTRACT_DUMP_DIR"] = str(dump_dir)
-    env["HSEXTRACT_AUX_LAYERS"] = ",".join(map(str, cfg.aux_layers))
-    env["HSEXTRACT_FINAL_STATE"] = cfg.final_state
-    env["HSEXTRACT_STAGING_MB"] = str(cfg.staging_mb)
-    env["HSEXTRACT_WRITER_THREADS"] = str(cfg.writer_threads)
+    env[ps.ENV_DUMP_DIR] = str(dump_dir)
+    env[ps.ENV_AUX_LAYERS] = ",".join(map(str, cfg.aux_layers))
+    env[ps.ENV_FINAL_STATE] = cfg.final_state
+    env[ps.ENV_STAGING_MB] = str(cfg.staging_mb)
+    env[ps.ENV_WRITER_THREADS] = str(cfg.writer_threads)
     if cfg.gpus is not None or cfg.replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_set(cfg, replica)))
     env.update(cfg.env)

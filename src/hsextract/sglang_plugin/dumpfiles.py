@@ -45,9 +45,6 @@ PIECE_SUFFIX = ".piece"
 DONE_SUFFIX = ".done"
 ERR_SUFFIX = ".err"
 PLUGIN_MARKER_PREFIX = "plugin-"
-# The plugin dumps only requests whose rid starts with this (default of HSEXTRACT_RID_PREFIX); the capture
-# client names its rids with it, and any other request to the server (regenerate's) must not.
-RID_PREFIX = "hsx-"
 _RID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,199}$")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -299,7 +296,8 @@ def collect(
             raise DumpError(f"request {rid}: pieces not contiguous at token {pos} ({info['pieces']})")
         header, tensors = read_piece(dump_dir / piece_name(rid, start, end))
         if header["rid"] != rid or header["start"] != start or header["end"] != end:
-            raise DumpError(f"request {rid}: piece [{start},{end}) holds {header['rid']} [{header['start']},{header['end']})")
+            raise DumpError(f"request {rid}: piece [{start},{end}) holds "
+                            f"{header['rid']} [{header['start']},{header['end']})")
         blocks_per_piece.append(tensors)
         pos = end
     if pos != n:
