@@ -20,10 +20,12 @@ from hsextract.conversations import Conversation
 from hsextract.errors import ConfigError, EngineError
 from hsextract.loss_mask import ChatMasker
 from hsextract.prepare import run_prepare
+from hsextract.engines.transformers_generate import TransformersGenerator
 from hsextract.settings import from_config
-from hsextract.regenerate import (RegenSettings, RegenStats, SGLangGenerator, TransformersGenerator, chunk_name,
-                                  concat_chunks, cut_at_stop, end_of_turn_ids, num_chunks, parse_settings,
-                                  regenerate_chunk, run_regenerate_chunk, stats_path)
+from hsextract.regenerate import (RegenSettings, RegenStats, chunk_name, concat_chunks, cut_at_stop, end_of_turn_ids,
+                                  num_chunks, parse_settings, regenerate_chunk, run_regenerate_chunk, stats_path)
+from hsextract.sglang.generate import SGLangGenerator, request_id
+from hsextract.sglang_plugin import plugin
 
 
 # ------------------------------------------------------------------------------------------------ fixtures
@@ -444,7 +446,7 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
         sp = r["sampling_params"]
         assert {k: sp[k] for k in ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids")} == \
             {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.95, "top_k": 20, "stop_token_ids": stop}
-        assert isinstance(sp["sampling_seed"], int) and r["rid"].startswith("hsx-regen-")
+        assert isinstance(sp["sampling_seed"], int) and r["rid"].startswith("regen-")
     # Each regenerated turn is the decoded fake output for exactly the rendered prompt.
     masker = ChatMasker(tok)
     by_prompt = {tuple(r["input_ids"]): r for r in reqs}
@@ -469,15 +471,25 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
     # A 503 is retried; a 4xx is not.
     fake_server.mode, fake_server.failed = "flaky", False
     n = len(fake_server.requests)
-    with pytest.raises(EngineError, match=r"failed for request hsx-regen-\S+ after 1 attempts: 503"):
+    with pytest.raises(EngineError, match=r"/generate failed for request regen-\S+ after 1 attempts: "
+                                          r"POST /generate returned HTTP 503"):
         g.generate([[1, 2, 3]])
     fake_server.failed = False
     g2 = SGLangGenerator(url, parse_settings({"retries": 1}), stop)
     assert g2.generate([[1, 2, 3]]) == [out]
     assert len(fake_server.requests) == n + 1 + 2
     bad = SGLangGenerator(url + "/nope", parse_settings({"retries": 3}), stop)
-    with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request hsx-regen-"):
+    with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request regen-"):
         bad.generate([[1]])
+
+
+def test_regenerate_requests_are_never_dumped_by_the_plugin(tmp_path):
+    # A patched server dumps hidden states for every rid with the plugin's prefix; regenerate may run on
+    # the same server as extraction, so its rids must not carry that prefix.
+    dumper = plugin.Dumper(plugin.PluginConfig(tmp_path, (1, 2)), pin=False)
+    rids = [request_id([1, 2, 3], 7, 0), request_id([4], None, 12)]
+    assert [r[:6] for r in rids] == ["regen-", "regen-"] and [dumper.accept(r) for r in rids] == [False, False]
+    assert dumper.accept(f"{plugin.DEFAULT_RID_PREFIX}run-c00000-0a1b2c3d-x0-i0-a0")  # a capture rid is dumped
 
 
 def test_default_transformers_engine_loads_model_and_tokenizer_from_a_directory(tmp_path):

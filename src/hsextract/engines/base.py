@@ -1,4 +1,5 @@
-"""The engine interface: token ids in, per-sample hidden states out.
+"""The engine interfaces: `Engine` (token ids in, per-sample hidden states out) and `Generator` (token ids
+in, generated token ids out; used by `regenerate`).
 
 Layer convention (DESIGN.md): aux layer id i is the *output of decoder layer i*, i.e.
 transformers' hidden_states[i+1] and SGLang's capture index i+1. The last tensor is the
@@ -8,9 +9,9 @@ last decoder layer's output, after the final norm (`post_norm`) or before it (`p
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -64,3 +65,31 @@ class Engine(abc.ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SamplingSettings(Protocol):
+    """What a generator reads from its settings (`regenerate.settings.RegenSettings` has these fields)."""
+
+    temperature: float  # 0: greedy
+    top_p: float
+    top_k: int  # 0: off
+    max_new_tokens: int
+    seed: int
+    batch_size: int  # prompts per forward (transformers) or requests in flight (sglang)
+
+
+class Generator(Protocol):
+    """Token ids in, generated token ids out, in order. An output ends with a stop token when the
+    generation stopped on one (nothing after it, see `cut_at_stop`), otherwise it hit max_new_tokens.
+    `seeds`, one per prompt, make sampling reproducible whatever the batching."""
+
+    def generate(self, prompts: list[list[int]], seeds: list[int] | None = None) -> list[list[int]]: ...
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Sequence[int]) -> list[int]:
+    """Ids up to and including the first stop id (all of them when none occurs)."""
+    stops = set(stop_ids)
+    for k, t in enumerate(ids):
+        if t in stops:
+            return list(ids[:k + 1])
+    return list(ids)

@@ -8,8 +8,10 @@ Three ways to reach a server, chosen by the `sglang:` section:
     state in results/<run>/server/), stopped by the Snakefile's onsuccess/onerror.
 External servers write dump files to `dump_dir`, which must be visible on this machine.
 
-`build_patched` is the body of rule build_patched_server: install the plugin into the server's Python,
-check that Python's SGLang against everything the plugin uses, and describe the result in patched.json.
+`build_patched` is the body of rule build_patched_server: install hsextract into the server's Python (the
+server process imports only its `sglang_plugin` package, found through the `sglang.srt.plugins` entry
+point), check that the installed plugin is this checkout's and that Python's SGLang has everything the
+plugin uses, and describe the result in patched.json (`plugin_dir`: where the server imports it from).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
 from hsextract.settings import ExtractSettings
 
-PLUGIN_FILES = ("sglang_plugin",)  # what the server process imports, under src/hsextract/
+PLUGIN_PACKAGE = "hsextract.sglang_plugin"  # the package the server process imports (entry point `hsextract`)
 
 
 def external_urls(settings: ExtractSettings) -> list[str]:
@@ -143,15 +145,31 @@ def stop_local_servers(settings: ExtractSettings, root: str | Path = ".") -> lis
     return stop_servers(d) if d.is_dir() else []
 
 
+def plugin_dir() -> Path:
+    """The directory of this checkout's plugin package."""
+    import hsextract.sglang_plugin
+
+    return Path(hsextract.sglang_plugin.__file__).resolve().parent
+
+
+def installed_plugin_dir(python: str) -> Path:
+    """The directory `python` imports the plugin package from (what the server process runs); EngineError
+    when it cannot import it."""
+    code = (f"import importlib.util; s = importlib.util.find_spec({PLUGIN_PACKAGE!r}); "
+            "print(s.submodule_search_locations[0] if s and s.submodule_search_locations else '')")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    where = proc.stdout.strip()
+    if proc.returncode != 0 or not where:
+        raise EngineError(f"{python} cannot import {PLUGIN_PACKAGE}: install hsextract into that environment "
+                          f"(rule build_patched_server does). {proc.stderr.strip()[-400:]}")
+    return Path(where).resolve()
+
+
 def plugin_source_hash(package_dir: str | Path | None = None) -> str:
-    """sha256 over the plugin's source files (path + bytes, sorted): what the server process runs."""
-    base = Path(package_dir) if package_dir else Path(__file__).resolve().parents[1]
-    files: list[Path] = []
-    for name in PLUGIN_FILES:
-        p = base / name
-        files += sorted(p.rglob("*.py")) if p.is_dir() else [p]
+    """sha256 over the plugin package's source files (relative path + bytes, sorted): what the server runs."""
+    base = Path(package_dir) if package_dir else plugin_dir()
     h = hashlib.sha256()
-    for f in files:
+    for f in sorted(base.rglob("*.py")):
         h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -180,6 +198,10 @@ def build_patched(
         if proc.returncode != 0:
             raise EngineError(f"installing {repo} into {py} failed (exit {proc.returncode}): "
                               f"{proc.stderr.strip()[-800:]}")
+    installed = installed_plugin_dir(py)
+    if plugin_source_hash(installed) != plugin_source_hash():
+        raise EngineError(f"{py} imports the hsextract plugin from {installed}, which differs from this "
+                          f"checkout's {plugin_dir()}: reinstall (rule build_patched_server with install on)")
     report = check_installed(py).summary()
     print(json.dumps(report, indent=1), flush=True)
     cfg = server_config_from(settings, root, python=py)
@@ -198,7 +220,8 @@ def build_patched(
         "python": py,
         "sglang_version": report["sglang_version"],
         "plugin_version": __version__,
-        "plugin_sha256": plugin_source_hash(),
+        "plugin_dir": str(installed),
+        "plugin_sha256": plugin_source_hash(installed),
         "capture": cfg.capture,
         "capture_sources": report["capture_sources"],
         "launch": [build_command(cfg, r) for r in range(cfg.replicas)],

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import fcntl
 import hashlib
-import http.client
 import json
 import os
 import re
@@ -35,8 +34,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hsextract.sglang_plugin import dumpfiles
 from hsextract.errors import ConfigError, EngineError
+from hsextract.sglang.api import health
+from hsextract.sglang_plugin import dumpfiles
+from hsextract.sglang_plugin import settings as ps
 
 DUMP_DIR_PREFIX = "hsx-"
 
@@ -61,8 +62,8 @@ class ServerConfig:
     stop_grace_s: float = 30.0
     staging_mb: int = 4096
     writer_threads: int = 4  # plugin threads writing piece files (HSEXTRACT_WRITER_THREADS)
-    # SGLang's (breakable) prefill CUDA graphs. Off: every prefill runs eagerly, which was faster with capture
-    # on the H200 (a 16 x 512-token batch 170 ms eager vs 185-194 ms on FULL-mode graphs; bench/README.md)
+    # SGLang's (breakable) prefill CUDA graphs. Off by default: with capture on, eager prefills measured
+    # faster than FULL-mode graphs (bench/README.md, SGLang throughput)
     prefill_cuda_graph: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -137,11 +138,11 @@ def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
     env = dict(os.environ if base is None else base)
     plugins = [p for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     env["SGLANG_PLUGINS"] = ",".join(dict.fromkeys([*plugins, "hsextract"]))
-    env["HSEXTRACT_DUMP_DIR"] = str(dump_dir)
-    env["HSEXTRACT_AUX_LAYERS"] = ",".join(map(str, cfg.aux_layers))
-    env["HSEXTRACT_FINAL_STATE"] = cfg.final_state
-    env["HSEXTRACT_STAGING_MB"] = str(cfg.staging_mb)
-    env["HSEXTRACT_WRITER_THREADS"] = str(cfg.writer_threads)
+    env[ps.ENV_DUMP_DIR] = str(dump_dir)
+    env[ps.ENV_AUX_LAYERS] = ",".join(map(str, cfg.aux_layers))
+    env[ps.ENV_FINAL_STATE] = cfg.final_state
+    env[ps.ENV_STAGING_MB] = str(cfg.staging_mb)
+    env[ps.ENV_WRITER_THREADS] = str(cfg.writer_threads)
     if cfg.gpus is not None or cfg.replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_set(cfg, replica)))
     env.update(cfg.env)
@@ -161,22 +162,6 @@ def make_dump_dir(run_name: str) -> Path:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
     return Path(tempfile.mkdtemp(prefix=f"{DUMP_DIR_PREFIX}{safe}-", dir=base))
-
-
-def health(url: str, timeout_s: float = 5.0) -> str | None:
-    """None when GET {url}/health answers 200, else why not."""
-    m = re.match(r"^http://([^:/]+)(?::(\d+))?", url)
-    if not m:
-        return f"bad url {url!r}"
-    try:
-        c = http.client.HTTPConnection(m.group(1), int(m.group(2) or 80), timeout=timeout_s)
-        c.request("GET", "/health")
-        r = c.getresponse()
-        r.read()
-        c.close()
-    except (OSError, http.client.HTTPException) as e:
-        return f"{type(e).__name__}: {e}"
-    return None if r.status == 200 else f"HTTP {r.status}"
 
 
 def _has_marker(dump_dir: Path) -> bool:

@@ -1,5 +1,8 @@
 """The SGLang side of the sglang engine: a plugin that dumps per-request hidden states to files.
 
-`plugin.register` is the entry point (group `sglang.srt.plugins`); it is the only module that imports
-SGLang. Slicing, staging and writing are plain torch and run (and are tested) without SGLang.
+This package is what the SGLang server process imports (through the `sglang.srt.plugins` entry point
+`hsextract`, installed by rule build_patched_server); outside it, only the leaf `hsextract.errors`.
+`plugin.register` is the entry point and the only module that imports SGLang. `settings` (the HSEXTRACT_*
+environment), `dumpfiles` (the file format shared with the client), slicing, staging and writing are plain
+Python/torch and run (and are tested) without SGLang.
 """

@@ -296,7 +296,8 @@ def collect(
             raise DumpError(f"request {rid}: pieces not contiguous at token {pos} ({info['pieces']})")
         header, tensors = read_piece(dump_dir / piece_name(rid, start, end))
         if header["rid"] != rid or header["start"] != start or header["end"] != end:
-            raise DumpError(f"request {rid}: piece [{start},{end}) holds {header['rid']} [{header['start']},{header['end']})")
+            raise DumpError(f"request {rid}: piece [{start},{end}) holds "
+                            f"{header['rid']} [{header['start']},{header['end']})")
         blocks_per_piece.append(tensors)
         pos = end
     if pos != n:

@@ -45,14 +45,25 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from hsextract.sglang_plugin import dumpfiles
+from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the plugin's public names
+    DEFAULT_RID_PREFIX,
+    DEFAULT_WRITER_THREADS,
+    ENV_AUX_LAYERS,
+    ENV_COPY_STREAM,
+    ENV_DUMP_DIR,
+    ENV_FINAL_STATE,
+    ENV_RID_PREFIX,
+    ENV_STAGING_MB,
+    ENV_WRITER_THREADS,
+    PluginConfig,
+    PluginConfigError,
+)
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter
@@ -66,76 +77,7 @@ TARGET_LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_mod
 TARGET_INIT_BACKENDS = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
 TARGET_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store"
 
-ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
-ENV_AUX_LAYERS = "HSEXTRACT_AUX_LAYERS"
-ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
-ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
-ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
-ENV_WRITER_THREADS = "HSEXTRACT_WRITER_THREADS"
-ENV_COPY_STREAM = "HSEXTRACT_COPY_STREAM"
-DEFAULT_WRITER_THREADS = 4
-DEFAULT_RID_PREFIX = "hsx-"
 _DUMPED_ATTR = "_hsextract_dumped"  # set on a Req once its whole prompt was staged
-
-
-class PluginConfigError(RuntimeError):
-    """The plugin's environment is wrong: the server refuses to start rather than dump wrong data."""
-
-
-@dataclass(frozen=True)
-class PluginConfig:
-    dump_dir: Path
-    aux_layers: tuple[int, ...]
-    final_state: str = "post_norm"
-    staging_bytes: int = 4096 << 20
-    rid_prefix: str = DEFAULT_RID_PREFIX
-    writer_threads: int = DEFAULT_WRITER_THREADS
-    copy_stream: bool = True
-
-    @property
-    def expected_capture(self) -> list[int]:
-        """SGLang capture indices: aux id i (output of layer i) is the input of layer i+1."""
-        return [i + 1 for i in self.aux_layers]
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "PluginConfig | None":
-        d = env.get(ENV_DUMP_DIR)
-        if not d:
-            return None
-        dump_dir = Path(d)
-        if not dump_dir.is_dir():
-            raise PluginConfigError(f"{ENV_DUMP_DIR}={d} is not a directory; create it (mode 0700) first")
-        raw = env.get(ENV_AUX_LAYERS, "")
-        try:
-            aux = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
-        except ValueError as e:
-            raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: expected comma-separated integers") from e
-        if not aux or any(a < 0 for a in aux) or len(set(aux)) != len(aux):
-            raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: need distinct non-negative layer ids, e.g. 2,30,58")
-        final = env.get(ENV_FINAL_STATE, "post_norm")
-        if final != "post_norm":
-            raise PluginConfigError(
-                f"{ENV_FINAL_STATE}={final!r}: the SGLang path hands out the final state after the final "
-                "norm only; use final_state: post_norm (or the transformers engine for pre_norm)"
-            )
-        try:
-            staging = int(env.get(ENV_STAGING_MB, "4096")) << 20
-        except ValueError as e:
-            raise PluginConfigError(f"{ENV_STAGING_MB} must be an integer number of MiB") from e
-        raw_threads = env.get(ENV_WRITER_THREADS, str(DEFAULT_WRITER_THREADS))
-        try:
-            threads = int(raw_threads)
-        except ValueError:
-            threads = 0
-        if threads < 1:
-            raise PluginConfigError(
-                f"{ENV_WRITER_THREADS}={raw_threads!r}: expected an integer >= 1 (config key writer_threads)"
-            )
-        copy_stream = env.get(ENV_COPY_STREAM, "1")
-        if copy_stream not in ("0", "1"):
-            raise PluginConfigError(f"{ENV_COPY_STREAM}={copy_stream!r}: expected 1 (side stream) or 0")
-        return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads,
-                   copy_stream == "1")
 
 
 class Dumper:
@@ -186,9 +128,8 @@ class Dumper:
                     f"lower {ENV_STAGING_MB} (config key staging_mb)"
                 ) from e
             # SGLang's scheduler loop runs Python without pause and holds the GIL; a writer thread back
-            # from a write (which releases it) waits up to the switch interval to go on. At the default
-            # 5 ms the writers lagged the forward by 0.2-0.4 s per request and ~1 GB/s in all on the H200
-            # (bench/plugin_writer_gil.py reproduces it on a CPU).
+            # from a write (which releases it) waits up to the switch interval to go on, and at the default
+            # 5 ms the writers fall behind the forward (bench/plugin_writer_gil.py measures it on a CPU).
             sys.setswitchinterval(min(sys.getswitchinterval(), WRITER_SWITCH_INTERVAL_S))
             log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s; %d writer threads, "
                      "GIL switch interval %.1f ms", self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(),
@@ -259,7 +200,8 @@ class Dumper:
         """After load_model: choose the capture source and, in plugin mode, set the capture layers."""
         self.mode = "builtin" if getattr(server_args, "enable_return_aux_hidden_states", False) else "plugin"
         cfg_obj = getattr(model, "config", None)
-        hs = getattr(cfg_obj, "hidden_size", None) or getattr(getattr(cfg_obj, "text_config", None), "hidden_size", None)
+        text_cfg = getattr(cfg_obj, "text_config", None)
+        hs = getattr(cfg_obj, "hidden_size", None) or getattr(text_cfg, "hidden_size", None)
         self.hidden_size = int(hs) if hs else None
         if self.mode == "plugin":
             setter = getattr(model, "set_dflash_layers_to_capture", None) or getattr(

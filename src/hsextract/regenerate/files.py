@@ -1,0 +1,77 @@
+"""Chunk files of regeneration: chunk-NNNNN.jsonl with its .stats.json, written atomically (stats first), and
+their concatenation into the conversation file `prepare` reads."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from hsextract.atomic import write_atomic
+from hsextract.conversations import Conversation
+from hsextract.errors import ConfigError
+
+
+def chunk_name(chunk: int) -> str:
+    return f"chunk-{chunk:05d}.jsonl"
+
+
+def stats_path(out_path: str | os.PathLike[str]) -> Path:
+    p = Path(out_path)
+    return p.with_name(p.name.removesuffix(".jsonl") + ".stats.json")
+
+
+def record(sample_id: str, source: str, conv: Conversation) -> dict[str, Any]:
+    rec: dict[str, Any] = {"id": sample_id, "source": source, "messages": conv.messages}
+    if conv.tools:
+        rec["tools"] = conv.tools
+    return rec
+
+
+def write_chunk(out_path: str | os.PathLike[str], lines: Sequence[str], summary: dict[str, Any]) -> None:
+    """The chunk's stats JSON, then its JSONL: the JSONL (what Snakemake tracks) exists only once both are
+    written."""
+    out = Path(out_path)
+    write_atomic(stats_path(out), lambda f: f.write((json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()))
+    write_atomic(out, lambda f: f.writelines(line.encode() for line in lines))
+
+
+def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Join chunk JSONL files (in the given order) into one conversation file; also sums their stats into
+    `<out>.stats.json` when every chunk has one. Returns the summed stats."""
+    out = Path(out_path)
+    paths = [Path(p) for p in chunk_paths]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise ConfigError(f"regenerate: chunk files missing: {missing[:5]} (rerun their chunks)")
+
+    def write(f: Any) -> None:
+        for p in paths:
+            with open(p, "rb") as src:
+                data = src.read()
+            if data and not data.endswith(b"\n"):
+                raise ConfigError(f"{p}: the chunk file does not end with a newline: truncated? delete it and "
+                                  f"rerun its chunk")
+            f.write(data)
+
+    write_atomic(out, write)
+    summed: dict[str, Any] = {"chunks": len(paths)}
+    for p in paths:
+        sp = stats_path(p)
+        if not sp.is_file():
+            continue
+        st = json.loads(sp.read_text())
+        summed.setdefault("settings", st.get("settings"))
+        for k, v in st.items():
+            if k in ("chunk", "settings"):
+                continue
+            if isinstance(v, dict):
+                acc = summed.setdefault(k, {})
+                for kk, vv in v.items():
+                    acc[kk] = acc.get(kk, 0) + vv
+            elif isinstance(v, int):
+                summed[k] = summed.get(k, 0) + v
+    write_atomic(stats_path(out), lambda f: f.write((json.dumps(summed, indent=2, sort_keys=True) + "\n").encode()))
+    return summed

@@ -1,0 +1,183 @@
+"""The regenerator: every assistant turn of a conversation rewritten, in rounds over a chunk, by a generator
+(engines.base.Generator). See the package docstring for the contract."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from hsextract.conversations import Conversation
+from hsextract.engines.base import Generator
+from hsextract.errors import EngineError
+from hsextract.loss_mask import ChatMasker
+from hsextract.regenerate.settings import RegenSettings
+from hsextract.regenerate.template import end_of_turn_ids, split_candidates
+
+# Outcomes counted in the stats.
+EMPTY_GENERATION = "empty_generation"
+TRUNCATED = "max_new_tokens"
+NO_ASSISTANT_TURN = "no_assistant_turn"
+
+
+def sample_seed(seed: int, sample_id: str, turn: int) -> int:
+    """A 63-bit seed per (sample, turn): independent of chunking, batching and order."""
+    digest = hashlib.sha256(f"{seed}\x00{sample_id}\x00{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+@dataclass
+class _Turn:
+    conv: int  # index in the chunk
+    j: int  # message index
+    prompt_text: str
+    prompt_ids: list[int]
+    seed: int
+    append: bool  # a new final turn (the conversation ended with a user/tool message)
+
+
+@dataclass
+class RegenStats:
+    conversations: int = 0
+    malformed: Counter = field(default_factory=Counter)
+    turns_regenerated: int = 0
+    turns_appended: int = 0
+    turns_kept_tool_calls: int = 0
+    turns_hit_max_new_tokens: int = 0
+    conversations_cut: Counter = field(default_factory=Counter)  # reason -> conversations cut short
+    generated_tokens: int = 0
+    roundtrip: Counter = field(default_factory=Counter)  # tokens | text | none
+
+    def as_dict(self) -> dict[str, Any]:
+        # Not dataclasses.asdict: it rebuilds a Counter from (key, value) pairs, counting the pairs.
+        return {f.name: dict(sorted(v.items())) if isinstance(v := getattr(self, f.name), Counter) else v
+                for f in fields(self)}
+
+
+class Regenerator:
+    """Regenerates the assistant turns of conversations with one tokenizer/template and one generator."""
+
+    def __init__(self, tokenizer: Any, generator: Generator, settings: RegenSettings,
+                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+        self.masker = ChatMasker(tokenizer, chat_template_kwargs=dict(chat_template_kwargs or {}))
+        self.tokenizer = tokenizer
+        self.generator = generator
+        self.settings = settings
+        self.stop_ids = list(settings.stop_token_ids or end_of_turn_ids(tokenizer, chat_template_kwargs))
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _next_turn(self, msgs: list[dict[str, Any]], start: int, stats: RegenStats) -> tuple[int, bool] | None:
+        """(message index, append) of the next turn to generate at or after `start`, or None when done.
+        Cuts the conversation in place under tool_turns=truncate."""
+        j = start
+        while j < len(msgs):
+            m = msgs[j]
+            if m["role"] == "assistant":
+                if not m.get("tool_calls"):
+                    return j, False
+                if self.settings.tool_turns == "truncate":
+                    del msgs[j:]
+                    break
+                stats.turns_kept_tool_calls += 1
+            j += 1
+        if self.settings.complete_last_turn and msgs and msgs[-1]["role"] in ("user", "tool"):
+            return len(msgs), True
+        return None
+
+    def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int],
+                 stats: RegenStats) -> dict[str, Any]:
+        text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        cands = split_candidates(text, self.settings)
+        want_text = prompt.prompt_text + text
+        for cand in cands:
+            msg = {"role": "assistant", **{k: v for k, v in cand.items() if v or k == "content"}}
+            try:
+                rendered = self.masker.render(head + [msg], tools)
+            except Exception:  # noqa: BLE001 - a candidate the template refuses is just not the one
+                continue
+            if rendered.startswith(want_text):
+                ids = self._ids(rendered)
+                exact = ids[:len(prompt.prompt_ids) + len(body)] == prompt.prompt_ids + body
+                stats.roundtrip["tokens" if exact else "text"] += 1
+                return msg
+        stats.roundtrip["none"] += 1
+        c = cands[0]
+        return {"role": "assistant", **{k: v for k, v in c.items() if v or k == "content"}}
+
+    def regenerate(self, conversations: Sequence[Conversation | None], sample_ids: Sequence[str] | None = None,
+                   stats: RegenStats | None = None) -> list[Conversation | None]:
+        """Each conversation with its assistant turns regenerated (None stays None). Turns are generated in
+        rounds: round r generates the next turn of every conversation, so a batch holds many samples."""
+        stats = stats if stats is not None else RegenStats()
+        ids = list(sample_ids) if sample_ids is not None else [str(k) for k in range(len(conversations))]
+        work: list[list[dict[str, Any]] | None] = [
+            None if c is None else [dict(m) for m in c.messages] for c in conversations]
+        tools = [None if c is None else c.tools for c in conversations]
+        pos: dict[int, int] = {k: 0 for k, w in enumerate(work) if w is not None}
+        stats.conversations += len(pos)
+        while pos:
+            turns: list[_Turn] = []
+            for k in sorted(pos):
+                msgs = work[k]
+                assert msgs is not None
+                nxt = self._next_turn(msgs, pos[k], stats)
+                if nxt is None:
+                    del pos[k]
+                    continue
+                j, append = nxt
+                text = self.masker.render(msgs[:j], tools[k], add_generation_prompt=True)
+                turns.append(_Turn(k, j, text, self._ids(text), sample_seed(self.settings.seed, ids[k], j), append))
+            if not turns:
+                break
+            outs = self.generator.generate([t.prompt_ids for t in turns], [t.seed for t in turns])
+            if len(outs) != len(turns):
+                raise EngineError(f"regenerate: the generator returned {len(outs)} outputs for {len(turns)} prompts")
+            for t, out in zip(turns, outs):
+                msgs = work[t.conv]
+                assert msgs is not None
+                stopped = bool(out) and out[-1] in self.stop_ids
+                body = out[:-1] if stopped else list(out)
+                stats.generated_tokens += len(out)
+                if not stopped:
+                    stats.turns_hit_max_new_tokens += 1
+                reason = None
+                if not stopped and self.settings.drop_truncated:
+                    reason = TRUNCATED
+                msg = self._message(msgs[:t.j], tools[t.conv], t, body, stats) if reason is None else None
+                if msg is not None and not msg["content"].strip() and not msg.get("reasoning_content"):
+                    reason = EMPTY_GENERATION
+                if reason is not None:
+                    stats.conversations_cut[reason] += 1
+                    del msgs[t.j:]
+                    del pos[t.conv]
+                    continue
+                assert msg is not None
+                if t.append:
+                    msgs.append(msg)
+                    stats.turns_appended += 1
+                else:
+                    msgs[t.j] = msg
+                    stats.turns_regenerated += 1
+                pos[t.conv] = t.j + 1
+        out: list[Conversation | None] = []
+        for k, w in enumerate(work):
+            if w is None:
+                out.append(None)
+                continue
+            if not any(m["role"] == "assistant" for m in w):
+                stats.conversations_cut[NO_ASSISTANT_TURN] += 1
+            out.append(Conversation(messages=w, tools=tools[k]))
+        return out
+
+
+def regenerate_chunk(conversations: Sequence[Conversation | None], generator: Generator, settings: RegenSettings,
+                     *, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None,
+                     sample_ids: Sequence[str] | None = None, stats: RegenStats | None = None
+                     ) -> list[Conversation | None]:
+    """Conversations with every assistant turn regenerated by `generator` (see the module docstring)."""
+    return Regenerator(tokenizer, generator, settings, chat_template_kwargs).regenerate(
+        conversations, sample_ids, stats)

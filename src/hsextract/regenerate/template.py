@@ -1,0 +1,49 @@
+"""Chat-template logic of regeneration: the stop tokens a template implies, and the messages a generated text
+may be rendered back from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hsextract.errors import ConfigError
+from hsextract.loss_mask import ChatMasker
+from hsextract.regenerate.settings import RegenSettings
+
+
+def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Stop tokens: the first token of the text the template writes after an assistant message (when it is
+    a special/added token: <|eot_id|>, <|im_end|>, <｜end▁of▁sentence｜>), then eos."""
+    masker = ChatMasker(tokenizer, chat_template_kwargs=dict(chat_template_kwargs or {}))
+    sent = "\ue000"
+    text = masker.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sent}])
+    tail = text[text.rfind(sent) + 1:]
+    out: list[int] = []
+    if tail:
+        first = tokenizer(tail, add_special_tokens=False)["input_ids"][:1]
+        special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        if first and first[0] in special:
+            out.append(first[0])
+    eos = tokenizer.eos_token_id
+    for t in eos if isinstance(eos, list) else [eos]:
+        if t is not None and t not in out:
+            out.append(t)
+    if not out:
+        raise ConfigError("regenerate: the chat template writes no special end-of-turn token and the tokenizer has "
+                          "no eos_token: set `regenerate.stop_token_ids`")
+    return out
+
+
+def split_candidates(text: str, s: RegenSettings) -> list[dict[str, str]]:
+    """Messages the generated text may be rendered from, most faithful first."""
+    cands: list[dict[str, str]] = []
+    if s.think_end in text:
+        reasoning, content = text.split(s.think_end, 1)
+        r = reasoning.lstrip()
+        if r.startswith(s.think_start):
+            reasoning = r[len(s.think_start):]
+        # Stripped first (clean messages; templates such as Qwen3 strip these newlines themselves), then raw.
+        cands.append({"reasoning_content": reasoning.strip("\n"), "content": content.lstrip("\n")})
+        cands.append({"reasoning_content": reasoning, "content": content})
+    cands.append({"content": text})
+    return cands

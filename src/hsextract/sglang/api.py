@@ -1,0 +1,121 @@
+"""The one HTTP client of an SGLang server: `GET /health` and `POST /generate`, plus the retry policy.
+
+Used by the capture engine (`sglang.client`), the server lifecycle (`sglang.server`, health only) and the
+regenerate generator (`sglang.generate`). stdlib `http.client`, one fresh connection per request: a
+kept-alive connection goes stale while its thread waits for dump files (the server closes idle connections
+after a few seconds) and the next POST on it fails with BrokenPipe; on loopback a connect costs ~0.1 ms.
+
+Errors: `TransientError` (connection error, timeout, HTTP 5xx, a body that is not JSON) is worth retrying;
+`RequestRefused` (HTTP 4xx) is not. `retrying` builds the tenacity policy both callers use.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any
+
+import tenacity
+
+from hsextract.errors import ConfigError, EngineError
+
+
+class TransientError(EngineError):
+    """A request failure worth retrying (connection error, timeout, HTTP 5xx, non-JSON answer)."""
+
+
+class RequestRefused(EngineError):
+    """The server refused the request (HTTP 4xx): sending it again does not help."""
+
+    def __init__(self, message: str, status: int, detail: str) -> None:
+        super().__init__(message)
+        self.status, self.detail = status, detail
+
+
+def split_url(url: str) -> tuple[str, int, str]:
+    """(host, port, path prefix) of an `http://host[:port][/prefix]` URL; ConfigError otherwise."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme != "http" or not u.hostname:
+        raise ConfigError(f"sglang server url {url!r}: expected http://host:port")
+    return u.hostname, u.port or 80, u.path.rstrip("/")
+
+
+class SGLangAPI:
+    """`/health` and `/generate` of one server at `url` (http://host:port, optionally with a path prefix)."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+        self.url = url.rstrip("/")
+        self.host, self.port, self.prefix = split_url(self.url)
+        self.timeout_s = timeout_s
+
+    def health(self, timeout_s: float = 5.0) -> str | None:
+        """None when GET /health answers 200, else why not."""
+        try:
+            c = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+            try:
+                c.request("GET", f"{self.prefix}/health")
+                r = c.getresponse()
+                r.read()
+            finally:
+                c.close()
+        except (OSError, http.client.HTTPException) as e:
+            return f"{type(e).__name__}: {e}"
+        return None if r.status == 200 else f"HTTP {r.status}"
+
+    def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """POST /generate with `payload`; the decoded JSON answer. TransientError or RequestRefused."""
+        body = json.dumps(payload)
+        c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            c.request("POST", f"{self.prefix}/generate", body=body, headers={"Content-Type": "application/json"})
+            r = c.getresponse()
+            data = r.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise TransientError(f"POST /generate failed: {type(e).__name__}: {e}") from e
+        finally:
+            c.close()
+        text = data[:300].decode(errors="replace")
+        if r.status >= 500:
+            raise TransientError(f"POST /generate returned HTTP {r.status}: {text}")
+        if r.status != 200:
+            raise RequestRefused(f"POST /generate was refused with HTTP {r.status}: {text}", r.status, text)
+        try:
+            out = json.loads(data)
+        except ValueError as e:
+            raise TransientError(f"POST /generate returned non-JSON: {text}") from e
+        if not isinstance(out, dict):
+            raise TransientError(f"POST /generate returned JSON that is not an object: {text}")
+        return out
+
+
+def health(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when GET {url}/health answers 200, else why not (a malformed url included)."""
+    try:
+        api = SGLangAPI(url)
+    except ConfigError:
+        return f"bad url {url!r}"
+    return api.health(timeout_s)
+
+
+def retrying(
+    retries: int,
+    backoff_s: float,
+    *,
+    max_backoff_s: float | None = None,
+    retry_on: tuple[type[BaseException], ...] = (TransientError,),
+    sleep: Callable[[float], Any] = time.sleep,
+) -> tenacity.Retrying:
+    """Up to `retries` retries of the exceptions `retry_on`, waiting backoff_s * 2**k (at most max_backoff_s)
+    before retry k+1. Other exceptions pass through at once; when the retries are spent the last error is
+    raised as is (reraise), so callers see the request's own error, not a tenacity wrapper."""
+    return tenacity.Retrying(
+        stop=tenacity.stop_after_attempt(retries + 1),
+        wait=tenacity.wait_exponential(multiplier=backoff_s, min=0,
+                                       max=max_backoff_s if max_backoff_s is not None else float("inf")),
+        retry=tenacity.retry_if_exception_type(retry_on),
+        sleep=sleep,
+        reraise=True,
+    )

@@ -1,0 +1,81 @@
+"""The plugin's settings: the HSEXTRACT_* environment the server process is started with (see plugin.py's
+docstring), parsed and checked. No torch, no SGLang: `sglang.server` builds that environment from these names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
+ENV_AUX_LAYERS = "HSEXTRACT_AUX_LAYERS"
+ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
+ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
+ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
+ENV_WRITER_THREADS = "HSEXTRACT_WRITER_THREADS"
+ENV_COPY_STREAM = "HSEXTRACT_COPY_STREAM"
+DEFAULT_WRITER_THREADS = 4
+# The plugin dumps only requests whose rid starts with this (default of HSEXTRACT_RID_PREFIX); the capture
+# client names its rids with it, and any other request to the server (regenerate's) must not.
+DEFAULT_RID_PREFIX = "hsx-"
+
+class PluginConfigError(RuntimeError):
+    """The plugin's environment is wrong: the server refuses to start rather than dump wrong data."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    dump_dir: Path
+    aux_layers: tuple[int, ...]
+    final_state: str = "post_norm"
+    staging_bytes: int = 4096 << 20
+    rid_prefix: str = DEFAULT_RID_PREFIX
+    writer_threads: int = DEFAULT_WRITER_THREADS
+    copy_stream: bool = True
+
+    @property
+    def expected_capture(self) -> list[int]:
+        """SGLang capture indices: aux id i (output of layer i) is the input of layer i+1."""
+        return [i + 1 for i in self.aux_layers]
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> "PluginConfig | None":
+        d = env.get(ENV_DUMP_DIR)
+        if not d:
+            return None
+        dump_dir = Path(d)
+        if not dump_dir.is_dir():
+            raise PluginConfigError(f"{ENV_DUMP_DIR}={d} is not a directory; create it (mode 0700) first")
+        raw = env.get(ENV_AUX_LAYERS, "")
+        try:
+            aux = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
+        except ValueError as e:
+            raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: expected comma-separated integers") from e
+        if not aux or any(a < 0 for a in aux) or len(set(aux)) != len(aux):
+            raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: need distinct non-negative layer ids, e.g. 2,30,58")
+        final = env.get(ENV_FINAL_STATE, "post_norm")
+        if final != "post_norm":
+            raise PluginConfigError(
+                f"{ENV_FINAL_STATE}={final!r}: the SGLang path hands out the final state after the final "
+                "norm only; use final_state: post_norm (or the transformers engine for pre_norm)"
+            )
+        try:
+            staging = int(env.get(ENV_STAGING_MB, "4096")) << 20
+        except ValueError as e:
+            raise PluginConfigError(f"{ENV_STAGING_MB} must be an integer number of MiB") from e
+        raw_threads = env.get(ENV_WRITER_THREADS, str(DEFAULT_WRITER_THREADS))
+        try:
+            threads = int(raw_threads)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise PluginConfigError(
+                f"{ENV_WRITER_THREADS}={raw_threads!r}: expected an integer >= 1 (config key writer_threads)"
+            )
+        copy_stream = env.get(ENV_COPY_STREAM, "1")
+        if copy_stream not in ("0", "1"):
+            raise PluginConfigError(f"{ENV_COPY_STREAM}={copy_stream!r}: expected 1 (side stream) or 0")
+        return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads,
+                   copy_stream == "1")
