@@ -27,7 +27,8 @@ import numpy as np
 import torch
 import zstandard as zstd
 
-from hsextract.shard import ShardReader, ShardWriter, placeholder_metadata
+from hsextract.shard import ShardReader, ShardWriter
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 Sample = dict[str, object]
 ROOT = Path(__file__).resolve().parents[1]

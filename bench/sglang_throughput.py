@@ -344,7 +344,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                   sgl: list[str]) -> None:
     """(b0), (b) and (d') on server B (the hsextract plugin); (b) again at the other --shard-threads."""
     from hsextract.extract import ChunkPrompts, extract_chunk
-    from hsextract.shard import placeholder_metadata
+    from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",

@@ -9,7 +9,6 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,14 +77,6 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
     )
     json.dumps(meta)  # fail here, not at close, on a value JSON cannot hold
     return meta
-
-
-def placeholder_metadata(hidden_size: int, aux_layers: Sequence[int], **fields: Any) -> dict[str, Any]:
-    """REQUIRED_METADATA for shards of benchmarks, which have no real model, tokenizer or chat template:
-    hashes "-", bfloat16, post-norm final state; `fields` set or override any key."""
-    return {"model": "bench", "engine": "bench", "engine_version": "-", "aux_layers": list(aux_layers),
-            "final_state": "post_norm", "hidden_size": int(hidden_size), "dtype": "bfloat16", "config_hash": "-",
-            "tokenizer_hash": "-", "chat_template_hash": "-", **fields}
 
 
 def remove_stale_temps(path: Path) -> list[Path]:
