@@ -1,6 +1,6 @@
 """The engine interface: token ids in, per-sample hidden states out.
 
-Layer convention (DESIGN.md): aux layer id i is the *output of decoder layer i*, i.e.
+Layer convention (config/README.md, `aux_layers`): aux layer id i is the *output of decoder layer i*, i.e.
 transformers' hidden_states[i+1] and SGLang's capture index i+1. The last tensor is the
 last decoder layer's output, after the final norm (`post_norm`) or before it (`pre_norm`).
 """
