@@ -7,10 +7,8 @@ the job.
 On CUDA the device-to-host copies run on a side stream of their own (`copy_stream`, on by default): the
 batch's captured rows are first cloned on the forward's stream (a device copy; the next forward may
 overwrite the originals, CUDA graph outputs), and the PCIe copy of the clone then runs beside the next
-forward instead of before it. On the H200 a 143 ms stand-in forward followed by a 268 MB dump took
-153.0 ms per batch with copies on the forward's stream and 149.5 ms with the side stream
-(bench/gpu/check_copy_stream.py). When the clone does not fit in device memory the batch falls back to
-copies on the forward's stream.
+forward instead of before it (bench/README.md, "plugin copy stream", has the check and the time saved).
+When the clone does not fit in device memory the batch falls back to copies on the forward's stream.
 
 A writer thread waits for the event, writes the piece file, frees the staging region, and when a
 request's last piece is in, writes its `.done` marker listing the pieces (or `.err` when they do not
@@ -295,7 +293,7 @@ class DumpWriter:
         if job.rid in lane.completed:
             # A new request with the rid of a completed one (retraction re-runs of the same request are
             # dropped in the scheduler, by request object). It is dumped again: ignoring it would leave
-            # the client waiting for a `.done` that never comes (the H200 throughput run, rids reused).
+            # the client waiting for a `.done` that never comes.
             del lane.completed[job.rid]
             with self._lock:
                 self.stats.rids_reused += 1
