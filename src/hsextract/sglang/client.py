@@ -17,7 +17,6 @@ import re
 import secrets
 import sys
 import threading
-import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -92,21 +91,16 @@ class SGLangEngine(Engine):
         self.health_timeout_s = health_timeout_s
         self.progress = progress
         safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:60] or "run"
-        # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice.
-        # The H200 throughput run called extract() twice on one engine (warm-up, then the measured run)
-        # with the same prompt indices; the plugin had already completed those rids and dropped them, so
-        # the second run waited for `.done` markers that never came.
+        # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
+        # also when extract() runs twice on one engine with the same prompt indices (a warm-up, then the
+        # run): a rid the plugin already completed would wait for a `.done` marker that never comes.
         self._rid_base = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-{secrets.token_hex(4)}"
         self._calls = itertools.count()
         self._marker: dict | None = None
         # `concurrency` bounds the requests the server holds, not the threads: a request's thread frees
         # its slot when the HTTP answer comes and then collects the dump, so the server's queue stays
-        # full while dumps are read (on the H200, collecting inside the slot starved the GPU: 0.66 of
-        # the plain server at 512-token prompts with 32 in flight).
+        # full while dumps are read (collecting inside the slot starves the GPU at short prompts).
         self._http_slots = threading.BoundedSemaphore(concurrency)
-        # Set to a list to record, per sample, when (wall clock) it was queued, sent, answered, dumped by
-        # the plugin and collected: where a slow run loses its time (bench/sglang_throughput.py).
-        self.timeline: list[dict] | None = None
 
     # ---- info -----------------------------------------------------------------------------------------
     def plugin_info(self) -> dict:
@@ -141,7 +135,7 @@ class SGLangEngine(Engine):
         })
         # A fresh connection per request: a kept-alive one goes stale while its thread waits for the
         # dump files (the server closes idle connections after a few seconds), and the next POST on
-        # it fails with BrokenPipe, seen on the H200 run. On loopback a connect costs ~0.1 ms.
+        # it fails with BrokenPipe. On loopback a connect costs ~0.1 ms.
         c = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
         try:
             c.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
@@ -165,6 +159,11 @@ class SGLangEngine(Engine):
             raise _Fatal(f"the server counted {got} prompt tokens, the prompt has {len(ids)}")
         return out
 
+    def _collect(self, rid: str, ids: list[int], stop: threading.Event) -> dumpfiles.Collected:
+        """The request's dump files, read and removed (waits for the plugin's `.done` marker)."""
+        return dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
+                                 should_stop=stop.is_set)
+
     def health(self) -> str | None:
         """None when GET /health answers 200, else why not."""
         from hsextract.sglang.server import health
@@ -181,21 +180,9 @@ class SGLangEngine(Engine):
                 raise EngineError(f"{where}: cancelled because another sample of the chunk failed")
             rid = f"{base}-i{p.index}-a{attempt}"
             try:
-                t_queued = time.time()
                 with self._http_slots:
-                    t_sent = time.time()
                     self._generate(rid, ids)
-                t_answer = time.time()
-                col = dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
-                                        should_stop=stop.is_set)
-                if self.timeline is not None:
-                    self.timeline.append({
-                        "index": p.index, "tokens": len(ids), "queued": t_queued, "sent": t_sent,
-                        "answered": t_answer, "staged": col.marker.get("staged_at"),
-                        "written": col.marker.get("written_at"), "lane": col.marker.get("lane"),
-                        "collected": time.time(),
-                    })
-                hs = col.hidden_states
+                hs = self._collect(rid, ids, stop).hidden_states
                 expected_h = (self._marker or {}).get("hidden_size")
                 if expected_h and hs[0].shape[1] != expected_h:
                     raise _Fatal(f"dumped hidden size {hs[0].shape[1]}, the model's is {expected_h}")
@@ -231,7 +218,7 @@ class SGLangEngine(Engine):
         it = iter(prompts)
         pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="hsx-sglang")
         # Dozens of threads each take the GIL back after every blocking call (socket, file, zstd); at the
-        # default 5 ms switch interval those hand-overs, not the work, bounded the client on the H200.
+        # default 5 ms switch interval those hand-overs, not the work, bound the client.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.0005))
         try:
@@ -246,8 +233,6 @@ class SGLangEngine(Engine):
                 if not pending:
                     break
                 res = pending.popleft().result()
-                if self.timeline is not None:
-                    self.timeline.append({"index": res.index, "yielded": time.time()})
                 if self.progress is not None:
                     self.progress(1)
                 yield res
