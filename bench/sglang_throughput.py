@@ -486,7 +486,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
             if "d" in a.parts and cc == a.concurrency[0]:
                 bench.part("d_handmade_pt", L, lambda: handmade(L, ps[: 50 if L <= 512 else 30]), need_s=30)
-        # shard writer variants at the first length and concurrency, alternated --repeats times (the H200
+        # shard writer variants at the first length and concurrency, alternated --repeats times (the GPU
         # host's speed drifts between parts); the first variant's first run is the main (b) above
         cc, L = first
         for rep in range(a.repeats):
