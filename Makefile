@@ -10,7 +10,7 @@ $(BIN)/.installed: pyproject.toml requirements/cpu.txt requirements/test-extra-n
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements/cpu.txt
-	$(BIN)/pip install -q -e ".[model,workflow,client,data,dev,cluster]"
+	$(BIN)/pip install -q -e ".[model,workflow,data,dev,cluster]"
 	# speculators 0.4.0, only so the tests can load our exports with its own dataset class
 	$(BIN)/pip install -q --no-deps -r requirements/test-extra-nodeps.txt
 	touch $@

@@ -42,14 +42,14 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from hsextract.sglang_plugin import dumpfiles
-from hsextract.engines.base import CaptureSpec, Prompt
+from hsextract.engines.base import Captured, CaptureSpec, Prompt
 from hsextract.sglang.client import SGLangEngine
 from hsextract.sglang.api import health
 from hsextract.sglang.server import ServerConfig, ensure_server, stop_servers
@@ -288,8 +288,46 @@ def progress_printer(label: str, total: int, every: int = 64) -> Callable[[int],
     return tick
 
 
+class TimedEngine(SGLangEngine):
+    """SGLangEngine that records, per sample, when (wall clock) it was queued, sent, answered, dumped by
+    the plugin (the `.done` marker's `staged_at` / `written_at`), collected and yielded, while `timeline`
+    is a list: where a slow run loses its time. Each sample's steps run on one worker thread."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.timeline: list[dict] | None = None
+        self._current = threading.local()
+
+    def _one(self, p: Prompt, stop: threading.Event, base: str) -> Captured:
+        row = {"index": p.index, "tokens": len(p.input_ids), "queued": time.time()}
+        self._current.row = row
+        res = super()._one(p, stop, base)
+        if self.timeline is not None:
+            self.timeline.append(row)
+        return res
+
+    def _generate(self, rid: str, ids: list[int]) -> dict:
+        row = self._current.row
+        row["sent"] = time.time()
+        out = super()._generate(rid, ids)
+        row["answered"] = time.time()
+        return out
+
+    def _collect(self, rid: str, ids: list[int], stop: threading.Event) -> dumpfiles.Collected:
+        col = super()._collect(rid, ids, stop)
+        self._current.row.update(staged=col.marker.get("staged_at"), written=col.marker.get("written_at"),
+                                 lane=col.marker.get("lane"), collected=time.time())
+        return col
+
+    def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
+        for res in super().extract(prompts):
+            if self.timeline is not None:
+                self.timeline.append({"index": res.index, "yielded": time.time()})
+            yield res
+
+
 def timeline_summary(events: list[dict], dest: Path) -> dict:
-    """Where the samples' time went (SGLangEngine.timeline): writes the raw events to `dest`, returns
+    """Where the samples' time went (TimedEngine.timeline): writes the raw events to `dest`, returns
     medians/max of each step and when (s after the first request was queued) the last sample reached it."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(events))
@@ -345,7 +383,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                   sgl: list[str]) -> None:
     """(b0), (b) and (d') on server B (the hsextract plugin); (b) again at the other --shard-threads."""
     from hsextract.extract import ChunkPrompts, extract_chunk
-    from hsextract.shard import placeholder_metadata
+    from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
@@ -368,7 +406,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
         first = (a.concurrency[0], a.lens[0])
 
         def b0(L: int, ps: list[Prompt], cc: int, name: str) -> dict:
-            eng = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0, run_name=f"w{L}")
+            eng = TimedEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0, run_name=f"w{L}")
             list(eng.extract(ps[:cc]))  # warm-up; the same engine again below (fresh rids)
             eng.progress = progress_printer(f"{name} {L}", len(ps))
             eng.timeline = []
@@ -389,8 +427,8 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             # the workflow's own extract path (extract_chunk: order and shape checks, ShardWriter, timing)
             threads, _, where = variant.partition(":")
             threads = int(threads)
-            e2 = SGLangEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
-                              run_name=f"s{L}-{threads}", progress=progress_printer(f"{name} {L}", len(ps)))
+            e2 = TimedEngine(h, spec, concurrency=cc, timeout_s=timeout(), retries=0,
+                             run_name=f"s{L}-{threads}", progress=progress_printer(f"{name} {L}", len(ps)))
             shard = Path(where or bench.out) / f"bench-{L}.hss"
             meta = placeholder_metadata(e2.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
                                         engine="sglang", engine_version=e2.version())
@@ -449,7 +487,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
             if "d" in a.parts and cc == a.concurrency[0]:
                 bench.part("d_handmade_pt", L, lambda: handmade(L, ps[: 50 if L <= 512 else 30]), need_s=30)
-        # shard writer variants at the first length and concurrency, alternated --repeats times (the H200
+        # shard writer variants at the first length and concurrency, alternated --repeats times (the GPU
         # host's speed drifts between parts); the first variant's first run is the main (b) above
         cc, L = first
         for rep in range(a.repeats):

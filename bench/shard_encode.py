@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from hsextract.shard import ShardWriter, placeholder_metadata
+from hsextract.shard import ShardWriter
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
 from shard_sync import activation_samples  # the same random activations (bench/ is the script's folder)
 
 META = placeholder_metadata(4096, [1, 2, 3])

@@ -1,7 +1,7 @@
 """close() of a large shard: background fdatasync while writing (sync_every_mb) against none, in one run.
 
 Without it the kernel keeps the whole shard dirty and close()'s fsync writes it all while the run
-waits (H200 run 5: close 1.4 s of 4.8 s for a 2.9 GB shard). Samples of random bf16 activations
+waits (bench/README.md has the figures). Samples of random bf16 activations
 (hidden 4096, 4 tensors, 512 tokens: 16 MB each) go through ShardWriter at level 3; the variants
 alternate, `--repeats` times each, and the shard goes to `--dir` (a real disk, not tmpfs).
 
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from hsextract.shard import ShardWriter, placeholder_metadata
+from hsextract.shard import ShardWriter
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 META = placeholder_metadata(4096, [1, 2, 3])
 

@@ -77,8 +77,8 @@ def test_concurrency_bounds_requests_in_flight_not_dump_collection(server: FakeS
 
 
 def test_one_engine_extracts_twice_with_fresh_rids(server: FakeServer) -> None:
-    """The H200 throughput run: a warm-up extract, then the measured one over the same prompts, on one
-    engine. Rids repeated across the calls and the second call waited for dumps that never came."""
+    """A warm-up extract, then another over the same prompts, on one engine: every call sends fresh rids
+    (repeated rids would make the second call wait for dumps that never come)."""
     ps = prompts(12, seed=11)
     eng = engine(server, concurrency=6, timeout_s=3.0, retries=0)
     check(list(eng.extract(ps[:6])), ps[:6])

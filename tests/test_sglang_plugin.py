@@ -185,8 +185,8 @@ def test_retracted_request_rerun_is_idempotent(tmp_path: Path) -> None:
 
 
 def test_a_rid_sent_again_as_a_new_request_is_dumped_again(tmp_path: Path) -> None:
-    """The H200 throughput run: warm-up and measured run on one engine reused rids; the writer dropped the
-    second requests as duplicates and the client waited 300 s for `.done` markers that never came."""
+    """A client that reuses the rids of completed requests (a warm-up, then a run on one engine): dropping
+    them as duplicates would leave it waiting for `.done` markers that never come; they are dumped again."""
     d = make_dumper(tmp_path)
     first = [Req(f"hsx-w-i{i}-a0", ids(40, i)) for i in range(4)]
     run_pass(d, [(r, 0, 40) for r in first])
@@ -386,7 +386,7 @@ def test_one_block_per_tensor_and_a_one_piece_dump_is_not_copied(tmp_path: Path,
 
 
 def test_collector_reads_the_older_one_wide_block_layout(tmp_path: Path) -> None:
-    """Plugins before 2026-12-02 wrote one [rows, (K+1)*H] block per piece; such dumps still assemble."""
+    """Older plugins wrote one [rows, (K+1)*H] block per piece; such dumps still assemble."""
     r = Req("hsx-old", ids(12, 4))
     rows = full_states(r.origin_input_ids)
     dumpfiles.write_piece(tmp_path, r.rid, 0, 5, 12, [rows[:5]])

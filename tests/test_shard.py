@@ -352,7 +352,7 @@ def test_reader_survives_fork_and_pickle(tmp_path):
 
 
 def test_frames_with_content_checksums_still_read(tmp_path, monkeypatch):
-    """Shards written before 2026-12-02 carry zstd content checksums in every frame; they must read."""
+    """Shards of older writers carry zstd content checksums in every frame; they must read."""
     import zstandard as zstd
 
     from hsextract.shard.codec import Codec

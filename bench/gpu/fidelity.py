@@ -139,7 +139,10 @@ def batched_candidate(a: argparse.Namespace, prompts: list[Prompt], spec: Captur
 def shard_roundtrip(a: argparse.Namespace, prompts: list[Prompt], got: list[Captured], aux: tuple[int, ...],
                     res: dict, out: Path) -> None:
     try:
-        from hsextract.shard import ShardReader, ShardWriter, placeholder_metadata
+        from hsextract.shard import ShardReader, ShardWriter
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from shard_meta import placeholder_metadata  # bench/shard_meta.py
 
         shard = out / f"{a.name}.hss"
         H = got[0].hidden_states[0].shape[1]

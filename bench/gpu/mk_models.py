@@ -1,7 +1,7 @@
 """Random-weight models made on the machine (fixed seeds), saved with save_pretrained in bf16.
 
     python3 mk_models.py OUT_DIR [--llama8b]
-OUT_DIR/llama     tiny Llama (8 layers, hidden 256), as in notes/sglang-on-h200.md
+OUT_DIR/llama     tiny Llama (8 layers, hidden 256)
 OUT_DIR/deepseek  small DeepseekV3 (MLA + MoE, 8 layers, hidden 256, 8 routed experts, top-2)
 OUT_DIR/tiny      the workflow's tiny DeepseekV3 (hsextract.tinymodel)
 OUT_DIR/tiny-fixed  the same weights with routing made unambiguous (fix_routing: expert e biased by 2e, so

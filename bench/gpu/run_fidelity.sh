@@ -1,14 +1,13 @@
 #!/usr/bin/env bash
-# One device call (< 9 min): small DeepseekV3, the workflow's tiny DeepseekV3 and a tiny Llama through the
-# patched SGLang 0.5.16 server with this project's plugin, against the transformers engine on the same GPU.
+# One device call (< 9 min): the models of mk_models.py through the patched SGLang 0.5.16 server with this
+# project's plugin, against the transformers engine on the same GPU (bench/README.md, SGLang fidelity).
 # Results: $OUT/fidelity-<name>.{json,md}, $OUT/<name>-{plugin,stats}-*.json, server logs, run.log.
 #   run(command="bash bench/gpu/run_fidelity.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
-# Default order: tiny-fixed (routing made unambiguous: the control for MoE flips) and tiny first, then the
-# two that passed on 2026-12-02; the budget skips what does not fit. MODELS picks which to run, in order (name:aux ids, one server each; the first start pays the triton JIT,
-# ~2 min, later ones ~1 min). MoE models first: they carry the new per-token checks. A model that does not
-# fit in the remaining budget (BUDGET_S, default 420 s after set-up) is skipped and says so in its .md.
-# The servers run prefills eagerly (sglang.prefill_cuda_graph false, the default); PREFILL_GRAPH=1 puts
-# them on SGLang's FULL-mode prefill graphs, as every fidelity run before 2026-12-03 run 11 did.
+# MODELS picks the models, in order (name:aux ids, one server each); by default the MoE models first
+# (tiny-fixed, routing made unambiguous: the control for MoE flips), then the dense Llama. The first
+# server start pays the triton JIT (~2 min), later ones ~1 min. A model that does not fit in the remaining
+# budget (BUDGET_S, default 420 s after set-up) is skipped and says so in its .md. Prefills run eagerly
+# (sglang.prefill_cuda_graph false, the default); PREFILL_GRAPH=1 puts them on SGLang's FULL-mode graphs.
 source "$(dirname "$0")/setup.sh"
 cd "$REPO/bench/gpu"
 python3 mk_models.py /tmp/models >"$OUT/mk_models.log" 2>&1

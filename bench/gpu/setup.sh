@@ -1,5 +1,5 @@
 # Sourced by the bench/gpu scripts on the lent H200 (Python 3.12, torch 2.11.0+cu130, no network).
-# Carry: .whl/one/site.tar.xz (from /work/shared/gpu/build-sglang-site.sh) and, if the image lacks
+# Carry: .whl/one/site.tar.xz (from bench/gpu/build-sglang-site.sh) and, if the image lacks
 # zstandard, .whl/extra/ (bench/gpu/build-extra.sh). Installs nothing system-wide: everything under /tmp.
 set -euo pipefail
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -25,7 +25,7 @@ printf 'Metadata-Version: 2.1\nName: hsextract\nVersion: 0.1.0\n' >"$DI/METADATA
 printf '[sglang.srt.plugins]\nhsextract = hsextract.sglang_plugin.plugin:register\n' >"$DI/entry_points.txt"
 export PYTHONPATH=/tmp/site:$REPO/src:/tmp/plug${EXTRA:+:$EXTRA}
 export SGLANG_IS_FLASHINFER_AVAILABLE=false PYTHONUNBUFFERED=1 PATH=/usr/local/cuda/bin:$PATH
-# Flags that worked with the slimmed bundle (notes/sglang-on-h200.md): triton attention only.
+# The slimmed bundle (build-sglang-site.sh) has no FA3/flashinfer kernels: triton attention only.
 SGL_COMMON="--attention-backend triton --sampling-backend pytorch --cuda-graph-max-bs-decode 16"
 # The small models of mk_models.py (fidelity, TP, diagnostics): one server on a shared GPU.
 SGL_SMALL="$SGL_COMMON --mem-fraction-static 0.3 --max-total-tokens 131072 --max-running-requests 64 --cuda-graph-bs-prefill 4 8 16 32 64 128 256 512"

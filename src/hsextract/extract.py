@@ -93,7 +93,7 @@ def shard_metadata(
     chat_template_hash: str | None = None,
     vocab_size: int | None = None,
 ) -> dict[str, Any]:
-    """The self-description every shard carries (DESIGN.md: Shard).
+    """The self-description every shard carries (docs/FORMAT.md, "Metadata").
 
     `chat_template_hash` is the sha256 of the template prepare applied (its summary.json); without
     it, the tokenizer's stored template is hashed.

@@ -1,8 +1,10 @@
 # engine: sglang. Local servers: rule build_patched_server installs the plugin into the server's
-# Python and writes patched.json; extraction jobs start or reuse the server themselves
-# (hsextract.sglang.server, notes/snakemake.md A6.3). External servers (sglang.server_url /
-# sglang.servers): nothing to build or start. The values read here (SGLANG_LOCAL, SERVER_DIR) and
-# the hooks that stop servers are computed in common.smk.
+# Python and writes patched.json; extraction jobs take it as an ancient() input (a rebuilt marker
+# does not redo finished chunks) and start or reuse the server themselves (hsextract.sglang.server: no
+# Snakemake service job and no server-ready file in the DAG, so a rerun reuses a live server and a
+# finished chunk never waits for one). External servers (sglang.server_url / sglang.servers): nothing
+# to build or start. The values read here (SGLANG_LOCAL, SERVER_DIR) and the hooks that stop servers
+# are computed in common.smk.
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
 

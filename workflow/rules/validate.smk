@@ -1,7 +1,6 @@
 rule validate:
     input:
         shard=get_shard,
-        prompts=get_prompts,
         reference=SETTINGS.validate.reference_sample,
     output:
         report="results/{run}/validation/chunk-{chunk}.json",

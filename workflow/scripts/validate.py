@@ -1,4 +1,4 @@
-"""Rule validate: check one shard against the reference sample and its prompts; fail on any error."""
+"""Rule validate: check one shard against the reference sample; fail on any error."""
 
 import sys
 

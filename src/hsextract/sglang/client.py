@@ -16,7 +16,6 @@ import re
 import secrets
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -85,19 +84,16 @@ class SGLangEngine(Engine):
         self.health_timeout_s = health_timeout_s
         self.progress = progress
         safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:60] or "run"
-        # Unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
-        # because the plugin forgets a rid once it has dumped it, and a second request with that rid would
-        # wait for a `.done` marker that never comes.
+        # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
+        # also when extract() runs twice on one engine with the same prompt indices (a warm-up, then the
+        # run): a rid the plugin already completed would wait for a `.done` marker that never comes.
         self._rid_base = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-{secrets.token_hex(4)}"
         self._calls = itertools.count()
         self._marker: dict | None = None
         # `concurrency` bounds the requests the server holds, not the threads: a request's thread frees
         # its slot when the HTTP answer comes and then collects the dump, so the server's queue stays
-        # full while dumps are read (collecting inside the slot leaves the GPU idle).
+        # full while dumps are read (collecting inside the slot starves the GPU at short prompts).
         self._http_slots = threading.BoundedSemaphore(concurrency)
-        # Set to a list to record, per sample, when (wall clock) it was queued, sent, answered, dumped by
-        # the plugin and collected: where a slow run loses its time (bench/sglang_throughput.py).
-        self.timeline: list[dict] | None = None
 
     # ---- info -----------------------------------------------------------------------------------------
     def plugin_info(self) -> dict:
@@ -138,27 +134,20 @@ class SGLangEngine(Engine):
             raise _Fatal(f"the server counted {got} prompt tokens, the prompt has {len(ids)}")
         return out
 
+    def _collect(self, rid: str, ids: list[int], stop: threading.Event) -> dumpfiles.Collected:
+        """The request's dump files, read and removed (waits for the plugin's `.done` marker)."""
+        return dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
+                                 should_stop=stop.is_set)
+
     def health(self) -> str | None:
         """None when GET /health answers 200, else why not."""
         return self.api.health(self.health_timeout_s)
 
     # ---- one prompt -----------------------------------------------------------------------------------
     def _attempt(self, p: Prompt, ids: list[int], rid: str, stop: threading.Event) -> Captured:
-        t_queued = time.time()
         with self._http_slots:
-            t_sent = time.time()
             self._generate(rid, ids)
-        t_answer = time.time()
-        col = dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
-                                should_stop=stop.is_set)
-        if self.timeline is not None:
-            self.timeline.append({
-                "index": p.index, "tokens": len(ids), "queued": t_queued, "sent": t_sent,
-                "answered": t_answer, "staged": col.marker.get("staged_at"),
-                "written": col.marker.get("written_at"), "lane": col.marker.get("lane"),
-                "collected": time.time(),
-            })
-        hs = col.hidden_states
+        hs = self._collect(rid, ids, stop).hidden_states
         expected_h = (self._marker or {}).get("hidden_size")
         if expected_h and hs[0].shape[1] != expected_h:
             raise _Fatal(f"dumped hidden size {hs[0].shape[1]}, the model's is {expected_h}")
@@ -210,7 +199,7 @@ class SGLangEngine(Engine):
         it = iter(prompts)
         pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="hsx-sglang")
         # Dozens of threads each take the GIL back after every blocking call (socket, file, zstd); at the
-        # default 5 ms switch interval those hand-overs, not the work, bound the client's throughput.
+        # default 5 ms switch interval those hand-overs, not the work, bound the client.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.0005))
         try:
@@ -225,8 +214,6 @@ class SGLangEngine(Engine):
                 if not pending:
                     break
                 res = pending.popleft().result()
-                if self.timeline is not None:
-                    self.timeline.append({"index": res.index, "yielded": time.time()})
                 if self.progress is not None:
                     self.progress(1)
                 yield res

@@ -1,6 +1,6 @@
 """Lifecycle of the patched SGLang server(s): start-or-reuse from extraction jobs, stop from onsuccess/onerror.
 
-Pattern (notes/snakemake.md A6.3): each extraction job calls `ensure_server(state_dir, cfg, replica)`,
+Start-or-reuse, not a Snakemake service job: each extraction job calls `ensure_server(state_dir, cfg, replica)`,
 which takes an fcntl lock on `state_dir/replica-<r>.lock`, reuses the server named by
 `replica-<r>.json` if its process is alive, answers GET /health and its plugin marker is in place, and
 otherwise kills what is left (its whole process group) and starts a fresh one in its own session. The
@@ -62,8 +62,8 @@ class ServerConfig:
     stop_grace_s: float = 30.0
     staging_mb: int = 4096
     writer_threads: int = 4  # plugin threads writing piece files (HSEXTRACT_WRITER_THREADS)
-    # SGLang's (breakable) prefill CUDA graphs. Off by default: with capture on, eager prefills measured
-    # faster than FULL-mode graphs (bench/README.md, SGLang throughput)
+    # SGLang's (breakable) prefill CUDA graphs, captured in FULL mode for the capture. Off: every prefill runs
+    # eagerly, which is faster with capture (bench/README.md, SGLang throughput)
     prefill_cuda_graph: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 

@@ -314,8 +314,8 @@ def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors:
     """num_tensors contiguous [n_tokens, H] tensors from the pieces' blocks, copying as little as possible.
 
     The plugin writes one block per tensor: a one-piece dump's blocks are used as read (no copy), pieces
-    of a chunked prompt are joined along rows. Other block layouts (e.g. one [rows, K*H] block, written
-    by plugins before 2026-12-02) are split by columns."""
+    of a chunked prompt are joined along rows. Other block layouts (e.g. one [rows, K*H] block, as older
+    plugins wrote) are split by columns."""
     widths = {t.shape[1] for blocks in blocks_per_piece for t in blocks}
     if len(widths) == 1 and all(len(blocks) == num_tensors for blocks in blocks_per_piece):  # block per tensor
         if len(blocks_per_piece) == 1:

@@ -128,8 +128,8 @@ class Dumper:
                     f"lower {ENV_STAGING_MB} (config key staging_mb)"
                 ) from e
             # SGLang's scheduler loop runs Python without pause and holds the GIL; a writer thread back
-            # from a write (which releases it) waits up to the switch interval to go on, and at the default
-            # 5 ms the writers fall behind the forward (bench/plugin_writer_gil.py measures it on a CPU).
+            # from a write (which releases it) waits up to the switch interval to go on, and a piece takes
+            # several such hand-overs: at CPython's default 5 ms the writers fall behind the forward.
             sys.setswitchinterval(min(sys.getswitchinterval(), WRITER_SWITCH_INTERVAL_S))
             log.info("hsextract: staging buffer of %d MiB (pinned %s) allocated in %.2f s; %d writer threads, "
                      "GIL switch interval %.1f ms", self.cfg.staging_bytes >> 20, self._writer.ring.buf.is_pinned(),

@@ -7,8 +7,8 @@ the job.
 On CUDA the device-to-host copies run on a side stream of their own (`copy_stream`, on by default): the
 batch's captured rows are first cloned on the forward's stream (a device copy; the next forward may
 overwrite the originals, CUDA graph outputs), and the PCIe copy of the clone then runs beside the next
-forward instead of before it (bench/gpu/check_copy_stream.py measures the gain). When the clone does not
-fit in device memory the batch falls back to copies on the forward's stream.
+forward instead of before it (bench/README.md, "plugin copy stream", has the check and the time saved).
+When the clone does not fit in device memory the batch falls back to copies on the forward's stream.
 
 A writer thread waits for the event, writes the piece file, frees the staging region, and when a
 request's last piece is in, writes its `.done` marker listing the pieces (or `.err` when they do not

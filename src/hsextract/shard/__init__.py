@@ -2,7 +2,6 @@
 
 from hsextract.shard.format import FORMAT_VERSION, SHARD_SUFFIX
 from hsextract.shard.reader import ShardReader
-from hsextract.shard.writer import REQUIRED_METADATA, ShardSummary, ShardWriter, placeholder_metadata
+from hsextract.shard.writer import REQUIRED_METADATA, ShardSummary, ShardWriter
 
-__all__ = ["FORMAT_VERSION", "REQUIRED_METADATA", "SHARD_SUFFIX", "ShardReader", "ShardSummary", "ShardWriter",
-           "placeholder_metadata"]
+__all__ = ["FORMAT_VERSION", "REQUIRED_METADATA", "SHARD_SUFFIX", "ShardReader", "ShardSummary", "ShardWriter"]

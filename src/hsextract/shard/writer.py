@@ -9,7 +9,6 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,14 +79,6 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
     return meta
 
 
-def placeholder_metadata(hidden_size: int, aux_layers: Sequence[int], **fields: Any) -> dict[str, Any]:
-    """REQUIRED_METADATA for shards of benchmarks, which have no real model, tokenizer or chat template:
-    hashes "-", bfloat16, post-norm final state; `fields` set or override any key."""
-    return {"model": "bench", "engine": "bench", "engine_version": "-", "aux_layers": list(aux_layers),
-            "final_state": "post_norm", "hidden_size": int(hidden_size), "dtype": "bfloat16", "config_hash": "-",
-            "tokenizer_hash": "-", "chat_template_hash": "-", **fields}
-
-
 def remove_stale_temps(path: Path) -> list[Path]:
     """Delete temporary files that a killed writer of `path` left behind (never the shard itself)."""
     stale = list(path.parent.glob(f".{path.name}.*.tmp"))
@@ -104,11 +95,10 @@ class ShardWriter:
     samples are encoded in parallel ahead of the file, so memory stays at about N+2 samples.
 
     The file is written by a writer thread, up to `write_ahead_mb` MB behind add(): a disk that stalls
-    now and then (a journal commit) no longer stops the caller, which on the SGLang path stops the
-    requests (H200 run 8: add() spent 4-6 s of 13-15 s inside the file's writes, with encoding never
-    behind). Every `sync_every_mb` MB that thread also starts an fdatasync on another thread: the kernel
-    otherwise keeps gigabytes dirty and close()'s fsync writes them all while the run waits (1.4 s of a
-    4.8 s, 2.9 GB shard on the H200). 0 turns it off.
+    now and then (a journal commit) then does not stop the caller, which on the SGLang path would stop
+    the requests. Every `sync_every_mb` MB that thread also starts an fdatasync on another thread: the
+    kernel otherwise keeps gigabytes dirty and close()'s fsync writes them all while the run waits.
+    0 turns it off. Figures: bench/README.md, "shard background sync" and "SGLang throughput".
     """
 
     def __init__(
@@ -294,8 +284,8 @@ class ShardWriter:
 
     def _background_sync(self) -> None:
         """Start an fdatasync of what the file holds unless one still runs (then try next time). On its own
-        thread: the writer goes on filling the page cache while the disk takes the last 256 MB (writing
-        and syncing in one thread was 25% slower on bench/shard_sync.py)."""
+        thread, so the writer goes on filling the page cache while the disk takes the last `sync_every_mb`
+        MB (bench/shard_sync.py measures it)."""
         if self._sync is not None:
             if not self._sync.done():
                 return
