@@ -78,7 +78,11 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_model_shape(model: str) -> ModelShape:
-    """Depth and hidden size of a local model directory or a hub id (via transformers' cache)."""
+    """Depth and hidden size of a local model directory, or of a hub id (its config.json, fetched or cached).
+
+    Only config.json is read, as JSON: no code of the checkpoint runs (Kimi-K2.5's config class is custom
+    code), and no weights are needed, so a dry run plans a production run from a config directory alone.
+    """
     path = Path(model)
     if path.is_dir():
         cfg_path = path / "config.json"
@@ -92,9 +96,9 @@ def read_model_shape(model: str) -> ModelShape:
         source = str(cfg_path)
     else:
         try:
-            from transformers import AutoConfig
+            from huggingface_hub import hf_hub_download
 
-            cfg = AutoConfig.from_pretrained(model).to_dict()
+            cfg = json.loads(Path(hf_hub_download(model, "config.json")).read_text())
         except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
             raise ConfigError(
                 f"model: {model!r} is not a readable model directory and its config could not be "
@@ -102,6 +106,8 @@ def read_model_shape(model: str) -> ModelShape:
                 f"set `model` to a local Hugging Face model directory"
             ) from None
         source = f"hub config of {model}"
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model: {source} is not a JSON object; `model` must be a causal LM that transformers loads")
     text = _text_config(cfg)
     try:
         vocab = text.get("vocab_size", cfg.get("vocab_size"))
@@ -241,6 +247,23 @@ def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: Reference
         )
 
 
+def check_tokenizer(config: Mapping[str, Any]) -> None:
+    """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
+    from hsextract.tokenizer_loading import KEY, check_tokenizer_source
+
+    source = str(config.get("tokenizer") or config["model"])
+    trusted = bool(config.get(KEY))
+    built_here = config.get("make_tiny_model") and not config.get("tokenizer")
+    if built_here and config.get("tiny_model_tokenizer") == "kimi" and not trusted:
+        raise ConfigError(
+            f"{KEY}: make_tiny_model builds {source} with tiny_model_tokenizer: kimi, a tokenizer that is custom "
+            f"code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as Kimi-K2.5's is), "
+            f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
+            f"tiny_model_tokenizer: fast")
+    if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
+        check_tokenizer_source(source, trusted)
+
+
 def count_chunks(n_records: int, prompts_per_chunk: int) -> int:
     return math.ceil(n_records / prompts_per_chunk)
 
@@ -256,6 +279,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     else:
         shape = read_model_shape(model)
     aux_layers = check_layers(config, shape)
+    check_tokenizer(config)
     ref = read_reference(str(config["reference_sample"]))
     check_reference(config, shape, ref, aux_layers)
 
