@@ -721,3 +721,21 @@ def test_model_without_final_norm_refuses_pre_norm(tmp_path: Path, monkeypatch: 
     with pytest.raises(plg.PluginConfigError, match=r"FakeDeepseek has no final norm module .* use final_state: "
                                                     r"post_norm$"):
         d.setup_model(m, types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("aux", [AUX, ()], ids=["aux", "mtp"])
+def test_both_final_states_of_one_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          aux: tuple[int, ...]) -> None:
+    """final_state both (the fidelity benchmark's diagnostic): [aux..., pre, post] of the same forward."""
+    d, m = _setup(tmp_path, aux, "both", monkeypatch)
+    r = m.forward_rows(9, seed=8)
+    k = len(aux)
+    assert r["out"].shape == (9, (k + 2) * H)
+    assert torch.equal(r["out"][:, k * H:(k + 1) * H], r["pre"]) and torch.equal(r["out"][:, (k + 1) * H:], r["post"])
+    req = Req("hsx-both", list(range(9)))
+    d.on_extend(Batch([req], [0], [9]), LogitsOut(r["out"]))
+    d.writer.flush()
+    got = dumpfiles.collect(tmp_path, req.rid, req.origin_input_ids, k + 2, 5.0).hidden_states
+    assert torch.equal(got[-2], r["pre"]) and torch.equal(got[-1], r["post"])
+    with pytest.raises(plg.PluginConfigError, match="final_state both needs the plugin capture source"):
+        _setup(tmp_path, AUX, "both", monkeypatch, builtin=True)

@@ -7,7 +7,8 @@ Environment (set by `hsextract.server`):
     HSEXTRACT_DUMP_DIR      private dump directory (must exist)
     HSEXTRACT_AUX_LAYERS    aux layer ids, e.g. "2,30,58" (output of decoder layer i); 0 to 8 of them,
                             "" (set but empty) for the final state alone (capture: mtp; plugin capture only)
-    HSEXTRACT_FINAL_STATE   pre_norm (the last decoder layer's output) or post_norm (after the final norm)
+    HSEXTRACT_FINAL_STATE   pre_norm (the last decoder layer's output) or post_norm (after the final norm);
+                            both (pre then post, of the same forward: the fidelity benchmark's diagnostic)
     HSEXTRACT_STAGING_MB    pinned staging buffer per scheduler process (default 4096)
     HSEXTRACT_WRITER_THREADS threads writing piece files, per scheduler process (default 4; a rid's
                             pieces and marker always go to one thread, in order)
@@ -79,7 +80,7 @@ TARGET_LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_mod
 TARGET_INIT_BACKENDS = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
 TARGET_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store"
 TARGET_LAST_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_last_hidden_states_to_store"
-FINAL_STATES = ("pre_norm", "post_norm")
+FINAL_STATES = ("pre_norm", "post_norm", "both")
 MAX_AUX_LAYERS = 8
 
 ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
@@ -134,7 +135,7 @@ class PluginConfig:
                                     "layer ids, e.g. 2,30,58")
         final = env.get(ENV_FINAL_STATE, "pre_norm")
         if final not in FINAL_STATES:
-            raise PluginConfigError(f"{ENV_FINAL_STATE}={final!r}: use pre_norm or post_norm")
+            raise PluginConfigError(f"{ENV_FINAL_STATE}={final!r}: use pre_norm or post_norm (or both)")
         try:
             staging = int(env.get(ENV_STAGING_MB, "4096")) << 20
         except ValueError as e:
@@ -167,7 +168,8 @@ class Dumper:
         self._writer: DumpWriter | None = None
         self._is_writer_rank: bool | None = None
         self.duplicates_skipped = 0  # retraction re-runs of already dumped requests (stats file)
-        self.tap: PreNormTap | None = PreNormTap() if cfg.final_state == "pre_norm" else None
+        self.tap: PreNormTap | None = PreNormTap() if cfg.final_state != "post_norm" else None
+        self.n_final = 2 if cfg.final_state == "both" else 1
         self.norm_module: str | None = None  # class of the hooked final norm (marker file)
 
     @property
@@ -250,7 +252,7 @@ class Dumper:
             writer.fail(sorted({(p.rid, p.n_tokens) for p in pieces}), f"{type(e).__name__}: {e}")
 
     def _sources(self, hs: Any, last: Any, lo: Any) -> list[torch.Tensor]:
-        k = len(self.cfg.aux_layers)
+        k = len(self.cfg.aux_layers) + self.n_final - 1  # tensors before the last one
         if hs is None:
             raise RuntimeError("the batch carries no captured hidden states (capture mode not FULL?)")
         if getattr(lo, "hidden_states_token_indices", None) is not None:
@@ -281,6 +283,9 @@ class Dumper:
         cfg_obj = getattr(model, "config", None)
         hs = getattr(cfg_obj, "hidden_size", None) or getattr(getattr(cfg_obj, "text_config", None), "hidden_size", None)
         self.hidden_size = int(hs) if hs else None
+        if self.mode == "builtin" and self.n_final == 2:
+            raise PluginConfigError("hsextract: final_state both needs the plugin capture source (sglang.capture: "
+                                    "plugin)")
         if self.mode == "builtin" and not self.cfg.aux_layers:
             raise PluginConfigError("hsextract: the final state alone (no aux layers, capture: mtp) needs the "
                                     "plugin capture source (sglang.capture: plugin), not "
@@ -503,8 +508,10 @@ def _around_store(original: Any, *args: Any, **kwargs: Any) -> Any:
     if d.tap is not None and pre is None:
         # leave the rows without a final state: the dump becomes an `.err` marker, never post-norm data
         return out if aux is not None else None
-    final = pre if pre is not None else hidden
-    return final if aux is None else torch.cat([out, final], dim=-1)
+    final = [pre, hidden] if d.n_final == 2 else [pre if pre is not None else hidden]
+    if aux is None and len(final) == 1:
+        return final[0]
+    return torch.cat(final if aux is None else [out, *final], dim=-1)
 
 
 def _around_last_store(original: Any, *args: Any, **kwargs: Any) -> Any:
