@@ -298,7 +298,7 @@ SCHEMA_CASES = {
     "minimum": ("prompts_per_chunk", 0, ["0 is less than the minimum of 1", "instance['prompts_per_chunk']"]),
     "maximum": ("shard.compression_level", 23, ["23 is greater than the maximum of 22", "instance['shard']['compression_level']"]),
     "pattern": ("run_name", "../x", ["'../x' does not match '^[A-Za-z0-9][A-Za-z0-9._-]*$'", "instance['run_name']"]),
-    "minItems": ("aux_layers", [], ["[] should be non-empty", "instance['aux_layers']"]),
+    "minItems": ("sources", [], ["[] should be non-empty", "instance['sources']"]),
     "uniqueItems": ("aux_layers", [1, 1], ["[1, 1] has non-unique elements", "instance['aux_layers']"]),
     "items": ("aux_layers", [1, -2], ["-2 is less than the minimum of 0", "instance['aux_layers'][1]"]),
     "unknown key": ("prompts_per_chunck", 4, ["'prompts_per_chunck' was unexpected"]),
