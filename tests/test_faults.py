@@ -212,7 +212,7 @@ def prompts(n: int, seed: int) -> list:
 
 def sglang_engine(srv: FakeServer, **kw):
     from hsextract.engines.base import CaptureSpec
-    from hsextract.engines.sglang_engine import SGLangEngine
+    from hsextract.sglang.client import SGLangEngine
 
     kw.setdefault("timeout_s", 2.0)
     kw.setdefault("backoff_s", 0.01)
@@ -342,7 +342,7 @@ def test_run_name_cannot_leave_the_results_folder(run_name: str) -> None:
 
 # ---- 7. security ----------------------------------------------------------------------------------
 def test_server_binds_loopback_unless_configured() -> None:
-    from hsextract import server as hsrv
+    from hsextract.sglang import server as hsrv
 
     cfg = hsrv.ServerConfig(model="/m", aux_layers=(1,))
     assert cfg.host == "127.0.0.1"
@@ -353,7 +353,7 @@ def test_server_binds_loopback_unless_configured() -> None:
 
 
 def test_dump_dir_is_private_unpredictable_and_contained() -> None:
-    from hsextract import server as hsrv
+    from hsextract.sglang import server as hsrv
 
     dirs = [hsrv.make_dump_dir("../../etc/run") for _ in range(3)]
     try:
@@ -389,7 +389,7 @@ def test_plugin_does_nothing_unless_enabled(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_unsafe_rids_are_never_dumped(tmp_path: Path) -> None:
-    from hsextract import dumpfiles
+    from hsextract.sglang_plugin import dumpfiles
     from hsextract.sglang_plugin import plugin
 
     d = plugin.Dumper(plugin.PluginConfig(tmp_path, AUX), pin=False)

@@ -63,11 +63,11 @@ for spec in $LIST; do
   set -e
   [ "$r" -ne 0 ] && rc=1
   echo "== $name exit $r at ${SECONDS} s" | tee -a "$OUT/run.log"
-  [ -z "${FID_DRY:-}" ] && { "$PY" -m hsextract.server stop /tmp/state-$name >/dev/null 2>&1 || true; }  # after a timeout
+  [ -z "${FID_DRY:-}" ] && { "$PY" -m hsextract.sglang.server stop /tmp/state-$name >/dev/null 2>&1 || true; }  # after a timeout
 done
 if [ -z "${FID_DRY:-}" ]; then
   for f in /tmp/state-*/replica-*.log; do [ -f "$f" ] && tail -c 200000 "$f" >"$OUT/server-$(basename "$(dirname "$f")").log"; done
-  "$PY" -m hsextract.sglang_compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
+  "$PY" -m hsextract.sglang.compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
 fi
 cat "$OUT"/fidelity-*.md >"$OUT/fidelity.md" 2>/dev/null || true
 echo "exit $rc after ${SECONDS} s" | tee -a "$OUT/run.log"

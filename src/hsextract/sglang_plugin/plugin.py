@@ -3,7 +3,7 @@
 Entry point `hsextract = hsextract.sglang_plugin.plugin:register` (group `sglang.srt.plugins`);
 enable it with `SGLANG_PLUGINS=hsextract`. Inactive unless `HSEXTRACT_DUMP_DIR` names a directory.
 
-Environment (set by `hsextract.server`):
+Environment (set by `hsextract.sglang.server`):
     HSEXTRACT_DUMP_DIR      private dump directory (must exist)
     HSEXTRACT_AUX_LAYERS    aux layer ids, e.g. "2,30,58" (output of decoder layer i); 0 to 8 of them,
                             "" (set but empty) for the final state alone (capture: mtp; plugin capture only)
@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter
