@@ -268,16 +268,20 @@ def count_chunks(n_records: int, prompts_per_chunk: int) -> int:
     return math.ceil(n_records / prompts_per_chunk)
 
 
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
+    """The run's model shape: the tiny model's before the workflow has built it, else its config.json."""
+    model = str(config["model"])
+    if config.get("make_tiny_model") and not Path(model, "config.json").is_file():
+        return tiny_model_shape()
+    return read_model_shape(model)
+
+
 def check(config: Mapping[str, Any]) -> Plan:
     """All semantic checks, in the order a user would fix them; returns the run's plan."""
     check_sizes(config)
     check_tiny_model_path(config)
     check_engine(config)
-    model = str(config["model"])
-    if config.get("make_tiny_model") and not Path(model, "config.json").is_file():
-        shape = tiny_model_shape()
-    else:
-        shape = read_model_shape(model)
+    shape = model_shape(config)
     aux_layers = check_layers(config, shape)
     check_tokenizer(config)
     ref = read_reference(str(config["reference_sample"]))

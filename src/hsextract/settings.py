@@ -175,7 +175,8 @@ class Settings:
     make_tiny_model: bool
     tokenizer: str | None
     engine: str
-    aux_layers: tuple[int, ...]
+    capture: str
+    aux_layers: tuple[int, ...]  # resolved: a preset's layers for this model, or the explicit list
     final_state: str
     reference_sample: str
     export_formats: tuple[str, ...]
@@ -200,6 +201,7 @@ SCHEMA_TO_TREE: dict[str, str] = {
     "make_tiny_model": "make_tiny_model",
     "tokenizer": "tokenizer",
     "engine": "engine",
+    "capture": "capture",
     "aux_layers": "aux_layers",
     "final_state": "final_state",
     "reference_sample": "reference_sample",
@@ -276,7 +278,13 @@ def from_config(config: Mapping[str, Any]) -> Settings:
 
     c = fill_defaults(config)
     digest = config_hash(c)
-    aux = tuple(int(i) for i in c["aux_layers"])
+    if c["aux_layers"] is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
+        from hsextract.capture import resolve_aux_layers
+        from hsextract.config import model_shape
+
+        aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
+    else:
+        aux = tuple(int(i) for i in c["aux_layers"])
     prepare = _section(
         PrepareSettings, c,
         sources=tuple(_section(Source, s) for s in c["sources"]),
