@@ -42,8 +42,18 @@ import torch
 
 from hsextract.capture import PRESETS, preset_layers
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
-from hsextract.fidelity import FLIP, FLIP_BOUND, NORM_TOL, evaluate, is_moe, neighbours, num_layers_of, rel
+from hsextract.fidelity import (
+    FLIP,
+    FLIP_BOUND,
+    NORM_TOL,
+    evaluate,
+    is_moe,
+    neighbours,
+    num_layers_of,
+    rel,
+)
 from hsextract.final_norm import read_final_norm
+
 
 def make_prompts(n: int, vocab: int, seed: int, max_len: int | None = None) -> list[Prompt]:
     g = torch.Generator().manual_seed(seed)
@@ -181,7 +191,7 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
         res["specforge_final_norm_applied"] = summary["final_norm_applied"]
         worst = 0.0
         for i, c in enumerate(got):
-            d = torch.load(out / f"{a.name}-specforge" / "rows_0-{}".format(len(got)) / f"data_{i}.ckpt",
+            d = torch.load(out / f"{a.name}-specforge" / f"rows_0-{len(got)}" / f"data_{i}.ckpt",
                            weights_only=True)
             worst = max(worst, rel(d["hidden_state"][0], c.hidden_states[-1]))
         res["specforge_vs_post_norm_max_rel"] = worst
