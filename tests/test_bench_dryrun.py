@@ -82,3 +82,25 @@ def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(tmp
     assert "shard_validates" not in res["llama"]["checks"]  # 5 aux layers: the 4-tensor reference does not apply
     md = (out / "fidelity.md").read_text()
     assert md.count("PASS") == 3 and "### llama: PASS (checks: sample, aux [1, 2, 3, 4, 5])" in md
+
+
+def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -> None:
+    """fidelity.py's SGLang path (server start, final_state both, K+2 tensors per sample, shard, SpecForge export)
+    against tests/fake_sglang.py with the real plugin code: no stage fails. Its states are not a model's, so
+    the value checks fail, as they must."""
+    models, out = tmp_path / "models", tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", HSX_DEVICE="cpu")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "mk_models.py"), str(models), "--only", "llama"],
+                   env=env, capture_output=True, text=True, timeout=600, check=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "fidelity.py"), "--model", str(models / "llama"), "--name", "f",
+         "--aux", "dflash", "--state", str(tmp_path / "state"), "--out", str(out), "--n", "4", "--max-len", "48",
+         "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--port", str(33000 + os.getpid() % 1000),
+         "--startup-timeout", "120"],
+        env=env, capture_output=True, text=True, timeout=900, check=False)
+    res = json.loads((out / "fidelity-f.json").read_text())
+    assert "error" not in res and res.get("shard_error") is None, (res.get("error"), r.stderr[-2000:])
+    assert res["plugin_marker"]["final_state"] == "both" and res["plugin_marker"]["aux_layers"] == [1, 2, 3, 4, 5]
+    assert res["tensors"] == ["aux1", "aux2", "aux3", "aux4", "aux5", "final_pre_norm", "final_post_norm"]
+    assert res["checks"]["shard_roundtrip"] is True and res["specforge_final_norm_applied"] is True
+    assert res["checks"]["right_layers_within_tol"] is False and r.returncode == 1  # fake states: checks fail

@@ -118,7 +118,7 @@ def sglang_candidate(a: argparse.Namespace, prompts: list[Prompt], spec: Capture
 
     cfg = ServerConfig(model=a.model, aux_layers=spec.aux_layers, python=sys.executable, port=a.port,
                        chunked_prefill_size=a.chunked_prefill_size, capture="plugin", final_state=spec.final_state,
-                       launch_args=tuple(shlex.split(a.sgl_args)), run_name=a.name,
+                       launch_args=tuple(shlex.split(a.sgl_args)), run_name=a.name, module=a.server_module,
                        startup_timeout_s=a.startup_timeout, prefill_cuda_graph=a.prefill_cuda_graph)
     t0 = time.monotonic()
     h = None
@@ -268,6 +268,8 @@ def main() -> int:
                     help="PROVISIONAL max fraction of tokens with rel > 0.1 (a decimal, compared exactly)")
     ap.add_argument("--checks", choices=["auto", "sample", "token"], default="auto")
     ap.add_argument("--candidate", choices=["sglang", "transformers-batched"], default="sglang")
+    ap.add_argument("--server-module", default="sglang.launch_server",
+                    help="fake_sglang (tests/) runs the sglang path's plumbing on a CPU; its states are not a model's")
     ap.add_argument("--direct-hf", type=int, default=8, help="prompts cross-checked against a plain HF forward")
     ap.add_argument("--startup-timeout", type=float, default=300)
     ap.add_argument("--prefill-cuda-graph", action="store_true", help="prefills on SGLang's graphs (default eager)")
