@@ -95,8 +95,8 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu" / "fidelity.py"), "--model", str(models / "llama"), "--name", "f",
          "--aux", "dflash", "--state", str(tmp_path / "state"), "--out", str(out), "--n", "4", "--max-len", "48",
-         "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--port", str(33000 + os.getpid() % 1000),
-         "--startup-timeout", "120"],
+         "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--startup-timeout", "120",
+         "--port", str(33000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=900, check=False)
     res = json.loads((out / "fidelity-f.json").read_text())
     assert "error" not in res and res.get("shard_error") is None, (res.get("error"), r.stderr[-2000:])

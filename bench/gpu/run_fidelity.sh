@@ -56,14 +56,16 @@ for spec in $LIST; do
   t=$(( left - 10 < cap ? left - 10 : cap ))
   echo "== $name (aux $aux, checks $checks), timeout ${t} s, at ${SECONDS} s" | tee -a "$OUT/run.log"
   set +e
-  timeout -k 10 "$t" "$PY" fidelity.py --model ${MODELS_DIR:-/tmp/models}/$name --name $name --aux ${aux//,/ } --checks $checks \
+  timeout -k 10 "$t" "$PY" fidelity.py --model "${MODELS_DIR:-/tmp/models}/$name" --name $name --aux ${aux//,/ } \
+    --checks $checks \
     --state /tmp/state-$name --out "$OUT" --sgl-args "$ARGS" --chunked-prefill-size 128 --port $port \
     --startup-timeout $(( t - 60 )) ${PREFILL_GRAPH:+--prefill-cuda-graph} $CAND >>"$OUT/run.log" 2>&1
   r=$?
   set -e
   [ "$r" -ne 0 ] && rc=1
   echo "== $name exit $r at ${SECONDS} s" | tee -a "$OUT/run.log"
-  [ -z "${FID_DRY:-}" ] && { "$PY" -m hsextract.sglang.server stop /tmp/state-$name >/dev/null 2>&1 || true; }  # after a timeout
+  # after a timeout: the server may still run
+  [ -z "${FID_DRY:-}" ] && { "$PY" -m hsextract.sglang.server stop /tmp/state-$name >/dev/null 2>&1 || true; }
 done
 if [ -z "${FID_DRY:-}" ]; then
   for f in /tmp/state-*/replica-*.log; do [ -f "$f" ] && tail -c 200000 "$f" >"$OUT/server-$(basename "$(dirname "$f")").log"; done
