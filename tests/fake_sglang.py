@@ -76,13 +76,14 @@ class FakeServer:
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
                  hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
-                 gather: int = 0) -> None:
-        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), staging_bytes=staging_bytes)
+                 gather: int = 0, final_state: str = "post_norm") -> None:
+        cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), final_state=final_state,
+                               staging_bytes=staging_bytes)
         self.dumper = plg.Dumper(cfg, pin=False, write_delay_s=write_delay_s)
         self.dumper._is_writer_rank = True
         self.dumper.mode = "builtin" if builtin else "plugin"
         self.dumper.hidden_size = self.hidden = hidden
-        self.k1 = len(aux_layers) + 1
+        self.k1 = len(aux_layers) + (2 if final_state == "both" else 1)  # tensors per row
         self.chunk, self.builtin = chunk, builtin
         self.fail_first, self.hang_first, self.skip_first = fail_first, hang_first, skip_dump_first
         self.die_after, self.wrong, self.exit_on_die = die_after, wrong_prompt_tokens, exit_on_die
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
                      builtin=a.enable_return_aux_hidden_states, fail_first=a.fail_first, hang_first=a.hang_first,
                      skip_dump_first=a.skip_dump_first, die_after=a.die_after,
                      wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True, hidden=hidden,
-                     staging_bytes=min(cfg.staging_bytes, 1 << 30))
+                     staging_bytes=min(cfg.staging_bytes, 1 << 30), final_state=cfg.final_state)
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:

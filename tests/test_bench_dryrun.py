@@ -55,3 +55,52 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     assert len(json.loads((out / "timelines" / "b_capture_with_shards-64.json").read_text())) == 2 * 24
     table = (out / "throughput.md").read_text()
     assert "| b_capture_with_shards@8 / a_plain@8 (target >= 0.9 at 512) |" in table
+
+
+def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(tmp_path: Path) -> None:
+    """bench/gpu/run_fidelity.sh with FID_DRY=1: the GPU call's script, models, checks and files on the CPU
+    (the candidate is the transformers engine batched with padding instead of the SGLang server)."""
+    out = tmp_path / "out"
+    env = dict(os.environ, FID_DRY="1", PY=sys.executable, OUT=str(out), MODELS_DIR=str(tmp_path / "models"),
+               FID_N="3", PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run_fidelity.sh")], env=env, capture_output=True,
+                       text=True, timeout=1800, check=False)
+    log = (out / "run.log").read_text()
+    assert r.returncode == 0, log[-3000:] + r.stderr[-2000:]
+    assert "models: deepseek:eagle3 deepseek-fixed:eagle3 llama:dflash" in log  # the MoE model's twin added
+    res = {n: json.loads((out / f"fidelity-{n}.json").read_text()) for n in ("deepseek", "deepseek-fixed", "llama")}
+    assert [res[n]["check_mode"] for n in res] == ["token", "sample", "sample"]  # the twin: dense bounds
+    assert res["deepseek"]["aux_layers"] == [2, 4, 5] and res["llama"]["aux_layers"] == [1, 2, 3, 4, 5]
+    for n, x in res.items():
+        assert x["pass"] and "error" not in x, (n, x.get("error"), x.get("checks"))
+        assert x["tensors"][-2:] == ["final_pre_norm", "final_post_norm"]
+        for check in ("final_states_distinguishable", "final_pre_norm_is_not_post_norm",
+                      "final_post_norm_is_not_pre_norm", "post_norm_is_norm_of_pre_norm",
+                      "specforge_export_is_post_norm", "shard_roundtrip"):
+            assert x["checks"][check] is True, (n, check)
+        assert x["min_rel_ref_pre_vs_post"] > 0.5  # mk_models' final-norm weight makes the two states differ
+    assert "shard_validates" not in res["llama"]["checks"]  # 5 aux layers: the 4-tensor reference does not apply
+    md = (out / "fidelity.md").read_text()
+    assert md.count("PASS") == 3 and "### llama: PASS (checks: sample, aux [1, 2, 3, 4, 5])" in md
+
+
+def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -> None:
+    """fidelity.py's SGLang path (server start, final_state both, K+2 tensors per sample, shard, SpecForge export)
+    against tests/fake_sglang.py with the real plugin code: no stage fails. Its states are not a model's, so
+    the value checks fail, as they must."""
+    models, out = tmp_path / "models", tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", HSX_DEVICE="cpu")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "mk_models.py"), str(models), "--only", "llama"],
+                   env=env, capture_output=True, text=True, timeout=600, check=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "fidelity.py"), "--model", str(models / "llama"), "--name", "f",
+         "--aux", "dflash", "--state", str(tmp_path / "state"), "--out", str(out), "--n", "4", "--max-len", "48",
+         "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--startup-timeout", "120",
+         "--port", str(33000 + os.getpid() % 1000)],
+        env=env, capture_output=True, text=True, timeout=900, check=False)
+    res = json.loads((out / "fidelity-f.json").read_text())
+    assert "error" not in res and res.get("shard_error") is None, (res.get("error"), r.stderr[-2000:])
+    assert res["plugin_marker"]["final_state"] == "both" and res["plugin_marker"]["aux_layers"] == [1, 2, 3, 4, 5]
+    assert res["tensors"] == ["aux1", "aux2", "aux3", "aux4", "aux5", "final_pre_norm", "final_post_norm"]
+    assert res["checks"]["shard_roundtrip"] is True and res["specforge_final_norm_applied"] is True
+    assert res["checks"]["right_layers_within_tol"] is False and r.returncode == 1  # fake states: checks fail

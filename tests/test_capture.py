@@ -80,3 +80,12 @@ def test_check_names_the_preset_when_the_reference_has_another_count(cfg: dict, 
 def test_default_config_keeps_its_list(cfg: dict, tmp_path: Path) -> None:
     write_reference(tmp_path / "ref.pt")
     assert cfg["capture"] == "custom" and check(cfg).aux_layers == [1, 5, 7]
+
+
+def test_settings_resolve_a_preset_from_the_models_depth(cfg: dict, tmp_path: Path) -> None:
+    from hsextract.settings import from_config
+
+    cfg.update(capture="dflash", aux_layers=None)
+    s = from_config(cfg)
+    assert s.capture == "dflash" and s.aux_layers == s.extract.aux_layers == (1, 3, 5, 7, 9)
+    assert from_config({**cfg, "capture": "custom", "aux_layers": [4, 2]}).aux_layers == (4, 2)

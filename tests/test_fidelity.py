@@ -37,56 +37,104 @@ def test_token_rel_and_dist_values() -> None:
     assert d["median"] == pytest.approx(0.025, abs=1e-6)  # midpoint of 0 and 0.05
 
 
-def _case(flip_every: int | None, wrong_layer: bool = False):
+def _case(flip_every: int | None, wrong_layer: bool = False, final: str = "right", n_aux: int = len(E_AUX)):
+    """Captures [aux..., pre, post] against references; `final`: "right", "swapped" (pre and post exchanged),
+    "close" (a model whose post-norm state is its pre-norm state: nothing to tell apart)."""
+    aux_ids = E_AUX if n_aux == len(E_AUX) else tuple(range(n_aux))
     prompts, got, refs = [], [], []
     for i, n in enumerate([5, 40, 120]):
         prompts.append(Prompt(i, f"s{i}", list(range(n))))
-        aux = [_rows(n, 10 * i + j) for j in range(len(E_AUX))]
-        wrong = [_rows(n, 100 + 10 * i + j) for j in range(len(E_AUX))]
+        aux = [_rows(n, 10 * i + j) for j in range(n_aux)]
+        wrong = [_rows(n, 100 + 10 * i + j) for j in range(n_aux)]
         pre = _rows(n, 1000 + i) * 3
-        post = pre / pre.norm(dim=-1, keepdim=True)
-        g = [(w if wrong_layer else a) * 1.005 for a, w in zip(aux, wrong)] + [post * 1.005]
+        post = pre.clone() if final == "close" else pre / pre.norm(dim=-1, keepdim=True)
+        finals = [post, pre] if final == "swapped" else [pre, post]
+        g = [(w if wrong_layer else a) * 1.005 for a, w in zip(aux, wrong)] + [f * 1.005 for f in finals]
         if flip_every:
             for t in g:
                 t[::flip_every] += 0.5 * t[::flip_every].norm(dim=-1, keepdim=True)  # rel ~0.5 on those tokens
         got.append(Captured(i, f"s{i}", [t.to(torch.bfloat16) for t in g]))
         refs.append({"aux": aux, "wrong": wrong, "pre": pre, "post": post})
-    return prompts, got, refs
+    return prompts, got, refs, aux_ids
 
 
-def _eval(prompts, got, refs, mode: str) -> dict:
-    return fidelity.evaluate(prompts, got, got[:2], refs, E_AUX, tol=2e-2, token_tol=2e-2, flip_bound=0.05, mode=mode,
-                        long_from=100)
+def _eval(prompts, got, refs, aux_ids, mode: str, **kw) -> dict:
+    return fidelity.evaluate(prompts, got, got[:2], refs, aux_ids, tol=2e-2, token_tol=2e-2, flip_bound="0.05",
+                             mode=mode, long_from=100, **kw)
 
 
 def test_moe_like_flips_fail_per_sample_but_pass_per_token() -> None:
-    prompts, got, refs = _case(flip_every=50)  # 3% of tokens flipped, the rest within 5e-3 + bf16 rounding
-    r = _eval(prompts, got, refs, "token")
+    r = _eval(*_case(flip_every=50), "token")  # 3% of tokens flipped, the rest within 5e-3 + bf16 rounding
     assert r["checks_sample"]["right_layers_within_tol"] is False  # a flipped token dominates a sample's norm
     assert all(r["checks_token"].values()), r["checks_token"]
     right = r["token"]["right"]
-    assert set(right) == {"aux1", "aux3", "final_post_norm"}
+    assert list(right) == ["aux1", "aux3", "final_pre_norm", "final_post_norm"]
     for d in right.values():
         assert d["tokens"] == 165 and d["median"] < 8e-3
-        assert d["flipped_frac"] == pytest.approx(5 / 165)  # row 0 of 5, row 0 of 40, rows 0, 50, 100 of 120
-    assert r["token"]["neighbouring_layer"]["aux1"]["flipped_frac"] > 0.9
-    assert r["token"]["final_vs_pre_norm"]["median"] > 0.5
+        assert d["flipped"] == 5 and d["flipped_frac"] == 5 / 165  # row 0 of 5, of 40, rows 0, 50, 100 of 120
+    assert r["token"]["wrong"]["aux1"]["flipped_frac"] > 0.9
+    assert r["token"]["wrong"]["final_post_norm"]["median"] > 0.5  # the post-norm capture vs the pre-norm ref
     assert r["checks"] == r["checks_token"]
-    assert [s["flipped_tokens"] for s in r["per_sample"]] == [[1, 1, 1], [1, 1, 1], [3, 3, 3]]
+    assert [s["flipped_tokens"] for s in r["per_sample"]] == [[1] * 4, [1] * 4, [3] * 4]
 
 
 def test_too_many_flips_and_wrong_layer_fail() -> None:
     r = _eval(*_case(flip_every=5), "token")  # 20% flipped
-    assert r["checks_token"]["flipped_fraction_small"] is False
+    assert r["checks_token"]["flipped_fraction_within_bound"] is False
     r = _eval(*_case(flip_every=None, wrong_layer=True), "token")
     assert r["checks_token"]["token_median_within_tol"] is False
-    assert r["checks_token"]["wrong_layer_median_10x"] is False
+    assert r["checks_token"]["wrong_median_10x"] is False
 
 
 def test_dense_clean_case_passes_sample_checks() -> None:
     r = _eval(*_case(flip_every=None), "sample")
     assert r["checks"] == r["checks_sample"] and all(r["checks"].values())
     assert r["batch_invariance_max_rel"] == 0.0 and r["long_samples_max_rel"] < 1e-2
+    assert r["min_rel_ref_pre_vs_post"] > 0.5
+
+
+def test_swapped_final_states_fail_directly() -> None:
+    r = _eval(*_case(flip_every=None, final="swapped"), "sample")
+    assert r["max_rel"]["final_pre_norm"] > 0.5 and r["max_rel"]["final_post_norm"] > 0.5
+    assert r["checks"]["right_layers_within_tol"] is False
+    assert r["checks"]["final_pre_norm_is_not_post_norm"] is False
+    assert r["checks"]["final_post_norm_is_not_pre_norm"] is False
+
+
+def test_a_model_whose_final_states_coincide_cannot_pass() -> None:
+    """The old inferred check passed such a model; the direct comparison says it has no power."""
+    r = _eval(*_case(flip_every=None, final="close"), "sample")
+    assert r["min_rel_ref_pre_vs_post"] == 0.0
+    assert r["checks"]["final_states_distinguishable"] is False
+    assert r["checks"]["right_layers_within_tol"] is True
+
+
+def test_norm_relation_between_the_two_captured_final_states() -> None:
+    from hsextract.final_norm import FinalNorm
+
+    # post = pre / |pre| = RMSNorm(pre) with eps 0 and weight 1/sqrt(H)
+    norm = FinalNorm("rms_norm", 0.0, torch.full((E_H,), E_H ** -0.5).to(torch.bfloat16))
+    r = _eval(*_case(flip_every=None), "sample", final_norm=norm)
+    assert r["checks"]["post_norm_is_norm_of_pre_norm"] is True and r["max_norm_relation"] < 2e-2
+    wrong = FinalNorm("rms_norm", 0.0, torch.full((E_H,), 2 * E_H ** -0.5).to(torch.bfloat16))
+    r = _eval(*_case(flip_every=None), "sample", final_norm=wrong)
+    assert r["checks"]["post_norm_is_norm_of_pre_norm"] is False and r["max_norm_relation"] > 0.9
+
+
+def test_five_aux_layers() -> None:
+    r = _eval(*_case(flip_every=None, n_aux=5), "sample")
+    assert r["tensors"] == ["aux0", "aux1", "aux2", "aux3", "aux4", "final_pre_norm", "final_post_norm"]
+    assert all(r["checks"].values())
+
+
+def test_fractions_are_compared_exactly() -> None:
+    assert fidelity.within_fraction(505, 10100, "0.05") and fidelity.within_fraction(505, 10100, 0.05)
+    assert not fidelity.within_fraction(506, 10100, "0.05")
+    e = torch.zeros(10100)
+    e[:505] = 0.5
+    d = fidelity.dist(e)
+    assert d["flipped"] == 505 and (e > fidelity.FLIP).float().mean().item() > 0.05  # float32 says "above"
+    assert fidelity.within_fraction(d["flipped"], d["tokens"], fidelity.FLIP_BOUND)
 
 
 def test_is_moe_and_neighbours(tmp_path: Path) -> None:

@@ -85,7 +85,7 @@ def test_defaults_are_the_schemas() -> None:
         st.Source(path="x.jsonl", format="auto", weight=1.0, max_records=None, name=None, split=None),
     )
     assert s.validate == st.ValidateSettings("resources/reference/speculators-v1-data_0.pt", same_model=True)
-    assert (s.extract.model, s.extract.aux_layers, s.extract.config_hash) == ("resources/tiny-model", None,
+    assert (s.extract.model, s.extract.aux_layers, s.extract.config_hash) == ("resources/tiny-model", (1, 5, 7),
                                                                             s.config_hash)
 
 

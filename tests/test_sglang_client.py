@@ -163,9 +163,36 @@ def test_aux_layer_mismatch_with_running_server(server: FakeServer) -> None:
         list(eng.extract(prompts(1)))
 
 
+@pytest.mark.parametrize("final_state", ["pre_norm", "both"])
+def test_final_state_of_the_server_is_what_the_run_gets(tmp_path: Path, final_state: str) -> None:
+    """A pre_norm server gives len(aux)+1 tensors, a "both" server +2; a server with another final state is
+    refused (its data would silently carry the other convention)."""
+    srv = FakeServer(tmp_path, AUX, final_state=final_state).start()
+    try:
+        spec = CaptureSpec(AUX, final_state)
+        got = list(SGLangEngine(srv.url, spec, tmp_path).extract(prompts(3)))
+        for c, p in zip(got, prompts(3), strict=True):
+            assert len(c.hidden_states) == spec.num_tensors == len(AUX) + (2 if final_state == "both" else 1)
+            want = expected_states(p.input_ids, spec.num_tensors)
+            assert all(torch.equal(a, b) for a, b in zip(c.hidden_states, want, strict=True))
+        with pytest.raises(EngineError) as e:
+            list(SGLangEngine(srv.url, CaptureSpec(AUX, "post_norm"), tmp_path).extract(prompts(1)))
+        assert str(e.value).endswith(f"captures final_state {final_state}, this run asks for post_norm; restart "
+                                     "the server with this run's final_state")
+    finally:
+        srv.stop()
+
+
 def test_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="pre_norm"):
-        SGLangEngine("http://127.0.0.1:1", CaptureSpec(AUX, "pre_norm"), tmp_path)
+    with pytest.raises(ConfigError, match=r"^final_state: 'normed'; use pre_norm or post_norm$"):
+        SGLangEngine("http://127.0.0.1:1", CaptureSpec(AUX, "normed"), tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^capture: mtp \(no aux layers\) needs sglang.capture: plugin"):
+        hsrv.ServerConfig(model="/m", aux_layers=(), capture="builtin", final_state="pre_norm")
+    with pytest.raises(ConfigError, match=r"^final_state both needs sglang.capture: plugin"):
+        hsrv.ServerConfig(model="/m", aux_layers=(1,), capture="builtin", final_state="both")
+    assert hsrv.ServerConfig(model="/m", aux_layers=(), final_state="pre_norm").aux_layers == ()
+    assert hsrv.build_env(hsrv.ServerConfig(model="/m", aux_layers=(), final_state="pre_norm"), Path("/d"),
+                          base={})["HSEXTRACT_AUX_LAYERS"] == ""
     with pytest.raises(ConfigError, match="dump_dir is required"):
         SGLangEngine("http://127.0.0.1:1", SPEC)
     with pytest.raises(ConfigError, match="expected http://host:port"):

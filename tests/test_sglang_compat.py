@@ -63,6 +63,8 @@ def test_wheel_passes_every_check(wheel: tuple[str, Path]) -> None:
         assert sorted(str(p) for p in rep.problems) == [
             "sglang/srt/layers/logits_processor.py:154: class LogitsProcessorOutput has no member "
             "'last_hidden_states' (post-norm final state) [builtin]",
+            "sglang/srt/layers/logits_processor.py:336: class LogitsProcessor has no member "
+            "'_get_last_hidden_states_to_store' (the pre-norm final state instead of the post-norm one) [builtin]",
             "sglang/srt/server_args.py:0: server argument enable_return_aux_hidden_states not found "
             "(SGLang's own aux capture) [builtin]",
             "sglang/srt/server_args.py:0: server argument return_aux_hidden_state_layer_ids not found "

@@ -399,10 +399,34 @@ def test_collector_reads_the_older_one_wide_block_layout(tmp_path: Path) -> None
 
 
 # ---- capture set-up and hooks ---------------------------------------------------------------------
+class FusedAddRMSNorm(torch.nn.Module):
+    """SGLang's RMSNorm with a residual (fused_add_rmsnorm): writes the sum into `residual` and the normed
+    state into `x`, in place, and returns both; without a residual it normalizes out of place."""
+
+    def __init__(self, hidden: int = H, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, hidden).to(torch.bfloat16))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+    def forward(self, x, residual=None, post_residual_addition=None):
+        if residual is None:
+            return self._norm(x)
+        if post_residual_addition is not None:
+            residual = residual + post_residual_addition
+        residual.add_(x)
+        x.copy_(self._norm(residual))
+        return x, residual
+
+
 class _Inner(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.layers_to_capture: list[int] = []
+        self.norm = FusedAddRMSNorm()
 
 
 class FakeLlama(torch.nn.Module):
@@ -427,8 +451,8 @@ class FakeDeepseek(FakeDeepseekOld):
         self.model.layers_to_capture = [v + 1 for v in layer_ids]
 
 
-def _dumper_for(tmp_path: Path, aux: tuple[int, ...]) -> plg.Dumper:
-    d = plg.Dumper(plg.PluginConfig(tmp_path, aux), pin=False)
+def _dumper_for(tmp_path: Path, aux: tuple[int, ...], final_state: str = "pre_norm") -> plg.Dumper:
+    d = plg.Dumper(plg.PluginConfig(tmp_path, aux, final_state), pin=False)
     d._is_writer_rank = True
     return d
 
@@ -455,7 +479,7 @@ def test_deepseek_quirk_is_refused(tmp_path: Path) -> None:
         "[3, 31, 59] (SGLang index = layer id + 1). Refusing to dump the wrong layers."
     )
     # builtin mode (server launched with EAGLE3 ids): same check, with the launch hint
-    d2 = _dumper_for(tmp_path, (2, 30, 58))
+    d2 = _dumper_for(tmp_path, (2, 30, 58), "post_norm")
     m2 = FakeDeepseekOld()
     d2.setup_model(m2, types.SimpleNamespace(enable_return_aux_hidden_states=True))
     m2.set_eagle3_layers_to_capture([2, 30, 58])
@@ -469,12 +493,22 @@ def test_plugin_config_from_env(tmp_path: Path) -> None:
     assert cfg.aux_layers == (2, 30, 58) and cfg.expected_capture == [3, 31, 59]
     with pytest.raises(plg.PluginConfigError, match="is not a directory"):
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path / "nope"), "HSEXTRACT_AUX_LAYERS": "1"})
-    with pytest.raises(plg.PluginConfigError, match="need distinct non-negative layer ids"):
+    assert cfg.final_state == "pre_norm"
+    with pytest.raises(plg.PluginConfigError, match=r"^HSEXTRACT_AUX_LAYERS is not set: give the aux layer ids"):
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path)})
-    with pytest.raises(plg.PluginConfigError, match="post_norm"):
+    mtp = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": ""})
+    assert mtp.aux_layers == () and mtp.expected_capture == []
+    eight = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "0,1,2,3,4,5,6,7"})
+    assert len(eight.aux_layers) == 8
+    for bad in ("0,1,2,3,4,5,6,7,8", "1,1", "-1"):
+        with pytest.raises(plg.PluginConfigError, match="need 0 to 8 distinct non-negative layer ids"):
+            plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": bad})
+    post = plg.PluginConfig.from_env(
+        {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1", "HSEXTRACT_FINAL_STATE": "post_norm"})
+    assert post.final_state == "post_norm"
+    with pytest.raises(plg.PluginConfigError, match=r"HSEXTRACT_FINAL_STATE='normed': use pre_norm or post_norm"):
         plg.PluginConfig.from_env(
-            {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1", "HSEXTRACT_FINAL_STATE": "pre_norm"}
-        )
+            {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1", "HSEXTRACT_FINAL_STATE": "normed"})
 
 
 class _CHM:
@@ -485,7 +519,7 @@ def test_hooks_force_full_capture_and_append_final_state(tmp_path: Path, monkeyp
     fbi = types.ModuleType("sglang.srt.model_executor.forward_batch_info")
     fbi.CaptureHiddenMode = _CHM
     monkeypatch.setitem(sys.modules, "sglang.srt.model_executor.forward_batch_info", fbi)
-    d = _dumper_for(tmp_path, AUX)
+    d = _dumper_for(tmp_path, AUX, "post_norm")
     d.mode = "plugin"
     monkeypatch.setattr(plg, "_DUMPER", d)
 
@@ -514,3 +548,194 @@ def test_hooks_force_full_capture_and_append_final_state(tmp_path: Path, monkeyp
     assert seen == {True: "FULL", False: None}
     d.writer.flush()
     assert_matches(collect(tmp_path, r), r)
+
+
+# ---- the final state: pre-norm through the final norm's forward pre-hook ---------------------------------
+def sgl_store(self, hidden_states, hidden_states_before_norm, aux_hidden_states, pruned_states,
+              pruned_states_before_norm, aux_pruned_states, sample_indices, logits_metadata):
+    """SGLang 0.5.16's LogitsProcessor._get_hidden_states_to_store, FULL/NULL branches."""
+    if not logits_metadata.capture_hidden_mode.is_full():
+        return None
+    return torch.cat(aux_hidden_states, dim=-1) if aux_hidden_states is not None else hidden_states
+
+
+def _meta(full: bool = True) -> types.SimpleNamespace:
+    return types.SimpleNamespace(capture_hidden_mode=types.SimpleNamespace(is_full=lambda: full))
+
+
+class _SGLDecoder(_Inner):
+    """DeepseekV2Model.forward's shape: aux = hidden + residual entering layer i (i in layers_to_capture), then
+    the final norm called as SGLang calls it."""
+
+    num_layers = 10
+
+    def forward(self, n: int, seed: int, residual_none: bool, extra: bool, skip_norm: bool) -> dict:
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd() -> torch.Tensor:
+            return (torch.randn(n, H, generator=g) * 3).to(torch.bfloat16)
+
+        hidden, residual, aux = rnd(), rnd(), []
+        for i in range(self.num_layers):
+            if i in self.layers_to_capture:
+                aux.append(hidden + residual)
+            hidden, residual = rnd(), rnd()  # the layer's output pair
+        add = rnd() if extra else None
+        if residual_none:
+            pre = hidden.clone()
+        else:
+            pre = hidden + (residual + add if add is not None else residual)
+        if skip_norm:  # an idle batch: the model skips its norm
+            normed = hidden
+        elif residual_none:
+            normed = self.norm(hidden)
+        elif add is not None:
+            normed, _ = self.norm(hidden, residual, post_residual_addition=add)
+        else:
+            normed, _ = self.norm(hidden, residual)
+        return {"pre": pre, "post": normed, "aux": aux}
+
+
+class FakeSGLModel(FakeDeepseek):
+    """The CausalLM: the decoder's forward, then the logits processor's store (through the plugin's hook)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _SGLDecoder()
+
+    def forward_rows(self, n: int, seed: int, *, residual_none: bool = False, extra: bool = False,
+                     skip_norm: bool = False, full: bool = True) -> dict:
+        r = self.model(n, seed, residual_none, extra, skip_norm)
+        r["out"] = plg._around_store(sgl_store, None, r["post"], None, r["aux"] or None, None, None, None, None,
+                                     _meta(full))
+        return r
+
+
+def _setup(tmp_path: Path, aux: tuple[int, ...], final_state: str, monkeypatch: pytest.MonkeyPatch,
+           builtin: bool = False) -> tuple[plg.Dumper, FakeSGLModel]:
+    d = _dumper_for(tmp_path, aux, final_state)
+    m = FakeSGLModel()
+    monkeypatch.setattr(plg, "_install_hook", lambda target, hook: None)  # builtin: no SGLang here
+    d.setup_model(m, types.SimpleNamespace(enable_return_aux_hidden_states=builtin))
+    monkeypatch.setattr(plg, "_DUMPER", d)
+    return d, m
+
+
+@pytest.mark.parametrize("aux", [(1,), (1, 3, 5), (0, 1, 2, 3, 4), (0, 1, 2, 3, 4, 5, 6, 7)],
+                         ids=["1", "3", "5", "8"])
+def test_pre_norm_is_the_final_norms_input_sum_for_1_to_8_aux_layers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aux: tuple[int, ...]
+) -> None:
+    d, m = _setup(tmp_path, aux, "pre_norm", monkeypatch)
+    assert m.model.layers_to_capture == [a + 1 for a in aux] and d.verify_model(m) == [a + 1 for a in aux]
+    assert d.norm_module == "FusedAddRMSNorm"
+    r = m.forward_rows(11, seed=len(aux))
+    k = len(aux)
+    assert r["out"].shape == (11, (k + 1) * H)
+    assert torch.equal(r["out"][:, k * H:], r["pre"])  # hidden + residual, read before the in-place norm
+    assert not torch.equal(r["out"][:, k * H:], r["post"])
+    for j in range(k):
+        assert torch.equal(r["out"][:, j * H:(j + 1) * H], r["aux"][j])
+    assert not torch.equal(r["pre"], r["post"])
+    # through the dump files, as the client reads them: k + 1 tensors
+    req = Req("hsx-pre", list(range(11)))
+    d.on_extend(Batch([req], [0], [11]), LogitsOut(r["out"]))
+    d.writer.flush()
+    got = dumpfiles.collect(tmp_path, req.rid, req.origin_input_ids, k + 1, 5.0).hidden_states
+    assert len(got) == k + 1 and torch.equal(got[-1], r["pre"])
+    assert all(torch.equal(got[j], r["aux"][j]) for j in range(k))
+
+
+def test_post_norm_is_the_norms_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d, m = _setup(tmp_path, AUX, "post_norm", monkeypatch)
+    assert d.tap is None and d.norm_module is None and m.model.norm._forward_pre_hooks == {}
+    r = m.forward_rows(7, seed=1)
+    assert torch.equal(r["out"][:, K * H:], r["post"]) and not torch.equal(r["out"][:, K * H:], r["pre"])
+
+
+@pytest.mark.parametrize("final_state", ["pre_norm", "post_norm"])
+def test_mtp_final_state_alone_without_capture_layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      final_state: str) -> None:
+    d, m = _setup(tmp_path, (), final_state, monkeypatch)
+    assert m.model.layers_to_capture == [] and d.verify_model(m) == []  # no setter call: no aux capture
+    r = m.forward_rows(5, seed=2)
+    assert torch.equal(r["out"], r["pre"] if final_state == "pre_norm" else r["post"])
+    req = Req("hsx-mtp", [1, 2, 3, 4, 5])
+    d.on_extend(Batch([req], [0], [5]), LogitsOut(r["out"]))
+    d.writer.flush()
+    got = dumpfiles.collect(tmp_path, req.rid, req.origin_input_ids, 1, 5.0).hidden_states
+    assert len(got) == 1 and torch.equal(got[0], r["out"])
+
+
+def test_mtp_needs_the_plugin_capture_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(plg.PluginConfigError, match=r"the final state alone \(no aux layers, capture: mtp\) needs"):
+        _setup(tmp_path, (), "pre_norm", monkeypatch, builtin=True)
+
+
+def test_pre_norm_without_residual_and_with_post_residual_addition(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _, m = _setup(tmp_path, AUX, "pre_norm", monkeypatch)
+    r = m.forward_rows(6, seed=3, residual_none=True)  # DeepSeek after a gather: norm(hidden) alone
+    assert torch.equal(r["out"][:, K * H:], r["pre"])
+    r = m.forward_rows(6, seed=4, extra=True)  # residual + post_residual_addition first, as SGLang adds
+    assert torch.equal(r["out"][:, K * H:], r["pre"])
+
+
+def test_a_forward_without_the_norm_never_gets_a_stale_pre_norm_state(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    d, m = _setup(tmp_path, AUX, "pre_norm", monkeypatch)
+    m.forward_rows(6, seed=5, full=False)  # a decode forward (capture NULL): its pre-norm state is dropped
+    assert d.tap.value is None
+    m.model.norm(*(torch.ones(6, H, dtype=torch.bfloat16) for _ in range(2)))  # a norm without a store after it
+    r = m.forward_rows(6, seed=6, skip_norm=True)  # the next forward skips the norm: the decoder's hook clears
+    assert r["out"].shape == (6, K * H)  # left without a final state: the dump fails loudly
+    req = Req("hsx-stale", list(range(6)))
+    d.on_extend(Batch([req], [0], [6]), LogitsOut(r["out"]))
+    d.writer.flush()
+    with pytest.raises(EngineError, match="is not 3\\+1 tensors"):
+        dumpfiles.collect(tmp_path, req.rid, req.origin_input_ids, K + 1, 5.0)
+
+
+def test_builtin_mode_pre_norm_replaces_last_hidden_states(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = []
+    d = _dumper_for(tmp_path, AUX, "pre_norm")
+    m = FakeSGLModel()
+    monkeypatch.setattr(plg, "_install_hook", lambda target, hook: installed.append((target, hook)))
+    d.setup_model(m, types.SimpleNamespace(enable_return_aux_hidden_states=True))
+    monkeypatch.setattr(plg, "_DUMPER", d)
+    assert installed == [(plg.TARGET_LAST_STORE, plg._around_last_store)]
+    m.set_dflash_layers_to_capture(list(AUX))  # what --return-aux-hidden-state-layer-ids does (DFLASH: +1)
+    hidden, residual = (torch.randn(4, H).to(torch.bfloat16) for _ in range(2))
+    pre = hidden + residual
+    normed, _ = m.model.norm(hidden, residual)
+    last = plg._around_last_store(lambda self, hs, aux, meta: hs, None, normed, [normed], _meta())
+    assert torch.equal(last, pre)
+    # no pre-norm state for this forward: no final state at all (an `.err` dump), never the post-norm one
+    assert plg._around_last_store(lambda self, hs, aux, meta: hs, None, normed, [normed], _meta()) is None
+
+
+def test_model_without_final_norm_refuses_pre_norm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    m = FakeDeepseek()
+    del m.model.norm
+    d = _dumper_for(tmp_path, AUX, "pre_norm")
+    with pytest.raises(plg.PluginConfigError, match=r"FakeDeepseek has no final norm module .* use final_state: "
+                                                    r"post_norm$"):
+        d.setup_model(m, types.SimpleNamespace())
+
+
+@pytest.mark.parametrize("aux", [AUX, ()], ids=["aux", "mtp"])
+def test_both_final_states_of_one_forward(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          aux: tuple[int, ...]) -> None:
+    """final_state both (the fidelity benchmark's diagnostic): [aux..., pre, post] of the same forward."""
+    d, m = _setup(tmp_path, aux, "both", monkeypatch)
+    r = m.forward_rows(9, seed=8)
+    k = len(aux)
+    assert r["out"].shape == (9, (k + 2) * H)
+    assert torch.equal(r["out"][:, k * H:(k + 1) * H], r["pre"]) and torch.equal(r["out"][:, (k + 1) * H:], r["post"])
+    req = Req("hsx-both", list(range(9)))
+    d.on_extend(Batch([req], [0], [9]), LogitsOut(r["out"]))
+    d.writer.flush()
+    got = dumpfiles.collect(tmp_path, req.rid, req.origin_input_ids, k + 2, 5.0).hidden_states
+    assert torch.equal(got[-2], r["pre"]) and torch.equal(got[-1], r["post"])
+    with pytest.raises(plg.PluginConfigError, match="final_state both needs the plugin capture source"):
+        _setup(tmp_path, AUX, "both", monkeypatch, builtin=True)

@@ -159,6 +159,18 @@ def test_any_number_of_aux_layers_then_the_pre_norm_state(
         assert rel(c.hidden_states[-1], ref[-1]) > TOL * WRONG_LAYER_MARGIN  # not the post-norm state
 
 
+def test_both_final_states_of_one_forward(model_dir: Path, prompts: list[Prompt],
+                                         reference: list[list[torch.Tensor]]) -> None:
+    """final_state "both" (the fidelity benchmark's diagnostic): aux, then pre-norm, then post-norm."""
+    with TransformersEngine(model_dir, CaptureSpec((1,), "both"), token_budget=1024) as eng:
+        got = list(eng.extract(prompts[:4]))
+    with TransformersEngine(model_dir, CaptureSpec((1,), "pre_norm"), token_budget=1024) as eng:
+        pre = list(eng.extract(prompts[:4]))
+    for c, p, ref in zip(got, pre, reference, strict=False):
+        assert len(c.hidden_states) == 3 and torch.equal(c.hidden_states[1], p.hidden_states[1])
+        assert rel(c.hidden_states[2], ref[-1]) <= TOL
+
+
 def test_more_than_eight_aux_layers_is_a_config_error(tmp_path_factory: pytest.TempPathFactory) -> None:
     deep = make_tiny_model(tmp_path_factory.mktemp("deep") / "m", CONVERSATIONS, num_hidden_layers=10, hidden_size=64)
     with pytest.raises(ConfigError, match=r"^aux_layers: 9 layers; at most 8 are supported.$"):

@@ -82,7 +82,7 @@ def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int) -
 def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
     dump.mkdir()
-    srv = FakeServer(dump, AUX, chunk=48).start()
+    srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     try:
         wd = sg_workdir(tmp_path, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
                                   "timeout_s: 30, retries: 1}\n", records=12, per_chunk=6)
@@ -99,6 +99,7 @@ def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
     for path in shards:
         r = ShardReader(path)
         assert r.metadata["engine"] == "sglang" and "hsextract plugin" in r.metadata["engine_version"]
+        assert r.metadata["final_state"] == "pre_norm"  # the default; the fake server runs that capture
         for k in range(len(r)):
             s = r[k]
             want = expected_states(s["input_ids"].tolist(), len(AUX) + 1)
@@ -113,8 +114,8 @@ def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: 
     fails alone (--keep-going) and a plain rerun, once the server is back, redoes only that chunk."""
     dump = tmp_path / "dump"
     dump.mkdir()
-    a = FakeServer(dump, AUX, chunk=48).start()
-    b = FakeServer(dump, AUX, chunk=48).start()
+    a = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
+    b = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     b_port = b.port
     b.stop()  # server B is down for the first run
     b2 = None
@@ -133,7 +134,7 @@ def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: 
         served_by_a = a.n_requests
         assert served_by_a > 0
         mtimes = {n: (shards / n).stat().st_mtime_ns for n in done}
-        b2 = FakeServer(dump, AUX, port=b_port, chunk=48).start()  # B is back on its address
+        b2 = FakeServer(dump, AUX, port=b_port, chunk=48, final_state="pre_norm").start()  # B is back on its address
         plan = job_counts(smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout)
         assert plan["extract"] == len(failed)  # B's failed chunks only
         smk(wd, configfiles=("config/sg.yaml",))

@@ -1,8 +1,12 @@
 """Random-weight models made on the machine (fixed seeds), saved with save_pretrained in bf16.
 
-    python3 mk_models.py OUT_DIR [--llama8b]
+    python3 mk_models.py OUT_DIR [--llama8b] [--only NAME ...]
 OUT_DIR/llama     tiny Llama (8 layers, hidden 256)
 OUT_DIR/deepseek  small DeepseekV3 (MLA + MoE, 8 layers, hidden 256, 8 routed experts, top-2)
+OUT_DIR/deepseek-fixed  the same weights with routing made unambiguous (fix_routing): its routing-fixed twin
+                  llama and deepseek get a final-norm weight drawn from [0.25, 2.25] (random init leaves it at
+                  ones, and with a last-layer RMS near 1 the pre- and post-norm states are then too close to
+                  tell apart, so a check of which one was captured would have no power)
 OUT_DIR/tiny      the workflow's tiny DeepseekV3 (hsextract.tinymodel)
 OUT_DIR/tiny-fixed  the same weights with routing made unambiguous (fix_routing: expert e biased by 2e, so
                   every token goes to experts 6 and 7): the control for MoE flips (bench/README.md, fidelity)
@@ -46,6 +50,9 @@ def llama8b() -> LlamaConfig:
 def save(model_cls, cfg, out: Path, seed: int) -> None:
     torch.manual_seed(seed)
     m = model_cls(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        w = m.model.norm.weight
+        w.copy_(0.25 + 2 * torch.rand(w.shape, generator=torch.Generator().manual_seed(seed + 100)))
     m.save_pretrained(out)
     print(out, sum(p.numel() for p in m.parameters()), "parameters", flush=True)
 
@@ -84,12 +91,21 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--llama8b", action="store_true")
+    ap.add_argument("--only", nargs="+", help="build only these (llama, deepseek, deepseek-fixed, tiny, tiny-fixed)")
     a = ap.parse_args()
     out = Path(a.out)
-    if not (out / "llama" / "config.json").exists():
+
+    def wanted(name: str) -> bool:
+        return (a.only is None or name in a.only) and not (out / name / "config.json").exists()
+
+    if wanted("llama"):
         save(LlamaForCausalLM, llama_tiny(), out / "llama", seed=0)
-    if not (out / "deepseek" / "config.json").exists():
+    if wanted("deepseek") or (wanted("deepseek-fixed") and not (out / "deepseek" / "config.json").exists()):
         save(DeepseekV3ForCausalLM, deepseek_small(), out / "deepseek", seed=1)
+    if wanted("deepseek-fixed"):
+        tiny_fixed(out / "deepseek", out / "deepseek-fixed")
+    if a.only is not None and not {"tiny", "tiny-fixed"} & set(a.only):
+        return
     if not (out / "tiny" / "config.json").exists():
         # the workflow's own default model (hsextract.tinymodel), tokenizer trained on the shipped data
         from hsextract.tinymodel import make_tiny_model

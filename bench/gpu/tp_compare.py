@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--mode", choices=["auto", "sample", "token"], default="auto")
     m.add_argument("--tp", type=int, default=0, help="tp of the candidates when their json lacks it")
     m.add_argument("--tol", type=float, default=TOL)
-    m.add_argument("--flip-bound", type=float, default=FLIP_BOUND)
+    m.add_argument("--flip-bound", default=FLIP_BOUND, help="decimal fraction, compared exactly")
     a = ap.parse_args(argv)
     return capture(a) if a.cmd == "capture" else compare(a)
 

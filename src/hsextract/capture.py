@@ -30,7 +30,7 @@ def eagle3_layers(num_layers: int) -> list[int]:
 
 def dflash_layers(num_layers: int, n: int = DFLASH_NUM_LAYERS) -> list[int]:
     start, end = 1, num_layers - 3
-    return [int(round(start + i * (end - start) / (n - 1))) for i in range(n)]
+    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
 
 
 def preset_layers(preset: str, num_layers: int) -> list[int]:

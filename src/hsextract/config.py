@@ -116,6 +116,14 @@ def check_tokenizer(s: Settings) -> None:
         check_tokenizer_source(source, s.trust_remote_code)
 
 
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
+    """The run's model shape: the tiny model's before the workflow has built it, else its config.json."""
+    model = str(config["model"])
+    if config.get("make_tiny_model") and not Path(model, "config.json").is_file():
+        return tiny_model_shape()
+    return read_model_shape(model)
+
+
 def count_records(s: Settings) -> int:
     from hsextract.conversations import count_records as count
 
@@ -142,10 +150,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     s = from_config(config)
     check_tiny_model_path(s)
     check_engine(s)
-    if s.make_tiny_model and not Path(s.model, "config.json").is_file():
-        shape = tiny_model_shape()
-    else:
-        shape = read_model_shape(s.model)
+    shape = model_shape(s.config)
     aux_layers = check_layers(s, shape)
     s = from_config({**s.config, "aux_layers": aux_layers})
     check_tokenizer(s)

@@ -180,7 +180,7 @@ class Settings:
     trust_remote_code: bool
     engine: str
     capture: str
-    aux_layers: tuple[int, ...] | None  # None: the `capture` preset's, resolved by config.check
+    aux_layers: tuple[int, ...]  # resolved: a preset's layers for this model, or the explicit list
     final_state: str
     reference_sample: str
     export_formats: tuple[str, ...]
@@ -284,7 +284,13 @@ def from_config(config: Mapping[str, Any]) -> Settings:
 
     c = fill_defaults(config)
     digest = config_hash(c)
-    aux = _tuple(c["aux_layers"])
+    if c["aux_layers"] is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
+        from hsextract.capture import resolve_aux_layers
+        from hsextract.config import model_shape
+
+        aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
+    else:
+        aux = tuple(int(i) for i in c["aux_layers"])
     prepare = _section(
         PrepareSettings, c,
         sources=tuple(_section(Source, s) for s in c["sources"]),

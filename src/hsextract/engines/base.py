@@ -15,7 +15,10 @@ from typing import Literal, Protocol
 
 import torch
 
-FinalState = Literal["post_norm", "pre_norm"]
+FinalState = Literal["post_norm", "pre_norm", "both"]
+# "both": the pre-norm then the post-norm state of the same forward (len(aux_layers) + 2 tensors). A
+# diagnostic of the fidelity benchmark (bench/gpu/fidelity.py), not a config or shard value.
+BOTH = "both"
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class CaptureSpec:
 
     @property
     def num_tensors(self) -> int:
-        return len(self.aux_layers) + 1
+        return len(self.aux_layers) + (2 if self.final_state == BOTH else 1)
 
 
 @dataclass(frozen=True)

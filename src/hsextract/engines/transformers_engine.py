@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from hsextract.capture import MAX_AUX_LAYERS
-from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
+from hsextract.engines.base import BOTH, Captured, CaptureSpec, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -53,7 +53,7 @@ def _first(output: Any) -> torch.Tensor:
 
 def validate_capture_spec(spec: CaptureSpec, num_layers: int, model: str) -> None:
     """ConfigError unless every aux id is a distinct decoder layer of the model and final_state is known."""
-    if spec.final_state not in ("post_norm", "pre_norm"):
+    if spec.final_state not in ("post_norm", "pre_norm", BOTH):
         raise ConfigError(f"final_state: {spec.final_state!r} is not allowed; use 'post_norm' or 'pre_norm'.")
     if len(spec.aux_layers) > MAX_AUX_LAYERS:  # none is fine: capture: mtp stores the final state only
         raise ConfigError(f"aux_layers: {len(spec.aux_layers)} layers; at most {MAX_AUX_LAYERS} are supported.")
@@ -206,11 +206,11 @@ class TransformersEngine(Engine):
                 f"{self.model_path}: expected {self.num_layers + 1} hidden states from output_hidden_states, got "
                 f"{None if hs is None else len(hs)}; this transformers version builds them differently."
             )
-        final = self._captured.get(self.spec.final_state)
-        pre = self._captured.get("pre_norm")
-        if final is None or pre is None:
+        pre, post = self._captured.get("pre_norm"), self._captured.get("post_norm")
+        if pre is None or post is None:
             raise EngineError(f"{self.model_path}: the last-layer/final-norm hooks did not fire during the forward.")
-        layers = [pre if i == self.num_layers - 1 else hs[i + 1] for i in self.spec.aux_layers] + [final]
+        finals = {"pre_norm": [pre], "post_norm": [post], BOTH: [pre, post]}[self.spec.final_state]
+        layers = [pre if i == self.num_layers - 1 else hs[i + 1] for i in self.spec.aux_layers] + finals
         self._captured.clear()
 
         results = []

@@ -7,8 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.errors import ConfigError
-from hsextract.export.common import CONSUMER_FINAL_STATE, FinalNormWarning, final_norm_message, warn_final_norm
-from hsextract.export.common import prepare_out_dir
+from hsextract.export.common import (
+    CONSUMER_FINAL_STATE,
+    FinalNormWarning,
+    final_norm_message,
+    prepare_out_dir,
+    warn_final_norm,
+)
 from hsextract.export.specforge import export_specforge
 from hsextract.export.speculators_safetensors import export_speculators_safetensors
 from hsextract.export.speculators_v1 import export_speculators_v1

@@ -67,9 +67,8 @@ class SGLangEngine(Engine):
         if dump_dir is None:
             raise ConfigError("sglang engine: dump_dir is required with server_url (the directory the server's "
                               "HSEXTRACT_DUMP_DIR names, on this machine)")
-        if spec.final_state != "post_norm":
-            raise ConfigError(f"final_state: {spec.final_state!r} is not available from SGLang (it hands out the "
-                              "final state after the final norm); use post_norm or engine: transformers")
+        if spec.final_state not in ("pre_norm", "post_norm", "both"):
+            raise ConfigError(f"final_state: {spec.final_state!r}; use pre_norm or post_norm")
         if concurrency < 1 or retries < 0 or timeout_s <= 0:
             raise ConfigError("sglang engine: concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
         self.api = SGLangAPI(url, timeout_s)
@@ -110,6 +109,11 @@ class SGLangEngine(Engine):
                 raise EngineError(
                     f"the server at {self.url} captures aux layers {info.get('aux_layers')}, this run asks for "
                     f"{list(self.spec.aux_layers)}; restart the server with this run's aux_layers"
+                )
+            if info.get("final_state", "post_norm") != self.spec.final_state:  # markers before pre_norm: post
+                raise EngineError(
+                    f"the server at {self.url} captures final_state {info.get('final_state', 'post_norm')}, this "
+                    f"run asks for {self.spec.final_state}; restart the server with this run's final_state"
                 )
             self._marker = info
         return self._marker

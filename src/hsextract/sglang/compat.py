@@ -23,6 +23,7 @@ from pathlib import Path
 from hsextract.sglang_plugin.plugin import (
     TARGET_FORWARD,
     TARGET_INIT_BACKENDS,
+    TARGET_LAST_STORE,
     TARGET_LOAD_MODEL,
     TARGET_STORE,
 )
@@ -54,6 +55,7 @@ _FWD_MOD, _FWD_QN = _split(TARGET_FORWARD)
 _LOAD_MOD, _LOAD_QN = _split(TARGET_LOAD_MODEL)
 _INIT_MOD, _INIT_QN = _split(TARGET_INIT_BACKENDS)
 _STORE_MOD, _STORE_QN = _split(TARGET_STORE)
+_LAST_MOD, _LAST_QN = _split(TARGET_LAST_STORE)
 _SB = "sglang.srt.managers.schedule_batch"
 _LP = "sglang.srt.layers.logits_processor"
 _FBI = "sglang.srt.model_executor.forward_batch_info"
@@ -80,6 +82,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement(_STORE_MOD, _STORE_QN, "function", "appending the final state to the aux capture",
                 needed_for="plugin",
                 params=("hidden_states", "hidden_states_before_norm", "aux_hidden_states", "logits_metadata")),
+    Requirement(_LAST_MOD, _LAST_QN, "function", "the pre-norm final state instead of the post-norm one",
+                needed_for="builtin", params=("hidden_states", "aux_hidden_states", "logits_metadata")),
     # what the hook reads
     Requirement("sglang.srt.managers.utils", "GenerationBatchResult.logits_output", "member", "forward result"),
     Requirement(_LP, "LogitsProcessorOutput.hidden_states", "member", "captured rows"),

@@ -70,8 +70,12 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.capture not in ("plugin", "builtin"):
             raise ConfigError(f"sglang.capture: {self.capture!r}; use plugin or builtin")
-        if self.final_state != "post_norm":
-            raise ConfigError("final_state: the sglang engine provides post_norm only")
+        if self.final_state not in ("pre_norm", "post_norm", "both"):
+            raise ConfigError(f"final_state: {self.final_state!r}; use pre_norm or post_norm")
+        if self.capture == "builtin" and (self.final_state == "both" or not self.aux_layers):
+            what = "final_state both" if self.final_state == "both" else "capture: mtp (no aux layers)"
+            raise ConfigError(f"{what} needs sglang.capture: plugin; SGLang's builtin capture "
+                              "(--enable-return-aux-hidden-states) needs aux layers and stores one final state")
         if self.writer_threads < 1:
             raise ConfigError(f"sglang.writer_threads: {self.writer_threads}; must be >= 1")
         if self.tp < 1 or self.replicas < 1:

@@ -5,8 +5,10 @@ enable it with `SGLANG_PLUGINS=hsextract`. Inactive unless `HSEXTRACT_DUMP_DIR` 
 
 Environment (set by `hsextract.sglang.server`):
     HSEXTRACT_DUMP_DIR      private dump directory (must exist)
-    HSEXTRACT_AUX_LAYERS    EAGLE-3 aux layer ids, e.g. "2,30,58" (output of decoder layer i)
-    HSEXTRACT_FINAL_STATE   post_norm (the only state SGLang hands out without patching the model)
+    HSEXTRACT_AUX_LAYERS    aux layer ids, e.g. "2,30,58" (output of decoder layer i); 0 to 8 of them,
+                            "" (set but empty) for the final state alone (capture: mtp; plugin capture only)
+    HSEXTRACT_FINAL_STATE   pre_norm (the last decoder layer's output) or post_norm (after the final norm);
+                            both (pre then post, of the same forward: the fidelity benchmark's diagnostic)
     HSEXTRACT_STAGING_MB    pinned staging buffer per scheduler process (default 4096)
     HSEXTRACT_WRITER_THREADS threads writing piece files, per scheduler process (default 4; a rid's
                             pieces and marker always go to one thread, in order)
@@ -26,6 +28,18 @@ Capture source:
     `--enable-return-hidden-states` so prefill CUDA graphs are captured in FULL mode.
 Either way the resolved `layers_to_capture` must equal [i+1 for i in aux]; otherwise the server refuses
 to start (DeepSeek's set_eagle3 takes ids raw unless the first is 1).
+
+Pre-norm final state: the layer-capture list never reaches past the last layer (capture index i is the
+input of layer i), and the model returns the normed state. A forward pre-hook on the decoder's final norm
+(`<decoder>.norm`, the module that also holds `layers_to_capture`) takes the norm's inputs: hidden states
+and residual, which a fused add-RMSNorm adds (in place) itself, so pre-norm = hidden + residual (+ the
+optional post_residual_addition, added to the residual first as SGLang does), rounded to the model dtype
+once as the fused kernel rounds the residual it writes; hidden states alone when the residual is None
+(DeepSeek after a gather). The hook keeps that tensor for the logits processor of the SAME forward, which
+stores it instead of the post-norm state: plugin mode appends it in _get_hidden_states_to_store (or stores
+it alone, capture: mtp), builtin mode returns it from _get_last_hidden_states_to_store. Both calls run
+inside the model's forward, so under CUDA graphs the add and the copy are recorded in the graph and replayed
+with it (a Python-side stash read after the forward would hold a capture-time tensor).
 
 Hooks: AROUND TpModelWorker.forward_batch_generation (outside the CUDA graphs), AFTER
 ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, allocate the
@@ -61,6 +75,8 @@ from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the 
     ENV_RID_PREFIX,
     ENV_STAGING_MB,
     ENV_WRITER_THREADS,
+    FINAL_STATES,
+    MAX_AUX_LAYERS,
     PluginConfig,
     PluginConfigError,
 )
@@ -76,6 +92,7 @@ TARGET_FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_gene
 TARGET_LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 TARGET_INIT_BACKENDS = "sglang.srt.model_executor.model_runner.ModelRunner.init_attention_backends"
 TARGET_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store"
+TARGET_LAST_STORE = "sglang.srt.layers.logits_processor.LogitsProcessor._get_last_hidden_states_to_store"
 
 _DUMPED_ATTR = "_hsextract_dumped"  # set on a Req once its whole prompt was staged
 
@@ -92,6 +109,9 @@ class Dumper:
         self._writer: DumpWriter | None = None
         self._is_writer_rank: bool | None = None
         self.duplicates_skipped = 0  # retraction re-runs of already dumped requests (stats file)
+        self.tap: PreNormTap | None = PreNormTap() if cfg.final_state != "post_norm" else None
+        self.n_final = 2 if cfg.final_state == "both" else 1
+        self.norm_module: str | None = None  # class of the hooked final norm (marker file)
 
     @property
     def writer(self) -> DumpWriter:
@@ -172,7 +192,7 @@ class Dumper:
             writer.fail(sorted({(p.rid, p.n_tokens) for p in pieces}), f"{type(e).__name__}: {e}")
 
     def _sources(self, hs: Any, last: Any, lo: Any) -> list[torch.Tensor]:
-        k = len(self.cfg.aux_layers)
+        k = len(self.cfg.aux_layers) + self.n_final - 1  # tensors before the last one
         if hs is None:
             raise RuntimeError("the batch carries no captured hidden states (capture mode not FULL?)")
         if getattr(lo, "hidden_states_token_indices", None) is not None:
@@ -183,11 +203,12 @@ class Dumper:
                 raise RuntimeError(f"aux tensor {tuple(hs.shape)} is not {k} layers of the final state's {h}")
             sources = [hs, last]
         else:
-            if hs.shape[1] % (k + 1):
+            h = self.hidden_size or hs.shape[1] // (k + 1)
+            if hs.shape[1] != (k + 1) * h:
                 raise RuntimeError(
-                    f"captured width {hs.shape[1]} is not {k}+1 tensors (final state not appended?)"
+                    f"captured width {hs.shape[1]} is not {k}+1 tensors of hidden size {h} (final state not "
+                    "appended: no pre-norm state in this forward?)"
                 )
-            h = hs.shape[1] // (k + 1)
             sources = [hs]
         if self.hidden_size is not None and h != self.hidden_size:
             raise RuntimeError(f"captured hidden size {h}, model hidden size {self.hidden_size}")
@@ -203,7 +224,14 @@ class Dumper:
         text_cfg = getattr(cfg_obj, "text_config", None)
         hs = getattr(cfg_obj, "hidden_size", None) or getattr(text_cfg, "hidden_size", None)
         self.hidden_size = int(hs) if hs else None
-        if self.mode == "plugin":
+        if self.mode == "builtin" and self.n_final == 2:
+            raise PluginConfigError("hsextract: final_state both needs the plugin capture source (sglang.capture: "
+                                    "plugin)")
+        if self.mode == "builtin" and not self.cfg.aux_layers:
+            raise PluginConfigError("hsextract: the final state alone (no aux layers, capture: mtp) needs the "
+                                    "plugin capture source (sglang.capture: plugin), not "
+                                    "--enable-return-aux-hidden-states")
+        if self.mode == "plugin" and self.cfg.aux_layers:  # none: FULL mode stores the final state by itself
             setter = getattr(model, "set_dflash_layers_to_capture", None) or getattr(
                 model, "set_eagle3_layers_to_capture", None
             )
@@ -213,7 +241,15 @@ class Dumper:
                     "set_eagle3_layers_to_capture; this model cannot capture aux hidden states in SGLang"
                 )
             setter(list(self.cfg.aux_layers))
-        log.info("hsextract: capture source %s for %s", self.mode, type(model).__name__)
+        if self.tap is not None:
+            if self.mode == "builtin":  # the method exists from SGLang 0.5.2x on, as the builtin flag does
+                _install_hook(TARGET_LAST_STORE, _around_last_store)
+            norm = final_norm_module(model)
+            norm.register_forward_pre_hook(self.tap.hook, with_kwargs=True)
+            find_decoder(model).register_forward_pre_hook(self.tap.clear)  # a forward that skips the norm: None
+            self.norm_module = type(norm).__name__
+        log.info("hsextract: capture source %s for %s, final state %s%s", self.mode, type(model).__name__,
+                 self.cfg.final_state, f" (pre-hook on {self.norm_module})" if self.norm_module else "")
 
     def verify_model(self, model: Any) -> list[int]:
         """Before graph capture: the resolved capture layers must be aux+1, else refuse to run."""
@@ -251,6 +287,7 @@ class Dumper:
             "aux_layers": list(self.cfg.aux_layers),
             "layers_to_capture": resolved,
             "final_state": self.cfg.final_state,
+            "final_norm_module": self.norm_module,
             "hidden_size": self.hidden_size,
             "pid": os.getpid(),
             "writer_rank": self.is_writer_rank(),
@@ -262,17 +299,65 @@ class Dumper:
         return path
 
 
-def find_layers_to_capture(model: Any) -> list[int] | None:
-    """The `layers_to_capture` list of the model's decoder (model.model, or deeper for wrappers)."""
+def find_decoder(model: Any) -> Any | None:
+    """The model's decoder: the module holding `layers_to_capture` (model.model, or deeper for wrappers
+    such as Kimi-K2.5's language_model); one with a non-empty list first."""
     inner = getattr(model, "model", None)
     if inner is not None and isinstance(getattr(inner, "layers_to_capture", None), list):
-        return list(inner.layers_to_capture)
-    modules = model.modules() if hasattr(model, "modules") else []
-    for m in modules:
+        return inner
+    found = None
+    for m in model.modules() if hasattr(model, "modules") else []:
         v = getattr(m, "layers_to_capture", None)
-        if isinstance(v, list) and v:
-            return list(v)
-    return None
+        if isinstance(v, list):
+            if v:
+                return m
+            found = found or m
+    return found
+
+
+def find_layers_to_capture(model: Any) -> list[int] | None:
+    """The `layers_to_capture` list of the model's decoder."""
+    dec = find_decoder(model)
+    return None if dec is None else list(dec.layers_to_capture)
+
+
+def final_norm_module(model: Any) -> torch.nn.Module:
+    """The decoder's final norm (`<decoder>.norm`), whose inputs make the pre-norm state."""
+    dec = find_decoder(model)
+    norm = getattr(dec, "norm", None) if dec is not None else None
+    if not isinstance(norm, torch.nn.Module) or type(norm).__name__ == "PPMissingLayer":
+        raise PluginConfigError(
+            f"hsextract: {type(model).__name__} has no final norm module (`<decoder>.norm` beside "
+            "layers_to_capture; pipeline parallelism keeps it on the last stage only), so final_state: pre_norm "
+            "cannot be captured; use final_state: post_norm"
+        )
+    return norm
+
+
+class PreNormTap:
+    """Forward pre-hook on the final norm: its input sum, kept for the logits processor of the same forward."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def hook(self, module: Any, args: tuple, kwargs: dict) -> None:
+        x = args[0] if args else kwargs.get("x", kwargs.get("hidden_states"))
+        residual = args[1] if len(args) > 1 else kwargs.get("residual")
+        extra = args[2] if len(args) > 2 else kwargs.get("post_residual_addition")
+        if residual is None:
+            self.value = x.clone()  # the norm reads x out of place; a copy keeps it whatever follows
+            return
+        if extra is not None:
+            residual = residual + extra
+        self.value = (x + residual).to(x.dtype)
+
+    def clear(self, *_: Any) -> None:
+        self.value = None
+
+    def take(self, rows: int) -> torch.Tensor | None:
+        """The pre-norm state of this forward if it has `rows` rows (else None: an idle or skipped norm)."""
+        v, self.value = self.value, None
+        return v if v is not None and v.shape[0] == rows else None
 
 
 def _attn_tp_rank() -> int:
@@ -305,13 +390,15 @@ def _after_init_attention_backends(result: Any, runner: Any, *args: Any, **kwarg
     if _DUMPER is None or getattr(runner, "is_draft_worker", False):
         return None
     resolved = _DUMPER.verify_model(runner.model)
-    if _DUMPER.mode == "plugin":  # the final state comes from the store hook: it must be in place
+    # the final state comes from a store hook (plugin mode, or pre_norm in builtin mode): it must be in place
+    target = TARGET_STORE if _DUMPER.mode == "plugin" else TARGET_LAST_STORE if _DUMPER.tap is not None else None
+    if target is not None:
         from sglang.srt.layers.logits_processor import LogitsProcessor
 
-        if not hasattr(LogitsProcessor._get_hidden_states_to_store, "__wrapped__"):
+        if not hasattr(getattr(LogitsProcessor, target.rsplit(".", 1)[1], None), "__wrapped__"):
             raise PluginConfigError(
-                f"hsextract: the hook on {TARGET_STORE} is not applied (see the log above); "
-                "the final state cannot be captured with this SGLang"
+                f"hsextract: the hook on {target} is not applied (see the log above); "
+                f"the final state ({_DUMPER.cfg.final_state}) cannot be captured with this SGLang"
             )
     if _DUMPER.is_writer_rank():
         _DUMPER.start()  # allocate the staging buffer now: fail at start-up, not on the first batch
@@ -345,17 +432,45 @@ _STORE_SIG: inspect.Signature | None = None
 
 
 def _around_store(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Plugin mode: [aux..., final] rows, the final state pre-norm (the tap) or post-norm (hidden_states)."""
     out = original(*args, **kwargs)
-    if _DUMPER is None or _DUMPER.mode != "plugin" or out is None:
+    d = _DUMPER
+    if d is None or d.mode != "plugin":
         return out
     global _STORE_SIG
     if _STORE_SIG is None:
         _STORE_SIG = inspect.signature(original)
     a = _STORE_SIG.bind(*args, **kwargs).arguments
+    hidden = a["hidden_states"]
+    pre = d.tap.take(hidden.shape[0]) if d.tap is not None else None  # taken every forward: never stale
     aux, before, meta = a.get("aux_hidden_states"), a.get("hidden_states_before_norm"), a.get("logits_metadata")
-    if aux is None or before is not None or meta is None or not meta.capture_hidden_mode.is_full():
+    if out is None or before is not None or meta is None or not meta.capture_hidden_mode.is_full():
         return out
-    return torch.cat([out, a["hidden_states"]], dim=-1)
+    if d.tap is not None and pre is None:
+        # leave the rows without a final state: the dump becomes an `.err` marker, never post-norm data
+        return out if aux is not None else None
+    final = [pre, hidden] if d.n_final == 2 else [pre if pre is not None else hidden]
+    if aux is None and len(final) == 1:
+        return final[0]
+    return torch.cat(final if aux is None else [out, *final], dim=-1)
+
+
+def _around_last_store(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """Builtin mode, final_state pre_norm: last_hidden_states is the tap's pre-norm state, not the normed one."""
+    out = original(*args, **kwargs)
+    d = _DUMPER
+    if d is None or d.mode != "builtin" or d.tap is None:
+        return out
+    pre = d.tap.take(out.shape[0]) if out is not None else d.tap.take(-1)
+    return pre if out is not None else None
+
+
+def _install_hook(target: str, hook: Any) -> None:
+    """An AROUND hook registered and applied after start-up (apply_hooks skips targets already patched)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(target, hook, HookType.AROUND)
+    HookRegistry.apply_hooks()
 
 
 def register() -> None:
@@ -372,4 +487,5 @@ def register() -> None:
     HookRegistry.register(TARGET_INIT_BACKENDS, _after_init_attention_backends, HookType.AFTER)
     HookRegistry.register(TARGET_STORE, _around_store, HookType.AROUND)
     HookRegistry.register(TARGET_FORWARD, _around_forward, HookType.AROUND)
-    log.info("hsextract plugin active: dump dir %s, aux layers %s", cfg.dump_dir, list(cfg.aux_layers))
+    log.info("hsextract plugin active: dump dir %s, aux layers %s, final state %s", cfg.dump_dir,
+             list(cfg.aux_layers), cfg.final_state)

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hsextract.capture import MAX_AUX_LAYERS
+
 ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
 ENV_AUX_LAYERS = "HSEXTRACT_AUX_LAYERS"
 ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
@@ -20,6 +22,8 @@ DEFAULT_WRITER_THREADS = 4
 # The plugin dumps only requests whose rid starts with this (default of HSEXTRACT_RID_PREFIX); the capture
 # client names its rids with it, and any other request to the server (regenerate's) must not.
 DEFAULT_RID_PREFIX = "hsx-"
+FINAL_STATES = ("pre_norm", "post_norm", "both")  # both: the fidelity bench's diagnostic, not a config value
+
 
 class PluginConfigError(RuntimeError):
     """The plugin's environment is wrong: the server refuses to start rather than dump wrong data."""
@@ -29,7 +33,7 @@ class PluginConfigError(RuntimeError):
 class PluginConfig:
     dump_dir: Path
     aux_layers: tuple[int, ...]
-    final_state: str = "post_norm"
+    final_state: str = "pre_norm"
     staging_bytes: int = 4096 << 20
     rid_prefix: str = DEFAULT_RID_PREFIX
     writer_threads: int = DEFAULT_WRITER_THREADS
@@ -48,19 +52,20 @@ class PluginConfig:
         dump_dir = Path(d)
         if not dump_dir.is_dir():
             raise PluginConfigError(f"{ENV_DUMP_DIR}={d} is not a directory; create it (mode 0700) first")
-        raw = env.get(ENV_AUX_LAYERS, "")
+        raw = env.get(ENV_AUX_LAYERS)
+        if raw is None:
+            raise PluginConfigError(f"{ENV_AUX_LAYERS} is not set: give the aux layer ids, e.g. 2,30,58 "
+                                    "(an empty value captures the final state alone)")
         try:
             aux = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
         except ValueError as e:
             raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: expected comma-separated integers") from e
-        if not aux or any(a < 0 for a in aux) or len(set(aux)) != len(aux):
-            raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: need distinct non-negative layer ids, e.g. 2,30,58")
-        final = env.get(ENV_FINAL_STATE, "post_norm")
-        if final != "post_norm":
-            raise PluginConfigError(
-                f"{ENV_FINAL_STATE}={final!r}: the SGLang path hands out the final state after the final "
-                "norm only; use final_state: post_norm (or the transformers engine for pre_norm)"
-            )
+        if any(a < 0 for a in aux) or len(set(aux)) != len(aux) or len(aux) > MAX_AUX_LAYERS:
+            raise PluginConfigError(f"{ENV_AUX_LAYERS}={raw!r}: need 0 to {MAX_AUX_LAYERS} distinct non-negative "
+                                    "layer ids, e.g. 2,30,58")
+        final = env.get(ENV_FINAL_STATE, "pre_norm")
+        if final not in FINAL_STATES:
+            raise PluginConfigError(f"{ENV_FINAL_STATE}={final!r}: use pre_norm or post_norm (or both)")
         try:
             staging = int(env.get(ENV_STAGING_MB, "4096")) << 20
         except ValueError as e:
