@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from hsextract import dumpfiles
+from hsextract.atomic import write_bytes_atomic
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.engines.sglang_engine import SGLangEngine
 from hsextract.server import ServerConfig, ensure_server, health, stop_servers
@@ -244,9 +245,7 @@ class Bench:
 
     def save(self) -> None:
         self.res["elapsed_s"] = round(time.monotonic() - self.t0, 1)
-        tmp = self.out / ".throughput.json.tmp"
-        tmp.write_text(json.dumps(self.res, indent=1, default=str))
-        os.replace(tmp, self.out / "throughput.json")
+        write_bytes_atomic(self.out / "throughput.json", json.dumps(self.res, indent=1, default=str).encode())
 
     def part(self, key: str, L: int | str, fn: Callable[[], dict], need_s: float) -> dict | None:
         """Run one measurement if `need_s` seconds of budget are left; record its result or its error."""

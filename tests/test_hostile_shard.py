@@ -17,9 +17,8 @@ import zstandard as zstd
 from hostile import TESTS, Parts, bomb, frame_header_claiming, real_shard, run_limited
 
 from hsextract.errors import CorruptShardError, ShardError
-from hsextract.shard import ShardReader
+from hsextract.shard import ShardReader, parse
 from hsextract.shard import format as fmt
-from hsextract.shard import parse
 
 BIG = 100 << 30  # 100 GB
 

@@ -23,7 +23,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
@@ -103,20 +103,9 @@ def conversation_hash(conv: Conversation) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _atomic_write_bytes(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]]) -> None:
     table = pa.Table.from_pylist(rows, schema=SCHEMA) if rows else SCHEMA.empty_table()
-    _atomic_write_bytes(out_dir / chunk_name(chunk), lambda tmp: pq.write_table(table, tmp))
+    write_atomic(out_dir / chunk_name(chunk), lambda f: pq.write_table(table, f))
 
 
 def _new_stats() -> dict[str, Any]:
@@ -226,7 +215,7 @@ def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | o
         "settings": {k: cfg[k] for k in DEFAULTS if k != "chat_template"} | {"prompts_per_chunk": ppc},
     }
     text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
-    _atomic_write_bytes(out / "summary.json", lambda tmp: Path(tmp).write_text(text))
+    write_bytes_atomic(out / "summary.json", text.encode())
     return summary
 
 

@@ -19,7 +19,6 @@ something only when the reference was captured from the shard's own model.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 import torch
 
 from hsextract import __version__
+from hsextract.atomic import write_json_atomic
 from hsextract.errors import CorruptShardError, ShardError, ValidationFailure
 from hsextract.shard import ShardReader
 
@@ -41,7 +41,7 @@ def load_reference(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValidationFailure(f"reference sample {p}: no such file; point --reference at one data_N.pt of your dataset")
     try:
         ref = torch.load(p, weights_only=True, map_location="cpu")
-    except Exception as e:  # noqa: BLE001 - torch raises many kinds here
+    except Exception as e:
         raise ValidationFailure(f"reference sample {p}: cannot be loaded with weights_only=True ({e})") from e
     if not isinstance(ref, dict):
         raise ValidationFailure(f"reference sample {p}: holds a {type(ref).__name__}, expected a dict with keys {list(V1_KEYS)}")
@@ -152,11 +152,7 @@ def _empty_checks() -> dict[str, dict[str, Any]]:
 def _write_report(report: dict[str, Any], report_path: str | os.PathLike[str] | None) -> None:
     if report_path is None:
         return
-    p = Path(report_path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, p)
+    write_json_atomic(report_path, report, indent=2)
 
 
 def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[str] | dict[str, Any],
