@@ -88,3 +88,23 @@ def test_non_regular_sources_are_refused_without_opening_them(tmp_path: Path) ->
     check_source_path("sources[0].path", tmp_path)  # a dataset folder
     (tmp_path / "a.jsonl").write_text("{}\n")
     check_source_path("sources[0].path", tmp_path / "a.jsonl")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gpu-node-7"])
+def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: pytest.CaptureFixture) -> None:
+    from hsextract.config_guard import check_remote
+
+    with pytest.raises(ConfigError, match=rf"^sglang.host: {host} is not a loopback address: the server would accept"):
+        check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": "s3cret", "allow_remote": False}})
+    assert capsys.readouterr().err == ""
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": True}})
+    assert capsys.readouterr().err.startswith(f"hsextract: warning: sglang.host {host} is not a loopback address")
+    check_remote({"engine": "transformers", "sglang": {"host": host}})  # no server is started
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_hosts_need_no_key(host: str) -> None:
+    from hsextract.config_guard import check_remote
+
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hsextract.capture import resolve_aux_layers
-from hsextract.config_guard import check_bounded, check_source_path
+from hsextract.config_guard import check_bounded, check_remote, check_source_path
 from hsextract.errors import ConfigError
 
 # Keys that hold sizes or counts, checked > 0 (also when the config did not come through the schema).
@@ -272,6 +272,7 @@ def count_chunks(n_records: int, prompts_per_chunk: int) -> int:
 def check(config: Mapping[str, Any]) -> Plan:
     """All semantic checks, in the order a user would fix them; returns the run's plan."""
     check_bounded(config)
+    check_remote(config)
     check_sizes(config)
     check_tiny_model_path(config)
     check_engine(config)

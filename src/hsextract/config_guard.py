@@ -6,14 +6,17 @@
   on an alias bomb under an unknown key its ValidationError prints the whole config (tests/README.md has
   the figures). So the Snakefile calls this first: it counts the config's values as a tree would, and
   stops at MAX_CONFIG_VALUES without expanding anything.
+- `check_remote`: a non-loopback `sglang.host` needs `sglang.api_key` or an explicit `allow_remote`.
 - `check_source_path`: a source must be a regular file or a folder; a FIFO would block the record count
   at parse time forever, a device (/dev/zero) would be read without end.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import stat
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,3 +60,32 @@ def check_source_path(key: str, path: str | os.PathLike[str]) -> None:
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
             "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
         raise ConfigError(f"{key}: {path} is {kind}; a source must be a regular file or a dataset folder")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve anywhere
+
+
+def check_remote(config: Mapping[str, Any]) -> None:
+    """A local SGLang server bound to a non-loopback `sglang.host` needs `sglang.api_key`, or an explicit
+    `sglang.allow_remote: true` (then a warning on stderr)."""
+    sg = config.get("sglang") or {}
+    if config.get("engine") != "sglang" or not isinstance(sg, Mapping):
+        return
+    host = str(sg.get("host", "127.0.0.1"))
+    if is_loopback(host) or sg.get("api_key"):
+        return
+    if sg.get("allow_remote") is True:
+        print(f"hsextract: warning: sglang.host {host} is not a loopback address and sglang.api_key is not set: "
+              "anyone who can reach the port can use the server (sglang.allow_remote: true)", file=sys.stderr)
+        return
+    raise ConfigError(
+        f"sglang.host: {host} is not a loopback address: the server would accept requests from the network. "
+        "Set sglang.api_key (the servers then require it and the client sends it), or sglang.allow_remote: true "
+        "to run without one, or use 127.0.0.1."
+    )

@@ -89,6 +89,8 @@ class SGLangSettings:
     python: str | None
     launch_args: tuple[str, ...]
     host: str
+    api_key: str | None
+    allow_remote: bool
     port: int
     tp: int
     replicas: int
