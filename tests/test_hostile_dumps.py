@@ -183,3 +183,19 @@ def test_a_true_piece_passes() -> None:
     _, blocks = dumpcheck.piece(as_array(piece_bytes()), RID, 0, 3)
     base = len(piece_bytes()) - 48
     assert blocks == [("bfloat16", 4, base), ("bfloat16", 4, base + 24)]
+
+
+@pytest.mark.parametrize("kind", ["symlink", "world_writable"])
+def test_the_plugin_refuses_an_unsafe_dump_directory(tmp_path: Path, kind: str) -> None:
+    from hsextract.sglang_plugin import plugin
+
+    d = private(tmp_path)
+    if kind == "symlink":
+        (tmp_path / "link").symlink_to(d)
+        d = tmp_path / "link"
+    else:
+        d.chmod(0o777)
+    env = {plugin.ENV_DUMP_DIR: str(d), plugin.ENV_AUX_LAYERS: "1,2", plugin.ENV_FINAL_STATE: "post_norm"}
+    with pytest.raises(plugin.PluginConfigError, match=rf"^HSEXTRACT_DUMP_DIR={d}: dump directory {d} "
+                                                       rf"(is a symlink|has mode 0777)"):
+        plugin.PluginConfig.from_env(env)

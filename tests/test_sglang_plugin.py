@@ -467,7 +467,7 @@ def test_plugin_config_from_env(tmp_path: Path) -> None:
     assert plg.PluginConfig.from_env({}) is None
     cfg = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "2, 30,58"})
     assert cfg.aux_layers == (2, 30, 58) and cfg.expected_capture == [3, 31, 59]
-    with pytest.raises(plg.PluginConfigError, match="is not a directory"):
+    with pytest.raises(plg.PluginConfigError, match="No such file or directory; the server launcher creates it"):
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path / "nope"), "HSEXTRACT_AUX_LAYERS": "1"})
     with pytest.raises(plg.PluginConfigError, match="need distinct non-negative layer ids"):
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path)})

@@ -53,6 +53,7 @@ import torch
 
 from hsextract import dumpfiles
 from hsextract.sglang_plugin.atomic import write_json_atomic
+from hsextract.sglang_plugin.dumpcheck import DumpDirError, verify_dir
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter
@@ -103,8 +104,10 @@ class PluginConfig:
         if not d:
             return None
         dump_dir = Path(d)
-        if not dump_dir.is_dir():
-            raise PluginConfigError(f"{ENV_DUMP_DIR}={d} is not a directory; create it (mode 0700) first")
+        try:
+            verify_dir(dump_dir)  # ours, 0700, not a symlink: nobody else can plant files where we write
+        except DumpDirError as e:
+            raise PluginConfigError(f"{ENV_DUMP_DIR}={d}: {e}") from None
         raw = env.get(ENV_AUX_LAYERS, "")
         try:
             aux = tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
