@@ -25,9 +25,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from hsextract.sglang_plugin import dumpfiles
 from hsextract.engines.base import CaptureSpec, Captured, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
+from hsextract.sglang_plugin import dumpcheck, dumpfiles
+from hsextract.sglang_plugin.dumpcheck import verify_dir
 
 RID_PREFIX = "hsx-"  # the plugin dumps only rids with this prefix (HSEXTRACT_RID_PREFIX)
 
@@ -63,6 +64,7 @@ class SGLangEngine(Engine):
         max_new_tokens: int = 0,
         health_timeout_s: float = 10.0,
         progress: Callable[[int], Any] | None = None,
+        api_key: str | None = None,
     ) -> None:
         if isinstance(server, str):
             url = server
@@ -84,6 +86,10 @@ class SGLangEngine(Engine):
         self._host, self._port = u.hostname, u.port or 80
         self.spec = spec
         self.dump_dir = Path(dump_dir)
+        verify_dir(self.dump_dir)  # ours, 0700, not a symlink: its files are read as the server's
+        self._headers = {"Content-Type": "application/json"}
+        if api_key:
+            self._headers["Authorization"] = f"Bearer {api_key}"
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.retries = retries
@@ -118,7 +124,13 @@ class SGLangEngine(Engine):
                     f"no hsextract plugin marker in {self.dump_dir}: the server at {self.url} does not run the "
                     "plugin with this dump directory (SGLANG_PLUGINS=hsextract, HSEXTRACT_DUMP_DIR)"
                 )
-            info = json.loads(markers[0].read_text())
+            try:
+                info = dumpcheck.load_json(dumpcheck.read_regular(markers[0], dumpcheck.MAX_MARKER_BYTES).tobytes(),
+                                           f"plugin marker {markers[0]}")
+            except dumpcheck.Refused as e:
+                raise EngineError(f"{e}; restart the server") from None
+            if not isinstance(info, dict):
+                raise EngineError(f"plugin marker {markers[0]} is not a JSON object; restart the server")
             if tuple(info.get("aux_layers", ())) != tuple(self.spec.aux_layers):
                 raise EngineError(
                     f"the server at {self.url} captures aux layers {info.get('aux_layers')}, this run asks for "
@@ -144,7 +156,7 @@ class SGLangEngine(Engine):
         # it fails with BrokenPipe, seen on the H200 run. On loopback a connect costs ~0.1 ms.
         c = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout_s)
         try:
-            c.request("POST", "/generate", body=body, headers={"Content-Type": "application/json"})
+            c.request("POST", "/generate", body=body, headers=self._headers)
             r = c.getresponse()
             data = r.read()
         except (OSError, http.client.HTTPException) as e:

@@ -24,12 +24,15 @@ from typing import Any
 from hsextract import __version__
 from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
 
 # Defaults of the `sglang:` section (the schema repeats them; scripts may get a config without it).
 DEFAULTS: dict[str, Any] = {
     "python": None,
     "launch_args": [],
     "host": "127.0.0.1",
+    "api_key": None,
+    "allow_remote": False,
     "port": 30000,
     "tp": 1,
     "replicas": 1,
@@ -124,6 +127,7 @@ def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python
         python=python or server_python(config, root),
         final_state=str(config.get("final_state", "post_norm")),
         host=str(s["host"]),
+        api_key=s["api_key"],
         port=int(s["port"]),
         tp=int(s["tp"]),
         replicas=int(s["replicas"]),
@@ -165,6 +169,7 @@ def engine_from_config(config: Mapping[str, Any], spec: CaptureSpec, chunk: int 
         backoff_s=float(s["backoff_s"]),
         run_name=str(config["run_name"]),
         chunk=chunk,
+        api_key=s["api_key"],
     )
 
 
@@ -238,7 +243,5 @@ def build_patched(
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-    tmp.replace(out)
+    write_bytes_atomic(out, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
     return info
