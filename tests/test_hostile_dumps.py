@@ -3,17 +3,22 @@ pieces that lie (rows, ranges, dtypes, shapes, checksums). Each is refused with 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import shutil
+import stat
 import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import xxhash
 
-from hsextract.sglang_plugin import dumpcheck
+from hsextract.sglang_plugin import dumpcheck, dumpfiles
 from hsextract.sglang_plugin.dumpcheck import DumpDirError, Refused
+from hsextract.sglang_plugin.dumpfiles import DumpError
 
 RID = "hsx-0-7"
 
@@ -199,3 +204,200 @@ def test_the_plugin_refuses_an_unsafe_dump_directory(tmp_path: Path, kind: str) 
     with pytest.raises(plugin.PluginConfigError, match=rf"^HSEXTRACT_DUMP_DIR={d}: dump directory {d} "
                                                        rf"(is a symlink|has mode 0777)"):
         plugin.PluginConfig.from_env(env)
+
+
+# --- through collect: what the client sees --------------------------------------------------------------
+
+N, W = 6, 8  # tokens, columns (2 tensors of 4)
+IDS = list(range(100, 100 + N))
+
+
+def states() -> torch.Tensor:
+    return torch.arange(N * W, dtype=torch.float32).reshape(N, W).to(torch.bfloat16)
+
+
+def good_dump(d: Path, rid: str = RID, cuts: tuple[int, ...] = (0, 4, N)) -> None:
+    s = states()
+    for a, b in itertools.pairwise(cuts):
+        dumpfiles.write_piece(d, rid, a, b, N, [s[a:b, :4], s[a:b, 4:]])
+    dumpfiles.write_done(d, rid, {"n_tokens": N, "pieces": [[a, b] for a, b in itertools.pairwise(cuts)],
+                                  "ids_sha256": dumpfiles.ids_digest(IDS), "dtype": "bfloat16", "width": W})
+
+
+def collect(d: Path) -> list[torch.Tensor]:
+    return dumpfiles.collect(d, RID, IDS, 2, timeout_s=30.0).hidden_states
+
+
+def plant_fifo_piece(d: Path) -> None:
+    good_dump(d)
+    p = d / dumpfiles.piece_name(RID, 4, N)
+    p.unlink()
+    os.mkfifo(p)
+
+
+def plant_symlink_done(d: Path) -> None:
+    good_dump(d)
+    real = d.parent / "elsewhere.json"
+    (d / dumpfiles.done_name(RID)).rename(real)
+    (d / dumpfiles.done_name(RID)).symlink_to(real)
+
+
+def rows_shifted(d: Path) -> None:
+    """Two pieces whose rows add up to the prompt but disagree with their ranges ([0,4) holds 3 rows)."""
+    s = states()
+    good_dump(d)
+    for a, b, rows in ((0, 4, s[0:3]), (4, N, s[3:N])):
+        p = d / dumpfiles.piece_name(RID, a, b)
+        p.unlink()
+        header = {"format": 1, "rid": RID, "start": a, "end": b, "n_tokens": N, "blocks": [], "payload_xxh3": 0}
+        payload = rows.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        header["blocks"] = [{"dtype": "bfloat16", "shape": [rows.shape[0], W], "offset": 0, "nbytes": len(payload)}]
+        header["payload_xxh3"] = xxhash.xxh3_64_intdigest(payload)
+        raw = json.dumps(header).encode()
+        p.write_bytes(dumpcheck.MAGIC + struct.pack("<I", len(raw)) + raw + payload)
+
+
+def flip_payload_byte(d: Path) -> None:
+    good_dump(d)
+    p = d / dumpfiles.piece_name(RID, 0, 4)
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 1
+    p.write_bytes(bytes(data))
+
+
+def marker_not_json(d: Path) -> None:
+    good_dump(d)
+    (d / dumpfiles.done_name(RID)).write_bytes(b"\x00not json")
+
+
+def marker_lists_missing_piece(d: Path) -> None:
+    good_dump(d)
+    (d / dumpfiles.piece_name(RID, 4, N)).unlink()
+
+
+def piece_dtype_unknown(d: Path) -> None:
+    good_dump(d)
+    p = d / dumpfiles.piece_name(RID, 0, 4)
+    data = p.read_bytes()
+    p.write_bytes(data.replace(b'"bfloat16"', b'"bfloat17"', 1))
+
+
+def piece_bigger_than_its_range(d: Path) -> None:
+    good_dump(d)
+    p = d / dumpfiles.piece_name(RID, 0, 4)
+    p.write_bytes(p.read_bytes() + bytes(dumpcheck.MAX_HEADER_BYTES + 4 * W * 2))
+
+
+def pieces_mixed_layout(d: Path) -> None:
+    """Piece 2 holds one [rows, 8] block where piece 1 holds two [rows, 4] blocks: refused, not guessed."""
+    s = states()
+    good_dump(d)
+    (d / dumpfiles.piece_name(RID, 4, N)).unlink()
+    dumpfiles.write_piece(d, RID, 4, N, N, [s[4:N]])
+
+
+COLLECT_CASES = {
+    "fifo_piece": (plant_fifo_piece, "piece hsx-0-7.0000000004-0000000006.piece: "),  # + "not a regular file"
+    "symlink_done": (plant_symlink_done, "cannot be opened (Too many levels of symbolic links)"),
+    "rows_shifted": (rows_shifted, "block 0 has 3 rows, its range [0,4) has 4"),
+    "payload_flipped": (flip_payload_byte, "payload checksum mismatch (xxh3)"),
+    "marker_not_json": (marker_not_json, "the .done marker is not JSON"),
+    "missing_piece": (marker_lists_missing_piece, "cannot be opened (No such file or directory)"),
+    "dtype_unknown": (piece_dtype_unknown, "dtype 'bfloat17' is not one of"),
+    "piece_oversize": (piece_bigger_than_its_range, "more than the"),
+    "mixed_layout": (pieces_mixed_layout, "pieces disagree on their blocks' dtypes and widths"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COLLECT_CASES))
+def test_collect_refuses_hostile_dumps_with_a_dump_error_naming_the_request(tmp_path: Path, name: str) -> None:
+    d = private(tmp_path)
+    build, want = COLLECT_CASES[name]
+    build(d)
+    with pytest.raises(DumpError) as e:
+        collect(d)
+    assert type(e.value) is DumpError and str(e.value).startswith(f"request {RID}: ") and want in str(e.value)
+    if name == "fifo_piece":
+        assert str(e.value).endswith("not a regular file")
+
+
+def test_collect_assembles_a_true_dump(tmp_path: Path) -> None:
+    d = private(tmp_path)
+    good_dump(d)
+    got = collect(d)
+    assert [torch.equal(g, r) for g, r in zip(got, (states()[:, :4], states()[:, 4:]), strict=True)] == [True, True]
+    assert sorted(p.name for p in d.iterdir()) == []
+
+
+def test_a_planted_symlink_at_a_piece_name_is_replaced_not_written_through(tmp_path: Path) -> None:
+    d = private(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (d / dumpfiles.piece_name(RID, 0, 4)).symlink_to(victim)
+    good_dump(d)
+    assert victim.read_text() == "precious" and not (d / dumpfiles.piece_name(RID, 0, 4)).is_symlink()
+    assert stat.S_IMODE((d / dumpfiles.piece_name(RID, 0, 4)).stat().st_mode) == 0o600
+
+
+# --- launcher and client ---------------------------------------------------------------------------------
+def test_stop_removes_only_the_directory_it_created(tmp_path: Path) -> None:
+    from hsextract.sglang import server as hsrv
+
+    made = hsrv.make_dump_dir("hostile")
+    st = os.lstat(made)
+    try:
+        assert stat.S_IMODE(st.st_mode) == 0o700
+        # a handle file naming another hsx-* directory (same name, other inode), an old handle without the
+        # inode, and a symlink in its place: none removes anything
+        other = tmp_path / made.name
+        other.mkdir(mode=0o700)
+        for h in (hsrv.ServerHandle(url="http://x:1", dump_dir=other, dump_dir_dev=st.st_dev, dump_dir_ino=st.st_ino),
+                  hsrv.ServerHandle(url="http://x:1", dump_dir=made)):
+            hsrv._remove_dump_dir(h)
+        assert other.is_dir() and made.is_dir()
+        link = tmp_path / "hsx-link"
+        link.symlink_to(made)
+        hsrv._remove_dump_dir(hsrv.ServerHandle(url="http://x:1", dump_dir=link, dump_dir_dev=st.st_dev,
+                                                dump_dir_ino=st.st_ino))
+        assert made.is_dir() and link.is_symlink()
+        hsrv._remove_dump_dir(hsrv.ServerHandle(url="http://x:1", dump_dir=made, dump_dir_dev=st.st_dev,
+                                                dump_dir_ino=st.st_ino))
+        assert not made.exists()
+    finally:
+        shutil.rmtree(made, ignore_errors=True)
+
+
+def test_the_client_refuses_an_unsafe_dump_directory(tmp_path: Path) -> None:
+    from hsextract.engines.base import CaptureSpec
+    from hsextract.sglang.client import SGLangEngine
+
+    d = private(tmp_path)
+    d.chmod(0o777)
+    with pytest.raises(DumpDirError, match=rf"^dump directory {d} has mode 0777; it must be 0700"):
+        SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,)), d)
+
+
+def test_api_key_reaches_the_server_command_and_the_requests_but_no_log(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    import http.client
+
+    from hsextract.engines.base import CaptureSpec
+    from hsextract.sglang import client
+    from hsextract.sglang import server as hsrv
+    from hsextract.sglang.client import SGLangEngine
+
+    cfg = hsrv.ServerConfig(model="m", aux_layers=(1,), api_key="s3cret")
+    cmd = hsrv.build_command(cfg)
+    assert cmd[cmd.index("--api-key") + 1] == "s3cret"
+    assert "s3cret" not in " ".join(hsrv.redact(cmd)) and hsrv.redact(cmd)[cmd.index("--api-key") + 1] == "***"
+    sent: list[dict] = []
+
+    def request(self, method, url, body=None, headers=None):
+        sent.append(dict(headers or {}))
+        raise OSError("no server here")
+
+    monkeypatch.setattr(http.client.HTTPConnection, "request", request)
+    eng = SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,)), private(tmp_path), api_key="s3cret")
+    with pytest.raises(client._Transient, match="POST /generate failed: OSError: no server here"):
+        eng._generate("hsx-a", [1, 2])
+    assert sent and sent[0]["Authorization"] == "Bearer s3cret"

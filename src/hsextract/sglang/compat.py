@@ -20,6 +20,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
 from hsextract.sglang_plugin.plugin import (
     TARGET_FORWARD,
     TARGET_INIT_BACKENDS,
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = check_wheel(a.wheel) if a.wheel else check_directory(a.site) if a.site else check_installed(a.python)
     text = json.dumps(rep.summary(), indent=2)
     if a.json:
-        Path(a.json).write_text(text + "\n")
+        write_bytes_atomic(a.json, (text + "\n").encode())
     print(text)
     return 0 if rep.ok else 1
 
