@@ -401,3 +401,49 @@ def test_api_key_reaches_the_server_command_and_the_requests_but_no_log(tmp_path
     with pytest.raises(client._Transient, match="POST /generate failed: OSError: no server here"):
         eng._generate("hsx-a", [1, 2])
     assert sent and sent[0]["Authorization"] == "Bearer s3cret"
+
+
+def test_corrupted_dumps_are_retried_and_every_sample_is_its_own(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the fake server and the real client: the first two pieces written get one payload byte
+    flipped (as a planted or damaged file would): their requests fail with a DumpError, are asked again, and
+    the shard holds every sample's own states."""
+    from conftest import shard_metadata
+    from fake_sglang import HIDDEN, FakeServer, expected_states
+
+    from hsextract.engines.base import CaptureSpec, Prompt
+    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.shard import ShardReader
+    from hsextract.sglang.client import SGLangEngine
+
+    aux = (1, 3, 5)
+    real = dumpfiles.write_piece
+    flipped: list[str] = []
+
+    def write_and_damage(*a, **kw):
+        path = real(*a, **kw)
+        if len(flipped) < 2:
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0x40
+            path.write_bytes(bytes(data))
+            flipped.append(path.name)
+        return path
+
+    monkeypatch.setattr(dumpfiles, "write_piece", write_and_damage)
+    srv = FakeServer(private(tmp_path), aux).start()
+    try:
+        g = torch.Generator().manual_seed(5)
+        ps = [Prompt(i, f"s{i:03d}", torch.randint(0, 5000, (int(n),), generator=g).tolist())
+              for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))]
+        cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
+        eng = SGLangEngine(srv.url, CaptureSpec(aux_layers=aux), srv.dumper.cfg.dump_dir, timeout_s=10.0,
+                           backoff_s=0.01, retries=3, concurrency=2)
+        extract_chunk(cp, tmp_path / "c.hss", eng,
+                      shard_metadata(aux_layers=list(aux), hidden_size=HIDDEN, engine="sglang"), progress=False)
+        assert len(flipped) == 2 and srv.n_requests >= len(ps) + 2
+        r = ShardReader(tmp_path / "c.hss")
+        for k, p in enumerate(ps):
+            assert all(torch.equal(a, b) for a, b in zip(r[k]["hidden_states"], expected_states(p.input_ids, 4),
+                                                         strict=True))
+    finally:
+        srv.stop()
