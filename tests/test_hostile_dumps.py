@@ -413,8 +413,8 @@ def test_corrupted_dumps_are_retried_and_every_sample_is_its_own(tmp_path: Path,
 
     from hsextract.engines.base import CaptureSpec, Prompt
     from hsextract.extract import ChunkPrompts, extract_chunk
-    from hsextract.shard import ShardReader
     from hsextract.sglang.client import SGLangEngine
+    from hsextract.shard import ShardReader
 
     aux = (1, 3, 5)
     real = dumpfiles.write_piece
