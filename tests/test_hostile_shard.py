@@ -364,3 +364,21 @@ def test_existing_v1_shards_read_as_before(tmp_path: Path) -> None:
         r = ShardReader(p)
         r.check_records()
         r.verify()
+
+
+def test_validate_reports_every_crafted_case_without_crashing(crafted: dict[str, Path], tmp_path: Path) -> None:
+    """`validate_shard` turns each case into a failed report (integrity: the shard does not open; checksum: a
+    sample does not read) naming the file, never an exception."""
+    from conftest import make_sample
+
+    from hsextract.validate import failure_line, validate_shard
+
+    ids, hs, mask = make_sample(5)
+    ref = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
+    checks = {}
+    for name in sorted(CASES):
+        report = validate_shard(crafted[name], ref)
+        assert report["passed"] is False, name
+        assert failure_line(report).startswith(f"{crafted[name]}: "), name
+        checks[report["first_failure"]["check"]] = checks.get(report["first_failure"]["check"], 0) + 1
+    assert set(checks) <= {"integrity", "checksum"} and sum(checks.values()) == len(CASES)
