@@ -22,6 +22,10 @@ if (_SRC / "hsextract").is_dir():
 configfile: "config/config.yaml"
 
 
+from hsextract.config_guard import check_bounded
+
+# before Snakemake's validate, which expands YAML aliases (an alias bomb would take all memory)
+check_bounded(config)
 validate(config, "workflow/schemas/config.schema.yaml")
 
 from hsextract.config import check as check_config

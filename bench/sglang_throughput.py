@@ -48,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from hsextract.atomic import write_bytes_atomic
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
 from hsextract.sglang.client import SGLangEngine
@@ -245,9 +246,7 @@ class Bench:
 
     def save(self) -> None:
         self.res["elapsed_s"] = round(time.monotonic() - self.t0, 1)
-        tmp = self.out / ".throughput.json.tmp"
-        tmp.write_text(json.dumps(self.res, indent=1, default=str))
-        os.replace(tmp, self.out / "throughput.json")
+        write_bytes_atomic(self.out / "throughput.json", json.dumps(self.res, indent=1, default=str).encode())
 
     def part(self, key: str, L: int | str, fn: Callable[[], dict], need_s: float) -> dict | None:
         """Run one measurement if `need_s` seconds of budget are left; record its result or its error."""

@@ -264,7 +264,9 @@ def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
                                "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"],
                               env=env, start_new_session=True)
     time.sleep(0.3)
-    h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=orphan.pid)
+    st = os.lstat(dump)  # as the launcher records it: stop removes that very directory only
+    h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=orphan.pid, dump_dir_dev=st.st_dev,
+                          dump_dir_ino=st.st_ino)
     (state / "replica-0.json").write_text(h.to_json())
     assert hsrv.stop_servers(state, grace_s=5) == [orphan.pid]
     assert orphan.wait(5) is not None and not hsrv._group_alive(orphan.pid)

@@ -15,6 +15,7 @@ from typing import Any
 
 from hsextract import chunks
 from hsextract.capture import resolve_aux_layers
+from hsextract.config_guard import check_bounded, check_remote, check_source_path
 from hsextract.errors import ConfigError
 from hsextract.model_info import ModelShape, read_model_shape, tiny_model_shape
 from hsextract.reference import ReferenceLayout, read_layout
@@ -128,8 +129,7 @@ def count_records(s: Settings) -> int:
     from hsextract.conversations import count_records as count
 
     for i, src in enumerate(s.prepare.sources):
-        if not Path(src.path).exists():
-            raise ConfigError(f"sources[{i}].path: {src.path} does not exist")
+        check_source_path(f"sources[{i}].path", src.path)
     try:
         n_records = int(count(s.prepare.source_dicts()))
     except ConfigError:
@@ -147,6 +147,8 @@ def check(config: Mapping[str, Any]) -> Plan:
     The tree's aux_layers are the resolved ids (a `capture` preset's, or the explicit list), as are those
     of the config the workflow hands its jobs (the Snakefile sets them), so both hash alike.
     """
+    check_bounded(config)
+    check_remote(config)
     s = from_config(config)
     check_tiny_model_path(s)
     check_engine(s)

@@ -11,8 +11,10 @@ from hsextract.shard import ShardReader
 
 
 def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str, Any]:
-    """Metadata, counts and sizes of one shard (opens it, checks structure, decodes no sample)."""
+    """Metadata, counts and sizes of one shard. Checks the whole structure (header, metadata, index, footer,
+    every record header and frame table) and raises CorruptShardError where it is damaged; reads no payload."""
     r = ShardReader(path)
+    r.check_records()
     ix = r.index
     raw = sum(ix["raw_bytes"])
     stored = Path(path).stat().st_size

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hsextract import chunks
+from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
@@ -69,20 +69,9 @@ def conversation_hash(conv: Conversation) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _atomic_write_bytes(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]]) -> None:
     table = pa.Table.from_pylist(rows, schema=SCHEMA) if rows else SCHEMA.empty_table()
-    _atomic_write_bytes(out_dir / chunk_name(chunk), lambda tmp: pq.write_table(table, tmp))
+    write_atomic(out_dir / chunk_name(chunk), lambda f: pq.write_table(table, f))
 
 
 def _new_stats() -> dict[str, Any]:
@@ -193,7 +182,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         | {"chat_template_kwargs": dict(cfg.chat_template_kwargs)},
     }
     text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
-    _atomic_write_bytes(out / "summary.json", lambda tmp: Path(tmp).write_text(text))
+    write_bytes_atomic(out / "summary.json", text.encode())
     return summary
 
 

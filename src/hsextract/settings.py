@@ -28,6 +28,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from hsextract.config_guard import check_bounded
 from hsextract.errors import ConfigError
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
@@ -89,6 +90,8 @@ class SGLangSettings:
     python: str | None
     launch_args: tuple[str, ...]
     host: str
+    api_key: str | None
+    allow_remote: bool
     port: int
     tp: int
     replicas: int
@@ -261,6 +264,7 @@ def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
 
     A violation is a ConfigError naming the key (dotted, with list indices) and what the schema allows.
     """
+    check_bounded(config)  # before jsonschema walks (and its messages print) an alias-expanded tree
     filled = copy.deepcopy(dict(config))
     errors = sorted(_validator().iter_errors(filled), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:

@@ -19,7 +19,6 @@ something only when the reference was captured from the shard's own model.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from hsextract import __version__
 from hsextract import reference as reference_sample
+from hsextract.atomic import write_json_atomic
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader
 
@@ -138,11 +138,7 @@ def _empty_checks() -> dict[str, dict[str, Any]]:
 def _write_report(report: dict[str, Any], report_path: str | os.PathLike[str] | None) -> None:
     if report_path is None:
         return
-    p = Path(report_path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report, indent=2) + "\n")
-    os.replace(tmp, p)
+    write_json_atomic(report_path, report, indent=2)
 
 
 def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[str] | dict[str, Any],

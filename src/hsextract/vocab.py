@@ -11,14 +11,13 @@ filled with the smallest ids 0, 1, ... not yet selected; the selected ids are so
 from __future__ import annotations
 
 import os
-import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
 
+from hsextract.atomic import write_atomic
 from hsextract.errors import ConfigError
 
 
@@ -43,16 +42,8 @@ def token_freq_from_prompts(paths: Iterable[str | os.PathLike[str]]) -> dict[int
 
 def save_token_freq(freq: dict[int, int], path: str | os.PathLike[str]) -> None:
     """torch.save of a plain {int: int} dict (loadable with weights_only=True), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save({int(k): int(v) for k, v in freq.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    data = {int(k): int(v) for k, v in freq.items()}
+    write_atomic(path, lambda f: torch.save(data, f))
 
 
 def load_token_freq(path: str | os.PathLike[str]) -> dict[int, int]:

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import sys
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
+from hsextract.atomic import write_atomic as atomic_write
 from hsextract.errors import ConfigError
 
 # What each consumer expects as the last hidden tensor, and what goes wrong with the other one.
@@ -61,18 +59,6 @@ def prepare_out_dir(out_dir: Path, force: bool) -> None:
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
         raise ConfigError(f"{out_dir}: folder is not empty; export into an empty folder, or pass --force to overwrite")
     out_dir.mkdir(parents=True, exist_ok=True)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Write through a temporary file in the same folder, fsync-free rename: a file exists whole or not at all."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def save_torch(path: Path, obj: Any) -> None:

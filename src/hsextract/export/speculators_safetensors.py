@@ -20,8 +20,9 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save
 
+from hsextract.atomic import write_bytes_atomic
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import atomic_write, remove_stale, save_json, save_torch
 
@@ -52,13 +53,8 @@ def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dic
             for idx, s in enumerate(ds):
                 ids, mask = s["input_ids"], s["loss_mask"]
                 stacked = torch.stack(s["hidden_states"], dim=1)  # [seq, n, H]
-                tmp = hs_dir / f".hs_{idx}.safetensors.{secrets.token_hex(4)}.tmp"
-                try:
-                    save_file({"hidden_states": stacked, "token_ids": ids.contiguous()}, str(tmp))
-                    tmp.replace(hs_dir / f"hs_{idx}.safetensors")
-                except BaseException:
-                    tmp.unlink(missing_ok=True)
-                    raise
+                write_bytes_atomic(hs_dir / f"hs_{idx}.safetensors",
+                                   save({"hidden_states": stacked, "token_ids": ids.contiguous()}))
                 rows.append((ids.tolist(), mask.tolist()))
                 if len(rows) == BATCH_ROWS:
                     w.write_batch(_batch(rows))

@@ -46,17 +46,19 @@ def split_url(url: str) -> tuple[str, int, str]:
 class SGLangAPI:
     """`/health` and `/generate` of one server at `url` (http://host:port, optionally with a path prefix)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.host, self.port, self.prefix = split_url(self.url)
         self.timeout_s = timeout_s
+        # sglang.api_key: the server was started with --api-key and refuses requests without the token
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def health(self, timeout_s: float = 5.0) -> str | None:
         """None when GET /health answers 200, else why not."""
         try:
             c = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
             try:
-                c.request("GET", f"{self.prefix}/health")
+                c.request("GET", f"{self.prefix}/health", headers=self._auth)
                 r = c.getresponse()
                 r.read()
             finally:
@@ -70,7 +72,7 @@ class SGLangAPI:
         body = json.dumps(payload)
         c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
-            c.request("POST", f"{self.prefix}/generate", body=body, headers={"Content-Type": "application/json"})
+            c.request("POST", f"{self.prefix}/generate", body=body, headers={"Content-Type": "application/json", **self._auth})
             r = c.getresponse()
             data = r.read()
         except (OSError, http.client.HTTPException) as e:
@@ -91,10 +93,10 @@ class SGLangAPI:
         return out
 
 
-def health(url: str, timeout_s: float = 5.0) -> str | None:
+def health(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> str | None:
     """None when GET {url}/health answers 200, else why not (a malformed url included)."""
     try:
-        api = SGLangAPI(url)
+        api = SGLangAPI(url, api_key=api_key)
     except ConfigError:
         return f"bad url {url!r}"
     return api.health(timeout_s)

@@ -25,7 +25,8 @@ from typing import Any, Protocol
 from hsextract.engines.base import CaptureSpec, Captured, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
-from hsextract.sglang_plugin import dumpfiles
+from hsextract.sglang_plugin import dumpcheck, dumpfiles
+from hsextract.sglang_plugin.dumpcheck import verify_dir
 from hsextract.sglang_plugin.settings import DEFAULT_RID_PREFIX as RID_PREFIX  # the plugin dumps these rids only
 # Failures worth another attempt: the request (TransientError) or its dump files (missing, late, broken).
 RETRYABLE = (TransientError, dumpfiles.DumpTimeout, dumpfiles.DumpError)
@@ -58,6 +59,7 @@ class SGLangEngine(Engine):
         max_new_tokens: int = 0,
         health_timeout_s: float = 10.0,
         progress: Callable[[int], Any] | None = None,
+        api_key: str | None = None,
     ) -> None:
         if isinstance(server, str):
             url = server
@@ -71,10 +73,11 @@ class SGLangEngine(Engine):
             raise ConfigError(f"final_state: {spec.final_state!r}; use pre_norm or post_norm")
         if concurrency < 1 or retries < 0 or timeout_s <= 0:
             raise ConfigError("sglang engine: concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
-        self.api = SGLangAPI(url, timeout_s)
+        self.api = SGLangAPI(url, timeout_s, api_key=api_key)
         self.url = self.api.url
         self.spec = spec
         self.dump_dir = Path(dump_dir)
+        verify_dir(self.dump_dir)  # ours, 0700, not a symlink: its files are read as the server's
         self.concurrency = concurrency
         self.timeout_s = timeout_s
         self.retries = retries
@@ -104,7 +107,13 @@ class SGLangEngine(Engine):
                     f"no hsextract plugin marker in {self.dump_dir}: the server at {self.url} does not run the "
                     "plugin with this dump directory (SGLANG_PLUGINS=hsextract, HSEXTRACT_DUMP_DIR)"
                 )
-            info = json.loads(markers[0].read_text())
+            try:
+                info = dumpcheck.load_json(dumpcheck.read_regular(markers[0], dumpcheck.MAX_MARKER_BYTES).tobytes(),
+                                           f"plugin marker {markers[0]}")
+            except dumpcheck.Refused as e:
+                raise EngineError(f"{e}; restart the server") from None
+            if not isinstance(info, dict):
+                raise EngineError(f"plugin marker {markers[0]} is not a JSON object; restart the server")
             if tuple(info.get("aux_layers", ())) != tuple(self.spec.aux_layers):
                 raise EngineError(
                     f"the server at {self.url} captures aux layers {info.get('aux_layers')}, this run asks for "

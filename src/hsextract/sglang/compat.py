@@ -20,6 +20,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
 from hsextract.sglang_plugin.plugin import (
     TARGET_FORWARD,
     TARGET_INIT_BACKENDS,
@@ -371,15 +372,20 @@ def check_directory(site: str | Path) -> CompatReport:
 def check_installed(python: str | None = None) -> CompatReport:
     """Check the SGLang that `python` (default: this interpreter) would import, without importing it."""
     code = ("import importlib.util, json; s = importlib.util.find_spec('sglang'); "
-            "print(json.dumps(list(s.submodule_search_locations) if s else None))")
+            "print(json.dumps([list(s.submodule_search_locations) if s else None, "
+            "importlib.util.find_spec('xxhash') is not None]))")
     out = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    locs = json.loads(out.stdout.strip() or "null") if out.returncode == 0 else None
+    locs, has_xxhash = json.loads(out.stdout.strip() or "[null, false]") if out.returncode == 0 else (None, False)
     if not locs:
         r = CompatReport(source=python or sys.executable, version=None)
         r.problems.append(Problem("-", 0, f"no sglang package importable by {python or sys.executable} "
                                   f"({out.stderr.strip()[-300:] or 'find_spec returned None'})", "all"))
         return r
-    return check_directory(Path(locs[0]).parent)
+    r = check_directory(Path(locs[0]).parent)
+    if not has_xxhash:  # the plugin checksums its dumps; hsextract is installed there with --no-deps
+        r.problems.append(Problem("-", 0, f"xxhash is not importable by {python or sys.executable}: "
+                                  "pip install 'xxhash>=3.0' into the server environment", "all"))
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -393,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = check_wheel(a.wheel) if a.wheel else check_directory(a.site) if a.site else check_installed(a.python)
     text = json.dumps(rep.summary(), indent=2)
     if a.json:
-        Path(a.json).write_text(text + "\n")
+        write_bytes_atomic(a.json, (text + "\n").encode())
     print(text)
     return 0 if rep.ok else 1
 

@@ -27,6 +27,7 @@ from hsextract import __version__
 from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
 from hsextract.settings import ExtractSettings
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
 
 PLUGIN_PACKAGE = "hsextract.sglang_plugin"  # the package the server process imports (entry point `hsextract`)
 
@@ -93,6 +94,7 @@ def server_config_from(settings: ExtractSettings, root: str | Path = ".", python
         python=python or server_python(settings, root),
         final_state=settings.final_state,
         host=s.host,
+        api_key=s.api_key,
         port=s.port,
         tp=s.tp,
         replicas=s.replicas,
@@ -134,6 +136,7 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
         backoff_s=float(s.backoff_s),
         run_name=settings.run_name,
         chunk=chunk,
+        api_key=s.api_key,
     )
 
 
@@ -228,7 +231,5 @@ def build_patched(
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-    tmp.replace(out)
+    write_bytes_atomic(out, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
     return info

@@ -38,6 +38,8 @@ from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang.api import health
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin import settings as ps
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
+from hsextract.sglang_plugin.dumpcheck import DumpDirError, private_dir, verify_dir
 
 DUMP_DIR_PREFIX = "hsx-"
 
@@ -49,6 +51,7 @@ class ServerConfig:
     python: str = sys.executable  # the server environment's interpreter
     final_state: str = "post_norm"
     host: str = "127.0.0.1"
+    api_key: str | None = None  # the server requires it (--api-key); never logged or stored in clear
     port: int = 30000
     tp: int = 1
     replicas: int = 1
@@ -94,6 +97,9 @@ class ServerHandle:
     config_hash: str = ""
     command: list[str] = field(default_factory=list)
     log: str | None = None
+    # the dump dir as created (lstat st_dev, st_ino): stop removes it only if that very directory is there
+    dump_dir_dev: int | None = None
+    dump_dir_ino: int | None = None
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -134,6 +140,8 @@ def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
         cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs, if on, captured in FULL mode
     if not cfg.prefill_cuda_graph:
         cmd += ["--disable-prefill-cuda-graph"]
+    if cfg.api_key:
+        cmd += ["--api-key", cfg.api_key]
     return cmd + list(cfg.launch_args)
 
 
@@ -162,10 +170,15 @@ def config_hash(cfg: ServerConfig, replica: int) -> str:
 
 
 def make_dump_dir(run_name: str) -> Path:
-    """Private (0700), unpredictable, in /dev/shm when possible."""
+    """Private (0700), unpredictable, in /dev/shm when possible; verified (ours, not a symlink) once made."""
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
-    return Path(tempfile.mkdtemp(prefix=f"{DUMP_DIR_PREFIX}{safe}-", dir=base))
+    return private_dir(base, f"{DUMP_DIR_PREFIX}{safe}-")[0]
+
+
+def redact(cmd: list[str]) -> list[str]:
+    """The command with the value after --api-key hidden (for logs and the state file)."""
+    return [("***" if i and cmd[i - 1] == "--api-key" else a) for i, a in enumerate(cmd)]
 
 
 def _has_marker(dump_dir: Path) -> bool:
@@ -229,9 +242,17 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
-def _remove_dump_dir(d: Path) -> None:
-    if d.name.startswith(DUMP_DIR_PREFIX) and d.is_dir():
-        shutil.rmtree(d, ignore_errors=True)
+def _remove_dump_dir(h: ServerHandle) -> None:
+    """Remove h's dump dir only if it is the directory the launcher created: same device and inode, still a
+    private directory of ours (a handle file names any path; an old handle without the inode removes nothing)."""
+    if h.dump_dir_ino is None or not h.dump_dir.name.startswith(DUMP_DIR_PREFIX):
+        return
+    try:
+        st = verify_dir(h.dump_dir)
+    except DumpDirError:
+        return
+    if (st.st_dev, st.st_ino) == (h.dump_dir_dev, h.dump_dir_ino):
+        shutil.rmtree(h.dump_dir, ignore_errors=True)
 
 
 def _endpoint(state_dir: Path, replica: int) -> Path:
@@ -261,7 +282,7 @@ def _stop_handle(h: ServerHandle, grace_s: float, started_here: bool = False) ->
     if h.pid and _alive(h.pid) and (started_here or _is_ours(h.pid, h.dump_dir)):
         _kill_group(h.pid, grace_s)
         killed = True
-    _remove_dump_dir(h.dump_dir)
+    _remove_dump_dir(h)
     return killed
 
 
@@ -274,7 +295,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
     with _locked(state_dir / f"replica-{replica}.lock"):
         if ep.exists():
             old = ServerHandle.from_json(ep.read_text())
-            if (old.config_hash == h_cfg and _alive(old.pid) and health(old.url) is None
+            if (old.config_hash == h_cfg and _alive(old.pid) and health(old.url, api_key=cfg.api_key) is None
                     and _has_marker(old.dump_dir)):
                 return old
             _stop_handle(old, cfg.stop_grace_s)  # stale, dead, or another configuration
@@ -290,15 +311,15 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
         cmd = build_command(cfg, replica)
         log_path = state_dir / f"replica-{replica}.log"
         with open(log_path, "ab") as log:
-            log.write(f"\n==== {time.strftime('%F %T')} starting: {' '.join(cmd)}\n".encode())
+            log.write(f"\n==== {time.strftime('%F %T')} starting: {' '.join(redact(cmd))}\n".encode())
             log.flush()
             proc = subprocess.Popen(cmd, env=build_env(cfg, dump_dir, replica), stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        st = os.lstat(dump_dir)
         h = ServerHandle(url=f"http://{cfg.host}:{port}", dump_dir=dump_dir, pid=proc.pid, replica=replica,
-                         config_hash=h_cfg, command=cmd, log=str(log_path))
-        tmp = ep.with_name(ep.name + ".tmp")
-        tmp.write_text(h.to_json())
-        os.replace(tmp, ep)  # written before waiting: a stop during start-up finds the pid
+                         config_hash=h_cfg, command=redact(cmd), log=str(log_path), dump_dir_dev=st.st_dev,
+                         dump_dir_ino=st.st_ino)
+        write_bytes_atomic(ep, h.to_json().encode())  # written before waiting: a stop during start-up finds the pid
         deadline = time.monotonic() + cfg.startup_timeout_s
         while True:
             rc = proc.poll()
@@ -307,7 +328,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
                 ep.unlink(missing_ok=True)
                 raise EngineError(f"the SGLang server (replica {replica}) exited with code {rc} during start-up; "
                                   f"command: {' '.join(cmd)}\nlast lines of {log_path}:\n{_tail(log_path)}")
-            if health(h.url, 2.0) is None:
+            if health(h.url, 2.0, api_key=cfg.api_key) is None:
                 if _has_marker(dump_dir):
                     return h
                 _stop_handle(h, cfg.stop_grace_s, started_here=True)

@@ -2,8 +2,11 @@
 
 One prompt arrives as one or more *pieces* (chunked prefill, or a large extend split to fit the staging
 buffer). Each piece is one file; a `.done` marker lists the pieces once the last one is in, an `.err`
-marker says why a request cannot be completed. Every file is written under a temporary name starting
-with "." and renamed, so a reader never sees a partial file.
+marker says why a request cannot be completed. Every file is written through `atomic` (a fresh
+O_EXCL|O_NOFOLLOW temporary name, renamed), so a reader never sees a partial file and a planted name is
+never followed. Reading trusts nothing (`dumpcheck`): only regular files, opened without blocking and never
+past the size their range allows; markers and headers checked before use; any problem is a DumpError
+naming the request, which the client retries like any other dump error.
 
 Piece file, format 1 (little endian):
 
@@ -11,8 +14,9 @@ Piece file, format 1 (little endian):
     0       8     magic b"HSXDUMP1"
     8       4     u32 header length L
     12      L     header, UTF-8 JSON: {"format": 1, "rid", "start", "end", "n_tokens",
-                  "blocks": [{"dtype", "shape": [rows, width], "offset", "nbytes"}]}
-    12+L    ...   payload: the blocks' raw bytes; "offset" counts from the payload start
+                  "blocks": [{"dtype", "shape": [rows, width], "offset", "nbytes"}], "payload_xxh3"}
+    12+L    ...   payload: the blocks' raw bytes; "offset" counts from the payload start; "payload_xxh3"
+                  is XXH3-64 (seed 0) of the whole payload, as the shards use
 
 The blocks of one piece, concatenated along columns, give [rows, num_tensors * hidden] in layer order
 (aux layers, then the final state). No pickle: tensors are raw bytes, the header is JSON.
@@ -26,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import struct
 import time
@@ -38,9 +41,10 @@ import numpy as np
 import torch
 
 from hsextract.errors import EngineError
+from hsextract.sglang_plugin import dumpcheck
+from hsextract.sglang_plugin.dumpcheck import FORMAT, MAGIC
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
 
-MAGIC = b"HSXDUMP1"
-FORMAT = 1
 PIECE_SUFFIX = ".piece"
 DONE_SUFFIX = ".done"
 ERR_SUFFIX = ".err"
@@ -95,35 +99,16 @@ def ids_digest(ids: Sequence[int] | np.ndarray) -> str:
 class RawBlock:
     """One block of a piece as raw bytes (a view of the staging ring): the plugin's writer threads hand
     these to `write_piece` and touch no tensor, so each piece costs them only the few GIL round trips of
-    `_atomic_write`; the GIL is held by SGLang's spinning scheduler most of the time."""
+    `write_bytes_atomic`; the GIL is held by SGLang's spinning scheduler most of the time."""
 
     dtype: str
     shape: tuple[int, int]
     data: memoryview  # uint8, rows * width * itemsize bytes
 
 
-def _writev_all(fd: int, chunks: Sequence[bytes | memoryview]) -> None:
-    views = [memoryview(c).cast("B") for c in chunks]
-    views = [v for v in views if len(v)]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-def _atomic_write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
-    # os-level calls: four GIL round trips per file (open, writev, close, replace), where a buffered
-    # file object took one per large write plus its flush
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _writev_all(fd, chunks)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+def _write(path: Path, chunks: Sequence[bytes | memoryview]) -> None:
+    # os-level calls, few GIL round trips per file; no fsync: a dump lives for seconds and a crash retries it
+    write_bytes_atomic(path, chunks, durable=False, mode=0o600)
 
 
 def write_piece(
@@ -144,51 +129,45 @@ def write_piece(
         payload.append(b.data)
         off += n
     header = json.dumps(
-        {"format": FORMAT, "rid": rid, "start": start, "end": end, "n_tokens": n_tokens, "blocks": header_blocks}
+        {"format": FORMAT, "rid": rid, "start": start, "end": end, "n_tokens": n_tokens, "blocks": header_blocks,
+         "payload_xxh3": dumpcheck.payload_digest(payload)}
     ).encode()
     path = Path(dump_dir) / piece_name(rid, start, end)
-    _atomic_write(path, [MAGIC, struct.pack("<I", len(header)), header, *payload])
+    _write(path, [MAGIC, struct.pack("<I", len(header)), header, *payload])
     return path
 
 
-def read_piece(path: Path) -> tuple[dict, list[torch.Tensor]]:
-    """Read one piece file; raises DumpError naming the file on any structural problem."""
+_PIECE_RE = re.compile(r"^(.+)\.(\d{10})-(\d{10})" + re.escape(PIECE_SUFFIX) + "$")
+
+
+def read_piece(path: Path, max_bytes: int | None = None) -> tuple[dict, list[torch.Tensor]]:
+    """Read and check one piece file against the rid and range its name states (dumpcheck.piece), reading no
+    more than `max_bytes` (None: the file's own size, for tools); raises DumpError naming the request."""
     path = Path(path)
-    # uninitialised and unbuffered: a zero-filled bytearray read through a buffer ran at ~0.65 GB/s per
-    # core, this at ~3 GB/s (16 MB pieces on tmpfs)
-    data = np.empty(path.stat().st_size, dtype=np.uint8)
-    with open(path, "rb", buffering=0) as f:
-        got = f.readinto(data)
-    if got != len(data) or len(data) < 12 or data[:8].tobytes() != MAGIC:
-        raise DumpError(f"{path}: not a dump piece (bad magic or truncated); delete the dump directory and rerun")
-    (hlen,) = struct.unpack_from("<I", data, 8)
+    m = _PIECE_RE.match(path.name)
+    if not m:
+        raise DumpError(f"{path}: not a piece file name (<rid>.<start>-<end>{PIECE_SUFFIX})")
+    rid, start, end = m.group(1), int(m.group(2)), int(m.group(3))
     try:
-        header = json.loads(data[12 : 12 + hlen].tobytes())
-    except ValueError as e:
-        raise DumpError(f"{path}: unreadable piece header ({e})") from e
-    if header.get("format") != FORMAT:
-        raise DumpError(f"{path}: piece format {header.get('format')!r}, this hsextract reads {FORMAT}")
-    base = 12 + hlen
-    tensors = []
-    for blk in header["blocks"]:
-        lo, n = base + blk["offset"], blk["nbytes"]
-        if lo + n > len(data):
-            raise DumpError(f"{path}: block at {blk['offset']} (+{n} bytes) runs past the end of the file")
-        dt = _DTYPES[blk["dtype"]]
-        t = torch.frombuffer(data, dtype=torch.uint8, count=n, offset=lo).view(dt).view(*blk["shape"])
-        tensors.append(t)
+        data = dumpcheck.read_regular(path, (1 << 62) if max_bytes is None else max_bytes)
+        header, blocks = dumpcheck.piece(data, rid, start, end)
+    except dumpcheck.Refused as e:
+        raise DumpError(f"request {rid}: piece {path.name}: {e}") from None
+    rows = end - start
+    tensors = [torch.frombuffer(data, dtype=torch.uint8, count=rows * width * dumpcheck.DTYPE_SIZES[dt], offset=lo)
+               .view(_DTYPES[dt]).view(rows, width) for dt, width, lo in blocks]
     return header, tensors
 
 
 def write_done(dump_dir: Path, rid: str, info: dict) -> Path:
     path = Path(dump_dir) / done_name(rid)
-    _atomic_write(path, [json.dumps({"format": FORMAT, "rid": rid, **info}).encode()])
+    _write(path, [json.dumps({"format": FORMAT, "rid": rid, **info}).encode()])
     return path
 
 
 def write_err(dump_dir: Path, rid: str, message: str) -> Path:
     path = Path(dump_dir) / err_name(rid)
-    _atomic_write(path, [json.dumps({"format": FORMAT, "rid": rid, "error": message}).encode()])
+    _write(path, [json.dumps({"format": FORMAT, "rid": rid, "error": message}).encode()])
     return path
 
 
@@ -265,7 +244,10 @@ def collect(
     sleep = poll_s
     while not done.exists():
         if err.exists():
-            msg = json.loads(err.read_text()).get("error", "?")
+            try:
+                msg = dumpcheck.err_message(dumpcheck.read_regular(err, dumpcheck.MAX_MARKER_BYTES).tobytes())
+            except dumpcheck.Refused as e:
+                msg = f"(unreadable .err marker: {e})"
             if remove:
                 remove_rid(dump_dir, rid)
             raise DumpError(f"request {rid}: the server-side dumper reported: {msg}")
@@ -280,28 +262,18 @@ def collect(
             raise EngineError(f"request {rid}: collection cancelled")
         time.sleep(sleep)
         sleep = min(sleep * 1.5, 0.01)  # the dump is due right after the HTTP answer: poll closely
-    info = json.loads(done.read_text())
     n = len(input_ids)
-    if info.get("n_tokens") != n:
-        raise DumpError(
-            f"request {rid}: the server dumped {info.get('n_tokens')} tokens, the prompt has {n}; "
-            "a rid was reused or the server tokenized differently"
-        )
-    if info.get("ids_sha256") != ids_digest(input_ids):
+    try:
+        info = dumpcheck.marker(dumpcheck.read_regular(done, dumpcheck.MAX_MARKER_BYTES).tobytes(), rid, n)
+    except dumpcheck.Refused as e:
+        raise DumpError(f"request {rid}: {e}") from None
+    if info["ids_sha256"] != ids_digest(input_ids):
         raise DumpError(f"request {rid}: the token ids the server saw differ from the prompt's (sha256 mismatch)")
     blocks_per_piece: list[list[torch.Tensor]] = []
-    pos = 0
     for start, end in info["pieces"]:
-        if start != pos:
-            raise DumpError(f"request {rid}: pieces not contiguous at token {pos} ({info['pieces']})")
-        header, tensors = read_piece(dump_dir / piece_name(rid, start, end))
-        if header["rid"] != rid or header["start"] != start or header["end"] != end:
-            raise DumpError(f"request {rid}: piece [{start},{end}) holds "
-                            f"{header['rid']} [{header['start']},{header['end']})")
+        limit = dumpcheck.max_piece_bytes(end - start, info["width"], info["dtype"])
+        _, tensors = read_piece(dump_dir / piece_name(rid, start, end), limit)
         blocks_per_piece.append(tensors)
-        pos = end
-    if pos != n:
-        raise DumpError(f"request {rid}: pieces cover tokens [0,{pos}) of {n}")
     hidden = _assemble(rid, blocks_per_piece, num_tensors)
     if remove:
         for start, end in info["pieces"]:
@@ -317,6 +289,9 @@ def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors:
     of a chunked prompt are joined along rows. Other block layouts (e.g. one [rows, K*H] block, as older
     plugins wrote) are split by columns."""
     widths = {t.shape[1] for blocks in blocks_per_piece for t in blocks}
+    layouts = {tuple((t.dtype, t.shape[1]) for t in blocks) for blocks in blocks_per_piece}
+    if len(layouts) != 1:
+        raise DumpError(f"request {rid}: pieces disagree on their blocks' dtypes and widths ({sorted(map(str, layouts))})")
     if len(widths) == 1 and all(len(blocks) == num_tensors for blocks in blocks_per_piece):  # block per tensor
         if len(blocks_per_piece) == 1:
             return list(blocks_per_piece[0])

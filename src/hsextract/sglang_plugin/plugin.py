@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
-import json
 import logging
 import os
 import sys
@@ -80,6 +79,7 @@ from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the 
     PluginConfig,
     PluginConfigError,
 )
+from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter
@@ -293,9 +293,7 @@ class Dumper:
             "writer_rank": self.is_writer_rank(),
         }
         path = self.cfg.dump_dir / f"{dumpfiles.PLUGIN_MARKER_PREFIX}{os.getpid()}.json"
-        tmp = path.with_name("." + path.name + ".tmp")
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, path)
+        write_json_atomic(path, info, indent=None, durable=False)
         return path
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hsextract.capture import MAX_AUX_LAYERS
+from hsextract.sglang_plugin.dumpcheck import DumpDirError, verify_dir
 
 ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
 ENV_AUX_LAYERS = "HSEXTRACT_AUX_LAYERS"
@@ -50,8 +51,10 @@ class PluginConfig:
         if not d:
             return None
         dump_dir = Path(d)
-        if not dump_dir.is_dir():
-            raise PluginConfigError(f"{ENV_DUMP_DIR}={d} is not a directory; create it (mode 0700) first")
+        try:
+            verify_dir(dump_dir)  # ours, 0700, not a symlink: nobody else can plant files where we write
+        except DumpDirError as e:
+            raise PluginConfigError(f"{ENV_DUMP_DIR}={d}: {e}") from None
         raw = env.get(ENV_AUX_LAYERS)
         if raw is None:
             raise PluginConfigError(f"{ENV_AUX_LAYERS} is not set: give the aux layer ids, e.g. 2,30,58 "

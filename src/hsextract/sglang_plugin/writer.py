@@ -23,7 +23,6 @@ space behind the oldest live region. Counters are shared and updated under one l
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -39,6 +38,7 @@ from typing import Any
 import torch
 
 from hsextract.sglang_plugin import dumpfiles
+from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.slicing import PieceSlice
 from hsextract.sglang_plugin.staging import ALIGN, Region, StagingRing
 
@@ -282,10 +282,8 @@ class DumpWriter:
             "time": time.time(),
         }
         path = self.dump_dir / f"stats-{os.getpid()}.json"
-        tmp = path.with_name("." + path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps(info))
-            os.replace(tmp, path)
+            write_json_atomic(path, info, indent=None, durable=False)
         except OSError:
             log.warning("hsextract: cannot write %s", path)
 

@@ -9,8 +9,10 @@
                u32 crc32(footer[0:28]) "HSXSEND\\0"
 
 All integers little endian. Payloads (nearly all the bytes) are hashed with XXH3-64, which runs at ~7 GB/s
-where zlib's crc32 runs at ~1.8 GB/s here (it was 20% of the read time); the small structures use crc32. Every byte of the file is covered by a checksum: a flipped byte is
-an error, never data. Records carry their sample number, so a record served for the wrong
+where zlib's crc32 runs at ~1.8 GB/s here (it was 20% of the read time); the small structures use crc32.
+Every byte of the file is covered by a checksum or must hold an exact value (magics, versions, reserved
+zeros): a flipped byte is an error, never data. `parse.py` checks every structure before the reader trusts
+it. Records carry their sample number, so a record served for the wrong
 sample is caught too, and a truncated file can be scanned to name the first damaged sample.
 """
 

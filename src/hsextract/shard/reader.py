@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -16,6 +16,7 @@ import zstandard as zstd
 
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import format as fmt
+from hsextract.shard import parse
 from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
 
 Sample = dict[str, Any]
@@ -32,7 +33,7 @@ class ShardReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        if not self.path.is_file():
+        if not self.path.exists():
             raise ShardError(f"{self.path}: no such shard file")
         self._fd: int | None = None
         self._pid = -1
@@ -44,7 +45,12 @@ class ShardReader:
     # -- process-local file handle --------------------------------------------------------
     def _handle(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            self._fd = os.open(self.path, os.O_RDONLY)
+            # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise ShardError(f"{self.path}: not a regular file; a shard is a regular *{fmt.SHARD_SUFFIX} file")
+            self._fd = fd
             self._pid = os.getpid()
         return self._fd
 
@@ -76,37 +82,45 @@ class ShardReader:
         return CorruptShardError(self.path, sample, what)
 
     def _open(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-        size = self.path.stat().st_size
+        try:
+            return self._parse()
+        except parse.Malformed as e:
+            raise self._corrupt(e.sample, e.what) from None
+
+    def _parse(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+        """Header, metadata, footer and index, each checked before the next is sized by it."""
+        size = os.fstat(self._handle()).st_size
         head = self._pread(fmt.HEADER.size, 0)
         if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
             raise self._corrupt(None, "not an hsextract shard (bad magic at byte 0)")
-        _, version, _, meta_len, meta_crc = fmt.HEADER.unpack(head)
+        _, version, reserved, meta_len, meta_crc = fmt.HEADER.unpack(head)
         if version != fmt.FORMAT_VERSION:
             raise ShardError(
                 f"{self.path}: shard format version {version}; this hsextract reads version "
                 f"{fmt.FORMAT_VERSION}. Use the hsextract release that wrote it, or re-extract."
             )
+        if reserved != 0:
+            raise self._corrupt(None, f"header bytes 10-11 (reserved) hold {reserved}, not 0")
+        if meta_len > parse.MAX_META_BYTES:
+            raise self._corrupt(None, f"header metadata length {meta_len} exceeds {parse.MAX_META_BYTES} bytes")
         meta_raw = self._pread(meta_len, fmt.HEADER.size)
         if len(meta_raw) != meta_len or fmt.crc32(meta_raw) != meta_crc:
             raise self._corrupt(None, "header metadata checksum mismatch")
-        metadata = json.loads(meta_raw)
+        metadata = parse.metadata(meta_raw)
         self._data_start = fmt.HEADER.size + meta_len
         if size < self._data_start + fmt.FOOTER.size:
             raise self._truncated(size)
         foot = self._pread(fmt.FOOTER.size, size - fmt.FOOTER.size)
-        ix_off, ix_len, ix_crc, n, fversion, _, fcrc, magic = fmt.FOOTER.unpack(foot)
-        if magic != fmt.FOOTER_MAGIC:
+        if foot[-8:] != fmt.FOOTER_MAGIC:
             raise self._truncated(size)
-        if fmt.crc32(foot[:28]) != fcrc or fversion != version:
-            raise self._corrupt(None, "footer checksum mismatch")
-        if ix_off + ix_len != size - fmt.FOOTER.size:
-            raise self._corrupt(None, "footer points outside the file")
+        ix_off, ix_len, ix_crc, n = parse.footer(foot, version, size, self._data_start)
+        if n * parse.min_record_len(metadata) > ix_off - self._data_start:
+            raise self._corrupt(None, f"footer claims {n} samples, more than bytes [{self._data_start}, {ix_off}) "
+                                      "can hold")
         ix_raw = self._pread(ix_len, ix_off)
         if fmt.crc32(ix_raw) != ix_crc:
             raise self._corrupt(None, "index checksum mismatch")
-        index = json.loads(zstd.ZstdDecompressor().decompress(ix_raw))
-        if any(len(index[c]) != n for c in fmt.INDEX_COLUMNS):
-            raise self._corrupt(None, f"index lists disagree with the footer's {n} samples")
+        index = parse.index(parse.index_bytes(ix_raw), metadata, n, self._data_start, ix_off)
         self._index_offset = ix_off
         return metadata, index
 
@@ -153,25 +167,56 @@ class ShardReader:
         rec = self._pread(rlen, off)
         if len(rec) != rlen:
             raise self._corrupt(i, f"record cut short: {len(rec)} of {rlen} bytes")
-        magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
-        if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[: fmt.RECORD_CHECKED]) != hcrc:
-            raise self._corrupt(i, "record header damaged")
-        if idx != i or plen + fmt.RECORD.size != rlen:
-            raise self._corrupt(i, f"record belongs to sample {idx}, not {i} (index and records disagree)")
+        self._check_record_header(i, rec)
         payload = memoryview(rec)[fmt.RECORD.size:]
-        if fmt.payload_hash(payload) != phash or phash != self._index["payload_xxh3"][i]:
+        if fmt.payload_hash(payload) != self._index["payload_xxh3"][i]:
             raise self._corrupt(i, "checksum mismatch")
         return rec
 
+    def _check_record_header(self, i: int, rec: bytes) -> None:
+        magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
+        if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[: fmt.RECORD_CHECKED]) != hcrc:
+            raise self._corrupt(i, "record header damaged")
+        if idx != i or plen + fmt.RECORD.size != self._index["record_lens"][i]:
+            raise self._corrupt(i, f"record belongs to sample {idx}, not {i} (index and records disagree)")
+        if phash != self._index["payload_xxh3"][i]:
+            raise self._corrupt(i, "checksum mismatch")
+
+    def _frames(self, i: int, payload: memoryview) -> list[memoryview]:
+        try:
+            return parse.frames(payload, parse.frame_sizes(self._pieces, self._index["seq_lens"][i]), i)
+        except parse.Malformed as e:
+            raise self._corrupt(i, e.what) from None
+
+    def check_records(self) -> None:
+        """Check every record's header, frame table and frame headers against the index without decoding
+        (structure only; `verify` also checks payload checksums and decodes every frame)."""
+        nframes = parse.frame_count(self.metadata)
+        table = fmt.RECORD.size + fmt.FRAME_COUNT.size + 8 * nframes
+        for i in range(len(self)):
+            off = self._index["offsets"][i]
+            head = self._pread(table, off)
+            if len(head) != table:
+                raise self._corrupt(i, f"record cut short: {len(head)} of {table} header bytes")
+            self._check_record_header(i, head)
+            (count,) = fmt.FRAME_COUNT.unpack_from(head, fmt.RECORD.size)
+            if count != nframes:
+                raise self._corrupt(i, f"{count} frames, layout expects {nframes}")
+            lens = struct.unpack_from(f"<{nframes}Q", head, fmt.RECORD.size + fmt.FRAME_COUNT.size)
+            if sum(lens) != self._index["record_lens"][i] - table:
+                raise self._corrupt(i, f"frame lengths add up to {sum(lens)} bytes, the payload holds "
+                                       f"{self._index['record_lens'][i] - table}")
+            pos = off + table
+            for k, (ln, size) in enumerate(zip(lens, parse.frame_sizes(self._pieces, self._index["seq_lens"][i]),
+                                               strict=True)):
+                try:
+                    parse.check_frame(self._pread(min(ln, parse.FRAME_HEADER_MAX), pos), k, ln, size, i)
+                except parse.Malformed as e:
+                    raise self._corrupt(i, e.what) from None
+                pos += ln
+
     def _decode(self, i: int, rec: bytes) -> Sample:
-        payload = memoryview(rec)[fmt.RECORD.size:]
-        (nframes,) = fmt.FRAME_COUNT.unpack_from(payload)
-        lens = struct.unpack_from(f"<{nframes}Q", payload, 4)
-        pos = 4 + 8 * nframes
-        frames = []
-        for ln in lens:
-            frames.append(payload[pos:pos + ln])
-            pos += ln
+        frames = self._frames(i, memoryview(rec)[fmt.RECORD.size:])
         dctx = getattr(self._local, "d", None) if self._local is not None else None
         if dctx is None:
             dctx = zstd.ZstdDecompressor()
@@ -186,6 +231,8 @@ class ShardReader:
                 nbytes = seq * piece["width"] * itemsize
                 planes = []
                 for _ in range(piece["planes"]):
+                    # parse.frames refused a declared size other than this one; an undeclared size
+                    # decodes into at most this many bytes
                     planes.append(dctx.decompress(frames[fi], max_output_size=nbytes // piece["planes"]))
                     fi += 1
                 if any(len(p) * piece["planes"] != nbytes for p in planes):
@@ -193,10 +240,8 @@ class ShardReader:
                 buf = join_planes(planes, piece["planes"], nbytes)
                 t = torch.from_numpy(buf).view(DTYPES[piece["dtype"]])
                 tensors.append(t if piece["width"] == 1 else t.view(seq, piece["width"]))
-        except (zstd.ZstdError, IndexError) as e:
+        except zstd.ZstdError as e:
             raise self._corrupt(i, f"frame does not decode ({e})") from e
-        if fi != nframes:
-            raise self._corrupt(i, f"{nframes} frames, layout expects {fi}")
         hidden = tensors[2:]
         if self.metadata["precision"] == "fp8_e4m3":
             hidden = [dequantize_fp8(q, s, self._out_dtype) for q, s in zip(hidden[0::2], hidden[1::2], strict=True)]

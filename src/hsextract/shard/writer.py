@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import queue
-import secrets
 import threading
 import time
 from collections import deque
@@ -19,6 +18,7 @@ import xxhash
 import zstandard as zstd
 
 from hsextract import __version__
+from hsextract.atomic import commit, create_temp, remove_temps
 from hsextract.errors import ShardError
 from hsextract.shard import format as fmt
 from hsextract.shard.codec import (
@@ -79,12 +79,6 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
     return meta
 
 
-def remove_stale_temps(path: Path) -> list[Path]:
-    """Delete temporary files that a killed writer of `path` left behind (never the shard itself)."""
-    stale = list(path.parent.glob(f".{path.name}.*.tmp"))
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return stale
 
 
 class ShardWriter:
@@ -137,9 +131,9 @@ class ShardWriter:
         self._ahead = max(1, write_ahead_mb) << 20
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="hsx-sync")
         self._sync: Future[None] | None = None
-        remove_stale_temps(self.path)
-        self._tmp = self.path.with_name(f".{self.path.name}.{secrets.token_hex(6)}.tmp")
-        self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed in close()/abort()
+        remove_temps(self.path)  # a killed writer's
+        fd, self._tmp = create_temp(self.path)
+        self._file = os.fdopen(fd, "wb")  # closed in close() or abort()
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.INDEX_COLUMNS}
         self._closed = False
         self.encode_wait_s = self.write_s = self.disk_s = 0.0
@@ -339,14 +333,8 @@ class ShardWriter:
         self._raise_write_error()
         try:
             self._file.flush()
-            os.fsync(self._file.fileno())
+            commit(os.dup(self._file.fileno()), self._tmp, self.path)
             self._file.close()
-            os.replace(self._tmp, self.path)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
         except OSError as e:
             self.abort()
             raise ShardError(f"{self.path}: finishing the shard failed ({e}); no shard was left behind") from e

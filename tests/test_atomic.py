@@ -1,0 +1,110 @@
+"""The one atomic-write helper: whole file or none, planted names never followed, fsync where promised."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+
+from hsextract.sglang_plugin import atomic
+from hsextract.sglang_plugin.atomic import (
+    atomic_file,
+    create_temp,
+    remove_temps,
+    write_atomic,
+    write_bytes_atomic,
+    write_json_atomic,
+)
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "hsextract"
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_writes_whole_file_with_umask_mode_and_leaves_no_temp(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        write_bytes_atomic(tmp_path / "a.bin", [b"ab", memoryview(b"cd"), bytearray(b"")])
+        write_json_atomic(tmp_path / "sub" / "b.json", {"x": [1, 2]})
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.bin").read_bytes() == b"abcd"
+    assert (tmp_path / "sub" / "b.json").read_text() == '{\n "x": [\n  1,\n  2\n ]\n}\n'
+    assert stat.S_IMODE((tmp_path / "a.bin").stat().st_mode) == 0o640
+    assert listing(tmp_path) == ["a.bin", "sub"] and listing(tmp_path / "sub") == ["b.json"]
+
+
+def test_a_failing_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text("old")
+
+    def boom(f):
+        f.write(b"partial")
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        write_atomic(tmp_path / "a.json", boom)
+    with pytest.raises(RuntimeError, match="half"), atomic_file(tmp_path / "a.json") as f:
+        f.write(b"half")
+        raise RuntimeError("half")
+    assert (tmp_path / "a.json").read_text() == "old" and listing(tmp_path) == ["a.json"]
+
+
+def test_a_planted_symlink_at_the_temporary_name_is_never_followed(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    names = iter(["0" * 16, "1" * 16])
+    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: next(names))
+    (tmp_path / f".out.json.{'0' * 16}.tmp").symlink_to(victim)
+    write_bytes_atomic(tmp_path / "out.json", b"new")  # the planted name is skipped, the next one used
+    assert victim.read_text() == "precious" and (tmp_path / "out.json").read_bytes() == b"new"
+
+    monkeypatch.setattr(atomic.secrets, "token_hex", lambda n: "0" * 16)  # every name planted
+    with pytest.raises(FileExistsError, match="eight fresh temporary names for out.json all existed"):
+        write_bytes_atomic(tmp_path / "out.json", b"newer")
+    assert victim.read_text() == "precious" and (tmp_path / "out.json").read_bytes() == b"new"
+
+
+def test_a_symlink_at_the_destination_is_replaced_not_followed(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "out.json").symlink_to(victim)
+    write_bytes_atomic(tmp_path / "out.json", b"new")
+    assert victim.read_text() == "precious"
+    assert not (tmp_path / "out.json").is_symlink() and (tmp_path / "out.json").read_bytes() == b"new"
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_fsyncs_the_file_and_the_folder_when_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     durable: bool) -> None:
+    synced: list[str] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode)
+                                                               else "file"), real(fd)))
+    write_bytes_atomic(tmp_path / "a", b"x", durable=durable)
+    assert synced == (["file", "dir"] if durable else [])
+
+
+def test_create_temp_is_exclusive_and_remove_temps_cleans_only_temps(tmp_path: Path) -> None:
+    fd, tmp = create_temp(tmp_path / "s.hss")
+    os.close(fd)
+    assert re.fullmatch(r"\.s\.hss\.[0-9a-f]{16}\.tmp", tmp.name)
+    (tmp_path / "s.hss").write_text("shard")
+    assert remove_temps(tmp_path / "s.hss") == [tmp]
+    assert listing(tmp_path) == ["s.hss"]
+
+
+def test_no_other_rename_based_writer_in_the_package() -> None:
+    """Every file hsextract replaces whole goes through the helper; the one exception is a directory swap."""
+    allowed = {"sglang_plugin/atomic.py", "tinymodel.py"}  # tinymodel swaps a whole model folder
+    found = []
+    for p in SRC.rglob("*.py"):
+        rel = p.relative_to(SRC).as_posix()
+        if rel not in allowed and re.search(r"os\.replace\(|\.rename\(|tmp\.replace\(|mkstemp\(", p.read_text()):
+            found.append(rel)
+    assert found == []

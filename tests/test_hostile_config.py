@@ -1,0 +1,110 @@
+"""Hostile configs: YAML alias bombs (bounded before anything expands them, Snakemake's validate included),
+self-referencing YAML, sources that are FIFOs or devices (refused without being opened)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hsextract.config_guard import MAX_CONFIG_VALUES, check_bounded, check_source_path
+from hsextract.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def alias_bomb(key: str, depth: int = 9) -> str:
+    """Billion laughs: level k is 10 aliases of level k-1; depth 9 expands to 10^9 strings from 500 bytes."""
+    lines = ['l0: &l0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    lines += [f"l{k}: &l{k} [" + ",".join([f"*l{k - 1}"] * 10) + "]" for k in range(1, depth)]
+    return f"{key}:\n" + "\n".join("  " + line for line in lines) + "\n"
+
+
+def limited(code: str, *args: str, limit_mb: int = 600) -> subprocess.CompletedProcess:
+    """Run `code` in a child whose address space may grow by `limit_mb` MB after its imports."""
+    pre = ("import resource\n"
+           "vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024\n"
+           f"resource.setrlimit(resource.RLIMIT_AS, (vm + ({limit_mb} << 20),) * 2)\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.run([sys.executable, "-c", "import yaml, hsextract.config_guard, hsextract.settings\n" + pre + code,
+                           *args], capture_output=True, text=True, env=env, timeout=600, check=False)
+
+
+@pytest.mark.parametrize("key", ["bomb", "chat_template_kwargs", "sources"])
+def test_alias_bomb_is_refused_before_anything_expands_it(tmp_path: Path, key: str) -> None:
+    (tmp_path / "bomb.yaml").write_text(alias_bomb(key))
+    code = ("import sys, yaml\nfrom hsextract.config_guard import check_bounded\n"
+            "from hsextract.settings import fill_defaults\nfrom hsextract.errors import ConfigError\n"
+            "cfg = yaml.safe_load(open(sys.argv[1]))\n"
+            "for f in (check_bounded, fill_defaults):\n"
+            "    try:\n        f(cfg)\n    except ConfigError as e:\n        print(type(e).__name__, e)\n")
+    out = limited(code, str(tmp_path / "bomb.yaml"), limit_mb=200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert line.startswith(f"ConfigError config: more than {MAX_CONFIG_VALUES} values when aliases are expanded "
+                               f"(near {key}.l8[")
+
+
+def test_snakemake_refuses_an_alias_bomb_in_bounded_memory(tmp_path: Path) -> None:
+    """Through the Snakefile: our check runs before Snakemake's validate, whose error message would print the
+    whole expanded config (10^9 strings here)."""
+    (tmp_path / "bomb.yaml").write_text(alias_bomb("bomb"))
+    snakemake = Path(sys.executable).with_name("snakemake")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(["prlimit", f"--as={3 << 30}", str(snakemake), "-n", "--configfile", str(tmp_path / "bomb.yaml")],
+                         cwd=ROOT, capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert out.returncode != 0
+    assert f"config: more than {MAX_CONFIG_VALUES} values when aliases are expanded" in out.stdout + out.stderr
+    assert len(out.stdout + out.stderr) < 20_000
+
+
+def test_self_referencing_yaml_is_refused() -> None:
+    cfg = yaml.safe_load("a: &a [1, *a]\n")  # a list that holds itself
+    with pytest.raises(ConfigError, match=r"^config: a(\[1\])+: nested more than 64 levels deep$"):
+        check_bounded(cfg)
+
+
+def test_the_bundled_configs_are_far_below_the_bound() -> None:
+    for p in sorted((ROOT / "config").glob("*.yaml")):
+        assert check_bounded(yaml.safe_load(p.read_text()) or {}) < MAX_CONFIG_VALUES // 100, p
+
+
+def test_non_regular_sources_are_refused_without_opening_them(tmp_path: Path) -> None:
+    fifo = tmp_path / "conversations.jsonl"
+    os.mkfifo(fifo)
+    (tmp_path / "link.jsonl").symlink_to(fifo)
+    cases = {str(fifo): "is a FIFO", str(tmp_path / "link.jsonl"): "is a FIFO", "/dev/zero": "is a device",
+             str(tmp_path / "missing.jsonl"): "does not exist"}
+    for path, what in cases.items():
+        with pytest.raises(ConfigError) as e:
+            check_source_path("sources[0].path", path)
+        assert str(e.value).startswith(f"sources[0].path: {path} {what}")
+    check_source_path("sources[0].path", tmp_path)  # a dataset folder
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    check_source_path("sources[0].path", tmp_path / "a.jsonl")
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gpu-node-7"])
+def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: pytest.CaptureFixture) -> None:
+    from hsextract.config_guard import check_remote
+
+    with pytest.raises(ConfigError, match=rf"^sglang.host: {host} is not a loopback address: the server would accept"):
+        check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": "s3cret", "allow_remote": False}})
+    assert capsys.readouterr().err == ""
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": True}})
+    assert capsys.readouterr().err.startswith(f"hsextract: warning: sglang.host {host} is not a loopback address")
+    check_remote({"engine": "transformers", "sglang": {"host": host}})  # no server is started
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+def test_loopback_hosts_need_no_key(host: str) -> None:
+    from hsextract.config_guard import check_remote
+
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})

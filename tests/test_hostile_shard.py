@@ -1,0 +1,384 @@
+"""Hostile shards: crafted structure (valid checksums around invalid content), size claims, every header and
+index byte, non-regular files. Each case must be refused with the exact error type and a message naming the
+file and what is wrong, inside an address-space limit, and `hsextract inspect` must exit 2 on it."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import zstandard as zstd
+from hostile import TESTS, Parts, bomb, frame_header_claiming, real_shard, run_limited
+
+from hsextract.errors import CorruptShardError, ShardError
+from hsextract.shard import ShardReader, parse
+from hsextract.shard import format as fmt
+
+BIG = 100 << 30  # 100 GB
+
+
+def meta_with(**over: object) -> Callable[[Parts], bytes]:
+    def build(p: Parts) -> bytes:
+        p.meta.update(over)
+        return p.build()
+    return build
+
+
+def meta_raw(raw: bytes) -> Callable[[Parts], bytes]:
+    return lambda p: p.build(meta_raw=raw)
+
+
+def index_with(relocate: bool = False, n: int | None = None, **cols: Callable[[list], list]) -> Callable[[Parts], bytes]:
+    def build(p: Parts) -> bytes:
+        for c, f in cols.items():
+            p.index[c] = f(p.index[c])
+        return p.build(relocate=relocate, n=n)
+    return build
+
+
+def index_raw(raw: bytes) -> Callable[[Parts], bytes]:
+    return lambda p: p.build(index_raw=raw)
+
+
+def split_frames(payload: bytes) -> list[bytes]:
+    (n,) = struct.unpack_from("<I", payload)
+    lens = struct.unpack_from(f"<{n}Q", payload, 4)
+    pos, out = 4 + 8 * n, []
+    for ln in lens:
+        out.append(payload[pos:pos + ln])
+        pos += ln
+    return out
+
+
+def payload_of(frames: list[bytes]) -> bytes:
+    return fmt.pack_frame_table([len(f) for f in frames]) + b"".join(frames)
+
+
+def frame0(frame: bytes) -> Callable[[Parts], bytes]:
+    """Sample 0's first frame (input_ids) replaced; index and record checksums rewritten to match."""
+    def build(p: Parts) -> bytes:
+        frames = split_frames(p.payloads[0])
+        p.payloads[0] = payload_of([frame, *frames[1:]])
+        return p.build()
+    return build
+
+
+def payload0(f: Callable[[bytes], bytes]) -> Callable[[Parts], bytes]:
+    def build(p: Parts) -> bytes:
+        p.payloads[0] = f(p.payloads[0])
+        return p.build()
+    return build
+
+
+def record_header(sample: int = 0, plen_delta: int = 0, digest_xor: int = 0) -> Callable[[Parts], bytes]:
+    """Sample 0's record header rewritten (with a valid crc) to claim another sample, length or digest."""
+    def build(p: Parts) -> bytes:
+        data = bytearray(p.build())
+        off = fmt.HEADER.size + len(p.meta_bytes())
+        payload = p.payloads[0]
+        data[off:off + fmt.RECORD.size] = fmt.pack_record_header(sample, len(payload) + plen_delta,
+                                                                 fmt.payload_hash(payload) ^ digest_xor)
+        return bytes(data)
+    return build
+
+
+def refoot(**fields: int) -> Callable[[Parts], bytes]:
+    """The footer rewritten with other index_offset / index_len / n, its crc recomputed."""
+    def build(p: Parts) -> bytes:
+        data = p.build()
+        ix_off, ix_len, ix_crc, n, version, reserved, _, magic = fmt.FOOTER.unpack(data[-fmt.FOOTER.size:])
+        vals = {"ix_off": ix_off, "ix_len": ix_len, "n": n, **fields}
+        head = struct.pack("<QQIIHH", vals["ix_off"], vals["ix_len"], ix_crc, vals["n"], version, reserved)
+        return data[:-fmt.FOOTER.size] + head + struct.pack("<I", fmt.crc32(head)) + magic
+    return build
+
+
+def drop_last(p: Parts) -> bytes:
+    """The index omits the last record (footer n and every column agree on one fewer)."""
+    for c in fmt.INDEX_COLUMNS:
+        p.index[c] = p.index[c][:-1]
+    data = p.build(relocate=False, n=len(p.payloads) - 1)
+    return data
+
+
+def long_claim(p: Parts) -> bytes:
+    """Sample 0 claims 10^7 tokens with a raw_bytes that agrees: only the record's size refutes it."""
+    seq = 10**7
+    p.index["seq_lens"][0] = seq
+    p.index["raw_bytes"][0] = parse.raw_bytes(p.meta, seq)
+    return p.build()
+
+
+def seq_claim_frames(p: Parts) -> bytes:
+    """Sample 0 claims 5000 tokens (within zstd's reach of its record): its frames' declared sizes refute it."""
+    p.index["seq_lens"][0] = 5000
+    p.index["raw_bytes"][0] = parse.raw_bytes(p.meta, 5000)
+    return p.build()
+
+
+# only decoding finds these (a frame's bytes, not its header): `validate` reports them, `inspect` does not
+CONTENT_ONLY = {"frame_bomb_undeclared_1MB"}
+
+DEEP = b"[" * 200_000 + b"]" * 200_000
+
+# name -> (build, expected part of the message); every case must raise CorruptShardError
+CASES: dict[str, tuple[Callable[[Parts], bytes], str]] = {
+    # header
+    "header_reserved_10": (lambda p: p.build(reserved=1), "header bytes 10-11 (reserved) hold 1, not 0"),
+    "header_reserved_11": (lambda p: p.build(reserved=0x100), "header bytes 10-11 (reserved) hold 256, not 0"),
+    "meta_len_4GiB": (lambda p: p.build(meta_len=0xFFFFFFFF), "header metadata length 4294967295 exceeds 1048576"),
+    "meta_len_past_end": (lambda p: p.build(meta_len=(1 << 20) - 1), "header metadata checksum mismatch"),
+    # metadata
+    "meta_not_utf8": (meta_raw(b'{"a":"\xff\xfe"}'), "metadata is not UTF-8"),
+    "meta_utf16": (meta_raw('{"a":1}'.encode("utf-16")), "metadata is not UTF-8"),
+    "meta_not_json": (meta_raw(b"{not json"), "metadata is not JSON"),
+    "meta_nested_200k": (meta_raw(DEEP), "metadata is nested too deeply"),
+    "meta_list": (meta_raw(b"[1,2]"), "metadata is a JSON list, not an object"),
+    "meta_string": (meta_raw(b'"x"'), "metadata is a JSON str, not an object"),
+    "meta_empty": (meta_raw(b"{}"), "metadata lacks ['aux_layers'"),
+    "meta_format_version_2": (meta_with(format_version=2), "metadata format_version 2"),
+    "meta_format_version_str": (meta_with(format_version="1"), "metadata format_version '1'"),
+    "meta_stored_dtype_unknown": (meta_with(stored_dtype="int4"), "metadata stored_dtype 'int4'"),
+    "meta_stored_dtype_fp8_in_bf16": (meta_with(stored_dtype="float8_e4m3fn"), "metadata stored_dtype 'float8"),
+    "meta_dtype_unknown": (meta_with(dtype="int8", stored_dtype="int8"), "metadata dtype 'int8'"),
+    "meta_precision_unknown": (meta_with(precision="fp4"), "metadata precision 'fp4'"),
+    "meta_final_state": (meta_with(final_state="middle"), "metadata final_state 'middle'"),
+    "meta_hidden_str": (meta_with(hidden_size="16"), "metadata hidden_size '16'"),
+    "meta_hidden_float": (meta_with(hidden_size=16.0), "metadata hidden_size 16.0"),
+    "meta_hidden_bool": (meta_with(hidden_size=True), "metadata hidden_size True"),
+    "meta_hidden_negative": (meta_with(hidden_size=-16), "metadata hidden_size -16"),
+    "meta_hidden_zero": (meta_with(hidden_size=0), "metadata hidden_size 0"),
+    "meta_hidden_2^40": (meta_with(hidden_size=1 << 40), "metadata hidden_size 1099511627776"),
+    "meta_hidden_nan": (meta_with(hidden_size=float("nan")), "metadata hidden_size nan"),
+    "meta_aux_not_list": (meta_with(aux_layers=3), "metadata aux_layers must be a list"),
+    "meta_aux_strings": (meta_with(aux_layers=["1", "2", "3"]), "metadata aux_layers must be a list"),
+    "meta_aux_5000": (meta_with(aux_layers=list(range(5000)), num_hidden_tensors=5001), "aux_layers must be a list"),
+    "meta_aux_3M": (meta_with(aux_layers=list(range(3_000_000)), num_hidden_tensors=3_000_001), "exceeds 1048576"),
+    "meta_hidden_tensors_3M": (meta_with(num_hidden_tensors=3_000_000), "num_hidden_tensors 3000000, aux_layers"),
+    "meta_hidden_tensors_str": (meta_with(num_hidden_tensors="4"), "metadata num_hidden_tensors '4'"),
+    "meta_vocab_str": (meta_with(vocab_size="big"), "metadata vocab_size 'big'"),
+    "meta_vocab_negative": (meta_with(vocab_size=-1), "metadata vocab_size -1"),
+    # footer
+    "footer_reserved": (lambda p: p.build(footer_reserved=1), "footer checksum mismatch"),
+    "footer_n_2^32-1": (refoot(n=0xFFFFFFFF), "footer claims 4294967295 samples"),
+    "footer_n_one_less": (refoot(n=2), "index lists disagree with the footer's 2 samples"),
+    "footer_index_len_100GB": (refoot(ix_len=BIG), "footer places the index at bytes"),
+    "footer_index_offset_0": (refoot(ix_off=0), "footer places the index at bytes"),
+    "footer_index_in_header": (lambda p: refoot(ix_off=8, ix_len=len(p.build()) - 48)(p), "outside"),
+    # index container
+    "index_not_utf8": (index_raw(b'{"a":"\xff"}'), "index is not UTF-8"),
+    "index_not_json": (index_raw(b"{]"), "index is not JSON"),
+    "index_nested_200k": (index_raw(DEEP), "index is nested too deeply"),
+    "index_list": (index_raw(b"[]"), "index holds list, expected the columns"),
+    "index_empty": (index_raw(b"{}"), "index holds [], expected the columns"),
+    "index_missing_column": (lambda p: p.build(index_raw=json.dumps({k: v for k, v in p.index.items()
+                                                                     if k != "raw_bytes"}).encode()), "index holds"),
+    "index_extra_column": (lambda p: p.build(index_raw=json.dumps(dict(p.index, x=[1, 2, 3])).encode()), "index holds"),
+    "index_column_not_list": (index_with(seq_lens=lambda v: 5), "column seq_lens"),
+    "index_column_short": (index_with(seq_lens=lambda v: v[:-1]), "disagree with the footer's 3 samples"),
+    "index_omits_last_record": (drop_last, "the index's records end at byte"),
+    "index_bomb_512MiB_declared": (lambda p: p.build(index_frame=bomb(512 << 20, declare=True)),
+                                   "index frame declares 536870912 bytes"),
+    "index_bomb_512MiB_undeclared": (lambda p: p.build(index_frame=bomb(512 << 20, declare=False)),
+                                     "index does not decode"),
+    "index_frame_claims_100GB": (lambda p: p.build(index_frame=frame_header_claiming(BIG)),
+                                 "index frame declares 107374182400 bytes"),
+    "index_not_zstd": (lambda p: p.build(index_frame=b"not a zstd frame"), "index does not decode"),
+    # index entries
+    "index_sample_id_int": (index_with(sample_ids=lambda v: [7, *v[1:]]), "sample_ids entry is a int"),
+    "index_sample_id_null": (index_with(sample_ids=lambda v: [None, *v[1:]]), "sample_ids entry is a NoneType"),
+    "index_offset_string": (index_with(offsets=lambda v: [str(v[0]), *v[1:]]), "non-integer where an integer"),
+    "index_offset_float": (index_with(offsets=lambda v: [float(v[0]), *v[1:]]), "non-integer where an integer"),
+    "index_offset_bool": (index_with(seq_lens=lambda v: [True, *v[1:]]), "non-integer where an integer"),
+    "index_offset_negative": (index_with(offsets=lambda v: [-v[0], *v[1:]]), "index offset -"),
+    "index_offset_gap": (index_with(offsets=lambda v: [v[0], v[1] + 1, v[2]]), "(gap or overlap)"),
+    "index_offset_overlap": (index_with(offsets=lambda v: [v[0], v[1] - 1, v[2]]), "(gap or overlap)"),
+    "index_offsets_swapped": (index_with(offsets=lambda v: [v[1], v[0], v[2]]), "(gap or overlap)"),
+    "index_record_len_1TiB": (index_with(record_lens=lambda v: [1 << 40, *v[1:]]), "index record length 1099511627776"),
+    "index_record_len_0": (index_with(record_lens=lambda v: [0, *v[1:]]), "index record length 0 outside"),
+    "index_xxh3_2^64": (index_with(payload_xxh3=lambda v: [1 << 64, *v[1:]]), "is not a 64-bit value"),
+    "index_xxh3_negative": (index_with(payload_xxh3=lambda v: [-1, *v[1:]]), "is not a 64-bit value"),
+    "index_seq_len_0": (index_with(seq_lens=lambda v: [0, *v[1:]]), "index seq_len 0"),
+    "index_seq_len_2^40": (index_with(seq_lens=lambda v: [1 << 40, *v[1:]]), "index seq_len 1099511627776"),
+    "index_trained_over_seq": (index_with(num_trained=lambda v: [1000, *v[1:]]), "num_trained 1000"),
+    "index_raw_bytes_wrong": (index_with(raw_bytes=lambda v: [v[0] + 1, *v[1:]]), "the metadata makes it"),
+    "index_seq_10^7_consistent": (long_claim, "index claims 10000000 tokens, more than a"),
+    # records and frames
+    "record_claims_other_sample": (record_header(sample=1), "record belongs to sample 1, not 0"),
+    "record_payload_len_off": (record_header(plen_delta=8), "record belongs to sample 0, not 0"),
+    "record_digest_differs": (record_header(digest_xor=1), "checksum mismatch"),
+    "frames_3M": (payload0(lambda b: struct.pack("<I", 3_000_000) + b[4:]), "3000000 frames, layout expects 10"),
+    "frames_none": (payload0(lambda b: b""), "index record length 28 outside [112,"),
+    "frames_table_cut": (payload0(lambda b: b[:20]), "index record length 48 outside [112,"),
+    "frames_lengths_overrun": (payload0(lambda b: b[:4] + struct.pack("<Q", 1 << 40) + b[12:]), "frame lengths add up"),
+    "frame_claims_100GB": (frame0(frame_header_claiming(BIG)), "frame 0 declares 107374182400 bytes, its tensor needs"),
+    "frame_claims_100GB_checksummed": (frame0(frame_header_claiming(BIG, checksum=True)), "frame 0 declares"),
+    "frame_not_zstd": (frame0(b"\0" * 16), "frame 0 has no valid zstd frame header"),
+    "frame_bomb_undeclared_1MB": (frame0(zstd.ZstdCompressor(write_content_size=False).compress(bytes(1 << 20))),
+                                  "frame does not decode"),
+    "frame_short_for_seq": (seq_claim_frames, "frame 0 declares 40 bytes, its tensor needs 40000"),
+}
+
+
+@pytest.fixture(scope="module")
+def crafted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("hostile")
+    good = real_shard(folder / "good.hss")
+    paths = {"good": good}
+    for name, (build, _) in CASES.items():
+        paths[name] = folder / f"{name}.hss"
+        paths[name].write_bytes(build(Parts(good)))
+    return paths
+
+
+def test_the_crafting_itself_round_trips(crafted: dict[str, Path]) -> None:
+    """Parts.build without changes gives back the writer's bytes: every case differs only where it says."""
+    assert Parts(crafted["good"]).build() == crafted["good"].read_bytes()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_crafted_structure_is_refused_naming_file_and_problem(crafted: dict[str, Path], name: str) -> None:
+    path = crafted[name]
+    with pytest.raises(CorruptShardError) as e:
+        r = ShardReader(path)
+        r.check_records()
+        r.verify()
+    assert type(e.value) is CorruptShardError
+    assert str(e.value).startswith(f"{path}: ")
+    assert CASES[name][1] in e.value.what
+
+
+def test_memory_stays_bounded_and_inspect_fails_on_every_case(crafted: dict[str, Path]) -> None:
+    """Each case read (and inspected) in a forked child whose address space is capped at 256 MiB above what
+    it had: a reader that believed any claim above (100 GB, 512 MiB, 1 TiB, 3M tensors) would fail with
+    MemoryError, not CorruptShardError."""
+    names = sorted(CASES)
+    read = run_limited([(str(crafted[n]), "read") for n in ["good", *names]])
+    insp = run_limited([(str(crafted[n]), "inspect") for n in ["good", *names]])
+    assert read[0]["ok"] == 3 and insp[0]["ok"]["rc"] == 0
+    peaks = {}
+    for name, r, i in zip(names, read[1:], insp[1:], strict=True):
+        assert r.get("error") == "CorruptShardError", (name, r)
+        assert CASES[name][1] in r["message"], (name, r)
+        if name in CONTENT_ONLY:
+            assert i["ok"]["rc"] == 0, (name, i)
+        else:
+            assert i["ok"]["rc"] == 2 and str(crafted[name]) in i["ok"]["stderr"], (name, i)
+        peaks[name] = (r["peak_kb"], i["peak_kb"])
+    assert max(max(p) for p in peaks.values()) < 64 << 10, peaks  # KiB: 64 MiB
+    report = os.environ.get("HSX_HOSTILE_REPORT")
+    if report:
+        Path(report).write_text(json.dumps({"cases": len(names), "good_kb": (read[0]["peak_kb"], insp[0]["peak_kb"]),
+                                             "peak_kb_read_inspect": peaks}, indent=1))
+
+
+def test_a_reader_that_believed_the_claims_would_have_failed_the_limit(crafted: dict[str, Path]) -> None:
+    """The limit is real: decompressing the 512 MiB index bomb the way the reader used to is refused."""
+    frame = bomb(512 << 20, declare=True)
+    (crafted["good"].parent / "bomb.zst").write_bytes(frame)
+    probe = ("import resource, sys, zstandard as z; data = open(sys.argv[1], 'rb').read(); "
+             "resource.setrlimit(resource.RLIMIT_AS, (400 << 20, 400 << 20)); "
+             "z.ZstdDecompressor().decompress(data, max_output_size=1000)")
+    out = subprocess.run([sys.executable, "-c", probe, str(crafted["good"].parent / "bomb.zst")],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode != 0 and "MemoryError" in out.stderr
+
+
+def header_index_footer_positions(path: Path) -> list[int]:
+    r = ShardReader(path)
+    size = path.stat().st_size
+    first = r.index["offsets"][0]
+    records = [o + k for o in r.index["offsets"] for k in range(fmt.RECORD.size)]
+    r.close()
+    return list(range(first)) + records + list(range(r._index_offset, size))
+
+
+def test_every_byte_of_header_metadata_record_headers_index_and_footer_is_checked(tmp_path: Path) -> None:
+    """Two flips (lowest and highest bit) of every byte outside the payloads: each is an error (this sweep
+    found header bytes 10 and 11 accepted before they were checked)."""
+    good_path = real_shard(tmp_path / "good.hss")
+    good = good_path.read_bytes()
+    bad = tmp_path / "bad.hss"
+    positions = header_index_footer_positions(good_path)
+    assert {10, 11} <= set(positions) and len(positions) > 600
+    refused: dict[str, int] = {}
+    for pos in positions:
+        for bit in (0x01, 0x80):
+            data = bytearray(good)
+            data[pos] ^= bit
+            bad.write_bytes(bytes(data))
+            with pytest.raises(ShardError) as e:
+                r = ShardReader(bad)
+                r.check_records()
+                r.verify()
+            if pos in (8, 9):  # the version: a clear "other version" message, not "damaged"
+                assert type(e.value) is ShardError and "shard format version" in str(e.value)
+            else:
+                assert type(e.value) is CorruptShardError, (pos, e.value)
+            refused[type(e.value).__name__] = refused.get(type(e.value).__name__, 0) + 1
+    assert sum(refused.values()) == 2 * len(positions)
+
+
+def test_non_regular_files_are_refused_without_blocking(tmp_path: Path) -> None:
+    """A FIFO (no writer: a blocking open would wait forever), a directory, a character device and a
+    symlink to a FIFO: each a ShardError naming the path. Run in a child so a regression hangs that child
+    (killed by the guard) instead of the test session."""
+    fifo = tmp_path / "pipe.hss"
+    os.mkfifo(fifo)
+    (tmp_path / "dir.hss").mkdir()
+    (tmp_path / "link.hss").symlink_to(fifo)
+    code = (
+        "import sys\nfrom hsextract.shard import ShardReader\nfrom hsextract.errors import ShardError\n"
+        "for p in sys.argv[1:]:\n"
+        "    try:\n        ShardReader(p)\n    except ShardError as e:\n"
+        "        print(type(e).__name__, e)\n"
+    )
+    paths = [str(fifo), str(tmp_path / "dir.hss"), "/dev/null", str(tmp_path / "link.hss")]
+    env = dict(os.environ, PYTHONPATH=str(TESTS.parent / "src"))
+    out = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, env=env,
+                         timeout=300, check=True)
+    lines = out.stdout.splitlines()
+    assert lines == [f"ShardError {p}: not a regular file; a shard is a regular *.hss file" for p in paths]
+
+
+def test_inspect_fails_on_a_damaged_record_header_that_opening_does_not_read(tmp_path: Path) -> None:
+    from hsextract.cli import main
+
+    path = tmp_path / "a.hss"
+    path.write_bytes(record_header(sample=2)(Parts(real_shard(tmp_path / "good.hss"))))
+    ShardReader(path)  # opening reads header, index and footer only
+    assert main(["inspect", str(path)]) == 2
+    assert main(["inspect", str(tmp_path / "good.hss")]) == 0
+
+
+def test_existing_v1_shards_read_as_before(tmp_path: Path) -> None:
+    """Shards in the repository's fixtures (written by earlier writers) still open, check and verify."""
+    fixtures = sorted((TESTS / "fixtures").rglob(f"*{fmt.SHARD_SUFFIX}"))
+    for p in fixtures:
+        r = ShardReader(p)
+        r.check_records()
+        r.verify()
+
+
+def test_validate_reports_every_crafted_case_without_crashing(crafted: dict[str, Path], tmp_path: Path) -> None:
+    """`validate_shard` turns each case into a failed report (integrity: the shard does not open; checksum: a
+    sample does not read) naming the file, never an exception."""
+    from conftest import make_sample
+
+    from hsextract.validate import failure_line, validate_shard
+
+    ids, hs, mask = make_sample(5)
+    ref = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
+    checks = {}
+    for name in sorted(CASES):
+        report = validate_shard(crafted[name], ref)
+        assert report["passed"] is False, name
+        assert failure_line(report).startswith(f"{crafted[name]}: "), name
+        checks[report["first_failure"]["check"]] = checks.get(report["first_failure"]["check"], 0) + 1
+    assert set(checks) <= {"integrity", "checksum"} and sum(checks.values()) == len(CASES)
