@@ -102,7 +102,7 @@ def build_manifest(
         "counts": {
             "chunks": len(entries),
             **totals,
-            "compression_ratio": round(totals["bytes_raw"] / totals["bytes_stored"], 4) if totals["bytes_stored"] else None,
+            "stored_over_raw": round(totals["bytes_stored"] / totals["bytes_raw"], 4) if totals["bytes_raw"] else None,
             "dropped": dropped,
             "dropped_samples": sum(dropped.values()),
         },
