@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.progress import bar
 from hsextract.vocab import save_token_freq, token_freq
 
 DEFAULTS: dict[str, Any] = {
@@ -172,7 +173,7 @@ def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | o
         st["dropped"][reason] += 1
         total["dropped"][reason] += 1
 
-    for k, entry in enumerate(order):
+    for k, entry in enumerate(bar(order, desc="prepare", unit="record")):
         while k // ppc > chunk:
             _write_chunk(out, chunk, rows)
             per_chunk.append({"chunk": chunk, "records": min(ppc, len(order) - chunk * ppc), "rows": len(rows),

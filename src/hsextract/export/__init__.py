@@ -9,6 +9,7 @@ from typing import Any
 from hsextract.errors import ConfigError
 from hsextract.export.common import CONSUMER_FINAL_STATE, FinalNormWarning, final_norm_message, warn_final_norm
 from hsextract.export.common import prepare_out_dir
+from hsextract.progress import ProgressDataset
 from hsextract.export.specforge import export_specforge
 from hsextract.export.speculators_safetensors import export_speculators_safetensors
 from hsextract.export.speculators_v1 import export_speculators_v1
@@ -36,7 +37,7 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     prepare_out_dir(out, force)
     final_state = ds.metadata["final_state"]
     warning = warn_final_norm(fmt, final_state)
-    summary = EXPORTERS[fmt](ds, out)
+    summary = EXPORTERS[fmt](ProgressDataset(ds, f"export {fmt}"), out)
     summary.update(format=fmt, out_dir=str(out), final_state=final_state,
                    consumer_final_state=CONSUMER_FINAL_STATE[fmt], warning=warning)
     return summary
