@@ -30,7 +30,7 @@ from hsextract.shard import SHARD_SUFFIX, ShardReader
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-COPIED = ("Snakefile", "workflow", "config", "envs", "profiles", "resources/reference", "data")
+COPIED = ("Snakefile", "workflow", "config", "envs", "profiles", "resources/reference", "data", "requirements")
 RUN = "wf-test"
 RECORDS, PER_CHUNK = 24, 8
 N_CHUNKS = math.ceil(RECORDS / PER_CHUNK)
@@ -143,6 +143,8 @@ def test_full_run_validates(full_run: Path) -> None:
     assert manifest["aux_layers"] == [1, 5, 7] and manifest["final_state"] == "post_norm"
     assert manifest["provenance"]["config"]["run_name"] == RUN
     assert len(manifest["provenance"]["model_hash"]) == 64
+    lock = {"path": "requirements/cpu.lock", "sha256": sha256_file(ROOT / "requirements/cpu.lock")}
+    assert manifest["provenance"]["lock"] == lock
     # token frequencies from the shards equal prepare's, computed from the prompts
     ours = torch.load(rd / "token_freq.pt", weights_only=True)
     assert ours == torch.load(rd / "prompts/token_freq.pt", weights_only=True)

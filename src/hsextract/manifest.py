@@ -41,8 +41,10 @@ def build_manifest(
     prepare_summary: str | Path,
     token_freq: str | Path,
     out_path: str | Path,
+    lock: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Assemble dataset.json; shard i, validation i and chunk_stats i describe the same chunk."""
+    """Assemble dataset.json; shard i, validation i and chunk_stats i describe the same chunk.
+    `lock`: {"path", "sha256"} of the package lock file the workflow's environment was installed from."""
     from hsextract.shard import ShardReader
 
     if not (len(shards) == len(validation) == len(chunk_stats)):
@@ -111,6 +113,7 @@ def build_manifest(
         "token_freq": {"path": _rel(token_freq, root), "sha256": provenance.sha256_file(token_freq)},
         "provenance": {
             "versions": provenance.versions(),
+            "lock": dict(lock) if lock else None,
             "config_hash": provenance.config_hash(config),
             "model_hash": meta.get("model_hash") or provenance.model_hash(str(config["model"])),
             "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(tok_dir),

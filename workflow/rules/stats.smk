@@ -8,7 +8,7 @@ rule stats:
     benchmark:
         "benchmarks/{run}/stats/chunk-{chunk}.tsv"
     conda:
-        "../../envs/stats.yaml"
+        "../../envs/data.yaml"
     params:
         position_bins=config["stats"]["position_bins"],
     script:
@@ -80,7 +80,7 @@ rule aggregate_stats:
     log:
         "logs/{run}/aggregate_stats/aggregate_stats.log",
     conda:
-        "../../envs/stats.yaml"
+        "../../envs/data.yaml"
     script:
         "../scripts/aggregate_stats.py"
 
@@ -101,7 +101,7 @@ rule seq_length_hist:
     log:
         "logs/{run}/seq_length_hist/seq_length_hist.log",
     conda:
-        "../../envs/stats.yaml"
+        "../../envs/data.yaml"
     params:
         bins=config["stats"]["seq_len_bins"],
     script:

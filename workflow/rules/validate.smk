@@ -8,7 +8,7 @@ rule validate:
     log:
         "logs/{run}/validate/chunk-{chunk}.log",
     conda:
-        "../../envs/validate.yaml"
+        "../../envs/data.yaml"
     params:
         # the reference's hidden size counts only for a real model (see config/README.md)
         same_model=not config["make_tiny_model"],
