@@ -212,10 +212,11 @@ def test_report_after_run(full_run: Path) -> None:
     html = (full_run / "report.html").read_text(errors="replace")
     for text in ("Dataset statistics", "Hidden states", "Validation", RUN, "resources/tiny-model"):
         assert text in html, text
-    assert "(messages) were rendered" in html and "(messages)were" not in html
+    # the sources' list ends with a space before the sentence goes on (a template whitespace bug)
+    assert f"(messages, at most {RECORDS} records) were rendered" in html and ")were" not in html
     # the tables and the validation summary are HTML pages embedded in the report (base64 data URIs)
     pages = {}
-    for uri in re.findall(r"data:text/html(?:;charset=[\w-]+)?;base64,([A-Za-z0-9+/=]+)", html):
+    for uri in re.findall(r"data:text/html;[^,\"]*base64,([A-Za-z0-9+/=]+)", html):
         text = base64.b64decode(uri).decode()
         title = re.search(r"<h1>(.*?)</h1>", text)
         if title:
