@@ -449,7 +449,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             # records, the index and the fsync. Both small against wall_s = the shard writer kept up.
             return {"n": len(ps), "tokens": r["tokens"], "wall_s": wall, "tok_s": r["tokens"] / wall,
                     "shard_bytes": size, "shard_bytes_per_s": size / wall, "raw_bytes_per_s": raw / wall,
-                    "ratio": raw / size, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
+                    "stored_over_raw": size / raw, "add_s": r["shard_add_s"], "close_s": r["shard_close_s"],
                     "encode_wait_s": r["shard_encode_wait_s"], "write_s": r["shard_write_s"],
                     "disk_s": r["shard_disk_s"],
                     "shard_threads": threads, "shard_dir": str(shard.parent), "shard_level": a.shard_level,

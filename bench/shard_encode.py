@@ -39,7 +39,7 @@ def one(path: Path, samples: list[list[torch.Tensor]], threads: int, level: int)
     cpu = (c1.user - c0.user) + (c1.system - c0.system)
     return {"threads": threads, "wall_s": round(wall, 3), "raw_gb_s": round(s.raw_bytes / wall / 1e9, 3),
             "cpu_cores": round(cpu / wall, 2), "raw_gb_per_cpu_s": round(s.raw_bytes / cpu / 1e9, 3),
-            "ratio": round(s.raw_bytes / s.stored_bytes, 3)}
+            "stored_over_raw": round(s.stored_bytes / s.raw_bytes, 3)}
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def test_inspect_json_values(shard, capsys):
     raw = sum(16 * n + 4 * n * 16 * 2 for n in (3, 5, 8))
     assert info["num_samples"] == 3 and info["num_tokens"] == 16 and info["num_trained"] == sum(trained)
     assert info["raw_bytes"] == raw and info["stored_bytes"] == path.stat().st_size
-    assert info["ratio"] == round(path.stat().st_size / raw, 4)
+    assert info["stored_over_raw"] == round(path.stat().st_size / raw, 4)
     assert info["metadata"]["model"] == "test-model" and info["metadata"]["run_name"] == "t"
     assert info["samples"] == [{"index": k, "sample_id": f"conv-{k}", "seq_len": n, "num_trained": t}
                                for k, (n, t) in enumerate(zip((3, 5, 8), trained))]

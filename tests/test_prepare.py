@@ -111,3 +111,23 @@ def test_tokenizer_from_a_directory(tmp_path):
     run_prepare(_cfg(src), str(tmp_path / "tok"), tmp_path / "a", 1)
     run_prepare(_cfg(src), tok, tmp_path / "b", 1)
     assert _rows(tmp_path / "a", 1) == _rows(tmp_path / "b", 1)
+
+
+def test_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
+    import io
+    import sys
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    src = _write(tmp_path, [RECORDS[4]])
+    tok = make_tokenizer("llama3")
+    log = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", log)
+    run_prepare(_cfg(src), tok, tmp_path / "a", 1)
+    assert log.getvalue() == ""
+    tty = Terminal()
+    monkeypatch.setattr(sys, "stderr", tty)
+    run_prepare(_cfg(src), tok, tmp_path / "b", 1)
+    assert "\rprepare:   0%|          | 0/1 [" in tty.getvalue()

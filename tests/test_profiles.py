@@ -35,10 +35,12 @@ transformers: {{device: cuda, dtype: bfloat16, token_budget: 1024}}
 extract: {{threads: 2, mem_mb: 3000, retries: 1}}
 """
 JOBS = {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_CHUNKS, "stats": N_CHUNKS,
-        "aggregate_stats": 1, "manifest": 1, "all": 1}
+        "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "all": 1}
 
 
-def dry_run(workdir: Path, profile: str, *extra: str, configfiles: tuple[str, ...] = ("config/test.yaml",)) -> str:
+def dry_run(
+    workdir: Path, profile: str, *extra: str, configfiles: tuple[str, ...] = ("config/test.yaml",)
+) -> str:
     cmd = snakemake_cmd()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
@@ -306,4 +308,5 @@ def test_readme_production_command_plans_gpu_pool_for_the_server(tmp_path: Path)
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     pool = int(words[4].split("=")[1])
-    assert {job["gpu"] for job in job_resources(proc.stdout)["extract"]} == {str(pool)} == {str(KIMI_GPUS)}
+    gpus = {job["gpu"] for job in job_resources(proc.stdout)["extract"]}
+    assert gpus == {str(pool)} == {str(KIMI_GPUS)}

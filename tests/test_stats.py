@@ -62,7 +62,7 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
     raw = sum(s["bytes_raw"] for s in stats)
     stored = sum(p.stat().st_size for p in shards)
     assert (summary["bytes_raw"], summary["bytes_stored"]) == (raw, stored)
-    assert summary["compression_ratio"] == round(raw / stored, 4)
+    assert summary["stored_over_raw"] == round(stored / raw, 4)
     layers = tables["layers"].set_index("tensor")
     # aux_0: squares 1 (3 tok), 9 (2 tok), 1 (5 tok) over 10 tokens
     assert layers.loc["aux_0", "rms"] == pytest.approx(math.sqrt((3 + 18 + 5) / 10))
@@ -93,3 +93,62 @@ def test_plots_are_pngs(shards: list[Path], tmp_path: Path) -> None:
     plot_rms_by_position(tables["rms_by_position"], tmp_path / "r.png")
     for name in ("h.png", "r.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_seq_length_histogram_series_share_bin_edges_and_legend_is_off_the_data(shards: list[Path]) -> None:
+    from hsextract.plots import seq_length_figure
+
+    stats = [chunk_stats(p) for p in shards]
+    fig = seq_length_figure(stats, bins=4)
+    ax = fig.axes[0]
+    # lengths 3, 2, 5 and trained 2, 1, 4: one set of edges over 1..5 for both series
+    edges = [[round(b.get_x(), 6) for b in container] for container in ax.containers]
+    assert edges == [[1.0, 2.0, 3.0, 4.0]] * 2
+    assert [[b.get_height() for b in c] for c in ax.containers] == [[0, 1, 1, 1], [1, 1, 0, 1]]
+    assert_legend_outside(fig)
+
+
+def assert_legend_outside(fig) -> None:
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    legend, area = ax.get_legend().get_window_extent(), ax.get_window_extent()
+    assert legend.x0 > area.x1, (legend, area)  # right of the axes: covers no line or bar
+
+
+def test_rms_plot_legend_is_off_the_data(shards: list[Path]) -> None:
+    from hsextract.plots import rms_figure
+
+    tables = aggregate([chunk_stats(p, position_bins=2) for p in shards], {"dropped": {}})
+    assert_legend_outside(rms_figure(tables["rms_by_position"]))
+
+
+def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Path], tmp_path: Path) -> None:
+    import json
+
+    from hsextract.report_tables import write_report_pages
+    from hsextract.validate import CHECKS
+
+    tables = aggregate([chunk_stats(p) for p in shards], {"dropped": {"too_long": 2, "duplicate": 1}})
+    reports = []
+    for i, (passed, failed) in enumerate([(True, {}), (False, {"finite": 3, "zero_row": 1})]):
+        r = {"shard": f"shards/chunk-{i:05d}.hss", "passed": passed, "num_samples": 10 + i,
+             "checks": {c: {"failed": failed.get(c, 0), "first": None} for c in CHECKS}}
+        reports.append(tmp_path / f"v{i}.json")
+        reports[-1].write_text(json.dumps(r))
+    names = ("summary", "chunks", "layers", "seq_lengths", "dropped", "validation")
+    paths = {n: tmp_path / f"{n}.html" for n in names}
+    write_report_pages(tables, reports, paths)
+    page = {n: paths[n].read_text() for n in names}
+    assert "<th>metric</th><th>value</th>" in page["summary"]
+    assert '<tr><td>samples</td><td class="num">3</td></tr>' in page["summary"]
+    assert "<th>stored_over_raw</th>" in page["chunks"]
+    assert '<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td><td class="num">4</td>' in page["chunks"]
+    assert '<tr><td>aux_0</td><td class="num">' in page["layers"]
+    assert '<tr><td>too_long</td><td class="num">2</td></tr><tr><td>duplicate</td><td class="num">1</td></tr>' in page[
+        "dropped"]
+    v = page["validation"]
+    assert '<p class="failed">1 of 2 shards passed validation (21 samples).</p>' in v
+    assert "<li>shards/chunk-00001.hss</li>" in v
+    assert '<tr><td>finite</td><td class="num">1</td><td class="num">3</td></tr>' in v
+    assert '<tr><td>integrity</td><td class="num">2</td><td class="num">0</td></tr>' in v
+    assert v.startswith("<!DOCTYPE html>") and "<h1>Validation</h1>" in v

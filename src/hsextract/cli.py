@@ -32,19 +32,25 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     if args.report and len(args.shards) != 1:
         raise HsxError(f"--report names one file but {len(args.shards)} shards were given; use --report-dir")
+    from hsextract.progress import bar
+
     ref = reference.load(args.reference, key="--reference")
-    failed = 0
-    for shard in args.shards:
+    failed = samples = tokens = 0
+    for shard in bar(args.shards, desc="validate", unit="shard"):
         report_path = args.report or (Path(args.report_dir) / f"{Path(shard).stem}.json" if args.report_dir else None)
         report = validate_shard(shard, ref, vocab_size=args.vocab_size, report_path=report_path,
                                 same_model=args.same_model)
+        samples += report["num_samples"] or 0
+        tokens += report["num_tokens"] or 0
         line = failure_line(report)
         if line:
             failed += 1
             print(line)
     if failed:
         print(f"{failed} of {len(args.shards)} shards failed validation", file=sys.stderr)
-    return 1 if failed else 0
+        return 1
+    print(f"validated {len(args.shards)} of {len(args.shards)} shards: all passed ({samples} samples, {tokens} tokens)")
+    return 0
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:

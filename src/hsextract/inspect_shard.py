@@ -26,7 +26,7 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
         "num_trained": sum(ix["num_trained"]),
         "raw_bytes": raw,
         "stored_bytes": stored,
-        "ratio": round(stored / raw, 4) if raw else None,
+        "stored_over_raw": round(stored / raw, 4) if raw else None,
     }
     if samples:
         info["samples"] = [
@@ -52,14 +52,14 @@ def format_info(info: dict[str, Any]) -> str:
     extra = sorted(set(m) - {l.split()[0] for l in lines[1:]} - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
     for key in extra:
         lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
-    ratio = "n/a" if info["ratio"] is None else f"{info['ratio']:.4f}"
+    ratio = "n/a" if info["stored_over_raw"] is None else f"{info['stored_over_raw']:.4f}"
     lines += [
         f"samples        {info['num_samples']}",
         f"tokens         {info['num_tokens']}",
         f"trained tokens {info['num_trained']}",
         f"raw bytes      {info['raw_bytes']} ({_mb(info['raw_bytes'])})",
         f"stored bytes   {info['stored_bytes']} ({_mb(info['stored_bytes'])})",
-        f"ratio          {ratio} (stored / raw)",
+        f"stored/raw     {ratio}",
     ]
     if "samples" in info:
         lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  sample_id")

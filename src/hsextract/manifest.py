@@ -42,8 +42,10 @@ def build_manifest(
     prepare_summary: str | Path,
     token_freq: str | Path,
     out_path: str | Path,
+    lock: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Assemble dataset.json; shard i, validation i and chunk_stats i describe the same chunk."""
+    """Assemble dataset.json; shard i, validation i and chunk_stats i describe the same chunk.
+    `lock`: {"path", "sha256"} of the package lock file the workflow's environment was installed from."""
     from hsextract.shard import ShardReader
 
     if not (len(shards) == len(validation) == len(chunk_stats)):
@@ -103,7 +105,7 @@ def build_manifest(
         "counts": {
             "chunks": len(entries),
             **totals,
-            "compression_ratio": round(totals["bytes_raw"] / totals["bytes_stored"], 4) if totals["bytes_stored"] else None,
+            "stored_over_raw": round(totals["bytes_stored"] / totals["bytes_raw"], 4) if totals["bytes_raw"] else None,
             "dropped": dropped,
             "dropped_samples": sum(dropped.values()),
         },
@@ -112,6 +114,7 @@ def build_manifest(
         "token_freq": {"path": _rel(token_freq, root), "sha256": provenance.sha256_file(token_freq)},
         "provenance": {
             "versions": provenance.versions(),
+            "lock": dict(lock) if lock else None,
             "config_hash": s.config_hash,
             "model_hash": meta.get("model_hash") or provenance.model_hash(s.model),
             "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.tokenizer_dir),

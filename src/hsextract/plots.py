@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display on workers
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from hsextract.atomic import write_atomic  # noqa: E402
@@ -20,27 +21,42 @@ def _save(fig: Any, path: str | Path) -> None:
     plt.close(fig)
 
 
-def plot_seq_length_hist(chunks: Sequence[Mapping[str, Any]], path: str | Path, bins: int = 40) -> None:
-    lengths = [n for c in chunks for n in c["seq_lengths"]]
-    trained = [n for c in chunks for n in c["trained_lengths"]]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.hist(lengths, bins=bins, alpha=0.75, label="tokens per sample")
-    ax.hist(trained, bins=bins, alpha=0.6, label="trained tokens per sample")
+def _legend_outside(ax: Any) -> None:
+    """Legend to the right of the axes, never over a line or a bar."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
+
+
+def seq_length_figure(chunks: Sequence[Mapping[str, Any]], bins: int = 40) -> Any:
+    """Histogram of tokens and trained tokens per sample, both series on the same bin edges."""
+    lengths = np.asarray([n for c in chunks for n in c["seq_lengths"]], dtype=np.int64)
+    trained = np.asarray([n for c in chunks for n in c["trained_lengths"]], dtype=np.int64)
+    edges = np.histogram_bin_edges(np.concatenate([lengths, trained]), bins=bins)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.hist(lengths, bins=edges, alpha=0.75, label="tokens per sample")
+    ax.hist(trained, bins=edges, alpha=0.6, label="trained tokens per sample")
     ax.set_xlabel("tokens")
     ax.set_ylabel("samples")
-    ax.set_title(f"Sequence lengths ({len(lengths)} samples)")
-    ax.legend()
-    _save(fig, path)
+    ax.set_title(f"Sequence lengths ({len(lengths)} samples, {bins} bins)")
+    _legend_outside(ax)
+    return fig
 
 
-def plot_rms_by_position(rms_by_position: pd.DataFrame, path: str | Path) -> None:
+def plot_seq_length_hist(chunks: Sequence[Mapping[str, Any]], path: str | Path, bins: int = 40) -> None:
+    _save(seq_length_figure(chunks, bins), path)
+
+
+def rms_figure(rms_by_position: pd.DataFrame) -> Any:
     df = rms_by_position[rms_by_position["tokens"] > 0]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for col in df.columns[2:]:
         ax.plot(df["position_start"], df[col], marker=".", label=col)
     ax.set_yscale("log")
     ax.set_xlabel("token position (bin start)")
     ax.set_ylabel("RMS of hidden state")
     ax.set_title("Per-layer RMS by position")
-    ax.legend()
-    _save(fig, path)
+    _legend_outside(ax)
+    return fig
+
+
+def plot_rms_by_position(rms_by_position: pd.DataFrame, path: str | Path) -> None:
+    _save(rms_figure(rms_by_position), path)

@@ -32,6 +32,7 @@ from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.progress import bar
 from hsextract.settings import PrepareSettings
 from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
@@ -115,7 +116,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         st["dropped"][reason] += 1
         total["dropped"][reason] += 1
 
-    for k, entry in enumerate(order):
+    for k, entry in enumerate(bar(order, desc="prepare", unit="record")):
         while chunks.of_record(k, ppc) > chunk:
             _write_chunk(out, chunk, rows)
             per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),

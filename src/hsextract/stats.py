@@ -119,7 +119,7 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
             for c in chunks
         ]
     )
-    per_chunk["compression_ratio"] = (per_chunk["bytes_raw"] / per_chunk["bytes_stored"]).round(4)
+    per_chunk["stored_over_raw"] = (per_chunk["bytes_stored"] / per_chunk["bytes_raw"]).round(4)
 
     names = [t["name"] for t in chunks[0]["tensors"]]
     tensors = pd.DataFrame([dict(t, chunk=c["chunk"]) for c in chunks for t in c["tensors"]])
@@ -167,7 +167,7 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
         "dropped_samples": int(dropped["samples"].sum()) if len(dropped) else 0,
         "bytes_raw": tot_raw,
         "bytes_stored": tot_stored,
-        "compression_ratio": round(tot_raw / tot_stored, 4) if tot_stored else float("nan"),
+        "stored_over_raw": round(tot_stored / tot_raw, 4) if tot_raw else float("nan"),
         "hidden_size": hidden,
         "tensors_per_sample": len(names),
     }

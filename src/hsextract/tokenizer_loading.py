@@ -161,7 +161,7 @@ def incompatible_code_error(source: str, code: RemoteCode | None, exc: BaseExcep
     if isinstance(exc, ImportError) and "requires the following packages" in str(exc):
         return ConfigError(
             f"tokenizer: {where} needs a package that is not installed ({first}); install it "
-            f"(the hsextract `model` extra and envs/prepare.yaml include tiktoken, which Kimi's tokenizer needs)")
+            f"(the hsextract `model` extra and envs/model.yaml include tiktoken, which Kimi's tokenizer needs)")
     missing = unresolved_imports(module) if module else []
     if missing:
         names = ", ".join(f"{m}.{n}" if n else m for m, n in missing)

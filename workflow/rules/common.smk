@@ -164,6 +164,7 @@ def get_final_outputs():
         *get_all_shards(None),
         f"results/{RUN}/dataset.json",
         f"results/{RUN}/stats/summary.tsv",
+        f"results/{RUN}/stats/seq_length_hist.png",
         *get_all_validation(None),
         *expand(
             "results/{run}/export/{format}", run=RUN, format=SETTINGS.export_formats

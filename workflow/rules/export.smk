@@ -1,3 +1,17 @@
+from pathlib import Path
+
+from hsextract.provenance import sha256_file
+
+# The lock file of the CPU install (Makefile): its hash goes into dataset.json's provenance, and a
+# changed lock rewrites dataset.json (params trigger). Hashed here, in the checkout: a cluster job's
+# working directory need not hold it.
+LOCK_FILE = "requirements/cpu.lock"
+LOCK = {
+    "path": LOCK_FILE,
+    "sha256": sha256_file(Path(workflow.basedir) / LOCK_FILE),
+}
+
+
 rule manifest:
     input:
         shards=get_all_shards,
@@ -15,7 +29,9 @@ rule manifest:
     log:
         "logs/{run}/manifest/manifest.log",
     conda:
-        "../../envs/stats.yaml"
+        "../../envs/data.yaml"
+    params:
+        lock=LOCK,
     script:
         "../scripts/manifest.py"
 
@@ -30,6 +46,6 @@ rule export:
     benchmark:
         "benchmarks/{run}/export/{format}.tsv"
     conda:
-        "../../envs/validate.yaml"
+        "../../envs/data.yaml"
     script:
         "../scripts/export.py"

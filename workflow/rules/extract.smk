@@ -11,7 +11,7 @@ rule extract:
         "benchmarks/{run}/extract/chunk-{chunk}.tsv"
     retries: SETTINGS.extract.retries
     conda:
-        "../../envs/extract.yaml"
+        "../../envs/model.yaml"
     threads: SETTINGS.extract.threads
     resources:
         mem_mb=get_extract_mem_mb,

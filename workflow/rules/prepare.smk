@@ -9,7 +9,7 @@ rule prepare:
     benchmark:
         "benchmarks/{run}/prepare.tsv"
     conda:
-        "../../envs/prepare.yaml"
+        "../../envs/model.yaml"
     params:
         tokenizer=TOKENIZER,
         num_chunks=N_CHUNKS,

@@ -15,7 +15,7 @@ rule regenerate_chunk:
     benchmark:
         f"benchmarks/{RUN}/regenerate/chunk-{{chunk}}.tsv"
     conda:
-        "../../envs/extract.yaml"
+        "../../envs/model.yaml"
     threads: SETTINGS.extract.threads
     resources:
         mem_mb=get_extract_mem_mb,
@@ -35,6 +35,6 @@ rule regenerate_concat:
     log:
         f"logs/{RUN}/regenerate/concat.log",
     conda:
-        "../../envs/prepare.yaml"
+        "../../envs/model.yaml"
     script:
         "../scripts/regenerate.py"

@@ -20,7 +20,8 @@ if SGLANG_LOCAL:
         params:
             python=SETTINGS.extract.sglang.python,
             # null python: the job's interpreter, only if it is envs/sglang.yaml's (--sdm conda)
-            conda_env=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method,
+            conda_env=DeploymentMethod.CONDA
+            in workflow.deployment_settings.deployment_method,
             repo=workflow.basedir,
         script:
             "../scripts/build_patched_server.py"

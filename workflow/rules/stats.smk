@@ -8,7 +8,7 @@ rule stats:
     benchmark:
         "benchmarks/{run}/stats/chunk-{chunk}.tsv"
     conda:
-        "../../envs/stats.yaml"
+        "../../envs/data.yaml"
     params:
         position_bins=SETTINGS.stats.position_bins,
     script:
@@ -19,49 +19,55 @@ rule aggregate_stats:
     input:
         chunks=get_all_chunk_stats,
         prepare="results/{run}/prompts/summary.json",
+        validation=get_all_validation,
     output:
-        summary=report(
-            "results/{run}/stats/summary.tsv",
+        # the TSVs for scripts; the report shows the same tables as HTML pages (shown inline)
+        summary="results/{run}/stats/summary.tsv",
+        chunks="results/{run}/stats/chunks.tsv",
+        layers="results/{run}/stats/layers.tsv",
+        rms_by_position="results/{run}/stats/rms_by_position.tsv",
+        seq_lengths="results/{run}/stats/seq_lengths.tsv",
+        dropped="results/{run}/stats/dropped.tsv",
+        summary_html=report(
+            "results/{run}/stats/html/totals.html",
             category="Dataset statistics",
             subcategory="Totals",
             caption="../report/summary.rst",
             labels={"table": "totals"},
         ),
-        chunks=report(
-            "results/{run}/stats/chunks.tsv",
+        chunks_html=report(
+            "results/{run}/stats/html/chunks.html",
             category="Dataset statistics",
             subcategory="Chunks",
             caption="../report/chunks.rst",
             labels={"table": "per chunk"},
         ),
-        layers=report(
-            "results/{run}/stats/layers.tsv",
+        layers_html=report(
+            "results/{run}/stats/html/layers.html",
             category="Hidden states",
             subcategory="Per layer",
             caption="../report/layers.rst",
             labels={"table": "per layer"},
         ),
-        rms_by_position="results/{run}/stats/rms_by_position.tsv",
-        seq_lengths=report(
-            "results/{run}/stats/seq_lengths.tsv",
+        seq_lengths_html=report(
+            "results/{run}/stats/html/seq_lengths.html",
             category="Dataset statistics",
             subcategory="Sequence lengths",
             caption="../report/seq_lengths.rst",
             labels={"table": "sequence-length quantiles"},
         ),
-        dropped=report(
-            "results/{run}/stats/dropped.tsv",
+        dropped_html=report(
+            "results/{run}/stats/html/dropped.html",
             category="Dataset statistics",
             subcategory="Dropped samples",
             caption="../report/dropped.rst",
             labels={"table": "dropped by reason"},
         ),
-        seq_len_plot=report(
-            "results/{run}/stats/seq_length_hist.png",
-            category="Dataset statistics",
-            subcategory="Sequence lengths",
-            caption="../report/seq_length_hist.rst",
-            labels={"figure": "sequence-length histogram"},
+        validation_html=report(
+            "results/{run}/stats/html/validation.html",
+            category="Validation",
+            caption="../report/validation.rst",
+            labels={"table": "validation summary"},
         ),
         rms_plot=report(
             "results/{run}/stats/layer_rms_by_position.png",
@@ -74,8 +80,29 @@ rule aggregate_stats:
     log:
         "logs/{run}/aggregate_stats/aggregate_stats.log",
     conda:
-        "../../envs/stats.yaml"
-    params:
-        seq_len_bins=SETTINGS.stats.seq_len_bins,
+        "../../envs/data.yaml"
     script:
         "../scripts/aggregate_stats.py"
+
+
+# its own rule: the report lists a rule's params next to each of its figures, and seq_len_bins is
+# this figure's alone
+rule seq_length_hist:
+    input:
+        chunks=get_all_chunk_stats,
+    output:
+        plot=report(
+            "results/{run}/stats/seq_length_hist.png",
+            category="Dataset statistics",
+            subcategory="Sequence lengths",
+            caption="../report/seq_length_hist.rst",
+            labels={"figure": "sequence-length histogram"},
+        ),
+    log:
+        "logs/{run}/seq_length_hist/seq_length_hist.log",
+    conda:
+        "../../envs/data.yaml"
+    params:
+        bins=SETTINGS.stats.seq_len_bins,
+    script:
+        "../scripts/seq_length_hist.py"

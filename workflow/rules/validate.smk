@@ -7,7 +7,7 @@ rule validate:
     log:
         "logs/{run}/validate/chunk-{chunk}.log",
     conda:
-        "../../envs/validate.yaml"
+        "../../envs/data.yaml"
     params:
         # the reference's hidden size counts only for a real model (see config/README.md)
         same_model=SETTINGS.validate.same_model,

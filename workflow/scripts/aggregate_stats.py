@@ -1,4 +1,5 @@
-"""Rule aggregate_stats: tables, token frequencies and plots over all chunks."""
+"""Rule aggregate_stats: tables (TSV, and HTML for the report), validation summary, token frequencies,
+the RMS plot."""
 
 import sys
 
@@ -6,7 +7,8 @@ sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 
 import json
 
-from hsextract.plots import plot_rms_by_position, plot_seq_length_hist
+from hsextract.plots import plot_rms_by_position
+from hsextract.report_tables import write_report_pages
 from hsextract.stats import aggregate, load_chunk_stats, write_table, write_token_freq
 
 out = snakemake.output  # noqa: F821
@@ -16,7 +18,8 @@ with open(snakemake.input.prepare) as f:  # noqa: F821
 tables = aggregate(chunks, prepare_summary)
 for name in ("summary", "chunks", "layers", "rms_by_position", "seq_lengths", "dropped"):
     write_table(tables[name], out[name])
+write_report_pages(tables, snakemake.input.validation, {name: out[f"{name}_html"] for name in  # noqa: F821
+                   ("summary", "chunks", "layers", "seq_lengths", "dropped", "validation")})
 write_token_freq(chunks, out.token_freq)
-plot_seq_length_hist(chunks, out.seq_len_plot, bins=int(snakemake.params.seq_len_bins))  # noqa: F821
 plot_rms_by_position(tables["rms_by_position"], out.rms_plot)
 print(tables["summary"].to_string())

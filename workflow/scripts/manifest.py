@@ -16,6 +16,7 @@ manifest = build_manifest(
     prepare_summary=snakemake.input.prepare,  # noqa: F821
     token_freq=snakemake.input.token_freq,  # noqa: F821
     out_path=snakemake.output.manifest,  # noqa: F821
+    lock=snakemake.params.lock,  # noqa: F821
 )
 write_json_atomic(snakemake.output.manifest, manifest)  # noqa: F821
 print(f"{manifest['counts']}")

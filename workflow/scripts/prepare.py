@@ -24,3 +24,5 @@ if missing:
     raise RuntimeError(f"prepare did not write {missing}")
 write_json_atomic(snakemake.output.summary, summary)  # noqa: F821
 print(summary)
+print(f"prepared {summary['kept']} samples ({summary['tokens']} tokens) in {summary['num_chunks']} chunks, "
+      f"dropped {sum(summary['dropped'].values())}")

@@ -14,6 +14,7 @@ from hsextract.export.common import (
     prepare_out_dir,
     warn_final_norm,
 )
+from hsextract.progress import ProgressDataset
 from hsextract.export.specforge import export_specforge
 from hsextract.export.speculators_safetensors import export_speculators_safetensors
 from hsextract.export.speculators_v1 import export_speculators_v1
@@ -51,7 +52,8 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     # pre -> post is computable from the recorded norm (the exporter applies it); post -> pre is not
     norm = from_shard_metadata(meta, str(run_dir)) if (final_state, want) == ("pre_norm", "post_norm") else None
     warning = warn_final_norm(fmt, final_state, convertible=norm is not None)
-    summary = EXPORTERS[fmt](ds, out, norm) if norm is not None else EXPORTERS[fmt](ds, out)
+    pds = ProgressDataset(ds, f"export {fmt}")
+    summary = EXPORTERS[fmt](pds, out, norm) if norm is not None else EXPORTERS[fmt](pds, out)
     summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
                    warning=warning, final_norm_applied=norm is not None)
     return summary

@@ -1,0 +1,14 @@
+"""Rule seq_length_hist: histogram of tokens and trained tokens per sample over all chunks."""
+
+import sys
+
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+
+from hsextract.plots import plot_seq_length_hist
+from hsextract.stats import load_chunk_stats
+
+plot_seq_length_hist(
+    load_chunk_stats(snakemake.input.chunks),  # noqa: F821
+    snakemake.output.plot,  # noqa: F821
+    bins=int(snakemake.params.bins),  # noqa: F821
+)
