@@ -62,7 +62,7 @@ def test_chunks_filters_and_summary(tmp_path):
     masker = ChatMasker(tok)
     for r in kept:
         i = int(r["sample_id"].split(":")[1])
-        want = masker.encode(Conversation(RECORDS[i]["messages"]))
+        (want,) = masker.encode(Conversation(RECORDS[i]["messages"]))
         assert r["input_ids"] == want.input_ids and r["loss_mask"] == want.loss_mask
         assert r["num_tokens"] == len(want.input_ids) and r["num_trained"] == sum(want.loss_mask)
         assert r["source"] == "d"
@@ -84,7 +84,7 @@ def test_chunks_filters_and_summary(tmp_path):
 def test_truncation_inside_an_assistant_turn(tmp_path):
     src = _write(tmp_path, [RECORDS[4]])
     tok = make_tokenizer("llama3")
-    full = ChatMasker(tok).encode(Conversation(RECORDS[4]["messages"]))
+    (full,) = ChatMasker(tok).encode(Conversation(RECORDS[4]["messages"]))
     first_trained = full.loss_mask.index(1)
     cut = first_trained + 5  # inside the answer
     summary = run_prepare(_cfg(src, max_seq_len=cut, truncate=True), tok, tmp_path / "out", 1)
