@@ -138,7 +138,7 @@ class ChatMasker:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         msgs, tools, rd = conv.messages, conv.tools, self.renderer
         r_text = rd.render(msgs, tools)
-        r = rd.ids(r_text)
+        r = rd.verify(r_text)
         turns = [(j, *self._turn(conv, j)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)

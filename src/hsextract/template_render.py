@@ -93,6 +93,12 @@ class TemplateRenderer:
             "reasoning_content",)
         self._ids: dict[str, list[int]] = {}
         self._facts: TemplateFacts | None = None
+        self.notes: list[str] = []
+        added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        self._added = added
+        self._split: re.Pattern[str] | None = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+            if added else None)
 
     # ------------------------------------------------------------------------------------------- text
 
@@ -126,14 +132,39 @@ class TemplateRenderer:
 
     # ------------------------------------------------------------------------------------------ tokens
 
-    def ids(self, text: str) -> list[int]:
-        got = self._ids.get(text)
+    def _full_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        got = self._ids.get(piece)
         if got is None:
-            if len(self._ids) > 256:  # renders of one conversation share texts; older ones are not reused
+            if len(self._ids) > 65536:
                 self._ids.clear()
-            got = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-            self._ids[text] = got
+            got = self._full_ids(piece)
+            self._ids[piece] = got
         return got
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added). The renders of one conversation share most of their
+        text, so the text is cut at added tokens (which tokenizers split out before anything else) and each
+        piece is tokenized once. `verify` checks that against a whole tokenization; a tokenizer for which it
+        does not hold (added tokens that strip spaces, a prefix space per piece) is then tokenized whole."""
+        if self._split is None:
+            return self._full_ids(text)
+        out: list[int] = []
+        for k, piece in enumerate(self._split.split(text)):
+            if not piece:
+                continue
+            out.extend([self._added[piece]] if k % 2 else self._piece_ids(piece))
+        return out
+
+    def verify(self, text: str) -> list[int]:
+        """Whole tokenization of `text`; turns piecewise tokenization off for good if it differs."""
+        full = self._full_ids(text)
+        if self._split is not None and self.ids(text) != full:
+            self._split = None
+            self.notes.append("piecewise tokenization differs from whole tokenization: tokenizing whole texts")
+        return full
 
     def render_ids(self, messages: list[dict[str, Any]], tools: Any = None, add_generation_prompt: bool = False
                    ) -> list[int]:
