@@ -21,9 +21,16 @@ SPECIALS = {
     "kimi_k25": ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                  "<|im_middle|>", "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                  "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    "harmony": ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>",
+                "<|constrain|>"],
+    "deepseek_v31": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                     "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
 }
-BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]"}
-EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>"}
+BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]",
+       "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>"}
+EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>",
+       "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>"}
 
 CORPUS = [
     "Hello there! How are you today?",

@@ -26,9 +26,11 @@ from typing import Any
 
 from hsextract.errors import ConfigError
 
-# Private-use characters: never in templates, never equal to a real character at a diff boundary.
-SENT = ("\ue000", "\ue001")
-SENT_REASONING = ("\ue002", "\ue003")
+# Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
+# differ in their first and last UTF-8 byte (EE.. vs EF..; ..80 vs ..81), so their first and last tokens differ
+# under any byte-level tokenizer and a token-level common prefix or suffix stops exactly at the sentinel.
+SENT = ("\ue000\ue000", "\uf001\uf001")
+SENT_REASONING = ("\ue002\ue002", "\uf003\uf003")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
