@@ -62,7 +62,8 @@ def test_exact_masks(family, kind):
         samples = ChatMasker(tok, **FLAGS[flags]).encode(CONVS[name])
         assert [marked(s, tok) for s in samples] == want, (family, flags, name)
         for s in samples:  # the ids are the tokenization of the text they decode to
-            assert s.input_ids == tok(tok.decode(s.input_ids), add_special_tokens=False)["input_ids"]
+            text = tok.decode(s.input_ids, spaces_between_special_tokens=False)
+            assert s.input_ids == tok(text, add_special_tokens=False)["input_ids"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

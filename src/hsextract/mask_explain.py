@@ -19,7 +19,9 @@ _RESET = "\x1b[0m"
 
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    # Slow tokenizers of transformers 4.x put a space around special tokens unless told not to.
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False,
+                            spaces_between_special_tokens=False)
 
 
 def marked(sample: MaskedSample, tokenizer: Any) -> str:
