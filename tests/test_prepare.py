@@ -110,3 +110,43 @@ def test_tokenizer_from_a_directory(tmp_path):
     run_prepare(_cfg(src), str(tmp_path / "tok"), tmp_path / "a", 1)
     run_prepare(_cfg(src), tok, tmp_path / "b", 1)
     assert _rows(tmp_path / "a", 1) == _rows(tmp_path / "b", 1)
+
+
+def _multi(reasoning=True):
+    a1 = {"role": "assistant", "content": "How are you today?"}
+    a2 = {"role": "assistant", "content": "Two plus two is four."}
+    if reasoning:
+        a1["reasoning_content"], a2["reasoning_content"] = "The user greets.", "Add them."
+    return {"messages": [{"role": "user", "content": "Hello there!"}, a1,
+                         {"role": "user", "content": "What is two plus two?"}, a2]}
+
+
+def test_split_turns_rows_ids_and_counters(tmp_path):
+    src = _write(tmp_path, [_multi(), conv("Hello there!", "How are you today?")])
+    tok = make_tokenizer("qwen3")
+    summary = run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "out", 1)
+    (rows,) = _rows(tmp_path / "out", 1)
+    # The Qwen3-style template drops the first turn's reasoning once a later query exists: one row per turn.
+    assert sorted(r["sample_id"] for r in rows) == ["d:0:t1", "d:0:t3", "d:1"]
+    want = ChatMasker(tok).encode(Conversation(_multi()["messages"]))
+    by_id = {r["sample_id"]: r for r in rows}
+    for s in want:
+        assert by_id[f"d:0:t{s.turn}"]["input_ids"] == s.input_ids
+        assert by_id[f"d:0:t{s.turn}"]["loss_mask"] == s.loss_mask
+    assert summary["read"] == 2 and summary["kept"] == 3
+    assert summary["masks"] == {"conversations": 2, "samples": 3, "split_conversations": 1, "turns": 3}
+    never = run_prepare(_cfg(src, prompts_per_chunk=4, split_turns="never"), tok, tmp_path / "never", 1)
+    assert never["kept"] == 2 and never["masks"]["turns_history_fallback"] == 1
+    with pytest.raises(ConfigError, match=r"`split_turns` must be one of \['auto', 'never', 'always'\], got 'yes'"):
+        run_prepare(_cfg(src, split_turns="yes"), tok, tmp_path / "bad", 1)
+
+
+def test_not_prefix_stable_dropped_and_counted(tmp_path):
+    src = _write(tmp_path, [_multi(), _multi(reasoning=False)])
+    tok = make_tokenizer("qwen3")
+    cfg = _cfg(src, prompts_per_chunk=4, chat_template_kwargs={"enable_thinking": False})
+    with pytest.raises(ConfigError, match=rf"{src}:1: assistant turn 1: the template is not prefix-stable"):
+        run_prepare(cfg, tok, tmp_path / "strict", 1)
+    summary = run_prepare({**cfg, "strict": False}, tok, tmp_path / "out", 1)
+    assert summary["dropped"] == {"not_prefix_stable": 1}
+    assert summary["kept"] == 2  # the record without reasoning, split into its two turns
