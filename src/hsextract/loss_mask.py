@@ -119,17 +119,17 @@ class ChatMasker:
         b = self.renderer.render_ids(conv.messages[:j], conv.tools)
         return p[len(b):] if is_prefix(b, p) else []
 
-    def _turn(self, conv: Conversation, j: int) -> tuple[list[int], str, TurnSpan]:
+    def _turn(self, conv: Conversation, j: int, r_text: str) -> tuple[list[int], str, TurnSpan]:
         """(ids of the server's prompt + the turn, the turn rendered last as text, span in those ids)."""
         msgs, tools, rd = conv.messages, conv.tools, self.renderer
         p = self._prompt_ids(conv, j)
-        e_text = rd.render(msgs[:j + 1], tools)
+        e_text = r_text if j == len(msgs) - 1 else rd.render(msgs[:j + 1], tools)
         e = rd.ids(e_text)
         if is_prefix(p, e):
-            sp = find_turn(rd, msgs[:j + 1], tools, j, e, len(p))
+            sp = find_turn(rd, msgs[:j + 1], tools, j, e, len(p), last=True)
         else:  # the template rewrote earlier turns: the turn opens with the generation prompt after them
             self.stats["turns_after_rewritten_history"] += 1
-            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p))
+            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True)
         if sp is None:
             raise self._not_prefix_stable(j, p, e)
         return p + e[sp.prompt_end:sp.end], e_text, shifted(sp, len(p) - sp.prompt_end)
@@ -139,7 +139,7 @@ class ChatMasker:
         msgs, tools, rd = conv.messages, conv.tools, self.renderer
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
-        turns = [(j, *self._turn(conv, j)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
+        turns = [(j, *self._turn(conv, j, r_text)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
         for j, _, _, sp in turns:

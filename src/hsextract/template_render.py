@@ -12,7 +12,7 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
 
 Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
 - `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the last special token the template writes
-  after the message (a plain turn and a tool-call turn);
+  after the message (a plain turn and a tool-call turn), and `after_stop`, the text that follows it there;
 - `content_header`: text the template writes between a reasoning block and the content that the model
   writes itself (harmony's `<|start|>assistant<|channel|>final<|message|>`), empty for think-tag templates;
 - `renders_reasoning`: whether any probe renders reasoning at all.
@@ -78,6 +78,7 @@ class TemplateFacts:
     renders_reasoning: bool = False
     generation_prompt: tuple[int, ...] = ()
     notes: list[str] = field(default_factory=list)
+    after_stop: frozenset[tuple[int, ...]] = frozenset()  # what a last turn's stop token is followed by
 
 
 class TemplateRenderer:
@@ -199,6 +200,7 @@ class TemplateRenderer:
         gen = tuple(p[len(b):]) if is_prefix(b, p) else ()
         header: tuple[int, ...] = ()
         renders_reasoning = False
+        after: set[tuple[int, ...]] = set()
         variants = [{"content": SENT[0]},
                     {"content": SENT[0], "tool_calls": [{"type": "function", "function": {
                         "name": "f", "arguments": {"x": SENT[0]}}}]}]
@@ -209,9 +211,10 @@ class TemplateRenderer:
                 notes.append(f"probe {sorted(v)} failed: {e}")
                 continue
             tail = turn[0][len(turn[0]) - common_suffix(turn[0], turn[1]):]
-            last_special = [t for t in tail if t in special]
-            if last_special:
-                stop.add(last_special[-1])
+            at = [k for k, t in enumerate(tail) if t in special]
+            if at:
+                stop.add(tail[at[-1]])
+                after.add(tuple(tail[at[-1] + 1:]))
             if "tool_calls" not in v:  # a turn in history: its stop token is the first special one after it
                 try:
                     hist = [self.render_ids(user + [{"role": "assistant", "content": s}] + user) for s in SENT]
@@ -224,7 +227,7 @@ class TemplateRenderer:
             if h is not None:
                 renders_reasoning = True
                 header = header or h
-        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes)
+        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after))
 
     def _probe_header(self, user: list[dict[str, Any]], v: dict[str, Any], p: list[int], gen: tuple[int, ...]
                       ) -> tuple[int, ...] | None:

@@ -87,12 +87,12 @@ def _last_occurrence(x: list[int], g: list[int], lo: int, hi: int) -> int | None
 
 
 def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any, j: int, x: list[int],
-              p: int | None, gen: list[int] | None = None, lo: int = 0) -> TurnSpan | None:
+              p: int | None, gen: list[int] | None = None, lo: int = 0, last: bool = False) -> TurnSpan | None:
     """The span of assistant turn j in the frame `msgs` rendered to ids `x` (see the module docstring).
 
     `p` None: the frame's history differs from the prompt the server saw (a template that rewrites earlier
     turns); the turn then starts after the last occurrence of the generation prompt `gen` in x[lo:], before the
-    turn's content. None when it is not found."""
+    turn's content. None when it is not found. `last`: turn j is the frame's last message."""
     facts = renderer.facts()
     m = msgs[j]
 
@@ -104,6 +104,12 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
         except Exception:  # noqa: BLE001 - a template that refuses the variant (e.g. content with thinking)
             return None
 
+    if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content"):
+        # A template without reasoning, the turn rendered last: it ends with the stop token and the fixed text
+        # the probe saw after it; everything from the generation prompt on is the turn's own text.
+        for i in range(len(x) - 1, p - 1, -1):
+            if x[i] in facts.stop_ids and tuple(x[i + 1:]) in facts.after_stop:
+                return TurnSpan(j, p, p, p, i, i + 1, False, True)
     xc = variant(_content_sentinel(m))
     xn = variant({k: v for k, v in m.items() if k != "reasoning_content"}) if m.get("reasoning_content") else None
     reasoning_rendered = xn is not None and xn != x
