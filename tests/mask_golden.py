@@ -292,16 +292,22 @@ EXPECTED = {
         ('default', 'system'): [
             '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
             '<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧',
+            'assistant<|im_middle|><think>'
+            '⟦The user greets.</think>How are you today?<|im_end|>⟧',
         ],
         ('default', 'multi'): [
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧'
+            'assistant<|im_middle|><think>'
+            '⟦The user greets.</think>How are you today?<|im_end|>⟧',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>How are you today?<|im_end|>'
             '<|im_user|>user<|im_middle|>What is two plus two?<|im_end|>'
-            '<|im_assistant|>assistant<|im_middle|><think></think>'
-            '⟦Two plus two is four.<|im_end|>⟧',
+            '<|im_assistant|>assistant<|im_middle|><think>'
+            '⟦Add them.</think>Two plus two is four.<|im_end|>⟧',
         ],
         ('default', 'tool'): [
             '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
@@ -317,14 +323,18 @@ EXPECTED = {
             '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
             '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
             '<|im_system|>tool<|im_middle|>## Return of c1\n'
-            '{"temperature": 21}<|im_end|><|im_assistant|>assistant<|im_middle|>'
-            '<think></think>⟦The weather in Paris is sunny.<|im_end|>⟧',
+            '{"temperature": 21}<|im_end|><|im_assistant|>assistant<|im_middle|><think>'
+            '⟦21 degrees.</think>The weather in Paris is sunny.<|im_end|>⟧',
         ],
         ('default', 'empty'): [
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦<|im_end|>⟧<|im_user|>'
+            'assistant<|im_middle|><think>⟦Nothing to say.</think><|im_end|>⟧',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think><|im_end|><|im_user|>'
             'user<|im_middle|>What is two plus two?<|im_end|><|im_assistant|>'
             'assistant<|im_middle|><think></think>⟦Four.<|im_end|>⟧',
         ],
@@ -332,7 +342,8 @@ EXPECTED = {
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Ça va? 日本語<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦Très bien ✓ 日本<|im_end|>⟧',
+            'assistant<|im_middle|><think>'
+            '⟦Répondre poliment.</think>Très bien ✓ 日本<|im_end|>⟧',
         ],
         ('neither', 'single'): [
             '<|im_system|>system<|im_middle|>'
@@ -343,15 +354,21 @@ EXPECTED = {
         ('neither', 'system'): [
             '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
             '<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦How are you today?⟧<|im_end|>',
+            'assistant<|im_middle|><think>The user greets.</think>⟦How are you today?⟧'
+            '<|im_end|>',
         ],
         ('neither', 'multi'): [
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦How are you today?⟧<|im_end|>'
+            'assistant<|im_middle|><think>The user greets.</think>⟦How are you today?⟧'
+            '<|im_end|>',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>How are you today?<|im_end|>'
             '<|im_user|>user<|im_middle|>What is two plus two?<|im_end|>'
-            '<|im_assistant|>assistant<|im_middle|><think></think>'
+            '<|im_assistant|>assistant<|im_middle|><think>Add them.</think>'
             '⟦Two plus two is four.⟧<|im_end|>',
         ],
         ('neither', 'tool'): [
@@ -369,9 +386,13 @@ EXPECTED = {
             '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
             '<|im_system|>tool<|im_middle|>## Return of c1\n'
             '{"temperature": 21}<|im_end|><|im_assistant|>assistant<|im_middle|>'
-            '<think></think>⟦The weather in Paris is sunny.⟧<|im_end|>',
+            '<think>21 degrees.</think>⟦The weather in Paris is sunny.⟧<|im_end|>',
         ],
         ('neither', 'empty'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>Nothing to say.</think><|im_end|>',
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
@@ -383,7 +404,8 @@ EXPECTED = {
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Ça va? 日本語<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦Très bien ✓ 日本⟧<|im_end|>',
+            'assistant<|im_middle|><think>Répondre poliment.</think>⟦Très bien ✓ 日本⟧'
+            '<|im_end|>',
         ],
     },
     'deepseek_v31': {

@@ -150,21 +150,26 @@ def test_kimi_history_reasoning_dropped_and_empty_think_not_trained():
     assert "Let me think." not in s.text and "21 degrees." not in s.text
     assert trained_segments(s, tok) == [
         "How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>", "The weather in Paris is sunny.<|im_end|>"]
-    # Split (auto): the tool-call turn is stored as the server saw it, its reasoning present and trained.
-    assert [trained_segments(x, tok) for x in ChatMasker(tok).encode(TOOL_CONV)] == [
-        ["How are you today?<|im_end|>"], ["Let me think.</think>" + KIMI_CALL + "<|im_end|>"],
-        ["The weather in Paris is sunny.<|im_end|>"]]
+    # Split (auto): each turn stored as the server saw it, its own reasoning present and trained; the template
+    # never renders a final answer's reasoning, so it is put back after the `<think>` of the generation prompt.
+    m = ChatMasker(tok)
+    assert [trained_segments(x, tok) for x in m.encode(TOOL_CONV)] == [
+        ["The user asks.</think>How are you today?<|im_end|>"], ["Let me think.</think>" + KIMI_CALL + "<|im_end|>"],
+        ["21 degrees.</think>The weather in Paris is sunny.<|im_end|>"]]
+    assert m.stats["reasoning_inserted"] == 2 and m.stats["reasoning_not_rendered"] == 0
 
 
 def test_kimi_reasoning_in_open_tool_loop_kept_or_masked():
     conv = Conversation(TOOL_CONV.messages[:5])  # ends with the tool call: its reasoning is rendered
-    assert segs("kimi_k25", conv) == ["How are you today?<|im_end|>", "Let me think.</think>" + KIMI_CALL + "<|im_end|>"]
-    assert segs("kimi_k25", conv, train_on_reasoning=False) == ["How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>"]
+    assert segs("kimi_k25", conv, split_turns="never") == [
+        "How are you today?<|im_end|>", "Let me think.</think>" + KIMI_CALL + "<|im_end|>"]
+    assert segs("kimi_k25", conv, train_on_reasoning=False, split_turns="never") == [
+        "How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>"]
 
 
 def test_multi_turn_with_system_prompt_all_templates():
     for name, eot in [("llama3", "<|eot_id|>"), ("deepseek_v3", "<｜end▁of▁sentence｜>"), ("kimi_k25", "<|im_end|>")]:
-        assert segs(name, TWO) == ["How are you today?" + eot, "Two plus two is four." + eot], name
+        assert segs(name, TWO, split_turns="never") == ["How are you today?" + eot, "Two plus two is four." + eot], name
         assert segs(name, ONE, train_on_eot=False) == ["How are you today?"], name
 
 

@@ -74,7 +74,8 @@ def test_slow_masks_equal_fast_masks(family):
             for conv in CONVS.values():
                 a = ChatMasker(fast, split_turns=split, **flags).encode(conv)
                 b = ChatMasker(slow, split_turns=split, **flags).encode(conv)
-                assert [(s.input_ids, s.loss_mask, s.turn) for s in a] == [(s.input_ids, s.loss_mask, s.turn) for s in b]
+                assert [(s.input_ids, s.loss_mask, s.turn) for s in a] == [
+                    (s.input_ids, s.loss_mask, s.turn) for s in b]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -144,7 +145,7 @@ def test_template_refusing_empty_content_with_thinking_gets_the_record_without_c
 def test_empty_content_turn_trains_its_stop_token():
     for family, stop in [("llama3", "<|eot_id|>"), ("kimi_k25", "<|im_end|>"), ("deepseek_v31", "<｜end▁of▁sentence｜>")]:
         tok = make_tokenizer(family)
-        (s,) = ChatMasker(tok, train_on_reasoning=False).encode(CONVS["empty"])
+        (s,) = ChatMasker(tok, train_on_reasoning=False, split_turns="never").encode(CONVS["empty"])
         assert marked(s, tok).count("⟦" + stop + "⟧") == 1, family
 
 
@@ -152,7 +153,8 @@ def test_thinking_switches():
     # Kimi with thinking off: the empty block is in the prompt, nothing of it is trained.
     tok = make_tokenizer("kimi_k25")
     (s,) = ChatMasker(tok, chat_template_kwargs={"thinking": False}).encode(CONVS["single"])
-    assert marked(s, tok).endswith("<|im_assistant|>assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧")
+    assert marked(s, tok).endswith(
+        "<|im_assistant|>assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧")
     # DeepSeek-V3.1 with thinking on: the prompt opens <think> but no turn is ever rendered with it.
     with pytest.raises(TemplateError, match="assistant turn 1: the template is not prefix-stable") as e:
         ChatMasker(make_tokenizer("deepseek_v31"), chat_template_kwargs={"thinking": True}).encode(CONVS["single"])

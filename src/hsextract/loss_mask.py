@@ -30,6 +30,10 @@ turns unstable. `split_turns` decides what to store:
             (`turns_history_fallback`: trained as R renders it, which is not what the server saw), or, when
             P_j is not even a prefix of R, left untrained (`turns_unlocated`)
 
+A template that never renders a turn's reasoning, even as the last message (Kimi's final answer), but keeps
+the special tokens around it (`TemplateFacts.reasoning_slot`), gets the reasoning put back between them in
+the split sample (`reasoning_inserted`).
+
 Splitting costs tokens: a conversation of k turns stores the context of turn j once per later turn
 (roughly k/2 times the tokens of the unsplit sample).
 """
@@ -37,7 +41,7 @@ Splitting costs tokens: a conversation of k turns stores the context of turn j o
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hsextract.conversations import Conversation
@@ -73,7 +77,8 @@ class ChatMasker:
     `chat_template_kwargs` are passed to every render (e.g. {"enable_thinking": False} for Qwen3,
     {"thinking": True} for Kimi-K2.5 / DeepSeek-V3.1). Any tokenizer with a chat template works.
     `stats` counts, over every `encode` call: conversations, split_conversations, samples, turns,
-    turns_history_fallback, turns_unlocated, reasoning_not_rendered.
+    turns_history_fallback, turns_unlocated, turns_after_rewritten_history, reasoning_inserted,
+    reasoning_not_rendered.
     """
 
     def __init__(self, tokenizer: Any, *, train_on_eot: bool = True, train_on_reasoning: bool = True,
@@ -132,6 +137,19 @@ class ChatMasker:
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True)
         if sp is None:
             raise self._not_prefix_stable(j, p, e)
+        slot = rd.facts().reasoning_slot
+        reasoning = msgs[j].get("reasoning_content")
+        if reasoning and not sp.reasoning_rendered and slot and \
+                tuple(e[sp.prompt_end:sp.content_start]) == slot[0] + slot[1]:
+            # The template never renders this turn's reasoning (Kimi's final answer): put it back between the
+            # markup it keeps, so the sample holds what the model generated.
+            self.stats["reasoning_inserted"] += 1
+            block = list(slot[0]) + rd.ids(reasoning) + list(slot[1])
+            body = e[sp.content_start:sp.end]
+            start = len(p) + len(block)
+            stop = None if sp.stop is None else start + sp.stop - sp.content_start
+            return p + block + body, e_text, replace(sp, prompt_end=len(p), header_start=start, content_start=start,
+                                                      stop=stop, end=start + len(body), reasoning_rendered=True)
         return p + e[sp.prompt_end:sp.end], e_text, shifted(sp, len(p) - sp.prompt_end)
 
     def encode(self, conv: Conversation) -> list[MaskedSample]:
@@ -143,7 +161,7 @@ class ChatMasker:
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
         for j, _, _, sp in turns:
-            if msgs[j].get("reasoning_content") and not sp.reasoning_rendered:
+            if msgs[j].get("reasoning_content") and not sp.reasoning_rendered:  # dropped, even when last
                 self.stats["reasoning_not_rendered"] += 1
         stable = [is_prefix(t, r) for _, t, _, _ in turns]
         if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):

@@ -15,7 +15,9 @@ Once per template (`probe()`), a two-message conversation with private-use senti
   after the message (a plain turn and a tool-call turn), and `after_stop`, the text that follows it there;
 - `content_header`: text the template writes between a reasoning block and the content that the model
   writes itself (harmony's `<|start|>assistant<|channel|>final<|message|>`), empty for think-tag templates;
-- `renders_reasoning`: whether any probe renders reasoning at all.
+- `renders_reasoning`: whether any probe renders reasoning at all;
+- `reasoning_slot`: (opener, closer) around reasoning, when both are special tokens and a turn without
+  reasoning keeps exactly them (Kimi: `<think>` ending the generation prompt, `</think>`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class TemplateFacts:
     generation_prompt: tuple[int, ...] = ()
     notes: list[str] = field(default_factory=list)
     after_stop: frozenset[tuple[int, ...]] = frozenset()  # what a last turn's stop token is followed by
+    reasoning_slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (opener, closer) of reasoning
 
 
 class TemplateRenderer:
@@ -96,6 +99,7 @@ class TemplateRenderer:
             "reasoning_content",)
         self._ids: dict[str, list[int]] = {}
         self._facts: TemplateFacts | None = None
+        self._slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.notes: list[str] = []
         added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
         self._added = added
@@ -201,6 +205,8 @@ class TemplateRenderer:
         header: tuple[int, ...] = ()
         renders_reasoning = False
         after: set[tuple[int, ...]] = set()
+        slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._slot = None
         variants = [{"content": SENT[0]},
                     {"content": SENT[0], "tool_calls": [{"type": "function", "function": {
                         "name": "f", "arguments": {"x": SENT[0]}}}]}]
@@ -224,10 +230,11 @@ class TemplateRenderer:
                 except Exception as e:  # noqa: BLE001 - templates that require alternation end here
                     notes.append(f"history probe failed: {e}")
             h = self._probe_header(user, v, p, gen)
+            slot = slot or self._slot
             if h is not None:
                 renders_reasoning = True
                 header = header or h
-        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after))
+        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot)
 
     def _probe_header(self, user: list[dict[str, Any]], v: dict[str, Any], p: list[int], gen: tuple[int, ...]
                       ) -> tuple[int, ...] | None:
@@ -249,6 +256,13 @@ class TemplateRenderer:
         closer = with_r[0][r_end:common_prefix(with_r[0], with_r[2])]
         f0 = plain[0][len(p):common_prefix(plain[0], plain[1])]
         special = self.special_ids()
+        opener = with_r[0][len(p):common_prefix(with_r[0], with_r[1])]
+        # Reasoning between special tokens, and a turn without it that keeps only their markup (Kimi:
+        # `<think>` in the prompt, `</think>` after): the reasoning of a turn the template never renders with
+        # its reasoning can be put back there (`reasoning_slot`).
+        before = (list(p) + opener)[-1:]
+        if f0 == opener + closer and closer and closer[0] in special and before and before[0] in special:
+            self._slot = (tuple(opener), tuple(closer))
         for h in (list(gen) + f0, f0):
             if h and len(closer) > len(h) and closer[len(closer) - len(h):] == h \
                     and closer[len(closer) - len(h) - 1] in special:
