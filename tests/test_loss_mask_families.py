@@ -172,3 +172,22 @@ def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():
         "What is two plus two?<|end|><|start|>assistant⟦<|channel|>analysis<|message|>Add them.<|end|>"
         "<|start|>assistant<|channel|>final<|message|>Two plus two is four.<|return|>⟧")
     assert m.stats["turns_history_fallback"] == 1
+
+
+def test_piecewise_tokenization_is_checked_against_whole_tokenization():
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from chatfix import TEMPLATES, _tokenizer_object
+
+    raw = Tokenizer.from_str(_tokenizer_object().to_str())
+    # `<|im_end|>` eats the whitespace after it: pieces cut at added tokens no longer tokenize like the whole.
+    raw.add_special_tokens([AddedToken(t, rstrip=(t == "<|im_end|>"), special=True) for t in
+                            ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
+                                  chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    m = ChatMasker(tok, split_turns="never")
+    (s,) = m.encode(CONVS["system"])
+    assert s.input_ids == tok(s.text, add_special_tokens=False)["input_ids"]
+    assert m.renderer.notes == ["piecewise tokenization differs from whole tokenization: tokenizing whole texts"]
+    assert marked(s, tok).endswith("<think>\nThe user greets.\n</think>\n\nHow are you today?<|im_end|>⟧")
