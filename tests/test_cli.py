@@ -125,3 +125,17 @@ def test_masks_explain_marks_trained_spans(tmp_path, capsys):
         "<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
         "⟦How are you today?<|im_end|>⟧",
         "== conversations 1, samples 1, turns 1"]
+
+
+def test_masks_explain_color_marks_reasoning_blue(tmp_path, capsys):
+    from chatfix import make_tokenizer
+
+    make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
+    conv = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "Hello there!"},
+            {"role": "assistant", "content": "How are you today?", "reasoning_content": "The user greets."}]
+    conv.write_text(json.dumps({"messages": msgs}) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model"), "--color"]) == 0
+    out = capsys.readouterr().out
+    assert ("\x1b[34m<think>\nThe user greets.\n</think>\n\n\x1b[0m\x1b[32mHow are you today?\x1b[0m"
+            "\x1b[33m<|im_end|>\x1b[0m\n") in out
