@@ -155,6 +155,8 @@ def _add_masks(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-train-on-eot", action="store_true", help="as `train_on_eot: false`")
     p.add_argument("--no-train-on-reasoning", action="store_true", help="as `train_on_reasoning: false`")
     p.add_argument("--color", action="store_true", help="colour the trained spans (reasoning blue, eot yellow)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer that is custom code (as `trust_remote_code: true`), e.g. Kimi-K2.5's")
     p.set_defaults(func=cmd_masks)
 
 
@@ -162,7 +164,7 @@ def cmd_masks(args: argparse.Namespace) -> int:
     from hsextract.errors import ConfigError
     from hsextract.loss_mask import ChatMasker
     from hsextract.mask_explain import explain
-    from hsextract.prepare import load_tokenizer
+    from hsextract.tokenizer_loading import load_tokenizer
 
     try:
         kwargs = json.loads(args.chat_template_kwargs)
@@ -170,7 +172,8 @@ def cmd_masks(args: argparse.Namespace) -> int:
         raise ConfigError(f"--chat-template-kwargs is not JSON: {e}") from None
     if not isinstance(kwargs, dict):
         raise ConfigError("--chat-template-kwargs must be a JSON object")
-    masker = ChatMasker(load_tokenizer(args.model, args.chat_template), train_on_eot=not args.no_train_on_eot,
+    tokenizer = load_tokenizer(args.model, args.chat_template, trust_remote_code=args.trust_remote_code)
+    masker = ChatMasker(tokenizer, train_on_eot=not args.no_train_on_eot,
                         train_on_reasoning=not args.no_train_on_reasoning, chat_template_kwargs=kwargs,
                         split_turns=args.split_turns)
     sys.stdout.write(explain(args.explain, masker, color=args.color))

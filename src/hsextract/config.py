@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hsextract.capture import resolve_aux_layers
 from hsextract.errors import ConfigError
 
 # Keys that hold sizes or counts, checked > 0 (also when the config did not come through the schema).
@@ -56,6 +57,7 @@ class Plan:
     n_chunks: int
     model: ModelShape
     reference: ReferenceLayout
+    aux_layers: list[int]  # resolved from `capture` and `aux_layers` (hsextract.capture)
 
 
 def lookup(config: Mapping[str, Any], dotted: str) -> Any:
@@ -76,7 +78,11 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def read_model_shape(model: str) -> ModelShape:
-    """Depth and hidden size of a local model directory or a hub id (via transformers' cache)."""
+    """Depth and hidden size of a local model directory, or of a hub id (its config.json, fetched or cached).
+
+    Only config.json is read, as JSON: no code of the checkpoint runs (Kimi-K2.5's config class is custom
+    code), and no weights are needed, so a dry run plans a production run from a config directory alone.
+    """
     path = Path(model)
     if path.is_dir():
         cfg_path = path / "config.json"
@@ -90,9 +96,9 @@ def read_model_shape(model: str) -> ModelShape:
         source = str(cfg_path)
     else:
         try:
-            from transformers import AutoConfig
+            from huggingface_hub import hf_hub_download
 
-            cfg = AutoConfig.from_pretrained(model).to_dict()
+            cfg = json.loads(Path(hf_hub_download(model, "config.json")).read_text())
         except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
             raise ConfigError(
                 f"model: {model!r} is not a readable model directory and its config could not be "
@@ -100,6 +106,8 @@ def read_model_shape(model: str) -> ModelShape:
                 f"set `model` to a local Hugging Face model directory"
             ) from None
         source = f"hub config of {model}"
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model: {source} is not a JSON object; `model` must be a causal LM that transformers loads")
     text = _text_config(cfg)
     try:
         vocab = text.get("vocab_size", cfg.get("vocab_size"))
@@ -193,7 +201,7 @@ def check_tiny_model_path(config: Mapping[str, Any]) -> None:
 def check_engine(config: Mapping[str, Any]) -> None:
     if config.get("engine") == "sglang":
         try:
-            import hsextract.engines.sglang_engine  # noqa: F401
+            import hsextract.sglang.client  # noqa: F401
         except ImportError as e:
             raise ConfigError(
                 f"engine: sglang is not usable in this installation ({e}); use engine: transformers "
@@ -201,8 +209,9 @@ def check_engine(config: Mapping[str, Any]) -> None:
             ) from None
 
 
-def check_layers(config: Mapping[str, Any], shape: ModelShape) -> None:
-    layers = list(config["aux_layers"])
+def check_layers(config: Mapping[str, Any], shape: ModelShape) -> list[int]:
+    """The run's aux layer ids (preset or explicit list), each checked against the model's depth."""
+    layers = resolve_aux_layers(config, shape.num_layers)
     for i, layer in enumerate(layers):
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ConfigError(f"aux_layers[{i}]: {layer!r} is not a layer id; ids are integers >= 0")
@@ -213,15 +222,19 @@ def check_layers(config: Mapping[str, Any], shape: ModelShape) -> None:
             )
     if len(set(layers)) != len(layers):
         raise ConfigError(f"aux_layers: {layers} repeats a layer id; each id must appear once")
+    return layers
 
 
-def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: ReferenceLayout) -> None:
-    want = len(config["aux_layers"]) + 1
+def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: ReferenceLayout,
+                    aux_layers: list[int] | None = None) -> None:
+    aux = list(config["aux_layers"]) if aux_layers is None else aux_layers
+    want = len(aux) + 1
     if ref.num_tensors != want:
         raise ConfigError(
             f"reference_sample: {config['reference_sample']} holds {ref.num_tensors} hidden-state "
-            f"tensors, but aux_layers has {len(config['aux_layers'])} layers, so shards hold {want} "
-            f"(aux layers + final state); use a reference sample with {want} tensors or change aux_layers"
+            f"tensors, but aux_layers {aux} (capture: {config.get('capture') or 'custom'}) has {len(aux)} layers, "
+            f"so shards hold {want} (aux layers + final state); use a reference sample with {want} tensors "
+            f"or change aux_layers"
         )
     # The shipped reference is Kimi-shaped and checks layout only; the workflow's own tiny model
     # is therefore not comparable by hidden size. A real model is: its reference should come
@@ -232,6 +245,23 @@ def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: Reference
             f"model {config['model']} has hidden size {shape.hidden_size}; point reference_sample at "
             f"a sample of a dataset of this model"
         )
+
+
+def check_tokenizer(config: Mapping[str, Any]) -> None:
+    """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
+    from hsextract.tokenizer_loading import KEY, check_tokenizer_source
+
+    source = str(config.get("tokenizer") or config["model"])
+    trusted = bool(config.get(KEY))
+    built_here = config.get("make_tiny_model") and not config.get("tokenizer")
+    if built_here and config.get("tiny_model_tokenizer") == "kimi" and not trusted:
+        raise ConfigError(
+            f"{KEY}: make_tiny_model builds {source} with tiny_model_tokenizer: kimi, a tokenizer that is custom "
+            f"code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as Kimi-K2.5's is), "
+            f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
+            f"tiny_model_tokenizer: fast")
+    if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
+        check_tokenizer_source(source, trusted)
 
 
 def count_chunks(n_records: int, prompts_per_chunk: int) -> int:
@@ -248,9 +278,10 @@ def check(config: Mapping[str, Any]) -> Plan:
         shape = tiny_model_shape()
     else:
         shape = read_model_shape(model)
-    check_layers(config, shape)
+    aux_layers = check_layers(config, shape)
+    check_tokenizer(config)
     ref = read_reference(str(config["reference_sample"]))
-    check_reference(config, shape, ref)
+    check_reference(config, shape, ref, aux_layers)
 
     from hsextract.conversations import count_records
 
@@ -271,4 +302,5 @@ def check(config: Mapping[str, Any]) -> Plan:
         n_chunks=count_chunks(n_records, int(config["prompts_per_chunk"])),
         model=shape,
         reference=ref,
+        aux_layers=aux_layers,
     )

@@ -16,7 +16,7 @@ Every file is written to a temporary name in `out_dir` and renamed.
 
 Config keys read (defaults in DEFAULTS): sources, seed, prompts_per_chunk, max_seq_len, truncate,
 min_trained_tokens, train_on_eot, train_on_reasoning, dedup, strict, chat_template_kwargs, chat_template,
-split_turns.
+trust_remote_code, split_turns.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import SPLIT_MODES, ChatMasker, TemplateError
+from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
 
 DEFAULTS: dict[str, Any] = {
@@ -50,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "strict": True,
     "chat_template_kwargs": {},
     "chat_template": None,  # path to a .jinja file or template text; None: the tokenizer's own
+    "trust_remote_code": False,  # load a tokenizer that is custom code (tokenizer_config.json auto_map)
     "split_turns": "auto",  # auto | never | always: one sample per assistant turn (loss_mask.py)
 }
 
@@ -83,7 +85,7 @@ def _settings(config: Mapping[str, Any]) -> dict[str, Any]:
     mtt = cfg["min_trained_tokens"]
     if isinstance(mtt, bool) or not isinstance(mtt, int) or mtt < 0:
         raise ConfigError(f"config key `min_trained_tokens` must be an integer >= 0, got {mtt!r}")
-    for key in ("truncate", "train_on_eot", "train_on_reasoning", "dedup", "strict"):
+    for key in ("truncate", "train_on_eot", "train_on_reasoning", "dedup", "strict", "trust_remote_code"):
         if not isinstance(cfg[key], bool):
             raise ConfigError(f"config key `{key}` must be true or false, got {cfg[key]!r}")
     if not isinstance(cfg["chat_template_kwargs"] or {}, Mapping):
@@ -99,21 +101,6 @@ def num_chunks(config: Mapping[str, Any]) -> int:
     """Chunk count from the config alone (cheap: counts records, parses nothing): what Snakemake needs."""
     cfg = _settings(config)
     return math.ceil(count_records(cfg["sources"]) / cfg["prompts_per_chunk"])
-
-
-def load_tokenizer(tokenizer: Any, chat_template: str | None = None) -> Any:
-    """A fast tokenizer from a path (or a tokenizer object), with an optional chat template override."""
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load a tokenizer from {tokenizer}: {e}") from e
-    if chat_template:
-        p = Path(chat_template)
-        tokenizer.chat_template = p.read_text() if len(chat_template) < 4096 and p.is_file() else chat_template
-    return tokenizer
 
 
 def conversation_hash(conv: Conversation) -> str:
@@ -159,7 +146,7 @@ def run_prepare(config: Mapping[str, Any], tokenizer_path: Any, out_dir: str | o
         raise ConfigError(
             f"num_chunks is {num_chunks} but the sources now hold {len(order)} records = {expected} chunks of "
             f"{ppc}; the inputs changed after the workflow was parsed: rerun snakemake")
-    tokenizer = load_tokenizer(tokenizer_path, cfg["chat_template"])
+    tokenizer = load_tokenizer(tokenizer_path, cfg["chat_template"], trust_remote_code=cfg["trust_remote_code"])
     masker = ChatMasker(tokenizer, train_on_eot=cfg["train_on_eot"], train_on_reasoning=cfg["train_on_reasoning"],
                         chat_template_kwargs=dict(cfg["chat_template_kwargs"] or {}), split_turns=cfg["split_turns"])
     out = Path(out_dir)

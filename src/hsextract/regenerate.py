@@ -592,7 +592,7 @@ def run_regenerate_chunk(config: Mapping[str, Any], chunk_index: int, out_path: 
 
     `tokenizer` defaults to config `tokenizer` or `model` (with config `chat_template` applied); `generator`
     defaults to `make_generator`. Returns the stats dict."""
-    from hsextract.prepare import load_tokenizer
+    from hsextract.tokenizer_loading import load_tokenizer
 
     settings = parse_settings(config.get("regenerate"))
     sources_cfg, ppc, seed, strict = _model_settings(config)
@@ -606,7 +606,7 @@ def run_regenerate_chunk(config: Mapping[str, Any], chunk_index: int, out_path: 
         raise ConfigError(f"regenerate: chunk {chunk_index} does not exist: the sources hold {len(order)} records "
                           f"= {total} chunks of {ppc}")
     tok = load_tokenizer(tokenizer if tokenizer is not None else (config.get("tokenizer") or config.get("model")),
-                         config.get("chat_template"))
+                         config.get("chat_template"), trust_remote_code=bool(config.get("trust_remote_code")))
     stop_ids = list(settings.stop_token_ids or end_of_turn_ids(tok, kwargs))
     settings = RegenSettings(**{**asdict(settings), "stop_token_ids": tuple(stop_ids)})
     gen = generator if generator is not None else make_generator(config, settings, tok, stop_ids)

@@ -4,10 +4,16 @@ The embedded default workflow runs on a laptop CPU, so it needs a target model t
 Kimi's *structure* (MLA attention with low-rank q and kv, MoE with sigmoid top-k routing
 and one shared expert, dense first layer(s), final RMSNorm, untied lm_head, Kimi's chat
 format) but is tiny. Weights are random from a fixed seed; a BPE tokenizer is trained on
-the shipped conversations. Everything is deterministic: the same arguments write
-byte-identical `model.safetensors` and `tokenizer.json`.
+the shipped conversations, in one of two packagings (`tokenizer=`):
 
-    python -m hsextract.tinymodel --out resources/tiny-model --conversations data/conversations.jsonl
+- `fast`: a `tokenizers` tokenizer.json with the Kimi-style template of hsextract.chat_template;
+- `kimi`: packaged the way Kimi-K2.5 ships its tokenizer (hsextract.kimi_tokenizer): custom code
+  behind an `auto_map` (tokenization_kimi.py), a tiktoken.model BPE, a slow tokenizer, a
+  Kimi-K2.5-shaped template with a `thinking` switch. Loading it needs trust_remote_code.
+
+Everything is deterministic: the same arguments write byte-identical weights and tokenizer files.
+
+    python -m hsextract.tinymodel --out resources/tiny-model --conversations data/conversations.jsonl [--tokenizer kimi]
 """
 
 from __future__ import annotations
@@ -70,6 +76,7 @@ TINY_CONFIG: dict[str, Any] = {
     "topk_method": "noaux_tc",
 }
 DEFAULT_VOCAB_SIZE = 4096
+TOKENIZER_KINDS = ("fast", "kimi")
 # std of the random weights: the usual 0.02 for all matrices, except the MoE router.
 # A random router with std 0.02 gives sigmoid scores all within ~0.5 +- 0.08, so the top-2
 # choice is a near-tie for many tokens, and the rounding difference between a padded batch
@@ -169,18 +176,20 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float, router_std: flo
             t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32) * s)
 
 
-def build_config(vocab_size: int, **overrides: Any) -> Any:
+def build_config(vocab_size: int, special: dict[str, int] | None = None, **overrides: Any) -> Any:
+    """DeepseekV3Config of the tiny model; `special` maps [BOS]/[EOS]/[PAD] to ids (default: 0, 1, 2)."""
     from transformers import DeepseekV3Config
 
     unknown = set(overrides) - set(TINY_CONFIG)
     if unknown:
         raise ConfigError(f"tiny model: unknown config override(s) {sorted(unknown)}; allowed: {sorted(TINY_CONFIG)}")
     cfg = {**TINY_CONFIG, **overrides}
+    ids = special or {t: SPECIAL_TOKENS.index(t) for t in (BOS, EOS, PAD)}
     return DeepseekV3Config(
         vocab_size=vocab_size,
-        bos_token_id=SPECIAL_TOKENS.index(BOS),
-        eos_token_id=SPECIAL_TOKENS.index(EOS),
-        pad_token_id=SPECIAL_TOKENS.index(PAD),
+        bos_token_id=ids[BOS],
+        eos_token_id=ids[EOS],
+        pad_token_id=ids[PAD],
         dtype="bfloat16",
         **cfg,
     )
@@ -193,19 +202,34 @@ def make_tiny_model(
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     init_std: float = DEFAULT_INIT_STD,
     router_std: float = DEFAULT_ROUTER_STD,
+    tokenizer: str = "fast",
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny DeepseekV3ForCausalLM (bf16 safetensors) + tokenizer to `out_dir`.
 
-    `config_overrides` replace keys of TINY_CONFIG (e.g. num_hidden_layers=4, hidden_size=128
-    for tests). The directory is built under a temporary name next to `out_dir` and renamed
-    into place, replacing any previous one: it exists whole or not at all.
+    `tokenizer` is the packaging, `fast` or `kimi` (module docstring); `vocab_size` counts every id,
+    the kimi packaging's 256 reserved special ids included. `config_overrides` replace keys of
+    TINY_CONFIG (e.g. num_hidden_layers=4, hidden_size=128 for tests). The directory is built under a
+    temporary name next to `out_dir` and renamed into place, replacing any previous one: it exists
+    whole or not at all.
     """
     from transformers import DeepseekV3ForCausalLM
 
+    if tokenizer not in TOKENIZER_KINDS:
+        raise ConfigError(f"tiny model: tokenizer={tokenizer!r}; choose one of {list(TOKENIZER_KINDS)}")
     out = Path(out_dir)
-    tokenizer = train_tokenizer(conversations_path, vocab_size)
-    config = build_config(len(tokenizer), **config_overrides)
+    if tokenizer == "kimi":
+        from hsextract import kimi_tokenizer
+
+        texts = [*kimi_tokenizer.TEMPLATE_WORDS, *_iter_texts(Path(conversations_path))]
+        ranks = kimi_tokenizer.train_ranks(texts, vocab_size - kimi_tokenizer.NUM_RESERVED_SPECIAL_TOKENS)
+        ids = kimi_tokenizer.special_ids(len(ranks))
+        config = build_config(kimi_tokenizer.vocab_size(len(ranks)), ids, **config_overrides)
+        eot = ids["<|im_end|>"]
+    else:
+        fast = train_tokenizer(conversations_path, vocab_size)
+        config = build_config(len(fast), **config_overrides)
+        eot = fast.convert_tokens_to_ids("<|im_end|>")
 
     torch.manual_seed(seed)  # only for anything transformers draws at construction; overwritten below
     model = DeepseekV3ForCausalLM(config)
@@ -213,16 +237,20 @@ def make_tiny_model(
     model = model.to(torch.bfloat16).eval()
     # the model's generation defaults, stated rather than inherited
     model.generation_config.bos_token_id = config.bos_token_id
-    model.generation_config.eos_token_id = [config.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config.eos_token_id = [config.eos_token_id, eot]
     model.generation_config.pad_token_id = config.pad_token_id
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if tokenizer == "kimi":
+            kimi_tokenizer.write_kimi_tokenizer(tmp, ranks, TINY_CONFIG["max_position_embeddings"])
+        else:
+            fast.save_pretrained(tmp)
         info = {
             "what": "hsextract tiny model: random DeepseekV3 (Kimi-K2.5 shape in miniature)",
+            "tokenizer": tokenizer,
             "seed": seed,
             "init_std": init_std,
             "router_std": router_std,
@@ -259,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--num-layers", type=int, default=TINY_CONFIG["num_hidden_layers"])
     p.add_argument("--hidden-size", type=int, default=TINY_CONFIG["hidden_size"])
+    p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="fast",
+                   help="fast: tokenizer.json; kimi: custom-code tiktoken tokenizer packaged like Kimi-K2.5's")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     out = make_tiny_model(
@@ -268,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         vocab_size=args.vocab_size,
         num_hidden_layers=args.num_layers,
         hidden_size=args.hidden_size,
+        tokenizer=args.tokenizer,
     )
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
 

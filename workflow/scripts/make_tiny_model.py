@@ -10,5 +10,6 @@ summary = make_tiny_model(
     snakemake.output.model,  # noqa: F821
     snakemake.input.conversations,  # noqa: F821
     seed=int(snakemake.params.seed),  # noqa: F821
+    tokenizer=snakemake.params.tokenizer,  # noqa: F821
 )
 print(f"tiny model written to {snakemake.output.model}: {summary}")  # noqa: F821

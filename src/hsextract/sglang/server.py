@@ -1,0 +1,383 @@
+"""Lifecycle of the patched SGLang server(s): start-or-reuse from extraction jobs, stop from onsuccess/onerror.
+
+Pattern (notes/snakemake.md A6.3): each extraction job calls `ensure_server(state_dir, cfg, replica)`,
+which takes an fcntl lock on `state_dir/replica-<r>.lock`, reuses the server named by
+`replica-<r>.json` if its process is alive, answers GET /health and its plugin marker is in place, and
+otherwise kills what is left (its whole process group) and starts a fresh one in its own session. The
+Snakefile's `onsuccess:`/`onerror:` call `stop_servers(state_dir)` (and `onstart:` too, which kills a
+server orphaned by a `kill -9` of Snakemake). The server is not a DAG input.
+
+Each server gets a private dump directory (mode 0700, unpredictable name, under /dev/shm when it
+exists), removed when the server is stopped. Replicas: replica r listens on port+r and sees the GPUs
+gpus[r*tp:(r+1)*tp] through CUDA_VISIBLE_DEVICES; chunk i goes to replica i % replicas. With
+`server_url` nothing is started: `external_server(url, dump_dir)` wraps a server that runs elsewhere
+(on this node: the dump directory must be visible here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from hsextract.sglang_plugin import dumpfiles
+from hsextract.errors import ConfigError, EngineError
+
+DUMP_DIR_PREFIX = "hsx-"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str
+    aux_layers: tuple[int, ...]
+    python: str = sys.executable  # the server environment's interpreter
+    final_state: str = "post_norm"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp: int = 1
+    replicas: int = 1
+    gpus: tuple[int, ...] | None = None  # devices split among replicas; default 0..replicas*tp-1
+    chunked_prefill_size: int | None = None
+    capture: str = "plugin"  # "plugin" (0.5.16+) or "builtin" (--enable-return-aux-hidden-states, 0.5.2x)
+    launch_args: tuple[str, ...] = ()
+    module: str = "sglang.launch_server"
+    run_name: str = "run"
+    startup_timeout_s: float = 1800.0
+    stop_grace_s: float = 30.0
+    staging_mb: int = 4096
+    writer_threads: int = 4  # plugin threads writing piece files (HSEXTRACT_WRITER_THREADS)
+    # SGLang's (breakable) prefill CUDA graphs. Off: every prefill runs eagerly, which was faster with capture
+    # on the H200 (a 16 x 512-token batch 170 ms eager vs 185-194 ms on FULL-mode graphs; bench/README.md)
+    prefill_cuda_graph: bool = False
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.capture not in ("plugin", "builtin"):
+            raise ConfigError(f"sglang.capture: {self.capture!r}; use plugin or builtin")
+        if self.final_state != "post_norm":
+            raise ConfigError("final_state: the sglang engine provides post_norm only")
+        if self.writer_threads < 1:
+            raise ConfigError(f"sglang.writer_threads: {self.writer_threads}; must be >= 1")
+        if self.tp < 1 or self.replicas < 1:
+            raise ConfigError("sglang.tp and sglang.replicas must be >= 1")
+        if self.gpus is not None and len(self.gpus) < self.tp * self.replicas:
+            raise ConfigError(f"sglang.gpus lists {len(self.gpus)} devices; {self.replicas} replicas x tp "
+                              f"{self.tp} need {self.tp * self.replicas}")
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    dump_dir: Path
+    pid: int | None = None  # None for an external server
+    replica: int = 0
+    config_hash: str = ""
+    command: list[str] = field(default_factory=list)
+    log: str | None = None
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["dump_dir"] = str(self.dump_dir)
+        return json.dumps(d, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServerHandle":
+        d = json.loads(text)
+        d["dump_dir"] = Path(d["dump_dir"])
+        return cls(**d)
+
+
+def external_server(url: str, dump_dir: str | Path) -> ServerHandle:
+    """A server that runs elsewhere (config `server_url`); `dump_dir` is its HSEXTRACT_DUMP_DIR."""
+    return ServerHandle(url=url.rstrip("/"), dump_dir=Path(dump_dir))
+
+
+def gpu_set(cfg: ServerConfig, replica: int) -> list[int]:
+    gpus = list(cfg.gpus) if cfg.gpus is not None else list(range(cfg.tp * cfg.replicas))
+    return gpus[replica * cfg.tp : (replica + 1) * cfg.tp]
+
+
+def replica_for_chunk(chunk: int, replicas: int) -> int:
+    return chunk % replicas
+
+
+def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
+    cmd = [cfg.python, "-m", cfg.module, "--model-path", cfg.model, "--host", cfg.host,
+           "--port", str(cfg.port + replica), "--tp", str(cfg.tp), "--disable-radix-cache", "--skip-tokenizer-init"]
+    if cfg.chunked_prefill_size is not None:
+        cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
+    if cfg.capture == "builtin":
+        # DFLASH names the always-+1 convention (EAGLE3 takes DeepSeek ids raw); no draft model is loaded
+        cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DFLASH",
+                "--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layers)]
+    else:
+        cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs, if on, captured in FULL mode
+    if not cfg.prefill_cuda_graph:
+        cmd += ["--disable-prefill-cuda-graph"]
+    return cmd + list(cfg.launch_args)
+
+
+def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
+              base: Mapping[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    plugins = [p for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
+    env["SGLANG_PLUGINS"] = ",".join(dict.fromkeys([*plugins, "hsextract"]))
+    env["HSEXTRACT_DUMP_DIR"] = str(dump_dir)
+    env["HSEXTRACT_AUX_LAYERS"] = ",".join(map(str, cfg.aux_layers))
+    env["HSEXTRACT_FINAL_STATE"] = cfg.final_state
+    env["HSEXTRACT_STAGING_MB"] = str(cfg.staging_mb)
+    env["HSEXTRACT_WRITER_THREADS"] = str(cfg.writer_threads)
+    if cfg.gpus is not None or cfg.replicas > 1:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_set(cfg, replica)))
+    env.update(cfg.env)
+    return env
+
+
+def config_hash(cfg: ServerConfig, replica: int) -> str:
+    d = asdict(cfg)
+    for k in ("startup_timeout_s", "stop_grace_s"):
+        d.pop(k)
+    d["replica"] = replica
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def make_dump_dir(run_name: str) -> Path:
+    """Private (0700), unpredictable, in /dev/shm when possible."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:40]
+    return Path(tempfile.mkdtemp(prefix=f"{DUMP_DIR_PREFIX}{safe}-", dir=base))
+
+
+def health(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when GET {url}/health answers 200, else why not."""
+    m = re.match(r"^http://([^:/]+)(?::(\d+))?", url)
+    if not m:
+        return f"bad url {url!r}"
+    try:
+        c = http.client.HTTPConnection(m.group(1), int(m.group(2) or 80), timeout=timeout_s)
+        c.request("GET", "/health")
+        r = c.getresponse()
+        r.read()
+        c.close()
+    except (OSError, http.client.HTTPException) as e:
+        return f"{type(e).__name__}: {e}"
+    return None if r.status == 200 else f"HTTP {r.status}"
+
+
+def _has_marker(dump_dir: Path) -> bool:
+    return any(dump_dir.glob(f"{dumpfiles.PLUGIN_MARKER_PREFIX}*.json"))
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return True
+
+
+def _is_ours(pid: int, dump_dir: Path) -> bool:
+    """Guard against pid reuse: our server's environment names its dump directory."""
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return not Path("/proc").is_dir()  # no procfs: trust the pidfile
+    return f"HSEXTRACT_DUMP_DIR={dump_dir}".encode() in env
+
+
+def _kill_group(pid: int, grace_s: float) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # reap when it is our child
+            if not _group_alive(pid):
+                return
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a group of zombies only
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _remove_dump_dir(d: Path) -> None:
+    if d.name.startswith(DUMP_DIR_PREFIX) and d.is_dir():
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _endpoint(state_dir: Path, replica: int) -> Path:
+    return state_dir / f"replica-{replica}.json"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, port)) == 0
+
+
+def _stop_handle(h: ServerHandle, grace_s: float, started_here: bool = False) -> bool:
+    """Kill h's process group. A pid read from a file must prove it is ours (pid reuse); one this process
+    started itself need not (its environment may not name the dump dir, e.g. HSEXTRACT_DUMP_DIR overridden)."""
+    killed = False
+    if h.pid and _alive(h.pid) and (started_here or _is_ours(h.pid, h.dump_dir)):
+        _kill_group(h.pid, grace_s)
+        killed = True
+    _remove_dump_dir(h.dump_dir)
+    return killed
+
+
+def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) -> ServerHandle:
+    """Return a healthy server for `replica`, reusing a running one or starting it (minutes for SGLang)."""
+    state_dir = Path(state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    h_cfg = config_hash(cfg, replica)
+    ep = _endpoint(state_dir, replica)
+    with _locked(state_dir / f"replica-{replica}.lock"):
+        if ep.exists():
+            old = ServerHandle.from_json(ep.read_text())
+            if (old.config_hash == h_cfg and _alive(old.pid) and health(old.url) is None
+                    and _has_marker(old.dump_dir)):
+                return old
+            _stop_handle(old, cfg.stop_grace_s)  # stale, dead, or another configuration
+            ep.unlink()
+        port = cfg.port + replica
+        deadline = time.monotonic() + 10.0  # a just-killed server closes its socket after it turns zombie
+        while _port_in_use(cfg.host, port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _port_in_use(cfg.host, port):
+            raise EngineError(f"port {port} on {cfg.host} is already in use by another process; stop it or set "
+                              f"sglang.port (replica {replica} uses port + {replica})")
+        dump_dir = make_dump_dir(cfg.run_name)
+        cmd = build_command(cfg, replica)
+        log_path = state_dir / f"replica-{replica}.log"
+        with open(log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%F %T')} starting: {' '.join(cmd)}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, env=build_env(cfg, dump_dir, replica), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        h = ServerHandle(url=f"http://{cfg.host}:{port}", dump_dir=dump_dir, pid=proc.pid, replica=replica,
+                         config_hash=h_cfg, command=cmd, log=str(log_path))
+        tmp = ep.with_name(ep.name + ".tmp")
+        tmp.write_text(h.to_json())
+        os.replace(tmp, ep)  # written before waiting: a stop during start-up finds the pid
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        while True:
+            rc = proc.poll()
+            if rc is not None:
+                _stop_handle(h, 1.0, started_here=True)
+                ep.unlink(missing_ok=True)
+                raise EngineError(f"the SGLang server (replica {replica}) exited with code {rc} during start-up; "
+                                  f"command: {' '.join(cmd)}\nlast lines of {log_path}:\n{_tail(log_path)}")
+            if health(h.url, 2.0) is None:
+                if _has_marker(dump_dir):
+                    return h
+                _stop_handle(h, cfg.stop_grace_s, started_here=True)
+                ep.unlink(missing_ok=True)
+                raise EngineError(f"the SGLang server at {h.url} is healthy but the hsextract plugin is not active "
+                                  f"(no {dumpfiles.PLUGIN_MARKER_PREFIX}*.json in its dump dir): install hsextract "
+                                  f"into {cfg.python}'s environment (rule build_patched_server); log: {log_path}")
+            if time.monotonic() > deadline:
+                _stop_handle(h, cfg.stop_grace_s, started_here=True)
+                ep.unlink(missing_ok=True)
+                raise EngineError(f"the SGLang server (replica {replica}) was not healthy after "
+                                  f"{cfg.startup_timeout_s:g} s; last lines of {log_path}:\n{_tail(log_path)}")
+            time.sleep(0.5)
+
+
+def stop_servers(state_dir: str | Path, grace_s: float = 30.0) -> list[int]:
+    """Stop every server recorded in `state_dir` (process group), remove its dump dir; returns killed pids.
+
+    Call from Snakemake's onsuccess/onerror, and from onstart to clear a server orphaned by a crash.
+    """
+    state_dir = Path(state_dir)
+    killed: list[int] = []
+    for ep in sorted(state_dir.glob("replica-*.json")):
+        replica = int(ep.stem.split("-")[1])
+        with _locked(state_dir / f"replica-{replica}.lock"):
+            try:
+                h = ServerHandle.from_json(ep.read_text())
+            except (OSError, ValueError, TypeError):
+                ep.unlink(missing_ok=True)
+                continue
+            if _stop_handle(h, grace_s) and h.pid:
+                killed.append(h.pid)
+            ep.unlink(missing_ok=True)
+    return killed
+
+
+def _tail(path: Path, n: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="hsextract SGLang server state")
+    ap.add_argument("action", choices=["stop", "status"])
+    ap.add_argument("state_dir")
+    a = ap.parse_args(argv)
+    if a.action == "stop":
+        print(json.dumps({"killed": stop_servers(a.state_dir)}))
+        return 0
+    out = []
+    for ep in sorted(Path(a.state_dir).glob("replica-*.json")):
+        h = ServerHandle.from_json(ep.read_text())
+        out.append({"replica": h.replica, "url": h.url, "pid": h.pid, "alive": _alive(h.pid),
+                    "health": health(h.url) or "ok", "dump_dir": str(h.dump_dir)})
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
