@@ -6,7 +6,7 @@ import functools
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AddedToken, PreTrainedTokenizer, PreTrainedTokenizerFast
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
@@ -21,9 +21,16 @@ SPECIALS = {
     "kimi_k25": ["[BOS]", "[EOS]", "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>",
                  "<|im_middle|>", "<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
                  "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    "harmony": ["<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>",
+                "<|constrain|>"],
+    "deepseek_v31": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                     "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
 }
-BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]"}
-EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>"}
+BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]",
+       "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>"}
+EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>",
+       "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>"}
 
 CORPUS = [
     "Hello there! How are you today?",
@@ -60,18 +67,66 @@ def make_tokenizer(name: str) -> PreTrainedTokenizerFast:
                                    **kw)
 
 
-def trained_segments(sample) -> list[str]:
-    """Text of each contiguous run of trained tokens (pins the mask token by token, readable in asserts)."""
-    enc_text = sample.text
+def trained_segments(sample, tokenizer) -> list[str]:
+    """Decoded text of each contiguous run of trained tokens (pins the mask token by token, readable in asserts)."""
     runs: list[str] = []
-    tok_spans = sample.offsets
-    cur: list[int] | None = None
-    for (a, b), m in zip(tok_spans, sample.loss_mask):
-        if m:
-            cur = [cur[0], b] if cur else [a, b]
-        elif cur:
-            runs.append(enc_text[cur[0]:cur[1]])
-            cur = None
-    if cur:
-        runs.append(enc_text[cur[0]:cur[1]])
+    start = None
+    for t, m in enumerate(sample.loss_mask + [0]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            runs.append(tokenizer.decode(sample.input_ids[start:t], skip_special_tokens=False,
+                                         clean_up_tokenization_spaces=False))
+            start = None
     return runs
+
+
+class SlowTwinTokenizer(PreTrainedTokenizer):
+    """A slow (pure Python, no offset mappings) tokenizer with the vocabulary and merges of a fast one.
+
+    Real checkpoints ship such tokenizers (tiktoken or sentencepiece based, often as custom code); this twin
+    lets a test compare masks computed through the slow path with the fast tokenizer's, id for id."""
+
+    vocab_files_names: dict[str, str] = {}
+    model_input_names = ["input_ids", "attention_mask"]
+
+    def __init__(self, fast: PreTrainedTokenizerFast, **kwargs) -> None:
+        raw = Tokenizer.from_str(fast.backend_tokenizer.to_str())
+        self._specials = {t.content for t in fast.added_tokens_decoder.values()}
+        self._base = Tokenizer(raw.model)  # the BPE model alone: added tokens are split out by the slow path
+        self._base.pre_tokenizer = raw.pre_tokenizer
+        self._base.decoder = raw.decoder
+        self._vocab = dict(raw.get_vocab(with_added_tokens=True))
+        self._ids = {i: t for t, i in self._vocab.items()}
+        added = {i: AddedToken(t.content, special=True, normalized=False)
+                 for i, t in fast.added_tokens_decoder.items()}
+        super().__init__(added_tokens_decoder=added, chat_template=fast.chat_template,
+                         eos_token=fast.eos_token, bos_token=fast.bos_token, clean_up_tokenization_spaces=False,
+                         **kwargs)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    def get_vocab(self) -> dict[str, int]:
+        return dict(self._vocab)
+
+    def _tokenize(self, text: str, **kwargs) -> list[str]:
+        return self._base.encode(text, add_special_tokens=False).tokens
+
+    def _convert_token_to_id(self, token: str) -> int:
+        return self._vocab[token]
+
+    def _convert_id_to_token(self, index: int) -> str:
+        return self._ids[index]
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        return self._base.decoder.decode(tokens)
+
+    def save_vocabulary(self, save_directory: str, filename_prefix: str | None = None) -> tuple[str, ...]:
+        return ()
+
+
+def make_slow_tokenizer(name: str) -> SlowTwinTokenizer:
+    """The slow twin of `make_tokenizer(name)`: same ids for every text, no offsets."""
+    return SlowTwinTokenizer(make_tokenizer(name))

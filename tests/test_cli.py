@@ -97,3 +97,45 @@ def test_console_entry_runs_as_module(shard):
     r = subprocess.run([sys.executable, "-m", "hsextract.cli", "inspect", "--json", str(path)],
                        capture_output=True, text=True, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}, check=False)
     assert r.returncode == 0 and json.loads(r.stdout)["num_samples"] == 3
+
+
+def test_masks_explain_marks_trained_spans(tmp_path, capsys):
+    from chatfix import make_slow_tokenizer, make_tokenizer
+
+    from hsextract.loss_mask import ChatMasker
+    from hsextract.mask_explain import explain
+
+    make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
+    conv = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "How are you today?"}]
+    conv.write_text(json.dumps({"messages": msgs}) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model"), "--no-train-on-eot"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"== {conv}:1: 27 tokens, 6 trained",
+        "<|im_start|>user", "Hello there!<|im_end|>", "<|im_start|>assistant", "<think>", "", "</think>", "",
+        "⟦How are you today?⟧<|im_end|>", "",
+        "== conversations 1, samples 1, turns 1"]
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model"),
+                 "--chat-template-kwargs", "[1]"]) == 2
+    assert "--chat-template-kwargs must be a JSON object" in capsys.readouterr().err
+    # A slow tokenizer (no offset mappings) explains the same way.
+    assert explain(conv, ChatMasker(make_slow_tokenizer("kimi_k25"))).splitlines() == [
+        f"== {conv}:1: 60 tokens, 7 trained",
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+        "<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
+        "⟦How are you today?<|im_end|>⟧",
+        "== conversations 1, samples 1, turns 1"]
+
+
+def test_masks_explain_color_marks_reasoning_blue(tmp_path, capsys):
+    from chatfix import make_tokenizer
+
+    make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
+    conv = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "Hello there!"},
+            {"role": "assistant", "content": "How are you today?", "reasoning_content": "The user greets."}]
+    conv.write_text(json.dumps({"messages": msgs}) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model"), "--color"]) == 0
+    out = capsys.readouterr().out
+    assert ("\x1b[34m<think>\nThe user greets.\n</think>\n\n\x1b[0m\x1b[32mHow are you today?\x1b[0m"
+            "\x1b[33m<|im_end|>\x1b[0m\n") in out

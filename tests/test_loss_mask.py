@@ -37,12 +37,14 @@ TWO = Conversation([U("Hello there!"), A("How are you today?", "The user greets.
 
 
 def segs(name, conv, **kw):
-    return trained_segments(ChatMasker(make_tokenizer(name), **kw).encode(conv))
+    tok = make_tokenizer(name)
+    (s,) = ChatMasker(tok, **kw).encode(conv)
+    return trained_segments(s, tok)
 
 
 def test_llama3_single_turn_exact_token_mask():
     tok = make_tokenizer("llama3")
-    s = ChatMasker(tok).encode(ONE)
+    (s,) = ChatMasker(tok).encode(ONE)
     prompt = tok.apply_chat_template(ONE.messages[:2], add_generation_prompt=True, tokenize=False)
     n_prompt = len(tok(prompt, add_special_tokens=False)["input_ids"])
     n_answer = len(tok("How are you today?", add_special_tokens=False)["input_ids"])
@@ -50,7 +52,7 @@ def test_llama3_single_turn_exact_token_mask():
     assert s.input_ids[:n_prompt] == tok(prompt, add_special_tokens=False)["input_ids"]
     assert s.loss_mask == [0] * n_prompt + [1] * n_answer + [1]  # + <|eot_id|>
     assert s.input_ids[-1] == tok.convert_tokens_to_ids("<|eot_id|>")
-    s2 = ChatMasker(tok, train_on_eot=False).encode(ONE)
+    (s2,) = ChatMasker(tok, train_on_eot=False).encode(ONE)
     assert s2.loss_mask == [0] * n_prompt + [1] * n_answer + [0]
 
 
@@ -64,74 +66,116 @@ def test_llama3_tool_call(eot, reasoning, expected):
     assert segs("llama3", TOOL_CONV, train_on_eot=eot, train_on_reasoning=reasoning) == expected
 
 
-def test_deepseek_v3_tool_call_and_outputs_end_not_trained():
+def test_deepseek_v3_tool_call_and_outputs_end_generated_by_the_model():
     calls = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}'
              '\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    # This template writes no generation prompt after tool outputs: the server's prompt ends with
+    # <｜tool▁output▁end｜>, so the model itself writes <｜tool▁outputs▁end｜> before its answer: trained.
     assert segs("deepseek_v3", TOOL_CONV) == [
         "How are you today?<｜end▁of▁sentence｜>", calls + "<｜end▁of▁sentence｜>",
-        "The weather in Paris is sunny.<｜end▁of▁sentence｜>"]
+        "<｜tool▁outputs▁end｜>The weather in Paris is sunny.<｜end▁of▁sentence｜>"]
     # The tool-call closers are generated text: trained even without the end-of-turn token.
     assert segs("deepseek_v3", TOOL_CONV, train_on_eot=False) == [
-        "How are you today?", calls, "The weather in Paris is sunny."]
-    text = ChatMasker(make_tokenizer("deepseek_v3")).encode(TOOL_CONV).text
-    assert "<｜tool▁outputs▁end｜>The weather" in text  # opened by the template, context only
+        "How are you today?", calls, "<｜tool▁outputs▁end｜>The weather in Paris is sunny."]
+    tok = make_tokenizer("deepseek_v3")
+    prompt = ChatMasker(tok).render(TOOL_CONV.messages[:6], add_generation_prompt=True)
+    assert prompt.endswith('{"temperature": 21}<｜tool▁output▁end｜>')
 
 
-def test_qwen3_reasoning_kept_after_last_query_dropped_before():
-    assert segs("qwen3", TOOL_CONV) == [
-        "How are you today?<|im_end|>\n",  # reasoning dropped by the template (before the last query)
-        '<think>\nLet me think.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
-        "\n</tool_call><|im_end|>\n",
-        "<think>\n21 degrees.\n</think>\n\nThe weather in Paris is sunny.<|im_end|>\n"]
-    assert segs("qwen3", TOOL_CONV, train_on_reasoning=False, train_on_eot=False) == [
-        "How are you today?",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-        "The weather in Paris is sunny."]
+QWEN_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_qwen3_history_rewrite_splits_into_one_sample_per_turn():
+    tok = make_tokenizer("qwen3")
+    samples = ChatMasker(tok).encode(TOOL_CONV)
+    # Qwen3 drops reasoning before the last query: each turn becomes the context the server saw, with its own
+    # reasoning; the `\n` after <|im_end|> is template text the model never generates.
+    assert [s.turn for s in samples] == [2, 4, 6]
+    assert [trained_segments(s, tok) for s in samples] == [
+        ["<think>\nThe user asks.\n</think>\n\nHow are you today?<|im_end|>"],
+        ["<think>\nLet me think.\n</think>\n\n" + QWEN_CALL + "<|im_end|>"],
+        ["<think>\n21 degrees.\n</think>\n\nThe weather in Paris is sunny.<|im_end|>"]]
+    for s in samples:
+        j = s.turn
+        prompt = tok.apply_chat_template(TOOL_CONV.messages[:j], add_generation_prompt=True, tokenize=False)
+        p = tok(prompt, add_special_tokens=False)["input_ids"]
+        assert s.input_ids[:len(p)] == p and s.loss_mask[:len(p)] == [0] * len(p)
+        assert s.input_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")  # cut after the stop token
+    assert [trained_segments(s, tok) for s in ChatMasker(tok, train_on_reasoning=False, train_on_eot=False)
+            .encode(TOOL_CONV)] == [["How are you today?"], [QWEN_CALL], ["The weather in Paris is sunny."]]
+
+
+def test_qwen3_never_split_trains_turns_as_the_full_rendering_shows_them():
+    m = ChatMasker(make_tokenizer("qwen3"), split_turns="never")
+    assert segs("qwen3", TOOL_CONV, split_turns="never") == [
+        "How are you today?<|im_end|>",  # reasoning dropped by the template (before the last query)
+        "<think>\nLet me think.\n</think>\n\n" + QWEN_CALL + "<|im_end|>",
+        "<think>\n21 degrees.\n</think>\n\nThe weather in Paris is sunny.<|im_end|>"]
+    m.encode(TOOL_CONV)
+    assert m.stats["turns_history_fallback"] == 1 and m.stats["split_conversations"] == 0
+    assert segs("qwen3", TOOL_CONV, train_on_reasoning=False, train_on_eot=False, split_turns="never") == [
+        "How are you today?", QWEN_CALL, "The weather in Paris is sunny."]
 
 
 def test_qwen3_empty_think_block_not_trained():
-    s = ChatMasker(make_tokenizer("qwen3")).encode(ONE)
+    tok = make_tokenizer("qwen3")
+    (s,) = ChatMasker(tok).encode(ONE)
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nHow are you today?" in s.text
-    assert trained_segments(s) == ["How are you today?<|im_end|>\n"]
+    assert trained_segments(s, tok) == ["How are you today?<|im_end|>"]
 
 
 def test_qwen3_thinking_disabled_with_reasoning_data_is_not_prefix_stable():
-    with pytest.raises(TemplateError, match=r"assistant turn 1: the template is not prefix-stable"):
+    with pytest.raises(TemplateError, match=r"assistant turn 1: the template is not prefix-stable") as e:
         ChatMasker(make_tokenizer("qwen3"), chat_template_kwargs={"enable_thinking": False}).encode(TWO)
+    assert e.value.reason == "not_prefix_stable"
     # Without reasoning in the data the non-thinking prompt is consistent.
     plain = Conversation([U("Hello there!"), A("How are you today?"), U("What is two plus two?"),
                           A("Two plus two is four.")])
-    assert segs("qwen3", plain, chat_template_kwargs={"enable_thinking": False}) == [
-        "How are you today?<|im_end|>\n", "Two plus two is four.<|im_end|>\n"]
+    tok = make_tokenizer("qwen3")
+    samples = ChatMasker(tok, chat_template_kwargs={"enable_thinking": False}).encode(plain)
+    # The empty think block is in the server's prompt; the full rendering drops it from history: split.
+    assert [trained_segments(x, tok) for x in samples] == [
+        ["How are you today?<|im_end|>"], ["Two plus two is four.<|im_end|>"]]
+    assert tok.decode(samples[0].input_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                                                     "How are you today?<|im_end|>")
+
+
+KIMI_CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+             '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
 
 
 def test_kimi_history_reasoning_dropped_and_empty_think_not_trained():
-    s = ChatMasker(make_tokenizer("kimi_k25")).encode(TOOL_CONV)
+    tok = make_tokenizer("kimi_k25")
+    (s,) = ChatMasker(tok, split_turns="never").encode(TOOL_CONV)
     assert "Let me think." not in s.text and "21 degrees." not in s.text
-    assert trained_segments(s) == [
-        "How are you today?<|im_end|>",
-        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-        '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>',
-        "The weather in Paris is sunny.<|im_end|>"]
+    assert trained_segments(s, tok) == [
+        "How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>", "The weather in Paris is sunny.<|im_end|>"]
+    # Split (auto): each turn stored as the server saw it, its own reasoning present and trained; the template
+    # never renders a final answer's reasoning, so it is put back after the `<think>` of the generation prompt.
+    m = ChatMasker(tok)
+    assert [trained_segments(x, tok) for x in m.encode(TOOL_CONV)] == [
+        ["The user asks.</think>How are you today?<|im_end|>"], ["Let me think.</think>" + KIMI_CALL + "<|im_end|>"],
+        ["21 degrees.</think>The weather in Paris is sunny.<|im_end|>"]]
+    assert m.stats["reasoning_inserted"] == 2 and m.stats["reasoning_not_rendered"] == 0
 
 
 def test_kimi_reasoning_in_open_tool_loop_kept_or_masked():
     conv = Conversation(TOOL_CONV.messages[:5])  # ends with the tool call: its reasoning is rendered
-    call = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
-    assert segs("kimi_k25", conv) == ["How are you today?<|im_end|>", "Let me think.</think>" + call + "<|im_end|>"]
-    assert segs("kimi_k25", conv, train_on_reasoning=False) == ["How are you today?<|im_end|>", call + "<|im_end|>"]
+    assert segs("kimi_k25", conv, split_turns="never") == [
+        "How are you today?<|im_end|>", "Let me think.</think>" + KIMI_CALL + "<|im_end|>"]
+    assert segs("kimi_k25", conv, train_on_reasoning=False, split_turns="never") == [
+        "How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>"]
 
 
 def test_multi_turn_with_system_prompt_all_templates():
     for name, eot in [("llama3", "<|eot_id|>"), ("deepseek_v3", "<｜end▁of▁sentence｜>"), ("kimi_k25", "<|im_end|>")]:
-        assert segs(name, TWO) == ["How are you today?" + eot, "Two plus two is four." + eot], name
+        assert segs(name, TWO, split_turns="never") == ["How are you today?" + eot, "Two plus two is four." + eot], name
         assert segs(name, ONE, train_on_eot=False) == ["How are you today?"], name
 
 
 def test_non_assistant_tokens_never_trained():
-    s = ChatMasker(make_tokenizer("qwen3")).encode(TOOL_CONV)
-    trained_text = "".join(trained_segments(s))
+    tok = make_tokenizer("qwen3")
+    trained_text = "".join(t for s in ChatMasker(tok).encode(TOOL_CONV) for t in trained_segments(s, tok))
     for m in TOOL_CONV.messages:
         if m["role"] != "assistant":
             assert m["content"] not in trained_text

@@ -63,7 +63,7 @@ def test_chunks_filters_and_summary(tmp_path):
     masker = ChatMasker(tok)
     for r in kept:
         i = int(r["sample_id"].split(":")[1])
-        want = masker.encode(Conversation(RECORDS[i]["messages"]))
+        (want,) = masker.encode(Conversation(RECORDS[i]["messages"]))
         assert r["input_ids"] == want.input_ids and r["loss_mask"] == want.loss_mask
         assert r["num_tokens"] == len(want.input_ids) and r["num_trained"] == sum(want.loss_mask)
         assert r["source"] == "d"
@@ -85,7 +85,7 @@ def test_chunks_filters_and_summary(tmp_path):
 def test_truncation_inside_an_assistant_turn(tmp_path):
     src = _write(tmp_path, [RECORDS[4]])
     tok = make_tokenizer("llama3")
-    full = ChatMasker(tok).encode(Conversation(RECORDS[4]["messages"]))
+    (full,) = ChatMasker(tok).encode(Conversation(RECORDS[4]["messages"]))
     first_trained = full.loss_mask.index(1)
     cut = first_trained + 5  # inside the answer
     summary = run_prepare(_cfg(src, max_seq_len=cut, truncate=True), tok, tmp_path / "out", 1)
@@ -131,3 +131,43 @@ def test_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "stderr", tty)
     run_prepare(_cfg(src), tok, tmp_path / "b", 1)
     assert "\rprepare:   0%|          | 0/1 [" in tty.getvalue()
+
+
+def _multi(reasoning=True):
+    a1 = {"role": "assistant", "content": "How are you today?"}
+    a2 = {"role": "assistant", "content": "Two plus two is four."}
+    if reasoning:
+        a1["reasoning_content"], a2["reasoning_content"] = "The user greets.", "Add them."
+    return {"messages": [{"role": "user", "content": "Hello there!"}, a1,
+                         {"role": "user", "content": "What is two plus two?"}, a2]}
+
+
+def test_split_turns_rows_ids_and_counters(tmp_path):
+    src = _write(tmp_path, [_multi(), conv("Hello there!", "How are you today?")])
+    tok = make_tokenizer("qwen3")
+    summary = run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "out", 1)
+    (rows,) = _rows(tmp_path / "out", 1)
+    # The Qwen3-style template drops the first turn's reasoning once a later query exists: one row per turn.
+    assert sorted(r["sample_id"] for r in rows) == ["d:0:t1", "d:0:t3", "d:1"]
+    want = ChatMasker(tok).encode(Conversation(_multi()["messages"]))
+    by_id = {r["sample_id"]: r for r in rows}
+    for s in want:
+        assert by_id[f"d:0:t{s.turn}"]["input_ids"] == s.input_ids
+        assert by_id[f"d:0:t{s.turn}"]["loss_mask"] == s.loss_mask
+    assert summary["read"] == 2 and summary["kept"] == 3
+    assert summary["masks"] == {"conversations": 2, "samples": 3, "split_conversations": 1, "turns": 3}
+    never = run_prepare(_cfg(src, prompts_per_chunk=4, split_turns="never"), tok, tmp_path / "never", 1)
+    assert never["kept"] == 2 and never["masks"]["turns_history_fallback"] == 1
+    with pytest.raises(ConfigError, match=r"split_turns: 'yes' is not one of \['auto', 'never', 'always'\] \(workflow/schemas/"):
+        run_prepare(_cfg(src, split_turns="yes"), tok, tmp_path / "bad", 1)
+
+
+def test_not_prefix_stable_dropped_and_counted(tmp_path):
+    src = _write(tmp_path, [_multi(), _multi(reasoning=False)])
+    tok = make_tokenizer("qwen3")
+    kw = {"prompts_per_chunk": 4, "chat_template_kwargs": {"enable_thinking": False}}
+    with pytest.raises(ConfigError, match=rf"{src}:1: assistant turn 1: the template is not prefix-stable"):
+        run_prepare(_cfg(src, **kw), tok, tmp_path / "strict", 1)
+    summary = run_prepare(_cfg(src, strict=False, **kw), tok, tmp_path / "out", 1)
+    assert summary["dropped"] == {"not_prefix_stable": 1}
+    assert summary["kept"] == 2  # the record without reasoning, split into its two turns

@@ -150,8 +150,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_masks(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("masks", help="show which tokens of conversations the loss mask trains",
+                       description="Render each conversation of a file with the model's chat template and print "
+                                   "its samples as text, every run of trained tokens between ⟦ and ⟧: check a "
+                                   "template by eye before spending GPU hours.")
+    p.add_argument("--explain", required=True, metavar="CONVERSATIONS",
+                   help="a conversations file (JSONL, JSON or parquet; any record format prepare reads)")
+    p.add_argument("--model", required=True, metavar="DIR", help="model (or tokenizer) directory or hub id")
+    p.add_argument("--chat-template", metavar="FILE", help="a .jinja template instead of the tokenizer's own")
+    p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
+                   help='extra template variables, e.g. \'{"thinking": true}\'')
+    p.add_argument("--split-turns", default="auto", choices=("auto", "never", "always"))
+    p.add_argument("--no-train-on-eot", action="store_true", help="as `train_on_eot: false`")
+    p.add_argument("--no-train-on-reasoning", action="store_true", help="as `train_on_reasoning: false`")
+    p.add_argument("--color", action="store_true", help="colour the trained spans (reasoning blue, eot yellow)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="load a tokenizer that is custom code (as `trust_remote_code: true`), e.g. Kimi-K2.5's")
+    p.set_defaults(func=cmd_masks)
+
+
+def cmd_masks(args: argparse.Namespace) -> int:
+    from hsextract.errors import ConfigError
+    from hsextract.loss_mask import ChatMasker
+    from hsextract.mask_explain import explain
+    from hsextract.tokenizer_loading import load_tokenizer
+
+    try:
+        kwargs = json.loads(args.chat_template_kwargs)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--chat-template-kwargs is not JSON: {e}") from None
+    if not isinstance(kwargs, dict):
+        raise ConfigError("--chat-template-kwargs must be a JSON object")
+    tokenizer = load_tokenizer(args.model, args.chat_template, trust_remote_code=args.trust_remote_code)
+    masker = ChatMasker(tokenizer, train_on_eot=not args.no_train_on_eot,
+                        train_on_reasoning=not args.no_train_on_reasoning, chat_template_kwargs=kwargs,
+                        split_turns=args.split_turns)
+    sys.stdout.write(explain(args.explain, masker, color=args.color))
+    return 0
+
+
 # Each entry adds one subcommand to the parser; other modules append theirs here.
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_validate, _add_export, _add_inspect, _add_plan]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_validate, _add_export, _add_inspect, _add_plan,
+                                                                 _add_masks]
 
 
 def build_parser() -> argparse.ArgumentParser:

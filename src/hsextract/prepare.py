@@ -8,8 +8,10 @@ Outputs in `out_dir`:
                         Columns: sample_id string, input_ids list<int64>, loss_mask list<int8>,
                         num_tokens int32, num_trained int32, source string.
   token_freq.pt         torch.save({token_id: count}) over trained tokens of kept samples (speculators format).
-  summary.json          records read, kept, dropped by reason, truncated, tokens, trained tokens, per source
-                        and per chunk.
+  summary.json          records read, samples kept (a record split into turns gives several: `split_turns`,
+                        sample ids `<id>:t<message index>`), dropped by reason (`not_prefix_stable` among them),
+                        truncated, tokens, trained tokens, per source and per chunk; `masks`: the masker's
+                        counters (conversations, split_conversations, samples, turns, turns_history_fallback, ...).
 Every file is written to a temporary name in `out_dir` and renamed.
 
 Settings: hsextract.settings.PrepareSettings (the config's sources, mixture and filter keys).
@@ -39,7 +41,8 @@ from hsextract.vocab import save_token_freq, token_freq
 
 # the settings a summary records (the chat template is recorded by its hash)
 SUMMARY_SETTINGS = ("seed", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot", "train_on_reasoning",
-                    "dedup", "strict", "chat_template_kwargs", "trust_remote_code", "prompts_per_chunk")
+                    "dedup", "strict", "chat_template_kwargs", "trust_remote_code", "split_turns",
+                    "prompts_per_chunk")
 
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -99,7 +102,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             f"{ppc}; the inputs changed after the workflow was parsed: rerun snakemake")
     tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
     masker = ChatMasker(tokenizer, train_on_eot=cfg.train_on_eot, train_on_reasoning=cfg.train_on_reasoning,
-                        chat_template_kwargs=dict(cfg.chat_template_kwargs or {}))
+                        chat_template_kwargs=dict(cfg.chat_template_kwargs or {}), split_turns=cfg.split_turns)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -140,31 +143,33 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                 drop(st, DUPLICATE)
                 continue
         try:
-            sample = masker.encode(conv)
+            samples = masker.encode(conv)
         except Exception as e:  # jinja errors (raise_exception in templates) and TemplateError
             if strict:
-                raise TemplateError(f"{location}: {e}") from e
-            drop(st, TEMPLATE_ERROR)
+                raise TemplateError(f"{location}: {e}", getattr(e, "reason", TEMPLATE_ERROR)) from e
+            drop(st, getattr(e, "reason", TEMPLATE_ERROR))
             continue
-        ids, mask = sample.input_ids, sample.loss_mask
-        if msl is not None and len(ids) > msl:
-            if not cfg.truncate:
-                drop(st, TOO_LONG)
+        for sample in samples:  # several when the conversation is split into turns (`split_turns`)
+            ids, mask = sample.input_ids, sample.loss_mask
+            if msl is not None and len(ids) > msl:
+                if not cfg.truncate:
+                    drop(st, TOO_LONG)
+                    continue
+                ids, mask = ids[:msl], mask[:msl]
+                st["truncated"] += 1
+                total["truncated"] += 1
+            n_trained = sum(mask)
+            if n_trained < cfg.min_trained_tokens:
+                drop(st, NO_TRAINED_TOKENS)
                 continue
-            ids, mask = ids[:msl], mask[:msl]
-            st["truncated"] += 1
-            total["truncated"] += 1
-        n_trained = sum(mask)
-        if n_trained < cfg.min_trained_tokens:
-            drop(st, NO_TRAINED_TOKENS)
-            continue
-        rows.append({"sample_id": entry.sample_id, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-                     "num_trained": n_trained, "source": src.spec.name})
-        freq.update(t for t, m in zip(ids, mask) if m)
-        for s in (st, total):
-            s["kept"] += 1
-            s["tokens"] += len(ids)
-            s["trained_tokens"] += n_trained
+            sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
+            rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
+                         "num_trained": n_trained, "source": src.spec.name})
+            freq.update(t for t, m in zip(ids, mask) if m)
+            for s in (st, total):
+                s["kept"] += 1
+                s["tokens"] += len(ids)
+                s["trained_tokens"] += n_trained
     _write_chunk(out, chunk, rows)
     per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
                       "tokens": sum(r["num_tokens"] for r in rows)})
@@ -179,6 +184,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "per_chunk": per_chunk,
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+        "masks": dict(sorted(masker.stats.items())),
         "settings": {k: getattr(cfg, k) for k in SUMMARY_SETTINGS}
         | {"chat_template_kwargs": dict(cfg.chat_template_kwargs)},
     }

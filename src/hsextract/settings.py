@@ -61,6 +61,7 @@ class PrepareSettings:
     min_trained_tokens: int
     train_on_eot: bool
     train_on_reasoning: bool
+    split_turns: str
     dedup: bool
     strict: bool
     chat_template: str | None
@@ -217,7 +218,7 @@ SCHEMA_TO_TREE: dict[str, str] = {
     "export_formats": "export_formats",
     **{key: f"prepare.{key}" for key in (
         "sources", "seed", "prompts_per_chunk", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot",
-        "train_on_reasoning", "dedup", "strict", "chat_template", "chat_template_kwargs")},
+        "train_on_reasoning", "split_turns", "dedup", "strict", "chat_template", "chat_template_kwargs")},
     **{f"extract.{key}": f"extract.{key}" for key in ("threads", "mem_mb", "retries")},
     **{f"transformers.{f}": f"extract.transformers.{f}" for f in TransformersSettings.__dataclass_fields__},
     **{f"shard.{f}": f"extract.shard.{f}" for f in ShardSettings.__dataclass_fields__},

@@ -94,6 +94,7 @@ PREPARE_KEYS = (
     "min_trained_tokens",
     "train_on_eot",
     "train_on_reasoning",
+    "split_turns",
     "dedup",
     "strict",
     "tokenizer",

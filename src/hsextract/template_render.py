@@ -1,0 +1,274 @@
+"""Rendering conversations with a tokenizer's chat template, and what the template itself tells about turns.
+
+`TemplateRenderer` renders message lists to text and token ids (any tokenizer: fast, slow, tiktoken or
+sentencepiece based; no offset mappings are used). It passes each message the way the template reads it:
+
+- reasoning under the field names the template's source mentions (`reasoning_content`, `thinking`,
+  `reasoning`; `reasoning_content` when it mentions none), so a template that reads `message.thinking`
+  sees the reasoning our normalised records carry as `reasoning_content`;
+- an assistant message with empty content and tool calls or reasoning is first rendered as normalised
+  (`content: ""`), and when the template refuses that, without the `content` key (as the record may have
+  been written), so a record the template accepts is never refused because of our normalisation.
+
+Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
+- `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the last special token the template writes
+  after the message (a plain turn and a tool-call turn), and `after_stop`, the text that follows it there;
+- `content_header`: text the template writes between a reasoning block and the content that the model
+  writes itself (harmony's `<|start|>assistant<|channel|>final<|message|>`), empty for think-tag templates;
+- `renders_reasoning`: whether any probe renders reasoning at all;
+- `reasoning_slot`: (opener, closer) around reasoning, when both are special tokens and a turn without
+  reasoning keeps exactly them (Kimi: `<think>` ending the generation prompt, `</think>`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsextract.errors import ConfigError
+
+# Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
+# differ in their first and last UTF-8 byte (EE.. vs EF..; ..80 vs ..81), so their first and last tokens differ
+# under any byte-level tokenizer and a token-level common prefix or suffix stops exactly at the sentinel.
+SENT = ("\ue000\ue000", "\uf001\uf001")
+SENT_REASONING = ("\ue002\ue002", "\uf003\uf003")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class TemplateError(ConfigError):
+    """The chat template cannot give a consistent mask for a conversation (names the turn and the text).
+
+    `reason` is the counter name prepare drops the conversation under when `strict` is false."""
+
+    def __init__(self, message: str, reason: str = "template_error") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def common_suffix(a: list[int], b: list[int], limit: int | None = None) -> int:
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    i = 0
+    while i < n and a[-1 - i] == b[-1 - i]:
+        i += 1
+    return i
+
+
+def is_prefix(p: list[int], x: list[int]) -> bool:
+    return len(p) <= len(x) and x[:len(p)] == p
+
+
+def _reads_field(template: str, name: str) -> bool:
+    pat = rf"(\.{name}\b|\[\s*['\"]{name}['\"]\s*\]|['\"]{name}['\"]\s+(not\s+)?in\s+\w+|get\(\s*['\"]{name}['\"])"
+    return re.search(pat, template) is not None
+
+
+@dataclass
+class TemplateFacts:
+    """What the probe learned about a template (see the module docstring)."""
+
+    stop_ids: frozenset[int]
+    content_header: tuple[int, ...] = ()
+    renders_reasoning: bool = False
+    generation_prompt: tuple[int, ...] = ()
+    notes: list[str] = field(default_factory=list)
+    after_stop: frozenset[tuple[int, ...]] = frozenset()  # what a last turn's stop token is followed by
+    reasoning_slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (opener, closer) of reasoning
+
+
+class TemplateRenderer:
+    """Renders with one tokenizer, template and `chat_template_kwargs`; caches token ids per text."""
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        template = getattr(tokenizer, "chat_template", None)
+        if not template:
+            raise ConfigError("the tokenizer has no chat_template: set one (tokenizer_config.json or `chat_template`)")
+        if isinstance(template, dict):  # several named templates: the default one renders chats
+            template = template.get("default") or next(iter(template.values()))
+        self.tokenizer = tokenizer
+        self.kwargs = dict(chat_template_kwargs or {})
+        self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
+            "reasoning_content",)
+        self._ids: dict[str, list[int]] = {}
+        self._facts: TemplateFacts | None = None
+        self._slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.notes: list[str] = []
+        added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        self._added = added
+        self._split: re.Pattern[str] | None = (
+            re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
+            if added else None)
+
+    # ------------------------------------------------------------------------------------------- text
+
+    def _prepare(self, m: dict[str, Any], drop_empty_content: bool) -> dict[str, Any]:
+        if m.get("role") != "assistant":
+            return m
+        out = {k: v for k, v in m.items() if k != "reasoning_content"}
+        r = m.get("reasoning_content")
+        if r is not None:
+            for f in self.reasoning_fields:
+                out[f] = r
+        if drop_empty_content and out.get("content") == "" and (m.get("tool_calls") or r):
+            del out["content"]
+        return out
+
+    def _apply(self, msgs: list[dict[str, Any]], tools: Any, gen: bool) -> str:
+        out = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
+                                                 **self.kwargs)
+        if not isinstance(out, str):
+            raise TemplateError(f"apply_chat_template returned {type(out).__name__}, expected a string")
+        return out
+
+    def render(self, messages: list[dict[str, Any]], tools: Any = None, add_generation_prompt: bool = False) -> str:
+        try:
+            return self._apply([self._prepare(m, False) for m in messages], tools, add_generation_prompt)
+        except Exception:
+            alt = [self._prepare(m, True) for m in messages]
+            if alt == [self._prepare(m, False) for m in messages]:
+                raise
+            return self._apply(alt, tools, add_generation_prompt)
+
+    # ------------------------------------------------------------------------------------------ tokens
+
+    def _full_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _piece_ids(self, piece: str) -> list[int]:
+        got = self._ids.get(piece)
+        if got is None:
+            if len(self._ids) > 65536:
+                self._ids.clear()
+            got = self._full_ids(piece)
+            self._ids[piece] = got
+        return got
+
+    def ids(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added). The renders of one conversation share most of their
+        text, so the text is cut at added tokens (which tokenizers split out before anything else) and each
+        piece is tokenized once. `verify` checks that against a whole tokenization; a tokenizer for which it
+        does not hold (added tokens that strip spaces, a prefix space per piece) is then tokenized whole."""
+        if self._split is None:
+            return self._full_ids(text)
+        out: list[int] = []
+        for k, piece in enumerate(self._split.split(text)):
+            if not piece:
+                continue
+            out.extend([self._added[piece]] if k % 2 else self._piece_ids(piece))
+        return out
+
+    def verify(self, text: str) -> list[int]:
+        """Whole tokenization of `text`; turns piecewise tokenization off for good if it differs."""
+        full = self._full_ids(text)
+        if self._split is not None and self.ids(text) != full:
+            self._split = None
+            self.notes.append("piecewise tokenization differs from whole tokenization: tokenizing whole texts")
+        return full
+
+    def render_ids(self, messages: list[dict[str, Any]], tools: Any = None, add_generation_prompt: bool = False
+                   ) -> list[int]:
+        return self.ids(self.render(messages, tools, add_generation_prompt))
+
+    # ------------------------------------------------------------------------------------------- probe
+
+    def special_ids(self) -> set[int]:
+        tok = self.tokenizer
+        out = set(getattr(tok, "all_special_ids", []) or [])
+        out |= set((getattr(tok, "added_tokens_decoder", None) or {}).keys())
+        return out
+
+    def facts(self) -> TemplateFacts:
+        if self._facts is None:
+            self._facts = self._probe()
+        return self._facts
+
+    def _probe(self) -> TemplateFacts:
+        special = self.special_ids()
+        eos = self.tokenizer.eos_token_id
+        stop = {t for t in (eos if isinstance(eos, list) else [eos]) if t is not None}
+        user = [{"role": "user", "content": "hi"}]
+        notes: list[str] = []
+        try:
+            p = self.render_ids(user, None, True)
+        except Exception as e:  # noqa: BLE001 - a template that cannot render a lone user turn has no probe
+            return TemplateFacts(frozenset(stop), notes=[f"probe failed: {e}"])
+        b = self.render_ids(user)
+        gen = tuple(p[len(b):]) if is_prefix(b, p) else ()
+        header: tuple[int, ...] = ()
+        renders_reasoning = False
+        after: set[tuple[int, ...]] = set()
+        slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._slot = None
+        variants = [{"content": SENT[0]},
+                    {"content": SENT[0], "tool_calls": [{"type": "function", "function": {
+                        "name": "f", "arguments": {"x": SENT[0]}}}]}]
+        for v in variants:
+            try:
+                turn = [self.render_ids(user + [{"role": "assistant", **v, "content": s}]) for s in SENT]
+            except Exception as e:  # noqa: BLE001 - e.g. a template without tool calls
+                notes.append(f"probe {sorted(v)} failed: {e}")
+                continue
+            tail = turn[0][len(turn[0]) - common_suffix(turn[0], turn[1]):]
+            at = [k for k, t in enumerate(tail) if t in special]
+            if at:
+                stop.add(tail[at[-1]])
+                after.add(tuple(tail[at[-1] + 1:]))
+            if "tool_calls" not in v:  # a turn in history: its stop token is the first special one after it
+                try:
+                    hist = [self.render_ids(user + [{"role": "assistant", "content": s}] + user) for s in SENT]
+                    first = [t for t in hist[0][common_prefix(hist[0], hist[1]):] if t in special]
+                    if first:
+                        stop.add(first[0])
+                except Exception as e:  # noqa: BLE001 - templates that require alternation end here
+                    notes.append(f"history probe failed: {e}")
+            h = self._probe_header(user, v, p, gen)
+            slot = slot or self._slot
+            if h is not None:
+                renders_reasoning = True
+                header = header or h
+        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot)
+
+    def _probe_header(self, user: list[dict[str, Any]], v: dict[str, Any], p: list[int], gen: tuple[int, ...]
+                      ) -> tuple[int, ...] | None:
+        """The content header of a reasoning turn (see module docstring); None if reasoning is not rendered."""
+        def turn(content: str, reasoning: str | None) -> list[int]:
+            m = {"role": "assistant", **v, "content": content}
+            if reasoning is not None:
+                m["reasoning_content"] = reasoning
+            return self.render_ids(user + [m])
+
+        try:
+            plain = [turn(s, None) for s in SENT]
+            with_r = [turn(SENT[0], r) for r in SENT_REASONING] + [turn(SENT[1], SENT_REASONING[0])]
+        except Exception:  # noqa: BLE001 - the template refuses reasoning here
+            return None
+        if with_r[0] == plain[0] or not is_prefix(p, with_r[0]) or not is_prefix(p, plain[0]):
+            return None
+        r_end = len(with_r[0]) - common_suffix(with_r[0], with_r[1])
+        closer = with_r[0][r_end:common_prefix(with_r[0], with_r[2])]
+        f0 = plain[0][len(p):common_prefix(plain[0], plain[1])]
+        special = self.special_ids()
+        opener = with_r[0][len(p):common_prefix(with_r[0], with_r[1])]
+        # Reasoning between special tokens, and a turn without it that keeps only their markup (Kimi:
+        # `<think>` in the prompt, `</think>` after): the reasoning of a turn the template never renders with
+        # its reasoning can be put back there (`reasoning_slot`).
+        before = (list(p) + opener)[-1:]
+        if f0 == opener + closer and closer and closer[0] in special and before and before[0] in special:
+            self._slot = (tuple(opener), tuple(closer))
+        for h in (list(gen) + f0, f0):
+            if h and len(closer) > len(h) and closer[len(closer) - len(h):] == h \
+                    and closer[len(closer) - len(h) - 1] in special:
+                return tuple(h)
+        return ()
+
+
+__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TemplateError", "TemplateFacts", "TemplateRenderer",
+           "common_prefix", "common_suffix", "is_prefix"]

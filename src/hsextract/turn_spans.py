@@ -1,0 +1,157 @@
+"""Where one assistant turn lies in a rendering, on token ids (no character offsets: any tokenizer works).
+
+A *frame* is a message list M rendered to ids X, with the assistant turn at index j and `p` = the length of
+the ids of render(M[:j], add_generation_prompt=True), which must be a prefix of X (checked by the caller):
+X[:p] is what the server saw before it generated the turn. Within X the turn is split as:
+
+    X[p:hdr]      reasoning block (delimiters included) when the template renders the turn's reasoning,
+                  else filler the template writes before the content (see `filler_trained`)
+    X[hdr:c]      content header the model writes after its reasoning (harmony: `<|start|>assistant
+                  <|channel|>final<|message|>`), empty for think-tag templates
+    X[c:stop]     the message: content, tool-call markup, and any closers before the stop token
+    X[stop]       the stop token: the first token of the template's stop set (`TemplateFacts.stop_ids`) at or
+                  after the last message-dependent token
+    X[stop+1:]    template text after the stop token (Qwen's `\\n` after `<|im_end|>`), never generated
+
+c is where rendering the turn with its content replaced by a sentinel first differs from X; the end of the
+message-dependent tokens is where those two renderings (and the one without reasoning) last differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from hsextract.template_render import (SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix,
+                                       common_suffix)
+
+
+@dataclass(frozen=True)
+class TurnSpan:
+    """Token positions of one assistant turn in a frame (see the module docstring)."""
+
+    index: int  # message index of the turn
+    prompt_end: int  # p
+    header_start: int  # hdr
+    content_start: int  # c
+    stop: int | None  # index of the stop token; None: the template writes none (the turn ends at `end`)
+    end: int  # one past the last generated token (stop + 1, or the end of the message text)
+    reasoning_rendered: bool
+    filler_trained: bool  # X[p:hdr] when no reasoning is rendered: text the model writes itself
+
+    def labels(self, train_on_reasoning: bool, train_on_eot: bool) -> list[tuple[int, int, str]]:
+        """[(start, end, kind)] of the turn's tokens; kind is reasoning, header, body, eot or untrained."""
+        out: list[tuple[int, int, str]] = []
+        if self.reasoning_rendered:
+            out.append((self.prompt_end, self.header_start, "reasoning" if train_on_reasoning else "untrained"))
+        else:
+            out.append((self.prompt_end, self.header_start, "header" if self.filler_trained else "untrained"))
+        out.append((self.header_start, self.content_start, "header"))
+        body_end = self.stop if self.stop is not None else self.end
+        out.append((self.content_start, body_end, "body"))
+        if self.stop is not None:
+            out.append((self.stop, self.stop + 1, "eot" if train_on_eot else "untrained"))
+        return [(a, b, k) for a, b, k in out if b > a]
+
+
+def _content_sentinel(m: dict[str, Any]) -> dict[str, Any]:
+    return {**m, "content": SENT[0] if m.get("content") != SENT[0] else SENT[1]}
+
+
+def _header_len(region: list[int], facts: TemplateFacts, special: set[int]) -> int:
+    """Length of the content header that ends a rendered reasoning block (0 for think-tag templates)."""
+    if not facts.content_header:
+        return 0
+    ch = list(facts.content_header)
+    cands = [ch[k:] for k in range(len(ch))] + [list(facts.generation_prompt)]
+    for h in sorted((h for h in cands if h), key=len, reverse=True):
+        n = len(h)
+        if len(region) > n and region[-n:] == h and region[-n - 1] in special:
+            return n
+    return 0
+
+
+def shifted(sp: TurnSpan, by: int) -> TurnSpan:
+    return replace(sp, prompt_end=sp.prompt_end + by, header_start=sp.header_start + by,
+                   content_start=sp.content_start + by, stop=None if sp.stop is None else sp.stop + by,
+                   end=sp.end + by)
+
+
+def _last_occurrence(x: list[int], g: list[int], lo: int, hi: int) -> int | None:
+    """End of the last occurrence of g in x[lo:hi], or None."""
+    n = len(g)
+    for k in range(hi, lo + n - 1, -1):
+        if x[k - n:k] == g:
+            return k
+    return None
+
+
+def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any, j: int, x: list[int],
+              p: int | None, gen: list[int] | None = None, lo: int = 0, last: bool = False) -> TurnSpan | None:
+    """The span of assistant turn j in the frame `msgs` rendered to ids `x` (see the module docstring).
+
+    `p` None: the frame's history differs from the prompt the server saw (a template that rewrites earlier
+    turns); the turn then starts after the last occurrence of the generation prompt `gen` in x[lo:], before the
+    turn's content. None when it is not found. `last`: turn j is the frame's last message."""
+    facts = renderer.facts()
+    m = msgs[j]
+
+    def variant(new: dict[str, Any]) -> list[int] | None:
+        alt = list(msgs)
+        alt[j] = new
+        try:
+            return renderer.render_ids(alt, tools)
+        except Exception:  # noqa: BLE001 - a template that refuses the variant (e.g. content with thinking)
+            return None
+
+    if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content"):
+        # A template without reasoning, the turn rendered last: it ends with the stop token and the fixed text
+        # the probe saw after it; everything from the generation prompt on is the turn's own text.
+        for i in range(len(x) - 1, p - 1, -1):
+            if x[i] in facts.stop_ids and tuple(x[i + 1:]) in facts.after_stop:
+                return TurnSpan(j, p, p, p, i, i + 1, False, True)
+    xc = variant(_content_sentinel(m))
+    xn = variant({k: v for k, v in m.items() if k != "reasoning_content"}) if m.get("reasoning_content") else None
+    reasoning_rendered = xn is not None and xn != x
+    if m.get("reasoning_content") and xn is None:
+        raise TemplateError(f"assistant turn {j}: the template refuses the turn without its reasoning, so the "
+                            f"reasoning cannot be told apart from the content")
+    # Last message-dependent token, and where the content starts.
+    ends = []
+    c = None
+    if xc is not None and xc != x:
+        c = common_prefix(x, xc)
+        ends.append(len(x) - common_suffix(x, xc, len(x) - c))
+    if p is None:
+        limit = c if c is not None else len(x)
+        if xn is not None and xn != x:
+            limit = min(limit, common_prefix(x, xn))
+        p = _last_occurrence(x, gen or [], lo, limit) if gen else None
+        if p is None:
+            return None
+    if reasoning_rendered:
+        assert xn is not None
+        tail = common_suffix(x, xn, min(len(x), len(xn)) - p)
+        ends.append(len(x) - tail)
+        if c is None:
+            c = len(x) - tail
+    if c is None:  # the template does not render the content (Llama renders tool calls instead)
+        c = p
+    c = max(c, p)
+    d = max([c] + ends)
+    stop = next((i for i in range(max(d - 1, c), len(x)) if x[i] in facts.stop_ids), None)
+    end = stop + 1 if stop is not None else d
+    c = min(c, end if stop is None else stop)
+    special = renderer.special_ids()
+    if reasoning_rendered:
+        hdr = c - _header_len(x[p:c], facts, special)
+        filler = False
+    else:
+        hdr = c
+        f = x[p:c]
+        ch = list(facts.content_header)
+        filler = not facts.renders_reasoning or (len(f) <= len(ch) and ch[len(ch) - len(f):] == f)
+    return TurnSpan(j, p, hdr, c, stop, end, reasoning_rendered, filler)
+
+
+__all__ = ["TurnSpan", "find_turn", "shifted"]

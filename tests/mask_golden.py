@@ -1,0 +1,475 @@
+"""Expected samples of tests/test_loss_mask_families.py: each conversation's samples as text, every run of trained
+tokens between ⟦ and ⟧ (`hsextract.mask_explain.marked`). Keyed by template family, then (flags, conversation):
+flags `default` is train_on_eot and train_on_reasoning true, `neither` both false. Checked by eye against the
+rule in config/README.md ("Loss masks"); a sample per list entry (several when the conversation is split).
+"""
+
+EXPECTED = {
+    'harmony': {
+        ('default', 'single'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant⟦<|channel|>final<|message|>'
+            'How are you today?<|return|>⟧',
+        ],
+        ('default', 'system'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>'
+            'developer<|message|># Instructions\n\nYou are a helpful assistant.<|end|>'
+            '<|start|>user<|message|>Hello there!<|end|><|start|>assistant⟦<|channel|>'
+            'analysis<|message|>The user greets.<|end|><|start|>assistant<|channel|>'
+            'final<|message|>How are you today?<|return|>⟧',
+        ],
+        ('default', 'multi'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant⟦<|channel|>analysis<|message|>'
+            'The user greets.<|end|><|start|>assistant<|channel|>final<|message|>'
+            'How are you today?<|return|>⟧',
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant<|channel|>final<|message|>'
+            'How are you today?<|end|><|start|>user<|message|>'
+            'What is two plus two?<|end|><|start|>assistant⟦<|channel|>'
+            'analysis<|message|>Add them.<|end|><|start|>assistant<|channel|>'
+            'final<|message|>Two plus two is four.<|return|>⟧',
+        ],
+        ('default', 'tool'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>'
+            'developer<|message|># Instructions\n\nYou are a helpful assistant.<|end|>'
+            '<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>'
+            'assistant⟦<|channel|>analysis<|message|>Let me think.<|end|><|start|>'
+            'assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+            '{"city": "Paris"}<|call|>⟧',
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>'
+            'developer<|message|># Instructions\n\nYou are a helpful assistant.<|end|>'
+            '<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>'
+            'assistant<|channel|>analysis<|message|>Let me think.<|end|><|start|>'
+            'assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+            '{"city": "Paris"}<|call|><|start|>'
+            'functions.get_weather to=assistant<|channel|>commentary<|message|>'
+            '{"temperature": 21}<|end|><|start|>assistant⟦<|channel|>'
+            'analysis<|message|>21 degrees.<|end|><|start|>assistant<|channel|>'
+            'final<|message|>The weather in Paris is sunny.<|return|>⟧',
+        ],
+        ('default', 'empty'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant⟦<|channel|>analysis<|message|>'
+            'Nothing to say.<|end|><|start|>assistant<|channel|>final<|message|>'
+            '<|return|>⟧',
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant<|channel|>final<|message|><|end|>'
+            '<|start|>user<|message|>What is two plus two?<|end|><|start|>assistant'
+            '⟦<|channel|>final<|message|>Four.<|return|>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Ça va? 日本語<|end|><|start|>assistant⟦<|channel|>analysis<|message|>'
+            'Répondre poliment.<|end|><|start|>assistant<|channel|>final<|message|>'
+            'Très bien ✓ 日本<|return|>⟧',
+        ],
+        ('neither', 'single'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant⟦<|channel|>final<|message|>'
+            'How are you today?⟧<|return|>',
+        ],
+        ('neither', 'system'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>'
+            'developer<|message|># Instructions\n\nYou are a helpful assistant.<|end|>'
+            '<|start|>user<|message|>Hello there!<|end|><|start|>assistant<|channel|>'
+            'analysis<|message|>The user greets.<|end|>⟦<|start|>assistant<|channel|>'
+            'final<|message|>How are you today?⟧<|return|>',
+        ],
+        ('neither', 'multi'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant<|channel|>analysis<|message|>'
+            'The user greets.<|end|>⟦<|start|>assistant<|channel|>final<|message|>'
+            'How are you today?⟧<|return|>',
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant<|channel|>final<|message|>'
+            'How are you today?<|end|><|start|>user<|message|>'
+            'What is two plus two?<|end|><|start|>assistant<|channel|>'
+            'analysis<|message|>Add them.<|end|>⟦<|start|>assistant<|channel|>'
+            'final<|message|>Two plus two is four.⟧<|return|>',
+        ],
+        ('neither', 'tool'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>'
+            'developer<|message|># Instructions\n\nYou are a helpful assistant.<|end|>'
+            '<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>'
+            'assistant<|channel|>analysis<|message|>Let me think.<|end|>⟦<|start|>'
+            'assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+            '{"city": "Paris"}⟧<|call|>',
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>'
+            'developer<|message|># Instructions\n\nYou are a helpful assistant.<|end|>'
+            '<|start|>user<|message|>What is the weather in Paris?<|end|><|start|>'
+            'assistant<|channel|>analysis<|message|>Let me think.<|end|><|start|>'
+            'assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+            '{"city": "Paris"}<|call|><|start|>'
+            'functions.get_weather to=assistant<|channel|>commentary<|message|>'
+            '{"temperature": 21}<|end|><|start|>assistant<|channel|>analysis<|message|>'
+            '21 degrees.<|end|>⟦<|start|>assistant<|channel|>final<|message|>'
+            'The weather in Paris is sunny.⟧<|return|>',
+        ],
+        ('neither', 'empty'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant<|channel|>analysis<|message|>'
+            'Nothing to say.<|end|>⟦<|start|>assistant<|channel|>final<|message|>⟧'
+            '<|return|>',
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Hello there!<|end|><|start|>assistant<|channel|>final<|message|><|end|>'
+            '<|start|>user<|message|>What is two plus two?<|end|><|start|>assistant'
+            '⟦<|channel|>final<|message|>Four.⟧<|return|>',
+        ],
+        ('neither', 'unicode'): [
+            '<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>'
+            'Ça va? 日本語<|end|><|start|>assistant<|channel|>analysis<|message|>'
+            'Répondre poliment.<|end|>⟦<|start|>assistant<|channel|>final<|message|>'
+            'Très bien ✓ 日本⟧<|return|>',
+        ],
+    },
+    'llama3': {
+        ('default', 'single'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦How are you today?<|eot_id|>⟧',
+        ],
+        ('default', 'system'): [
+            '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n'
+            'You are a helpful assistant.<|eot_id|><|start_header_id|>'
+            'user<|end_header_id|>\n\nHello there!<|eot_id|><|start_header_id|>'
+            'assistant<|end_header_id|>\n\n⟦How are you today?<|eot_id|>⟧',
+        ],
+        ('default', 'multi'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦How are you today?<|eot_id|>⟧<|start_header_id|>user<|end_header_id|>\n\n'
+            'What is two plus two?<|eot_id|><|start_header_id|>'
+            'assistant<|end_header_id|>\n\n⟦Two plus two is four.<|eot_id|>⟧',
+        ],
+        ('default', 'tool'): [
+            '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n'
+            'You are a helpful assistant.<|eot_id|><|start_header_id|>'
+            'user<|end_header_id|>\n\nWhat is the weather in Paris?<|eot_id|>'
+            '<|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>⟧'
+            '<|start_header_id|>ipython<|end_header_id|>\n\n'
+            '{"temperature": 21}<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
+            '\n\n⟦The weather in Paris is sunny.<|eot_id|>⟧',
+        ],
+        ('default', 'empty'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦<|eot_id|>⟧<|start_header_id|>user<|end_header_id|>\n\n'
+            'What is two plus two?<|eot_id|><|start_header_id|>'
+            'assistant<|end_header_id|>\n\n⟦Four.<|eot_id|>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Ça va? 日本語<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦Très bien ✓ 日本<|eot_id|>⟧',
+        ],
+        ('neither', 'single'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦How are you today?⟧<|eot_id|>',
+        ],
+        ('neither', 'system'): [
+            '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n'
+            'You are a helpful assistant.<|eot_id|><|start_header_id|>'
+            'user<|end_header_id|>\n\nHello there!<|eot_id|><|start_header_id|>'
+            'assistant<|end_header_id|>\n\n⟦How are you today?⟧<|eot_id|>',
+        ],
+        ('neither', 'multi'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦How are you today?⟧<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n'
+            'What is two plus two?<|eot_id|><|start_header_id|>'
+            'assistant<|end_header_id|>\n\n⟦Two plus two is four.⟧<|eot_id|>',
+        ],
+        ('neither', 'tool'): [
+            '<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n'
+            'You are a helpful assistant.<|eot_id|><|start_header_id|>'
+            'user<|end_header_id|>\n\nWhat is the weather in Paris?<|eot_id|>'
+            '<|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦{"name": "get_weather", "parameters": {"city": "Paris"}}⟧<|eot_id|>'
+            '<|start_header_id|>ipython<|end_header_id|>\n\n'
+            '{"temperature": 21}<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
+            '\n\n⟦The weather in Paris is sunny.⟧<|eot_id|>',
+        ],
+        ('neither', 'empty'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n'
+            'What is two plus two?<|eot_id|><|start_header_id|>'
+            'assistant<|end_header_id|>\n\n⟦Four.⟧<|eot_id|>',
+        ],
+        ('neither', 'unicode'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
+            'Ça va? 日本語<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
+            '⟦Très bien ✓ 日本⟧<|eot_id|>',
+        ],
+    },
+    'qwen3': {
+        ('default', 'single'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            '\n</think>\n\n⟦How are you today?<|im_end|>⟧\n',
+        ],
+        ('default', 'system'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nHello there!<|im_end|>\n<|im_start|>assistant\n⟦<think>\n'
+            'The user greets.\n</think>\n\nHow are you today?<|im_end|>⟧\n',
+        ],
+        ('default', 'multi'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n'
+            '⟦<think>\nThe user greets.\n</think>\n\nHow are you today?<|im_end|>⟧',
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n'
+            'How are you today?<|im_end|>\n<|im_start|>user\n'
+            'What is two plus two?<|im_end|>\n<|im_start|>assistant\n⟦<think>\n'
+            'Add them.\n</think>\n\nTwo plus two is four.<|im_end|>⟧',
+        ],
+        ('default', 'tool'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n'
+            '⟦<think>\nLet me think.\n</think>\n\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call><|im_end|>⟧\n<|im_start|>user\n<tool_response>\n'
+            '{"temperature": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n'
+            '⟦<think>\n21 degrees.\n</think>\n\n'
+            'The weather in Paris is sunny.<|im_end|>⟧\n',
+        ],
+        ('default', 'empty'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n'
+            '⟦<think>\nNothing to say.\n</think>\n\n<|im_end|>⟧',
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n'
+            '<|im_end|>\n<|im_start|>user\nWhat is two plus two?<|im_end|>\n'
+            '<|im_start|>assistant\n<think>\n\n</think>\n\n⟦Four.<|im_end|>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<|im_start|>user\nÇa va? 日本語<|im_end|>\n<|im_start|>assistant\n⟦<think>\n'
+            'Répondre poliment.\n</think>\n\nTrès bien ✓ 日本<|im_end|>⟧\n',
+        ],
+        ('neither', 'single'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            '\n</think>\n\n⟦How are you today?⟧<|im_end|>\n',
+        ],
+        ('neither', 'system'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            'The user greets.\n</think>\n\n⟦How are you today?⟧<|im_end|>\n',
+        ],
+        ('neither', 'multi'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            'The user greets.\n</think>\n\n⟦How are you today?⟧<|im_end|>',
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n'
+            'How are you today?<|im_end|>\n<|im_start|>user\n'
+            'What is two plus two?<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            'Add them.\n</think>\n\n⟦Two plus two is four.⟧<|im_end|>',
+        ],
+        ('neither', 'tool'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n'
+            '<think>\nLet me think.\n</think>\n\n⟦<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>⟧'
+            '<|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature": 21}\n'
+            '</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n21 degrees.\n'
+            '</think>\n\n⟦The weather in Paris is sunny.⟧<|im_end|>\n',
+        ],
+        ('neither', 'empty'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            'Nothing to say.\n</think>\n\n<|im_end|>',
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n'
+            '<|im_end|>\n<|im_start|>user\nWhat is two plus two?<|im_end|>\n'
+            '<|im_start|>assistant\n<think>\n\n</think>\n\n⟦Four.⟧<|im_end|>',
+        ],
+        ('neither', 'unicode'): [
+            '<|im_start|>user\nÇa va? 日本語<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            'Répondre poliment.\n</think>\n\n⟦Très bien ✓ 日本⟧<|im_end|>\n',
+        ],
+    },
+    'kimi_k25': {
+        ('default', 'single'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧',
+        ],
+        ('default', 'system'): [
+            '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
+            '<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>'
+            '⟦The user greets.</think>How are you today?<|im_end|>⟧',
+        ],
+        ('default', 'multi'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>'
+            '⟦The user greets.</think>How are you today?<|im_end|>⟧',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>How are you today?<|im_end|>'
+            '<|im_user|>user<|im_middle|>What is two plus two?<|im_end|>'
+            '<|im_assistant|>assistant<|im_middle|><think>'
+            '⟦Add them.</think>Two plus two is four.<|im_end|>⟧',
+        ],
+        ('default', 'tool'): [
+            '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
+            '<|im_user|>user<|im_middle|>What is the weather in Paris?<|im_end|>'
+            '<|im_assistant|>assistant<|im_middle|><think>'
+            '⟦Let me think.</think><|tool_calls_section_begin|><|tool_call_begin|>'
+            'functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>⟧',
+            '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
+            '<|im_user|>user<|im_middle|>What is the weather in Paris?<|im_end|>'
+            '<|im_assistant|>assistant<|im_middle|>'
+            '<think>Let me think.</think><|tool_calls_section_begin|>'
+            '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+            '<|im_system|>tool<|im_middle|>## Return of c1\n'
+            '{"temperature": 21}<|im_end|><|im_assistant|>assistant<|im_middle|><think>'
+            '⟦21 degrees.</think>The weather in Paris is sunny.<|im_end|>⟧',
+        ],
+        ('default', 'empty'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>⟦Nothing to say.</think><|im_end|>⟧',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think><|im_end|><|im_user|>'
+            'user<|im_middle|>What is two plus two?<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>⟦Four.<|im_end|>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Ça va? 日本語<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>'
+            '⟦Répondre poliment.</think>Très bien ✓ 日本<|im_end|>⟧',
+        ],
+        ('neither', 'single'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>⟦How are you today?⟧<|im_end|>',
+        ],
+        ('neither', 'system'): [
+            '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
+            '<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>The user greets.</think>⟦How are you today?⟧'
+            '<|im_end|>',
+        ],
+        ('neither', 'multi'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>The user greets.</think>⟦How are you today?⟧'
+            '<|im_end|>',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>How are you today?<|im_end|>'
+            '<|im_user|>user<|im_middle|>What is two plus two?<|im_end|>'
+            '<|im_assistant|>assistant<|im_middle|><think>Add them.</think>'
+            '⟦Two plus two is four.⟧<|im_end|>',
+        ],
+        ('neither', 'tool'): [
+            '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
+            '<|im_user|>user<|im_middle|>What is the weather in Paris?<|im_end|>'
+            '<|im_assistant|>assistant<|im_middle|><think>Let me think.</think>'
+            '⟦<|tool_calls_section_begin|><|tool_call_begin|>'
+            'functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>⟧<|im_end|>',
+            '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
+            '<|im_user|>user<|im_middle|>What is the weather in Paris?<|im_end|>'
+            '<|im_assistant|>assistant<|im_middle|>'
+            '<think>Let me think.</think><|tool_calls_section_begin|>'
+            '<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+            '<|im_system|>tool<|im_middle|>## Return of c1\n'
+            '{"temperature": 21}<|im_end|><|im_assistant|>assistant<|im_middle|>'
+            '<think>21 degrees.</think>⟦The weather in Paris is sunny.⟧<|im_end|>',
+        ],
+        ('neither', 'empty'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>Nothing to say.</think><|im_end|>',
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think><|im_end|><|im_user|>'
+            'user<|im_middle|>What is two plus two?<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think></think>⟦Four.⟧<|im_end|>',
+        ],
+        ('neither', 'unicode'): [
+            '<|im_system|>system<|im_middle|>'
+            'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
+            'user<|im_middle|>Ça va? 日本語<|im_end|><|im_assistant|>'
+            'assistant<|im_middle|><think>Répondre poliment.</think>⟦Très bien ✓ 日本⟧'
+            '<|im_end|>',
+        ],
+    },
+    'deepseek_v31': {
+        ('default', 'single'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>'
+            '⟦How are you today?<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'system'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>'
+            'Hello there!<｜Assistant｜></think>⟦How are you today?<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'multi'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>'
+            '⟦How are you today?<｜end▁of▁sentence｜>⟧<｜User｜>'
+            'What is two plus two?<｜Assistant｜></think>'
+            '⟦Two plus two is four.<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'tool'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>'
+            'What is the weather in Paris?<｜Assistant｜></think>⟦<｜tool▁calls▁begin｜>'
+            '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+            '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>⟧'
+            '<｜tool▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>'
+            '⟦The weather in Paris is sunny.<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'empty'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>'
+            '⟦<｜end▁of▁sentence｜>⟧<｜User｜>What is two plus two?<｜Assistant｜></think>'
+            '⟦Four.<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜></think>'
+            '⟦Très bien ✓ 日本<｜end▁of▁sentence｜>⟧',
+        ],
+        ('neither', 'single'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>'
+            '⟦How are you today?⟧<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'system'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>'
+            'Hello there!<｜Assistant｜></think>⟦How are you today?⟧<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'multi'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>'
+            '⟦How are you today?⟧<｜end▁of▁sentence｜><｜User｜>'
+            'What is two plus two?<｜Assistant｜></think>⟦Two plus two is four.⟧'
+            '<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'tool'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>'
+            'What is the weather in Paris?<｜Assistant｜></think>⟦<｜tool▁calls▁begin｜>'
+            '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+            '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>⟧<｜end▁of▁sentence｜>'
+            '<｜tool▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>'
+            '⟦The weather in Paris is sunny.⟧<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'empty'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜>'
+            '</think><｜end▁of▁sentence｜><｜User｜>What is two plus two?<｜Assistant｜>'
+            '</think>⟦Four.⟧<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'unicode'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜></think>'
+            '⟦Très bien ✓ 日本⟧<｜end▁of▁sentence｜>',
+        ],
+    },
+}

@@ -1,0 +1,193 @@
+"""Loss masks on templates shaped like each family models ship (tests/fixtures/templates), token by token,
+through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from chatfix import make_slow_tokenizer, make_tokenizer
+from hsextract.conversations import Conversation
+from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.mask_explain import marked
+from hsextract.template_render import SENT, common_prefix, common_suffix
+from hsextract.turn_spans import find_turn
+from mask_golden import EXPECTED
+
+SYS = {"role": "system", "content": "You are a helpful assistant."}
+
+
+def U(c):
+    return {"role": "user", "content": c}
+
+
+def A(c, r=None, calls=None):
+    m = {"role": "assistant", "content": c}
+    if r:
+        m["reasoning_content"] = r
+    if calls:
+        m["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return m
+
+
+CONVS = {
+    "single": Conversation([U("Hello there!"), A("How are you today?")]),
+    "system": Conversation([SYS, U("Hello there!"), A("How are you today?", "The user greets.")]),
+    "multi": Conversation([U("Hello there!"), A("How are you today?", "The user greets."),
+                           U("What is two plus two?"), A("Two plus two is four.", "Add them.")]),
+    "tool": Conversation([SYS, U("What is the weather in Paris?"),
+                          A("", "Let me think.", [("get_weather", {"city": "Paris"})]),
+                          {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "c1"},
+                          A("The weather in Paris is sunny.", "21 degrees.")]),
+    "empty": Conversation([U("Hello there!"), A("", "Nothing to say."), U("What is two plus two?"), A("Four.")]),
+    "unicode": Conversation([U("Ça va? 日本語"), A("Très bien ✓ 日本", "Répondre poliment.")]),
+}
+FLAGS = {"default": {}, "neither": {"train_on_eot": False, "train_on_reasoning": False}}
+FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31"]
+
+
+@pytest.fixture(scope="module", params=["fast", "slow"])
+def kind(request):
+    return request.param
+
+
+def _tok(family, kind):
+    return make_tokenizer(family) if kind == "fast" else make_slow_tokenizer(family)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_masks(family, kind):
+    tok = _tok(family, kind)
+    assert tok.is_fast == (kind == "fast")
+    for (flags, name), want in EXPECTED[family].items():
+        samples = ChatMasker(tok, **FLAGS[flags]).encode(CONVS[name])
+        assert [marked(s, tok) for s in samples] == want, (family, flags, name)
+        for s in samples:  # the ids are the tokenization of the text they decode to
+            text = tok.decode(s.input_ids, spaces_between_special_tokens=False)
+            assert s.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_slow_masks_equal_fast_masks(family):
+    fast, slow = make_tokenizer(family), make_slow_tokenizer(family)
+    for flags in FLAGS.values():
+        for split in ("auto", "never", "always"):
+            for conv in CONVS.values():
+                a = ChatMasker(fast, split_turns=split, **flags).encode(conv)
+                b = ChatMasker(slow, split_turns=split, **flags).encode(conv)
+                assert [(s.input_ids, s.loss_mask, s.turn) for s in a] == [
+                    (s.input_ids, s.loss_mask, s.turn) for s in b]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sentinels_change_nothing_outside_their_turn(family):
+    """The content sentinels that find where a turn's text starts and ends change no token outside the turn:
+    two renders with different sentinels are identical before the generation prompt's end and after the stop."""
+    m = ChatMasker(make_tokenizer(family))
+    checked = 0
+    for conv in CONVS.values():
+        for j, msg in enumerate(conv.messages):
+            if msg["role"] != "assistant":
+                continue
+            frame = list(conv.messages[:j + 1])
+            x = m.renderer.render_ids(frame)
+            p = m.renderer.render_ids(frame[:j], add_generation_prompt=True)
+            if x[:len(p)] != p:
+                continue  # history rewritten before the turn: covered by the exact masks
+            sp = find_turn(m.renderer, frame, None, j, x, len(p))
+            renders = []
+            for sent in SENT:
+                try:
+                    renders.append(m.renderer.render_ids(frame[:j] + [{**msg, "content": sent}]))
+                except Exception:  # noqa: BLE001 - harmony refuses content next to thinking in a tool call
+                    pass
+            if len(renders) == 2:
+                a, b = renders
+                assert common_prefix(a, b) >= sp.prompt_end, (family, j)
+                assert len(a) - common_suffix(a, b) <= len(a) - (len(x) - sp.end), (family, j)
+                checked += 1
+    assert checked >= 6
+
+
+def test_split_counts_and_cost_in_tokens():
+    tok = make_tokenizer("qwen3")
+    m = ChatMasker(tok)
+    samples = m.encode(CONVS["multi"])
+    (whole,) = ChatMasker(tok, split_turns="never").encode(CONVS["multi"])
+    assert [s.turn for s in samples] == [1, 3]
+    assert dict(m.stats) == {"conversations": 1, "turns": 2, "split_conversations": 1, "samples": 2}
+    # The cost: the first turn's context is stored twice.
+    assert sum(len(s.input_ids) for s in samples) > len(whole.input_ids)
+    m2 = ChatMasker(tok, split_turns="never")
+    m2.encode(CONVS["multi"])
+    assert m2.stats["turns_history_fallback"] == 1 and m2.stats["samples"] == 1
+    # Llama never rewrites history: auto keeps one sample; always splits anyway.
+    assert len(ChatMasker(make_tokenizer("llama3")).encode(CONVS["multi"])) == 1
+    assert [s.turn for s in ChatMasker(make_tokenizer("llama3"), split_turns="always").encode(CONVS["multi"])] == [1, 3]
+
+
+def test_reasoning_passed_under_the_field_the_template_reads():
+    m = ChatMasker(make_tokenizer("harmony"))
+    assert m.renderer.reasoning_fields == ("thinking",)
+    assert ChatMasker(make_tokenizer("qwen3")).renderer.reasoning_fields == ("reasoning_content",)
+    text = m.render(CONVS["system"].messages)
+    assert "<|channel|>analysis<|message|>The user greets.<|end|>" in text
+
+
+def test_template_refusing_empty_content_with_thinking_gets_the_record_without_content():
+    tok = make_tokenizer("harmony")
+    msgs = [dict(m) for m in CONVS["tool"].messages]
+    prepared = ChatMasker(tok).renderer._prepare(msgs[2], False)
+    with pytest.raises(Exception, match="Cannot pass both content and thinking"):
+        tok.apply_chat_template(msgs[:2] + [prepared], tokenize=False)
+    assert "Let me think." in ChatMasker(tok).render(msgs[:3])
+
+
+def test_empty_content_turn_trains_its_stop_token():
+    for family, stop in [("llama3", "<|eot_id|>"), ("kimi_k25", "<|im_end|>"), ("deepseek_v31", "<｜end▁of▁sentence｜>")]:
+        tok = make_tokenizer(family)
+        (s,) = ChatMasker(tok, train_on_reasoning=False, split_turns="never").encode(CONVS["empty"])
+        assert marked(s, tok).count("⟦" + stop + "⟧") == 1, family
+
+
+def test_thinking_switches():
+    # Kimi with thinking off: the empty block is in the prompt, nothing of it is trained.
+    tok = make_tokenizer("kimi_k25")
+    (s,) = ChatMasker(tok, chat_template_kwargs={"thinking": False}).encode(CONVS["single"])
+    assert marked(s, tok).endswith(
+        "<|im_assistant|>assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧")
+    # DeepSeek-V3.1 with thinking on: the prompt opens <think> but no turn is ever rendered with it.
+    with pytest.raises(TemplateError, match="assistant turn 1: the template is not prefix-stable") as e:
+        ChatMasker(make_tokenizer("deepseek_v31"), chat_template_kwargs={"thinking": True}).encode(CONVS["single"])
+    assert e.value.reason == "not_prefix_stable"
+
+
+def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():
+    tok = make_tokenizer("harmony")
+    m = ChatMasker(tok, split_turns="never")
+    (s,) = m.encode(CONVS["multi"])
+    # In the full rendering the first answer is history (<|end|>, reasoning dropped): trained as shown there.
+    assert marked(s, tok) == (
+        "<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>Hello there!<|end|>"
+        "<|start|>assistant⟦<|channel|>final<|message|>How are you today?<|end|>⟧<|start|>user<|message|>"
+        "What is two plus two?<|end|><|start|>assistant⟦<|channel|>analysis<|message|>Add them.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Two plus two is four.<|return|>⟧")
+    assert m.stats["turns_history_fallback"] == 1
+
+
+def test_piecewise_tokenization_is_checked_against_whole_tokenization():
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from chatfix import TEMPLATES, _tokenizer_object
+
+    raw = Tokenizer.from_str(_tokenizer_object().to_str())
+    # `<|im_end|>` eats the whitespace after it: pieces cut at added tokens no longer tokenize like the whole.
+    raw.add_special_tokens([AddedToken(t, rstrip=(t == "<|im_end|>"), special=True) for t in
+                            ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|im_end|>",
+                                  chat_template=(TEMPLATES / "qwen3.jinja").read_text())
+    m = ChatMasker(tok, split_turns="never")
+    (s,) = m.encode(CONVS["system"])
+    assert s.input_ids == tok(s.text, add_special_tokens=False)["input_ids"]
+    assert m.renderer.notes == ["piecewise tokenization differs from whole tokenization: tokenizing whole texts"]
+    assert marked(s, tok).endswith("<think>\nThe user greets.\n</think>\n\nHow are you today?<|im_end|>⟧")

@@ -1,0 +1,46 @@
+"""Loss masks through the Kimi-packaged tiny model's tokenizer (custom code, tiktoken, slow: no offsets)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("tiktoken")
+
+from hsextract.conversations import Conversation  # noqa: E402
+from hsextract.loss_mask import ChatMasker  # noqa: E402
+from hsextract.mask_explain import marked  # noqa: E402
+from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: E402, F401 - module fixtures reused
+
+DONE = Conversation([*CONV, {"role": "assistant", "content": "21 C in Rome.", "reasoning_content": "Report."}])
+
+
+def test_kimi_packaged_tokenizer_masks(tok) -> None:  # noqa: F811 - the fixture
+    assert tok.is_fast is False
+    samples = ChatMasker(tok).encode(DONE)
+    # One sample per assistant turn (the template drops earlier reasoning); each final answer's reasoning,
+    # never rendered by the template, is put back after the generation prompt's <think>.
+    assert [s.turn for s in samples] == [1, 3, 5]
+    tails = [marked(s, tok).rsplit("<|im_assistant|>assistant<|im_middle|>", 1)[1] for s in samples]
+    assert tails == [
+        "<think>⟦Look it up.</think>Sunny.<|im_end|>⟧",
+        "<think>⟦Call the tool.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+        '<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>⟧',
+        "<think>⟦Report.</think>21 C in Rome.<|im_end|>⟧"]
+    for s in samples:  # ids are what the tokenizer makes of the text
+        text = tok.decode(s.input_ids, skip_special_tokens=False)
+        assert s.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+    (whole,) = ChatMasker(tok, split_turns="never", train_on_eot=False).encode(DONE)
+    assert marked(whole, tok).endswith("<think></think>⟦21 C in Rome.⟧<|im_end|>")
+
+
+def test_masks_explain_needs_trust_remote_code_for_custom_code(model_dir, tmp_path, capsys) -> None:  # noqa: F811
+    import json
+
+    from hsextract.cli import main
+
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text(json.dumps({"messages": DONE.messages[:2]}) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(model_dir)]) == 2
+    assert "trust_remote_code" in capsys.readouterr().err
+    assert main(["masks", "--explain", str(conv), "--model", str(model_dir), "--trust-remote-code"]) == 0
+    assert "<think>⟦Look it up.</think>Sunny.<|im_end|>⟧" in capsys.readouterr().out
