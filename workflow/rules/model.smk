@@ -13,6 +13,6 @@ if config["make_tiny_model"]:
             "../../envs/model.yaml"
         params:
             seed=config["seed"],
-        tokenizer=config["tiny_model_tokenizer"],
+            tokenizer=config["tiny_model_tokenizer"],
         script:
             "../scripts/make_tiny_model.py"
