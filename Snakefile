@@ -40,6 +40,8 @@ from hsextract.config import check as check_config
 
 # Semantic checks (layer ids vs depth, model, reference sample) before any job; sets the chunk count.
 PLAN = check_config(config)
+# `capture: eagle3 | dflash | mtp` presets resolve to layer ids here: every rule and script sees the list.
+config["aux_layers"] = PLAN.aux_layers
 
 
 report: "workflow/report/workflow.rst"

@@ -98,7 +98,7 @@ def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
 def test_reference_tensor_count_and_hidden_size(cfg: dict, tmp_path: Path) -> None:
     write_reference(tmp_path / "ref3.pt", n_tensors=3)
     cfg["reference_sample"] = "ref3.pt"
-    with pytest.raises(ConfigError, match=r"^reference_sample: ref3.pt holds 3 hidden-state tensors, but aux_layers has 3 layers, so shards hold 4"):
+    with pytest.raises(ConfigError, match=r"^reference_sample: ref3.pt holds 3 hidden-state tensors, but aux_layers \[1, 2, 3\] \(capture: custom\) has 3 layers, so shards hold 4"):
         check(cfg)
     write_reference(tmp_path / "ref128.pt", hidden=128)
     cfg["reference_sample"] = "ref128.pt"

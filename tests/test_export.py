@@ -199,3 +199,37 @@ def test_non_empty_out_dir_needs_force_and_stale_files_go(run_dir, tmp_path):
 def test_unknown_format_is_refused(run_dir, tmp_path):
     with pytest.raises(ConfigError, match="export format 'eagle': use one of speculators-v1, specforge, speculators-safetensors"):
         export(run_dir, tmp_path / "o", "eagle")
+
+
+def test_five_aux_layer_capture_round_trips_and_exports(tmp_path):
+    """capture: dflash (5 aux layers + final = 6 tensors): shard round trip byte-exact, every format keeps all."""
+    aux = [1, 2, 4, 6, 7]
+    shards = tmp_path / "run" / "shards"
+    shards.mkdir(parents=True)
+    samples = [make_sample(5 + i, n=6, seed=i) for i in range(3)]
+    with ShardWriter(shards / "chunk-00000.hss", shard_metadata(final_state="pre_norm", aux_layers=aux)) as w:
+        for i, s in enumerate(samples):
+            w.add(*s, sample_id=f"id{i}")
+    ds = open_dataset(tmp_path / "run")
+    assert ds.metadata["aux_layers"] == aux and ds.metadata["num_hidden_tensors"] == 6
+    for (ids, hs, mask), got in zip(samples, ds, strict=True):
+        assert torch.equal(got["input_ids"], ids) and torch.equal(got["loss_mask"], mask)
+        assert len(got["hidden_states"]) == 6
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got["hidden_states"], hs, strict=True))
+
+    export(tmp_path / "run", tmp_path / "v1", "speculators-v1")
+    cfg = json.loads((tmp_path / "v1" / "data" / "data_config.json").read_text())
+    assert cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 6 and cfg["hidden_states"]["layer_ids"][:5] == aux
+    raw = torch.load(tmp_path / "v1" / "data" / "data_2.pt", weights_only=True)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(raw["hidden_states"], samples[2][1], strict=True))
+    with pytest.warns(FinalNormWarning):  # pre_norm without a recorded norm: exported as is, loudly
+        export(tmp_path / "run", tmp_path / "sf", "specforge")
+    d = torch.load(tmp_path / "sf" / "rows_0-3" / "data_1.ckpt", weights_only=True)
+    assert d["aux_hidden_state"].shape == (1, 6, 5 * 16)
+    assert torch.equal(bits(d["aux_hidden_state"][0]), bits(torch.cat(samples[1][1][:5], dim=-1)))
+    assert torch.equal(bits(d["hidden_state"][0]), bits(samples[1][1][5]))
+
+    data_mod = import_eagle3_dataset()
+    sds = data_mod.Eagle3SampleFileDataset(max_len=64, datapath=str(tmp_path / "v1" / "data"))
+    got = [sds[k] for k in range(3)]
+    assert sorted(g["hidden_states"].shape[1] for g in got) == [5 * 16] * 3

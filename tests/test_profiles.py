@@ -38,13 +38,13 @@ JOBS = {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_C
         "aggregate_stats": 1, "manifest": 1, "all": 1}
 
 
-def dry_run(workdir: Path, profile: str, *extra: str) -> str:
+def dry_run(workdir: Path, profile: str, *extra: str, configfiles: tuple[str, ...] = ("config/test.yaml",)) -> str:
     cmd = snakemake_cmd()
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [*cmd, "-n", "--workflow-profile", f"profiles/{profile}", *extra,
-         "--configfile", "config/config.yaml", "config/test.yaml"],
+         "--configfile", "config/config.yaml", *configfiles],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, f"dry run with profiles/{profile} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -168,3 +168,142 @@ def test_cluster_doc_uses_the_tested_profiles() -> None:
     k8s = yaml.safe_load((ROOT / "profiles/kubernetes/config.yaml").read_text())
     assert f"`{k8s['default-storage-prefix']}` the default storage (`{k8s['default-storage-provider']}` provider)" in doc
     assert f"{k8s['set-resources']['extract']['disk_mb'] // 1000} GB of ephemeral disk" in doc
+
+
+# config/kimi.yaml as shipped, with a source and a local model directory of Kimi-K2.5's shape (the hub
+# id cannot be read offline): one local SGLang server of tp 8 per extract job.
+KIMI_RECORDS, KIMI_PER_CHUNK = 12, 6
+KIMI_GPUS = 8  # sglang.tp x sglang.replicas in config/kimi.yaml
+
+
+def kimi_workdir(dest: Path, extra: str = "") -> Path:
+    wd = make_workdir(dest, "")
+    kimi = yaml.safe_load((wd / "config/kimi.yaml").read_text())
+    assert kimi["sglang"]["tp"] * kimi["sglang"]["replicas"] == KIMI_GPUS
+    (wd / "kimi-model").mkdir()
+    (wd / "kimi-model/config.json").write_text(
+        '{"text_config": {"num_hidden_layers": 61, "hidden_size": 7168, "vocab_size": 163840}}')
+    (wd / "config/test.yaml").write_text(
+        f"model: {wd / 'kimi-model'}\nprompts_per_chunk: {KIMI_PER_CHUNK}\n"
+        f"sources:\n  - {{path: data/conversations.jsonl, format: messages, max_records: {KIMI_RECORDS}}}\n"
+        + extra)
+    return wd
+
+
+KIMI_FILES = ("config/kimi.yaml", "config/test.yaml")
+
+
+class Resources(dict):
+    __getattr__ = dict.__getitem__
+
+
+def sbatch_call(raw: dict[str, str]) -> list[str]:
+    """The sbatch command line the SLURM plugin builds for a job with these dry-run resources."""
+    from snakemake_executor_plugin_slurm.submit_string import get_submit_command
+    from snakemake_executor_plugin_slurm.utils import set_gres_string
+
+    values = {k: int(v) if v.isdigit() else v for k, v in raw.items() if k in SLURM_EXTRACT}
+    job = SimpleNamespace(resources=Resources(values), threads=8, is_group=lambda: False)
+    params = {"run_uuid": "u", "slurm_logfile": "log", "comment_str": "extract", "account": "",
+              "partition": f"-p {values['slurm_partition']}", "workdir": "/wd"}
+    return (get_submit_command(job, params) + set_gres_string(job)).split()
+
+
+def test_slurm_kimi_extract_jobs_request_the_servers_gpus(tmp_path: Path) -> None:
+    """engine: sglang with a local server: each extract job starts a TP-8 server, so it asks for 8 GPUs."""
+    out = dry_run(kimi_workdir(tmp_path / "wd"), "slurm", configfiles=KIMI_FILES)
+    res = job_resources(out)
+    assert len(res["extract"]) == KIMI_RECORDS // KIMI_PER_CHUNK
+    for job in res["extract"]:
+        assert subset(job, {"gpu": "", "gpu_model": "", "cpus_per_gpu": "", "mem_mb": ""}) == {
+            "gpu": str(KIMI_GPUS), "gpu_model": "h200", "cpus_per_gpu": "8", "mem_mb": "32000"}
+        call = sbatch_call(job)
+        assert "--gpus=h200:8" in call and "--cpus-per-gpu=8" in call and "-p" in call
+        assert call[call.index("-p") + 1] == "gpu"
+    assert "gpu" not in res["build_patched_server"][0] and "gpu" not in res["prepare"][0]
+
+
+def test_slurm_kimi_with_external_servers_requests_no_gpu(tmp_path: Path) -> None:
+    """sglang.servers: the extract jobs are clients of servers that run elsewhere."""
+    extra = "sglang: {servers: ['http://10.0.0.5:30000', 'http://10.0.0.6:30000'], dump_dir: /shared/dump}\n"
+    wd = kimi_workdir(tmp_path / "wd", extra)
+    out = dry_run(wd, "slurm", configfiles=KIMI_FILES)
+    res = job_resources(out)
+    assert "build_patched_server" not in res
+    assert {job["gpu"] for job in res["extract"]} == {"0"}
+    # profiles/README.md: drop the GPU kind for such a run, and no --gpus flag is left
+    out = dry_run(wd, "slurm", "--set-resources", "extract:gpu_model=''", "extract:slurm_partition=cpu",
+                  configfiles=KIMI_FILES)
+    call = sbatch_call(job_resources(out)["extract"][0])
+    assert not [flag for flag in call if flag.startswith("--gpus")], call
+    assert call[call.index("-p") + 1] == "cpu"
+
+
+def pod_resources(raw: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The Kubernetes plugin's pod for a job with these dry-run resources: its container's resource
+    requests and its tolerations' keys (run_job with the API call replaced)."""
+    from snakemake_executor_plugin_kubernetes import Executor
+
+    values = {k: int(v) if v.isdigit() else v for k, v in raw.items()
+              if k in ("gpu", "gpu_manufacturer", "machine_type", "mem_mb", "disk_mb")}
+    values["_cores"] = 8
+    created = {}
+    ex = object.__new__(Executor)
+    ex.__dict__.update(
+        format_job_exec=lambda job: "snakemake ...", run_namespace="ns", container_image="img", privileged=False,
+        persistent_volumes=[], k8s_service_account_name=None, k8s_cpu_scalar=1.0, secret_envvars={},
+        namespace="default", logger=SimpleNamespace(debug=lambda *a: None, info=lambda *a: None, error=print),
+        report_job_submission=lambda info: None, _kubernetes_retry=lambda f: f(),
+        batchapi=SimpleNamespace(create_namespaced_job=lambda ns, body: created.setdefault("body", body)))
+    ex.run_job(SimpleNamespace(resources=values, jobid=1, attempt=1, is_containerized=False))
+    pod = created["body"].spec.template.spec
+    return pod.containers[0].resources.requests, [t.key for t in pod.tolerations or []]
+
+
+def kubernetes_store(tmp_path: Path) -> Path:
+    store = tmp_path / "store"
+    shutil.copytree(ROOT / "data", store / "data")
+    shutil.copytree(ROOT / "resources/reference", store / "resources/reference")
+    return store
+
+
+def test_kubernetes_kimi_extract_pods_request_the_servers_gpus(tmp_path: Path) -> None:
+    wd = kimi_workdir(tmp_path / "wd")
+    out = dry_run(wd, "kubernetes", "--default-storage-prefix", str(kubernetes_store(tmp_path)),
+                  configfiles=KIMI_FILES)
+    res = job_resources(out)
+    assert len(res["extract"]) == KIMI_RECORDS // KIMI_PER_CHUNK
+    for job in res["extract"]:
+        requests, tolerations = pod_resources(job)
+        assert requests == {"cpu": "8000m", "memory": "32000M", "ephemeral-storage": "400000M",
+                            "nvidia.com/gpu": str(KIMI_GPUS)}
+        assert tolerations == ["nvidia.com/gpu"]
+    requests, tolerations = pod_resources(res["prepare"][0])
+    assert "nvidia.com/gpu" not in requests and tolerations == []
+
+
+def test_kubernetes_kimi_with_external_servers_requests_no_gpu(tmp_path: Path) -> None:
+    extra = "sglang: {server_url: 'http://10.0.0.5:30000', dump_dir: /shared/dump}\n"
+    wd = kimi_workdir(tmp_path / "wd", extra)
+    out = dry_run(wd, "kubernetes", "--default-storage-prefix", str(kubernetes_store(tmp_path)),
+                  configfiles=KIMI_FILES)
+    for job in job_resources(out)["extract"]:
+        assert pod_resources(job)[0]["nvidia.com/gpu"] == "0"
+
+
+def test_readme_production_command_plans_gpu_pool_for_the_server(tmp_path: Path) -> None:
+    """README's production command, as written plus a source and a local model: the local pool it
+    gives (--resources gpu=N) holds an extract job's GPUs (Snakemake refuses a job larger than the pool)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Production"):]
+    line = re.search(r"^ {4}(snakemake --cores .*--configfile config/kimi\.yaml)\s", section, re.M)[1]
+    words = line.split()
+    assert words[:5] == ["snakemake", "--cores", "8", "--resources", "gpu=8"]
+    wd = kimi_workdir(tmp_path / "wd")
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([*snakemake_cmd(), "-n", *words[1:], "config/test.yaml"], cwd=wd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    pool = int(words[4].split("=")[1])
+    assert {job["gpu"] for job in job_resources(proc.stdout)["extract"]} == {str(pool)} == {str(KIMI_GPUS)}

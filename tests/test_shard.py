@@ -118,11 +118,28 @@ def test_background_sync_runs_while_writing_and_changes_no_byte(tmp_path, monkey
     monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(os.fstat(fd).st_size), real(fd)))
     w = ShardWriter(tmp_path / "b.hss", shard_metadata(), threads=2)
     w._sync_every = 4096  # bytes here; MB in the API
+    start_sync = w._background_sync
+
+    def start_and_wait() -> None:
+        # A sync still running when the next is due is skipped, so how many run would depend on thread
+        # timing: the writer thread waits for each one here (an event, not a delay), so every due sync runs.
+        start_sync()
+        if w._sync is not None:
+            w._sync.result()
+
+    w._background_sync = start_and_wait
     with w:
         for k, (ids, hs, mask) in enumerate(samples):
             w.add(ids, hs, mask, sample_id=f"s{k}")
     assert (tmp_path / "b.hss").read_bytes() == ref
-    assert len(synced) >= 2 and all(0 < n < len(ref) for n in synced)  # during the writing, not at close
+    # a sync is due once 4096 bytes were written since the last: after the header (its own chunk) or a record
+    ix = ShardReader(tmp_path / "b.hss").index
+    due, last = [], 0
+    for end in [ix["offsets"][0]] + [o + n for o, n in zip(ix["offsets"], ix["record_lens"])]:
+        if end - last >= 4096:
+            due.append(end)
+            last = end
+    assert len(due) >= 2 and due[-1] < len(ref) and synced == due  # during the writing, never at close
 
 
 def slow_disk(w: ShardWriter, delay_s: float = 0.05) -> ShardWriter:

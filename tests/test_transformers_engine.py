@@ -144,6 +144,27 @@ def test_pre_norm_vs_post_norm(model_dir: Path, prompts: list[Prompt]) -> None:
         assert rel(post.hidden_states[1], pre.hidden_states[1]) > 0.5  # and they really differ
 
 
+@pytest.mark.parametrize("aux", [(), (0, 1, 2, 3), (3, 0, 2)], ids=["mtp", "four", "three-unsorted"])
+def test_any_number_of_aux_layers_then_the_pre_norm_state(
+    model_dir: Path, prompts: list[Prompt], reference: list[list[torch.Tensor]], aux: tuple[int, ...]
+) -> None:
+    """capture: mtp (no aux) up to every layer of the model; the last tensor is the pre-norm state."""
+    with TransformersEngine(model_dir, CaptureSpec(aux, "pre_norm"), token_budget=2048) as eng:
+        got = list(eng.extract(prompts[:5]))
+    for c, ref in zip(got, reference, strict=False):
+        assert len(c.hidden_states) == len(aux) + 1
+        for t, i in zip(c.hidden_states, aux):
+            assert rel(t, _ref_layer(ref, i)) <= TOL
+        assert rel(c.hidden_states[-1], ref[-2]) <= TOL  # pre-norm (forward hook on the last layer)
+        assert rel(c.hidden_states[-1], ref[-1]) > TOL * WRONG_LAYER_MARGIN  # not the post-norm state
+
+
+def test_more_than_eight_aux_layers_is_a_config_error(tmp_path_factory: pytest.TempPathFactory) -> None:
+    deep = make_tiny_model(tmp_path_factory.mktemp("deep") / "m", CONVERSATIONS, num_hidden_layers=10, hidden_size=64)
+    with pytest.raises(ConfigError, match=r"^aux_layers: 9 layers; at most 8 are supported.$"):
+        TransformersEngine(deep, CaptureSpec(tuple(range(9))))
+
+
 def test_extracting_twice_is_bit_identical(model_dir: Path, prompts: list[Prompt]) -> None:
     spec = CaptureSpec((0, 2), "post_norm")
     with TransformersEngine(model_dir, spec, token_budget=900) as eng:

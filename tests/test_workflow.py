@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -138,7 +139,7 @@ def test_full_run_validates(full_run: Path) -> None:
     assert counts["samples"] + counts["dropped_samples"] == RECORDS
     assert counts["dropped"] == prep["dropped"]
     assert counts["compression_ratio"] > 1.0
-    assert manifest["aux_layers"] == [1, 5, 7] and manifest["final_state"] == "post_norm"
+    assert manifest["aux_layers"] == [1, 5, 7] and manifest["final_state"] == "pre_norm"
     assert manifest["provenance"]["config"]["run_name"] == RUN
     assert len(manifest["provenance"]["model_hash"]) == 64
     # token frequencies from the shards equal prepare's, computed from the prompts
@@ -191,8 +192,9 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
                 pre = last["out"][0]
                 post = model.model.norm(last["out"])[0]
             assert torch.equal(post, hs[-1][0])  # transformers' last hidden state is post-norm
-            right = [hs[layer + 1][0] for layer in aux] + [post]
-            wrong = [hs[layer + 2][0] for layer in aux] + [pre]
+            # final_state: pre_norm (the default): the last decoder layer's output, not the normed one
+            right = [hs[layer + 1][0] for layer in aux] + [pre]
+            wrong = [hs[layer + 2][0] for layer in aux] + [post]
             for j in range(4):
                 err = token_errors(s["hidden_states"][j], right[j])
                 where = f"chunk {i} sample {k} tensor {j}"
@@ -201,6 +203,23 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
                 assert float(token_errors(s["hidden_states"][j], wrong[j]).median()) >= WRONG_MEDIAN, where
             checked += 1
     assert checked >= 6
+
+
+def test_default_run_exports_to_speculators_without_final_norm_warning(
+    full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from hsextract.export import export
+    from hsextract.final_norm import read_final_norm
+
+    rd = full_run / "results" / RUN
+    meta = ShardReader(shard_path(full_run, 0)).metadata
+    assert meta["final_state"] == "pre_norm"
+    norm = read_final_norm(str(full_run / "resources/tiny-model"))
+    assert meta["final_norm"] == norm.to_metadata()
+    summary = export(rd, tmp_path / "v1", "speculators-v1")
+    assert summary["warning"] is None and capsys.readouterr().err == ""
+    summary = export(rd, tmp_path / "sf", "specforge")  # pre -> post through the recorded norm
+    assert summary["warning"] is None and summary["final_norm_applied"] and capsys.readouterr().err == ""
 
 
 def test_report_after_run(full_run: Path) -> None:
@@ -243,6 +262,43 @@ def test_failed_chunk_reruns_alone_and_same_config_gives_same_samples(tmp_path: 
             sa, sb = ra[k], rb[k]
             assert torch.equal(sa["input_ids"], sb["input_ids"]) and torch.equal(sa["loss_mask"], sb["loss_mask"])
             assert all(torch.equal(x, y) for x, y in zip(sa["hidden_states"], sb["hidden_states"], strict=True))
+
+
+def readme_rerun_command() -> str:
+    """The shell line of the README's rerun section (deleted shard)."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Reruns and failures"):]
+    return re.search(r"^ {6}(rm results/\S+\.hss; \S*snakemake .*)$", section, re.M)[1]
+
+
+def test_readme_deleted_shard_reruns_alone(tmp_path: Path, full_run: Path) -> None:
+    """The README's command, as written, in a copy of the full run whose config/config.yaml holds
+    the test settings (the plain command reads no other config file)."""
+    import yaml
+    from snakemake.utils import update_config
+
+    wd = tmp_path / "copy"
+    shutil.copytree(full_run, wd, symlinks=True)
+    base = yaml.safe_load((wd / "config/config.yaml").read_text())
+    update_config(base, yaml.safe_load((wd / "config/test.yaml").read_text()))
+    (wd / "config/config.yaml").write_text(yaml.safe_dump(base, sort_keys=False))
+    command = readme_rerun_command()
+    assert command == "rm results/tiny-default/shards/chunk-00002.hss; .venv/bin/snakemake --cores 2"
+    command = command.replace("tiny-default", RUN).replace(".venv/bin/snakemake", shlex.join(snakemake_cmd()))
+    kept = {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 1)}
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(command, shell=True, cwd=wd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert job_counts(proc.stdout + proc.stderr) == {
+        "extract": 1, "validate": 1, "stats": 1, "aggregate_stats": 1, "manifest": 1, "all": 1,
+    }
+    assert {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 1)} == kept
+    manifest = json.loads((run_dir(wd) / "dataset.json").read_text())
+    assert manifest["all_valid"] is True
+    assert manifest["shards"][2]["sha256"] == sha256_file(shard_path(wd, 2))
+    # the rerun wrote the same samples as the first run
+    assert sha256_file(shard_path(wd, 2)) == sha256_file(shard_path(full_run, 2))
 
 
 def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:

@@ -7,21 +7,9 @@ project's `TransformersEngine` with token_budget 1, so every prompt runs alone (
 bit-identical to a plain transformers forward on the CPU, tests/test_transformers_engine.py); a plain
 transformers forward of the first prompts is compared with it as a cross-check (reported, not a check).
 
-Two kinds of statistics, both always reported:
-  * per sample and layer: rel = |got - ref| / |ref| over the whole [tokens, hidden] tensor (float32);
-  * per token: rel_t = |got_t - ref_t| / |ref_t|, pooled over all tokens of all samples per layer:
-    median, p90, p99, max, and the fraction of "flipped" tokens (rel_t > 0.1), for the right layer and
-    for the neighbouring (wrong) one.
-Checks (`--checks auto`: `token` for MoE models, `sample` for dense ones):
-  sample: every sample's rel <= --tol per layer; the neighbouring layer > 10*tol for every sample; the
-          final state is the output of the final norm (vs its input > 10*tol); 64-in-flight vs alone
-          <= --tol; shard round trip exact. (The Llama checks that passed on the H200.)
-  token:  per-layer median token error <= --token-tol; the neighbouring layer's median >= 10x the right
-          layer's; the final state's median token error vs the pre-norm state >= 10*token-tol; flipped
-          fraction <= --flip-bound (PROVISIONAL: 0.05, chosen before any GPU measurement of it); 64 vs alone:
-          median <= token-tol and flipped <= flip-bound; shard round trip exact; and the per-sample
-          wrong-layer check above. On MoE models single tokens flip experts on near-ties (random routers,
-          different kernels), so a whole-sample bound fails there although the layers are right.
+Statistics and checks: hsextract.fidelity (per sample and per token; `--checks auto` picks the per-token
+checks for MoE models, the per-sample ones for dense models), with the shard round trip exact and the shard
+validating against the speculators v1 reference sample added here.
 Results: OUT/fidelity-<name>.json and .md (written even when a stage fails: "error" says which).
 
 CPU dry run without SGLang (the candidate is the transformers engine batched with padding, which is
@@ -46,35 +34,7 @@ from pathlib import Path
 import torch
 
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
-
-FLIP = 0.1  # a token whose rel error exceeds this counts as "flipped"
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-12))
-
-
-def token_rel(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Per-token relative error of [n, H] tensors -> [n] (float32)."""
-    g, r = got.float(), ref.float()
-    return (g - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)
-
-
-def dist(errs: torch.Tensor, flip: float = FLIP) -> dict:
-    """Median, p90, p99, max and flipped fraction of pooled per-token errors."""
-    e = errs.float().flatten()
-    q = torch.quantile(e, torch.tensor([0.5, 0.9, 0.99])).tolist() if e.numel() else [float("nan")] * 3
-    return {"tokens": int(e.numel()), "median": q[0], "p90": q[1], "p99": q[2],
-            "max": float(e.max()) if e.numel() else float("nan"),
-            "flipped_frac": float((e > flip).float().mean()) if e.numel() else float("nan")}
-
-
-def is_moe(model_dir: str) -> bool:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return any(int(cfg.get(k) or 0) > 0 for k in ("n_routed_experts", "num_experts", "num_local_experts"))
-
+from hsextract.fidelity import FLIP, evaluate, is_moe, neighbours, num_layers_of, rel
 
 def make_prompts(n: int, vocab: int, seed: int) -> list[Prompt]:
     g = torch.Generator().manual_seed(seed)
@@ -83,16 +43,6 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[Prompt]:
         L = int(torch.randint(400, 900, (1,), generator=g)) if i % 4 == 3 else int(torch.randint(3, 200, (1,), generator=g))
         out.append(Prompt(i, f"{i:04d}", torch.randint(0, vocab, (L,), generator=g).tolist()))
     return out
-
-
-def neighbours(aux: tuple[int, ...], num_layers: int) -> list[int]:
-    """The wrong layer next to each aux id (the following one; the previous one for the last layer)."""
-    return [a + 1 if a + 1 < num_layers else a - 1 for a in aux]
-
-
-def num_layers_of(model_dir: str) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(cfg.get("text_config", cfg)["num_hidden_layers"])
 
 
 def engine_reference(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], device: str) -> tuple[list[dict], str]:
@@ -215,68 +165,6 @@ def shard_roundtrip(a: argparse.Namespace, prompts: list[Prompt], got: list[Capt
     except Exception as e:  # report, do not hide the fidelity numbers
         res["shard_error"] = f"{type(e).__name__}: {e}"
         res["shard_roundtrip_exact"] = False
-
-
-def evaluate(prompts: list[Prompt], got: list[Captured], alone: list[Captured], refs: list[dict],
-             aux: tuple[int, ...], *, tol: float, token_tol: float, flip_bound: float, mode: str,
-             long_from: int) -> dict:
-    """Per-sample and per-token statistics and the checks of `mode` ("sample" or "token")."""
-    names = [f"aux{x}" for x in aux] + ["final_post_norm"]
-    per = []
-    tok_right: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    tok_wrong: dict[str, list[torch.Tensor]] = {n: [] for n in names[:-1]}
-    tok_pre: list[torch.Tensor] = []
-    for p, g, ref in zip(prompts, got, refs, strict=True):
-        hs = g.hidden_states
-        per.append({
-            "sample": p.sample_id, "len": len(p.input_ids),
-            "aux": [rel(hs[j], ref["aux"][j]) for j in range(len(aux))],
-            "aux_wrong_layer": [rel(hs[j], ref["wrong"][j]) for j in range(len(aux))],
-            "final_post_norm": rel(hs[-1], ref["post"]),
-            "final_vs_pre_norm": rel(hs[-1], ref["pre"]),
-        })
-        for j in range(len(aux)):
-            tok_right[names[j]].append(token_rel(hs[j], ref["aux"][j]))
-            tok_wrong[names[j]].append(token_rel(hs[j], ref["wrong"][j]))
-        tok_right["final_post_norm"].append(token_rel(hs[-1], ref["post"]))
-        tok_pre.append(token_rel(hs[-1], ref["pre"]))
-        per[-1]["flipped_tokens"] = [int((tok_right[n][-1] > FLIP).sum()) for n in names]
-    res: dict = {"per_sample": per}
-    worst = {f"aux{aux[j]}": max(s["aux"][j] for s in per) for j in range(len(aux))}
-    worst["final_post_norm"] = max(s["final_post_norm"] for s in per)
-    res["max_rel"] = worst
-    res["min_rel_wrong_layer"] = min(min(s["aux_wrong_layer"]) for s in per)
-    res["min_rel_final_vs_pre_norm"] = min(s["final_vs_pre_norm"] for s in per)
-    longs = [max(s["aux"] + [s["final_post_norm"]]) for s in per if s["len"] > long_from]
-    res["long_samples_max_rel"] = max(longs) if longs else None
-    tok = {n: dist(torch.cat(tok_right[n])) for n in names}
-    tok_nb = {n: dist(torch.cat(tok_wrong[n])) for n in names[:-1]}
-    tok_final_pre = dist(torch.cat(tok_pre))
-    res["token"] = {"right": tok, "neighbouring_layer": tok_nb, "final_vs_pre_norm": tok_final_pre}
-    # batch invariance: the same prompt among 64 in flight vs alone
-    inv_tok = torch.cat([token_rel(x, y) for g, s in zip(got, alone) for x, y in zip(g.hidden_states, s.hidden_states)])
-    res["batch_invariance_max_rel"] = max(rel(x, y) for g, s in zip(got, alone)
-                                          for x, y in zip(g.hidden_states, s.hidden_states))
-    res["token"]["batch_invariance"] = dist(inv_tok)
-    sample_checks = {
-        "right_layers_within_tol": all(v <= tol for v in worst.values()),
-        "wrong_layer_far_above_tol": res["min_rel_wrong_layer"] > 10 * tol,
-        "final_is_post_norm": res["min_rel_final_vs_pre_norm"] > 10 * tol,
-        "batch_invariant": res["batch_invariance_max_rel"] <= tol,
-    }
-    inv = res["token"]["batch_invariance"]
-    token_checks = {
-        "token_median_within_tol": all(d["median"] <= token_tol for d in tok.values()),
-        "wrong_layer_median_10x": all(tok_nb[n]["median"] >= 10 * tok[n]["median"] for n in tok_nb),
-        "wrong_layer_far_above_tol": sample_checks["wrong_layer_far_above_tol"],
-        "final_is_post_norm": tok_final_pre["median"] >= 10 * token_tol and sample_checks["final_is_post_norm"],
-        "flipped_fraction_small": all(d["flipped_frac"] <= flip_bound for d in tok.values()),
-        "batch_invariant_tokens": inv["median"] <= token_tol and inv["flipped_frac"] <= flip_bound,
-    }
-    res["checks_sample"] = sample_checks
-    res["checks_token"] = token_checks
-    res["checks"] = dict(token_checks if mode == "token" else sample_checks)
-    return res
 
 
 def markdown(name: str, res: dict) -> list[str]:

@@ -4,8 +4,8 @@
 OUT_DIR/llama     tiny Llama (8 layers, hidden 256), as in notes/sglang-on-h200.md
 OUT_DIR/deepseek  small DeepseekV3 (MLA + MoE, 8 layers, hidden 256, 8 routed experts, top-2)
 OUT_DIR/tiny      the workflow's tiny DeepseekV3 (hsextract.tinymodel)
-OUT_DIR/tiny-fixed  the same weights with routing made unambiguous (bench/moe_sensitivity.py fix_routing:
-                  expert e biased by 2e, so every token goes to the same top-2): the control for MoE flips
+OUT_DIR/tiny-fixed  the same weights with routing made unambiguous (fix_routing: expert e biased by 2e, so
+                  every token goes to experts 6 and 7): the control for MoE flips (bench/README.md, fidelity)
 OUT_DIR/llama8b   Llama-3-8B shape, config.json only (SGLang: --load-format dummy; HF: random init on GPU)
 A byte-level tokenizer is not needed: every request is sent as token ids (--skip-tokenizer-init).
 """
@@ -50,13 +50,25 @@ def save(model_cls, cfg, out: Path, seed: int) -> None:
     print(out, sum(p.numel() for p in m.parameters()), "parameters", flush=True)
 
 
+@torch.no_grad()
+def fix_routing(model: torch.nn.Module, spacing: float = 2.0) -> None:
+    """Bias expert e by e * spacing in every MoE router: the top-k are always the k highest-numbered experts.
+
+    `spacing` > 1 spans the whole range of a sigmoid score, so the bias alone decides the selection. In
+    noaux_tc the bias only enters the selection (the routed weights use the unbiased scores), so the model
+    still computes with real, input-dependent expert weights; only the choice becomes unambiguous.
+    """
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and hasattr(gate, "e_score_correction_bias"):
+            b = gate.e_score_correction_bias
+            b.copy_(torch.arange(b.numel(), dtype=b.dtype) * spacing)
+
+
 def tiny_fixed(src: Path, dst: Path) -> None:
     """`src` with every MoE router's selection fixed (weights unchanged), tokenizer files copied."""
     import shutil
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from moe_sensitivity import fix_routing
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)

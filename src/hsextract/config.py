@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from hsextract.capture import resolve_aux_layers
 from hsextract.errors import ConfigError
 
 # Keys that hold sizes or counts, checked > 0 (also when the config did not come through the schema).
@@ -56,6 +57,7 @@ class Plan:
     n_chunks: int
     model: ModelShape
     reference: ReferenceLayout
+    aux_layers: list[int]  # resolved from `capture` and `aux_layers` (hsextract.capture)
 
 
 def lookup(config: Mapping[str, Any], dotted: str) -> Any:
@@ -207,8 +209,9 @@ def check_engine(config: Mapping[str, Any]) -> None:
             ) from None
 
 
-def check_layers(config: Mapping[str, Any], shape: ModelShape) -> None:
-    layers = list(config["aux_layers"])
+def check_layers(config: Mapping[str, Any], shape: ModelShape) -> list[int]:
+    """The run's aux layer ids (preset or explicit list), each checked against the model's depth."""
+    layers = resolve_aux_layers(config, shape.num_layers)
     for i, layer in enumerate(layers):
         if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
             raise ConfigError(f"aux_layers[{i}]: {layer!r} is not a layer id; ids are integers >= 0")
@@ -219,15 +222,19 @@ def check_layers(config: Mapping[str, Any], shape: ModelShape) -> None:
             )
     if len(set(layers)) != len(layers):
         raise ConfigError(f"aux_layers: {layers} repeats a layer id; each id must appear once")
+    return layers
 
 
-def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: ReferenceLayout) -> None:
-    want = len(config["aux_layers"]) + 1
+def check_reference(config: Mapping[str, Any], shape: ModelShape, ref: ReferenceLayout,
+                    aux_layers: list[int] | None = None) -> None:
+    aux = list(config["aux_layers"]) if aux_layers is None else aux_layers
+    want = len(aux) + 1
     if ref.num_tensors != want:
         raise ConfigError(
             f"reference_sample: {config['reference_sample']} holds {ref.num_tensors} hidden-state "
-            f"tensors, but aux_layers has {len(config['aux_layers'])} layers, so shards hold {want} "
-            f"(aux layers + final state); use a reference sample with {want} tensors or change aux_layers"
+            f"tensors, but aux_layers {aux} (capture: {config.get('capture') or 'custom'}) has {len(aux)} layers, "
+            f"so shards hold {want} (aux layers + final state); use a reference sample with {want} tensors "
+            f"or change aux_layers"
         )
     # The shipped reference is Kimi-shaped and checks layout only; the workflow's own tiny model
     # is therefore not comparable by hidden size. A real model is: its reference should come
@@ -271,10 +278,10 @@ def check(config: Mapping[str, Any]) -> Plan:
         shape = tiny_model_shape()
     else:
         shape = read_model_shape(model)
-    check_layers(config, shape)
+    aux_layers = check_layers(config, shape)
     check_tokenizer(config)
     ref = read_reference(str(config["reference_sample"]))
-    check_reference(config, shape, ref)
+    check_reference(config, shape, ref, aux_layers)
 
     from hsextract.conversations import count_records
 
@@ -295,4 +302,5 @@ def check(config: Mapping[str, Any]) -> Plan:
         n_chunks=count_chunks(n_records, int(config["prompts_per_chunk"])),
         model=shape,
         reference=ref,
+        aux_layers=aux_layers,
     )

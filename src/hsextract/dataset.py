@@ -16,10 +16,17 @@ from hsextract.errors import ShardError
 from hsextract.shard import SHARD_SUFFIX, ShardReader
 
 # Keys that must agree across shards for their samples to form one training set.
-CONSISTENT_KEYS = ("model", "aux_layers", "final_state", "hidden_size", "dtype", "num_hidden_tensors")
+CONSISTENT_KEYS = ("model", "aux_layers", "final_state", "final_norm", "hidden_size", "dtype", "num_hidden_tensors")
 
 
 MANIFEST_NAME = "dataset.json"
+
+
+def _shown(key: str, value: Any) -> Any:
+    """A metadata value for an error message: the final norm without its (hidden_size values long) weight."""
+    if key == "final_norm" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "weight"}
+    return value
 
 
 def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
@@ -95,8 +102,9 @@ class HiddenStateDataset(Dataset):
         for r in self.readers[1:]:
             for k in CONSISTENT_KEYS:
                 if r.metadata.get(k) != first.get(k):
+                    a, b = _shown(k, r.metadata.get(k)), _shown(k, first.get(k))
                     raise ShardError(
-                        f"{r.path}: {k} = {r.metadata.get(k)!r} but {self.readers[0].path} has {first.get(k)!r}; "
+                        f"{r.path}: {k} = {a!r} but {self.readers[0].path} has {b!r}; "
                         "shards of one dataset must come from the same model and capture settings"
                     )
         self._starts: list[int] = []

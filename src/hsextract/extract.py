@@ -24,6 +24,7 @@ from hsextract import provenance
 from hsextract.config import read_model_shape
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
+from hsextract.final_norm import final_norm_metadata
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 
@@ -99,6 +100,10 @@ def shard_metadata(
     it, the tokenizer's stored template is hashed.
     """
     tok_dir = str(config.get("tokenizer") or config["model"])
+    norm, why = final_norm_metadata(str(config["model"]), model_dtype(config))
+    if norm is None and config["final_state"] == "pre_norm":
+        print(f"WARNING: the final norm is not recorded in the shards ({why}); an export to a post-norm "
+              "consumer (specforge) will refuse this pre_norm data", file=sys.stderr, flush=True)
     if chat_template_hash is None:
         chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))
     return {
@@ -107,6 +112,7 @@ def shard_metadata(
         "engine_version": engine.version(),
         "aux_layers": [int(i) for i in config["aux_layers"]],
         "final_state": config["final_state"],
+        "final_norm": norm,  # hsextract.final_norm: post-norm = norm(pre-norm) at export
         "hidden_size": int(hidden_size),
         "dtype": model_dtype(config),
         "config_hash": provenance.config_hash(config),

@@ -138,7 +138,10 @@ def get_all_chunk_stats(wildcards):
 
 
 def get_final_outputs():
+    # every shard is a target: a deleted shard reruns its chunk (a missing intermediate file alone
+    # does not make Snakemake redo the jobs after it)
     return [
+        *get_all_shards(None),
         f"results/{RUN}/dataset.json",
         f"results/{RUN}/stats/summary.tsv",
         *get_all_validation(None),

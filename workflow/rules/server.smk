@@ -3,12 +3,16 @@
 # does not redo finished chunks) and start or reuse the server themselves (hsextract.server,
 # notes/snakemake.md A6.3); onstart kills a server left by a crashed run, onsuccess/onerror stop
 # ours. External servers (sglang.server_url / sglang.servers): nothing to build or start.
+from snakemake_interface_executor_plugins.settings import DeploymentMethod
+
 from hsextract.engines import sglang_config
 
 SGLANG_URLS = sglang_config.external_urls(config)
 SERVER_DIR = f"results/{RUN}/server"
-# the server holds the GPUs; an extraction job is a client
-EXTRACT_GPUS = 0
+# An extraction job starts (or reuses) its own local servers: it needs their tp x replicas GPUs on its
+# node. With external servers it is a client and needs none.
+_SGLANG = sglang_config.settings(config)
+EXTRACT_GPUS = 0 if SGLANG_URLS else _SGLANG["tp"] * _SGLANG["replicas"]
 
 if not SGLANG_URLS:
     ENGINE_INPUTS["patched"] = ancient(f"{SERVER_DIR}/patched.json")
@@ -24,6 +28,8 @@ if not SGLANG_URLS:
             "../../envs/sglang.yaml"
         params:
             python=config["sglang"]["python"],
+            # null python: the job's interpreter, only if it is envs/sglang.yaml's (--sdm conda)
+            conda_env=DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method,
             repo=workflow.basedir,
         script:
             "../scripts/build_patched_server.py"

@@ -4,13 +4,13 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 
-from hsextract.engines.sglang_config import build_patched
+from hsextract.engines.sglang_config import build_patched, build_python
 
 info = build_patched(
     dict(snakemake.config),  # noqa: F821
     snakemake.output.patched,  # noqa: F821
     repo=snakemake.params.repo,  # noqa: F821
-    # null: this job's interpreter (the envs/sglang.yaml environment under --sdm conda)
-    python=snakemake.params.python or sys.executable,  # noqa: F821
+    # sglang.python, else this job's interpreter only under --sdm conda (envs/sglang.yaml)
+    python=build_python(snakemake.params.python, snakemake.params.conda_env),  # noqa: F821
 )
 print(info)

@@ -97,6 +97,22 @@ def server_python(config: Mapping[str, Any], root: str | Path = ".") -> str:
     return sys.executable
 
 
+def build_python(python: str | None, conda_env: bool) -> str:
+    """The interpreter rule build_patched_server installs hsextract into: `sglang.python`, or the job's
+    own interpreter when it runs in the envs/sglang.yaml environment (--sdm conda). Never the workflow's
+    own environment: an install there would replace its editable hsextract by a copy in site-packages."""
+    if python:
+        return str(python)
+    if conda_env:
+        return sys.executable
+    raise ConfigError(
+        "sglang.python is null and the workflow runs without --sdm conda, so rule build_patched_server has "
+        f"no server environment to install the plugin into (it will not touch the workflow's own, {sys.prefix}). "
+        "Set sglang.python to the Python of your SGLang installation "
+        "(--config 'sglang={python: /path/to/sglang/bin/python}'), or add --sdm conda to build envs/sglang.yaml."
+    )
+
+
 def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python: str | None = None) -> Any:
     """The ServerConfig of local replicas."""
     from hsextract.server import ServerConfig

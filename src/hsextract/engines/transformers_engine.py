@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from hsextract.capture import MAX_AUX_LAYERS
 from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 
@@ -54,8 +55,8 @@ def validate_capture_spec(spec: CaptureSpec, num_layers: int, model: str) -> Non
     """ConfigError unless every aux id is a distinct decoder layer of the model and final_state is known."""
     if spec.final_state not in ("post_norm", "pre_norm"):
         raise ConfigError(f"final_state: {spec.final_state!r} is not allowed; use 'post_norm' or 'pre_norm'.")
-    if not spec.aux_layers:
-        raise ConfigError("aux_layers: empty; give at least one decoder layer id (EAGLE-3 uses three).")
+    if len(spec.aux_layers) > MAX_AUX_LAYERS:  # none is fine: capture: mtp stores the final state only
+        raise ConfigError(f"aux_layers: {len(spec.aux_layers)} layers; at most {MAX_AUX_LAYERS} are supported.")
     for i in spec.aux_layers:
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
             raise ConfigError(

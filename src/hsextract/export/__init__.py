@@ -12,6 +12,7 @@ from hsextract.export.common import prepare_out_dir
 from hsextract.export.specforge import export_specforge
 from hsextract.export.speculators_safetensors import export_speculators_safetensors
 from hsextract.export.speculators_v1 import export_speculators_v1
+from hsextract.final_norm import from_shard_metadata
 
 EXPORTERS = {
     "speculators-v1": export_speculators_v1,
@@ -32,13 +33,22 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     if fmt not in EXPORTERS:
         raise ConfigError(f"export format {fmt!r}: use one of {', '.join(FORMATS)}")
     ds = open_dataset(run_dir, verify_checksums=True, allow_missing=allow_missing)
+    meta = ds.metadata
+    if not meta["aux_layers"]:
+        raise ConfigError(
+            f"export format {fmt}: {run_dir} holds the final state only (capture: mtp, no aux layers), but {fmt} "
+            f"stores EAGLE-3 training data, whose drafter reads aux layers beside the final state. Read MTP data "
+            f"with hsextract.open_dataset, or extract with capture: eagle3 (or dflash) for this consumer.")
     out = Path(out_dir)
     prepare_out_dir(out, force)
-    final_state = ds.metadata["final_state"]
-    warning = warn_final_norm(fmt, final_state)
-    summary = EXPORTERS[fmt](ds, out)
-    summary.update(format=fmt, out_dir=str(out), final_state=final_state,
-                   consumer_final_state=CONSUMER_FINAL_STATE[fmt], warning=warning)
+    final_state = meta["final_state"]
+    want = CONSUMER_FINAL_STATE[fmt]
+    # pre -> post is computable from the recorded norm (the exporter applies it); post -> pre is not
+    norm = from_shard_metadata(meta, str(run_dir)) if (final_state, want) == ("pre_norm", "post_norm") else None
+    warning = warn_final_norm(fmt, final_state, convertible=norm is not None)
+    summary = EXPORTERS[fmt](ds, out, norm) if norm is not None else EXPORTERS[fmt](ds, out)
+    summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
+                   warning=warning, final_norm_applied=norm is not None)
     return summary
 
 

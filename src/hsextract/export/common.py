@@ -27,23 +27,27 @@ class FinalNormWarning(UserWarning):
     """The exported data's final-norm convention differs from what its consumer expects."""
 
 
-def final_norm_message(fmt: str, data_final_state: str) -> str | None:
+def final_norm_message(fmt: str, data_final_state: str, convertible: bool = False) -> str | None:
+    """None when the consumer gets the convention it expects: the same one, or pre_norm data converted to
+    post_norm with the final norm the shards record (`convertible`)."""
     want = CONSUMER_FINAL_STATE[fmt]
-    if data_final_state == want:
+    if data_final_state == want or (convertible and (data_final_state, want) == ("pre_norm", "post_norm")):
         return None
     if want == "pre_norm":
         why = ("speculators >=0.4 applies the verifier's final RMSNorm itself (verifier_norm) before the LM head, "
-               "so post_norm states get the norm applied TWICE")
+               "so post_norm states get the norm applied TWICE (pre-norm states cannot be recovered from them)")
     else:
-        why = ("SpecForge feeds hidden_state to the LM head as it is, so pre_norm states MISS the final RMSNorm")
+        why = ("SpecForge feeds hidden_state to the LM head as it is, so pre_norm states MISS the final RMSNorm, "
+               "and these shards do not record the norm (extracted by an older hsextract, or the model's weights "
+               "were unreadable), so the export cannot apply it")
     return (f"WARNING: export format {fmt} expects final_state={want}, but this data was captured with "
             f"final_state={data_final_state}: {why}. Re-extract with `final_state: {want}` for this consumer, "
             f"or make the trainer match the data.")
 
 
-def warn_final_norm(fmt: str, data_final_state: str) -> str | None:
+def warn_final_norm(fmt: str, data_final_state: str, convertible: bool = False) -> str | None:
     """Print the convention mismatch to stderr and raise it as a FinalNormWarning; returns the message."""
-    msg = final_norm_message(fmt, data_final_state)
+    msg = final_norm_message(fmt, data_final_state, convertible)
     if msg:
         print(msg, file=sys.stderr, flush=True)
         warnings.warn(msg, FinalNormWarning, stacklevel=3)

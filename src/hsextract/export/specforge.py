@@ -5,6 +5,7 @@
          "hidden_state" [1, seq, H] (the final tensor), "aux_hidden_state" [1, seq, n_aux * H] (aux layers concatenated)}
 
 g = (idx // 2000) * 2000 and g_end = g + min(2000, N - g): the last folder's name ends at N, as SpecForge names it.
+SpecForge's hidden_state is post-norm: pre_norm data is written through the final norm its shards record.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import own_storage, remove_stale, save_torch
+from hsextract.final_norm import FinalNorm
 
 GROUP_SIZE = 2000
 
@@ -25,7 +27,8 @@ def group_dir(idx: int, n: int) -> str:
     return f"rows_{start}-{start + min(GROUP_SIZE, n - start)}"
 
 
-def export_specforge(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
+def export_specforge(ds: HiddenStateDataset, out_dir: Path, final_norm: FinalNorm | None = None) -> dict[str, Any]:
+    """`final_norm`: applied to the last tensor (pre_norm data to SpecForge's post-norm hidden_state)."""
     n = len(ds)
     written: set[Path] = set()
     tokens = 0
@@ -33,11 +36,12 @@ def export_specforge(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
         folder = out_dir / group_dir(idx, n)
         folder.mkdir(exist_ok=True)
         hs = s["hidden_states"]
+        final = hs[-1] if final_norm is None else final_norm.apply(hs[-1])
         path = folder / f"data_{idx}.ckpt"
         save_torch(path, {
             "input_ids": own_storage(s["input_ids"]),
             "loss_mask": own_storage(s["loss_mask"]),
-            "hidden_state": own_storage(hs[-1]).unsqueeze(0),
+            "hidden_state": own_storage(final).unsqueeze(0),
             "aux_hidden_state": torch.cat(hs[:-1], dim=-1).unsqueeze(0),
         })
         written.add(path)

@@ -1,0 +1,352 @@
+"""Fidelity statistics: captured hidden states against a reference capture of the same weights and ids.
+
+Used by the GPU benchmarks (bench/gpu/fidelity.py: the SGLang engine against the transformers engine;
+bench/gpu/tp_compare.py: TP=2 and DP attention against TP=1) and tested on synthetic tensors in
+tests/test_fidelity.py. The figures they produced are in bench/README.md.
+
+Two kinds of error, both relative to the reference and computed in float32:
+  * per sample and tensor: rel = |got - ref| / |ref| over the whole [tokens, hidden] tensor;
+  * per token: rel_t = |got_t - ref_t| / |ref_t|, pooled over all tokens of all samples per tensor
+    (median, p90, p99, max, and the fraction of "flipped" tokens, rel_t > FLIP).
+Dense models are checked per sample. MoE models are checked per token: a router's near-tie decides a
+token's experts differently under another kernel's rounding, and that token's state differs by far more
+than rounding while the layer is right, so a whole-sample bound fails there although the capture is right.
+FLIP_BOUND, the largest flipped fraction accepted, is provisional (chosen before any GPU measurement).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hsextract.atomic import write_atomic
+from hsextract.engines.base import Captured, Prompt
+
+FLIP = 0.1  # a token whose rel_t exceeds this counts as "flipped"
+TOL = 2e-2  # per-sample bound (dense) and per-tensor token-median bound (MoE)
+FLIP_BOUND = 0.05  # provisional: largest accepted fraction of flipped tokens (MoE)
+
+
+# ---- statistics ----------------------------------------------------------------------------------------
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def token_rel(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-token relative error of [n, H] tensors -> [n] (float32)."""
+    g, r = got.float(), ref.float()
+    return (g - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)
+
+
+def dist(errs: torch.Tensor, flip: float = FLIP) -> dict:
+    """Median, p90, p99, max and flipped fraction of pooled per-token errors."""
+    e = errs.float().flatten()
+    q = torch.quantile(e, torch.tensor([0.5, 0.9, 0.99])).tolist() if e.numel() else [float("nan")] * 3
+    return {"tokens": int(e.numel()), "median": q[0], "p90": q[1], "p99": q[2],
+            "max": float(e.max()) if e.numel() else float("nan"),
+            "flipped_frac": float((e > flip).float().mean()) if e.numel() else float("nan")}
+
+
+# ---- the model's layers ----------------------------------------------------------------------------------
+def is_moe(model_dir: str | Path) -> bool:
+    """Whether the model in `model_dir` (its config.json) routes tokens to experts."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return any(int(cfg.get(k) or 0) > 0 for k in ("n_routed_experts", "num_experts", "num_local_experts"))
+
+
+def neighbours(aux: tuple[int, ...], num_layers: int) -> list[int]:
+    """The wrong layer next to each aux id (the following one; the previous one for the last layer)."""
+    return [a + 1 if a + 1 < num_layers else a - 1 for a in aux]
+
+
+def num_layers_of(model_dir: str | Path) -> int:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return int(cfg.get("text_config", cfg)["num_hidden_layers"])
+
+
+# ---- one engine against a reference engine (bench/gpu/fidelity.py) -------------------------------------
+def evaluate(prompts: list[Prompt], got: list[Captured], alone: list[Captured], refs: list[dict],
+             aux: tuple[int, ...], *, tol: float, token_tol: float, flip_bound: float, mode: str,
+             long_from: int) -> dict:
+    """Per-sample and per-token statistics and the checks of `mode` ("sample" or "token").
+
+    `got` are the candidate's captures (aux layers, then the final state), `alone` the first of them
+    captured again one at a time, `refs` per prompt the reference's {"aux", "wrong" (the neighbouring
+    layers), "pre" (the last layer's output), "post" (the final norm's output)}. Checks:
+      sample: every sample's rel <= tol per tensor; the neighbouring layer > 10*tol for every sample; the
+              final state is the final norm's output (its rel to the pre-norm state > 10*tol); in flight
+              vs alone <= tol.
+      token:  per-tensor median rel_t <= token_tol; the neighbouring layer's median >= 10x the right one's;
+              the per-sample wrong-layer check above; the final state's median rel_t to the pre-norm
+              state >= 10*token_tol; flipped fraction <= flip_bound; in flight vs alone: median <= token_tol
+              and flipped <= flip_bound.
+    Prompts longer than `long_from` tokens (chunked prefills) are reported as long_samples_max_rel."""
+    names = [f"aux{x}" for x in aux] + ["final_post_norm"]
+    per = []
+    tok_right: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    tok_wrong: dict[str, list[torch.Tensor]] = {n: [] for n in names[:-1]}
+    tok_pre: list[torch.Tensor] = []
+    for p, g, ref in zip(prompts, got, refs, strict=True):
+        hs = g.hidden_states
+        per.append({
+            "sample": p.sample_id, "len": len(p.input_ids),
+            "aux": [rel(hs[j], ref["aux"][j]) for j in range(len(aux))],
+            "aux_wrong_layer": [rel(hs[j], ref["wrong"][j]) for j in range(len(aux))],
+            "final_post_norm": rel(hs[-1], ref["post"]),
+            "final_vs_pre_norm": rel(hs[-1], ref["pre"]),
+        })
+        for j in range(len(aux)):
+            tok_right[names[j]].append(token_rel(hs[j], ref["aux"][j]))
+            tok_wrong[names[j]].append(token_rel(hs[j], ref["wrong"][j]))
+        tok_right["final_post_norm"].append(token_rel(hs[-1], ref["post"]))
+        tok_pre.append(token_rel(hs[-1], ref["pre"]))
+        per[-1]["flipped_tokens"] = [int((tok_right[n][-1] > FLIP).sum()) for n in names]
+    res: dict = {"per_sample": per}
+    worst = {f"aux{aux[j]}": max(s["aux"][j] for s in per) for j in range(len(aux))}
+    worst["final_post_norm"] = max(s["final_post_norm"] for s in per)
+    res["max_rel"] = worst
+    res["min_rel_wrong_layer"] = min(min(s["aux_wrong_layer"]) for s in per)
+    res["min_rel_final_vs_pre_norm"] = min(s["final_vs_pre_norm"] for s in per)
+    longs = [max(s["aux"] + [s["final_post_norm"]]) for s in per if s["len"] > long_from]
+    res["long_samples_max_rel"] = max(longs) if longs else None
+    tok = {n: dist(torch.cat(tok_right[n])) for n in names}
+    tok_nb = {n: dist(torch.cat(tok_wrong[n])) for n in names[:-1]}
+    tok_final_pre = dist(torch.cat(tok_pre))
+    res["token"] = {"right": tok, "neighbouring_layer": tok_nb, "final_vs_pre_norm": tok_final_pre}
+    # batch invariance: the same prompt among 64 in flight vs alone
+    inv_tok = torch.cat([token_rel(x, y) for g, s in zip(got, alone) for x, y in zip(g.hidden_states, s.hidden_states)])
+    res["batch_invariance_max_rel"] = max(rel(x, y) for g, s in zip(got, alone)
+                                          for x, y in zip(g.hidden_states, s.hidden_states))
+    res["token"]["batch_invariance"] = dist(inv_tok)
+    sample_checks = {
+        "right_layers_within_tol": all(v <= tol for v in worst.values()),
+        "wrong_layer_far_above_tol": res["min_rel_wrong_layer"] > 10 * tol,
+        "final_is_post_norm": res["min_rel_final_vs_pre_norm"] > 10 * tol,
+        "batch_invariant": res["batch_invariance_max_rel"] <= tol,
+    }
+    inv = res["token"]["batch_invariance"]
+    token_checks = {
+        "token_median_within_tol": all(d["median"] <= token_tol for d in tok.values()),
+        "wrong_layer_median_10x": all(tok_nb[n]["median"] >= 10 * tok[n]["median"] for n in tok_nb),
+        "wrong_layer_far_above_tol": sample_checks["wrong_layer_far_above_tol"],
+        "final_is_post_norm": tok_final_pre["median"] >= 10 * token_tol and sample_checks["final_is_post_norm"],
+        "flipped_fraction_small": all(d["flipped_frac"] <= flip_bound for d in tok.values()),
+        "batch_invariant_tokens": inv["median"] <= token_tol and inv["flipped_frac"] <= flip_bound,
+    }
+    res["checks_sample"] = sample_checks
+    res["checks_token"] = token_checks
+    res["checks"] = dict(token_checks if mode == "token" else sample_checks)
+    return res
+
+
+# ---- one capture run against another (bench/gpu/tp_compare.py) ----------------------------------------
+def partial_sum_like(ratio: float, tp: int) -> bool:
+    """|got|/|ref| of one rank's share of a sum over tp ranks: 1/tp when the shares are equal, about
+    1/sqrt(tp) when they are independent; a failing tensor in (or near) that range is reported as such."""
+    return tp > 1 and 1 / tp - 0.15 <= ratio <= 1 / tp**0.5 + 0.1
+
+
+def tensor_names(aux: list[int] | tuple[int, ...]) -> list[str]:
+    return [f"aux{a}" for a in aux] + ["final_post_norm"]
+
+
+def norm_ratio(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(got.float().norm() / ref.float().norm().clamp_min(1e-12))
+
+
+def compare_runs(ref: dict[str, list[torch.Tensor]], got: dict[str, list[torch.Tensor]], aux: list[int], *,
+                 mode: str, tp: int, tol: float = TOL, flip_bound: float = FLIP_BOUND) -> dict:
+    """Compare a candidate run with the reference run, sample by sample (dicts: sample id -> tensors).
+
+    Each list holds len(aux) aux tensors then the final state, each [tokens, hidden]."""
+    if mode not in ("sample", "token"):
+        raise ValueError(f"mode {mode!r}: sample or token")
+    names = tensor_names(aux)
+    k = len(aux)
+    res: dict = {"mode": mode, "tp": tp, "tol": tol, "flip_bound": flip_bound, "flip_threshold": FLIP,
+                 "samples": len(got), "problems": []}
+    missing = sorted(set(got) - set(ref))
+    if missing:
+        res["problems"].append(f"{len(missing)} candidate samples are not in the reference: {missing[:5]}")
+    common = [s for s in got if s in ref]
+    per = []
+    tok: dict[str, list[torch.Tensor]] = {n: [] for n in names}
+    ratios: dict[str, list[float]] = {n: [] for n in names}
+    for s in common:
+        g, r = got[s], ref[s]
+        if len(g) != k + 1 or len(r) != k + 1:
+            res["problems"].append(f"sample {s}: {len(g)} / {len(r)} tensors, expected {k + 1}")
+            continue
+        if g[0].shape != r[0].shape:
+            res["problems"].append(f"sample {s}: shape {tuple(g[0].shape)} vs reference {tuple(r[0].shape)}")
+            continue
+        row = {"sample": s, "tokens": int(g[0].shape[0]),
+               "rel": {n: rel(g[i], r[i]) for i, n in enumerate(names)},
+               # got aux j against ref aux j+1 (cyclic): the check has power only if this is far off
+               "rel_wrong_layer": {names[j]: rel(g[j], r[(j + 1) % k]) for j in range(k)} if k > 1 else {}}
+        per.append(row)
+        for i, n in enumerate(names):
+            tok[n].append(token_rel(g[i], r[i]))
+            ratios[n].append(norm_ratio(g[i], r[i]))
+    res["per_sample"] = per
+    if not per:
+        res["problems"].append("no sample to compare")
+        res["checks"] = {"samples_match": False}
+        res["pass"] = False
+        return res
+    res["max_rel"] = {n: max(p["rel"][n] for p in per) for n in names}
+    res["min_rel_wrong_layer"] = min((v for p in per for v in p["rel_wrong_layer"].values()), default=None)
+    res["token"] = {n: dist(torch.cat(tok[n])) for n in names}
+    res["norm_ratio_median"] = {n: float(torch.tensor(ratios[n]).median()) for n in names}
+    checks = {"samples_match": not res["problems"]}
+    if mode == "sample":
+        checks["every_sample_within_tol"] = all(v <= tol for v in res["max_rel"].values())
+    else:
+        checks["token_median_within_tol"] = all(d["median"] <= tol for d in res["token"].values())
+        checks["flipped_fraction_small"] = all(d["flipped_frac"] <= flip_bound for d in res["token"].values())
+    if res["min_rel_wrong_layer"] is not None:
+        checks["wrong_layer_far_above_tol"] = res["min_rel_wrong_layer"] > 10 * tol
+    failing = [n for n in names if (res["max_rel"][n] > tol if mode == "sample" else res["token"][n]["median"] > tol)]
+    res["failing_tensors"] = failing
+    res["partial_sum_suspected"] = [n for n in failing if partial_sum_like(res["norm_ratio_median"][n], tp)]
+    res["checks"] = checks
+    res["pass"] = all(checks.values())
+    return res
+
+
+def check_writers(markers: list[dict], stats: dict[int, dict], *, expected_requests: int, ranks: int,
+                  dp_groups: int) -> dict:
+    """Exactly one writer per DP group, and each request written once by one of them.
+
+    markers: the plugin-<pid>.json files (one per scheduler process = GPU rank); stats: pid -> the
+    stats-<pid>.json of that process (only a process whose writer ran has one)."""
+    writers = sorted(int(m["pid"]) for m in markers if m.get("writer_rank"))
+    others = sorted(int(m["pid"]) for m in markers if not m.get("writer_rank"))
+    pids = {int(m["pid"]) for m in markers}
+    done = {p: int(stats.get(p, {}).get("requests_done", 0)) for p in writers}
+    res = {
+        "ranks_seen": len(markers), "writer_pids": writers, "non_writer_pids": others,
+        "requests_done_by_writer": {str(p): n for p, n in done.items()},
+        "requests_done_total": sum(done.values()), "expected_requests": expected_requests,
+        "stats_pids": sorted(stats),
+    }
+    checks = {
+        "one_marker_per_rank": len(markers) == ranks,
+        "one_writer_per_dp_group": len(writers) == dp_groups,
+        "non_writers_wrote_nothing": all(p in writers for p in stats) and all(p in pids for p in stats),
+        "each_request_written_once": sum(done.values()) == expected_requests,
+        "no_failed_or_reused": all(int(stats.get(p, {}).get(k) or 0) == 0 for p in writers
+                                   for k in ("requests_failed", "rids_reused", "write_errors")),
+    }
+    if dp_groups > 1:  # each DP group runs its own batches: each group's writer must have written some
+        checks["every_dp_group_wrote"] = all(n > 0 for n in done.values()) and len(done) == dp_groups
+    res["checks"] = checks
+    res["pass"] = all(checks.values())
+    return res
+
+
+def compare_model(runs: Path, model: str, ref: str, cands: list[str], aux: list[int], *, mode: str, tp: int = 0,
+                  tol: float = TOL, flip_bound: float = FLIP_BOUND) -> dict:
+    """The verdict on one model's capture runs in `runs` (RUN.json and RUN.safetensors each): every
+    candidate against the reference run `ref`, with the writer checks of both. A candidate "X-alone" (the
+    first prompts again, one at a time, on X's server) is covered by X's writer check. `tp` is the
+    candidates' tp where their json lacks it. A run that never finished fails, saying so."""
+
+    def meta(name: str) -> dict:
+        p = runs / f"{name}.json"
+        if p.is_file():
+            return json.loads(p.read_text())
+        return {"name": name, "error": f"no {p.name}: the capture run did not finish (see run.log)"}
+
+    rm = meta(ref)
+    results: dict = {"model": model, "mode": mode, "reference": {k: rm.get(k) for k in
+                     ("name", "tp", "dp", "gpus", "startup_s", "extract_s", "engine_version", "writers", "error")},
+                     "candidates": []}
+    ref_caps = None
+    ref_file = runs / f"{rm.get('name', ref)}.safetensors"
+    if ref_file.is_file():
+        ref_caps = load_run(ref_file)
+    for cand in cands:
+        cm = meta(cand.removesuffix("-alone"))
+        c = {k: cm.get(k) for k in ("name", "tp", "dp", "gpus", "startup_s", "extract_s", "writers", "error")}
+        c["name"] = cand
+        f = runs / f"{cand}.safetensors"
+        if ref_caps is None:
+            c["error"] = c.get("error") or f"no reference tensors ({ref_file.name})"
+        elif not f.is_file():
+            c["error"] = c.get("error") or f"no {f.name}"
+        else:
+            c["compare"] = compare_runs(ref_caps, load_run(f), aux, mode=mode, tp=int(cm.get("tp") or tp or 1),
+                                        tol=tol, flip_bound=flip_bound)
+        wpass = (c.get("writers") or {}).get("pass")
+        c["pass"] = bool((c.get("compare") or {}).get("pass")) and bool(wpass) and not c.get("error")
+        results["candidates"].append(c)
+    results["pass"] = bool(results["candidates"]) and all(c["pass"] for c in results["candidates"]) \
+        and bool((rm.get("writers") or {}).get("pass")) and not rm.get("error")
+    return results
+
+
+def verdict_markdown(model: str, results: dict) -> list[str]:
+    lines = [f"## TP capture, {model}: {'PASS' if results.get('pass') else 'FAIL'}", ""]
+    ref = results.get("reference", {})
+    lines += [f"reference: `{ref.get('name')}` (tp {ref.get('tp')}), writer check "
+              f"{'PASS' if (ref.get('writers') or {}).get('pass') else 'FAIL'}"
+              f"{'; error: ' + ref['error'] if ref.get('error') else ''}", ""]
+    for c in results.get("candidates", []):
+        cmp = c.get("compare") or {}
+        w = c.get("writers") or {}
+        head = f"### {c['name']} (tp {c.get('tp')}, dp {c.get('dp')}): {'PASS' if c.get('pass') else 'FAIL'}"
+        lines += [head, ""]
+        failed = [k for k, v in cmp.get("checks", {}).items() if not v] + \
+            [f"writer {k}" for k, v in (w.get("checks") or {}).items() if not v]
+        if failed:
+            lines += [f"failed checks: {', '.join(failed)}", ""]
+        if c.get("error"):
+            lines += [f"error: `{c['error']}`", ""]
+        if cmp.get("partial_sum_suspected"):
+            lines += [f"**PARTIAL SUM SUSPECTED** in {cmp['partial_sum_suspected']}: norm ratio near 1/tp "
+                      "(per-rank partial sums captured instead of the all-reduced activation, cf. sglang#28343)", ""]
+        for p in cmp.get("problems", []):
+            lines.append(f"- problem: {p}")
+        if "token" in cmp:
+            lines += ["| tensor | worst sample rel | token median | p99 | max | flipped (>0.1) | norm ratio |",
+                      "|---|---|---|---|---|---|---|"]
+            for n, d in cmp["token"].items():
+                lines.append(f"| {n} | {cmp['max_rel'][n]:.2e} | {d['median']:.2e} | {d['p99']:.2e} | {d['max']:.2f} "
+                             f"| {d['flipped_frac']:.2%} | {cmp['norm_ratio_median'][n]:.3f} |")
+            lines.append("")
+        rows = {"samples": cmp.get("samples"), "check mode": cmp.get("mode"),
+                "min rel, wrong layer": cmp.get("min_rel_wrong_layer"),
+                **{f"check {k}": v for k, v in cmp.get("checks", {}).items()},
+                "writer requests_done per writer pid": w.get("requests_done_by_writer"),
+                "expected requests": w.get("expected_requests"),
+                **{f"writer check {k}": v for k, v in (w.get("checks") or {}).items()}}
+        lines += ["| quantity | value |", "|---|---|"]
+        lines += [f"| {k} | {f'{v:.3g}' if isinstance(v, float) else v} |" for k, v in rows.items()]
+        lines.append("")
+    return lines
+
+
+# ---- captured runs on disk (safetensors: no pickle) ------------------------------------------------------
+def save_run(path: Path, caps: dict[str, list[torch.Tensor]]) -> None:
+    """Captures by sample id, one safetensors file (key "<sample>/<tensor index>"), written atomically."""
+    from safetensors.torch import save
+
+    data = save({f"{s}/{i}": t.contiguous() for s, ts in caps.items() for i, t in enumerate(ts)})
+    write_atomic(path, lambda f: f.write(data))
+
+
+def load_run(path: Path) -> dict[str, list[torch.Tensor]]:
+    """What save_run wrote: sample id -> tensors in their order."""
+    from safetensors.torch import load_file
+
+    flat = load_file(str(path))
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for key, t in flat.items():
+        s, i = key.rsplit("/", 1)
+        out.setdefault(s, {})[int(i)] = t
+    return {s: [d[i] for i in sorted(d)] for s, d in out.items()}

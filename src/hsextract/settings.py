@@ -1,0 +1,319 @@
+"""The run's settings: a frozen, typed tree built once from a workflow config.
+
+Defaults live in one place, the JSON Schema (workflow/schemas/config.schema.yaml): `from_config`
+validates a config against it, fills every missing key with the schema's default (as Snakemake's
+`validate` does) and builds the tree. The dataclasses below have no defaults of their own;
+tests/test_settings.py checks that every schema key has its field here and the other way round.
+
+The tree is grouped by stage, so each stage function takes its own section:
+
+    settings.prepare     sources, mixture and filter keys (top-level keys of the config)
+    settings.extract     the `extract:` job keys, the engines' sections (`transformers:`, `sglang:`),
+                         `shard:`, and the run-wide keys a shard records (model, layers, ...)
+    settings.validate    the reference sample, and whether its hidden size counts
+    settings.stats       `stats:`
+    settings.regenerate  `regenerate:`
+
+`Settings.config` keeps the filled config itself (read-only), which dataset.json records and
+`config_hash` hashes.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from hsextract.errors import ConfigError
+
+SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+@dataclass(frozen=True)
+class Source:
+    """One entry of `sources`."""
+
+    path: str
+    format: str
+    weight: float
+    max_records: int | None
+    name: str | None
+    split: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry as a config mapping (what hsextract.conversations reads)."""
+        return {"path": self.path, "format": self.format, "weight": self.weight,
+                "max_records": self.max_records, "name": self.name, "split": self.split}
+
+
+@dataclass(frozen=True)
+class PrepareSettings:
+    sources: tuple[Source, ...]
+    seed: int
+    prompts_per_chunk: int
+    max_seq_len: int | None
+    truncate: bool
+    min_trained_tokens: int
+    train_on_eot: bool
+    train_on_reasoning: bool
+    dedup: bool
+    strict: bool
+    chat_template: str | None
+    chat_template_kwargs: Mapping[str, Any]
+
+    def source_dicts(self) -> list[dict[str, Any]]:
+        return [s.as_dict() for s in self.sources]
+
+
+@dataclass(frozen=True)
+class TransformersSettings:
+    device: str
+    dtype: str
+    token_budget: int
+
+
+@dataclass(frozen=True)
+class ShardSettings:
+    compression_level: int
+    threads: int
+    precision: str
+
+
+@dataclass(frozen=True)
+class SGLangSettings:
+    python: str | None
+    launch_args: tuple[str, ...]
+    host: str
+    port: int
+    tp: int
+    replicas: int
+    gpus: tuple[int, ...] | None
+    chunked_prefill_size: int | None
+    capture: str
+    concurrency: int
+    timeout_s: float
+    retries: int
+    backoff_s: float
+    staging_mb: int
+    writer_threads: int
+    prefill_cuda_graph: bool
+    startup_timeout_s: float
+    server_url: str | None
+    servers: tuple[str, ...]
+    dump_dir: str | None
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    # run-wide keys a shard records
+    run_name: str
+    model: str
+    tokenizer: str | None
+    trust_remote_code: bool  # the sglang server runs the checkpoint's code (--trust-remote-code)
+    engine: str
+    aux_layers: tuple[int, ...]
+    final_state: str
+    config_hash: str
+    # the `extract:` job keys
+    threads: int
+    mem_mb: int
+    retries: int
+    transformers: TransformersSettings
+    sglang: SGLangSettings
+    shard: ShardSettings
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """The tokenizer's directory or hub id: `tokenizer`, else the model's."""
+        return self.tokenizer or self.model
+
+
+@dataclass(frozen=True)
+class ValidateSettings:
+    reference_sample: str
+    # the reference's hidden size counts only for a real model (the shipped sample is Kimi-shaped)
+    same_model: bool
+
+
+@dataclass(frozen=True)
+class StatsSettings:
+    position_bins: int
+    seq_len_bins: int
+
+
+@dataclass(frozen=True)
+class RegenerateSettings:
+    enabled: bool
+    engine: str | None
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    seed: int
+    batch_size: int
+    tool_turns: str
+    complete_last_turn: bool
+    drop_truncated: bool
+    stop_token_ids: tuple[int, ...] | None
+    think_start: str
+    think_end: str
+    device: str
+    dtype: str
+    server_url: str | None
+    request_timeout_s: float
+    retries: int
+    send_seed: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    run_name: str
+    model: str
+    make_tiny_model: bool
+    tiny_model_tokenizer: str
+    tokenizer: str | None
+    trust_remote_code: bool
+    engine: str
+    aux_layers: tuple[int, ...]
+    final_state: str
+    reference_sample: str
+    export_formats: tuple[str, ...]
+    prepare: PrepareSettings
+    extract: ExtractSettings
+    validate: ValidateSettings
+    stats: StatsSettings
+    regenerate: RegenerateSettings
+    config_hash: str
+    config: Mapping[str, Any]  # the filled config (read-only view)
+
+    @property
+    def tokenizer_dir(self) -> str:
+        return self.tokenizer or self.model
+
+
+# Where each schema key lives in the tree (dotted schema key -> dotted attribute path); every
+# leaf key of the schema is listed, and tests/test_settings.py checks both directions.
+SCHEMA_TO_TREE: dict[str, str] = {
+    "run_name": "run_name",
+    "model": "model",
+    "make_tiny_model": "make_tiny_model",
+    "tiny_model_tokenizer": "tiny_model_tokenizer",
+    "tokenizer": "tokenizer",
+    "trust_remote_code": "trust_remote_code",
+    "engine": "engine",
+    "aux_layers": "aux_layers",
+    "final_state": "final_state",
+    "reference_sample": "reference_sample",
+    "export_formats": "export_formats",
+    **{key: f"prepare.{key}" for key in (
+        "sources", "seed", "prompts_per_chunk", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot",
+        "train_on_reasoning", "dedup", "strict", "chat_template", "chat_template_kwargs")},
+    **{f"extract.{key}": f"extract.{key}" for key in ("threads", "mem_mb", "retries")},
+    **{f"transformers.{f}": f"extract.transformers.{f}" for f in TransformersSettings.__dataclass_fields__},
+    **{f"shard.{f}": f"extract.shard.{f}" for f in ShardSettings.__dataclass_fields__},
+    **{f"sglang.{f}": f"extract.sglang.{f}" for f in SGLangSettings.__dataclass_fields__},
+    **{f"stats.{f}": f"stats.{f}" for f in StatsSettings.__dataclass_fields__},
+    **{f"regenerate.{f}": f"regenerate.{f}" for f in RegenerateSettings.__dataclass_fields__},
+}
+
+
+@cache
+def schema() -> dict[str, Any]:
+    """The workflow's config schema (read once)."""
+    import yaml
+
+    try:
+        return yaml.safe_load(SCHEMA_PATH.read_text())
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read the config schema {SCHEMA_PATH} ({e}); hsextract reads it from the checkout "
+            f"(src/ next to workflow/): run from a checkout or an editable install"
+        ) from None
+
+
+@cache
+def _validator() -> Any:
+    import jsonschema
+
+    base = jsonschema.Draft202012Validator
+    check_properties = base.VALIDATORS["properties"]
+
+    def fill_defaults(validator: Any, properties: Mapping[str, Any], instance: Any, sub: Mapping[str, Any]) -> Any:
+        # as Snakemake's validate(set_default=True): missing keys get the schema's default, then are checked
+        if validator.is_type(instance, "object"):
+            for key, prop in properties.items():
+                if "default" in prop:
+                    instance.setdefault(key, copy.deepcopy(prop["default"]))
+        yield from check_properties(validator, properties, instance, sub)
+
+    return jsonschema.validators.extend(base, {"properties": fill_defaults})(schema())
+
+
+def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A deep copy of `config` checked against the schema, every missing key set to its default.
+
+    A violation is a ConfigError naming the key (dotted, with list indices) and what the schema allows.
+    """
+    filled = copy.deepcopy(dict(config))
+    errors = sorted(_validator().iter_errors(filled), key=lambda e: [str(p) for p in e.absolute_path])
+    if errors:
+        e = errors[0]
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
+        raise ConfigError(f"{where or 'config'}: {e.message} (workflow/schemas/config.schema.yaml)")
+    return filled
+
+
+def _tuple(value: Any) -> tuple[Any, ...] | None:
+    return None if value is None else tuple(value)
+
+
+def _section(cls: type, values: Mapping[str, Any], **override: Any) -> Any:
+    return cls(**{name: override[name] if name in override else values[name] for name in cls.__dataclass_fields__})
+
+
+def from_config(config: Mapping[str, Any]) -> Settings:
+    """The settings tree of a workflow config (missing keys take the schema's defaults)."""
+    from hsextract.provenance import config_hash
+
+    c = fill_defaults(config)
+    digest = config_hash(c)
+    aux = tuple(int(i) for i in c["aux_layers"])
+    prepare = _section(
+        PrepareSettings, c,
+        sources=tuple(_section(Source, s) for s in c["sources"]),
+        chat_template_kwargs=MappingProxyType(dict(c["chat_template_kwargs"])),
+    )
+    sg = c["sglang"]
+    extract = _section(
+        ExtractSettings, {**c, **c["extract"]},
+        aux_layers=aux,
+        config_hash=digest,
+        transformers=_section(TransformersSettings, c["transformers"]),
+        shard=_section(ShardSettings, c["shard"]),
+        sglang=_section(SGLangSettings, sg, launch_args=tuple(sg["launch_args"]), gpus=_tuple(sg["gpus"]),
+                        servers=tuple(sg["servers"])),
+    )
+    rg = c["regenerate"]
+    return _section(
+        Settings, c,
+        aux_layers=aux,
+        export_formats=tuple(c["export_formats"]),
+        prepare=prepare,
+        extract=extract,
+        validate=ValidateSettings(reference_sample=c["reference_sample"], same_model=not c["make_tiny_model"]),
+        stats=_section(StatsSettings, c["stats"]),
+        regenerate=_section(RegenerateSettings, rg, stop_token_ids=_tuple(rg["stop_token_ids"])),
+        config_hash=digest,
+        config=MappingProxyType(c),
+    )
+
+
+__all__ = [
+    "ExtractSettings", "PrepareSettings", "RegenerateSettings", "SCHEMA_TO_TREE", "SGLangSettings", "Settings",
+    "ShardSettings", "Source", "StatsSettings", "TransformersSettings", "ValidateSettings", "fill_defaults",
+    "from_config", "schema",
+]

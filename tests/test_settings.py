@@ -1,0 +1,131 @@
+"""The settings tree (hsextract.settings) agrees with the config schema, key for key and default for default."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hsextract import settings as st
+from hsextract.errors import ConfigError
+from hsextract.provenance import config_hash
+
+ROOT = Path(__file__).resolve().parents[1]
+# tree leaves that are no schema key of their own: copies of run-wide keys a stage needs, and derived values
+DERIVED = {
+    "config", "config_hash", "extract.config_hash", "validate.same_model", "validate.reference_sample",
+    *(f"extract.{k}" for k in ("run_name", "model", "tokenizer", "trust_remote_code", "engine", "aux_layers",
+                               "final_state")),
+}
+
+
+def schema_leaves(props: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> its schema, for every key that is not an object with fixed properties."""
+    out: dict[str, Any] = {}
+    for key, sub in props.items():
+        if sub.get("type") == "object" and "properties" in sub:
+            out.update(schema_leaves(sub["properties"], f"{prefix}{key}."))
+        else:
+            out[prefix + key] = sub
+    return out
+
+
+def tree_leaves(cls: type, prefix: str = "") -> set[str]:
+    out: set[str] = set()
+    for f in dataclasses.fields(cls):
+        sub = st.__dict__.get(str(f.type).split(" ")[0])
+        if isinstance(sub, type) and dataclasses.is_dataclass(sub) and sub is not st.Source:
+            out |= tree_leaves(sub, f"{prefix}{f.name}.")
+        else:
+            out.add(prefix + f.name)
+    return out
+
+
+def plain(value: Any) -> Any:
+    """Tree values in the config's own shapes (lists, dicts), to compare with schema defaults."""
+    if dataclasses.is_dataclass(value):
+        return value.as_dict()
+    if isinstance(value, tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: plain(v) for k, v in value.items()}
+    return value
+
+
+def attr(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def test_every_schema_key_has_one_field_and_every_field_a_key() -> None:
+    leaves = schema_leaves(st.schema()["properties"])
+    assert sorted(st.SCHEMA_TO_TREE) == sorted(leaves)
+    assert tree_leaves(st.Settings) == set(st.SCHEMA_TO_TREE.values()) | DERIVED
+    source_keys = st.schema()["properties"]["sources"]["items"]["properties"]
+    assert [f.name for f in dataclasses.fields(st.Source)] == list(source_keys)
+
+
+def test_defaults_are_the_schemas() -> None:
+    s = st.from_config({})
+    leaves = schema_leaves(st.schema()["properties"])
+    item = {k: v["default"] for k, v in leaves["sources"]["items"]["properties"].items() if "default" in v}
+    for key, tree_path in st.SCHEMA_TO_TREE.items():
+        default = leaves[key]["default"]
+        if key == "sources":  # the default entries get the item defaults too
+            default = [{**item, **entry} for entry in default]
+        assert plain(attr(s, tree_path)) == default, key
+    # a source gets the item defaults
+    assert st.from_config({"sources": [{"path": "x.jsonl"}]}).prepare.sources == (
+        st.Source(path="x.jsonl", format="auto", weight=1.0, max_records=None, name=None, split=None),
+    )
+    assert s.validate == st.ValidateSettings("resources/reference/speculators-v1-data_0.pt", same_model=True)
+    assert (s.extract.model, s.extract.aux_layers, s.extract.config_hash) == ("resources/tiny-model", (1, 5, 7),
+                                                                            s.config_hash)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "kimi.yaml"])
+def test_filled_config_equals_snakemakes(name: str) -> None:
+    utils = pytest.importorskip("snakemake.utils")
+    raw = yaml.safe_load((ROOT / "config" / name).read_text())
+    ours = st.fill_defaults(raw)
+    theirs = yaml.safe_load((ROOT / "config" / name).read_text())
+    utils.validate(theirs, str(ROOT / "workflow/schemas/config.schema.yaml"))
+    assert ours == theirs
+    s = st.from_config(raw)
+    # the hash every shard records is the one of the config Snakemake hands the jobs
+    assert s.config_hash == config_hash(theirs) == st.from_config(theirs).config_hash
+    assert dict(s.config) == theirs
+
+
+def test_tree_values_and_frozen() -> None:
+    raw = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    s = st.from_config(raw)
+    assert s.prepare.prompts_per_chunk == 64 and s.prepare.max_seq_len == 4096
+    assert s.prepare.source_dicts() == [{"path": "data/conversations.jsonl", "format": "messages", "weight": 1.0,
+                                         "max_records": None, "name": None, "split": None}]
+    assert s.extract.transformers == st.TransformersSettings(device="cpu", dtype="bfloat16", token_budget=1024)
+    assert s.extract.shard == st.ShardSettings(compression_level=3, threads=1, precision="bf16")
+    assert (s.extract.threads, s.extract.mem_mb, s.extract.retries) == (2, 4000, 1)
+    assert s.extract.tokenizer_dir == "resources/tiny-model"
+    assert s.validate.same_model is False and s.stats == st.StatsSettings(64, 40)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.extract.shard.threads = 4  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        s.config["seed"] = 1  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"prompts_per_chunk": 0}, "prompts_per_chunk: 0 is less than the minimum of 1"),
+    ({"extract": {"threads": -1}}, "extract.threads: -1 is less than the minimum of 1"),
+    ({"sources": [{"path": "a", "weight": -1}]}, "sources[0].weight: -1 is less than the minimum of 0"),
+    ({"shard": {"level": 3}}, "shard: Additional properties are not allowed ('level' was unexpected)"),
+])
+def test_violation_names_the_key(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        st.from_config(config)
+    assert str(e.value) == f"{message} (workflow/schemas/config.schema.yaml)"
