@@ -31,7 +31,10 @@ _EARLIER = earlier_configfiles(sys.argv, workflow.overwrite_configfiles)
 for _path in _EARLIER:
     workflow.configfile(_path)
 if _EARLIER:
-    workflow.config_settings.configfiles = [*_EARLIER, *workflow.config_settings.configfiles]
+    workflow.config_settings.configfiles = [
+        *_EARLIER,
+        *workflow.config_settings.configfiles,
+    ]
 
 
 validate(config, "workflow/schemas/config.schema.yaml")
