@@ -48,10 +48,10 @@ from pathlib import Path
 
 import torch
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.engines.base import CaptureSpec, Prompt
-from hsextract.engines.sglang_engine import SGLangEngine
-from hsextract.server import ServerConfig, ensure_server, health, stop_servers
+from hsextract.sglang.client import SGLangEngine
+from hsextract.sglang.server import ServerConfig, ensure_server, health, stop_servers
 
 DEFAULT_SGL_ARGS = ("--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.6 "
                     "--disable-decode-cuda-graph --load-format dummy --dtype bfloat16 "

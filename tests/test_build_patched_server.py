@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hsextract.engines.sglang_config import build_python
+from hsextract.sglang.config import build_python
 from hsextract.errors import ConfigError
 
 MESSAGE = (

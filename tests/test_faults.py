@@ -212,7 +212,7 @@ def prompts(n: int, seed: int) -> list:
 
 def sglang_engine(srv: FakeServer, **kw):
     from hsextract.engines.base import CaptureSpec
-    from hsextract.engines.sglang_engine import SGLangEngine
+    from hsextract.sglang.client import SGLangEngine
 
     kw.setdefault("timeout_s", 2.0)
     kw.setdefault("backoff_s", 0.01)
@@ -298,7 +298,7 @@ SCHEMA_CASES = {
     "minimum": ("prompts_per_chunk", 0, ["0 is less than the minimum of 1", "instance['prompts_per_chunk']"]),
     "maximum": ("shard.compression_level", 23, ["23 is greater than the maximum of 22", "instance['shard']['compression_level']"]),
     "pattern": ("run_name", "../x", ["'../x' does not match '^[A-Za-z0-9][A-Za-z0-9._-]*$'", "instance['run_name']"]),
-    "minItems": ("aux_layers", [], ["[] should be non-empty", "instance['aux_layers']"]),
+    "minItems": ("sources", [], ["[] should be non-empty", "instance['sources']"]),
     "uniqueItems": ("aux_layers", [1, 1], ["[1, 1] has non-unique elements", "instance['aux_layers']"]),
     "items": ("aux_layers", [1, -2], ["-2 is less than the minimum of 0", "instance['aux_layers'][1]"]),
     "unknown key": ("prompts_per_chunck", 4, ["'prompts_per_chunck' was unexpected"]),
@@ -342,7 +342,7 @@ def test_run_name_cannot_leave_the_results_folder(run_name: str) -> None:
 
 # ---- 7. security ----------------------------------------------------------------------------------
 def test_server_binds_loopback_unless_configured() -> None:
-    from hsextract import server as hsrv
+    from hsextract.sglang import server as hsrv
 
     cfg = hsrv.ServerConfig(model="/m", aux_layers=(1,))
     assert cfg.host == "127.0.0.1"
@@ -353,7 +353,7 @@ def test_server_binds_loopback_unless_configured() -> None:
 
 
 def test_dump_dir_is_private_unpredictable_and_contained() -> None:
-    from hsextract import server as hsrv
+    from hsextract.sglang import server as hsrv
 
     dirs = [hsrv.make_dump_dir("../../etc/run") for _ in range(3)]
     try:
@@ -389,7 +389,7 @@ def test_plugin_does_nothing_unless_enabled(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_unsafe_rids_are_never_dumped(tmp_path: Path) -> None:
-    from hsextract import dumpfiles
+    from hsextract.sglang_plugin import dumpfiles
     from hsextract.sglang_plugin import plugin
 
     d = plugin.Dumper(plugin.PluginConfig(tmp_path, AUX), pin=False)

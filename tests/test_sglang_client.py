@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_sglang import HIDDEN, FakeServer, expected_states  # noqa: E402
 
 from hsextract.engines.base import CaptureSpec, Prompt  # noqa: E402
-from hsextract.engines.sglang_engine import SGLangEngine  # noqa: E402
+from hsextract.sglang.client import SGLangEngine  # noqa: E402
 from hsextract.errors import ConfigError, EngineError  # noqa: E402
 
 AUX = (1, 3, 5)
@@ -173,7 +173,7 @@ def test_config_errors(tmp_path: Path) -> None:
 
 
 # ---- server lifecycle (fake server as a real subprocess) --------------------------------------------
-from hsextract import server as hsrv  # noqa: E402
+from hsextract.sglang import server as hsrv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -280,7 +280,7 @@ def procs_mentioning(s: str) -> list[int]:
 
 
 def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Path) -> None:
-    from hsextract.engines.sglang_config import server_config_from
+    from hsextract.sglang.config import server_config_from
 
     base = {"model": "/m", "aux_layers": [1, 3], "run_name": "r"}
     tail = ["--skip-tokenizer-init", "--enable-return-hidden-states"]

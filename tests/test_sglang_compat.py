@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hsextract import sglang_compat as sc
+from hsextract.sglang import compat as sc
 
 VERSIONS = ("0.5.16", "0.5.23")
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin.slicing import PieceSlice
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter

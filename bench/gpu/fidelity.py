@@ -1,6 +1,6 @@
 """Fidelity of the sglang engine against the transformers engine on the same GPU, weights and ids (one model).
 
-Starts the patched server (hsextract.server, plugin capture), extracts N prompts with 64 in flight
+Starts the patched server (hsextract.sglang.server, plugin capture), extracts N prompts with 64 in flight
 (short and long ones; long ones are chunked by --chunked-prefill-size), extracts a few again one at a
 time (batch invariance), writes a shard and reads it back, stops the server. The reference is this
 project's `TransformersEngine` with token_budget 1, so every prompt runs alone (a batch of one is
@@ -90,8 +90,8 @@ def direct_hf(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], devic
 
 def sglang_candidate(a: argparse.Namespace, prompts: list[Prompt], spec: CaptureSpec, res: dict,
                      out: Path) -> tuple[list[Captured], list[Captured]]:
-    from hsextract.engines.sglang_engine import SGLangEngine
-    from hsextract.server import ServerConfig, ensure_server, stop_servers
+    from hsextract.sglang.client import SGLangEngine
+    from hsextract.sglang.server import ServerConfig, ensure_server, stop_servers
 
     cfg = ServerConfig(model=a.model, aux_layers=spec.aux_layers, python=sys.executable, port=a.port,
                        chunked_prefill_size=a.chunked_prefill_size, capture="plugin",

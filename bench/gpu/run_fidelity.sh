@@ -32,10 +32,10 @@ for spec in ${MODELS:-tiny-fixed:1,5,7 tiny:1,5,7 deepseek:2,4,6 llama:1,3,5}; d
   set -e
   [ "$r" -ne 0 ] && rc=1
   echo "== $name exit $r at ${SECONDS} s" | tee -a "$OUT/run.log"
-  python3 -m hsextract.server stop /tmp/state-$name >/dev/null 2>&1 || true  # in case timeout killed the script
+  python3 -m hsextract.sglang.server stop /tmp/state-$name >/dev/null 2>&1 || true  # in case timeout killed the script
 done
 for f in /tmp/state-*/replica-*.log; do [ -f "$f" ] && tail -c 200000 "$f" >"$OUT/server-$(basename "$(dirname "$f")").log"; done
-python3 -m hsextract.sglang_compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
+python3 -m hsextract.sglang.compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
 cat "$OUT"/fidelity-*.md >"$OUT/fidelity.md" 2>/dev/null || true
 echo "exit $rc after ${SECONDS} s" | tee -a "$OUT/run.log"
 exit $rc

@@ -22,7 +22,7 @@ timeout -k 15 $((BUDGET_S + 40)) python3 "$REPO/bench/sglang_throughput.py" --mo
   --out "$OUT" --budget-s "$BUDGET_S" "$@" 2>&1 | tee -a "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 set -e
-python3 -m hsextract.server stop /tmp/hsx-bench-state >/dev/null 2>&1 || true
+python3 -m hsextract.sglang.server stop /tmp/hsx-bench-state >/dev/null 2>&1 || true
 tail -c 300000 /tmp/hsx-bench-state/replica-0.log >"$OUT/server-capture.log" 2>/dev/null || true
 # every prefill batch of both servers (size, queue, throughput), whatever the tail above cut off
 grep -h "Prefill batch" /tmp/hsx-bench-state/replica-0.log >"$OUT/server-capture-prefill-batches.log" 2>/dev/null || true

@@ -38,10 +38,10 @@ finish() {
   for d in /tmp/state-tp-*; do
     [ -d "$d" ] || continue
     for f in "$d"/replica-*.log; do [ -f "$f" ] && tail -c 200000 "$f" >"$OUT/server-${d#/tmp/state-tp-}.log"; done
-    $PY -m hsextract.server stop "$d" >/dev/null 2>&1 || true
+    $PY -m hsextract.sglang.server stop "$d" >/dev/null 2>&1 || true
   done
   cp "$RUNS"/*.json "$OUT/runs/" 2>/dev/null || true
-  $PY -m hsextract.sglang_compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
+  $PY -m hsextract.sglang.compat --site /tmp/site --json "$OUT/compat.json" >/dev/null 2>&1 || true
   cat "$OUT"/tp-*.md >"$OUT/tp.md" 2>/dev/null || true
   echo "exit ${rc:-?} after ${SECONDS} s" | tee -a "$OUT/run.log"
   pack_out
@@ -71,7 +71,7 @@ capture() {
   timeout -k 10 "$t" $PY tp_compare.py capture --model $MODELS/$model --name $run --aux $(aux_of $model) \
     --tp $tp --dp $dp --gpus $gpus --state /tmp/state-tp-$run --runs "$RUNS" --port $port --n $N \
     --sgl-args "$ARGS" $FAKE --chunked-prefill-size 128 --startup-timeout $(( t - 40 )) "$@" >>"$OUT/run.log" 2>&1 || r=$?
-  $PY -m hsextract.server stop /tmp/state-tp-$run >/dev/null 2>&1 || true  # in case timeout killed it
+  $PY -m hsextract.sglang.server stop /tmp/state-tp-$run >/dev/null 2>&1 || true  # in case timeout killed it
   echo "== $run exit $r at ${SECONDS} s" | tee -a "$OUT/run.log"
   return $r
 }

@@ -2,7 +2,7 @@
 
 Two subcommands; the comparison itself is hsextract.fidelity's (CPU-tested in tests/test_fidelity.py):
 
-  capture  start the patched server (hsextract.server, plugin capture) with --tp/--dp on the given GPUs,
+  capture  start the patched server (hsextract.sglang.server, plugin capture) with --tp/--dp on the given GPUs,
            extract the prompts of fidelity.make_prompts (long ones chunked by --chunked-prefill-size)
            through SGLangEngine (retries 0: each prompt is sent exactly once), optionally the first K again
            one at a time, wait until the writer's stats file is current, read the plugin markers and
@@ -31,9 +31,9 @@ import time
 import traceback
 from pathlib import Path
 
-from hsextract import dumpfiles
 from hsextract.fidelity import (FLIP_BOUND, TOL, check_writers, compare_model, is_moe, save_run,
                                 verdict_markdown)
+from hsextract.sglang_plugin import dumpfiles
 
 from fidelity import make_prompts  # bench/gpu/fidelity.py: the same prompts
 
@@ -58,8 +58,8 @@ def wait_stats(dump_dir: Path, expected: int, timeout_s: float) -> None:
 
 def capture(a: argparse.Namespace) -> int:
     from hsextract.engines.base import CaptureSpec
-    from hsextract.engines.sglang_engine import SGLangEngine
-    from hsextract.server import ServerConfig, ensure_server, stop_servers
+    from hsextract.sglang.client import SGLangEngine
+    from hsextract.sglang.server import ServerConfig, ensure_server, stop_servers
 
     runs = Path(a.runs)
     runs.mkdir(parents=True, exist_ok=True)

@@ -201,7 +201,7 @@ def check_tiny_model_path(config: Mapping[str, Any]) -> None:
 def check_engine(config: Mapping[str, Any]) -> None:
     if config.get("engine") == "sglang":
         try:
-            import hsextract.engines.sglang_engine  # noqa: F401
+            import hsextract.sglang.client  # noqa: F401
         except ImportError as e:
             raise ConfigError(
                 f"engine: sglang is not usable in this installation ({e}); use engine: transformers "

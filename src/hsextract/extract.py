@@ -62,7 +62,7 @@ def capture_spec(config: Mapping[str, Any]) -> CaptureSpec:
 
 def build_engine(config: Mapping[str, Any], spec: CaptureSpec, chunk: int = 0) -> Engine:
     """The engine the config asks for; `engine: sglang` picks (or starts) the chunk's server
-    through hsextract.engines.sglang_config."""
+    through hsextract.sglang.config."""
     name = config["engine"]
     if name == "transformers":
         from hsextract.engines.transformers_engine import TransformersEngine
@@ -75,7 +75,7 @@ def build_engine(config: Mapping[str, Any], spec: CaptureSpec, chunk: int = 0) -
             config["model"], spec, device=device, dtype=t["dtype"], token_budget=int(t["token_budget"])
         )
     if name == "sglang":
-        from hsextract.engines.sglang_config import engine_from_config
+        from hsextract.sglang.config import engine_from_config
 
         return engine_from_config(config, spec, chunk)
     raise EngineError(f"engine: unknown engine {name!r}; use transformers or sglang")

@@ -1,11 +1,11 @@
 # engine: sglang. Local servers: rule build_patched_server installs the plugin into the server's
 # Python and writes patched.json; extraction jobs take it as an ancient() input (a rebuilt marker
-# does not redo finished chunks) and start or reuse the server themselves (hsextract.server,
+# does not redo finished chunks) and start or reuse the server themselves (hsextract.sglang.server,
 # notes/snakemake.md A6.3); onstart kills a server left by a crashed run, onsuccess/onerror stop
 # ours. External servers (sglang.server_url / sglang.servers): nothing to build or start.
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
-from hsextract.engines import sglang_config
+from hsextract.sglang import config as sglang_config
 
 SGLANG_URLS = sglang_config.external_urls(config)
 SERVER_DIR = f"results/{RUN}/server"

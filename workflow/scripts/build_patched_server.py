@@ -4,7 +4,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 
-from hsextract.engines.sglang_config import build_patched, build_python
+from hsextract.sglang.config import build_patched, build_python
 
 info = build_patched(
     dict(snakemake.config),  # noqa: F821

@@ -3,7 +3,7 @@
 Entry point `hsextract = hsextract.sglang_plugin.plugin:register` (group `sglang.srt.plugins`);
 enable it with `SGLANG_PLUGINS=hsextract`. Inactive unless `HSEXTRACT_DUMP_DIR` names a directory.
 
-Environment (set by `hsextract.server`):
+Environment (set by `hsextract.sglang.server`):
     HSEXTRACT_DUMP_DIR      private dump directory (must exist)
     HSEXTRACT_AUX_LAYERS    EAGLE-3 aux layer ids, e.g. "2,30,58" (output of decoder layer i)
     HSEXTRACT_FINAL_STATE   post_norm (the only state SGLang hands out without patching the model)
@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter

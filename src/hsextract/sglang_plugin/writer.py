@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin.slicing import PieceSlice
 from hsextract.sglang_plugin.staging import ALIGN, Region, StagingRing
 

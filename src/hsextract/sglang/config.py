@@ -1,4 +1,4 @@
-"""Workflow config -> SGLang server settings and client: the glue between `sglang:` and server.py / the engine.
+"""Workflow config -> SGLang server settings and client: the glue between `sglang:` and server.py / client.py.
 
 Three ways to reach a server, chosen by the `sglang:` section:
   - `server_url`: one server that runs elsewhere; nothing is built or started.
@@ -49,7 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "dump_dir": None,
 }
 
-PLUGIN_FILES = ("sglang_plugin", "dumpfiles.py")  # what the server process imports, under src/hsextract/
+PLUGIN_FILES = ("sglang_plugin",)  # what the server process imports, under src/hsextract/
 
 
 def settings(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -115,7 +115,7 @@ def build_python(python: str | None, conda_env: bool) -> str:
 
 def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python: str | None = None) -> Any:
     """The ServerConfig of local replicas."""
-    from hsextract.server import ServerConfig
+    from hsextract.sglang.server import ServerConfig
 
     s = settings(config)
     return ServerConfig(
@@ -142,7 +142,7 @@ def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python
 def engine_from_config(config: Mapping[str, Any], spec: CaptureSpec, chunk: int = 0, root: str | Path = ".") -> Any:
     """The sglang engine for one chunk: an external server (spread by chunk) or a local replica, started
     or reused."""
-    from hsextract.engines.sglang_engine import SGLangEngine
+    from hsextract.sglang.client import SGLangEngine
 
     s = settings(config)
     urls = external_urls(config)
@@ -150,7 +150,7 @@ def engine_from_config(config: Mapping[str, Any], spec: CaptureSpec, chunk: int 
         server: Any = urls[chunk % len(urls)]
         dump_dir = s["dump_dir"]
     else:
-        from hsextract.server import ensure_server, replica_for_chunk
+        from hsextract.sglang.server import ensure_server, replica_for_chunk
 
         cfg = server_config_from(config, root)
         server = ensure_server(state_dir(config, root), cfg, replica=replica_for_chunk(chunk, cfg.replicas))
@@ -170,7 +170,7 @@ def engine_from_config(config: Mapping[str, Any], spec: CaptureSpec, chunk: int 
 
 def stop_local_servers(config: Mapping[str, Any], root: str | Path = ".") -> list[int]:
     """Stop the local replicas of this run (onstart: stale ones; onsuccess/onerror: ours)."""
-    from hsextract.server import stop_servers
+    from hsextract.sglang.server import stop_servers
 
     d = state_dir(config, root)
     return stop_servers(d) if d.is_dir() else []
@@ -201,8 +201,8 @@ def build_patched(
 
     Raises EngineError when the install fails or the installed SGLang lacks something the plugin uses
     (the compatibility report's problems are in the message, with file and line)."""
-    from hsextract.server import build_command
-    from hsextract.sglang_compat import check_installed
+    from hsextract.sglang.server import build_command
+    from hsextract.sglang.compat import check_installed
 
     py = python or server_python(config, root)
     if install:

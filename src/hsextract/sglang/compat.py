@@ -4,8 +4,8 @@ Reads the source (a wheel, or an installed package) with `ast` and verifies ever
 keyword argument and server flag the plugin uses; a missing one is reported with its file and line (the
 line of the class or function where it was expected). Supported range: SGLang 0.5.16 to 0.5.23.
 
-    python -m hsextract.sglang_compat --wheel sglang-0.5.23-*.whl
-    python -m hsextract.sglang_compat --python /opt/sglang/bin/python     # the server's environment
+    python -m hsextract.sglang.compat --wheel sglang-0.5.23-*.whl
+    python -m hsextract.sglang.compat --python /opt/sglang/bin/python     # the server's environment
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from hsextract import dumpfiles
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.engines.base import CaptureSpec, Captured, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 
@@ -167,7 +167,7 @@ class SGLangEngine(Engine):
 
     def health(self) -> str | None:
         """None when GET /health answers 200, else why not."""
-        from hsextract.server import health
+        from hsextract.sglang.server import health
 
         return health(self.url, self.health_timeout_s)
 
