@@ -136,6 +136,7 @@ def server_config_from(config: Mapping[str, Any], root: str | Path = ".", python
         staging_mb=int(s["staging_mb"]),
         writer_threads=int(s["writer_threads"]),
         prefill_cuda_graph=bool(s["prefill_cuda_graph"]),
+        trust_remote_code=bool(config.get("trust_remote_code", False)),
     )
 
 

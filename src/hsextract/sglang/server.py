@@ -64,6 +64,8 @@ class ServerConfig:
     # SGLang's (breakable) prefill CUDA graphs. Off: every prefill runs eagerly, which was faster with capture
     # on the H200 (a 16 x 512-token batch 170 ms eager vs 185-194 ms on FULL-mode graphs; bench/README.md)
     prefill_cuda_graph: bool = False
+    # config `trust_remote_code`: the checkpoint's own code may run (Kimi-K2.5's config, model and tokenizer)
+    trust_remote_code: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -129,6 +131,8 @@ def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
         cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs, if on, captured in FULL mode
     if not cfg.prefill_cuda_graph:
         cmd += ["--disable-prefill-cuda-graph"]
+    if cfg.trust_remote_code and "--trust-remote-code" not in cfg.launch_args:
+        cmd += ["--trust-remote-code"]
     return cmd + list(cfg.launch_args)
 
 
