@@ -91,3 +91,26 @@ def test_untrusted_custom_tokenizer_stops_before_any_job(tmp_path: Path) -> None
         "`trust_remote_code: true` in the config (config/kimi.yaml does).")
     assert msg in proc.stdout + proc.stderr
     assert not (wd / "results").exists() and not (wd / "logs").exists()
+
+
+def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    from hsextract.config import read_model_shape
+
+    fixture = ROOT / "tests/fixtures/kimi-k25-config"
+    local = read_model_shape(str(fixture))
+    assert (local.num_layers, local.hidden_size, local.vocab_size) == (61, 7168, 163840)
+    # a hub id: only config.json is fetched and read as JSON (Kimi-K2.5's config class is custom code, which
+    # transformers' AutoConfig would refuse without trust_remote_code)
+    fetched: list[tuple[str, str]] = []
+
+    def fake_download(repo_id: str, filename: str, **kwargs: object) -> str:
+        fetched.append((repo_id, filename))
+        return str(fixture / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    hub = read_model_shape("moonshotai/Kimi-K2.5")
+    assert fetched == [("moonshotai/Kimi-K2.5", "config.json")]
+    assert (hub.num_layers, hub.hidden_size, hub.vocab_size, hub.source) == (
+        61, 7168, 163840, "hub config of moonshotai/Kimi-K2.5")
