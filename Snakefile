@@ -23,6 +23,19 @@ configfile: "config/config.yaml"
 
 
 from hsextract.config_guard import check_bounded
+from hsextract.configfiles import earlier_configfiles
+
+# `--configfile config/kimi.yaml --configfile my-sources.yaml`: Snakemake keeps only the last flag's files.
+# Read the earlier ones too, in command-line order (Snakemake applies the kept ones after each), and pass
+# them on to the jobs it spawns on clusters, so every process sees the same config.
+_EARLIER = earlier_configfiles(sys.argv, workflow.overwrite_configfiles)
+for _path in _EARLIER:
+    workflow.configfile(_path)
+if _EARLIER:
+    workflow.config_settings.configfiles = [
+        *_EARLIER,
+        *workflow.config_settings.configfiles,
+    ]
 
 # before Snakemake's validate, which expands YAML aliases (an alias bomb would take all memory)
 check_bounded(config)

@@ -168,3 +168,14 @@ def test_tiny_kimi_without_trust_stops_at_parse_time(tmp_path: Path, monkeypatch
         "in the config, or tiny_model_tokenizer: fast")
     c["trust_remote_code"] = True
     assert check(c).model.num_layers == 10
+
+
+def test_tokenizer_hash_covers_the_custom_code(tmp_path: Path) -> None:
+    from hsextract.provenance import tokenizer_hash
+
+    ranks = kt.train_ranks(kt.TEMPLATE_WORDS, 300)
+    kt.write_kimi_tokenizer(tmp_path, ranks, 4096)
+    before = tokenizer_hash(str(tmp_path))
+    code = tmp_path / "tokenization_kimi.py"
+    code.write_text(code.read_text() + "\n# edited\n")
+    assert tokenizer_hash(str(tmp_path)) != before

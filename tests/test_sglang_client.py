@@ -334,3 +334,26 @@ def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
         hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)))
     assert hsrv.gpu_set(hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3), 2) == [4, 5]
     assert [hsrv.replica_for_chunk(c, 3) for c in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_trust_remote_code_reaches_the_server_command() -> None:
+    from hsextract.settings import from_config
+    from hsextract.sglang.config import server_config_from
+
+    def server(**kw):
+        return server_config_from(from_config({"model": "/m", "aux_layers": [1, 3], "run_name": "r", **kw}).extract,
+                                  python="/py")
+
+    assert "--trust-remote-code" not in hsrv.build_command(server())
+    trusted = server(trust_remote_code=True)
+    assert hsrv.build_command(trusted)[-2:] == ["--disable-prefill-cuda-graph", "--trust-remote-code"]
+    # given in launch_args as well (older configs): passed once
+    both = server(trust_remote_code=True, sglang={"launch_args": ["--trust-remote-code"]})
+    assert hsrv.build_command(both).count("--trust-remote-code") == 1
+    # a running server started without it is not reused
+    assert hsrv.config_hash(trusted, 0) != hsrv.config_hash(server(), 0)
+    # config/kimi.yaml: from the key, not from launch_args
+    import yaml
+
+    kimi = yaml.safe_load((Path(__file__).resolve().parents[1] / "config/kimi.yaml").read_text())
+    assert kimi["trust_remote_code"] is True and "--trust-remote-code" not in kimi["sglang"]["launch_args"]

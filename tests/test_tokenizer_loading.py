@@ -118,3 +118,9 @@ def test_custom_code_failing_otherwise_names_the_major(tmp_path: Path) -> None:
         f"tokenizer: the custom tokenizer code {d}/tokenization_attr.py failed to load under transformers {V} "
         f"(AttributeError: no attribute _added_tokens_encoder). Custom tokenizer files are written against one "
         f"transformers major version; if the file predates transformers {major}, try `transformers{other}`.")
+
+
+def test_unloadable_tokenizer_names_the_source(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=rf"^cannot load a tokenizer from {tmp_path}/empty: "):
+        load_tokenizer(tmp_path / "empty", trust_remote_code=True)

@@ -65,12 +65,17 @@ def model_hash(model: str) -> str:
 
 
 def tokenizer_hash(tokenizer_dir: str) -> str:
-    """sha256 over the tokenizer files that exist in the directory (names and contents)."""
+    """sha256 over the tokenizer files that exist in the directory (names and contents).
+
+    A tokenizer shipped as custom code (Kimi-K2.5's tokenization_kimi.py) counts its `tokenization_*.py`
+    modules too: the code decides the ids as much as the vocabulary does.
+    """
     root = Path(tokenizer_dir)
     if not root.is_dir():
         return "name:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()
     h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
+    names = [*TOKENIZER_FILES, *sorted(p.name for p in root.glob("tokenization_*.py"))]
+    for name in names:
         p = root / name
         if p.is_file():
             h.update(name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())

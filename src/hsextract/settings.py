@@ -118,6 +118,7 @@ class ExtractSettings:
     run_name: str
     model: str
     tokenizer: str | None
+    trust_remote_code: bool  # the sglang server runs the checkpoint's code (--trust-remote-code)
     engine: str
     aux_layers: tuple[int, ...] | None  # None: a `capture` preset not yet resolved (config.check resolves it)
     final_state: str

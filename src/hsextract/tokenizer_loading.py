@@ -198,16 +198,12 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        except (OSError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - custom code fails in any way (ImportError, AttributeError, ...)
             if not trust_remote_code and KEY in str(e):  # a hub id whose config was not in the local cache
                 raise refusal(source, remote_tokenizer_code(source)) from None
+            code = code or (remote_tokenizer_code(source) if trust_remote_code else None)
             if code is None:
-                raise ConfigError(f"cannot load a tokenizer from {source}: {e}") from e
-            raise incompatible_code_error(source, code, e) from e
-        except Exception as e:  # noqa: BLE001 - custom code fails in any way (ImportError, AttributeError, ...)
-            code = code or remote_tokenizer_code(source)
-            if code is None and not trust_remote_code:
-                raise
+                raise ConfigError(f"cannot load a tokenizer from {source}: {type(e).__name__}: {e}") from e
             raise incompatible_code_error(source, code, e) from e
     if chat_template:
         p = Path(chat_template)

@@ -41,16 +41,22 @@ else:
 SGLANG_LOCAL = SGLANG and not SGLANG_URLS
 SERVER_DIR = f"results/{RUN}/server"
 # named inputs of every extract job
-ENGINE_INPUTS = {"patched": ancient(f"{SERVER_DIR}/patched.json")} if SGLANG_LOCAL else {}
+ENGINE_INPUTS = (
+    {"patched": ancient(f"{SERVER_DIR}/patched.json")} if SGLANG_LOCAL else {}
+)
 # callables run by onstart, and by onsuccess/onerror
-ON_START = [lambda: sglang_config.stop_local_servers(SETTINGS.extract)] if SGLANG_LOCAL else []
+ON_START = (
+    [lambda: sglang_config.stop_local_servers(SETTINGS.extract)] if SGLANG_LOCAL else []
+)
 ON_FINISH = list(ON_START)
 # GPUs of an extract job: one that starts (or reuses) its own local sglang servers needs their
 # tp x replicas GPUs on its node; with external servers it is a client and needs none; the
 # transformers engine takes one unless it runs on the CPU.
 if SGLANG:
     EXTRACT_GPUS = (
-        0 if SGLANG_URLS else SETTINGS.extract.sglang.tp * SETTINGS.extract.sglang.replicas
+        0
+        if SGLANG_URLS
+        else SETTINGS.extract.sglang.tp * SETTINGS.extract.sglang.replicas
     )
 else:
     EXTRACT_GPUS = 0 if SETTINGS.extract.transformers.device == "cpu" else 1

@@ -7,7 +7,6 @@
 # are computed in common.smk.
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
-
 if SGLANG_LOCAL:
 
     rule build_patched_server:

@@ -107,6 +107,7 @@ def server_config_from(settings: ExtractSettings, root: str | Path = ".", python
         staging_mb=s.staging_mb,
         writer_threads=s.writer_threads,
         prefill_cuda_graph=s.prefill_cuda_graph,
+        trust_remote_code=settings.trust_remote_code,
     )
 
 

@@ -68,6 +68,8 @@ class ServerConfig:
     # SGLang's (breakable) prefill CUDA graphs, captured in FULL mode for the capture. Off: every prefill runs
     # eagerly, which is faster with capture (bench/README.md, SGLang throughput)
     prefill_cuda_graph: bool = False
+    # config `trust_remote_code`: the checkpoint's own code may run (Kimi-K2.5's config, model and tokenizer)
+    trust_remote_code: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,6 +144,8 @@ def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
         cmd += ["--disable-prefill-cuda-graph"]
     if cfg.api_key:
         cmd += ["--api-key", cfg.api_key]
+    if cfg.trust_remote_code and "--trust-remote-code" not in cfg.launch_args:
+        cmd += ["--trust-remote-code"]
     return cmd + list(cfg.launch_args)
 
 

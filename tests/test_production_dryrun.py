@@ -1,0 +1,116 @@
+"""The production command of README.md, run as written (dry run) against a Kimi-K2.5-shaped config directory
+(tests/fixtures/kimi-k25-config: config.json and tokenizer_config.json, no weights), and the refusal of its
+custom-code tokenizer with trust_remote_code: false before any job. Slow (runs Snakemake)."""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hsextract.configfiles import configfile_groups, earlier_configfiles
+from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
+
+PER_CHUNK = 2048  # config/kimi.yaml
+
+
+def readme_command(prefix: str) -> list[str]:
+    """The first command line of README.md that starts with `prefix` (comments dropped)."""
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if line.strip().startswith(prefix):
+            return shlex.split(line.split("#")[0])
+    raise AssertionError(f"README.md has no line starting with {prefix!r}")
+
+
+def kimi_workdir(tmp_path: Path) -> Path:
+    wd = make_workdir(tmp_path / "prod")
+    shutil.copytree(ROOT / "tests/fixtures/kimi-k25-config", wd / "kimi-config")
+    (wd / "my-sources.yaml").write_text(
+        "model: kimi-config\nsources:\n  - {path: data/conversations.jsonl, format: auto}\n")
+    return wd
+
+
+def run(wd: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    assert argv[0] == "snakemake"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    env["HF_HUB_OFFLINE"] = "1"
+    return subprocess.run([*snakemake_cmd(), *argv[1:]], cwd=wd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_configfile_groups() -> None:
+    argv = ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "--configfile", "my.yaml"]
+    assert configfile_groups(argv) == [["config/kimi.yaml"], ["my.yaml"]]
+    assert earlier_configfiles(argv, [Path("my.yaml").absolute()]) == [Path("config/kimi.yaml").absolute()]
+    # one flag with both files: nothing dropped
+    assert earlier_configfiles(["snakemake", "--configfiles", "a.yaml", "b.yaml", "-n"], ["a.yaml", "b.yaml"]) == []
+    assert configfile_groups(["x", "--configfile=a.yaml", "b.yaml", "--configfile", "c.yaml"]) == [
+        ["a.yaml", "b.yaml"], ["c.yaml"]]
+    # argv that is not what Snakemake parsed (API use): leave the config alone
+    assert earlier_configfiles(argv, [Path("other.yaml").absolute()]) == []
+
+
+@pytest.mark.slow
+def test_readme_production_dry_run_plans_every_job(tmp_path: Path) -> None:
+    wd = kimi_workdir(tmp_path)
+    argv = readme_command("snakemake -n --cores 8 --configfile config/kimi.yaml")
+    assert argv == ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "--configfile",
+                    "my-sources.yaml"]
+    proc = run(wd, argv)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    n = math.ceil(sum(1 for _ in open(wd / "data/conversations.jsonl")) / PER_CHUNK)
+    assert job_counts(out) == {"build_patched_server": 1, "prepare": 1, "extract": n, "validate": n, "stats": n,
+                               "aggregate_stats": 1, "manifest": 1, "export": 1, "all": 1}
+    # config/kimi.yaml applied (run name, export) under my-sources.yaml (the model directory)
+    assert "results/kimi-k25/export/speculators-v1" in out and "results/tiny-default" not in out
+    assert "make_tiny_model" not in out
+    # the one-flag spelling plans the same jobs
+    one = run(wd, ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "my-sources.yaml"])
+    assert one.returncode == 0 and job_counts(one.stdout) == job_counts(out)
+    assert not (wd / "results").exists()
+
+
+@pytest.mark.slow
+def test_untrusted_custom_tokenizer_stops_before_any_job(tmp_path: Path) -> None:
+    wd = kimi_workdir(tmp_path)
+    (wd / "untrusted.yaml").write_text("trust_remote_code: false\n")
+    argv = ["snakemake", "--cores", "8", "--configfile", "config/kimi.yaml", "my-sources.yaml", "untrusted.yaml"]
+    proc = run(wd, argv)
+    assert proc.returncode != 0
+    msg = (
+        "trust_remote_code: the tokenizer of kimi-config is custom code (kimi-config/tokenizer_config.json auto_map "
+        "AutoTokenizer -> tokenization_kimi.TikTokenTokenizer), which transformers runs only with "
+        "trust_remote_code: true. Read the tokenizer module it names; if you trust it, set "
+        "`trust_remote_code: true` in the config (config/kimi.yaml does).")
+    assert msg in proc.stdout + proc.stderr
+    assert not (wd / "results").exists() and not (wd / "logs").exists()
+
+
+def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    from hsextract.config import read_model_shape
+
+    fixture = ROOT / "tests/fixtures/kimi-k25-config"
+    local = read_model_shape(str(fixture))
+    assert (local.num_layers, local.hidden_size, local.vocab_size) == (61, 7168, 163840)
+    # a hub id: only config.json is fetched and read as JSON (Kimi-K2.5's config class is custom code, which
+    # transformers' AutoConfig would refuse without trust_remote_code)
+    fetched: list[tuple[str, str]] = []
+
+    def fake_download(repo_id: str, filename: str, **kwargs: object) -> str:
+        fetched.append((repo_id, filename))
+        return str(fixture / filename)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake_download)
+    hub = read_model_shape("moonshotai/Kimi-K2.5")
+    assert fetched == [("moonshotai/Kimi-K2.5", "config.json")]
+    assert (hub.num_layers, hub.hidden_size, hub.vocab_size, hub.source) == (
+        61, 7168, 163840, "hub config of moonshotai/Kimi-K2.5")
