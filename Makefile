@@ -32,6 +32,7 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/.installed
+	$(BIN)/ruff check .
 	$(BIN)/snakemake --lint
 	$(BIN)/snakefmt --check Snakefile workflow/rules
 

@@ -31,10 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import zstandard as zstd
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard.codec import dequantize_fp8, quantize_fp8
-from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 Sample = dict[str, object]
 ROOT = Path(__file__).resolve().parents[1]

@@ -49,11 +49,11 @@ from pathlib import Path
 import torch
 
 from hsextract.atomic import write_bytes_atomic
-from hsextract.sglang_plugin import dumpfiles
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
-from hsextract.sglang.client import SGLangEngine
 from hsextract.sglang.api import health
+from hsextract.sglang.client import SGLangEngine
 from hsextract.sglang.server import ServerConfig, ensure_server, stop_servers
+from hsextract.sglang_plugin import dumpfiles
 
 DEFAULT_SGL_ARGS = ("--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.6 "
                     "--disable-decode-cuda-graph --load-format dummy --dtype bfloat16 "
@@ -381,8 +381,9 @@ def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
 def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], aux: tuple[int, ...],
                   sgl: list[str]) -> None:
     """(b0), (b) and (d') on server B (the hsextract plugin); (b) again at the other --shard-threads."""
-    from hsextract.extract import ChunkPrompts, extract_chunk
     from shard_meta import placeholder_metadata  # bench/ is the script's folder
+
+    from hsextract.extract import ChunkPrompts, extract_chunk
 
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-
-from hsextract.shard import ShardWriter
 from shard_meta import placeholder_metadata  # bench/ is the script's folder
 from shard_sync import activation_samples  # the same random activations (bench/ is the script's folder)
+
+from hsextract.shard import ShardWriter
 
 META = placeholder_metadata(4096, [1, 2, 3])
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import torch
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 from hsextract.shard import ShardWriter
-from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 META = placeholder_metadata(4096, [1, 2, 3])
 

@@ -110,7 +110,7 @@ class FakeServer:
         self._threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
                          threading.Thread(target=self._schedule, daemon=True)]
 
-    def start(self) -> "FakeServer":
+    def start(self) -> FakeServer:
         for t in self._threads:
             t.start()
         return self

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hsextract.sglang.config import build_python
 from hsextract.errors import ConfigError
+from hsextract.sglang.config import build_python
 
 MESSAGE = (
     "sglang.python is null and the workflow runs without --sdm conda, so rule build_patched_server has "

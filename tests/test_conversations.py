@@ -8,8 +8,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hsextract.conversations import (MalformedRecordError, count_records, iter_conversations, mixture,
-                                     normalize_record, open_sources)
+from hsextract.conversations import (
+    MalformedRecordError,
+    count_records,
+    iter_conversations,
+    mixture,
+    normalize_record,
+    open_sources,
+)
 from hsextract.errors import ConfigError, HsxError
 
 EXPECTED = [

@@ -389,8 +389,7 @@ def test_plugin_does_nothing_unless_enabled(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_unsafe_rids_are_never_dumped(tmp_path: Path) -> None:
-    from hsextract.sglang_plugin import dumpfiles
-    from hsextract.sglang_plugin import plugin
+    from hsextract.sglang_plugin import dumpfiles, plugin
 
     d = plugin.Dumper(plugin.PluginConfig(tmp_path, AUX), pin=False)
     for rid in ("hsx-../../x", "hsx-a/b", "../hsx-a", "hsx-a\0b", ".hsx-a", "hsx-" + "a" * 300):

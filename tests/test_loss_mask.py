@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from chatfix import make_tokenizer, trained_segments
+
 from hsextract.conversations import Conversation
 from hsextract.loss_mask import ChatMasker, TemplateError
 

@@ -4,14 +4,14 @@ through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)
 from __future__ import annotations
 
 import pytest
-
 from chatfix import make_slow_tokenizer, make_tokenizer
+from mask_golden import EXPECTED
+
 from hsextract.conversations import Conversation
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.mask_explain import marked
 from hsextract.template_render import SENT, common_prefix, common_suffix
 from hsextract.turn_spans import find_turn
-from mask_golden import EXPECTED
 
 SYS = {"role": "system", "content": "You are a helpful assistant."}
 
@@ -175,10 +175,9 @@ def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():
 
 
 def test_piecewise_tokenization_is_checked_against_whole_tokenization():
+    from chatfix import TEMPLATES, _tokenizer_object
     from tokenizers import AddedToken, Tokenizer
     from transformers import PreTrainedTokenizerFast
-
-    from chatfix import TEMPLATES, _tokenizer_object
 
     raw = Tokenizer.from_str(_tokenizer_object().to_str())
     # `<|im_end|>` eats the whitespace after it: pieces cut at added tokens no longer tokenize like the whole.

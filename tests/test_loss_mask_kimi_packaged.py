@@ -6,10 +6,11 @@ import pytest
 
 pytest.importorskip("tiktoken")
 
+from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: E402, F401 - module fixtures reused
+
 from hsextract.conversations import Conversation  # noqa: E402
 from hsextract.loss_mask import ChatMasker  # noqa: E402
 from hsextract.mask_explain import marked  # noqa: E402
-from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: E402, F401 - module fixtures reused
 
 DONE = Conversation([*CONV, {"role": "assistant", "content": "21 C in Rome.", "reasoning_content": "Report."}])
 

@@ -6,8 +6,8 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-
 from chatfix import make_tokenizer
+
 from hsextract.conversations import Conversation, MalformedRecordError
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker

@@ -12,9 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
 
 from hsextract.configfiles import configfile_groups, earlier_configfiles
-from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
 
 PER_CHUNK = 2048  # config/kimi.yaml
 

@@ -12,21 +12,31 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from chatfix import BOS, CORPUS, EOS, SPECIALS, TEMPLATES
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from chatfix import CORPUS, EOS, SPECIALS, TEMPLATES, BOS
 from hsextract.conversations import Conversation
+from hsextract.engines.transformers_generate import TransformersGenerator
 from hsextract.errors import ConfigError, EngineError
 from hsextract.loss_mask import ChatMasker
 from hsextract.prepare import run_prepare
-from hsextract.engines.transformers_generate import TransformersGenerator
+from hsextract.regenerate import (
+    RegenSettings,
+    RegenStats,
+    chunk_name,
+    concat_chunks,
+    cut_at_stop,
+    end_of_turn_ids,
+    num_chunks,
+    parse_settings,
+    regenerate_chunk,
+    run_regenerate_chunk,
+    stats_path,
+)
 from hsextract.settings import from_config
-from hsextract.regenerate import (RegenSettings, RegenStats, chunk_name, concat_chunks, cut_at_stop, end_of_turn_ids,
-                                  num_chunks, parse_settings, regenerate_chunk, run_regenerate_chunk, stats_path)
 from hsextract.sglang.generate import SGLangGenerator, request_id
 from hsextract.sglang_plugin import plugin
-
 
 # ------------------------------------------------------------------------------------------------ fixtures
 

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from test_workflow import job_counts, make_workdir, smk
 
 pytestmark = pytest.mark.slow

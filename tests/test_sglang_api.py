@@ -47,7 +47,7 @@ class Scripted:
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
-    def __enter__(self) -> "Scripted":
+    def __enter__(self) -> Scripted:
         self.thread.start()
         return self
 

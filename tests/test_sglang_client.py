@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_sglang import HIDDEN, FakeServer, expected_states  # noqa: E402
 
 from hsextract.engines.base import CaptureSpec, Prompt  # noqa: E402
-from hsextract.sglang.client import SGLangEngine  # noqa: E402
 from hsextract.errors import ConfigError, EngineError  # noqa: E402
+from hsextract.sglang.client import SGLangEngine  # noqa: E402
 
 AUX = (1, 3, 5)
 SPEC = CaptureSpec(aux_layers=AUX)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsextract.sglang_plugin import dumpfiles
 from hsextract.errors import EngineError
+from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin import plugin as plg
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang import server
 from hsextract.sglang_plugin import dumpfiles
-from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang_plugin import plugin as plg
 from hsextract.sglang_plugin import writer as wmod
 from hsextract.sglang_plugin.slicing import PieceSlice

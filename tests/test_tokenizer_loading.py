@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import transformers
 import yaml
-
 from chatfix import make_tokenizer
+from test_config import write_model, write_reference
+
 from hsextract.config import check
 from hsextract.errors import ConfigError
 from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code, unresolved_imports
-from test_config import write_model, write_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 V = transformers.__version__

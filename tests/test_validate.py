@@ -7,10 +7,10 @@ import torch
 from conftest import make_sample, shard_metadata
 
 from hsextract.cli import main
-from hsextract.shard import ShardReader, ShardWriter
-from hsextract.shard import format as fmt
 from hsextract.reference import ReferenceSampleError
 from hsextract.reference import load as load_reference
+from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard import format as fmt
 from hsextract.validate import check_sample, failure_line, reference_layout, validate_shard
 
 REFERENCE = "resources/reference/speculators-v1-data_0.pt"

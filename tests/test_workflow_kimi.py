@@ -15,11 +15,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from test_workflow import N_CHUNKS, RECORDS, TEST_CONFIG, make_workdir, run_dir, shard_path, smk
 
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker
 from hsextract.shard import ShardReader
-from test_workflow import N_CHUNKS, RECORDS, TEST_CONFIG, make_workdir, run_dir, shard_path, smk
 
 pytestmark = pytest.mark.slow
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-
 from fake_sglang import HIDDEN, FakeServer, expected_states
+from test_workflow import ROOT, job_counts, make_workdir, smk
+
 from hsextract.dataset import find_shards
 from hsextract.shard import ShardReader
-from test_workflow import ROOT, job_counts, make_workdir, smk
 
 pytestmark = pytest.mark.slow
 

@@ -31,11 +31,10 @@ import time
 import traceback
 from pathlib import Path
 
-from hsextract.fidelity import (FLIP_BOUND, TOL, check_writers, compare_model, is_moe, save_run,
-                                verdict_markdown)
-from hsextract.sglang_plugin import dumpfiles
-
 from fidelity import make_prompts  # bench/gpu/fidelity.py: the same prompts
+
+from hsextract.fidelity import FLIP_BOUND, TOL, check_writers, compare_model, is_moe, save_run, verdict_markdown
+from hsextract.sglang_plugin import dumpfiles
 
 
 def read_dump_dir(dump_dir: Path) -> tuple[list[dict], dict[int, dict]]:

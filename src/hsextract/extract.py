@@ -21,11 +21,11 @@ import torch
 from tqdm import tqdm
 
 from hsextract import provenance
-from hsextract.model_info import read_model_shape
-from hsextract.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
 from hsextract.final_norm import final_norm_metadata
+from hsextract.model_info import read_model_shape
+from hsextract.settings import ExtractSettings
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 

@@ -94,7 +94,7 @@ def within_fraction(count: int, total: int, bound: str | float | Fraction) -> bo
 
 def evaluate(prompts: list[Prompt], got: list[Captured], alone: list[Captured], refs: list[dict],
              aux: tuple[int, ...], *, tol: float, token_tol: float, flip_bound: str | float, mode: str,
-             long_from: int, final_norm: "FinalNorm | None" = None, norm_tol: float = NORM_TOL) -> dict:
+             long_from: int, final_norm: FinalNorm | None = None, norm_tol: float = NORM_TOL) -> dict:
     """Per-sample and per-token statistics and the checks of `mode` ("sample" or "token").
 
     `got` are the candidate's captures: the aux layers, then BOTH final states of the same forward, the

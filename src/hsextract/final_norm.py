@@ -57,7 +57,7 @@ class FinalNorm:
         }
 
     @classmethod
-    def from_metadata(cls, entry: Mapping[str, Any], where: str) -> "FinalNorm":
+    def from_metadata(cls, entry: Mapping[str, Any], where: str) -> FinalNorm:
         try:
             kind, eps, dtype, h = entry["kind"], float(entry["eps"]), _DTYPES[entry["dtype"]], int(entry["hidden_size"])
             raw = base64.b64decode(entry["weight"], validate=True)

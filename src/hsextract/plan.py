@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import math
-from fractions import Fraction
 from collections.abc import Mapping
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from hsextract import chunks
 from hsextract.atomic import write_atomic, write_bytes_atomic
-from hsextract.conversations import (Conversation, MalformedRecordError, count_records, mixture, open_sources)
+from hsextract.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.progress import bar

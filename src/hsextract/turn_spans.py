@@ -22,8 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hsextract.template_render import (SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix,
-                                       common_suffix)
+from hsextract.template_render import SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix, common_suffix
 
 
 @dataclass(frozen=True)

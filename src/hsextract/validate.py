@@ -20,7 +20,6 @@ something only when the reference was captured from the shard's own model.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -6,8 +6,8 @@ sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
 
 import json
 
-from hsextract.errors import ValidationFailure
 from hsextract.atomic import write_json_atomic
+from hsextract.errors import ValidationFailure
 from hsextract.validate import failure_line, validate_shard
 
 report = validate_shard(

@@ -63,7 +63,7 @@ class Engine(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional
         """Release the model or the server connection."""
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:

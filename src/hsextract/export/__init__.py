@@ -14,11 +14,11 @@ from hsextract.export.common import (
     prepare_out_dir,
     warn_final_norm,
 )
-from hsextract.progress import ProgressDataset
 from hsextract.export.specforge import export_specforge
 from hsextract.export.speculators_safetensors import export_speculators_safetensors
 from hsextract.export.speculators_v1 import export_speculators_v1
 from hsextract.final_norm import from_shard_metadata
+from hsextract.progress import ProgressDataset
 
 EXPORTERS = {
     "speculators-v1": export_speculators_v1,

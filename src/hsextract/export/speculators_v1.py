@@ -14,7 +14,7 @@ Point the trainer's data path at OUT_DIR/data and its token-frequency path at OU
 from __future__ import annotations
 
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[st
     hidden, n = meta["hidden_size"], meta["num_hidden_tensors"]
     return {
         "version": "2.0",
-        "generated_at": datetime.now(timezone.utc).isoformat(),
+        "generated_at": datetime.now(UTC).isoformat(),
         "speculators_version": "0.4.0",
         "reproducibility": {
             "command": f"hsextract export --format speculators-v1 (hsextract {__version__})",

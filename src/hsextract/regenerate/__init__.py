@@ -42,7 +42,7 @@ JSONL, each to a temporary name + rename): a failed chunk leaves no JSONL and re
 
 from hsextract.engines.base import Generator, cut_at_stop
 from hsextract.regenerate.files import chunk_name, concat_chunks, stats_path
-from hsextract.regenerate.regenerator import RegenStats, Regenerator, regenerate_chunk, sample_seed
+from hsextract.regenerate.regenerator import Regenerator, RegenStats, regenerate_chunk, sample_seed
 from hsextract.regenerate.run import make_generator, num_chunks, run_regenerate_chunk
 from hsextract.regenerate.settings import RegenSettings, parse_settings
 from hsextract.regenerate.template import end_of_turn_ids

@@ -11,7 +11,6 @@ or as soon as the server fails its health check, the chunk fails with an EngineE
 from __future__ import annotations
 
 import itertools
-import json
 import re
 import secrets
 import sys
@@ -22,12 +21,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
-from hsextract.engines.base import CaptureSpec, Captured, Engine, Prompt
+from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
 from hsextract.sglang_plugin import dumpcheck, dumpfiles
 from hsextract.sglang_plugin.dumpcheck import verify_dir
 from hsextract.sglang_plugin.settings import DEFAULT_RID_PREFIX as RID_PREFIX  # the plugin dumps these rids only
+
 # Failures worth another attempt: the request (TransientError) or its dump files (missing, late, broken).
 RETRYABLE = (TransientError, dumpfiles.DumpTimeout, dumpfiles.DumpError)
 

@@ -190,8 +190,8 @@ def build_patched(
 
     Raises EngineError when the install fails or the installed SGLang lacks something the plugin uses
     (the compatibility report's problems are in the message, with file and line)."""
-    from hsextract.sglang.server import build_command
     from hsextract.sglang.compat import check_installed
+    from hsextract.sglang.server import build_command
 
     py = python or server_python(settings, root)
     if install:

@@ -109,7 +109,7 @@ class ServerHandle:
         return json.dumps(d, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> "ServerHandle":
+    def from_json(cls, text: str) -> ServerHandle:
         d = json.loads(text)
         d["dump_dir"] = Path(d["dump_dir"])
         return cls(**d)

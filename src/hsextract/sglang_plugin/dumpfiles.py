@@ -42,8 +42,8 @@ import torch
 
 from hsextract.errors import EngineError
 from hsextract.sglang_plugin import dumpcheck
-from hsextract.sglang_plugin.dumpcheck import FORMAT, MAGIC
 from hsextract.sglang_plugin.atomic import write_bytes_atomic
+from hsextract.sglang_plugin.dumpcheck import FORMAT, MAGIC
 
 PIECE_SUFFIX = ".piece"
 DONE_SUFFIX = ".done"

@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from hsextract.sglang_plugin import dumpfiles
+from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the plugin's public names
     DEFAULT_RID_PREFIX,
     DEFAULT_WRITER_THREADS,
@@ -79,7 +80,6 @@ from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the 
     PluginConfig,
     PluginConfigError,
 )
-from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.slicing import slice_extend_batch
 from hsextract.sglang_plugin.staging import StagingRing
 from hsextract.sglang_plugin.writer import DumpWriter
@@ -140,7 +140,7 @@ class Dumper:
         if self._writer is None:
             t0 = time.monotonic()
             try:
-                self.writer
+                _ = self.writer  # the property builds the ring and the writer threads
             except (RuntimeError, MemoryError) as e:
                 raise PluginConfigError(
                     f"hsextract: cannot allocate {self.cfg.staging_bytes >> 20} MiB of "

@@ -46,7 +46,7 @@ class PluginConfig:
         return [i + 1 for i in self.aux_layers]
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "PluginConfig | None":
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> PluginConfig | None:
         d = env.get(ENV_DUMP_DIR)
         if not d:
             return None

@@ -373,7 +373,7 @@ class ShardWriter:
             if self._pool:
                 self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def __enter__(self) -> "ShardWriter":
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
