@@ -3,7 +3,7 @@ the RMS plot."""
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 import json
 
@@ -11,14 +11,14 @@ from hsextract.plots import plot_rms_by_position
 from hsextract.report_tables import write_report_pages
 from hsextract.stats import aggregate, load_chunk_stats, write_table, write_token_freq
 
-out = snakemake.output  # noqa: F821
-chunks = load_chunk_stats(snakemake.input.chunks)  # noqa: F821
-with open(snakemake.input.prepare) as f:  # noqa: F821
+out = snakemake.output
+chunks = load_chunk_stats(snakemake.input.chunks)
+with open(snakemake.input.prepare) as f:
     prepare_summary = json.load(f)
 tables = aggregate(chunks, prepare_summary)
 for name in ("summary", "chunks", "layers", "rms_by_position", "seq_lengths", "dropped"):
     write_table(tables[name], out[name])
-write_report_pages(tables, snakemake.input.validation, {name: out[f"{name}_html"] for name in  # noqa: F821
+write_report_pages(tables, snakemake.input.validation, {name: out[f"{name}_html"] for name in
                    ("summary", "chunks", "layers", "seq_lengths", "dropped", "validation")})
 write_token_freq(chunks, out.token_freq)
 plot_rms_by_position(tables["rms_by_position"], out.rms_plot)

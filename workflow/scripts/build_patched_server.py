@@ -2,16 +2,16 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from hsextract.settings import from_config
 from hsextract.sglang.config import build_patched, build_python
 
 info = build_patched(
-    from_config(snakemake.config).extract,  # noqa: F821
-    snakemake.output.patched,  # noqa: F821
-    repo=snakemake.params.repo,  # noqa: F821
+    from_config(snakemake.config).extract,
+    snakemake.output.patched,
+    repo=snakemake.params.repo,
     # sglang.python, else this job's interpreter only under --sdm conda (envs/sglang.yaml)
-    python=build_python(snakemake.params.python, snakemake.params.conda_env),  # noqa: F821
+    python=build_python(snakemake.params.python, snakemake.params.conda_env),
 )
 print(info)

@@ -2,16 +2,16 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from pathlib import Path
 
 from hsextract.export import export
 
 summary = export(
-    Path(snakemake.input.manifest).parent,  # noqa: F821
-    snakemake.output.data,  # noqa: F821
-    snakemake.wildcards.format,  # noqa: F821
+    Path(snakemake.input.manifest).parent,
+    snakemake.output.data,
+    snakemake.wildcards.format,
     force=True,
 )
 print(summary)

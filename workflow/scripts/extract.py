@@ -2,7 +2,7 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 import json
 
@@ -12,12 +12,12 @@ from hsextract.extract import run_extract
 from hsextract.settings import from_config
 
 # CPU engines use exactly the job's threads (Snakemake schedules by them).
-torch.set_num_threads(int(snakemake.threads))  # noqa: F821
+torch.set_num_threads(int(snakemake.threads))
 summary = run_extract(
-    from_config(snakemake.config).extract,  # noqa: F821
-    snakemake.input.prompts,  # noqa: F821
-    snakemake.output.shard,  # noqa: F821
-    chunk=int(snakemake.params.chunk),  # noqa: F821
-    prepare_summary=snakemake.input.prepare_summary,  # noqa: F821
+    from_config(snakemake.config).extract,
+    snakemake.input.prompts,
+    snakemake.output.shard,
+    chunk=int(snakemake.params.chunk),
+    prepare_summary=snakemake.input.prepare_summary,
 )
 print(json.dumps(summary, indent=1))

@@ -2,7 +2,7 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from pathlib import Path
 
@@ -10,19 +10,19 @@ from hsextract.atomic import write_json_atomic
 from hsextract.prepare import run_prepare
 from hsextract.settings import from_config
 
-out_dir = Path(snakemake.output.summary).parent  # noqa: F821
+out_dir = Path(snakemake.output.summary).parent
 # the configured sources, or the regenerated conversations (regenerate.enabled): common.smk's PREPARE_SOURCES
-settings = from_config({**snakemake.config, "sources": list(snakemake.params.sources)})  # noqa: F821
+settings = from_config({**snakemake.config, "sources": list(snakemake.params.sources)})
 summary = run_prepare(
     settings.prepare,
-    snakemake.params.tokenizer,  # noqa: F821
+    snakemake.params.tokenizer,
     out_dir,
-    int(snakemake.params.num_chunks),  # noqa: F821
+    int(snakemake.params.num_chunks),
 )
-missing = [p for p in snakemake.output.prompts if not Path(p).is_file()]  # noqa: F821
+missing = [p for p in snakemake.output.prompts if not Path(p).is_file()]
 if missing:
     raise RuntimeError(f"prepare did not write {missing}")
-write_json_atomic(snakemake.output.summary, summary)  # noqa: F821
+write_json_atomic(snakemake.output.summary, summary)
 print(summary)
 print(f"prepared {summary['kept']} samples ({summary['tokens']} tokens) in {summary['num_chunks']} chunks, "
       f"dropped {sum(summary['dropped'].values())}")

@@ -2,23 +2,23 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 import json
 
 from hsextract import regenerate
 
-if snakemake.rule == "regenerate_concat":  # noqa: F821
+if snakemake.rule == "regenerate_concat":
     stats = regenerate.concat_chunks(
-        snakemake.input.chunks, snakemake.output.conversations  # noqa: F821
+        snakemake.input.chunks, snakemake.output.conversations
     )
 else:
     import torch
 
-    torch.set_num_threads(int(snakemake.threads))  # noqa: F821
+    torch.set_num_threads(int(snakemake.threads))
     stats = regenerate.run_regenerate_chunk(
-        dict(snakemake.config),  # noqa: F821
-        int(snakemake.params.chunk),  # noqa: F821
-        snakemake.output.conversations,  # noqa: F821
+        dict(snakemake.config),
+        int(snakemake.params.chunk),
+        snakemake.output.conversations,
     )
 print(json.dumps(stats, indent=1))

@@ -2,13 +2,13 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from hsextract.plots import plot_seq_length_hist
 from hsextract.stats import load_chunk_stats
 
 plot_seq_length_hist(
-    load_chunk_stats(snakemake.input.chunks),  # noqa: F821
-    snakemake.output.plot,  # noqa: F821
-    bins=int(snakemake.params.bins),  # noqa: F821
+    load_chunk_stats(snakemake.input.chunks),
+    snakemake.output.plot,
+    bins=int(snakemake.params.bins),
 )

@@ -2,11 +2,11 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from hsextract.atomic import write_json_atomic
 from hsextract.stats import chunk_stats
 
-stats = chunk_stats(snakemake.input.shard, position_bins=int(snakemake.params.position_bins))  # noqa: F821
-write_json_atomic(snakemake.output.stats, stats)  # noqa: F821
+stats = chunk_stats(snakemake.input.shard, position_bins=int(snakemake.params.position_bins))
+write_json_atomic(snakemake.output.stats, stats)
 print(f"{stats['samples']} samples, {stats['tokens']} tokens")

@@ -2,7 +2,7 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)  # noqa: F821
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 import json
 
@@ -11,12 +11,12 @@ from hsextract.errors import ValidationFailure
 from hsextract.validate import failure_line, validate_shard
 
 report = validate_shard(
-    snakemake.input.shard,  # noqa: F821
-    snakemake.input.reference,  # noqa: F821
-    same_model=bool(snakemake.params.same_model),  # noqa: F821
+    snakemake.input.shard,
+    snakemake.input.reference,
+    same_model=bool(snakemake.params.same_model),
 )
 print(json.dumps(report, indent=1))
 if not report["passed"]:
     # no report file: the chunk counts as failed and reruns (delete its shard to re-extract it)
     raise ValidationFailure(failure_line(report))
-write_json_atomic(snakemake.output.report, report)  # noqa: F821
+write_json_atomic(snakemake.output.report, report)
