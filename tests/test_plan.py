@@ -153,5 +153,5 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     base.write_text(yaml.safe_dump(small))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "hsextract plan: error: config: Additional properties are not allowed ('chunks_per_job' was unexpected) "
+        "hsextract plan: error: chunks_per_job: unknown key; config/README.md lists every key "
         "(workflow/schemas/config.schema.yaml)")

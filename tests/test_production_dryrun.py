@@ -93,6 +93,17 @@ def test_untrusted_custom_tokenizer_stops_before_any_job(tmp_path: Path) -> None
     assert not (wd / "results").exists() and not (wd / "logs").exists()
 
 
+def test_a_misspelt_key_is_one_line_with_the_closest_key(tmp_path: Path) -> None:
+    wd = kimi_workdir(tmp_path)
+    (wd / "typo.yaml").write_text("prompts_per_chunck: 512\nsglang:\n  tpp: 8\n")
+    proc = run(wd, ["snakemake", "-n", "--configfile", "config/kimi.yaml", "my-sources.yaml", "typo.yaml"])
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert ("prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`? "
+            "(workflow/schemas/config.schema.yaml)") in out
+    assert len(out.splitlines()) <= 8, out  # not the whole schema and config (Snakemake's validate)
+
+
 def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
