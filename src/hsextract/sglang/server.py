@@ -1,7 +1,7 @@
 """Lifecycle of the patched SGLang server(s): start-or-reuse from extraction jobs, stop from onsuccess/onerror.
 
 Start-or-reuse, not a Snakemake service job: each extraction job calls `ensure_server(state_dir, cfg, replica)`,
-which takes an fcntl lock on `state_dir/replica-<r>.lock`, reuses the server named by
+which takes a file lock (filelock) on `state_dir/replica-<r>.lock`, reuses the server named by
 `replica-<r>.json` if its process is alive, answers GET /health and its plugin marker is in place, and
 otherwise kills what is left (its whole process group) and starts a fresh one in its own session. The
 Snakefile's `onsuccess:`/`onerror:` call `stop_servers(state_dir)` (and `onstart:` too, which kills a
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -30,9 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import filelock
+import psutil
 
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang.api import health
@@ -190,27 +192,28 @@ def _has_marker(dump_dir: Path) -> bool:
 
 
 def _alive(pid: int | None) -> bool:
+    """pid names a process that is not a zombie (one we may not inspect counts as alive)."""
     if not pid:
         return False
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, ValueError):  # ValueError: a negative pid
         return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except OSError:
+    except psutil.AccessDenied:
         return True
 
 
 def _is_ours(pid: int, dump_dir: Path) -> bool:
-    """Guard against pid reuse: our server's environment names its dump directory."""
+    """Guard against pid reuse: our server's environment names its dump directory. A process whose
+    environment we may not read, or that is gone, is not ours; where the platform has no way to read it,
+    trust the pidfile."""
     try:
-        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    except OSError:
-        return not Path("/proc").is_dir()  # no procfs: trust the pidfile
-    return f"HSEXTRACT_DUMP_DIR={dump_dir}".encode() in env
+        env = psutil.Process(pid).environ()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+    except (AttributeError, NotImplementedError):
+        return True
+    return env.get("HSEXTRACT_DUMP_DIR") == str(dump_dir)
 
 
 def _kill_group(pid: int, grace_s: float) -> None:
@@ -229,19 +232,20 @@ def _kill_group(pid: int, grace_s: float) -> None:
 
 
 def _group_alive(pgid: int) -> bool:
+    """Some process of group pgid is not a zombie."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    # a group of zombies only
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for p in psutil.process_iter():
         try:
-            fields = stat.read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
+            if os.getpgid(p.pid) == pgid and p.status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess):  # exited meanwhile
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
+        except psutil.AccessDenied:
             return True
     return False
 
@@ -263,14 +267,9 @@ def _endpoint(state_dir: Path, replica: int) -> Path:
     return state_dir / f"replica-{replica}.json"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+def _locked(path: Path) -> filelock.FileLock:
+    """Exclusive lock on `path` across processes (blocks until free)."""
+    return filelock.FileLock(path)
 
 
 def _port_in_use(host: str, port: int) -> bool:
