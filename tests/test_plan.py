@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,31 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     assert capsys.readouterr().err.strip() == (
         "hsextract plan: error: chunks_per_job: unknown key; config/README.md lists every key "
         "(workflow/schemas/config.schema.yaml)")
+
+
+def test_configfiles_merge_as_snakemake_merges_them(tmp_path: Path) -> None:
+    """The plan's config is Snakemake's own merge of the same --configfile list (snakemake.utils.update_config)."""
+    from snakemake.settings.types import ConfigSettings
+
+    from hsextract.cli import _configfile_config
+
+    files = [tmp_path / f"c{i}.yaml" for i in range(2)]
+    files[0].write_text(yaml.safe_dump({"shard": {"codec": "bf16", "compression_level": 3}, "sglang": 7,
+                                        "sources": [{"path": "a"}, {"path": "b"}], "seed": 1}))
+    # an empty mapping over a scalar keeps the scalar in Snakemake (a hand-written merge replaced it)
+    files[1].write_text(yaml.safe_dump({"shard": {"compression_level": 5}, "sglang": {}, "sources": [{"path": "c"}]}))
+    got = _configfile_config([str(f) for f in files])
+    assert got == ConfigSettings(configfiles=files).overwrite_config
+    assert got == {"shard": {"codec": "bf16", "compression_level": 5}, "sglang": 7, "sources": [{"path": "c"}],
+                   "seed": 1}
+
+
+def test_plan_without_snakemake_names_the_extra(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "snakemake.utils", None)  # as if snakemake were not installed
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prompts_per_chunk: 4\n")
+    assert main(["plan", "--configfile", str(cfg), "--samples", "8", "--mean-tokens", "10"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hsextract plan: error: snakemake is not installed; hsextract plan merges --configfile files as the "
+        "workflow does and needs the workflow extra: pip install -e .[workflow]")

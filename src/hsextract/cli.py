@@ -117,29 +117,38 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_plan)
 
 
-def _merge(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
+def _configfile_config(paths: Sequence[str]) -> dict:
+    """The config of `snakemake --configfile PATHS...`: later files override key by key inside mappings,
+    merged by Snakemake's own function so that the plan sees what the workflow will."""
     import yaml
 
     from hsextract.errors import ConfigError
-    from hsextract.plan import format_plan, plan
-    from hsextract.settings import from_config
 
+    try:
+        from snakemake.utils import update_config
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] != "snakemake":
+            raise
+        raise ConfigError("snakemake is not installed; hsextract plan merges --configfile files as the workflow "
+                          "does and needs the workflow extra: pip install -e .[workflow]") from None
     config: dict = {}
-    for path in args.configfile:
+    for path in paths:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
             raise ConfigError(f"--configfile: cannot read {path} ({e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--configfile: {path} is not a mapping of config keys")
-        config = _merge(config, loaded)
+        update_config(config, loaded)
+    return config
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from hsextract.errors import ConfigError
+    from hsextract.plan import format_plan, plan
+    from hsextract.settings import from_config
+
+    config = _configfile_config(args.configfile)
     for key in ("model", "aux_layers", "prompts_per_chunk"):
         if key not in config:
             raise ConfigError(f"{key}: missing from {' + '.join(args.configfile)}; the plan needs it")
