@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -152,3 +153,81 @@ def test_bad_source_config():
         count_records([{"path": "/nope.jsonl"}])
     with pytest.raises(ConfigError, match=r"`sources\[0\].format` is 'csv'"):
         count_records([{"path": __file__, "format": "csv"}])
+
+
+# ---- hf_disk: datasets.load_from_disk where installed, the pyarrow reader otherwise ----------------------------
+
+
+def _hf_disk_rows() -> list[dict]:
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(5)]
+    rows[3] = {"messages": [{"role": "robot", "content": "beep"}]}  # malformed: its location is reported
+    return rows
+
+
+def _read_sources(cfg) -> list[tuple[str, list, list]]:
+    """(reader class, [(location, raw row)], [(location, messages or malformed reason)]) of every source."""
+    out = []
+    for src in open_sources(cfg):
+        raws = [src.reader.raw(i) for i in range(len(src))]
+        read = []
+        for i in range(len(src)):
+            try:
+                where, conv = src.read(i)
+                read.append((where, conv.messages))
+            except MalformedRecordError as e:
+                read.append((e.location, e.reason))
+        out.append((type(src.reader).__name__, raws, read))
+    return out
+
+
+@pytest.fixture()
+def hf_dirs(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = _hf_disk_rows()
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"), num_shards=2)  # two Arrow files
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(str(tmp_path / "dd"))
+    return tmp_path
+
+
+def test_hf_disk_same_records_with_datasets_and_with_the_pyarrow_fallback(hf_dirs, monkeypatch):
+    cfg = [{"path": hf_dirs / "ds", "format": "hf_disk"}, {"path": hf_dirs / "dd", "split": "train"},
+           {"path": hf_dirs / "dd", "split": "test"}]
+    with_datasets = _read_sources(cfg)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if datasets were not installed
+    fallback = _read_sources(cfg)
+    assert [r[0] for r in with_datasets] == ["_DatasetReader"] * 3
+    assert [r[0] for r in fallback] == ["_TableReader"] * 3
+    assert [r[1:] for r in with_datasets] == [r[1:] for r in fallback]
+    rows = _hf_disk_rows()
+    ds, train, test = with_datasets
+    assert [raw for _, raw in ds[1]] == rows and [raw for _, raw in train[1]] == rows
+    assert [raw for _, raw in test[1]] == rows[:2]
+    # locations count over the whole dataset (both Arrow files), in the split's directory of a DatasetDict
+    assert [where for where, _ in ds[2]] == [f"{hf_dirs / 'ds'}:record {i}" for i in range(1, 6)]
+    assert ds[2][3] == (f"{hf_dirs / 'ds'}:record 4", "unknown_role")
+    assert ds[2][4] == (f"{hf_dirs / 'ds'}:record 5", [{"role": "user", "content": "q4"},
+                                                        {"role": "assistant", "content": "a4"}])
+    assert train[2][0][0] == f"{hf_dirs / 'dd' / 'train'}:record 1"
+    assert count_records(cfg) == 5 + 5 + 2
+
+
+@pytest.mark.parametrize("installed", [True, False])
+def test_hf_disk_errors_are_the_same_with_and_without_datasets(hf_dirs, monkeypatch, installed):
+    if not installed:
+        monkeypatch.setitem(sys.modules, "datasets", None)
+    dd, ds = hf_dirs / "dd", hf_dirs / "ds"
+    (hf_dirs / "plain").mkdir()
+    (ds / "data-00001-of-00002.arrow").unlink()
+    cases = [
+        ({"path": dd}, f"{dd} is a DatasetDict with splits ['train', 'test']: set `split:` on this source"),
+        ({"path": dd, "split": "dev"}, f"{dd}: split 'dev' not in ['train', 'test']"),
+        ({"path": hf_dirs / "plain"},
+         f"{hf_dirs / 'plain'}: not a `datasets.save_to_disk` directory (no state.json or dataset_dict.json)"),
+        ({"path": ds}, f"{ds}: state.json lists Arrow files that are missing: ['{ds / 'data-00001-of-00002.arrow'}']"),
+    ]
+    for source, message in cases:
+        with pytest.raises(ConfigError) as e:
+            open_sources([source])
+        assert str(e.value) == message

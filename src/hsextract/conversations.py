@@ -15,9 +15,11 @@ Input formats (`format:` of a source; `auto` picks per file and record):
              and an optional top-level `system` string
   ultrachat  rows with `messages` or `data`: a list of strings alternating user/assistant, or role dicts
   hf_disk    a directory written by `datasets.save_to_disk` (Dataset, or DatasetDict with `split:`);
-             read directly from its Arrow files with pyarrow, `datasets` itself is not needed.
+             read with `datasets.load_from_disk` where `datasets` is installed, else from its Arrow files
+             with pyarrow (the same rows: both convert them with pyarrow's to_pylist).
 
-Locations in errors: `file:LINE` (1-based line) for JSONL, `file:record N` (1-based) otherwise.
+Locations in errors: `file:LINE` (1-based line) for JSONL, `file:record N` (1-based) otherwise; for hf_disk
+`dir:record N` over the whole dataset (its split's directory for a DatasetDict), so `ds[N - 1]` is the record.
 
 Mixture: source i contributes k_i = min(max_records, round(weight_i * n_i)) records, where n_i is its
 number of input records (malformed ones included: chunks are cut over input records). weight < 1
@@ -218,10 +220,12 @@ class _JsonListReader(_Reader):
 
 
 class _TableReader(_Reader):
-    """Parquet file or Arrow stream files (HF save_to_disk); columnar, rows converted on access."""
+    """Parquet file or Arrow stream files (HF save_to_disk); columnar, rows converted on access. Locations
+    name each file, or `label` with the record's index over all files."""
 
-    def __init__(self, path: Path, tables: Sequence[tuple[Path, Any]]) -> None:
+    def __init__(self, path: Path, tables: Sequence[tuple[Path, Any]], label: Path | None = None) -> None:
         self.path = path
+        self._label = label
         self._tables = list(tables)  # (file, loader returning a pa.Table) loaded lazily
         self._loaded: list[pa.Table | None] = [None] * len(self._tables)
         self._counts = [self._count(p) for p, _ in self._tables]
@@ -246,7 +250,24 @@ class _TableReader(_Reader):
         if self._loaded[t] is None:
             self._loaded[t] = self._tables[t][1]()
         row = self._loaded[t].slice(i - int(self._starts[t]), 1).to_pylist()[0]
+        if self._label is not None:
+            return f"{self._label}:record {i + 1}", row
         return f"{self._tables[t][0]}:record {i - int(self._starts[t]) + 1}", row
+
+
+class _DatasetReader(_Reader):
+    """A `datasets.Dataset` (memory-mapped by `load_from_disk`); rows as pyarrow's to_pylist gives them, as
+    the pyarrow reader does (no decoding by the dataset's features)."""
+
+    def __init__(self, label: Path, ds: Any) -> None:
+        self.path = label
+        self._ds = ds.with_format("arrow")
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        return f"{self.path}:record {i + 1}", self._ds[i].to_pylist()[0]
 
 
 def _read_arrow(p: Path) -> pa.Table:
@@ -257,8 +278,9 @@ def _read_arrow(p: Path) -> pa.Table:
             return pa.ipc.open_file(src).read_all()
 
 
-def _hf_disk_files(path: Path, split: str | None) -> list[Path]:
-    """Arrow files of a `save_to_disk` directory, in order (state.json `_data_files`)."""
+def _hf_disk_dir(path: Path, split: str | None) -> Path:
+    """The Dataset directory of a `save_to_disk` directory: itself, or its split's for a DatasetDict (one
+    Dataset directory per split: loading only that one leaves the other splits unread)."""
     if (path / "dataset_dict.json").exists():
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         if split is None:
@@ -268,21 +290,35 @@ def _hf_disk_files(path: Path, split: str | None) -> list[Path]:
         if split not in splits:
             raise ConfigError(f"{path}: split {split!r} not in {splits}")
         path = path / split
-    state = path / "state.json"
-    if not state.exists():
+    if not (path / "state.json").exists():
         raise ConfigError(f"{path}: not a `datasets.save_to_disk` directory (no state.json or dataset_dict.json)")
-    files = [path / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+    return path
+
+
+def _hf_disk_files(path: Path) -> list[Path]:
+    """Arrow files of one Dataset directory of `save_to_disk`, in order (state.json `_data_files`)."""
+    files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise ConfigError(f"{path}: state.json lists Arrow files that are missing: {missing}")
     return files
 
 
+def _hf_disk_reader(path: Path, split: str | None) -> _Reader:
+    """`datasets.load_from_disk` where `datasets` is installed, else pyarrow on the Arrow files."""
+    ds_dir = _hf_disk_dir(path, split)
+    files = _hf_disk_files(ds_dir)  # checked here for both readers: one error message for a missing file
+    try:
+        import datasets
+    except ImportError:
+        return _TableReader(path, [(f, (lambda f=f: _read_arrow(f))) for f in files], label=ds_dir)
+    return _DatasetReader(ds_dir, datasets.load_from_disk(str(ds_dir)))
+
+
 def _open_reader(spec: SourceSpec) -> _Reader:
     p = spec.path
     if p.is_dir() or spec.format == "hf_disk":
-        files = _hf_disk_files(p, spec.split)
-        return _TableReader(p, [(f, (lambda f=f: _read_arrow(f))) for f in files])
+        return _hf_disk_reader(p, spec.split)
     if p.suffix == ".parquet":
         return _TableReader(p, [(p, lambda: pq.read_table(p))])
     if p.suffix == ".arrow":
