@@ -71,7 +71,7 @@ class Engine(abc.ABC):
 
 
 class SamplingSettings(Protocol):
-    """What a generator reads from its settings (`regenerate.settings.RegenSettings` has these fields)."""
+    """What a generator reads from its settings (`hsextract.settings.RegenerateSettings` has these fields)."""
 
     temperature: float  # 0: greedy
     top_p: float
