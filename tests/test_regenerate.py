@@ -570,3 +570,20 @@ def test_default_transformers_engine_loads_model_and_tokenizer_from_a_directory(
     assert st["turns_regenerated"] == 2 and st["settings"]["stop_token_ids"] == [tok.eos_token_id]
     with pytest.raises(ConfigError, match="`regenerate.server_url` must be set"):
         run_regenerate_chunk(from_config({**raw, "engine": "sglang"}), 2, tmp_path / "c.jsonl", tokenizer=tok)
+
+
+def test_config_readme_gives_the_schemas_regenerate_defaults():
+    import re
+
+    import yaml
+
+    from hsextract.settings import schema
+
+    readme = (Path(__file__).resolve().parents[1] / "config/README.md").read_text()
+    documented = {}
+    for keys, defaults in re.findall(r"^\| (`regenerate\.[^|]+) \| ([^|]+) \|", readme, re.M):
+        names = [k.strip(" `").removeprefix("regenerate.") for k in keys.split(" / ")]
+        values = [yaml.safe_load(v.strip(" `")) for v in defaults.split(" / ")]
+        documented.update(zip(names, values, strict=True))
+    props = schema()["properties"]["regenerate"]["properties"]
+    assert documented == {key: prop["default"] for key, prop in props.items()}
