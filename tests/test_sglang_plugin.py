@@ -257,7 +257,6 @@ def test_64k_prompt_streams_through_a_small_staging_cap(tmp_path: Path) -> None:
     d = make_dumper(tmp_path, staging_bytes=cap, delay=0.0005)
     r = Req("hsx-64k", ids(65536, 3))
     assert 65536 * (K + 1) * H * 2 > 10 * cap
-    t0 = time.monotonic()
     run_pass(d, [(r, 0, 32768)])
     run_pass(d, [(r, 32768, 32768)])
     d.writer.flush()
@@ -271,7 +270,6 @@ def test_64k_prompt_streams_through_a_small_staging_cap(tmp_path: Path) -> None:
     got = dumpfiles.collect(tmp_path, r.rid, r.origin_input_ids, K + 1, 5.0)
     assert got.pieces >= 16
     assert_matches(got.hidden_states, r)
-    assert time.monotonic() - t0 < 20
 
 
 def test_staging_ring_wraps_and_reclaims_behind_the_oldest_live_region() -> None:
@@ -317,7 +315,7 @@ def test_collector_timeout_message(tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(dumpfiles.DumpTimeout) as e:
         dumpfiles.collect(tmp_path, "hsx-never", [1, 2, 3], K + 1, 0.2)
-    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 >= 0.2
     assert str(e.value) == (
         f"request hsx-never: no dump marker {tmp_path}/hsx-never.done after 0.2 s although the server "
         f"answered (0 piece files of it are there); the plugin's writer has written no stats file (it never "
