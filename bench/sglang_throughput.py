@@ -389,8 +389,9 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
                        launch_args=tuple(sgl), run_name="bench", module=a.server_module,
                        startup_timeout_s=max(180.0, min(300.0, bench.left() - 60)), staging_mb=a.staging_mb,
-                       writer_threads=a.writer_threads, prefill_cuda_graph=a.prefill_cuda_graph)
-    spec = CaptureSpec(aux_layers=aux)
+                       writer_threads=a.writer_threads, prefill_cuda_graph=a.prefill_cuda_graph,
+                       final_state=a.final_state)
+    spec = CaptureSpec(aux_layers=aux, final_state=a.final_state)
     dump = bench.out / "capture-dump"
     t = time.monotonic()
     h = None
@@ -431,7 +432,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                              run_name=f"s{L}-{threads}", progress=progress_printer(f"{name} {L}", len(ps)))
             shard = Path(where or bench.out) / f"bench-{L}.hss"
             meta = placeholder_metadata(e2.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
-                                        engine="sglang", engine_version=e2.version())
+                                        engine="sglang", engine_version=e2.version(), final_state=a.final_state)
             chunk = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps],
                                  [[1] * len(p.input_ids) for p in ps])
             e2.timeline = []
@@ -620,6 +621,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="alternate the --shard-threads variants this many times; (b0) and (a) run again at the end")
     ap.add_argument("--shard-level", type=int, default=3, help="zstd level (config shard.compression_level)")
+    ap.add_argument("--final-state", choices=["pre_norm", "post_norm"], default="pre_norm",
+                    help="the captured final state (config final_state; default the workflow's, pre_norm)")
     ap.add_argument("--writer-threads", type=int, default=4, help="plugin dump writer threads (sglang.writer_threads)")
     ap.add_argument("--prefill-cuda-graph", action="store_true",
                     help="capture server on SGLang's prefill CUDA graphs (sglang.prefill_cuda_graph; default eager)")
