@@ -146,7 +146,7 @@ def fp8_relative_error(samples: list[Sample]) -> list[float]:
             x = h.float()
             num[k] += float((dequantize_fp8(q, scale, torch.float32) - x).square().sum())
             den[k] += float(x.square().sum())
-    return [(a / b) ** 0.5 for a, b in zip(num, den)]
+    return [(a / b) ** 0.5 for a, b in zip(num, den, strict=True)]
 
 
 def timed(fn: Callable[[], object], repeat: int = 3) -> tuple[float, float, object]:

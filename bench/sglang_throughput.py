@@ -649,7 +649,7 @@ def main() -> int:
                  "prefill_cuda_graph": a.prefill_cuda_graph,
                  "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
     bench = Bench(out, a.budget_s, res)
-    n_of = dict(zip(a.lens, a.n)) if a.n else {512: 1024, 2048: 256}
+    n_of = dict(zip(a.lens, a.n, strict=False)) if a.n else {512: 1024, 2048: 256}
     sets = {L: prompts_of(n_of.get(L, 64), L, vocab, seed=L) for L in a.lens}
     log(f"throughput bench: lens {a.lens}, prompts {[len(s) for s in sets.values()]}, parts {sorted(a.parts)}, "
         f"budget {a.budget_s:.0f} s")

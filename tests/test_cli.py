@@ -36,7 +36,7 @@ def test_inspect_json_values(shard, capsys):
     assert info["stored_over_raw"] == round(path.stat().st_size / raw, 4)
     assert info["metadata"]["model"] == "test-model" and info["metadata"]["run_name"] == "t"
     assert info["samples"] == [{"index": k, "sample_id": f"conv-{k}", "seq_len": n, "num_trained": t}
-                               for k, (n, t) in enumerate(zip((3, 5, 8), trained))]
+                               for k, (n, t) in enumerate(zip((3, 5, 8), trained, strict=True))]
 
 
 def test_inspect_text(shard, capsys):

@@ -196,7 +196,7 @@ class SwappingServer(FakeServer):
             # each request's own tokens, the other one's rid: what a rid mix-up in a server would dump
             parts = [(_Req(b.rid, a.origin_input_ids), pa, ea), (_Req(a.rid, b.origin_input_ids), pb, eb), *parts[2:]]
             super()._run_pass(parts)
-            for (r, _, _), orig in zip(parts[:2], (a, b)):
+            for (r, _, _), orig in zip(parts[:2], (a, b), strict=True):
                 orig.progress = r.progress
             return
         super()._run_pass(parts)

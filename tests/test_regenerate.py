@@ -91,7 +91,7 @@ class Recording:
         if self.fail_on is not None and self.calls == self.fail_on:
             raise RuntimeError("injected failure")
         outs = self.inner.generate(prompts, seeds)
-        self.pairs.extend(zip(map(list, prompts), outs))
+        self.pairs.extend(zip(map(list, prompts), outs, strict=True))
         return outs
 
 
@@ -169,7 +169,7 @@ def test_turns_are_what_model_generate_gives_for_the_rendered_context():
     masker = ChatMasker(tok)
     by_prompt = {tuple(p): o for p, o in rec.pairs}
     n_stopped = 0
-    for conv, new in zip(convs, out):
+    for conv, new in zip(convs, out, strict=True):
         # Non-assistant messages unchanged, in place; conversation 1 gets an appended final turn.
         assert [m for m in new.messages if m["role"] != "assistant"] == \
             [m for m in conv.messages if m["role"] != "assistant"]

@@ -44,11 +44,11 @@ def engine(srv: FakeServer, **kw) -> SGLangEngine:
 
 def check(results, ps) -> None:
     assert [r.index for r in results] == [p.index for p in ps]
-    for r, p in zip(results, ps):
+    for r, p in zip(results, ps, strict=True):
         assert r.sample_id == p.sample_id
         ref = expected_states(p.input_ids, len(AUX) + 1)
         assert len(r.hidden_states) == len(AUX) + 1
-        for i, (got, want) in enumerate(zip(r.hidden_states, ref)):
+        for i, (got, want) in enumerate(zip(r.hidden_states, ref, strict=True)):
             assert got.dtype == torch.bfloat16 and got.shape == (len(p.input_ids), HIDDEN)
             assert torch.equal(got, want), f"{p.sample_id} tensor {i}"
 

@@ -382,7 +382,7 @@ def test_one_block_per_tensor_and_a_one_piece_dump_is_not_copied(tmp_path: Path,
     assert all(t.is_contiguous() for t in got)
     # views into the one buffer the piece was read into, back to back as in the file: no copies
     ptrs = [t.data_ptr() for t in got]
-    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == [9 * H * 2] * K
+    assert [b - a for a, b in zip(ptrs, ptrs[1:], strict=False)] == [9 * H * 2] * K
 
 
 def test_collector_reads_the_older_one_wide_block_layout(tmp_path: Path) -> None:

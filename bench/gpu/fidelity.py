@@ -76,7 +76,7 @@ def engine_reference(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...]
     refs = []
     try:
         for c in eng.extract(prompts):
-            t = dict(zip(ids, c.hidden_states[:-2]))
+            t = dict(zip(ids, c.hidden_states[:-2], strict=True))
             refs.append({"aux": [t[a] for a in aux], "wrong": [t[b] for b in nb], "pre": c.hidden_states[-2],
                          "post": c.hidden_states[-1]})
         version = eng.version()
@@ -181,13 +181,13 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
         meta = placeholder_metadata(H, aux, model=a.name, engine="sglang", final_state="pre_norm", final_norm=norm,
                                     engine_version=res.get("engine_version", "?"))
         with ShardWriter(shard, metadata=meta, level=3, threads=4) as w:
-            for p, c in zip(prompts, got):
+            for p, c in zip(prompts, got, strict=True):
                 ids = torch.tensor(p.input_ids)
                 w.add(input_ids=ids, hidden_states=c.hidden_states[: k + 1], loss_mask=torch.ones_like(ids),
                       sample_id=p.sample_id)
         r = ShardReader(shard)
         res["shard_roundtrip_exact"] = all(
-            all(torch.equal(x, y) for x, y in zip(r[i]["hidden_states"], got[i].hidden_states[: k + 1]))
+            all(torch.equal(x, y) for x, y in zip(r[i]["hidden_states"], got[i].hidden_states[: k + 1], strict=True))
             for i in range(len(r)))
         res["shard_bytes"] = shard.stat().st_size
         summary = export(run / "shards", out / f"{a.name}-specforge", "specforge")
@@ -310,8 +310,8 @@ def main() -> int:
         res["reference"] += " (TransformersEngine, token_budget 1: each prompt alone)"
         if a.direct_hf:
             direct = direct_hf(a.model, prompts[: a.direct_hf], aux, device)
-            pairs = [(x, y) for r, d in zip(refs, direct)
-                     for x, y in zip(r["aux"] + [r["pre"], r["post"]], d["aux"] + [d["pre"], d["post"]])]
+            pairs = [(x, y) for r, d in zip(refs, direct, strict=False)
+                     for x, y in zip(r["aux"] + [r["pre"], r["post"]], d["aux"] + [d["pre"], d["post"]], strict=True)]
             res["reference_vs_direct_hf_max_rel"] = max(rel(x, y) for x, y in pairs)
             res["reference_vs_direct_hf_bitwise"] = all(torch.equal(x, y) for x, y in pairs)
         res["reference_s"] = round(time.monotonic() - t0, 1)
