@@ -541,20 +541,22 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
         if attempt:
             _wf().smk(wd, "--unlock")
         t0 = time.time()
-        logf = open(wd / f"attempt-{attempt}.log", "w")  # noqa: SIM115
+        logf = open(wd / f"attempt-{attempt}.log", "w")  # noqa: SIM115 - closed once the killed run is waited on
         # one job at a time, so that a kill after a finished chunk lands inside the next one
         proc = subprocess.Popen(smk_argv(*SHARDS, "--rerun-incomplete", cores=1), cwd=wd, env=smk_env(), stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         logs = wd / "logs" / RUN / "extract"
         missing = [i for i in range(N_CHUNKS) if not shard_file(wd, i).exists()]
 
-        def event() -> bool:
+        def event(missing: list[int] = missing, t0: float = t0, attempt: int = attempt, logs: Path = logs) -> bool:
+            # (defaults: this attempt's values, bound here; event() is only called in this attempt)
             # with >= 2 chunks to do, after one of them finished (the kill lands in the next one); with one
             # left, after its job started
             if len(missing) >= 2:
                 # Snakemake prints "Finished jobid" once it has recorded the job's outputs; a kill between the
                 # shard's rename and that record would (rightly) redo the chunk and leave nothing to prove
-                done = any(shard_file(wd, i).exists() and shard_file(wd, i).stat().st_mtime >= t0 for i in range(N_CHUNKS))
+                done = any(shard_file(wd, i).exists() and shard_file(wd, i).stat().st_mtime >= t0
+                           for i in range(N_CHUNKS))
                 return done and "Finished jobid" in (wd / f"attempt-{attempt}.log").read_text()
             return logs.is_dir() and any(p.stat().st_mtime >= t0 for p in logs.iterdir())
 

@@ -31,7 +31,7 @@ RECORDS = [
 
 def _write(tmp_path, lines):
     p = tmp_path / "data.jsonl"
-    p.write_bytes(b"".join(l if isinstance(l, bytes) else (json.dumps(l) + "\n").encode() for l in lines))
+    p.write_bytes(b"".join(x if isinstance(x, bytes) else (json.dumps(x) + "\n").encode() for x in lines))
     return p
 
 
