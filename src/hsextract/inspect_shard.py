@@ -64,5 +64,6 @@ def format_info(info: dict[str, Any]) -> str:
     ]
     if "samples" in info:
         lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  sample_id")
-        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['sample_id']}" for s in info["samples"]]
+        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['sample_id']}"
+                  for s in info["samples"]]
     return "\n".join(lines)

@@ -36,7 +36,8 @@ def token_freq_from_prompts(paths: Iterable[str | os.PathLike[str]]) -> dict[int
     total: Counter[int] = Counter()
     for p in paths:
         table = pq.read_table(p, columns=["input_ids", "loss_mask"])
-        total.update(token_freq(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist(), strict=True)))
+        ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+        total.update(token_freq(zip(ids, masks, strict=True)))
     return dict(total)
 
 
