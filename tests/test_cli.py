@@ -95,7 +95,8 @@ def test_parser_is_extensible():
 def test_console_entry_runs_as_module(shard):
     path, _ = shard
     r = subprocess.run([sys.executable, "-m", "hsextract.cli", "inspect", "--json", str(path)],
-                       capture_output=True, text=True, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}, check=False)
+                       capture_output=True, text=True,
+                       env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}, check=False)
     assert r.returncode == 0 and json.loads(r.stdout)["num_samples"] == 3
 
 

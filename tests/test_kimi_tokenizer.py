@@ -80,7 +80,8 @@ def test_ids_equal_tiktoken_on_the_shipped_file(model_dir: Path, tok) -> None:
         import base64
 
         ranks[base64.b64decode(b64)] = int(rank)
-    enc = tiktoken.Encoding("ref", pat_str=kt.pat_str(), mergeable_ranks=ranks, special_tokens=kt.special_ids(len(ranks)))
+    enc = tiktoken.Encoding("ref", pat_str=kt.pat_str(), mergeable_ranks=ranks,
+                            special_tokens=kt.special_ids(len(ranks)))
     for text in TEXTS:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert ids == enc.encode(text, allowed_special="all"), text

@@ -48,8 +48,8 @@ def _bpe() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"], trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1,
-                                                                    show_progress=False))
+    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"],
+                            trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1, show_progress=False))
     return tok.to_str()
 
 

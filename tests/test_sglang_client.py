@@ -63,7 +63,8 @@ def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None
     assert len(ticks) == 60
     assert server.max_batch > 1  # requests really shared passes
     assert server.passes < sum(len(p.input_ids) for p in ps) // 64 + 60
-    assert sorted(x.name for x in server.dumper.cfg.dump_dir.iterdir() if not x.name.startswith(("plugin-", "stats-"))) == []
+    assert sorted(x.name for x in server.dumper.cfg.dump_dir.iterdir()
+                  if not x.name.startswith(("plugin-", "stats-"))) == []
     assert eng.version().startswith("sglang None + hsextract plugin 1 (capture ")
 
 
@@ -274,7 +275,8 @@ def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
     # a pidfile whose pid now belongs to someone else is not killed
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
     try:
-        (state / "replica-0.json").write_text(hsrv.ServerHandle("http://x:1", Path("/dev/shm/hsx-gone"), other.pid).to_json())
+        (state / "replica-0.json").write_text(
+            hsrv.ServerHandle("http://x:1", Path("/dev/shm/hsx-gone"), other.pid).to_json())
         assert hsrv.stop_servers(state) == [] and other.poll() is None
     finally:
         other.kill()

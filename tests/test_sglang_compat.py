@@ -127,7 +127,8 @@ def test_unparsable_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
     _extract_needed(_wheel("0.5.23"), tmp_path)
     (tmp_path / "sglang/srt/managers/utils.py").write_text("def broken(:\n")
     rep = sc.check_directory(tmp_path)
-    assert "sglang/srt/managers/utils.py:1: cannot parse: invalid syntax" in [str(p).split(" (")[0] for p in rep.problems]
+    assert "sglang/srt/managers/utils.py:1: cannot parse: invalid syntax" in [
+        str(p).split(" (")[0] for p in rep.problems]
     assert not rep.ok
 
 

@@ -38,7 +38,8 @@ def write(path, samples, meta=None, **kw):
     return path
 
 
-@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")])
+@pytest.mark.parametrize("dtype,name",
+                         [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")])
 def test_round_trip_is_byte_exact_with_special_values(tmp_path, dtype, name):
     samples = [make_sample(s, dtype=dtype, seed=s) for s in (1, 7, 33)]
     special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40], dtype=torch.float32).to(dtype)
@@ -305,7 +306,8 @@ def test_bad_input_is_refused_with_the_sample_named(tmp_path):
     with ShardWriter(path, shard_metadata()) as w:
         ids, hs, mask = make_sample(4)
         w.add(ids, hs, mask)
-        with pytest.raises(ShardError, match=r"sample 1: hidden_states\[2\] is float32 \(4, 16\), expected bfloat16 \(4, 16\)"):
+        with pytest.raises(ShardError,
+                           match=r"sample 1: hidden_states\[2\] is float32 \(4, 16\), expected bfloat16 \(4, 16\)"):
             w.add(ids, hs[:2] + [hs[2].float()] + hs[3:], mask)
         with pytest.raises(ShardError, match=r"sample 1: 3 hidden-state tensors, expected 4"):
             w.add(ids, hs[:3], mask)
