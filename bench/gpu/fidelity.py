@@ -59,13 +59,16 @@ def make_prompts(n: int, vocab: int, seed: int, max_len: int | None = None) -> l
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        L = int(torch.randint(400, 900, (1,), generator=g)) if i % 4 == 3 else int(torch.randint(3, 200, (1,), generator=g))
+        L = (int(torch.randint(400, 900, (1,), generator=g)) if i % 4 == 3
+             else int(torch.randint(3, 200, (1,), generator=g)))
         L = min(L, max_len or L)
         out.append(Prompt(i, f"{i:04d}", torch.randint(0, vocab, (L,), generator=g).tolist()))
     return out
 
 
-def engine_reference(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], device: str) -> tuple[list[dict], str]:
+def engine_reference(
+    model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], device: str
+) -> tuple[list[dict], str]:
     """The transformers engine, one prompt per forward: aux, neighbouring layers, pre- and post-norm final."""
     from hsextract.engines.transformers_engine import TransformersEngine
 
