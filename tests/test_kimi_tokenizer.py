@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
+# before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import tiktoken  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import tiktoken
+import torch
+import yaml
 
-from hsextract import kimi_tokenizer as kt  # noqa: E402
-from hsextract.config import check  # noqa: E402
-from hsextract.errors import ConfigError  # noqa: E402
-from hsextract.tinymodel import _iter_texts, make_tiny_model  # noqa: E402
-from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code  # noqa: E402
+from hsextract import kimi_tokenizer as kt
+from hsextract.config import check
+from hsextract.errors import ConfigError
+from hsextract.tinymodel import _iter_texts, make_tiny_model
+from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATIONS = ROOT / "data" / "conversations.jsonl"

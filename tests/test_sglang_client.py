@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_sglang import HIDDEN, FakeServer, expected_states  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang, imported next, lives here
+from fake_sglang import HIDDEN, FakeServer, expected_states
 
-from hsextract.engines.base import CaptureSpec, Prompt  # noqa: E402
-from hsextract.errors import ConfigError, EngineError  # noqa: E402
-from hsextract.sglang.client import SGLangEngine  # noqa: E402
+from hsextract.engines.base import CaptureSpec, Prompt
+from hsextract.errors import ConfigError, EngineError
+from hsextract.sglang import server as hsrv
+from hsextract.sglang.client import SGLangEngine
 
 AUX = (1, 3, 5)
 SPEC = CaptureSpec(aux_layers=AUX)
@@ -201,8 +202,6 @@ def test_config_errors(tmp_path: Path) -> None:
 
 
 # ---- server lifecycle (fake server as a real subprocess) --------------------------------------------
-from hsextract.sglang import server as hsrv  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -19,15 +19,16 @@ from pathlib import Path
 
 import pytest
 
+# before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from hsextract.engines.base import Captured, CaptureSpec, Prompt  # noqa: E402
-from hsextract.engines.transformers_engine import TransformersEngine  # noqa: E402
-from hsextract.errors import ConfigError, EngineError  # noqa: E402
-from hsextract.tinymodel import make_tiny_model  # noqa: E402
+from hsextract.engines.base import Captured, CaptureSpec, Prompt
+from hsextract.engines.transformers_engine import TransformersEngine
+from hsextract.errors import ConfigError, EngineError
+from hsextract.tinymodel import make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 NUM_LAYERS = 4
