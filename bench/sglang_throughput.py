@@ -44,6 +44,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -480,14 +481,14 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
 
         for cc, (L, ps) in itertools.product(a.concurrency, sets.items()):
             b0_key, b_key = key("b0_capture_no_shards", cc, a), key("b_capture_with_shards", cc, a)
-            ok = bench.part(b0_key, L, lambda: b0(L, ps, cc, b0_key), need_s=40) is not None
+            ok = bench.part(b0_key, L, partial(b0, L, ps, cc, b0_key), need_s=40) is not None
             save_dump_diagnostics(h.dump_dir, dump, f"b0-{cc}-{L}")
             if not ok:
                 continue
-            bench.part(b_key, L, lambda: b(L, ps, cc, a.shard_threads[0], b_key), need_s=60)
+            bench.part(b_key, L, partial(b, L, ps, cc, a.shard_threads[0], b_key), need_s=60)
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
             if "d" in a.parts and cc == a.concurrency[0]:
-                bench.part("d_handmade_pt", L, lambda: handmade(L, ps[: 50 if L <= 512 else 30]), need_s=30)
+                bench.part("d_handmade_pt", L, partial(handmade, L, ps[: 50 if L <= 512 else 30]), need_s=30)
         # shard writer variants at the first length and concurrency, alternated --repeats times (the GPU
         # host's speed drifts between parts); the first variant's first run is the main (b) above
         cc, L = first
@@ -496,7 +497,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                 if rep == 0 and i == 0:
                     continue
                 name = f"{key('b_capture_with_shards', cc, a)}/t{variant.replace('/', '_')}#{rep + 1}"
-                bench.part(name, L, lambda: b(L, sets[L], cc, variant, name), need_s=60)
+                bench.part(name, L, partial(b, L, sets[L], cc, variant, name), need_s=60)
         if a.repeats > 1:
             name = f"{key('b0_capture_no_shards', cc, a)}#2"
             bench.part(name, L, lambda: b0(L, sets[L], cc, name), need_s=40)
@@ -557,21 +558,21 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
     try:
         for L, ps in sets.items():
             for cc in a.concurrency if "a" in a.parts else ():
-                def run_a() -> dict:
+                def run_a(ps: list[Prompt] = ps, cc: int = cc) -> dict:  # bound now: called in this iteration
                     http_run(a.port, ps[:cc], cc)  # warm-up
                     return http_run(a.port, ps, cc)
 
                 bench.part(key("a_plain", cc, a), L, run_a, need_s=30)
             if "c" in a.parts:
-                bench.part("c_return_hidden_states_json", L, lambda: http_run(
-                    a.port, ps[: 16 if L <= 512 else 8], a.concurrency[0], {"return_hidden_states": True}), need_s=40)
+                bench.part("c_return_hidden_states_json", L, partial(
+                    http_run, a.port, ps[: 16 if L <= 512 else 8], a.concurrency[0], {"return_hidden_states": True}),
+                    need_s=40)
             if "d" in a.parts:
-                bench.part("d_one_at_a_time", L, lambda: http_run(a.port, ps[: 50 if L <= 512 else 30], 1),
-                           need_s=20)
+                bench.part("d_one_at_a_time", L, partial(http_run, a.port, ps[: 50 if L <= 512 else 30], 1), need_s=20)
         if a.repeats > 1 and "a" in a.parts:  # the plain server again, last: how far the host drifted
             L, ps = next(iter(sets.items()))
             bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L,
-                       lambda: http_run(a.port, ps, a.concurrency[0]), need_s=30)
+                       partial(http_run, a.port, ps, a.concurrency[0]), need_s=30)
     finally:
         _kill(pa)
 
@@ -652,7 +653,7 @@ def main() -> int:
                  "prefill_cuda_graph": a.prefill_cuda_graph,
                  "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
     bench = Bench(out, a.budget_s, res)
-    n_of = dict(zip(a.lens, a.n)) if a.n else {512: 1024, 2048: 256}
+    n_of = dict(zip(a.lens, a.n, strict=False)) if a.n else {512: 1024, 2048: 256}
     sets = {L: prompts_of(n_of.get(L, 64), L, vocab, seed=L) for L in a.lens}
     log(f"throughput bench: lens {a.lens}, prompts {[len(s) for s in sets.values()]}, parts {sorted(a.parts)}, "
         f"budget {a.budget_s:.0f} s")
@@ -669,8 +670,8 @@ def main() -> int:
             plain_parts(a, bench, sets, sgl)
         if "e" in a.parts:
             for L in a.lens:
-                bench.part("e_transformers", L, lambda: hf_run(a.model, L, batches=6 if L <= 512 else 3, batch=8,
-                                                               aux=aux), need_s=90)
+                bench.part("e_transformers", L, partial(hf_run, a.model, L, batches=6 if L <= 512 else 3, batch=8,
+                                                                aux=aux), need_s=90)
     except SystemExit as e:
         res["errors"].setdefault("script", {})["-"] = str(e)
         log(str(e))

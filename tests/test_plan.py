@@ -28,7 +28,8 @@ def small(tmp_path: Path) -> dict:
     model = tmp_path / "model"
     model.mkdir()
     # nested like Kimi-K2.5's multimodal config: the text model's hidden size counts
-    (model / "config.json").write_text(json.dumps({"hidden_size": 9999, "text_config": {"hidden_size": 64, "num_hidden_layers": 8}}))
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 9999, "text_config": {"hidden_size": 64, "num_hidden_layers": 8}}))
     return {"model": str(model), "aux_layers": [1, 5, 7], "prompts_per_chunk": 10,
             "engine": "transformers", "transformers": {"device": "cuda"}, "shard": {"precision": "bf16"}}
 
@@ -81,11 +82,13 @@ def test_fp8_and_measured_tokens(small: dict, tmp_path: Path) -> None:
     ("kwargs", "message"),
     [
         ({"mean_tokens": 100, "hidden_size": None, "model": "org/some-hub-model"},
-         "model: 'org/some-hub-model' is not a local directory with a config.json; give --hidden-size (Kimi-K2.5: 7168)"),
+         "model: 'org/some-hub-model' is not a local directory with a config.json; "
+         "give --hidden-size (Kimi-K2.5: 7168)"),
         ({}, "give exactly one of --mean-tokens"),
         ({"mean_tokens": 100, "prepare_summary": "x.json"}, "give exactly one of --mean-tokens"),
         ({"mean_tokens": 100, "nodes": 0}, "--nodes: 0 is not allowed; it must be >= 1"),
-        ({"prepare_summary": "/nonexistent/summary.json"}, "--prepare-summary: /nonexistent/summary.json is not a prepare summary.json"),
+        ({"prepare_summary": "/nonexistent/summary.json"},
+         "--prepare-summary: /nonexistent/summary.json is not a prepare summary.json"),
     ],
 )
 def test_errors_name_the_input(small: dict, kwargs: dict, message: str) -> None:
@@ -124,7 +127,9 @@ def test_kimi_example_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.skipif(not (ROOT / "config/kimi.yaml").is_file(), reason="config/kimi.yaml lands with the sglang issue")
-def test_kimi_example_text_is_the_commands_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_kimi_example_text_is_the_commands_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     command, output = _doc_example()
     monkeypatch.chdir(ROOT)
     assert main(shlex.split(command)[1:]) == 0
@@ -148,7 +153,8 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     del small["prompts_per_chunk"]
     base.write_text(yaml.safe_dump(small))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
-    assert capsys.readouterr().err.strip() == f"hsextract plan: error: prompts_per_chunk: missing from {base}; the plan needs it"
+    assert capsys.readouterr().err.strip() == (
+        f"hsextract plan: error: prompts_per_chunk: missing from {base}; the plan needs it")
     small.update(prompts_per_chunk=19, chunks_per_job=3)  # a key the schema does not know
     base.write_text(yaml.safe_dump(small))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2

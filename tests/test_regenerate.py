@@ -48,8 +48,8 @@ def _bpe() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"], trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1,
-                                                                    show_progress=False))
+    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"],
+                            trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1, show_progress=False))
     return tok.to_str()
 
 
@@ -91,7 +91,7 @@ class Recording:
         if self.fail_on is not None and self.calls == self.fail_on:
             raise RuntimeError("injected failure")
         outs = self.inner.generate(prompts, seeds)
-        self.pairs.extend(zip(map(list, prompts), outs))
+        self.pairs.extend(zip(map(list, prompts), outs, strict=True))
         return outs
 
 
@@ -169,7 +169,7 @@ def test_turns_are_what_model_generate_gives_for_the_rendered_context():
     masker = ChatMasker(tok)
     by_prompt = {tuple(p): o for p, o in rec.pairs}
     n_stopped = 0
-    for conv, new in zip(convs, out):
+    for conv, new in zip(convs, out, strict=True):
         # Non-assistant messages unchanged, in place; conversation 1 gets an appended final turn.
         assert [m for m in new.messages if m["role"] != "assistant"] == \
             [m for m in conv.messages if m["role"] != "assistant"]
@@ -396,7 +396,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     """/generate: output_ids = a deterministic function of input_ids and the seed, then the first stop id.
     Modes (server.mode): "ok", "trim" (stop token left out, reported in finish_reason), "flaky" (one 503)."""
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):  # noqa: N802 - the name BaseHTTPRequestHandler dispatches POST to
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         with srv.lock:

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fake_sglang import HIDDEN, FakeServer, expected_states  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang, imported next, lives here
+from fake_sglang import HIDDEN, FakeServer, expected_states
 
-from hsextract.engines.base import CaptureSpec, Prompt  # noqa: E402
-from hsextract.errors import ConfigError, EngineError  # noqa: E402
-from hsextract.sglang.client import SGLangEngine  # noqa: E402
+from hsextract.engines.base import CaptureSpec, Prompt
+from hsextract.errors import ConfigError, EngineError
+from hsextract.sglang import server as hsrv
+from hsextract.sglang.client import SGLangEngine
 
 AUX = (1, 3, 5)
 SPEC = CaptureSpec(aux_layers=AUX)
@@ -44,11 +45,11 @@ def engine(srv: FakeServer, **kw) -> SGLangEngine:
 
 def check(results, ps) -> None:
     assert [r.index for r in results] == [p.index for p in ps]
-    for r, p in zip(results, ps):
+    for r, p in zip(results, ps, strict=True):
         assert r.sample_id == p.sample_id
         ref = expected_states(p.input_ids, len(AUX) + 1)
         assert len(r.hidden_states) == len(AUX) + 1
-        for i, (got, want) in enumerate(zip(r.hidden_states, ref)):
+        for i, (got, want) in enumerate(zip(r.hidden_states, ref, strict=True)):
             assert got.dtype == torch.bfloat16 and got.shape == (len(p.input_ids), HIDDEN)
             assert torch.equal(got, want), f"{p.sample_id} tensor {i}"
 
@@ -63,7 +64,8 @@ def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None
     assert len(ticks) == 60
     assert server.max_batch > 1  # requests really shared passes
     assert server.passes < sum(len(p.input_ids) for p in ps) // 64 + 60
-    assert sorted(x.name for x in server.dumper.cfg.dump_dir.iterdir() if not x.name.startswith(("plugin-", "stats-"))) == []
+    assert sorted(x.name for x in server.dumper.cfg.dump_dir.iterdir()
+                  if not x.name.startswith(("plugin-", "stats-"))) == []
     assert eng.version().startswith("sglang None + hsextract plugin 1 (capture ")
 
 
@@ -192,8 +194,6 @@ def test_config_errors(tmp_path: Path) -> None:
 
 
 # ---- server lifecycle (fake server as a real subprocess) --------------------------------------------
-from hsextract.sglang import server as hsrv  # noqa: E402
-
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -266,7 +266,8 @@ def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
     # a pidfile whose pid now belongs to someone else is not killed
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
     try:
-        (state / "replica-0.json").write_text(hsrv.ServerHandle("http://x:1", Path("/dev/shm/hsx-gone"), other.pid).to_json())
+        (state / "replica-0.json").write_text(
+            hsrv.ServerHandle("http://x:1", Path("/dev/shm/hsx-gone"), other.pid).to_json())
         assert hsrv.stop_servers(state) == [] and other.poll() is None
     finally:
         other.kill()

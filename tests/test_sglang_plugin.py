@@ -211,12 +211,15 @@ def test_timeout_message_carries_the_writer_stats(tmp_path: Path) -> None:
         dumpfiles.collect(tmp_path, r.rid, r.origin_input_ids, K + 1, 0.05)
     msg = str(e.value)
     assert "(1 piece files of it are there)" in msg
-    assert re.search(r"writer stats: stats-\d+\.json \(\d+ s old\): pieces=1, staging_peak=\d+, staging_capacity=1048576", msg), msg
+    assert re.search(r"writer stats: stats-\d+\.json \(\d+ s old\): "
+                     r"pieces=1, staging_peak=\d+, staging_capacity=1048576", msg), msg
     with pytest.raises(dumpfiles.DumpTimeout, match="the plugin's writer has written no stats file"):
         dumpfiles.collect(tmp_path / "x", "hsx-none", [1], K + 1, 0.01)
 
 
-def test_staging_allocated_at_start_and_failure_refuses_to_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_staging_allocated_at_start_and_failure_refuses_to_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sys, "getswitchinterval", lambda: 0.005)  # CPython's default
     set_to: list[float] = []
     monkeypatch.setattr(sys, "setswitchinterval", set_to.append)
@@ -380,7 +383,7 @@ def test_one_block_per_tensor_and_a_one_piece_dump_is_not_copied(tmp_path: Path,
     assert all(t.is_contiguous() for t in got)
     # views into the one buffer the piece was read into, back to back as in the file: no copies
     ptrs = [t.data_ptr() for t in got]
-    assert [b - a for a, b in zip(ptrs, ptrs[1:])] == [9 * H * 2] * K
+    assert [b - a for a, b in zip(ptrs, ptrs[1:], strict=False)] == [9 * H * 2] * K
 
 
 def test_collector_reads_the_older_one_wide_block_layout(tmp_path: Path) -> None:

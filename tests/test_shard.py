@@ -27,7 +27,7 @@ def assert_same(sample, ids, hs, mask):
     assert sample["input_ids"].dtype == torch.int64 and torch.equal(sample["input_ids"], ids)
     assert sample["loss_mask"].dtype == torch.int64 and torch.equal(sample["loss_mask"], mask)
     assert isinstance(sample["hidden_states"], list) and len(sample["hidden_states"]) == len(hs)
-    for got, want in zip(sample["hidden_states"], hs):
+    for got, want in zip(sample["hidden_states"], hs, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(bits(got), bits(want))  # byte-exact, NaN payloads included
 
@@ -39,7 +39,8 @@ def write(path, samples, meta=None, **kw):
     return path
 
 
-@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")])
+@pytest.mark.parametrize("dtype,name",
+                         [(torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")])
 def test_round_trip_is_byte_exact_with_special_values(tmp_path, dtype, name):
     samples = [make_sample(s, dtype=dtype, seed=s) for s in (1, 7, 33)]
     special = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40], dtype=torch.float32).to(dtype)
@@ -136,7 +137,7 @@ def test_background_sync_runs_while_writing_and_changes_no_byte(tmp_path, monkey
     # a sync is due once 4096 bytes were written since the last: after the header (its own chunk) or a record
     ix = ShardReader(tmp_path / "b.hss").index
     due, last = [], 0
-    for end in [ix["offsets"][0]] + [o + n for o, n in zip(ix["offsets"], ix["record_lens"])]:
+    for end in [ix["offsets"][0]] + [o + n for o, n in zip(ix["offsets"], ix["record_lens"], strict=True)]:
         if end - last >= 4096:
             due.append(end)
             last = end
@@ -336,7 +337,8 @@ def test_bad_input_is_refused_with_the_sample_named(tmp_path):
     with ShardWriter(path, shard_metadata()) as w:
         ids, hs, mask = make_sample(4)
         w.add(ids, hs, mask)
-        with pytest.raises(ShardError, match=r"sample 1: hidden_states\[2\] is float32 \(4, 16\), expected bfloat16 \(4, 16\)"):
+        with pytest.raises(ShardError,
+                           match=r"sample 1: hidden_states\[2\] is float32 \(4, 16\), expected bfloat16 \(4, 16\)"):
             w.add(ids, hs[:2] + [hs[2].float()] + hs[3:], mask)
         with pytest.raises(ShardError, match=r"sample 1: 3 hidden-state tensors, expected 4"):
             w.add(ids, hs[:3], mask)
@@ -356,7 +358,7 @@ def test_fp8_mode_dequantizes_to_bf16(tmp_path):
     r = ShardReader(path)
     assert r.metadata["precision"] == "fp8_e4m3" and r.metadata["stored_dtype"] == "float8_e4m3fn"
     got = r[0]
-    for a, b in zip(got["hidden_states"], samples[0][1]):
+    for a, b in zip(got["hidden_states"], samples[0][1], strict=True):
         assert a.dtype == torch.bfloat16
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert rel < 0.05  # e4m3 has 3 mantissa bits: ~2-3% relative error per element

@@ -176,19 +176,25 @@ def format_plan(p: Mapping[str, Any]) -> str:
     no_rate = "- (give --tokens-per-s)"
     no_gpus = no_rate if p["tokens_per_s_per_node"] is None else "- (give --gpus-per-node)"
     rows = [
-        ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, {p['precision']})"),
+        ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, "
+                  f"{p['precision']})"),
         ("samples", f"{p['samples']:,}"),
         ("tokens per sample", f"{p['tokens_per_sample']:,.1f} ({p['tokens_per_sample_source']})"),
         ("tokens", f"{p['tokens']:,}"),
-        ("raw bytes per token", f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
+        ("raw bytes per token",
+         f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
         ("raw bytes (speculators v1)", _bytes(p["raw_bytes"])),
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
         ("stored bytes", _bytes(p["stored_bytes"])),
-        ("shards (chunks)", f"{p['shards']:,} of {p['prompts_per_chunk']:,} samples, ~{_bytes(p['stored_bytes_per_shard'])} each"),
-        ("chunk jobs", f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
-        ("throughput", no_rate if p["tokens_per_s_per_node"] is None else f"{p['tokens_per_s_per_node']:,.0f} tokens/s per node"),
+        ("shards (chunks)",
+         f"{p['shards']:,} of {p['prompts_per_chunk']:,} samples, ~{_bytes(p['stored_bytes_per_shard'])} each"),
+        ("chunk jobs",
+         f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
+        ("throughput",
+         no_rate if p["tokens_per_s_per_node"] is None else f"{p['tokens_per_s_per_node']:,.0f} tokens/s per node"),
         ("node-hours", _hours(p["node_hours"], no_rate)),
-        ("GPU-hours", _hours(p["gpu_hours"], no_gpus) + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
+        ("GPU-hours", _hours(p["gpu_hours"], no_gpus)
+         + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
         ("wall time", _hours(p["wall_hours"], no_rate) + f" on {p['nodes']} node(s), one job per node at a time"),
         ("disk per node", f"{_bytes(p['stored_bytes_per_node'])} of shards on the busiest of {p['nodes']} node(s)"),
     ]

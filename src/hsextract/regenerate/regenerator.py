@@ -136,7 +136,7 @@ class Regenerator:
             outs = self.generator.generate([t.prompt_ids for t in turns], [t.seed for t in turns])
             if len(outs) != len(turns):
                 raise EngineError(f"regenerate: the generator returned {len(outs)} outputs for {len(turns)} prompts")
-            for t, out in zip(turns, outs):
+            for t, out in zip(turns, outs, strict=True):
                 msgs = work[t.conv]
                 assert msgs is not None
                 stopped = bool(out) and out[-1] in self.stop_ids

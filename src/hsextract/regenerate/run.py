@@ -103,7 +103,7 @@ def run_regenerate_chunk(config: Mapping[str, Any], chunk_index: int, out_path: 
                              sample_ids=[e.sample_id for e in entries], stats=stats)
 
     lines = []
-    for k, (entry, conv) in enumerate(zip(entries, regen)):
+    for k, (entry, conv) in enumerate(zip(entries, regen, strict=True)):
         name = sources[entry.source].spec.name
         if conv is None:
             rec = {"id": entry.sample_id, "source": name, "messages": [], "malformed": bad[k]}
