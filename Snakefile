@@ -24,6 +24,7 @@ configfile: "config/config.yaml"
 
 from hsextract.config_guard import check_bounded
 from hsextract.configfiles import earlier_configfiles
+from hsextract.settings import fill_defaults
 
 # `--configfile config/kimi.yaml --configfile my-sources.yaml`: Snakemake keeps only the last flag's files.
 # Read the earlier ones too, in command-line order (Snakemake applies the kept ones after each), and pass
@@ -39,6 +40,9 @@ if _EARLIER:
 
 # before Snakemake's validate, which expands YAML aliases (an alias bomb would take all memory)
 check_bounded(config)
+# the schema's first violation in one line, with the closest allowed key (Snakemake's validate prints the
+# whole schema and config); validate then fills in the defaults
+fill_defaults(config)
 validate(config, "workflow/schemas/config.schema.yaml")
 
 from hsextract.config import check as check_config

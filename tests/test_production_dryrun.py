@@ -67,7 +67,7 @@ def test_readme_production_dry_run_plans_every_job(tmp_path: Path) -> None:
     out = proc.stdout
     n = math.ceil(sum(1 for _ in open(wd / "data/conversations.jsonl")) / PER_CHUNK)
     assert job_counts(out) == {"build_patched_server": 1, "prepare": 1, "extract": n, "validate": n, "stats": n,
-                               "aggregate_stats": 1, "manifest": 1, "export": 1, "all": 1}
+                               "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "export": 1, "all": 1}
     # config/kimi.yaml applied (run name, export) under my-sources.yaml (the model directory)
     assert "results/kimi-k25/export/speculators-v1" in out and "results/tiny-default" not in out
     assert "make_tiny_model" not in out
@@ -91,6 +91,17 @@ def test_untrusted_custom_tokenizer_stops_before_any_job(tmp_path: Path) -> None
         "`trust_remote_code: true` in the config (config/kimi.yaml does).")
     assert msg in proc.stdout + proc.stderr
     assert not (wd / "results").exists() and not (wd / "logs").exists()
+
+
+def test_a_misspelt_key_is_one_line_with_the_closest_key(tmp_path: Path) -> None:
+    wd = kimi_workdir(tmp_path)
+    (wd / "typo.yaml").write_text("prompts_per_chunck: 512\nsglang:\n  tpp: 8\n")
+    proc = run(wd, ["snakemake", "-n", "--configfile", "config/kimi.yaml", "my-sources.yaml", "typo.yaml"])
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert ("prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`? "
+            "(workflow/schemas/config.schema.yaml)") in out
+    assert len(out.splitlines()) <= 8, out  # not the whole schema and config (Snakemake's validate)
 
 
 def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -124,9 +124,22 @@ def test_tree_values_and_frozen() -> None:
     ({"prompts_per_chunk": 0}, "prompts_per_chunk: 0 is less than the minimum of 1"),
     ({"extract": {"threads": -1}}, "extract.threads: -1 is less than the minimum of 1"),
     ({"sources": [{"path": "a", "weight": -1}]}, "sources[0].weight: -1 is less than the minimum of 0"),
-    ({"shard": {"level": 3}}, "shard: Additional properties are not allowed ('level' was unexpected)"),
+    ({"shard": {"level": 3}}, "shard.level: unknown key; config/README.md lists every key"),
 ])
 def test_violation_names_the_key(config: dict, message: str) -> None:
     with pytest.raises(ConfigError) as e:
         st.from_config(config)
     assert str(e.value) == f"{message} (workflow/schemas/config.schema.yaml)"
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"prompts_per_chunck": 4}, "prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`?"),
+    ({"sglang": {"tpp": 8}}, "sglang.tpp: unknown key; did you mean `tp`?"),
+    ({"shard": {"zzz": 1}}, "shard.zzz: unknown key; config/README.md lists every key"),
+    ({"shard": {"precision": "fp4"}}, "shard.precision: 'fp4' is not one of"),
+])
+def test_schema_errors_are_one_line_naming_the_key(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        st.fill_defaults(config)
+    assert str(e.value).startswith(message) and str(e.value).endswith("(workflow/schemas/config.schema.yaml)")
+    assert "\n" not in str(e.value)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Run HERE (not on the GPU): wheels the GPU image may lack for the client side (shard writer: zstandard, xxhash). ~6 MB.
+# Run HERE (not on the GPU): wheels the GPU image may lack for the client side (shard writer: zstandard, xxhash;
+# the HTTP client's retries: tenacity). ~6 MB.
 set -euo pipefail
 out=${1:-$(cd "$(dirname "$0")/../.." && pwd)/.whl/extra}
 mkdir -p "$out"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$out" zstandard==0.25.0 xxhash==3.6.0
+python3 -m pip download -q --no-deps -d "$out" tenacity==9.2.1
 # py-spy (a static binary, ~3 MB): the throughput bench's --profile samples who holds the GIL, in the
 # client and in SGLang's scheduler process
 diag=$(dirname "$out")/diag; mkdir -p "$diag"

@@ -10,7 +10,7 @@ if [ ! -d /tmp/site/sglang ]; then
   python3 -c "import tarfile,sys; tarfile.open(sys.argv[1]).extractall('/tmp/site')" "$SITE_TAR"
 fi
 EXTRA=
-if ! python3 -c "import zstandard, xxhash" 2>/dev/null; then
+if ! python3 -c "import zstandard, xxhash, tenacity" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/extra "$REPO"/.whl/extra/*.whl
   EXTRA=/tmp/extra
 fi

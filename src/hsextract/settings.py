@@ -21,6 +21,7 @@ The tree is grouped by stage, so each stage function takes its own section:
 from __future__ import annotations
 
 import copy
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -272,8 +273,22 @@ def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     if errors:
         e = errors[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
-        raise ConfigError(f"{where or 'config'}: {e.message} (workflow/schemas/config.schema.yaml)")
+        raise ConfigError(f"{_message(where, e)} (workflow/schemas/config.schema.yaml)")
     return filled
+
+
+def _message(where: str, error: Any) -> str:
+    """One line per violation; an unknown key names the allowed key it most likely misspells."""
+    if error.validator != "additionalProperties" or not isinstance(error.instance, Mapping):
+        return f"{where or 'config'}: {error.message}"
+    allowed = list(error.schema.get("properties", {}))
+    unknown = [str(k) for k in error.instance if k not in allowed]
+    parts = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
+        hint = f"did you mean `{close[0]}`?" if close else "config/README.md lists every key"
+        parts.append(f"{where + '.' if where else ''}{key}: unknown key; {hint}")
+    return "; ".join(parts)
 
 
 def _tuple(value: Any) -> tuple[Any, ...] | None:

@@ -28,8 +28,9 @@ rule manifest:
         ),
     log:
         "logs/{run}/manifest/manifest.log",
+    # the model env: the settings tree needs the config schema, the provenance the model and tokenizer hashes
     conda:
-        "../../envs/data.yaml"
+        "../../envs/model.yaml"
     params:
         lock=LOCK,
     script:
@@ -45,7 +46,8 @@ rule export:
         "logs/{run}/export/{format}.log",
     benchmark:
         "benchmarks/{run}/export/{format}.tsv"
+    # the model env: a pre-norm run exported post-norm reads the final norm recorded from the checkpoint
     conda:
-        "../../envs/data.yaml"
+        "../../envs/model.yaml"
     script:
         "../scripts/export.py"

@@ -60,7 +60,7 @@ class Engine(abc.ABC):
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         """Yield one Captured per prompt, in the order of `prompts`."""
 
-    def close(self) -> None:  # noqa: B027 - optional
+    def close(self) -> None:  # noqa: B027 - optional: a no-op for engines with nothing to release
         """Release the model or the server connection."""
 
     def __enter__(self) -> Engine:
