@@ -14,7 +14,10 @@ EXTRAS := model,workflow,data,dev,cluster
 
 # torch alone from the CPU index (one look-up there), then the lock without resolving anything:
 # --no-deps installs exactly the pinned set; pip check proves it complete and consistent.
+# A new lock (or pyproject) rebuilds the venv from scratch: installing over the old one would keep packages the
+# lock dropped, and the test-only speculators (installed last) would fail pip check.
 $(BIN)/.installed: pyproject.toml requirements/cpu.lock requirements/test-extra-nodeps.txt
+	rm -rf $(VENV)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --no-deps --extra-index-url $(TORCH_INDEX) "$(TORCH)"
 	$(BIN)/pip install -q --no-deps -r requirements/cpu.lock

@@ -64,7 +64,8 @@ def real_samples(tokens: int, seq: int) -> tuple[list[Sample], int]:
             out = model(x[None], output_hidden_states=True)
             hs = [out.hidden_states[i + 1][0].contiguous() for i in (2, 4, 6)]
             hs.append(out.hidden_states[-1][0].contiguous())  # transformers applies the final norm to the last entry
-            samples.append({"input_ids": x.clone(), "hidden_states": hs, "loss_mask": (torch.arange(len(x)) % 3 != 0).long()})
+            samples.append({"input_ids": x.clone(), "hidden_states": hs,
+                            "loss_mask": (torch.arange(len(x)) % 3 != 0).long()})
     return samples, cfg.hidden_size
 
 
@@ -146,7 +147,7 @@ def fp8_relative_error(samples: list[Sample]) -> list[float]:
             x = h.float()
             num[k] += float((dequantize_fp8(q, scale, torch.float32) - x).square().sum())
             den[k] += float(x.square().sum())
-    return [(a / b) ** 0.5 for a, b in zip(num, den)]
+    return [(a / b) ** 0.5 for a, b in zip(num, den, strict=True)]
 
 
 def timed(fn: Callable[[], object], repeat: int = 3) -> tuple[float, float, object]:
@@ -248,17 +249,21 @@ def run(tokens: int, seq: int) -> str:
         for method, (size, (ce, we), (cd, wd)) in results.items():
             ratio = size / raw
             rows.append(f"| {method} | {ratio:.4f} | {ratio / bound:.3f} | {mb / ce:.0f} | {mb / we:.0f} | "
-                        f"{(mb / ce) / (mb / zs[1][0]):.2f} | {mb / cd:.0f} | {mb / wd:.0f} | {(mb / cd) / (mb / zs[2][0]):.2f} |")
+                        f"{(mb / ce) / (mb / zs[1][0]):.2f} | {mb / cd:.0f} | {mb / wd:.0f} | "
+                        f"{(mb / cd) / (mb / zs[2][0]):.2f} |")
         n_tok = sum(len(s["input_ids"]) for s in samples)  # type: ignore[arg-type]
         lines += [
-            f"### ({name}) {'random-weight Llama forward, H=' if name == 'real' else 'synthetic activations, H='}{hidden}: "
-            f"{len(samples)} samples, {n_tok} tokens, 4 bf16 layers, raw {mb:.1f} MB; order-0 byte-plane bound {bound:.4f}; "
+            f"### ({name}) "
+            f"{'random-weight Llama forward, H=' if name == 'real' else 'synthetic activations, H='}{hidden}: "
+            f"{len(samples)} samples, {n_tok} tokens, 4 bf16 layers, raw {mb:.1f} MB; "
+            f"order-0 byte-plane bound {bound:.4f}; "
             f"per-channel exponent bound {cond:.4f} ({cond / (results['ours, threads=1'][0] / raw):.3f} of ours)",
             "",
             "fp8_e4m3 relative error per layer (rms of the error / rms of the value): "
             + ", ".join(f"{e:.4f}" for e in fp8_err),
             "",
-            "| method | bytes / raw | / bound | enc MB/s per core | enc MB/s wall | enc vs zstd | dec MB/s per core | dec MB/s wall | dec vs zstd |",
+            "| method | bytes / raw | / bound | enc MB/s per core | enc MB/s wall | enc vs zstd "
+            "| dec MB/s per core | dec MB/s wall | dec vs zstd |",
             "|---|---|---|---|---|---|---|---|---|",
             *rows,
             "",

@@ -91,7 +91,8 @@ def main() -> None:
         meta = shard_metadata(settings.extract, engine, engine.hidden_size, 0)
         from hsextract.engines.base import Prompt
 
-        items = [Prompt(i, s, list(ids)) for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
+        items = [Prompt(i, s, list(ids))
+                 for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
         batches = list(engine._batches(items))  # the engine's own batching, so only capture/encode/write differ
         from transformers import AutoModelForCausalLM
 

@@ -44,6 +44,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -389,8 +390,9 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",
                        launch_args=tuple(sgl), run_name="bench", module=a.server_module,
                        startup_timeout_s=max(180.0, min(300.0, bench.left() - 60)), staging_mb=a.staging_mb,
-                       writer_threads=a.writer_threads, prefill_cuda_graph=a.prefill_cuda_graph)
-    spec = CaptureSpec(aux_layers=aux)
+                       writer_threads=a.writer_threads, prefill_cuda_graph=a.prefill_cuda_graph,
+                       final_state=a.final_state)
+    spec = CaptureSpec(aux_layers=aux, final_state=a.final_state)
     dump = bench.out / "capture-dump"
     t = time.monotonic()
     h = None
@@ -431,7 +433,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                              run_name=f"s{L}-{threads}", progress=progress_printer(f"{name} {L}", len(ps)))
             shard = Path(where or bench.out) / f"bench-{L}.hss"
             meta = placeholder_metadata(e2.plugin_info()["hidden_size"], aux, model="llama8b-dummy",
-                                        engine="sglang", engine_version=e2.version())
+                                        engine="sglang", engine_version=e2.version(), final_state=a.final_state)
             chunk = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps],
                                  [[1] * len(p.input_ids) for p in ps])
             e2.timeline = []
@@ -479,14 +481,14 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
 
         for cc, (L, ps) in itertools.product(a.concurrency, sets.items()):
             b0_key, b_key = key("b0_capture_no_shards", cc, a), key("b_capture_with_shards", cc, a)
-            ok = bench.part(b0_key, L, lambda: b0(L, ps, cc, b0_key), need_s=40) is not None
+            ok = bench.part(b0_key, L, partial(b0, L, ps, cc, b0_key), need_s=40) is not None
             save_dump_diagnostics(h.dump_dir, dump, f"b0-{cc}-{L}")
             if not ok:
                 continue
-            bench.part(b_key, L, lambda: b(L, ps, cc, a.shard_threads[0], b_key), need_s=60)
+            bench.part(b_key, L, partial(b, L, ps, cc, a.shard_threads[0], b_key), need_s=60)
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
             if "d" in a.parts and cc == a.concurrency[0]:
-                bench.part("d_handmade_pt", L, lambda: handmade(L, ps[: 50 if L <= 512 else 30]), need_s=30)
+                bench.part("d_handmade_pt", L, partial(handmade, L, ps[: 50 if L <= 512 else 30]), need_s=30)
         # shard writer variants at the first length and concurrency, alternated --repeats times (the GPU
         # host's speed drifts between parts); the first variant's first run is the main (b) above
         cc, L = first
@@ -495,7 +497,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                 if rep == 0 and i == 0:
                     continue
                 name = f"{key('b_capture_with_shards', cc, a)}/t{variant.replace('/', '_')}#{rep + 1}"
-                bench.part(name, L, lambda: b(L, sets[L], cc, variant, name), need_s=60)
+                bench.part(name, L, partial(b, L, sets[L], cc, variant, name), need_s=60)
         if a.repeats > 1:
             name = f"{key('b0_capture_no_shards', cc, a)}#2"
             bench.part(name, L, lambda: b0(L, sets[L], cc, name), need_s=40)
@@ -556,21 +558,21 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
     try:
         for L, ps in sets.items():
             for cc in a.concurrency if "a" in a.parts else ():
-                def run_a() -> dict:
+                def run_a(ps: list[Prompt] = ps, cc: int = cc) -> dict:  # bound now: called in this iteration
                     http_run(a.port, ps[:cc], cc)  # warm-up
                     return http_run(a.port, ps, cc)
 
                 bench.part(key("a_plain", cc, a), L, run_a, need_s=30)
             if "c" in a.parts:
-                bench.part("c_return_hidden_states_json", L, lambda: http_run(
-                    a.port, ps[: 16 if L <= 512 else 8], a.concurrency[0], {"return_hidden_states": True}), need_s=40)
+                bench.part("c_return_hidden_states_json", L, partial(
+                    http_run, a.port, ps[: 16 if L <= 512 else 8], a.concurrency[0], {"return_hidden_states": True}),
+                    need_s=40)
             if "d" in a.parts:
-                bench.part("d_one_at_a_time", L, lambda: http_run(a.port, ps[: 50 if L <= 512 else 30], 1),
-                           need_s=20)
+                bench.part("d_one_at_a_time", L, partial(http_run, a.port, ps[: 50 if L <= 512 else 30], 1), need_s=20)
         if a.repeats > 1 and "a" in a.parts:  # the plain server again, last: how far the host drifted
             L, ps = next(iter(sets.items()))
             bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L,
-                       lambda: http_run(a.port, ps, a.concurrency[0]), need_s=30)
+                       partial(http_run, a.port, ps, a.concurrency[0]), need_s=30)
     finally:
         _kill(pa)
 
@@ -620,6 +622,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="alternate the --shard-threads variants this many times; (b0) and (a) run again at the end")
     ap.add_argument("--shard-level", type=int, default=3, help="zstd level (config shard.compression_level)")
+    ap.add_argument("--final-state", choices=["pre_norm", "post_norm"], default="pre_norm",
+                    help="the captured final state (config final_state; default the workflow's, pre_norm)")
     ap.add_argument("--writer-threads", type=int, default=4, help="plugin dump writer threads (sglang.writer_threads)")
     ap.add_argument("--prefill-cuda-graph", action="store_true",
                     help="capture server on SGLang's prefill CUDA graphs (sglang.prefill_cuda_graph; default eager)")
@@ -649,7 +653,7 @@ def main() -> int:
                  "prefill_cuda_graph": a.prefill_cuda_graph,
                  "staging_mb": a.staging_mb, "budget_s": a.budget_s, "parts": sorted(a.parts)}
     bench = Bench(out, a.budget_s, res)
-    n_of = dict(zip(a.lens, a.n)) if a.n else {512: 1024, 2048: 256}
+    n_of = dict(zip(a.lens, a.n, strict=False)) if a.n else {512: 1024, 2048: 256}
     sets = {L: prompts_of(n_of.get(L, 64), L, vocab, seed=L) for L in a.lens}
     log(f"throughput bench: lens {a.lens}, prompts {[len(s) for s in sets.values()]}, parts {sorted(a.parts)}, "
         f"budget {a.budget_s:.0f} s")
@@ -666,8 +670,8 @@ def main() -> int:
             plain_parts(a, bench, sets, sgl)
         if "e" in a.parts:
             for L in a.lens:
-                bench.part("e_transformers", L, lambda: hf_run(a.model, L, batches=6 if L <= 512 else 3, batch=8,
-                                                               aux=aux), need_s=90)
+                bench.part("e_transformers", L, partial(hf_run, a.model, L, batches=6 if L <= 512 else 3, batch=8,
+                                                                aux=aux), need_s=90)
     except SystemExit as e:
         res["errors"].setdefault("script", {})["-"] = str(e)
         log(str(e))

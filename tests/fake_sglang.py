@@ -135,7 +135,7 @@ class FakeServer:
                 while not self._queue and not self._stop.is_set():
                     self._cv.wait(0.1)
                 if gather:
-                    self._cv.wait_for(lambda: len(self._queue) >= gather or self._stop.is_set(), timeout=5.0)
+                    self._cv.wait_for(lambda n=gather: len(self._queue) >= n or self._stop.is_set(), timeout=5.0)
                     self._queue.sort(key=lambda r: r.rid)
                     gather = 0
                 if self._stop.is_set():

@@ -36,7 +36,7 @@ def test_inspect_json_values(shard, capsys):
     assert info["stored_over_raw"] == round(path.stat().st_size / raw, 4)
     assert info["metadata"]["model"] == "test-model" and info["metadata"]["run_name"] == "t"
     assert info["samples"] == [{"index": k, "sample_id": f"conv-{k}", "seq_len": n, "num_trained": t}
-                               for k, (n, t) in enumerate(zip((3, 5, 8), trained))]
+                               for k, (n, t) in enumerate(zip((3, 5, 8), trained, strict=True))]
 
 
 def test_inspect_text(shard, capsys):
@@ -95,7 +95,8 @@ def test_parser_is_extensible():
 def test_console_entry_runs_as_module(shard):
     path, _ = shard
     r = subprocess.run([sys.executable, "-m", "hsextract.cli", "inspect", "--json", str(path)],
-                       capture_output=True, text=True, env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}, check=False)
+                       capture_output=True, text=True,
+                       env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}, check=False)
     assert r.returncode == 0 and json.loads(r.stdout)["num_samples"] == 3
 
 

@@ -20,7 +20,8 @@ REFERENCE = ROOT / "resources/reference/speculators-v1-data_0.pt"
 
 def write_model(d: Path, layers: int = 6, hidden: int = 64) -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden}))
+    (d / "config.json").write_text(
+        json.dumps({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden}))
     return d
 
 
@@ -42,7 +43,8 @@ def cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     write_model(tmp_path / "m")
     write_reference(tmp_path / "ref.pt")
     data = tmp_path / "conv.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(10)]
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(10)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", aux_layers=[1, 2, 3], prompts_per_chunk=4)
@@ -69,7 +71,8 @@ def test_aux_layer_beyond_depth(cfg: dict) -> None:
     assert check(cfg).n_chunks == 3
 
 
-@pytest.mark.parametrize("key", ["prompts_per_chunk", "max_seq_len", "transformers.token_budget", "extract.threads", "shard.threads"])
+@pytest.mark.parametrize("key", ["prompts_per_chunk", "max_seq_len", "transformers.token_budget", "extract.threads",
+                                 "shard.threads"])
 @pytest.mark.parametrize("value", [0, -3])
 def test_sizes_must_be_positive(cfg: dict, key: str, value: int) -> None:
     c = copy.deepcopy(cfg)
@@ -86,7 +89,8 @@ def test_sizes_must_be_positive(cfg: dict, key: str, value: int) -> None:
 def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
     torch.save({"input_ids": torch.arange(3), "hidden_state": []}, tmp_path / "bad.pt")
     cfg["reference_sample"] = "bad.pt"
-    with pytest.raises(ConfigError, match=r"^reference_sample: bad.pt is not a speculators v1 sample: it holds \['hidden_state', 'input_ids'\]"):
+    with pytest.raises(ConfigError, match=r"^reference_sample: bad.pt is not a speculators v1 sample: "
+                                          r"it holds \['hidden_state', 'input_ids'\]"):
         check(cfg)
     (tmp_path / "junk.pt").write_bytes(b"not a torch file")
     cfg["reference_sample"] = "junk.pt"
@@ -101,11 +105,14 @@ def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
 def test_reference_tensor_count_and_hidden_size(cfg: dict, tmp_path: Path) -> None:
     write_reference(tmp_path / "ref3.pt", n_tensors=3)
     cfg["reference_sample"] = "ref3.pt"
-    with pytest.raises(ConfigError, match=r"^reference_sample: ref3.pt holds 3 hidden-state tensors, but aux_layers \[1, 2, 3\] \(capture: custom\) has 3 layers, so shards hold 4"):
+    with pytest.raises(ConfigError, match=r"^reference_sample: ref3.pt holds 3 hidden-state tensors, "
+                                          r"but aux_layers \[1, 2, 3\] \(capture: custom\) has 3 layers, "
+                                          r"so shards hold 4"):
         check(cfg)
     write_reference(tmp_path / "ref128.pt", hidden=128)
     cfg["reference_sample"] = "ref128.pt"
-    with pytest.raises(ConfigError, match=r"^reference_sample: ref128.pt has hidden size 128, but model m has hidden size 64"):
+    with pytest.raises(ConfigError,
+                       match=r"^reference_sample: ref128.pt has hidden size 128, but model m has hidden size 64"):
         check(cfg)
 
 
@@ -127,7 +134,8 @@ def test_unreadable_model(cfg: dict, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 def test_tiny_model_must_live_under_resources(cfg: dict) -> None:
     cfg.update(make_tiny_model=True, model="/models/kimi")
-    with pytest.raises(ConfigError, match=r"^make_tiny_model: true builds a random-weight model at `model`, so model must be a relative path under resources/"):
+    with pytest.raises(ConfigError, match=r"^make_tiny_model: true builds a random-weight model at `model`, "
+                                          r"so model must be a relative path under resources/"):
         check(cfg)
 
 

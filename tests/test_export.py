@@ -86,7 +86,8 @@ def test_speculators_v1_loads_in_eagle3_sample_file_dataset(run_dir, tmp_path):
     assert list(cfg)[:10] == ["version", "generated_at", "speculators_version", "reproducibility", "model", "data",
                               "hidden_states", "generation", "format", "hsextract"]
     assert cfg["version"] == "2.0" and cfg["model"]["hidden_size"] == 16 and cfg["data"]["num_samples"] == 5
-    assert cfg["format"]["file_pattern"] == "data_{idx}.pt" and cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 4
+    assert cfg["format"]["file_pattern"] == "data_{idx}.pt"
+    assert cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 4
     freq = torch.load(out / "token_freq.pt", weights_only=True)
     assert type(freq) is dict and all(type(k) is int and type(v) is int for k, v in freq.items())
     assert freq == expected_freq(ds)
@@ -197,7 +198,8 @@ def test_non_empty_out_dir_needs_force_and_stale_files_go(run_dir, tmp_path):
 
 
 def test_unknown_format_is_refused(run_dir, tmp_path):
-    with pytest.raises(ConfigError, match="export format 'eagle': use one of speculators-v1, specforge, speculators-safetensors"):
+    with pytest.raises(ConfigError,
+                       match="export format 'eagle': use one of speculators-v1, specforge, speculators-safetensors"):
         export(run_dir, tmp_path / "o", "eagle")
 
 

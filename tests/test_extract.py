@@ -90,7 +90,8 @@ def _reference(tmp_path: Path) -> Path:
 
 
 def test_padding_left_on_is_an_error_and_leaves_no_shard(tmp_path: Path) -> None:
-    with pytest.raises(EngineError, match=r"sample s:0: engine returned tensors \[\(4, 16\), \(4, 16\), \(4, 16\)\], expected 3 of \(2, 16\); padding must be sliced off"):
+    with pytest.raises(EngineError, match=r"sample s:0: engine returned tensors \[\(4, 16\), \(4, 16\), \(4, 16\)\], "
+                                          r"expected 3 of \(2, 16\); padding must be sliced off"):
         extract_chunk(prompts(), tmp_path / "c.hss", FakeEngine(pad=2), META, progress=False)
     assert list(tmp_path.iterdir()) == []
 
@@ -110,8 +111,10 @@ def test_empty_chunk_gives_an_empty_valid_shard(tmp_path: Path) -> None:
 
 
 def test_read_prompts(tmp_path: Path) -> None:
-    table = pa.table({"sample_id": ["a", "b"], "input_ids": [[1, 2], [3]], "loss_mask": pa.array([[0, 1], [1]], pa.list_(pa.int8())),
-                      "num_tokens": pa.array([2, 1], pa.int32()), "num_trained": pa.array([1, 1], pa.int32()), "source": ["x", "x"]})
+    table = pa.table({"sample_id": ["a", "b"], "input_ids": [[1, 2], [3]],
+                      "loss_mask": pa.array([[0, 1], [1]], pa.list_(pa.int8())),
+                      "num_tokens": pa.array([2, 1], pa.int32()), "num_trained": pa.array([1, 1], pa.int32()),
+                      "source": ["x", "x"]})
     pq.write_table(table, tmp_path / "p.parquet")
     p = read_prompts(tmp_path / "p.parquet")
     assert (p.sample_ids, p.input_ids, p.loss_masks) == (["a", "b"], [[1, 2], [3]], [[0, 1], [1]])

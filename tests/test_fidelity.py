@@ -49,7 +49,7 @@ def _case(flip_every: int | None, wrong_layer: bool = False, final: str = "right
         pre = _rows(n, 1000 + i) * 3
         post = pre.clone() if final == "close" else pre / pre.norm(dim=-1, keepdim=True)
         finals = [post, pre] if final == "swapped" else [pre, post]
-        g = [(w if wrong_layer else a) * 1.005 for a, w in zip(aux, wrong)] + [f * 1.005 for f in finals]
+        g = [(w if wrong_layer else a) * 1.005 for a, w in zip(aux, wrong, strict=True)] + [f * 1.005 for f in finals]
         if flip_every:
             for t in g:
                 t[::flip_every] += 0.5 * t[::flip_every].norm(dim=-1, keepdim=True)  # rel ~0.5 on those tokens
@@ -322,7 +322,7 @@ def test_save_load_roundtrip_exact(tmp_path: Path) -> None:
     fidelity.save_run(tmp_path / "r.safetensors", run)
     back = fidelity.load_run(tmp_path / "r.safetensors")
     assert list(back) == sorted(run) and all(
-        all(torch.equal(x, y) and x.dtype == torch.bfloat16 for x, y in zip(back[s], run[s])) for s in run)
+        all(torch.equal(x, y) and x.dtype == torch.bfloat16 for x, y in zip(back[s], run[s], strict=True)) for s in run)
 
 
 def _write_run(runs: Path, name: str, caps: dict, tp: int, dp: int, writers_ok: bool = True) -> None:

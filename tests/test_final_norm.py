@@ -15,19 +15,20 @@ from pathlib import Path
 
 import pytest
 
+# before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import torch  # noqa: E402
-from conftest import shard_metadata  # noqa: E402
+import torch
+from conftest import shard_metadata
 
-from hsextract import open_dataset  # noqa: E402
-from hsextract.engines.base import CaptureSpec, Prompt  # noqa: E402
-from hsextract.engines.transformers_engine import TransformersEngine  # noqa: E402
-from hsextract.errors import ConfigError, ShardError  # noqa: E402
-from hsextract.export import export  # noqa: E402
-from hsextract.final_norm import FinalNorm, final_norm_metadata, read_final_norm  # noqa: E402
-from hsextract.shard import ShardWriter  # noqa: E402
-from hsextract.tinymodel import make_tiny_model  # noqa: E402
+from hsextract import open_dataset
+from hsextract.engines.base import CaptureSpec, Prompt
+from hsextract.engines.transformers_engine import TransformersEngine
+from hsextract.errors import ConfigError, ShardError
+from hsextract.export import export
+from hsextract.final_norm import FinalNorm, final_norm_metadata, read_final_norm
+from hsextract.shard import ShardWriter
+from hsextract.tinymodel import make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 AUX = (0, 2)

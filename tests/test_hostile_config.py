@@ -30,8 +30,9 @@ def limited(code: str, *args: str, limit_mb: int = 600) -> subprocess.CompletedP
            "vm = int([l for l in open('/proc/self/status') if l.startswith('VmSize')][0].split()[1]) * 1024\n"
            f"resource.setrlimit(resource.RLIMIT_AS, (vm + ({limit_mb} << 20),) * 2)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    return subprocess.run([sys.executable, "-c", "import yaml, hsextract.config_guard, hsextract.settings\n" + pre + code,
-                           *args], capture_output=True, text=True, env=env, timeout=600, check=False)
+    return subprocess.run([sys.executable, "-c",
+                           "import yaml, hsextract.config_guard, hsextract.settings\n" + pre + code, *args],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
 
 
 @pytest.mark.parametrize("key", ["bomb", "chat_template_kwargs", "sources"])
@@ -57,7 +58,8 @@ def test_snakemake_refuses_an_alias_bomb_in_bounded_memory(tmp_path: Path) -> No
     (tmp_path / "bomb.yaml").write_text(alias_bomb("bomb"))
     snakemake = Path(sys.executable).with_name("snakemake")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run(["prlimit", f"--as={3 << 30}", str(snakemake), "-n", "--configfile", str(tmp_path / "bomb.yaml")],
+    out = subprocess.run(["prlimit", f"--as={3 << 30}", str(snakemake), "-n", "--configfile",
+                          str(tmp_path / "bomb.yaml")],
                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600, check=False)
     assert out.returncode != 0
     assert f"config: more than {MAX_CONFIG_VALUES} values when aliases are expanded" in out.stdout + out.stderr

@@ -85,7 +85,8 @@ def test_an_unsafe_directory_is_refused(tmp_path: Path, kind: str) -> None:
         want = "No such file or directory"
     with pytest.raises(DumpDirError) as e:
         dumpcheck.verify_dir(target)
-    assert type(e.value) is DumpDirError and str(e.value).startswith(f"dump directory {target}") and want in str(e.value)
+    assert type(e.value) is DumpDirError
+    assert str(e.value).startswith(f"dump directory {target}") and want in str(e.value)
 
 
 # --- reading files -------------------------------------------------------------------------------------

@@ -34,7 +34,9 @@ def meta_raw(raw: bytes) -> Callable[[Parts], bytes]:
     return lambda p: p.build(meta_raw=raw)
 
 
-def index_with(relocate: bool = False, n: int | None = None, **cols: Callable[[list], list]) -> Callable[[Parts], bytes]:
+def index_with(
+    relocate: bool = False, n: int | None = None, **cols: Callable[[list], list]
+) -> Callable[[Parts], bytes]:
     def build(p: Parts) -> bytes:
         for c, f in cols.items():
             p.index[c] = f(p.index[c])

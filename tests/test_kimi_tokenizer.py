@@ -9,17 +9,18 @@ from pathlib import Path
 
 import pytest
 
+# before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-import tiktoken  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
+import tiktoken
+import torch
+import yaml
 
-from hsextract import kimi_tokenizer as kt  # noqa: E402
-from hsextract.config import check  # noqa: E402
-from hsextract.errors import ConfigError  # noqa: E402
-from hsextract.tinymodel import _iter_texts, make_tiny_model  # noqa: E402
-from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code  # noqa: E402
+from hsextract import kimi_tokenizer as kt
+from hsextract.config import check
+from hsextract.errors import ConfigError
+from hsextract.tinymodel import _iter_texts, make_tiny_model
+from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATIONS = ROOT / "data" / "conversations.jsonl"
@@ -80,7 +81,8 @@ def test_ids_equal_tiktoken_on_the_shipped_file(model_dir: Path, tok) -> None:
         import base64
 
         ranks[base64.b64decode(b64)] = int(rank)
-    enc = tiktoken.Encoding("ref", pat_str=kt.pat_str(), mergeable_ranks=ranks, special_tokens=kt.special_ids(len(ranks)))
+    enc = tiktoken.Encoding("ref", pat_str=kt.pat_str(), mergeable_ranks=ranks,
+                            special_tokens=kt.special_ids(len(ranks)))
     for text in TEXTS:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         assert ids == enc.encode(text, allowed_special="all"), text

@@ -143,7 +143,8 @@ def test_template_refusing_empty_content_with_thinking_gets_the_record_without_c
 
 
 def test_empty_content_turn_trains_its_stop_token():
-    for family, stop in [("llama3", "<|eot_id|>"), ("kimi_k25", "<|im_end|>"), ("deepseek_v31", "<｜end▁of▁sentence｜>")]:
+    for family, stop in [("llama3", "<|eot_id|>"), ("kimi_k25", "<|im_end|>"),
+                         ("deepseek_v31", "<｜end▁of▁sentence｜>")]:
         tok = make_tokenizer(family)
         (s,) = ChatMasker(tok, train_on_reasoning=False, split_turns="never").encode(CONVS["empty"])
         assert marked(s, tok).count("⟦" + stop + "⟧") == 1, family

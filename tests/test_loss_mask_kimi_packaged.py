@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+# test_kimi_tokenizer, imported below, needs tiktoken: skip the module without it
 pytest.importorskip("tiktoken")
 
-from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: E402, F401 - module fixtures reused
+from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: F401 - module fixtures reused
 
-from hsextract.conversations import Conversation  # noqa: E402
-from hsextract.loss_mask import ChatMasker  # noqa: E402
-from hsextract.mask_explain import marked  # noqa: E402
+from hsextract.conversations import Conversation
+from hsextract.loss_mask import ChatMasker
+from hsextract.mask_explain import marked
 
 DONE = Conversation([*CONV, {"role": "assistant", "content": "21 C in Rome.", "reasoning_content": "Report."}])
 
@@ -34,7 +35,7 @@ def test_kimi_packaged_tokenizer_masks(tok) -> None:  # noqa: F811 - the fixture
     assert marked(whole, tok).endswith("<think></think>⟦21 C in Rome.⟧<|im_end|>")
 
 
-def test_masks_explain_needs_trust_remote_code_for_custom_code(model_dir, tmp_path, capsys) -> None:  # noqa: F811
+def test_masks_explain_needs_trust_remote_code_for_custom_code(model_dir, tmp_path, capsys) -> None:  # noqa: F811 - the fixture
     import json
 
     from hsextract.cli import main

@@ -31,7 +31,7 @@ RECORDS = [
 
 def _write(tmp_path, lines):
     p = tmp_path / "data.jsonl"
-    p.write_bytes(b"".join(l if isinstance(l, bytes) else (json.dumps(l) + "\n").encode() for l in lines))
+    p.write_bytes(b"".join(x if isinstance(x, bytes) else (json.dumps(x) + "\n").encode() for x in lines))
     return p
 
 
@@ -158,7 +158,8 @@ def test_split_turns_rows_ids_and_counters(tmp_path):
     assert summary["masks"] == {"conversations": 2, "samples": 3, "split_conversations": 1, "turns": 3}
     never = run_prepare(_cfg(src, prompts_per_chunk=4, split_turns="never"), tok, tmp_path / "never", 1)
     assert never["kept"] == 2 and never["masks"]["turns_history_fallback"] == 1
-    with pytest.raises(ConfigError, match=r"split_turns: 'yes' is not one of \['auto', 'never', 'always'\] \(workflow/schemas/"):
+    with pytest.raises(ConfigError,
+                       match=r"split_turns: 'yes' is not one of \['auto', 'never', 'always'\] \(workflow/schemas/"):
         run_prepare(_cfg(src, split_turns="yes"), tok, tmp_path / "bad", 1)
 
 

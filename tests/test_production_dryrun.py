@@ -67,7 +67,7 @@ def test_readme_production_dry_run_plans_every_job(tmp_path: Path) -> None:
     out = proc.stdout
     n = math.ceil(sum(1 for _ in open(wd / "data/conversations.jsonl")) / PER_CHUNK)
     assert job_counts(out) == {"build_patched_server": 1, "prepare": 1, "extract": n, "validate": n, "stats": n,
-                               "aggregate_stats": 1, "manifest": 1, "export": 1, "all": 1}
+                               "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "export": 1, "all": 1}
     # config/kimi.yaml applied (run name, export) under my-sources.yaml (the model directory)
     assert "results/kimi-k25/export/speculators-v1" in out and "results/tiny-default" not in out
     assert "make_tiny_model" not in out

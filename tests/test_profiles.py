@@ -49,7 +49,8 @@ def dry_run(
          "--configfile", "config/config.yaml", *configfiles],
         cwd=workdir, env=env, capture_output=True, text=True, timeout=300,
     )
-    assert proc.returncode == 0, f"dry run with profiles/{profile} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (f"dry run with profiles/{profile} failed:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc.stdout + proc.stderr
 
 
@@ -138,7 +139,8 @@ def test_kubernetes_dry_run_jobs_and_resources(tmp_path: Path) -> None:
         assert subset(job, want) == want
     for rule in ("prepare", "validate", "stats", "aggregate_stats", "manifest"):
         for job in res[rule]:
-            assert subset(job, {"mem_mb": "", "disk_mb": "", "gpu": ""}) == {"mem_mb": "4000", "disk_mb": "20000", "gpu": None}
+            want = {"mem_mb": "4000", "disk_mb": "20000", "gpu": None}
+            assert subset(job, {"mem_mb": "", "disk_mb": "", "gpu": ""}) == want
 
 
 def test_kubernetes_profile_mounts_the_claim_under_the_prefix() -> None:
@@ -168,7 +170,8 @@ def test_cluster_doc_uses_the_tested_profiles() -> None:
     assert f"partition `{ext['slurm_partition']}` with `--gpus={ext['gpu_model']}:N`" in doc
     assert f"{ext['cpus_per_gpu']} CPUs per GPU, {ext['runtime']} min" in doc
     k8s = yaml.safe_load((ROOT / "profiles/kubernetes/config.yaml").read_text())
-    assert f"`{k8s['default-storage-prefix']}` the default storage (`{k8s['default-storage-provider']}` provider)" in doc
+    assert (f"`{k8s['default-storage-prefix']}` the default storage "
+            f"(`{k8s['default-storage-provider']}` provider)") in doc
     assert f"{k8s['set-resources']['extract']['disk_mb'] // 1000} GB of ephemeral disk" in doc
 
 

@@ -20,16 +20,13 @@ from hsextract.conversations import Conversation
 from hsextract.engines.transformers_generate import TransformersGenerator
 from hsextract.errors import ConfigError, EngineError
 from hsextract.loss_mask import ChatMasker
-from hsextract.prepare import run_prepare
+from hsextract.prepare import num_chunks, run_prepare
 from hsextract.regenerate import (
-    RegenSettings,
     RegenStats,
     chunk_name,
     concat_chunks,
     cut_at_stop,
     end_of_turn_ids,
-    num_chunks,
-    parse_settings,
     regenerate_chunk,
     run_regenerate_chunk,
     stats_path,
@@ -48,8 +45,8 @@ def _bpe() -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"], trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1,
-                                                                    show_progress=False))
+    tok.train_from_iterator(CORPUS * 3 + ["line one\nline two\n\nend"],
+                            trainer=trainers.BpeTrainer(vocab_size=200, min_frequency=1, show_progress=False))
     return tok.to_str()
 
 
@@ -91,7 +88,7 @@ class Recording:
         if self.fail_on is not None and self.calls == self.fail_on:
             raise RuntimeError("injected failure")
         outs = self.inner.generate(prompts, seeds)
-        self.pairs.extend(zip(map(list, prompts), outs))
+        self.pairs.extend(zip(map(list, prompts), outs, strict=True))
         return outs
 
 
@@ -141,6 +138,11 @@ def _config(src: Path, **regen) -> dict:
             "regenerate": {"enabled": True, "max_new_tokens": 6, "batch_size": 3, **regen}}
 
 
+def regen_settings(**regen):
+    """The `regenerate:` section of a config holding only these keys (the rest: the schema's defaults)."""
+    return from_config({"regenerate": regen}).regenerate
+
+
 def _read_jsonl(p: Path) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines()]
 
@@ -159,7 +161,7 @@ def test_stop_token_is_the_templates_end_of_turn():
 def test_turns_are_what_model_generate_gives_for_the_rendered_context():
     tok = make_tok("deepseek_v3")
     model = model_for(tok)
-    settings = RegenSettings(max_new_tokens=6, batch_size=4)
+    settings = regen_settings(max_new_tokens=6, batch_size=4)
     stop = end_of_turn_ids(tok)
     rec = Recording(TransformersGenerator(model, settings, stop))
     convs = [Conversation([dict(m) for m in c["messages"]]) for c in CONVS[:3]]
@@ -169,7 +171,7 @@ def test_turns_are_what_model_generate_gives_for_the_rendered_context():
     masker = ChatMasker(tok)
     by_prompt = {tuple(p): o for p, o in rec.pairs}
     n_stopped = 0
-    for conv, new in zip(convs, out):
+    for conv, new in zip(convs, out, strict=True):
         # Non-assistant messages unchanged, in place; conversation 1 gets an appended final turn.
         assert [m for m in new.messages if m["role"] != "assistant"] == \
             [m for m in conv.messages if m["role"] != "assistant"]
@@ -203,11 +205,10 @@ def test_chunks_then_prepare_uses_the_same_template(tmp_path):
     tok = make_tok("deepseek_v3")
     model = model_for(tok)
     src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
-    cfg = _config(src)
-    n = num_chunks(cfg)
+    cfg = from_config(_config(src))
+    n = num_chunks(cfg.prepare)
     assert n == 3
-    settings = parse_settings(cfg["regenerate"])
-    rec = Recording(TransformersGenerator(model, settings, end_of_turn_ids(tok)))
+    rec = Recording(TransformersGenerator(model, cfg.regenerate, end_of_turn_ids(tok)))
     for k, p in enumerate(_chunk_paths(tmp_path, n)):
         st = run_regenerate_chunk(cfg, k, p, tokenizer=tok, generator=rec)
         assert json.loads(stats_path(p).read_text()) == json.loads(json.dumps(st))
@@ -249,9 +250,8 @@ def test_same_config_identical_files_and_per_sample_seeds(tmp_path):
     src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
 
     def run(name: str, **regen) -> bytes:
-        cfg = _config(src, **regen)
-        s = parse_settings(cfg["regenerate"])
-        gen = TransformersGenerator(model, s, end_of_turn_ids(tok))
+        cfg = from_config(_config(src, **regen))
+        gen = TransformersGenerator(model, cfg.regenerate, end_of_turn_ids(tok))
         paths = [tmp_path / name / chunk_name(k) for k in range(3)]
         for k, p in enumerate(paths):
             run_regenerate_chunk(cfg, k, p, tokenizer=tok, generator=gen)
@@ -271,9 +271,8 @@ def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
     tok = make_tok("deepseek_v3")
     model = model_for(tok)
     src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
-    cfg = _config(src)
-    s = parse_settings(cfg["regenerate"])
-    base = TransformersGenerator(model, s, end_of_turn_ids(tok))
+    cfg = from_config(_config(src))
+    base = TransformersGenerator(model, cfg.regenerate, end_of_turn_ids(tok))
     paths = _chunk_paths(tmp_path, 3)
     # Mixture order (seed 5): chunk 0 = d:4, d:3; chunk 1 = d:1, d:2; chunk 2 = d:0 (two assistant turns).
     for k in (0, 1):
@@ -305,7 +304,7 @@ def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
 
 def test_reasoning_split_tool_turns_and_cut_conversations():
     tok = make_tok("kimi_k25")
-    settings = RegenSettings()
+    settings = regen_settings()
     conv = Conversation([{"role": "user", "content": "What is two plus two?"},
                          {"role": "assistant", "content": "four", "reasoning_content": "old"},
                          {"role": "user", "content": "Hello there!"}])
@@ -342,7 +341,7 @@ def test_reasoning_split_tool_turns_and_cut_conversations():
     tool_conv = Conversation([dict(m) for m in CONVS[3]["messages"]])
     kept = regenerate_chunk([tool_conv], Scripted(dtok, ["It is warm."]), settings, tokenizer=dtok)[0]
     assert kept.messages[:3] == CONVS[3]["messages"][:3] and kept.messages[3]["content"] == "It is warm."
-    trunc = RegenSettings(tool_turns="truncate", complete_last_turn=False)
+    trunc = regen_settings(tool_turns="truncate", complete_last_turn=False)
     st = RegenStats()
     cut = regenerate_chunk([tool_conv], Scripted(dtok, []), trunc, tokenizer=dtok, stats=st)[0]
     assert cut.messages == CONVS[3]["messages"][:1] and st.conversations_cut == {"no_assistant_turn": 1}
@@ -354,7 +353,7 @@ def test_reasoning_split_tool_turns_and_cut_conversations():
     assert out.messages == CONVS[0]["messages"][:3] and st.conversations_cut == {"empty_generation": 1}
     st = RegenStats()
     out = regenerate_chunk([two], Scripted(dtok, ["Hi.", "four"], stop=[True, False]),
-                           RegenSettings(drop_truncated=True), tokenizer=dtok, stats=st)[0]
+                           regen_settings(drop_truncated=True), tokenizer=dtok, stats=st)[0]
     assert out.messages == CONVS[0]["messages"][:3] and st.conversations_cut == {"max_new_tokens": 1}
     assert st.turns_hit_max_new_tokens == 1
 
@@ -364,29 +363,83 @@ def test_malformed_records_lenient_keep_one_line_each(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_bytes(json.dumps(CONVS[2]).encode() + b"\n{not json\n")
     cfg = {**_config(src), "strict": False, "prompts_per_chunk": 4}
-    st = run_regenerate_chunk(cfg, 0, tmp_path / "c.jsonl", tokenizer=tok, generator=Scripted(tok, ["I am fine."]))
+    st = run_regenerate_chunk(from_config(cfg), 0, tmp_path / "c.jsonl", tokenizer=tok,
+                              generator=Scripted(tok, ["I am fine."]))
     recs = {r["id"]: r for r in _read_jsonl(tmp_path / "c.jsonl")}
     assert recs["d:1"] == {"id": "d:1", "source": "d", "messages": [], "malformed": "bad_json"}
     assert recs["d:0"]["messages"][1] == {"role": "assistant", "content": "I am fine."}
     assert st["malformed"] == {"bad_json": 1} and st["records"] == 2
     from hsextract.conversations import MalformedRecordError
     with pytest.raises(MalformedRecordError, match=r"in.jsonl:2: malformed record \(bad_json\)"):
-        run_regenerate_chunk({**cfg, "strict": True}, 0, tmp_path / "s.jsonl", tokenizer=tok,
+        run_regenerate_chunk(from_config({**cfg, "strict": True}), 0, tmp_path / "s.jsonl", tokenizer=tok,
                              generator=Scripted(tok, ["x"]))
     assert not (tmp_path / "s.jsonl").exists()
 
 
-def test_settings_validation():
-    assert parse_settings(None) == RegenSettings()
-    assert parse_settings({"stop_token_ids": [3, 4]}).stop_token_ids == (3, 4)
-    with pytest.raises(ConfigError, match=r"config key `regenerate` has unknown keys \['temp'\]"):
-        parse_settings({"temp": 1})
-    with pytest.raises(ConfigError, match=r"`regenerate.top_p` must be a number in \[1e-09, 1.0\], got 1.5"):
-        parse_settings({"top_p": 1.5})
-    with pytest.raises(ConfigError, match="`regenerate.tool_turns` is 'drop'; allowed: keep, truncate"):
-        parse_settings({"tool_turns": "drop"})
-    with pytest.raises(ConfigError, match="`regenerate.max_new_tokens` must be an integer"):
-        parse_settings({"max_new_tokens": 0})
+def test_settings_defaults_and_stop_tokens_fill():
+    s = regen_settings()
+    assert (s.enabled, s.engine, s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.seed, s.batch_size) == \
+        (False, None, 0.0, 1.0, 0, 1024, 0, 8)
+    assert (s.tool_turns, s.complete_last_turn, s.drop_truncated, s.stop_token_ids, s.think_start, s.think_end) == \
+        ("keep", True, False, None, "<think>", "</think>")
+    assert (s.device, s.dtype, s.server_url, s.request_timeout_s, s.retries, s.send_seed) == \
+        ("auto", "auto", None, 600, 3, True)
+    assert regen_settings(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+# Every value the regenerate stage refused by hand before the settings tree is refused by the schema.
+@pytest.mark.parametrize(("section", "message"), [
+    ({"temp": 1}, "regenerate.temp: unknown key; config/README.md lists every key"),
+    ({"temperature": -0.5}, "regenerate.temperature: -0.5 is less than the minimum of 0"),
+    ({"temperature": 101}, "regenerate.temperature: 101 is greater than the maximum of 100"),
+    ({"top_p": 1.5}, "regenerate.top_p: 1.5 is greater than the maximum of 1"),
+    ({"top_p": 0}, "regenerate.top_p: 0 is less than or equal to the minimum of 0"),
+    ({"top_k": -1}, "regenerate.top_k: -1 is less than the minimum of 0"),
+    ({"top_k": 2**31 + 1}, "regenerate.top_k: 2147483649 is greater than the maximum of 2147483648"),
+    ({"top_k": 1.5}, "regenerate.top_k: 1.5 is not of type 'integer'"),
+    ({"max_new_tokens": 0}, "regenerate.max_new_tokens: 0 is less than the minimum of 1"),
+    ({"max_new_tokens": 2**31 + 1},
+     "regenerate.max_new_tokens: 2147483649 is greater than the maximum of 2147483648"),
+    ({"seed": -1}, "regenerate.seed: -1 is less than the minimum of 0"),
+    ({"seed": 2**63}, "regenerate.seed: 9223372036854775808 is greater than the maximum of 9223372036854775807"),
+    ({"seed": True}, "regenerate.seed: True is not of type 'integer'"),
+    ({"batch_size": 0}, "regenerate.batch_size: 0 is less than the minimum of 1"),
+    ({"batch_size": 2**20 + 1}, "regenerate.batch_size: 1048577 is greater than the maximum of 1048576"),
+    ({"request_timeout_s": 0.0001}, "regenerate.request_timeout_s: 0.0001 is less than the minimum of 0.001"),
+    ({"request_timeout_s": "10"}, "regenerate.request_timeout_s: '10' is not of type 'number'"),
+    ({"retries": -1}, "regenerate.retries: -1 is less than the minimum of 0"),
+    ({"retries": 101}, "regenerate.retries: 101 is greater than the maximum of 100"),
+    ({"enabled": "yes"}, "regenerate.enabled: 'yes' is not of type 'boolean'"),
+    ({"complete_last_turn": 1}, "regenerate.complete_last_turn: 1 is not of type 'boolean'"),
+    ({"drop_truncated": "no"}, "regenerate.drop_truncated: 'no' is not of type 'boolean'"),
+    ({"send_seed": None}, "regenerate.send_seed: None is not of type 'boolean'"),
+    ({"engine": "vllm"}, "regenerate.engine: 'vllm' is not one of ['transformers', 'sglang', None]"),
+    ({"tool_turns": "drop"}, "regenerate.tool_turns: 'drop' is not one of ['keep', 'truncate']"),
+    ({"stop_token_ids": []}, "regenerate.stop_token_ids: [] should be non-empty"),
+    ({"stop_token_ids": [3, -1]}, "regenerate.stop_token_ids[1]: -1 is less than the minimum of 0"),
+    ({"stop_token_ids": [3, True]}, "regenerate.stop_token_ids[1]: True is not of type 'integer'"),
+    ({"stop_token_ids": 3}, "regenerate.stop_token_ids: 3 is not of type 'array', 'null'"),
+    ({"think_start": ""}, "regenerate.think_start: '' should be non-empty"),
+    ({"think_end": 5}, "regenerate.think_end: 5 is not of type 'string'"),
+])
+def test_bad_regenerate_values_are_refused_by_the_schema(section: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_config({"regenerate": section})
+    assert str(e.value) == f"{message} (workflow/schemas/config.schema.yaml)"
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"regenerate": None}, "regenerate: None is not of type 'object'"),
+    ({"prompts_per_chunk": 0}, "prompts_per_chunk: 0 is less than the minimum of 1"),
+    ({"prompts_per_chunk": True}, "prompts_per_chunk: True is not of type 'integer'"),
+    ({"seed": "5"}, "seed: '5' is not of type 'integer'"),
+    ({"strict": "yes"}, "strict: 'yes' is not of type 'boolean'"),
+    ({"chat_template_kwargs": ["thinking"]}, "chat_template_kwargs: ['thinking'] is not of type 'object'"),
+])
+def test_bad_run_keys_regeneration_reads_are_refused_by_the_schema(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        from_config(config)
+    assert str(e.value) == f"{message} (workflow/schemas/config.schema.yaml)"
 
 
 # ------------------------------------------------------------------------------------------------ sglang
@@ -396,7 +449,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     """/generate: output_ids = a deterministic function of input_ids and the seed, then the first stop id.
     Modes (server.mode): "ok", "trim" (stop token left out, reported in finish_reason), "flaky" (one 503)."""
 
-    def do_POST(self):  # noqa: N802
+    def do_POST(self):  # noqa: N802 - the name BaseHTTPRequestHandler dispatches POST to
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         with srv.lock:
@@ -448,7 +501,7 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
     cfg = {**_config(src, temperature=0.8, top_p=0.95, top_k=20, seed=3, max_new_tokens=9, retries=2),
            "engine": "sglang"}
     cfg["regenerate"]["server_url"] = url
-    run_regenerate_chunk(cfg, 0, tmp_path / "a.jsonl", tokenizer=tok)
+    run_regenerate_chunk(from_config(cfg), 0, tmp_path / "a.jsonl", tokenizer=tok)
     stop = end_of_turn_ids(tok)
     reqs = list(fake_server.requests)
     assert len(reqs) == 2  # chunk 0 = d:4 (one turn), d:3 (tool-call turn kept, one turn generated)
@@ -475,7 +528,7 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
 
     # A server that trims the stop token from output_ids: finish_reason.matched puts it back.
     fake_server.mode = "trim"
-    g = SGLangGenerator(url, parse_settings({"retries": 0}), stop)
+    g = SGLangGenerator(url, regen_settings(retries=0), stop)
     (out,) = g.generate([[1, 2, 3]])
     assert out[-1] == stop[0]
     # A 503 is retried; a 4xx is not.
@@ -485,10 +538,10 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
                                           r"POST /generate returned HTTP 503"):
         g.generate([[1, 2, 3]])
     fake_server.failed = False
-    g2 = SGLangGenerator(url, parse_settings({"retries": 1}), stop)
+    g2 = SGLangGenerator(url, regen_settings(retries=1), stop)
     assert g2.generate([[1, 2, 3]]) == [out]
     assert len(fake_server.requests) == n + 1 + 2
-    bad = SGLangGenerator(url + "/nope", parse_settings({"retries": 3}), stop)
+    bad = SGLangGenerator(url + "/nope", regen_settings(retries=3), stop)
     with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request regen-"):
         bad.generate([[1]])
 
@@ -508,12 +561,29 @@ def test_default_transformers_engine_loads_model_and_tokenizer_from_a_directory(
     model.save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
     src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
-    cfg = {**_config(src), "model": str(tmp_path / "model")}
-    st = run_regenerate_chunk(cfg, 2, tmp_path / "a.jsonl")  # generator and tokenizer from the config
-    s = parse_settings(cfg["regenerate"])
+    raw = {**_config(src), "model": str(tmp_path / "model")}
+    cfg = from_config(raw)
+    st = run_regenerate_chunk(cfg, 2, tmp_path / "a.jsonl")  # generator and tokenizer from the settings
     run_regenerate_chunk(cfg, 2, tmp_path / "b.jsonl", tokenizer=tok,
-                         generator=TransformersGenerator(model, s, end_of_turn_ids(tok)))
+                         generator=TransformersGenerator(model, cfg.regenerate, end_of_turn_ids(tok)))
     assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
     assert st["turns_regenerated"] == 2 and st["settings"]["stop_token_ids"] == [tok.eos_token_id]
     with pytest.raises(ConfigError, match="`regenerate.server_url` must be set"):
-        run_regenerate_chunk({**cfg, "engine": "sglang"}, 2, tmp_path / "c.jsonl", tokenizer=tok)
+        run_regenerate_chunk(from_config({**raw, "engine": "sglang"}), 2, tmp_path / "c.jsonl", tokenizer=tok)
+
+
+def test_config_readme_gives_the_schemas_regenerate_defaults():
+    import re
+
+    import yaml
+
+    from hsextract.settings import schema
+
+    readme = (Path(__file__).resolve().parents[1] / "config/README.md").read_text()
+    documented = {}
+    for keys, defaults in re.findall(r"^\| (`regenerate\.[^|]+) \| ([^|]+) \|", readme, re.M):
+        names = [k.strip(" `").removeprefix("regenerate.") for k in keys.split(" / ")]
+        values = [yaml.safe_load(v.strip(" `")) for v in defaults.split(" / ")]
+        documented.update(zip(names, values, strict=True))
+    props = schema()["properties"]["regenerate"]["properties"]
+    assert documented == {key: prop["default"] for key, prop in props.items()}

@@ -32,10 +32,10 @@ import os
 if os.environ.get("HSX_FAIL_REGEN_CHUNK"):
     import hsextract.regenerate as r
     _orig = r.run_regenerate_chunk
-    def run_regenerate_chunk(config, chunk_index, out_path, **kw):
+    def run_regenerate_chunk(settings, chunk_index, out_path, **kw):
         if chunk_index == int(os.environ["HSX_FAIL_REGEN_CHUNK"]):
             raise RuntimeError(f"injected failure of chunk {chunk_index}")
-        return _orig(config, chunk_index, out_path, **kw)
+        return _orig(settings, chunk_index, out_path, **kw)
     r.run_regenerate_chunk = run_regenerate_chunk
 """
 

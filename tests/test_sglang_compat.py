@@ -94,8 +94,8 @@ def test_missing_kwarg_is_reported_with_file_and_line(tmp_path: Path) -> None:
     assert sc.check_directory(tmp_path).ok
     tp = tmp_path / "sglang/srt/managers/tp_worker.py"
     src = tp.read_text()
-    line = next(i for i, l in enumerate(src.splitlines(), 1) if "def forward_batch_generation(" in l and
-                "forward_batch: ForwardBatch" not in l and i > 200)
+    line = next(i for i, s in enumerate(src.splitlines(), 1) if "def forward_batch_generation(" in s and
+                "forward_batch: ForwardBatch" not in s and i > 200)
     tp.write_text(src.replace("capture_hidden_mode: Optional[CaptureHiddenMode] = None,", "capture_mode=None,", 1))
     rep = sc.check_directory(tmp_path)
     assert not rep.ok and rep.capture_sources == []
@@ -114,7 +114,8 @@ def test_missing_hook_target_and_renamed_member(tmp_path: Path) -> None:
     sb.write_text(re.sub(r"\bextend_lens\b", "extend_lengths", sb.read_text()))  # an upstream rename
     rep = sc.check_directory(tmp_path)
     texts = [str(p) for p in rep.problems]
-    cls_line = next(i for i, l in enumerate(mr.read_text().splitlines(), 1) if re.match(r"class ModelRunner\b[:(]", l))
+    cls_line = next(i for i, s in enumerate(mr.read_text().splitlines(), 1)
+                    if re.match(r"class ModelRunner\b[:(]", s))
     assert (f"sglang/srt/model_executor/model_runner.py:{cls_line}: class ModelRunner has no member "
             "'init_attention_backends' (capture-layer check before CUDA graph capture) [all]") in texts
     assert any(t.startswith("sglang/srt/managers/schedule_batch.py:") and "no member 'extend_lens'" in t
@@ -126,7 +127,8 @@ def test_unparsable_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:
     _extract_needed(_wheel("0.5.23"), tmp_path)
     (tmp_path / "sglang/srt/managers/utils.py").write_text("def broken(:\n")
     rep = sc.check_directory(tmp_path)
-    assert "sglang/srt/managers/utils.py:1: cannot parse: invalid syntax" in [str(p).split(" (")[0] for p in rep.problems]
+    assert "sglang/srt/managers/utils.py:1: cannot parse: invalid syntax" in [
+        str(p).split(" (")[0] for p in rep.problems]
     assert not rep.ok
 
 

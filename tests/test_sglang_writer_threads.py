@@ -127,7 +127,7 @@ def test_interleaved_rids_on_four_threads_keep_order_bytes_and_markers(
     w.flush()
     assert marker_seen_missing == []
     total_rows_blocks = 0
-    for rid, (ids, ref, pieces) in reqs.items():
+    for rid, (ids, ref, _pieces) in reqs.items():
         jobs = written[rid]
         assert len({t for t, _, _ in jobs}) == 1, f"{rid} written by several threads"
         assert jobs[0][0] == f"hsextract-dump-writer-{w._lane(rid).index}"

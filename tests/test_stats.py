@@ -27,24 +27,28 @@ def write_shard(path: Path, samples: list[tuple[list[int], list[int], list[float
         for k, (ids, mask, values) in enumerate(samples):
             seq = len(ids)
             hs = [torch.full((seq, HIDDEN), v, dtype=torch.bfloat16) for v in values]
-            w.add(input_ids=torch.tensor(ids), hidden_states=hs, loss_mask=torch.tensor(mask), sample_id=f"s{chunk}-{k}")
+            w.add(input_ids=torch.tensor(ids), hidden_states=hs, loss_mask=torch.tensor(mask),
+                  sample_id=f"s{chunk}-{k}")
     return path
 
 
 @pytest.fixture
 def shards(tmp_path: Path) -> list[Path]:
-    a = write_shard(tmp_path / "a.hss", [([5, 6, 7], [0, 1, 1], [1.0, -2.0, 0.5]), ([5, 9], [0, 1], [3.0, 2.0, -0.5])], 0)
+    a = write_shard(tmp_path / "a.hss",
+                    [([5, 6, 7], [0, 1, 1], [1.0, -2.0, 0.5]), ([5, 9], [0, 1], [3.0, 2.0, -0.5])], 0)
     b = write_shard(tmp_path / "b.hss", [([7, 7, 7, 7, 8], [1, 1, 0, 1, 1], [1.0, 1.0, 4.0])], 1)
     return [a, b]
 
 
 def test_chunk_stats_values(shards: list[Path]) -> None:
     s = chunk_stats(shards[0], position_bins=2)
-    assert (s["samples"], s["tokens"], s["trained_tokens"], s["seq_lengths"], s["trained_lengths"]) == (2, 5, 3, [3, 2], [2, 1])
+    assert (s["samples"], s["tokens"], s["trained_tokens"], s["seq_lengths"], s["trained_lengths"]) == (
+        2, 5, 3, [3, 2], [2, 1])
     assert s["token_freq"] == {"6": 1, "7": 1, "9": 1}
     assert [t["name"] for t in s["tensors"]] == ["aux_0", "aux_2", "final_post_norm"]
     # sum of squares: value^2 * hidden * tokens, summed over samples
-    assert [t["sum_sq"] for t in s["tensors"]] == [(1 * 3 + 9 * 2) * HIDDEN, (4 * 3 + 4 * 2) * HIDDEN, (0.25 * 3 + 0.25 * 2) * HIDDEN]
+    assert [t["sum_sq"] for t in s["tensors"]] == [(1 * 3 + 9 * 2) * HIDDEN, (4 * 3 + 4 * 2) * HIDDEN,
+                                                   (0.25 * 3 + 0.25 * 2) * HIDDEN]
     assert [t["abs_max"] for t in s["tensors"]] == [3.0, 2.0, 0.5]
     assert [t["nonfinite"] for t in s["tensors"]] == [0, 0, 0]
     # positions 0-1 (both samples) and 2 (first sample only)
@@ -58,7 +62,8 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
     stats = [chunk_stats(p, position_bins=2) for p in shards]
     tables = aggregate(stats, {"dropped": {"too_long": 2, "no_trained_tokens": 5}})
     summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
-    assert (summary["chunks"], summary["samples"], summary["tokens"], summary["trained_tokens"], summary["dropped_samples"]) == (2, 3, 10, 7, 7)
+    assert (summary["chunks"], summary["samples"], summary["tokens"], summary["trained_tokens"],
+            summary["dropped_samples"]) == (2, 3, 10, 7, 7)
     raw = sum(s["bytes_raw"] for s in stats)
     stored = sum(p.stat().st_size for p in shards)
     assert (summary["bytes_raw"], summary["bytes_stored"]) == (raw, stored)
@@ -142,7 +147,8 @@ def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Pa
     assert "<th>metric</th><th>value</th>" in page["summary"]
     assert '<tr><td>samples</td><td class="num">3</td></tr>' in page["summary"]
     assert "<th>stored_over_raw</th>" in page["chunks"]
-    assert '<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td><td class="num">4</td>' in page["chunks"]
+    assert ('<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td>'
+            '<td class="num">4</td>') in page["chunks"]
     assert '<tr><td>aux_0</td><td class="num">' in page["layers"]
     assert '<tr><td>too_long</td><td class="num">2</td></tr><tr><td>duplicate</td><td class="num">1</td></tr>' in page[
         "dropped"]

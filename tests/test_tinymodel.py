@@ -9,14 +9,15 @@ from pathlib import Path
 
 import pytest
 
+# before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from hsextract.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE, chat_template_hash  # noqa: E402
-from hsextract.errors import ConfigError  # noqa: E402
-from hsextract.tinymodel import SPECIAL_TOKENS, default_aux_layers, main, make_tiny_model  # noqa: E402
+from hsextract.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE, chat_template_hash
+from hsextract.errors import ConfigError
+from hsextract.tinymodel import SPECIAL_TOKENS, default_aux_layers, main, make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 SMALL = {"num_hidden_layers": 4, "hidden_size": 128}

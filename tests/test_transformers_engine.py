@@ -19,15 +19,16 @@ from pathlib import Path
 
 import pytest
 
+# before the imports below: huggingface_hub reads HF_HUB_OFFLINE once, when it is first imported
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
-from hsextract.engines.base import Captured, CaptureSpec, Prompt  # noqa: E402
-from hsextract.engines.transformers_engine import TransformersEngine  # noqa: E402
-from hsextract.errors import ConfigError, EngineError  # noqa: E402
-from hsextract.tinymodel import make_tiny_model  # noqa: E402
+from hsextract.engines.base import Captured, CaptureSpec, Prompt
+from hsextract.engines.transformers_engine import TransformersEngine
+from hsextract.errors import ConfigError, EngineError
+from hsextract.tinymodel import make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 NUM_LAYERS = 4
@@ -96,13 +97,13 @@ def test_batched_padded_matches_each_sample_alone(
     assert [c.index for c in got] == list(range(len(prompts))) == seen
     assert [c.sample_id for c in got] == [p.sample_id for p in prompts]
     worst = [0.0] * 5
-    for p, c, ref in zip(prompts, got, reference):
+    for p, c, ref in zip(prompts, got, reference, strict=True):
         assert len(c.hidden_states) == 5
         for t in c.hidden_states:
             assert t.shape == (len(p.input_ids), 128) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
             assert t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * 2  # own storage, no padding
         targets = [_ref_layer(ref, i) for i in spec.aux_layers] + [ref[-1]]
-        for k, (t, r) in enumerate(zip(c.hidden_states, targets)):
+        for k, (t, r) in enumerate(zip(c.hidden_states, targets, strict=True)):
             worst[k] = max(worst[k], rel(t, r))
         # a neighbouring (wrong) layer fails the bound by a wide margin
         for k in range(NUM_LAYERS - 1):
@@ -121,7 +122,7 @@ def test_single_sample_is_bit_exact_layer_mapping(
     spec = CaptureSpec(aux_layers=(2, 0, 3), final_state="pre_norm")
     with TransformersEngine(model_dir, spec, token_budget=1) as eng:
         got = list(eng.extract(prompts[:3]))
-    for c, ref in zip(got, reference[:3]):
+    for c, ref in zip(got, reference[:3], strict=True):
         assert torch.equal(c.hidden_states[0], ref[3])
         assert torch.equal(c.hidden_states[1], ref[1])
         assert torch.equal(c.hidden_states[2], ref[-2])  # aux id n-1 = last layer's own (pre-norm) output
@@ -136,7 +137,7 @@ def test_pre_norm_vs_post_norm(model_dir: Path, prompts: list[Prompt]) -> None:
     for fs in ("pre_norm", "post_norm"):
         with TransformersEngine(model_dir, CaptureSpec((1,), fs), token_budget=1024) as eng:
             out[fs] = list(eng.extract(prompts[:6]))
-    for pre, post in zip(out["pre_norm"], out["post_norm"]):
+    for pre, post in zip(out["pre_norm"], out["post_norm"], strict=True):
         assert torch.equal(pre.hidden_states[0], post.hidden_states[0])  # aux unaffected
         with torch.no_grad():
             normed = norm(pre.hidden_states[1])
@@ -153,7 +154,7 @@ def test_any_number_of_aux_layers_then_the_pre_norm_state(
         got = list(eng.extract(prompts[:5]))
     for c, ref in zip(got, reference, strict=False):
         assert len(c.hidden_states) == len(aux) + 1
-        for t, i in zip(c.hidden_states, aux):
+        for t, i in zip(c.hidden_states, aux, strict=False):
             assert rel(t, _ref_layer(ref, i)) <= TOL
         assert rel(c.hidden_states[-1], ref[-2]) <= TOL  # pre-norm (forward hook on the last layer)
         assert rel(c.hidden_states[-1], ref[-1]) > TOL * WRONG_LAYER_MARGIN  # not the post-norm state

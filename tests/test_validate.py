@@ -108,7 +108,8 @@ def test_vocab_size_from_the_command_line(tmp_path, capsys, ref16):
     assert code == 0 and len(lines) == 1 and lines[0].startswith("validated 1 of 1 shards: all passed (1 samples, ")
     assert validate_shard(bad, ref16)["notes"][0].startswith("vocab_size unknown")
     code, lines, _ = run_validate(capsys, "--reference", ref16, "--vocab-size", "1000", bad)
-    assert code == 1 and lines == [f"{bad}: sample 0 (id s0): check input_ids failed: id 1000 at token 4 outside [0, 1000)"]
+    assert code == 1
+    assert lines == [f"{bad}: sample 0 (id s0): check input_ids failed: id 1000 at token 4 outside [0, 1000)"]
 
 
 def test_several_failures_still_one_line_naming_the_first(tmp_path, capsys, ref16):
@@ -143,7 +144,8 @@ def test_seq_len_check(ref16):
     ids, hs, mask = make_sample(5)
     hs[1] = hs[1][:4]
     assert check_sample({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, layout) == [
-        ("seq_len", "input_ids 5, loss_mask 5, hidden_states[0] 5, hidden_states[1] 4, hidden_states[2] 5, hidden_states[3] 5")]
+        ("seq_len", "input_ids 5, loss_mask 5, hidden_states[0] 5, hidden_states[1] 4, hidden_states[2] 5, "
+                    "hidden_states[3] 5")]
 
 
 def test_checksum_failure_names_the_sample_and_continues(tmp_path, capsys, ref16):
@@ -153,7 +155,8 @@ def test_checksum_failure_names_the_sample_and_continues(tmp_path, capsys, ref16
     data[off + fmt.RECORD.size + 40] ^= 0x10
     path.write_bytes(bytes(data))
     report = validate_shard(path, ref16)
-    assert report["checks"]["checksum"] == {"failed": 1, "first": {"sample": 1, "sample_id": "s1", "detail": "checksum mismatch"}}
+    assert report["checks"]["checksum"] == {"failed": 1,
+                                            "first": {"sample": 1, "sample_id": "s1", "detail": "checksum mismatch"}}
     assert report["num_samples"] == 3
     code, lines, _ = run_validate(capsys, "--reference", ref16, path)
     assert code == 1 and lines == [f"{path}: sample 1 (id s1): check checksum failed: checksum mismatch"]

@@ -74,7 +74,7 @@ def test_equal_to_speculators(seed, n_seen, draft, target):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(target, generator=g)[:n_seen].tolist()
     counts = torch.randint(1, 6, (n_seen,), generator=g).tolist()  # many ties
-    freq = dict(zip(ids, counts))
+    freq = dict(zip(ids, counts, strict=True))
     d2t, t2d = build_vocab_mapping(freq, target_vocab_size=target, draft_vocab_size=draft)
     rd2t, rt2d = reference(freq, draft_vocab_size=draft, target_vocab_size=target)
     assert torch.equal(d2t, rd2t) and torch.equal(t2d, rt2d)

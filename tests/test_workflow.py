@@ -74,7 +74,8 @@ def make_workdir(dest: Path, config: str = TEST_CONFIG) -> Path:
 
 
 def smk(
-    workdir: Path, *args: str, check: bool = True, configfiles: tuple[str, ...] = ("config/test.yaml",), timeout: int = 900
+    workdir: Path, *args: str, check: bool = True, configfiles: tuple[str, ...] = ("config/test.yaml",),
+    timeout: int = 900,
 ) -> subprocess.CompletedProcess[str]:
     """Run snakemake in `workdir`; targets and options first (--configfile takes every word after it)."""
     env = dict(os.environ)
@@ -85,7 +86,8 @@ def smk(
         cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout,
     )
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -183,7 +185,8 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
     torch.set_num_threads(2)
     model = AutoModelForCausalLM.from_pretrained(full_run / "resources/tiny-model", dtype=torch.bfloat16).eval()
     last = {}
-    model.model.layers[-1].register_forward_hook(lambda m, i, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
+    model.model.layers[-1].register_forward_hook(
+        lambda m, i, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
     aux = [1, 5, 7]
     checked = 0
     for i in range(N_CHUNKS):

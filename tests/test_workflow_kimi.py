@@ -75,7 +75,7 @@ def test_kimi_packaged_model_end_to_end(tmp_path: Path) -> None:
             assert row["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
             ids, mask = row["input_ids"], row["loss_mask"]
             runs, cur = [], []
-            for t, m in zip(ids, mask):
+            for t, m in zip(ids, mask, strict=True):
                 if m:
                     cur.append(t)
                 elif cur:

@@ -81,7 +81,7 @@ def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int) -
 
 def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
     dump = tmp_path / "dump"
-    dump.mkdir()
+    dump.mkdir(mode=0o700)  # private, as the client requires of a dump directory
     srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     try:
         wd = sg_workdir(tmp_path, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
@@ -113,7 +113,7 @@ def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: 
     """Issue 8: `sglang.servers` spreads chunks across servers (chunk % n); a chunk whose server is down
     fails alone (--keep-going) and a plain rerun, once the server is back, redoes only that chunk."""
     dump = tmp_path / "dump"
-    dump.mkdir()
+    dump.mkdir(mode=0o700)  # private, as the client requires of a dump directory
     a = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     b = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     b_port = b.port

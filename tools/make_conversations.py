@@ -360,7 +360,8 @@ def _python_snippet(rng: random.Random) -> str:
         "    return counts",
         "dedupe": f"    seen = set()\n    out = []\n    for x in {var}:\n        if x not in seen:\n"
         "            seen.add(x)\n            out.append(x)\n    return out",
-        "chunked": f"    size = {rng.randint(2, 64)}\n    return [{var}[i:i + size] for i in range(0, len({var}), size)]",
+        "chunked": f"    size = {rng.randint(2, 64)}\n"
+        f"    return [{var}[i:i + size] for i in range(0, len({var}), size)]",
         "clamp": f"    lo, hi = {rng.randint(0, 10)}, {rng.randint(11, 100)}\n"
         f"    return [min(max(x, lo), hi) for x in {var}]",
         "flatten": f"    return [x for sub in {var} for x in sub]",
@@ -393,7 +394,9 @@ def _long_answer(rng: random.Random, topic: dict[str, list[str]], s: str, sectio
     """A structured answer with headings, lists and paragraphs: the long samples."""
     parts = [f"{rng.choice(OPENERS)} Here is a detailed guide to {s}."]
     for k in range(1, sections + 1):
-        parts.append(f"## {k}. {_cap(rng.choice(['background', 'the basics', 'common mistakes', 'a worked example', 'going further', 'checklist', 'details that matter']))}")
+        heading = _cap(rng.choice(["background", "the basics", "common mistakes", "a worked example", "going further",
+                                   "checklist", "details that matter"]))
+        parts.append(f"## {k}. {heading}")
         parts.append(_paragraph(rng, topic, s, rng.randint(4, 9)))
         if rng.random() < 0.5:
             parts.append("\n".join(f"- {_sentence(rng, topic, s)}" for _ in range(rng.randint(3, 6))))
@@ -428,7 +431,9 @@ def make_conversation(rng: random.Random, long: bool) -> dict[str, list[dict[str
         messages.append({"role": "user", "content": f"Write a short story about a {adj} {noun}."})
         messages.append({"role": "assistant", "content": _story(rng, rng.randint(4, 20))})
         if rng.random() < 0.5:
-            messages.append({"role": "user", "content": rng.choice(["Make it longer.", "Continue the story.", "Now give it a happy ending."])})
+            messages.append({"role": "user",
+                             "content": rng.choice(["Make it longer.", "Continue the story.",
+                                                    "Now give it a happy ending."])})
             messages.append({"role": "assistant", "content": _story(rng, rng.randint(6, 30))})
         return {"messages": messages}
     if not long and rng.random() < 0.04:  # the shortest samples: a handful of tokens

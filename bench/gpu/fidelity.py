@@ -59,13 +59,16 @@ def make_prompts(n: int, vocab: int, seed: int, max_len: int | None = None) -> l
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
-        L = int(torch.randint(400, 900, (1,), generator=g)) if i % 4 == 3 else int(torch.randint(3, 200, (1,), generator=g))
+        L = (int(torch.randint(400, 900, (1,), generator=g)) if i % 4 == 3
+             else int(torch.randint(3, 200, (1,), generator=g)))
         L = min(L, max_len or L)
         out.append(Prompt(i, f"{i:04d}", torch.randint(0, vocab, (L,), generator=g).tolist()))
     return out
 
 
-def engine_reference(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], device: str) -> tuple[list[dict], str]:
+def engine_reference(
+    model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], device: str
+) -> tuple[list[dict], str]:
     """The transformers engine, one prompt per forward: aux, neighbouring layers, pre- and post-norm final."""
     from hsextract.engines.transformers_engine import TransformersEngine
 
@@ -76,7 +79,7 @@ def engine_reference(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...]
     refs = []
     try:
         for c in eng.extract(prompts):
-            t = dict(zip(ids, c.hidden_states[:-2]))
+            t = dict(zip(ids, c.hidden_states[:-2], strict=True))
             refs.append({"aux": [t[a] for a in aux], "wrong": [t[b] for b in nb], "pre": c.hidden_states[-2],
                          "post": c.hidden_states[-1]})
         version = eng.version()
@@ -181,13 +184,13 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
         meta = placeholder_metadata(H, aux, model=a.name, engine="sglang", final_state="pre_norm", final_norm=norm,
                                     engine_version=res.get("engine_version", "?"))
         with ShardWriter(shard, metadata=meta, level=3, threads=4) as w:
-            for p, c in zip(prompts, got):
+            for p, c in zip(prompts, got, strict=True):
                 ids = torch.tensor(p.input_ids)
                 w.add(input_ids=ids, hidden_states=c.hidden_states[: k + 1], loss_mask=torch.ones_like(ids),
                       sample_id=p.sample_id)
         r = ShardReader(shard)
         res["shard_roundtrip_exact"] = all(
-            all(torch.equal(x, y) for x, y in zip(r[i]["hidden_states"], got[i].hidden_states[: k + 1]))
+            all(torch.equal(x, y) for x, y in zip(r[i]["hidden_states"], got[i].hidden_states[: k + 1], strict=True))
             for i in range(len(r)))
         res["shard_bytes"] = shard.stat().st_size
         summary = export(run / "shards", out / f"{a.name}-specforge", "specforge")
@@ -310,8 +313,8 @@ def main() -> int:
         res["reference"] += " (TransformersEngine, token_budget 1: each prompt alone)"
         if a.direct_hf:
             direct = direct_hf(a.model, prompts[: a.direct_hf], aux, device)
-            pairs = [(x, y) for r, d in zip(refs, direct)
-                     for x, y in zip(r["aux"] + [r["pre"], r["post"]], d["aux"] + [d["pre"], d["post"]])]
+            pairs = [(x, y) for r, d in zip(refs, direct, strict=False)
+                     for x, y in zip(r["aux"] + [r["pre"], r["post"]], d["aux"] + [d["pre"], d["post"]], strict=True)]
             res["reference_vs_direct_hf_max_rel"] = max(rel(x, y) for x, y in pairs)
             res["reference_vs_direct_hf_bitwise"] = all(torch.equal(x, y) for x, y in pairs)
         res["reference_s"] = round(time.monotonic() - t0, 1)

@@ -11,6 +11,8 @@ OUT_DIR/tiny      the workflow's tiny DeepseekV3 (hsextract.tinymodel)
 OUT_DIR/tiny-fixed  the same weights with routing made unambiguous (fix_routing: expert e biased by 2e, so
                   every token goes to experts 6 and 7): the control for MoE flips (bench/README.md, fidelity)
 OUT_DIR/llama8b   Llama-3-8B shape, config.json only (SGLang: --load-format dummy; HF: random init on GPU)
+OUT_DIR/wide      Kimi-K2.5's width (hidden 7168) in 4 thin Llama layers, config.json only: a prefill that far
+                  outruns the capture path's writers (4 tensors of 7168 per token: 57 KB), to find their ceiling
 A byte-level tokenizer is not needed: every request is sent as token ids (--skip-tokenizer-init).
 """
 
@@ -45,6 +47,12 @@ def llama8b() -> LlamaConfig:
     return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                        rope_theta=500000.0, torch_dtype="bfloat16")
+
+
+def wide() -> LlamaConfig:
+    return LlamaConfig(vocab_size=32000, hidden_size=7168, intermediate_size=4096, num_hidden_layers=4,
+                       num_attention_heads=56, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                       torch_dtype="bfloat16")
 
 
 def save(model_cls, cfg, out: Path, seed: int) -> None:
@@ -91,6 +99,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--llama8b", action="store_true")
+    ap.add_argument("--wide", action="store_true", help="also the config-only 'wide' model (hidden 7168)")
     ap.add_argument("--only", nargs="+", help="build only these (llama, deepseek, deepseek-fixed, tiny, tiny-fixed)")
     a = ap.parse_args()
     out = Path(a.out)
@@ -98,6 +107,12 @@ def main() -> None:
     def wanted(name: str) -> bool:
         return (a.only is None or name in a.only) and not (out / name / "config.json").exists()
 
+    for name, flag, make in (("llama8b", a.llama8b, llama8b), ("wide", a.wide, wide)):
+        if flag:
+            (out / name).mkdir(parents=True, exist_ok=True)
+            cfg = make().to_dict()
+            cfg["architectures"] = ["LlamaForCausalLM"]
+            (out / name / "config.json").write_text(json.dumps(cfg, indent=1))
     if wanted("llama"):
         save(LlamaForCausalLM, llama_tiny(), out / "llama", seed=0)
     if wanted("deepseek") or (wanted("deepseek-fixed") and not (out / "deepseek" / "config.json").exists()):
@@ -116,11 +131,6 @@ def main() -> None:
             print("tiny model failed:", repr(e), flush=True)
     if (out / "tiny" / "config.json").exists() and not (out / "tiny-fixed" / "config.json").exists():
         tiny_fixed(out / "tiny", out / "tiny-fixed")
-    if a.llama8b:
-        (out / "llama8b").mkdir(parents=True, exist_ok=True)
-        cfg = llama8b().to_dict()
-        cfg["architectures"] = ["LlamaForCausalLM"]
-        (out / "llama8b" / "config.json").write_text(json.dumps(cfg, indent=1))
 
 
 if __name__ == "__main__":

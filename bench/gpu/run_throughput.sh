@@ -4,9 +4,11 @@
 # The python part has a 430 s budget (BUDGET_S; parts that do not fit are skipped and recorded) and a hard
 # timeout 40 s later; throughput.json is rewritten after every part. DD_GB: size of the disk probe (2). Extra arguments go to the script, e.g.
 #   bash bench/gpu/run_throughput.sh --parts b,a --lens 512
+# MODEL=wide: Kimi-K2.5's width in 4 thin layers (mk_models.py), for the writer's ceiling; give --aux 0 1 2.
 source "$(dirname "$0")/setup.sh"
 T0=$SECONDS
-python3 "$REPO/bench/gpu/mk_models.py" /tmp/models --llama8b >"$OUT/mk_models.log" 2>&1
+MODEL=${MODEL:-llama8b}
+python3 "$REPO/bench/gpu/mk_models.py" /tmp/models --llama8b --wide --only llama >"$OUT/mk_models.log" 2>&1
 echo "setup took $T0 s, models $((SECONDS - T0)) s" | tee "$OUT/run.log"
 # The shards of (b) go to $OUT's disk, fsynced: its sequential write speed bounds (b) (2 GB, fdatasync).
 dd if=/dev/zero of="$OUT/ddprobe" bs=16M count=$((64 * ${DD_GB:-2})) conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write ($OUT): /' | tee -a "$OUT/run.log"
@@ -18,7 +20,7 @@ if [ "${ENCODE_SWEEP:-1}" = 1 ]; then
 fi
 set +e
 BUDGET_S=${BUDGET_S:-430}
-timeout -k 15 $((BUDGET_S + 40)) python3 "$REPO/bench/sglang_throughput.py" --model /tmp/models/llama8b \
+timeout -k 15 $((BUDGET_S + 40)) python3 "$REPO/bench/sglang_throughput.py" --model "/tmp/models/$MODEL" \
   --out "$OUT" --budget-s "$BUDGET_S" "$@" 2>&1 | tee -a "$OUT/run.log"
 rc=${PIPESTATUS[0]}
 set -e

@@ -116,7 +116,8 @@ def capture(a: argparse.Namespace) -> int:
                 pass
         stop_servers(a.state, grace_s=10)
     (runs / f"{a.name}.json").write_text(json.dumps(res, indent=1, default=str))
-    print(f"[{a.name}] {'PASS' if res['pass'] else 'FAIL'} writers {json.dumps((res.get('writers') or {}).get('checks'))}"
+    print(f"[{a.name}] {'PASS' if res['pass'] else 'FAIL'} "
+          f"writers {json.dumps((res.get('writers') or {}).get('checks'))}"
           f"{' error ' + res['error'] if 'error' in res else ''}", flush=True)
     return 0 if res["pass"] else 1
 

@@ -14,7 +14,8 @@ from hsextract.errors import HsxError
 
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check shards against a reference sample and content rules",
-                       description="Check shards; write a JSON report per shard; exit 1 with one line per failed shard.")
+                       description="Check shards; write a JSON report per shard; "
+                                   "exit 1 with one line per failed shard.")
     p.add_argument("shards", nargs="+", metavar="SHARD")
     p.add_argument("--reference", required=True, metavar="REF.pt", help="a speculators v1 sample file (data_N.pt)")
     dest = p.add_mutually_exclusive_group()
@@ -57,7 +58,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     from hsextract.export import FORMATS
 
     p = sub.add_parser("export", help="rewrite a run's shards in another trainer's layout",
-                       description="Stream every sample of RUN_DIR (a run's results folder, or a shards folder) into OUT_DIR.")
+                       description="Stream every sample of RUN_DIR (a run's results folder, or a shards folder) "
+                                   "into OUT_DIR.")
     p.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
@@ -97,12 +99,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="tokens, bytes, GPU-hours and jobs of a run before it starts",
                        description="Estimate a run of SAMPLES input records under a workflow config: tokens, raw and "
-                                   "stored bytes (the codec's measured ratio), shards, chunk jobs, GPU-hours, disk per node.")
+                                   "stored bytes (the codec's measured ratio), shards, chunk jobs, GPU-hours, "
+                                   "disk per node.")
     p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
                    help="workflow config file(s), later ones overriding earlier ones key by key (as snakemake does)")
     p.add_argument("--samples", type=int, required=True, help="input records (conversations) of the run")
     tok = p.add_mutually_exclusive_group(required=True)
-    tok.add_argument("--mean-tokens", type=float, help="tokens per sample (prompt and response, after the chat template)")
+    tok.add_argument("--mean-tokens", type=float,
+                     help="tokens per sample (prompt and response, after the chat template)")
     tok.add_argument("--prepare-summary", metavar="JSON",
                      help="results/<run>/prompts/summary.json of a prepare run on a sample of the sources: "
                           "tokens per input record measured there (drops included)")
@@ -110,7 +114,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes extracting in parallel (default 1)")
     p.add_argument("--gpus-per-node", type=int,
                    help="GPUs per node (default: sglang.tp x sglang.replicas, or 1 for transformers on cuda)")
-    p.add_argument("--hidden-size", type=int, help="hidden size when `model` is not a local directory (Kimi-K2.5: 7168)")
+    p.add_argument("--hidden-size", type=int,
+                   help="hidden size when `model` is not a local directory (Kimi-K2.5: 7168)")
     p.add_argument("--chunks-per-job", type=int, default=1,
                    help="extract jobs one cluster job runs one after the other (Snakemake job groups; default 1)")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -141,10 +141,12 @@ def extract_chunk(
 
     n_tensors = len(metadata["aux_layers"]) + 1
     hidden_size = int(metadata["hidden_size"])
-    items = [Prompt(index=i, sample_id=s, input_ids=list(ids)) for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
+    items = [Prompt(index=i, sample_id=s, input_ids=list(ids))
+             for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
     n_tokens = sum(len(p.input_ids) for p in items)
     start = time.perf_counter()
-    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr, disable=not progress, mininterval=2.0)
+    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr,
+               disable=not progress, mininterval=2.0)
     written = 0
     # where the chunk's time went: waiting for the engine, or inside the shard writer (add blocks while
     # `threads` + 1 samples are still encoding or the file's writer thread is 256 MB behind; close writes

@@ -146,9 +146,11 @@ def evaluate(prompts: list[Prompt], got: list[Captured], alone: list[Captured], 
     tok_nb = {n: dist(torch.cat(tok_wrong[n])) for n in names}
     res["token"] = {"right": tok, "wrong": tok_nb}
     # batch invariance: the same prompt among many in flight vs alone
-    inv_tok = torch.cat([token_rel(x, y) for g, s in zip(got, alone) for x, y in zip(g.hidden_states, s.hidden_states)])
-    res["batch_invariance_max_rel"] = max(rel(x, y) for g, s in zip(got, alone)
-                                          for x, y in zip(g.hidden_states, s.hidden_states))
+    # (`alone` holds the first few prompts only: zip stops at its end)
+    inv_tok = torch.cat([token_rel(x, y) for g, s in zip(got, alone, strict=False)
+                         for x, y in zip(g.hidden_states, s.hidden_states, strict=True)])
+    res["batch_invariance_max_rel"] = max(rel(x, y) for g, s in zip(got, alone, strict=False)
+                                          for x, y in zip(g.hidden_states, s.hidden_states, strict=True))
     res["token"]["batch_invariance"] = inv = dist(inv_tok)
     far = 10 * tol
     common = {

@@ -49,7 +49,8 @@ def format_info(info: dict[str, Any]) -> str:
                 "dtype", "precision", "codec", "config_hash", "tokenizer_hash", "chat_template_hash"):
         if key in m:
             lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
-    extra = sorted(set(m) - {l.split()[0] for l in lines[1:]} - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
+    shown = {line.split()[0] for line in lines[1:]}
+    extra = sorted(set(m) - shown - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
     for key in extra:
         lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
     ratio = "n/a" if info["stored_over_raw"] is None else f"{info['stored_over_raw']:.4f}"
@@ -63,5 +64,6 @@ def format_info(info: dict[str, Any]) -> str:
     ]
     if "samples" in info:
         lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  sample_id")
-        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['sample_id']}" for s in info["samples"]]
+        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['sample_id']}"
+                  for s in info["samples"]]
     return "\n".join(lines)

@@ -169,7 +169,7 @@ class ChatMasker:
             self.stats["samples"] += len(turns)
             return [MaskedSample(t, self._mask(len(t), [sp]), e_text, j, [sp]) for j, t, e_text, sp in turns]
         spans: list[TurnSpan] = []
-        for (j, _, _, sp), ok in zip(turns, stable):
+        for (j, _, _, sp), ok in zip(turns, stable, strict=True):
             if not ok:
                 p = self._prompt_ids(conv, j)
                 lo = spans[-1].end if spans else 0

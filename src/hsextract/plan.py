@@ -21,15 +21,21 @@ from hsextract.settings import Settings
 # Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
 IDS_MASK_BYTES = 16
 BF16_BYTES = 2
-# fp8 mode stores 1 byte per value plus one float32 scale per token and tensor (docs/FORMAT.md).
-FP8_BYTES, FP8_SCALE_BYTES = 1, 4
 # Stored / raw of the shard codec on LLM-like bf16 activations at H = 7168, level 3, every byte of
 # the file counted (bench/README.md, codec table, "(synth)", row "ours, threads=1"). The real
 # forward at H = 1024 gave 0.6669: the synthetic figure is the larger, so the plan errs on the safe side.
 CODEC_RATIO_BF16 = 0.6965
 CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations, ours threads=1 (real H=1024: 0.6669)"
-# fp8 values are not measured by the bench: no compression is assumed (an upper bound).
-CODEC_RATIO_FP8 = 1.0
+# fp8_e4m3 (one float32 scale per token and tensor), then the same codec: stored bytes over the raw bf16
+# bytes of the same samples (bench/README.md, codec table, "(synth)", row "ours, fp8_e4m3").
+CODEC_RATIO_FP8 = 0.4433
+CODEC_RATIO_FP8_SOURCE = "bench/README.md codec table: fp8_e4m3 of synthetic H=7168 activations, of raw bf16 bytes"
+# What one extract job's capture path sustains, in raw bytes per second, measured where the GPU's prefill
+# far outran it (bench/README.md, "writer ceiling": H200, hidden 7168, 4 tensors, bf16; the plugin and the
+# client alone carried 4.6 GB/s): with shards written, 16 encoder threads at level 3, fsynced to that
+# host's 1.2 GB/s disk. A node whose GPUs produce more is writer-bound. Not measured for fp8.
+WRITER_CEILING_RAW_BPS = 1.98e9
+WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, 16 shard threads, a 1.2 GB/s disk"
 
 
 def _tokens_per_record(summary_path: str) -> float:
@@ -110,21 +116,28 @@ def plan(
     raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * BF16_BYTES
     raw = tokens * raw_per_token
     if precision == "fp8_e4m3":
-        stored_per_token_in = IDS_MASK_BYTES + n_tensors * (hidden_size * FP8_BYTES + FP8_SCALE_BYTES)
-        ratio, ratio_source = CODEC_RATIO_FP8, "fp8 not measured by bench/codec.py: no compression assumed"
-        stored = math.ceil(tokens * stored_per_token_in * Fraction(str(ratio)))
+        ratio, ratio_source = CODEC_RATIO_FP8, CODEC_RATIO_FP8_SOURCE
     else:
         ratio, ratio_source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
-        stored = math.ceil(raw * Fraction(str(ratio)))  # exact: no float rounding up a whole byte
+    stored = math.ceil(raw * Fraction(str(ratio)))  # exact: no float rounding up a whole byte
 
     ppc = settings.prepare.prompts_per_chunk
     chunks = count_chunks(samples, ppc)
     cpj = chunks_per_job
     jobs = math.ceil(chunks / cpj)
 
+    # extract jobs a node runs at once: one per local SGLang replica (each its own client and shard writer)
+    jobs_per_node = settings.extract.sglang.replicas if settings.engine == "sglang" else 1
+    ceiling = WRITER_CEILING_RAW_BPS * jobs_per_node if precision == "bf16" else None
+    bound = effective = disk_bps = None
     node_hours = gpu_hours = wall_hours = None
     if tokens_per_s is not None:
-        node_hours = tokens / tokens_per_s / 3600
+        effective = tokens_per_s
+        if ceiling is not None:
+            bound = "writer" if tokens_per_s * raw_per_token > ceiling else "GPU"
+            effective = min(tokens_per_s, ceiling / raw_per_token)
+        disk_bps = effective * raw_per_token * ratio
+        node_hours = tokens / effective / 3600
         # equal chunks, one job per node at a time: the busiest node runs ceil(jobs / nodes) jobs
         wall_hours = node_hours / jobs * math.ceil(jobs / nodes)
         if gpus_per_node is not None:
@@ -152,6 +165,11 @@ def plan(
         "nodes": nodes,
         "gpus_per_node": gpus_per_node,
         "tokens_per_s_per_node": tokens_per_s,
+        "writer_ceiling_raw_bytes_per_s_per_node": ceiling,
+        "writer_ceiling_source": WRITER_CEILING_SOURCE if ceiling is not None else "not measured for fp8_e4m3",
+        "bound": bound,
+        "effective_tokens_per_s_per_node": effective,
+        "disk_write_bytes_per_s_per_node": disk_bps,
         "node_hours": node_hours,
         "gpu_hours": gpu_hours,
         "wall_hours": wall_hours,
@@ -171,24 +189,51 @@ def _hours(h: float | None, why: str) -> str:
     return why if h is None else f"{h:,.2f} h"
 
 
+def _ceiling(p: Mapping[str, Any]) -> str:
+    c = p["writer_ceiling_raw_bytes_per_s_per_node"]
+    if c is None:
+        return p["writer_ceiling_source"]
+    return (f"{c / 1e9:,.2f} GB/s raw per node = {c / p['raw_bytes_per_token']:,.0f} tokens/s "
+            f"({p['writer_ceiling_source']})")
+
+
+def _bound(p: Mapping[str, Any]) -> str:
+    if p["bound"] is None:
+        return "- (no writer ceiling measured for this precision)"
+    if p["bound"] == "GPU":
+        return "the GPUs: the capture path keeps up"
+    return (f"the writer: {p['effective_tokens_per_s_per_node']:,.0f} of {p['tokens_per_s_per_node']:,.0f} "
+            f"tokens/s per node (hours below at that rate); more shard threads, a faster disk or more replicas")
+
+
 def format_plan(p: Mapping[str, Any]) -> str:
     """A two-column table of the plan for a terminal (and docs/CLUSTER.md)."""
     no_rate = "- (give --tokens-per-s)"
     no_gpus = no_rate if p["tokens_per_s_per_node"] is None else "- (give --gpus-per-node)"
     rows = [
-        ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, {p['precision']})"),
+        ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, "
+                  f"{p['precision']})"),
         ("samples", f"{p['samples']:,}"),
         ("tokens per sample", f"{p['tokens_per_sample']:,.1f} ({p['tokens_per_sample_source']})"),
         ("tokens", f"{p['tokens']:,}"),
-        ("raw bytes per token", f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
+        ("raw bytes per token",
+         f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
         ("raw bytes (speculators v1)", _bytes(p["raw_bytes"])),
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
         ("stored bytes", _bytes(p["stored_bytes"])),
-        ("shards (chunks)", f"{p['shards']:,} of {p['prompts_per_chunk']:,} samples, ~{_bytes(p['stored_bytes_per_shard'])} each"),
-        ("chunk jobs", f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
-        ("throughput", no_rate if p["tokens_per_s_per_node"] is None else f"{p['tokens_per_s_per_node']:,.0f} tokens/s per node"),
+        ("shards (chunks)",
+         f"{p['shards']:,} of {p['prompts_per_chunk']:,} samples, ~{_bytes(p['stored_bytes_per_shard'])} each"),
+        ("chunk jobs",
+         f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
+        ("throughput",
+         no_rate if p["tokens_per_s_per_node"] is None else f"{p['tokens_per_s_per_node']:,.0f} tokens/s per node"),
+        ("writer ceiling", _ceiling(p)),
+        ("bound by", no_rate if p["tokens_per_s_per_node"] is None else _bound(p)),
+        ("disk write per node", no_rate if p["disk_write_bytes_per_s_per_node"] is None
+         else f"{p['disk_write_bytes_per_s_per_node'] / 1e9:,.3f} GB/s of shards"),
         ("node-hours", _hours(p["node_hours"], no_rate)),
-        ("GPU-hours", _hours(p["gpu_hours"], no_gpus) + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
+        ("GPU-hours", _hours(p["gpu_hours"], no_gpus)
+         + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
         ("wall time", _hours(p["wall_hours"], no_rate) + f" on {p['nodes']} node(s), one job per node at a time"),
         ("disk per node", f"{_bytes(p['stored_bytes_per_node'])} of shards on the busiest of {p['nodes']} node(s)"),
     ]
@@ -196,4 +241,4 @@ def format_plan(p: Mapping[str, Any]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_SOURCE", "format_plan", "plan"]
+__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_FP8", "CODEC_RATIO_SOURCE", "WRITER_CEILING_RAW_BPS", "format_plan", "plan"]

@@ -8,12 +8,12 @@ from typing import Any
 
 import matplotlib
 
-matplotlib.use("Agg")  # no display on workers
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
+matplotlib.use("Agg")  # no display on workers; set before pyplot is imported
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
 
-from hsextract.atomic import write_atomic  # noqa: E402
+from hsextract.atomic import write_atomic
 
 
 def _save(fig: Any, path: str | Path) -> None:

@@ -165,7 +165,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
             rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
                          "num_trained": n_trained, "source": src.spec.name})
-            freq.update(t for t, m in zip(ids, mask) if m)
+            freq.update(t for t, m in zip(ids, mask, strict=True) if m)
             for s in (st, total):
                 s["kept"] += 1
                 s["tokens"] += len(ids)

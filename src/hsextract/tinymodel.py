@@ -50,7 +50,8 @@ TINY_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 128,
-    "kv_lora_rank": 256,  # kv_lora_rank + qk_rope_head_dim = 288: a width SGLang's triton MLA kernels support (576 and 288 only)
+    # kv_lora_rank + qk_rope_head_dim = 288: a width SGLang's triton MLA kernels support (576 and 288 only)
+    "kv_lora_rank": 256,
     "qk_nope_head_dim": 32,
     "qk_rope_head_dim": 32,
     "v_head_dim": 32,

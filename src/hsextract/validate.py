@@ -94,7 +94,8 @@ def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int
         finite = torch.isfinite(h)
         if not bool(finite.all()):
             bad = (~finite).nonzero()[0].tolist()
-            failed.append(("finite", f"hidden_states[{k}] has {int((~finite).sum())} non-finite values, first at {tuple(bad)}"))
+            failed.append(("finite", f"hidden_states[{k}] has {int((~finite).sum())} non-finite values, "
+                                     f"first at {tuple(bad)}"))
             break
     for k, h in enumerate(hidden):
         if h.dim() < 2:

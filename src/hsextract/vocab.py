@@ -27,7 +27,7 @@ def token_freq(samples: Iterable[tuple[Sequence[int], Sequence[int]]]) -> dict[i
     for ids, mask in samples:
         if len(ids) != len(mask):
             raise ValueError(f"input_ids ({len(ids)}) and loss_mask ({len(mask)}) differ in length")
-        freq.update(int(t) for t, m in zip(ids, mask) if m)
+        freq.update(int(t) for t, m in zip(ids, mask, strict=True) if m)
     return dict(freq)
 
 
@@ -36,7 +36,8 @@ def token_freq_from_prompts(paths: Iterable[str | os.PathLike[str]]) -> dict[int
     total: Counter[int] = Counter()
     for p in paths:
         table = pq.read_table(p, columns=["input_ids", "loss_mask"])
-        total.update(token_freq(zip(table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist())))
+        ids, masks = table.column("input_ids").to_pylist(), table.column("loss_mask").to_pylist()
+        total.update(token_freq(zip(ids, masks, strict=True)))
     return dict(total)
 
 

@@ -15,9 +15,11 @@ if snakemake.rule == "regenerate_concat":
 else:
     import torch
 
+    from hsextract.settings import from_config
+
     torch.set_num_threads(int(snakemake.threads))
     stats = regenerate.run_regenerate_chunk(
-        dict(snakemake.config),
+        from_config(snakemake.config),
         int(snakemake.params.chunk),
         snakemake.output.conversations,
     )

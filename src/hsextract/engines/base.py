@@ -60,7 +60,7 @@ class Engine(abc.ABC):
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         """Yield one Captured per prompt, in the order of `prompts`."""
 
-    def close(self) -> None:  # noqa: B027 - optional
+    def close(self) -> None:  # noqa: B027 - optional: a no-op for engines with nothing to release
         """Release the model or the server connection."""
 
     def __enter__(self) -> Engine:
@@ -71,7 +71,7 @@ class Engine(abc.ABC):
 
 
 class SamplingSettings(Protocol):
-    """What a generator reads from its settings (`regenerate.settings.RegenSettings` has these fields)."""
+    """What a generator reads from its settings (`hsextract.settings.RegenerateSettings` has these fields)."""
 
     temperature: float  # 0: greedy
     top_p: float

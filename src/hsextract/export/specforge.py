@@ -2,7 +2,8 @@
 
     OUT_DIR/rows_{g}-{g_end}/data_{idx}.ckpt
         {"input_ids" int64 [seq], "loss_mask" int64 [seq],
-         "hidden_state" [1, seq, H] (the final tensor), "aux_hidden_state" [1, seq, n_aux * H] (aux layers concatenated)}
+         "hidden_state" [1, seq, H] (the final tensor),
+         "aux_hidden_state" [1, seq, n_aux * H] (aux layers concatenated)}
 
 g = (idx // 2000) * 2000 and g_end = g + min(2000, N - g): the last folder's name ends at N, as SpecForge names it.
 SpecForge's hidden_state is post-norm: pre_norm data is written through the final norm its shards record.

@@ -1,7 +1,9 @@
 """speculators >=0.5 layout: an Arrow dataset of token ids and loss masks, one safetensors file per sample.
 
-    OUT_DIR/data-00000-of-00001.arrow   Arrow IPC stream, columns input_ids list<int64>, loss_mask list<int64>, seq_len int64
-    OUT_DIR/state.json                  the `datasets` save_to_disk state (format "torch"), so load_from_disk(OUT_DIR) works
+    OUT_DIR/data-00000-of-00001.arrow   Arrow IPC stream, columns input_ids list<int64>, loss_mask list<int64>,
+                                        seq_len int64
+    OUT_DIR/state.json                  the `datasets` save_to_disk state (format "torch"),
+                                        so load_from_disk(OUT_DIR) works
     OUT_DIR/dataset_info.json           {} : features are read from the Arrow schema (any datasets >= 2)
     OUT_DIR/hidden_states/hs_{i}.safetensors   {"hidden_states" [seq, n, H] model dtype, "token_ids" int64 [seq]}
     OUT_DIR/token_freq.pt               dict[int token_id -> int count] over tokens with loss_mask == 1

@@ -1,6 +1,7 @@
 """speculators 0.3/0.4 "v1" layout: one torch.save file per sample plus the files 0.4 writes beside them.
 
-    OUT_DIR/data/data_{idx}.pt          {"input_ids" int64 [seq], "hidden_states" [bf16 [seq, H]] * n, "loss_mask" int64 [seq]}
+    OUT_DIR/data/data_{idx}.pt          {"input_ids" int64 [seq], "hidden_states" [bf16 [seq, H]] * n,
+                                         "loss_mask" int64 [seq]}
     OUT_DIR/data/sample_lengths.json    {"idx": seq, ...}, json.dump(indent=2) of an int-keyed dict, as 0.4 writes it
     OUT_DIR/data/data_config.json       the DataGenerationConfig "2.0" fields, filled from the shard metadata
     OUT_DIR/token_freq.pt               dict[int token_id -> int count] over tokens with loss_mask == 1

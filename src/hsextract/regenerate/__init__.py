@@ -38,17 +38,19 @@ same file whatever the batch composition.
 Files: `run_regenerate_chunk` writes chunk-NNNNN.jsonl and chunk-NNNNN.stats.json (stats first, then the
 JSONL, each to a temporary name + rename): a failed chunk leaves no JSONL and reruns alone.
 `concat_chunks` joins the chunk files, in chunk order, into the conversation file `prepare` reads.
+
+Settings: hsextract.settings, built once from the config (`from_config`): `Settings.regenerate` (the
+`regenerate:` section, defaults and ranges in the config schema) and `Settings.prepare` (sources, seed,
+prompts_per_chunk, strict, chat template).
 """
 
 from hsextract.engines.base import Generator, cut_at_stop
 from hsextract.regenerate.files import chunk_name, concat_chunks, stats_path
 from hsextract.regenerate.regenerator import Regenerator, RegenStats, regenerate_chunk, sample_seed
-from hsextract.regenerate.run import make_generator, num_chunks, run_regenerate_chunk
-from hsextract.regenerate.settings import RegenSettings, parse_settings
+from hsextract.regenerate.run import make_generator, run_regenerate_chunk
 from hsextract.regenerate.template import end_of_turn_ids
 
 __all__ = [
-    "Generator", "RegenSettings", "RegenStats", "Regenerator", "chunk_name", "concat_chunks", "cut_at_stop",
-    "end_of_turn_ids", "make_generator", "num_chunks", "parse_settings", "regenerate_chunk",
-    "run_regenerate_chunk", "sample_seed", "stats_path",
+    "Generator", "RegenStats", "Regenerator", "chunk_name", "concat_chunks", "cut_at_stop", "end_of_turn_ids",
+    "make_generator", "regenerate_chunk", "run_regenerate_chunk", "sample_seed", "stats_path",
 ]

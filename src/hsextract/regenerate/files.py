@@ -9,13 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hsextract import chunks
 from hsextract.atomic import write_atomic
 from hsextract.conversations import Conversation
 from hsextract.errors import ConfigError
 
 
 def chunk_name(chunk: int) -> str:
-    return f"chunk-{chunk:05d}.jsonl"
+    return chunks.name(chunk, ".jsonl")
 
 
 def stats_path(out_path: str | os.PathLike[str]) -> Path:

@@ -13,8 +13,8 @@ from hsextract.conversations import Conversation
 from hsextract.engines.base import Generator
 from hsextract.errors import EngineError
 from hsextract.loss_mask import ChatMasker
-from hsextract.regenerate.settings import RegenSettings
 from hsextract.regenerate.template import end_of_turn_ids, split_candidates
+from hsextract.settings import RegenerateSettings
 
 # Outcomes counted in the stats.
 EMPTY_GENERATION = "empty_generation"
@@ -59,7 +59,7 @@ class RegenStats:
 class Regenerator:
     """Regenerates the assistant turns of conversations with one tokenizer/template and one generator."""
 
-    def __init__(self, tokenizer: Any, generator: Generator, settings: RegenSettings,
+    def __init__(self, tokenizer: Any, generator: Generator, settings: RegenerateSettings,
                  chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
         self.masker = ChatMasker(tokenizer, chat_template_kwargs=dict(chat_template_kwargs or {}))
         self.tokenizer = tokenizer
@@ -136,7 +136,7 @@ class Regenerator:
             outs = self.generator.generate([t.prompt_ids for t in turns], [t.seed for t in turns])
             if len(outs) != len(turns):
                 raise EngineError(f"regenerate: the generator returned {len(outs)} outputs for {len(turns)} prompts")
-            for t, out in zip(turns, outs):
+            for t, out in zip(turns, outs, strict=True):
                 msgs = work[t.conv]
                 assert msgs is not None
                 stopped = bool(out) and out[-1] in self.stop_ids
@@ -174,7 +174,7 @@ class Regenerator:
         return out
 
 
-def regenerate_chunk(conversations: Sequence[Conversation | None], generator: Generator, settings: RegenSettings,
+def regenerate_chunk(conversations: Sequence[Conversation | None], generator: Generator, settings: RegenerateSettings,
                      *, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None,
                      sample_ids: Sequence[str] | None = None, stats: RegenStats | None = None
                      ) -> list[Conversation | None]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker
-from hsextract.regenerate.settings import RegenSettings
+from hsextract.settings import RegenerateSettings
 
 
 def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
@@ -34,7 +34,7 @@ def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | No
     return out
 
 
-def split_candidates(text: str, s: RegenSettings) -> list[dict[str, str]]:
+def split_candidates(text: str, s: RegenerateSettings) -> list[dict[str, str]]:
     """Messages the generated text may be rendered from, most faithful first."""
     cands: list[dict[str, str]] = []
     if s.think_end in text:

@@ -72,7 +72,8 @@ class SGLangAPI:
         body = json.dumps(payload)
         c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
-            c.request("POST", f"{self.prefix}/generate", body=body, headers={"Content-Type": "application/json", **self._auth})
+            c.request("POST", f"{self.prefix}/generate", body=body,
+                      headers={"Content-Type": "application/json", **self._auth})
             r = c.getresponse()
             data = r.read()
         except (OSError, http.client.HTTPException) as e:

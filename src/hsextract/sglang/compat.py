@@ -2,7 +2,8 @@
 
 Reads the source (a wheel, or an installed package) with `ast` and verifies every hook target, attribute,
 keyword argument and server flag the plugin uses; a missing one is reported with its file and line (the
-line of the class or function where it was expected). Supported range: SGLang 0.5.16 to 0.5.23.
+line of the class or function where it was expected). Supported range: SGLang 0.5.16 to 0.5.23. One module
+for one job (a list of checks, each a few lines, against one source tree), hence its length.
 
     python -m hsextract.sglang.compat --wheel sglang-0.5.23-*.whl
     python -m hsextract.sglang.compat --python /opt/sglang/bin/python     # the server's environment

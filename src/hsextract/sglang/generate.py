@@ -79,6 +79,6 @@ class SGLangGenerator:
 
     def generate(self, prompts: list[list[int]], seeds: list[int] | None = None) -> list[list[int]]:
         seeds_ = seeds if seeds is not None else [None] * len(prompts)
-        rids = [request_id(p, s, k) for k, (p, s) in enumerate(zip(prompts, seeds_))]
+        rids = [request_id(p, s, k) for k, (p, s) in enumerate(zip(prompts, seeds_, strict=True))]
         with ThreadPoolExecutor(max_workers=min(self.settings.batch_size, max(1, len(prompts)))) as pool:
             return list(pool.map(self._one, prompts, seeds_, rids))

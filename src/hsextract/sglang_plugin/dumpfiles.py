@@ -291,7 +291,8 @@ def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors:
     widths = {t.shape[1] for blocks in blocks_per_piece for t in blocks}
     layouts = {tuple((t.dtype, t.shape[1]) for t in blocks) for blocks in blocks_per_piece}
     if len(layouts) != 1:
-        raise DumpError(f"request {rid}: pieces disagree on their blocks' dtypes and widths ({sorted(map(str, layouts))})")
+        raise DumpError(f"request {rid}: pieces disagree on their blocks' dtypes and widths "
+                        f"({sorted(map(str, layouts))})")
     if len(widths) == 1 and all(len(blocks) == num_tensors for blocks in blocks_per_piece):  # block per tensor
         if len(blocks_per_piece) == 1:
             return list(blocks_per_piece[0])

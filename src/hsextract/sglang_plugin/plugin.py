@@ -45,6 +45,9 @@ Hooks: AROUND TpModelWorker.forward_batch_generation (outside the CUDA graphs), 
 ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, allocate the
 staging buffer, before graph capture), AROUND LogitsProcessor._get_hidden_states_to_store (plugin mode only).
 
+Length: this module holds every hook and the per-forward state they share (the pre-hook's stash, the capture
+mode, the staged Reqs); staging, slicing, writing and settings live in their own modules.
+
 Repeats: a Req whose whole prompt was staged is marked (attribute on the Req object), so a retraction
 re-run of that same request is skipped; a NEW request that reuses a completed rid is dumped again (the
 writer counts it as `rids_reused`). Dropping reused rids made the client wait for markers that never came.

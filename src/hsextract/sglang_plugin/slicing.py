@@ -48,7 +48,7 @@ def slice_extend_batch(
         raise ValueError(f"extend lens sum to {total} rows but the captured tensor has {num_rows}")
     out: list[PieceSlice] = []
     off = 0
-    for req, pre, ext in zip(reqs, prefix_lens, extend_lens):
+    for req, pre, ext in zip(reqs, prefix_lens, extend_lens, strict=True):
         pre, ext = int(pre), int(ext)
         rid = req.rid
         if ext > 0 and isinstance(rid, str) and accept(rid) and not (skip is not None and skip(req)):

@@ -180,7 +180,7 @@ class DumpWriter:
                 sizes = [_aligned(rows * s.shape[1] * s.element_size()) for s in sources]
                 region = self.ring.alloc(sum(sizes))
                 blocks, off = [], 0
-                for s, size, dt in zip(sources, sizes, dtypes):
+                for s, size, dt in zip(sources, sizes, dtypes, strict=True):
                     nbytes = rows * s.shape[1] * s.element_size()
                     dst = self.ring.view(region, off, nbytes).view(s.dtype).view(rows, s.shape[1])
                     dst.copy_(s[r0 : r0 + rows], non_blocking=cuda)

@@ -132,7 +132,8 @@ class ShardReader:
             if magic != fmt.RECORD_MAGIC or idx != sample or fmt.crc32(self._pread(fmt.RECORD_CHECKED, off)) != hcrc:
                 break  # index or footer bytes, or garbage: the records end here
             if off + fmt.RECORD.size + plen > size:
-                return self._corrupt(sample, f"file truncated at byte {size}: the record ends at byte {off + fmt.RECORD.size + plen}")
+                return self._corrupt(sample, f"file truncated at byte {size}: "
+                                             f"the record ends at byte {off + fmt.RECORD.size + plen}")
             off += fmt.RECORD.size + plen
             sample += 1
         return self._corrupt(

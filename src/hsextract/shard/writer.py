@@ -177,13 +177,16 @@ class ShardWriter:
                  loss_mask: torch.Tensor) -> list[torch.Tensor]:
         where = f"{self.path}: sample {sample}"
         if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.numel() == 0:
-            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, "
+                             f"got {input_ids.dtype} {tuple(input_ids.shape)}")
         seq = input_ids.numel()
         if loss_mask.shape != (seq,) or loss_mask.dtype.is_floating_point:
-            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), got {loss_mask.dtype} {tuple(loss_mask.shape)}")
+            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), "
+                             f"got {loss_mask.dtype} {tuple(loss_mask.shape)}")
         n = self.metadata["num_hidden_tensors"]
         if len(hidden_states) != n:
-            raise ShardError(f"{where}: {len(hidden_states)} hidden-state tensors, expected {n} (aux_layers {self.metadata['aux_layers']} + final)")
+            raise ShardError(f"{where}: {len(hidden_states)} hidden-state tensors, expected {n} "
+                             f"(aux_layers {self.metadata['aux_layers']} + final)")
         out = [input_ids.to(torch.int64), loss_mask.to(torch.int64)]
         for k, h in enumerate(hidden_states):
             if h.shape != (seq, self._hidden) or h.dtype != self._out_dtype:
@@ -211,7 +214,8 @@ class ShardWriter:
         ix["sample_ids"].append(str(sample_id))
         ix["seq_lens"].append(seq)
         ix["num_trained"].append(int((tensors[1] != 0).sum()))
-        ix["raw_bytes"].append(16 * seq + self.metadata["num_hidden_tensors"] * seq * self._hidden * self._out_dtype.itemsize)
+        ix["raw_bytes"].append(16 * seq
+                               + self.metadata["num_hidden_tensors"] * seq * self._hidden * self._out_dtype.itemsize)
         if self._pool is None:
             self._write_record(sample, *self._encode(tensors))
             return
