@@ -328,7 +328,8 @@ def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:
     wd = make_workdir(tmp_path / "c")
     proc = smk(wd, "--config", "prompts_per_chunck=4", check=False)
     assert proc.returncode != 0
-    assert "'prompts_per_chunck' was unexpected" in proc.stderr + proc.stdout
+    assert ("prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`? "
+            "(workflow/schemas/config.schema.yaml)") in proc.stderr + proc.stdout
     assert not (wd / "results").exists() and not (wd / "logs").exists()
 
 
