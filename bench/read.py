@@ -52,7 +52,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from hsextract.dataset import open_dataset
 from hsextract.export import export
-from hsextract.shard import ShardWriter
+from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard import format as fmt
 
 ROOT = Path(__file__).resolve().parents[1]
 STORES = ("ours", ".pt", "safetensors")
@@ -205,27 +206,30 @@ def epoch(loader: DataLoader, n: int) -> tuple[float, int]:
 
 def measure(stores: dict[str, dict[str, Any]], workers: list[int], method: str, repeats: int,
             n: int) -> dict[str, Any]:
-    """cells[cache][workers][store] = best of `repeats`; stores alternate within each worker count."""
+    """cells[cache][workers][store]: the best of `repeats` epochs; the stores' epochs alternate, so a change of
+    load on the machine hits all three alike."""
     cells: dict[str, Any] = {"warm": {}, "cold": {}}
     resident: dict[str, list[int]] = {s: [] for s in STORES}
     for w in workers:
-        for cache in cells:
-            cells[cache][str(w)] = {}
+        loaders = {name: DataLoader(stores[name]["dataset"], batch_size=1, shuffle=True, num_workers=w,
+                                    persistent_workers=True, generator=torch.Generator().manual_seed(w))
+                   for name in STORES}
         for name in STORES:
-            loader = DataLoader(stores[name]["dataset"], batch_size=1, shuffle=True, num_workers=w,
-                                persistent_workers=True, generator=torch.Generator().manual_seed(w))
-            epoch(loader, n)  # warms the page cache and starts the workers
-            best: dict[str, tuple[float, int]] = {}
+            epoch(loaders[name], n)  # warms the page cache and starts the workers
+        best: dict[str, dict[str, tuple[float, int]]] = {"warm": {}, "cold": {}}
+        for cache in best:
             for _ in range(repeats):
-                best["warm"] = min(best.get("warm", (float("inf"), 0)), epoch(loader, n))
-                evict(stores[name]["files"], method)
-                left = resident_bytes(stores[name]["files"])
-                if left is not None:
-                    resident[name].append(left)
-                best["cold"] = min(best.get("cold", (float("inf"), 0)), epoch(loader, n))
-            for cache, (wall, nbytes) in best.items():
-                cells[cache][str(w)][name] = {"samples_s": n / wall, "gb_s": nbytes / wall / 1e9, "wall_s": wall}
-            del loader  # shuts its workers down before the next store's start
+                for name in STORES:
+                    if cache == "cold":
+                        evict(stores[name]["files"], method)
+                        left = resident_bytes(stores[name]["files"])
+                        if left is not None:
+                            resident[name].append(left)
+                    best[cache][name] = min(best[cache].get(name, (float("inf"), 0)), epoch(loaders[name], n))
+        for cache, by_store in best.items():
+            cells[cache][str(w)] = {name: {"samples_s": n / wall, "gb_s": nbytes / wall / 1e9, "wall_s": wall}
+                                    for name, (wall, nbytes) in by_store.items()}
+        del loaders  # shuts the workers down before the next worker count starts its own
     return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()}}
 
 
@@ -270,6 +274,46 @@ def profile_ours(ds: Any, n: int) -> dict[str, Any]:
             "split": {k: v / total for k, v in split.items()}}
 
 
+class FreshBytesReader(ShardReader):
+    """Our reader before it kept a record buffer per thread: each record os.pread into a fresh bytes object,
+    with the same checks; for the before/after comparison of that change in one run."""
+
+    def _record(self, i: int) -> Any:
+        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        rec = os.pread(self._handle(), rlen, off)
+        if len(rec) != rlen:
+            raise RuntimeError(f"{self.path}: sample {i} cut short")
+        self._check_record_header(i, rec)
+        if fmt.payload_hash(memoryview(rec)[fmt.RECORD.size:]) != self._index["payload_xxh3"][i]:
+            raise RuntimeError(f"{self.path}: sample {i} checksum mismatch")
+        return rec
+
+
+def before_after(shards: list[Path], n: int, repeats: int) -> dict[str, Any]:
+    """Samples/s of our shards from the page cache, the reader before and after the per-thread record buffer,
+    alternating, best of `repeats` + 1: in one process without a DataLoader, and through a 1-worker DataLoader."""
+    after = open_dataset(shards)
+    before = open_dataset(shards)
+    before.readers = [FreshBytesReader(p) for p in shards]
+    variants = {"before": before, "after": after}
+    order = list(range(n))
+    random.Random(2).shuffle(order)
+    loaders = {k: DataLoader(ds, batch_size=1, shuffle=True, num_workers=1, persistent_workers=True,
+                             generator=torch.Generator().manual_seed(2)) for k, ds in variants.items()}
+    for k in variants:
+        epoch(loaders[k], n)
+    best = {how: {k: float("inf") for k in variants} for how in ("in_process", "dataloader_1_worker")}
+    for _ in range(repeats + 1):
+        for k, ds in variants.items():
+            t0 = time.perf_counter()
+            for i in order:
+                ds[i]
+            best["in_process"][k] = min(best["in_process"][k], time.perf_counter() - t0)
+            best["dataloader_1_worker"][k] = min(best["dataloader_1_worker"][k], epoch(loaders[k], n)[0])
+    del loaders
+    return {how: {k: n / v for k, v in by.items()} for how, by in best.items()}
+
+
 # -- report ---------------------------------------------------------------------------------------------------
 def machine() -> str:
     return (f"machine: {cpu_name()}, {os.cpu_count()} logical cores visible, torch {torch.__version__}, "
@@ -308,6 +352,14 @@ def markdown(res: dict[str, Any]) -> str:
         "| stage | share |",
         "|---|---|",
         *(f"| {k} | {v:.1%} |" for k, v in p["split"].items()),
+        "",
+        "Reading a record into a buffer kept per thread instead of a fresh bytes object (os.pread), our shards "
+        "from the page cache, alternating, samples/s:",
+        "",
+        "| how | before (fresh bytes per record) | after (buffer per thread) | after / before |",
+        "|---|---|---|---|",
+        *(f"| {how.replace('_', ' ')} | {v['before']:.2f} | {v['after']:.2f} | {v['after'] / v['before']:.2f} |"
+          for how, v in res["before_after"].items()),
     ]
     return "\n".join(lines)
 
@@ -329,6 +381,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
         res.update(measure(stores, a.workers, res["evict_method"], a.repeats, len(lens)))
         res["profile"] = profile_ours(stores["ours"]["dataset"], len(lens))
+        res["before_after"] = before_after(stores["ours"]["files"], len(lens), a.repeats)
     finally:
         shutil.rmtree(folder)
     res["load_after"] = load()
@@ -344,7 +397,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=256, help="sample lengths are multiples of this")
     ap.add_argument("--per-shard", type=int, default=64, help="samples per shard (the workflow's prompts_per_chunk)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--repeats", type=int, default=1, help="timed epochs per cell (the best is kept)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed epochs per cell (the best is kept)")
     ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
                     help="how to empty the page cache for the cold epochs (auto: drop_caches where permitted)")
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the stores are written (a real disk)")

@@ -124,6 +124,7 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(tmp_path: Path) ->
             assert sorted(row) == [".pt", "ours", "safetensors"]
             assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
     assert abs(sum(res["profile"]["split"].values()) - 1) < 1e-9 and res["profile"]["split"]["zstd decompress"] > 0
+    assert all(v > 0 for by in res["before_after"].values() for v in by.values())
     md = (tmp_path / "read.md").read_text()
     assert "| cache | workers | ours samples/s |" in md and md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2
     assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed
