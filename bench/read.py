@@ -332,8 +332,9 @@ def markdown(res: dict[str, Any]) -> str:
         + "; ".join(f"{k} {v['bytes'] / 1e9:.2f} GB on disk ({v['bytes'] / raw:.3f} of raw)" for k, v in sizes.items())
         + f". Cold cache by {res['evict_method']}"
         + (", resident after it: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in res["resident_after_evict"].items()
-                                               if v is not None) if any(res["resident_after_evict"].values()) else "")
-        + ".",
+                                               if v is not None)
+           if any(v is not None for v in res["resident_after_evict"].values()) else "")
+        + f". Each cell: the best of {res.get('repeats', '?')} epochs.",
         "",
         "| cache | workers | " + " | ".join(f"{s} samples/s | {s} GB/s" for s in STORES) + " | ours / .pt |",
         "|---|---|" + "---|---|" * len(STORES) + "---|",
@@ -373,7 +374,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"machine": machine(), "load_before": load(), "samples": len(lens), "tokens": sum(lens),
                            "min_len": min(lens), "max_len": max(lens), "hidden": a.hidden,
                            "hidden_bytes": sum(lens) * N_HIDDEN * a.hidden * 2,
-                           "raw_bytes": sum(lens) * (N_HIDDEN * a.hidden * 2 + 16), "workers": a.workers}
+                           "raw_bytes": sum(lens) * (N_HIDDEN * a.hidden * 2 + 16), "workers": a.workers,
+                           "repeats": a.repeats}
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
         stores = build_stores(folder, lens, a.hidden, a.per_shard)
@@ -404,6 +406,7 @@ def main() -> None:
     ap.add_argument("--dry", action="store_true", help="tiny samples (H 256, 16..64 tokens) and --evict fadvise, "
                     "for the tests")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--from-json", default=None, help="measure nothing: render the tables of an --out file")
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--write-readme", action="store_true", help="replace the read table in bench/README.md")
     a = ap.parse_args()
@@ -412,7 +415,7 @@ def main() -> None:
         a.evict = "fadvise" if a.evict == "auto" else a.evict  # a test must not empty the whole machine's cache
     # 4 workers on 2 cores is what the run measures, on purpose
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    res = run(a)
+    res = json.loads(Path(a.from_json).read_text()) if a.from_json else run(a)
     table = markdown(res)
     print(table)
     if a.out:
