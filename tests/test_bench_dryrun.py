@@ -104,3 +104,27 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -
     assert res["tensors"] == ["aux1", "aux2", "aux3", "aux4", "aux5", "final_pre_norm", "final_post_norm"]
     assert res["checks"]["shard_roundtrip"] is True and res["specforge_final_norm_applied"] is True
     assert res["checks"]["right_layers_within_tol"] is False and r.returncode == 1  # fake states: checks fail
+
+
+def test_read_bench_dry_run_fills_every_store_and_worker_cell(tmp_path: Path) -> None:
+    """bench/read.py --dry: three stores of the same samples, every (cache, workers, store) cell measured."""
+    out = tmp_path / "read.json"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--dir", str(tmp_path),
+         "--out", str(out), "--md", str(tmp_path / "read.md")],
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["evict_method"] == "fadvise" and res["samples"] >= 2
+    assert set(res["stores"]) == {"ours", ".pt", "safetensors"} and all(v["bytes"] > 0 for v in res["stores"].values())
+    assert sorted(res["cells"]) == ["cold", "warm"]
+    for by_w in res["cells"].values():
+        assert sorted(by_w) == ["1", "2"]
+        for row in by_w.values():
+            assert sorted(row) == [".pt", "ours", "safetensors"]
+            assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
+    assert abs(sum(res["profile"]["split"].values()) - 1) < 1e-9 and res["profile"]["split"]["zstd decompress"] > 0
+    assert all(v > 0 for by in res["before_after"].values() for v in by.values())
+    md = (tmp_path / "read.md").read_text()
+    assert "| cache | workers | ours samples/s |" in md and md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2
+    assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import zstandard as zstd
 
@@ -20,6 +21,7 @@ from hsextract.shard import parse
 from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
 
 Sample = dict[str, Any]
+REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
 
 
 class ShardReader:
@@ -76,6 +78,30 @@ class ShardReader:
 
     def _pread(self, n: int, offset: int) -> bytes:
         return os.pread(self._handle(), n, offset)
+
+    def _record_buffer(self, n: int) -> memoryview:
+        """A writable n-byte buffer to read a record into, reused by this thread for the next record.
+
+        os.pread returns a fresh bytes object: for a record of tens of MB every page of it faulted in on
+        first touch, and that took ~30% of a warm-cache read (bench/read.py, "trainer read"). Kept per thread
+        (ThreadPool readers, DataLoader workers), so a sample's tensors never point into it; records over
+        REUSE_MAX get a one-off buffer so a rare huge sample does not stay resident."""
+        buf = getattr(self._local, "buf", None) if self._local is not None else None
+        if buf is None or len(buf) < n:
+            buf = np.empty(n, np.uint8)  # numpy asks for huge pages for large arrays
+            if n <= REUSE_MAX and self._local is not None:
+                self._local.buf = buf
+        return memoryview(buf)[:n]
+
+    def _read_into(self, buf: memoryview, offset: int) -> int:
+        """Fill `buf` from `offset` (one read returns at most ~2 GiB on Linux); the bytes read, short at EOF."""
+        got = 0
+        while got < len(buf):
+            n = os.preadv(self._handle(), [buf[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
 
     # -- structure ------------------------------------------------------------------------
     def _corrupt(self, sample: int | None, what: str) -> CorruptShardError:
@@ -159,22 +185,24 @@ class ShardReader:
         """The index columns (read-only view: do not modify)."""
         return self._index
 
-    def _record(self, i: int) -> bytes:
+    def _record(self, i: int) -> memoryview:
+        """Record i read and checked, in this thread's record buffer: valid until its next _record call."""
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
         i %= n
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
-        rec = self._pread(rlen, off)
-        if len(rec) != rlen:
-            raise self._corrupt(i, f"record cut short: {len(rec)} of {rlen} bytes")
+        rec = self._record_buffer(rlen)
+        got = self._read_into(rec, off)
+        if got != rlen:
+            raise self._corrupt(i, f"record cut short: {got} of {rlen} bytes")
         self._check_record_header(i, rec)
-        payload = memoryview(rec)[fmt.RECORD.size:]
+        payload = rec[fmt.RECORD.size:]
         if fmt.payload_hash(payload) != self._index["payload_xxh3"][i]:
             raise self._corrupt(i, "checksum mismatch")
         return rec
 
-    def _check_record_header(self, i: int, rec: bytes) -> None:
+    def _check_record_header(self, i: int, rec: bytes | memoryview) -> None:
         magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
         if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[: fmt.RECORD_CHECKED]) != hcrc:
             raise self._corrupt(i, "record header damaged")
@@ -216,7 +244,7 @@ class ShardReader:
                     raise self._corrupt(i, e.what) from None
                 pos += ln
 
-    def _decode(self, i: int, rec: bytes) -> Sample:
+    def _decode(self, i: int, rec: bytes | memoryview) -> Sample:
         frames = self._frames(i, memoryview(rec)[fmt.RECORD.size:])
         dctx = getattr(self._local, "d", None) if self._local is not None else None
         if dctx is None:

@@ -1,0 +1,436 @@
+"""Trainer read benchmark: a training-style DataLoader over the same samples stored three ways, side by side.
+
+Samples: speculators v1 dicts (int64 input_ids and loss_mask, 4 bf16 hidden tensors [seq, H]) of synthetic
+LLM-like activations (bench/codec.py's generator: per-channel log-normal scales, outlier channels), H = 7168,
+lengths drawn from 512..2048 tokens in steps of 256 until `--gb` GB of raw sample bytes. Stores:
+  ours         ShardWriter shards (level 3, `--per-shard` samples per shard as the workflow's chunks), read
+               through hsextract.open_dataset;
+  .pt          speculators v1: one torch.save per sample (hsextract.export "speculators-v1"), read with
+               torch.load(weights_only=True, mmap=False);
+  safetensors  speculators >= 0.5: one safetensors file per sample, hidden states stacked [seq, 4, H]
+               (hsextract.export "speculators-safetensors"), read with safetensors.torch.load_file, the
+               loss mask from the export's Arrow table (read once).
+Each store is read by a DataLoader (shuffle=True, batch_size=1, default collate, persistent workers) with
+1, 2 and 4 workers (`--workers`): one untimed epoch first (it reads every file, so the page cache is warm and
+the workers are started), then a timed epoch from the page cache ("warm"), then the store's files are dropped
+from the page cache and a timed epoch reads them from disk ("cold"). Dropping: `sync` and
+`echo 1 > /proc/sys/vm/drop_caches` where permitted, else fsync + posix_fadvise(POSIX_FADV_DONTNEED) on every
+file of the store; the output says which was used and how much of the store stayed resident (fincore).
+Speeds: samples/s and GB/s of decoded hidden-state bytes (4 x seq x H x 2) per wall second of an epoch.
+Then one process reads our shards in a shuffled order under cProfile, and the time is split into stages:
+file read (pread), checksums (xxh3, crc32), zstd decompress, byte-plane reassembly, tensor construction.
+
+    PYTHONPATH=src python bench/read.py [--gb 1.5] [--workers 1 2 4] [--out read.json] [--write-readme]
+    PYTHONPATH=src python bench/read.py --dry   # seconds: tiny samples, for tests/test_bench_dryrun.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import platform
+import pstats
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import safetensors
+import torch
+import zstandard as zstd
+from codec import cpu_name, synthetic_samples  # bench/ is the script's folder
+from safetensors.torch import load_file
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
+from torch.utils.data import DataLoader, Dataset
+
+from hsextract.dataset import open_dataset
+from hsextract.export import export
+from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard import format as fmt
+
+ROOT = Path(__file__).resolve().parents[1]
+STORES = ("ours", ".pt", "safetensors")
+N_HIDDEN = 4
+
+
+# -- the samples, stored three ways ---------------------------------------------------------------------------
+def sample_lengths(gb: float, hidden: int, lo: int, hi: int, step: int, seed: int = 0) -> list[int]:
+    """Lengths drawn uniformly from lo..hi (multiples of `step`) until the raw bytes reach `gb` GB (at least 2)."""
+    rng = random.Random(seed)
+    per_token = N_HIDDEN * hidden * 2 + 16
+    choices = list(range(lo, hi + 1, step))
+    lens: list[int] = []
+    while len(lens) < 2 or sum(lens) * per_token < gb * 1e9:
+        lens.append(rng.choice(choices))
+    return lens
+
+
+def write_shards(folder: Path, lens: list[int], hidden: int, per_shard: int) -> None:
+    """Samples of each length come from bench/codec.py's generator, one call per length (so the peak memory is
+    one length's samples); they are interleaved in the order `lens` drew them."""
+    folder.mkdir(parents=True)
+    by_len = {n: synthetic_samples(n * lens.count(n), n, hidden)[0][::-1] for n in sorted(set(lens))}
+    meta = placeholder_metadata(hidden, [2, 4, 6], final_state="pre_norm")  # the state speculators expects
+    writer: ShardWriter | None = None
+    for i, n in enumerate(lens):
+        if i % per_shard == 0:
+            if writer is not None:
+                writer.close()
+            writer = ShardWriter(folder / f"chunk-{i // per_shard:05d}.hss", meta, level=3)
+        s = by_len[n].pop()
+        writer.add(s["input_ids"], s["hidden_states"], s["loss_mask"])  # type: ignore[union-attr]
+    assert writer is not None
+    writer.close()
+
+
+class PtFiles(Dataset):
+    """speculators v1: one torch.save'd dict per sample."""
+
+    def __init__(self, folder: Path) -> None:
+        self.files = sorted(folder.glob("data_*.pt"), key=lambda p: int(p.stem[5:]))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return torch.load(self.files[i], weights_only=True, mmap=False)
+
+
+class SafetensorsFiles(Dataset):
+    """speculators >= 0.5: hidden_states/hs_{i}.safetensors, the loss masks in the Arrow table."""
+
+    def __init__(self, folder: Path) -> None:
+        hs = folder / "hidden_states"
+        self.files = sorted(hs.glob("hs_*.safetensors"), key=lambda p: int(p.stem[3:]))
+        with pa.OSFile(str(folder / "data-00000-of-00001.arrow")) as f:
+            self.masks = pa.ipc.open_stream(f).read_all().column("loss_mask")
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        d = load_file(self.files[i])
+        mask = torch.from_numpy(self.masks[i].values.to_numpy(zero_copy_only=False).copy())
+        return {"input_ids": d["token_ids"], "hidden_states": d["hidden_states"], "loss_mask": mask}
+
+
+def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int) -> dict[str, dict[str, Any]]:
+    shards = folder / "shards"
+    write_shards(shards, lens, hidden, per_shard)
+    export(shards, folder / "pt", "speculators-v1")
+    export(shards, folder / "st", "speculators-safetensors")
+    stores = {
+        "ours": {"dataset": open_dataset(shards), "files": sorted(shards.glob("*.hss"))},
+        ".pt": {"dataset": PtFiles(folder / "pt" / "data"), "files": sorted((folder / "pt" / "data").glob("*.pt"))},
+        "safetensors": {"dataset": SafetensorsFiles(folder / "st"),
+                        "files": sorted((folder / "st" / "hidden_states").glob("*.safetensors"))},
+    }
+    for s in stores.values():
+        s["bytes"] = sum(p.stat().st_size for p in s["files"])
+    check_same_samples(stores, len(lens))
+    return stores
+
+
+def hidden_list(s: dict[str, Any]) -> list[torch.Tensor]:
+    h = s["hidden_states"]
+    return list(h.unbind(-2)) if isinstance(h, torch.Tensor) else list(h)  # safetensors: [(1,) seq, 4, H]
+
+
+def check_same_samples(stores: dict[str, dict[str, Any]], n: int) -> None:
+    """The first and last sample are equal in every store, tensor by tensor (so the stores hold the same data)."""
+    for i in (0, n - 1):
+        ref = stores["ours"]["dataset"][i]
+        for name in STORES[1:]:
+            got = stores[name]["dataset"][i]
+            same = torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
+            same = same and all(torch.equal(a, b) for a, b in zip(hidden_list(got), ref["hidden_states"], strict=True))
+            if not same:
+                raise RuntimeError(f"sample {i} of store {name} differs from ours")
+
+
+# -- page cache -----------------------------------------------------------------------------------------------
+def drop_method() -> str:
+    """'drop_caches' if writing /proc/sys/vm/drop_caches works here, else 'fadvise'."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "drop_caches"
+    except OSError:
+        return "fadvise"
+
+
+def evict(files: list[Path], method: str) -> None:
+    if method == "drop_caches":
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_bytes(files: list[Path]) -> int | None:
+    """Bytes of `files` in the page cache (util-linux fincore), or None without it."""
+    if not shutil.which("fincore"):
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
+                         capture_output=True, text=True, check=False)
+    return sum(int(x) for x in out.stdout.split()) if out.returncode == 0 else None
+
+
+# -- DataLoader epochs ----------------------------------------------------------------------------------------
+def epoch(loader: DataLoader, n: int) -> tuple[float, int]:
+    """Wall seconds of one pass and the hidden-state bytes it delivered (checked: every sample exactly once)."""
+    seen = 0
+    nbytes = 0
+    t0 = time.perf_counter()
+    for batch in loader:
+        seen += 1
+        nbytes += sum(h.numel() * h.element_size() for h in hidden_list(batch))
+    wall = time.perf_counter() - t0
+    if seen != n:
+        raise RuntimeError(f"epoch delivered {seen} samples, the dataset holds {n}")
+    return wall, nbytes
+
+
+def measure(stores: dict[str, dict[str, Any]], workers: list[int], method: str, repeats: int,
+            n: int) -> dict[str, Any]:
+    """cells[cache][workers][store]: the best of `repeats` epochs; the stores' epochs alternate, so a change of
+    load on the machine hits all three alike."""
+    cells: dict[str, Any] = {"warm": {}, "cold": {}}
+    resident: dict[str, list[int]] = {s: [] for s in STORES}
+    for w in workers:
+        loaders = {name: DataLoader(stores[name]["dataset"], batch_size=1, shuffle=True, num_workers=w,
+                                    persistent_workers=True, generator=torch.Generator().manual_seed(w))
+                   for name in STORES}
+        for name in STORES:
+            epoch(loaders[name], n)  # warms the page cache and starts the workers
+        best: dict[str, dict[str, tuple[float, int]]] = {"warm": {}, "cold": {}}
+        for cache in best:
+            for _ in range(repeats):
+                for name in STORES:
+                    if cache == "cold":
+                        evict(stores[name]["files"], method)
+                        left = resident_bytes(stores[name]["files"])
+                        if left is not None:
+                            resident[name].append(left)
+                    best[cache][name] = min(best[cache].get(name, (float("inf"), 0)), epoch(loaders[name], n))
+        for cache, by_store in best.items():
+            cells[cache][str(w)] = {name: {"samples_s": n / wall, "gb_s": nbytes / wall / 1e9, "wall_s": wall}
+                                    for name, (wall, nbytes) in by_store.items()}
+        del loaders  # shuts the workers down before the next worker count starts its own
+    return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()}}
+
+
+# -- where our read time goes ---------------------------------------------------------------------------------
+STAGES = (  # (stage, substrings of cProfile function names whose own time counts for it)
+    ("file read (pread)", ("posix.pread",)),
+    ("checksums (xxh3, crc32)", ("xxh3", "zlib.crc32")),
+    ("zstd decompress", ("ZstdDecompressor",)),
+    ("byte-plane reassembly", ("join_planes", "numpy.frombuffer", "numpy.empty")),
+    ("tensor construction", ("torch.from_numpy", "'view' of 'torch", "TensorBase", "_tensor")),
+)
+
+
+def profile_ours(ds: Any, n: int) -> dict[str, Any]:
+    """One process reads every sample of our shards in a shuffled order: plain wall time, then under cProfile
+    with the time split into STAGES (each function's own time; the rest is Python glue)."""
+    order = list(range(n))
+    random.Random(1).shuffle(order)
+    for i in order:  # page cache warm, decompressor created
+        ds[i]
+    t0 = time.perf_counter()
+    for i in order:
+        ds[i]
+    plain = time.perf_counter() - t0
+    prof = cProfile.Profile()
+    prof.enable()
+    for i in order:
+        ds[i]
+    prof.disable()
+    st = pstats.Stats(prof)
+    total = 0.0
+    split = {stage: 0.0 for stage, _ in STAGES}
+    for (file, _, func), (_, _, tottime, _, _) in st.stats.items():  # type: ignore[attr-defined]
+        total += tottime
+        where = f"{file}:{func}"
+        for stage, keys in STAGES:
+            if any(k in where for k in keys):
+                split[stage] += tottime
+                break
+    split["other (Python glue, checks)"] = total - sum(split.values())
+    return {"samples_s_in_process": n / plain, "profiled_s": total,
+            "split": {k: v / total for k, v in split.items()}}
+
+
+class FreshBytesReader(ShardReader):
+    """Our reader before it kept a record buffer per thread: each record os.pread into a fresh bytes object,
+    with the same checks; for the before/after comparison of that change in one run."""
+
+    def _record(self, i: int) -> Any:
+        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        rec = os.pread(self._handle(), rlen, off)
+        if len(rec) != rlen:
+            raise RuntimeError(f"{self.path}: sample {i} cut short")
+        self._check_record_header(i, rec)
+        if fmt.payload_hash(memoryview(rec)[fmt.RECORD.size:]) != self._index["payload_xxh3"][i]:
+            raise RuntimeError(f"{self.path}: sample {i} checksum mismatch")
+        return rec
+
+
+def before_after(shards: list[Path], n: int, repeats: int) -> dict[str, Any]:
+    """Samples/s of our shards from the page cache, the reader before and after the per-thread record buffer,
+    alternating, best of `repeats` + 1: in one process without a DataLoader, and through a 1-worker DataLoader."""
+    after = open_dataset(shards)
+    before = open_dataset(shards)
+    before.readers = [FreshBytesReader(p) for p in shards]
+    variants = {"before": before, "after": after}
+    order = list(range(n))
+    random.Random(2).shuffle(order)
+    loaders = {k: DataLoader(ds, batch_size=1, shuffle=True, num_workers=1, persistent_workers=True,
+                             generator=torch.Generator().manual_seed(2)) for k, ds in variants.items()}
+    for k in variants:
+        epoch(loaders[k], n)
+    best = {how: {k: float("inf") for k in variants} for how in ("in_process", "dataloader_1_worker")}
+    for _ in range(repeats + 1):
+        for k, ds in variants.items():
+            t0 = time.perf_counter()
+            for i in order:
+                ds[i]
+            best["in_process"][k] = min(best["in_process"][k], time.perf_counter() - t0)
+            best["dataloader_1_worker"][k] = min(best["dataloader_1_worker"][k], epoch(loaders[k], n)[0])
+    del loaders
+    return {how: {k: n / v for k, v in by.items()} for how, by in best.items()}
+
+
+# -- report ---------------------------------------------------------------------------------------------------
+def machine() -> str:
+    return (f"machine: {cpu_name()}, {os.cpu_count()} logical cores visible, torch {torch.__version__}, "
+            f"zstd {'.'.join(map(str, zstd.ZSTD_VERSION))}, safetensors {safetensors.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def markdown(res: dict[str, Any]) -> str:
+    sizes = res["stores"]
+    raw = res["raw_bytes"]
+    lines = [
+        res["machine"] + f"; load average {res['load_before']} before, {res['load_after']} after",
+        "",
+        f"{res['samples']} samples, {res['tokens']} tokens (lengths {res['min_len']}..{res['max_len']}), H = "
+        f"{res['hidden']}, 4 bf16 hidden tensors: {res['hidden_bytes'] / 1e9:.2f} GB of hidden states per epoch; "
+        + "; ".join(f"{k} {v['bytes'] / 1e9:.2f} GB on disk ({v['bytes'] / raw:.3f} of raw)" for k, v in sizes.items())
+        + f". Cold cache by {res['evict_method']}"
+        + (", resident after it: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in res["resident_after_evict"].items()
+                                               if v is not None)
+           if any(v is not None for v in res["resident_after_evict"].values()) else "")
+        + f". Each cell: the best of {res.get('repeats', '?')} epochs.",
+        "",
+        "| cache | workers | " + " | ".join(f"{s} samples/s | {s} GB/s" for s in STORES) + " | ours / .pt |",
+        "|---|---|" + "---|---|" * len(STORES) + "---|",
+    ]
+    for cache, by_w in res["cells"].items():
+        for w, row in by_w.items():
+            cells = " | ".join(f"{row[s]['samples_s']:.2f} | {row[s]['gb_s']:.2f}" for s in STORES)
+            lines.append(f"| {cache} | {w} | {cells} | {row['ours']['samples_s'] / row['.pt']['samples_s']:.2f} |")
+    p = res["profile"]
+    lines += [
+        "",
+        f"Our read path, one process, shuffled, page cache warm: {p['samples_s_in_process']:.2f} samples/s "
+        f"({p['samples_s_in_process'] * res['hidden_bytes'] / res['samples'] / 1e9:.2f} GB/s of hidden states) "
+        "without the DataLoader; under cProfile the time splits:",
+        "",
+        "| stage | share |",
+        "|---|---|",
+        *(f"| {k} | {v:.1%} |" for k, v in p["split"].items()),
+        "",
+        "Reading a record into a buffer kept per thread instead of a fresh bytes object (os.pread), our shards "
+        "from the page cache, alternating, samples/s:",
+        "",
+        "| how | before (fresh bytes per record) | after (buffer per thread) | after / before |",
+        "|---|---|---|---|",
+        *(f"| {how.replace('_', ' ')} | {v['before']:.2f} | {v['after']:.2f} | {v['after'] / v['before']:.2f} |"
+          for how, v in res["before_after"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    lens = sample_lengths(a.gb, a.hidden, a.min_len, a.max_len, a.step)
+    res: dict[str, Any] = {"machine": machine(), "load_before": load(), "samples": len(lens), "tokens": sum(lens),
+                           "min_len": min(lens), "max_len": max(lens), "hidden": a.hidden,
+                           "hidden_bytes": sum(lens) * N_HIDDEN * a.hidden * 2,
+                           "raw_bytes": sum(lens) * (N_HIDDEN * a.hidden * 2 + 16), "workers": a.workers,
+                           "repeats": a.repeats}
+    folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
+    try:
+        stores = build_stores(folder, lens, a.hidden, a.per_shard)
+        res["stores"] = {k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()}
+        res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
+        res.update(measure(stores, a.workers, res["evict_method"], a.repeats, len(lens)))
+        res["profile"] = profile_ours(stores["ours"]["dataset"], len(lens))
+        res["before_after"] = before_after(stores["ours"]["files"], len(lens), a.repeats)
+    finally:
+        shutil.rmtree(folder)
+    res["load_after"] = load()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=1.5, help="raw sample bytes to store, in GB (each store)")
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--min-len", type=int, default=512)
+    ap.add_argument("--max-len", type=int, default=2048)
+    ap.add_argument("--step", type=int, default=256, help="sample lengths are multiples of this")
+    ap.add_argument("--per-shard", type=int, default=64, help="samples per shard (the workflow's prompts_per_chunk)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--repeats", type=int, default=2, help="timed epochs per cell (the best is kept)")
+    ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
+                    help="how to empty the page cache for the cold epochs (auto: drop_caches where permitted)")
+    ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the stores are written (a real disk)")
+    ap.add_argument("--dry", action="store_true", help="tiny samples (H 256, 16..64 tokens) and --evict fadvise, "
+                    "for the tests")
+    ap.add_argument("--out", default=None, help="also write the results as JSON here")
+    ap.add_argument("--from-json", default=None, help="measure nothing: render the tables of an --out file")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--write-readme", action="store_true", help="replace the read table in bench/README.md")
+    a = ap.parse_args()
+    if a.dry:
+        a.gb, a.hidden, a.min_len, a.max_len, a.step, a.per_shard = 0.0005, 256, 16, 64, 16, 4
+        a.evict = "fadvise" if a.evict == "auto" else a.evict  # a test must not empty the whole machine's cache
+    # 4 workers on 2 cores is what the run measures, on purpose
+    warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+    res = json.loads(Path(a.from_json).read_text()) if a.from_json else run(a)
+    table = markdown(res)
+    print(table)
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.md:
+        Path(a.md).write_text(table + "\n")
+    if a.write_readme:
+        readme = ROOT / "bench" / "README.md"
+        text = readme.read_text()
+        start, end = "<!-- read-table:start -->", "<!-- read-table:end -->"
+        block = f"{start}\n{table}\n{end}"
+        text = (text[: text.index(start)] + block + text[text.index(end) + len(end):] if start in text
+                else f"{text}\n{block}\n")
+        readme.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
