@@ -411,3 +411,17 @@ def test_frames_with_content_checksums_still_read(tmp_path, monkeypatch):
     assert not zstd.get_frame_parameters(new[table + 4 + 8 * n_frames:]).has_checksum
     for k, (ids, hs, mask) in enumerate(samples):
         assert_same(r[k], ids, hs, mask)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_samples_read_earlier_are_not_changed_by_later_reads(tmp_path, precision):
+    """The reader reuses one record buffer per thread: no returned tensor may point into it."""
+    samples = [make_sample(n, seed=k) for k, n in enumerate((7, 30, 5, 30))]
+    r = ShardReader(write(tmp_path / "a.hss", samples, precision=precision))
+    first = r[1]
+    kept = {"input_ids": first["input_ids"].clone(), "loss_mask": first["loss_mask"].clone(),
+            "hidden_states": [h.clone() for h in first["hidden_states"]]}
+    for i in (3, 0, 2, 3):  # records of the same and other sizes through the same buffer
+        r[i]
+    assert torch.equal(first["input_ids"], kept["input_ids"]) and torch.equal(first["loss_mask"], kept["loss_mask"])
+    assert all(torch.equal(a, b) for a, b in zip(first["hidden_states"], kept["hidden_states"], strict=True))
