@@ -130,3 +130,20 @@ class SlowTwinTokenizer(PreTrainedTokenizer):
 def make_slow_tokenizer(name: str) -> SlowTwinTokenizer:
     """The slow twin of `make_tokenizer(name)`: same ids for every text, no offsets."""
     return SlowTwinTokenizer(make_tokenizer(name))
+
+
+# Message builders of the mask tests: system prompt, user turn, assistant turn (reasoning, tool calls).
+SYS = {"role": "system", "content": "You are a helpful assistant."}
+
+
+def U(c):
+    return {"role": "user", "content": c}
+
+
+def A(c, r=None, calls=None):
+    m = {"role": "assistant", "content": c}
+    if r:
+        m["reasoning_content"] = r
+    if calls:
+        m["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return m

@@ -3,26 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from chatfix import make_tokenizer, trained_segments
+from chatfix import SYS, A, U, make_tokenizer, trained_segments
 
 from hsextract.conversations import Conversation
 from hsextract.loss_mask import ChatMasker, TemplateError
-
-SYS = {"role": "system", "content": "You are a helpful assistant."}
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c, r=None, calls=None):
-    m = {"role": "assistant", "content": c}
-    if r:
-        m["reasoning_content"] = r
-    if calls:
-        m["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
-    return m
-
 
 TOOL_CONV = Conversation([
     SYS, U("Hello there!"), A("How are you today?", "The user asks."),

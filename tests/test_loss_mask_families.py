@@ -4,7 +4,7 @@ through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)
 from __future__ import annotations
 
 import pytest
-from chatfix import make_slow_tokenizer, make_tokenizer
+from chatfix import SYS, A, U, make_slow_tokenizer, make_tokenizer
 from mask_golden import EXPECTED
 
 from hsextract.conversations import Conversation
@@ -12,22 +12,6 @@ from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.mask_explain import marked
 from hsextract.template_render import SENT, common_prefix, common_suffix
 from hsextract.turn_spans import find_turn
-
-SYS = {"role": "system", "content": "You are a helpful assistant."}
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c, r=None, calls=None):
-    m = {"role": "assistant", "content": c}
-    if r:
-        m["reasoning_content"] = r
-    if calls:
-        m["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
-    return m
-
 
 CONVS = {
     "single": Conversation([U("Hello there!"), A("How are you today?")]),

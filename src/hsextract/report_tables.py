@@ -4,7 +4,6 @@ download link). One page per table, plus the validation summary over every shard
 from __future__ import annotations
 
 import html
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import pandas as pd
 
 from hsextract.atomic import write_atomic
+from hsextract.stats import load_json_files
 from hsextract.validate import CHECKS
 
 _STYLE = """
@@ -97,14 +97,6 @@ def validation_html(summary: Mapping[str, Any]) -> str:
     )
 
 
-def load_reports(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    out = []
-    for p in paths:
-        with open(p) as f:
-            out.append(json.load(f))
-    return out
-
-
 TITLES = {
     "summary": "Totals",
     "chunks": "Per chunk",
@@ -122,4 +114,5 @@ def write_report_pages(
         df = tables[name]
         body = table_html(df) if len(df) else "<p>None.</p>"
         write_page(paths[name], title, body)
-    write_page(paths["validation"], "Validation", validation_html(validation_summary(load_reports(validation_reports))))
+    summary = validation_summary(load_json_files(validation_reports))
+    write_page(paths["validation"], "Validation", validation_html(summary))

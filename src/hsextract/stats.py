@@ -93,7 +93,8 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
     }
 
 
-def load_chunk_stats(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+def load_json_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """One JSON object per file, in order: per-chunk stats, validation reports."""
     out = []
     for p in paths:
         with open(p) as f:

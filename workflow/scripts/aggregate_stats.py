@@ -9,10 +9,10 @@ import json
 
 from hsextract.plots import plot_rms_by_position
 from hsextract.report_tables import write_report_pages
-from hsextract.stats import aggregate, load_chunk_stats, write_table, write_token_freq
+from hsextract.stats import aggregate, load_json_files, write_table, write_token_freq
 
 out = snakemake.output
-chunks = load_chunk_stats(snakemake.input.chunks)
+chunks = load_json_files(snakemake.input.chunks)
 with open(snakemake.input.prepare) as f:
     prepare_summary = json.load(f)
 tables = aggregate(chunks, prepare_summary)

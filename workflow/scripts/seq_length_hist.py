@@ -5,10 +5,10 @@ import sys
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from hsextract.plots import plot_seq_length_hist
-from hsextract.stats import load_chunk_stats
+from hsextract.stats import load_json_files
 
 plot_seq_length_hist(
-    load_chunk_stats(snakemake.input.chunks),
+    load_json_files(snakemake.input.chunks),
     snakemake.output.plot,
     bins=int(snakemake.params.bins),
 )
