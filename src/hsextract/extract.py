@@ -66,13 +66,11 @@ def build_engine(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0) -
     through hsextract.sglang.config."""
     name = settings.engine
     if name == "transformers":
-        from hsextract.engines.transformers_engine import TransformersEngine
+        from hsextract.engines.transformers_engine import TransformersEngine, resolve_device
 
         t = settings.transformers
-        device = t.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        return TransformersEngine(settings.model, spec, device=device, dtype=t.dtype, token_budget=t.token_budget)
+        return TransformersEngine(settings.model, spec, device=resolve_device(t.device), dtype=t.dtype,
+                                  token_budget=t.token_budget)
     if name == "sglang":
         from hsextract.sglang.config import engine_from_config
 

@@ -34,6 +34,12 @@ from hsextract.capture import MAX_AUX_LAYERS
 from hsextract.engines.base import BOTH, Captured, CaptureSpec, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
 
+
+def resolve_device(device: str) -> str:
+    """The config's `device`, with "auto" resolved: cuda if available, else cpu."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -34,9 +34,10 @@ def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any
         return SGLangGenerator(regen.server_url, regen, stop_ids)
     from transformers import AutoModelForCausalLM
 
+    from hsextract.engines.transformers_engine import resolve_device
     from hsextract.engines.transformers_generate import TransformersGenerator
 
-    device = regen.device if regen.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(regen.device)
     dtype: Any = "auto" if regen.dtype == "auto" else getattr(torch, regen.dtype)  # the schema's enum: torch dtypes
     try:
         model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()
