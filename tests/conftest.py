@@ -1,4 +1,6 @@
 import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -32,3 +34,19 @@ def make_sample(seq, hidden=16, n=4, dtype=torch.bfloat16, seed=0, trained=True)
 @pytest.fixture
 def meta():
     return shard_metadata()
+
+
+@pytest.fixture(scope="module")
+def background() -> Iterator[ThreadPoolExecutor]:
+    """Threads for set-up a module's later tests need (Snakemake runs in project copies): started early, it
+    runs in subprocesses on the core the tests in front leave idle; a test waits on its future (an event,
+    never a sleep). Joined when the module ends."""
+    pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hsx-background")
+    yield pool
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def selected_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a selected test of the requesting module uses `fixture`: background set-up starts only then."""
+    return any(getattr(item, "module", None) is request.module and fixture in getattr(item, "fixturenames", ())
+               for item in request.session.items)

@@ -17,11 +17,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import selected_tests_use
 
 from hsextract.dataset import find_shards
 from hsextract.provenance import sha256_file
@@ -106,10 +108,27 @@ def shard_path(workdir: Path, chunk: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def full_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def full_run_started(tmp_path_factory: pytest.TempPathFactory, background: ThreadPoolExecutor) -> Future[Path]:
+    """The full run of TEST_CONFIG, in the background from the module's first test on: the tests before
+    the ones that read it (stops before any job, the independent run of the failed-chunk test) overlap it."""
     wd = make_workdir(tmp_path_factory.mktemp("wf") / "a")
-    smk(wd)
-    return wd
+
+    def run() -> Path:
+        smk(wd)
+        return wd
+
+    return background.submit(run)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_full_run(request: pytest.FixtureRequest) -> None:
+    if selected_tests_use(request, "full_run_started"):
+        request.getfixturevalue("full_run_started")
+
+
+@pytest.fixture(scope="module")
+def full_run(full_run_started: Future[Path]) -> Path:
+    return full_run_started.result()
 
 
 def test_dry_run_plans_one_extract_job_per_chunk(tmp_path: Path) -> None:
@@ -123,6 +142,66 @@ def test_dry_run_plans_one_extract_job_per_chunk(tmp_path: Path) -> None:
     counts = job_counts(smk(wd, "-n", "--config", "prompts_per_chunk=5").stdout)
     assert counts["extract"] == math.ceil(RECORDS / 5) == 5
     assert not (wd / "results").exists()
+
+
+def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:
+    wd = make_workdir(tmp_path / "c")
+    proc = smk(wd, "--config", "prompts_per_chunck=4", check=False)
+    assert proc.returncode != 0
+    assert ("prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`? "
+            "(workflow/schemas/config.schema.yaml)") in proc.stderr + proc.stdout
+    assert not (wd / "results").exists() and not (wd / "logs").exists()
+
+
+def test_aux_layer_beyond_depth_stops_before_any_job(tmp_path: Path) -> None:
+    wd = make_workdir(tmp_path / "d")
+    (wd / "config/deep.yaml").write_text("aux_layers: [1, 5, 10]\n")
+    proc = smk(wd, check=False, configfiles=("config/test.yaml", "config/deep.yaml"))
+    assert proc.returncode != 0
+    assert (
+        "aux_layers[2]: layer 10 is beyond the model's depth: the tiny model (hsextract.tinymodel) has 10 "
+        "decoder layers, so ids 0..9 are allowed"
+    ) in proc.stderr + proc.stdout
+    assert not (wd / "results").exists() and not (wd / "logs").exists()
+
+
+def test_failed_chunk_reruns_alone_and_same_config_gives_same_samples(
+    tmp_path: Path, full_run_started: Future[Path]
+) -> None:
+    wd = make_workdir(tmp_path / "b")
+    smk(wd, f"results/{RUN}/prompts/summary.json")
+    bad = run_dir(wd) / "prompts/chunk-00001.parquet"
+    good_bytes = bad.read_bytes()
+    bad.write_bytes(b"this is not a parquet file")
+
+    failed = smk(wd, "--keep-going", check=False)
+    assert failed.returncode != 0
+    assert shard_path(wd, 0).is_file() and shard_path(wd, 2).is_file() and not shard_path(wd, 1).exists()
+    assert [p.name for p in (run_dir(wd) / "shards").iterdir() if p.name.endswith(".tmp")] == []  # no partial shard
+    assert (run_dir(wd) / "validation/chunk-00002.json").is_file() and not (run_dir(wd) / "dataset.json").exists()
+    log = (wd / "logs" / RUN / "extract/chunk-00001.log").read_text()
+    assert "chunk-00001.parquet: cannot read the prompts parquet" in log
+    kept = {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 2)}
+
+    bad.write_bytes(good_bytes)
+    plan = job_counts(smk(wd, "-n").stdout)
+    assert plan == {"extract": 1, "validate": 1, "stats": 1, "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1,
+            "all": 1}
+    smk(wd)
+    assert {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 2)} == kept
+    assert json.loads((run_dir(wd) / "dataset.json").read_text())["all_valid"] is True
+
+    # The same config (own tiny model, own prepare) gives the same samples as the full run.
+    full_run = full_run_started.result()
+    a, b = find_shards(run_dir(full_run)), find_shards(run_dir(wd))
+    assert [p.name for p in a] == [p.name for p in b]
+    for pa, pb in zip(a, b, strict=True):
+        ra, rb = ShardReader(pa), ShardReader(pb)
+        assert ra.sample_ids == rb.sample_ids
+        for k in range(len(ra)):
+            sa, sb = ra[k], rb[k]
+            assert torch.equal(sa["input_ids"], sb["input_ids"]) and torch.equal(sa["loss_mask"], sb["loss_mask"])
+            assert all(torch.equal(x, y) for x, y in zip(sa["hidden_states"], sb["hidden_states"], strict=True))
 
 
 def test_full_run_validates(full_run: Path) -> None:
@@ -251,42 +330,6 @@ def test_report_after_run(full_run: Path) -> None:
     assert pages["Per chunk"].count("<tr><td") == N_CHUNKS
 
 
-def test_failed_chunk_reruns_alone_and_same_config_gives_same_samples(tmp_path: Path, full_run: Path) -> None:
-    wd = make_workdir(tmp_path / "b")
-    smk(wd, f"results/{RUN}/prompts/summary.json")
-    bad = run_dir(wd) / "prompts/chunk-00001.parquet"
-    good_bytes = bad.read_bytes()
-    bad.write_bytes(b"this is not a parquet file")
-
-    failed = smk(wd, "--keep-going", check=False)
-    assert failed.returncode != 0
-    assert shard_path(wd, 0).is_file() and shard_path(wd, 2).is_file() and not shard_path(wd, 1).exists()
-    assert [p.name for p in (run_dir(wd) / "shards").iterdir() if p.name.endswith(".tmp")] == []  # no partial shard
-    assert (run_dir(wd) / "validation/chunk-00002.json").is_file() and not (run_dir(wd) / "dataset.json").exists()
-    log = (wd / "logs" / RUN / "extract/chunk-00001.log").read_text()
-    assert "chunk-00001.parquet: cannot read the prompts parquet" in log
-    kept = {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 2)}
-
-    bad.write_bytes(good_bytes)
-    plan = job_counts(smk(wd, "-n").stdout)
-    assert plan == {"extract": 1, "validate": 1, "stats": 1, "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1,
-            "all": 1}
-    smk(wd)
-    assert {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 2)} == kept
-    assert json.loads((run_dir(wd) / "dataset.json").read_text())["all_valid"] is True
-
-    # The same config (own tiny model, own prepare) gives the same samples as the full run.
-    a, b = find_shards(run_dir(full_run)), find_shards(run_dir(wd))
-    assert [p.name for p in a] == [p.name for p in b]
-    for pa, pb in zip(a, b, strict=True):
-        ra, rb = ShardReader(pa), ShardReader(pb)
-        assert ra.sample_ids == rb.sample_ids
-        for k in range(len(ra)):
-            sa, sb = ra[k], rb[k]
-            assert torch.equal(sa["input_ids"], sb["input_ids"]) and torch.equal(sa["loss_mask"], sb["loss_mask"])
-            assert all(torch.equal(x, y) for x, y in zip(sa["hidden_states"], sb["hidden_states"], strict=True))
-
-
 def readme_rerun_command() -> str:
     """The shell line of the README's rerun section (deleted shard)."""
     text = (ROOT / "README.md").read_text()
@@ -322,24 +365,3 @@ def test_readme_deleted_shard_reruns_alone(tmp_path: Path, full_run: Path) -> No
     assert manifest["shards"][2]["sha256"] == sha256_file(shard_path(wd, 2))
     # the rerun wrote the same samples as the first run
     assert sha256_file(shard_path(wd, 2)) == sha256_file(shard_path(full_run, 2))
-
-
-def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:
-    wd = make_workdir(tmp_path / "c")
-    proc = smk(wd, "--config", "prompts_per_chunck=4", check=False)
-    assert proc.returncode != 0
-    assert ("prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`? "
-            "(workflow/schemas/config.schema.yaml)") in proc.stderr + proc.stdout
-    assert not (wd / "results").exists() and not (wd / "logs").exists()
-
-
-def test_aux_layer_beyond_depth_stops_before_any_job(tmp_path: Path) -> None:
-    wd = make_workdir(tmp_path / "d")
-    (wd / "config/deep.yaml").write_text("aux_layers: [1, 5, 10]\n")
-    proc = smk(wd, check=False, configfiles=("config/test.yaml", "config/deep.yaml"))
-    assert proc.returncode != 0
-    assert (
-        "aux_layers[2]: layer 10 is beyond the model's depth: the tiny model (hsextract.tinymodel) has 10 "
-        "decoder layers, so ids 0..9 are allowed"
-    ) in proc.stderr + proc.stdout
-    assert not (wd / "results").exists() and not (wd / "logs").exists()
