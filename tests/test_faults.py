@@ -21,6 +21,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -523,16 +524,21 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(prepared: Path) -> Path:
-    """The uninterrupted run of the same chunks."""
+def reference_started(prepared: Path, background: ThreadPoolExecutor) -> Future[Path]:
+    """The uninterrupted run of the same chunks, in the background: the hard-kill test's attempts (one job at
+    a time) overlap it and wait on it only to compare the samples."""
     wd = prepared.parent / "reference"
     shutil.copytree(prepared, wd, symlinks=True)
-    _wf().smk(wd, *SHARDS)
-    return wd
+
+    def run() -> Path:
+        _wf().smk(wd, *SHARDS)
+        return wd
+
+    return background.submit(run)
 
 
 @pytest.mark.slow
-def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, reference: Path) -> None:
+def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, reference_started: Future[Path]) -> None:
     wd = prepared.parent / "killed"
     shutil.copytree(prepared, wd, symlinks=True)
     rng = random.Random(KILL_SEED)
@@ -604,6 +610,7 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
     # a shard seen complete once (and not planned again) was never rewritten by a later attempt
     assert all(shard_file(wd, i).stat().st_mtime_ns == m for i, m in first_seen.items()), first_seen
     assert tmp_files(wd / f"results/{RUN}/shards") == []  # temps of killed writers are gone
+    reference = reference_started.result()
     assert [sample_digests(shard_file(wd, i)) for i in range(N_CHUNKS)] == \
            [sample_digests(shard_file(reference, i)) for i in range(N_CHUNKS)]
     nothing = _wf().smk(wd, *SHARDS, "-n")
@@ -613,9 +620,10 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
 
 
 @pytest.mark.slow
-def test_disk_full_in_an_extract_job(reference: Path) -> None:
+def test_disk_full_in_an_extract_job(reference_started: Future[Path]) -> None:
     import resource
 
+    reference = reference_started.result()
     wd = reference.parent / "diskfull"
     shutil.copytree(reference, wd, symlinks=True)
     victim = shard_file(wd, 2)
