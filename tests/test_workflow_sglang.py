@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import selected_tests_use
 from fake_sglang import HIDDEN, FakeServer, expected_states
 from test_workflow import ROOT, job_counts, make_workdir, smk
 
@@ -24,6 +27,13 @@ from hsextract.shard import ShardReader
 pytestmark = pytest.mark.slow
 
 AUX = (1, 5, 7)
+
+
+class WholeRun(NamedTuple):
+    workdir: Path
+    dump: Path
+    server: FakeServer
+    dry_run_output: str
 
 
 def test_kimi_dry_run_builds_the_server_once_and_extracts_every_chunk(tmp_path: Path) -> None:
@@ -79,34 +89,36 @@ def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int) -
     return wd
 
 
-def test_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
-    dump = tmp_path / "dump"
+@pytest.fixture(scope="module")
+def whole_run_started(tmp_path_factory: pytest.TempPathFactory, background: ThreadPoolExecutor) -> Future[WholeRun]:
+    """The whole run against one fake server (its dry run, then the run), in the background from the module's
+    first test on: the other tests of the module overlap it."""
+    tmp = tmp_path_factory.mktemp("sg-whole")
+    dump = tmp / "dump"
     dump.mkdir(mode=0o700)  # private, as the client requires of a dump directory
     srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     try:
-        wd = sg_workdir(tmp_path, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
-                                  "timeout_s: 30, retries: 1}\n", records=12, per_chunk=6)
-        counts = job_counts(smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout)
-        assert counts["extract"] == 2 and "build_patched_server" not in counts
-        smk(wd, configfiles=("config/sg.yaml",))
-    finally:
+        wd = sg_workdir(tmp, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
+                             "timeout_s: 30, retries: 1}\n", records=12, per_chunk=6)
+    except BaseException:
         srv.stop()
-    run = wd / "results/sg-test"
-    assert json.loads((run / "dataset.json").read_text())["all_valid"] is True
-    shards = find_shards(run)
-    assert len(shards) == 2
-    n = 0
-    for path in shards:
-        r = ShardReader(path)
-        assert r.metadata["engine"] == "sglang" and "hsextract plugin" in r.metadata["engine_version"]
-        assert r.metadata["final_state"] == "pre_norm"  # the default; the fake server runs that capture
-        for k in range(len(r)):
-            s = r[k]
-            want = expected_states(s["input_ids"].tolist(), len(AUX) + 1)
-            assert all(torch.equal(a, b) for a, b in zip(s["hidden_states"], want, strict=True))
-            n += 1
-    assert n > 0 and srv.n_requests >= n
-    assert not list(dump.glob("*.piece")) and not list(dump.glob("*.done"))  # the client cleaned up
+        raise
+
+    def run() -> WholeRun:
+        try:
+            dry = smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout
+            smk(wd, configfiles=("config/sg.yaml",))
+        finally:
+            srv.stop()
+        return WholeRun(wd, dump, srv, dry)
+
+    return background.submit(run)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_whole_run(request: pytest.FixtureRequest) -> None:
+    if selected_tests_use(request, "whole_run_started"):
+        request.getfixturevalue("whole_run_started")
 
 
 def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: Path) -> None:
@@ -145,3 +157,25 @@ def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: 
         a.stop()
         if b2 is not None:
             b2.stop()
+
+
+def test_whole_run_against_a_fake_sglang_server(whole_run_started: Future[WholeRun]) -> None:
+    wd, dump, srv, dry = whole_run_started.result()
+    counts = job_counts(dry)
+    assert counts["extract"] == 2 and "build_patched_server" not in counts
+    run = wd / "results/sg-test"
+    assert json.loads((run / "dataset.json").read_text())["all_valid"] is True
+    shards = find_shards(run)
+    assert len(shards) == 2
+    n = 0
+    for path in shards:
+        r = ShardReader(path)
+        assert r.metadata["engine"] == "sglang" and "hsextract plugin" in r.metadata["engine_version"]
+        assert r.metadata["final_state"] == "pre_norm"  # the default; the fake server runs that capture
+        for k in range(len(r)):
+            s = r[k]
+            want = expected_states(s["input_ids"].tolist(), len(AUX) + 1)
+            assert all(torch.equal(a, b) for a, b in zip(s["hidden_states"], want, strict=True))
+            n += 1
+    assert n > 0 and srv.n_requests >= n
+    assert not list(dump.glob("*.piece")) and not list(dump.glob("*.done"))  # the client cleaned up
