@@ -1,6 +1,7 @@
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -50,3 +51,21 @@ def selected_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
     """Whether a selected test of the requesting module uses `fixture`: background set-up starts only then."""
     return any(getattr(item, "module", None) is request.module and fixture in getattr(item, "fixturenames", ())
                for item in request.session.items)
+
+
+@pytest.fixture(scope="module")
+def scenarios_started(
+    request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Future[Any]]:
+    """The module's SCENARIOS (test name -> function of a fresh folder: the subprocess runs the test then
+    asserts on), for the selected tests, all started in the background by the first test that needs one."""
+    selected = {item.originalname for item in request.session.items
+                if getattr(item, "module", None) is request.module}
+    return {name: background.submit(run, tmp_path_factory.mktemp(name[5:35]))
+            for name, run in request.module.SCENARIOS.items() if name in selected}
+
+
+@pytest.fixture
+def scenario(request: pytest.FixtureRequest, scenarios_started: dict[str, Future[Any]]) -> Any:
+    """What this test's SCENARIOS entry returned (it ran in the background; this waits on it)."""
+    return scenarios_started[request.node.originalname].result()

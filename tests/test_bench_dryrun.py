@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
+def run_throughput_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 1000}))
@@ -27,6 +27,13 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
          "--port", str(32000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
+    return r, out, elsewhere
+
+
+def test_throughput_bench_dry_run_fills_every_part(
+    scenario: tuple[subprocess.CompletedProcess[str], Path, Path],
+) -> None:
+    r, out, elsewhere = scenario
     res = json.loads((out / "throughput.json").read_text())
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert res["errors"] == {} and res["skipped"] == {}
@@ -57,14 +64,21 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     assert "| b_capture_with_shards@8 / a_plain@8 (target >= 0.9 at 512) |" in table
 
 
-def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(tmp_path: Path) -> None:
-    """bench/gpu/run_fidelity.sh with FID_DRY=1: the GPU call's script, models, checks and files on the CPU
-    (the candidate is the transformers engine batched with padding instead of the SGLang server)."""
+def run_fidelity_script(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path / "out"
     env = dict(os.environ, FID_DRY="1", PY=sys.executable, OUT=str(out), MODELS_DIR=str(tmp_path / "models"),
                FID_N="3", PYTHONPATH=str(ROOT / "src"))
     r = subprocess.run(["bash", str(ROOT / "bench" / "gpu" / "run_fidelity.sh")], env=env, capture_output=True,
                        text=True, timeout=1800, check=False)
+    return r, out
+
+
+def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(
+    scenario: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """bench/gpu/run_fidelity.sh with FID_DRY=1: the GPU call's script, models, checks and files on the CPU
+    (the candidate is the transformers engine batched with padding instead of the SGLang server)."""
+    r, out = scenario
     log = (out / "run.log").read_text()
     assert r.returncode == 0, log[-3000:] + r.stderr[-2000:]
     assert "models: deepseek:eagle3 deepseek-fixed:eagle3 llama:dflash" in log  # the MoE model's twin added
@@ -84,10 +98,7 @@ def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(tmp
     assert md.count("PASS") == 3 and "### llama: PASS (checks: sample, aux [1, 2, 3, 4, 5])" in md
 
 
-def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -> None:
-    """fidelity.py's SGLang path (server start, final_state both, K+2 tensors per sample, shard, SpecForge export)
-    against tests/fake_sglang.py with the real plugin code: no stage fails. Its states are not a model's, so
-    the value checks fail, as they must."""
+def run_fidelity_sglang(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     models, out = tmp_path / "models", tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", HSX_DEVICE="cpu")
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "mk_models.py"), str(models), "--only", "llama"],
@@ -98,6 +109,16 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -
          "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--startup-timeout", "120",
          "--port", str(33000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=900, check=False)
+    return r, out
+
+
+def test_fidelity_sglang_path_plumbing_against_the_fake_server(
+    scenario: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """fidelity.py's SGLang path (server start, final_state both, K+2 tensors per sample, shard, SpecForge export)
+    against tests/fake_sglang.py with the real plugin code: no stage fails. Its states are not a model's, so
+    the value checks fail, as they must."""
+    r, out = scenario
     res = json.loads((out / "fidelity-f.json").read_text())
     assert "error" not in res and res.get("shard_error") is None, (res.get("error"), r.stderr[-2000:])
     assert res["plugin_marker"]["final_state"] == "both" and res["plugin_marker"]["aux_layers"] == [1, 2, 3, 4, 5]
@@ -106,13 +127,21 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -
     assert res["checks"]["right_layers_within_tol"] is False and r.returncode == 1  # fake states: checks fail
 
 
-def test_read_bench_dry_run_fills_every_store_and_worker_cell(tmp_path: Path) -> None:
-    """bench/read.py --dry: three stores of the same samples, every (cache, workers, store) cell measured."""
+def run_read_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path / "read.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--dir", str(tmp_path),
          "--out", str(out), "--md", str(tmp_path / "read.md")],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300, check=False)
+    return r, tmp_path
+
+
+def test_read_bench_dry_run_fills_every_store_and_worker_cell(
+    scenario: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """bench/read.py --dry: three stores of the same samples, every (cache, workers, store) cell measured."""
+    r, tmp_path = scenario
+    out = tmp_path / "read.json"
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["evict_method"] == "fadvise" and res["samples"] >= 2
@@ -128,3 +157,13 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(tmp_path: Path) ->
     md = (tmp_path / "read.md").read_text()
     assert "| cache | workers | ours samples/s |" in md and md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2
     assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed
+
+
+# each test's bench run, all started in the background by the first of them (conftest.scenarios_started), the
+# longest first: two at a time, they overlap
+SCENARIOS = {
+    "test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin": run_fidelity_script,
+    "test_throughput_bench_dry_run_fills_every_part": run_throughput_bench,
+    "test_fidelity_sglang_path_plumbing_against_the_fake_server": run_fidelity_sglang,
+    "test_read_bench_dry_run_fills_every_store_and_worker_cell": run_read_bench,
+}
