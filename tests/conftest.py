@@ -57,12 +57,15 @@ def selected_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
 def scenarios_started(
     request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Future[Any]]:
-    """The module's SCENARIOS (test name -> function of a fresh folder: the subprocess runs the test then
-    asserts on), for the selected tests, all started in the background by the first test that needs one."""
-    selected = {item.originalname for item in request.session.items
-                if getattr(item, "module", None) is request.module}
-    return {name: background.submit(run, tmp_path_factory.mktemp(name[5:35]))
-            for name, run in request.module.SCENARIOS.items() if name in selected}
+    """The module's SCENARIOS (test or fixture name -> function of a fresh folder: the subprocess runs a test
+    asserts on), those a selected test is or uses, all started in the background by the first test that
+    needs one."""
+    wanted: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            wanted |= {item.originalname, *getattr(item, "fixturenames", ())}
+    return {name: background.submit(run, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
+            for name, run in request.module.SCENARIOS.items() if name in wanted}
 
 
 @pytest.fixture

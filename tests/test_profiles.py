@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import subprocess
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -74,9 +75,13 @@ SLURM_EXTRACT = {"slurm_partition": "gpu", "gpu": "1", "gpu_model": "h200", "cpu
 SLURM_CPU = {"slurm_partition": "cpu", "runtime": "60", "mem_mb": "4000"}
 
 
+def run_slurm(tmp: Path) -> str:
+    return dry_run(make_workdir(tmp / "wd", TEST_CONFIG), "slurm")
+
+
 @pytest.fixture(scope="module")
-def slurm_output(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return dry_run(make_workdir(tmp_path_factory.mktemp("slurm") / "wd", TEST_CONFIG), "slurm")
+def slurm_output(scenarios_started: dict[str, Future[str]]) -> str:
+    return scenarios_started["slurm_output"].result()
 
 
 def test_slurm_dry_run_jobs_and_resources(slurm_output: str) -> None:
@@ -111,20 +116,27 @@ def test_slurm_plugin_submits_extract_with_these_flags(slurm_output: str) -> Non
         assert flag in call.split(" ") or flag in call, (flag, call)
 
 
-def test_slurm_keeps_the_rules_gpu_count(tmp_path: Path) -> None:
+def run_slurm_cpu(tmp: Path) -> str:
+    return dry_run(make_workdir(tmp / "wd", TEST_CONFIG.replace("device: cuda", "device: cpu")), "slurm")
+
+
+def test_slurm_keeps_the_rules_gpu_count(scenario: str) -> None:
     """The profile does not force GPUs: a CPU config's extract jobs ask for gpu=0."""
-    cpu_config = TEST_CONFIG.replace("device: cuda", "device: cpu")
-    out = dry_run(make_workdir(tmp_path / "wd", cpu_config), "slurm")
+    out = scenario
     assert {job["gpu"] for job in job_resources(out)["extract"]} == {"0"}
 
 
-def test_kubernetes_dry_run_jobs_and_resources(tmp_path: Path) -> None:
-    wd = make_workdir(tmp_path / "wd", TEST_CONFIG)
+def run_kubernetes(tmp: Path) -> tuple[str, Path]:
+    wd = make_workdir(tmp / "wd", TEST_CONFIG)
     # the storage (the claim in the profile): sources and reference at the config's relative paths
-    store = tmp_path / "store"
+    store = tmp / "store"
     shutil.copytree(ROOT / "data", store / "data")
     shutil.copytree(ROOT / "resources/reference", store / "resources/reference")
-    out = dry_run(wd, "kubernetes", "--default-storage-prefix", str(store))
+    return dry_run(wd, "kubernetes", "--default-storage-prefix", str(store)), store
+
+
+def test_kubernetes_dry_run_jobs_and_resources(scenario: tuple[str, Path]) -> None:
+    out, store = scenario
     assert "Using workflow specific profile profiles/kubernetes" in out
     assert job_counts(out) == JOBS
     # inputs come from the storage and outputs go back to it
@@ -214,9 +226,13 @@ def sbatch_call(raw: dict[str, str]) -> list[str]:
     return (get_submit_command(job, params) + set_gres_string(job)).split()
 
 
-def test_slurm_kimi_extract_jobs_request_the_servers_gpus(tmp_path: Path) -> None:
+def run_slurm_kimi(tmp: Path) -> str:
+    return dry_run(kimi_workdir(tmp / "wd"), "slurm", configfiles=KIMI_FILES)
+
+
+def test_slurm_kimi_extract_jobs_request_the_servers_gpus(scenario: str) -> None:
     """engine: sglang with a local server: each extract job starts a TP-8 server, so it asks for 8 GPUs."""
-    out = dry_run(kimi_workdir(tmp_path / "wd"), "slurm", configfiles=KIMI_FILES)
+    out = scenario
     res = job_resources(out)
     assert len(res["extract"]) == KIMI_RECORDS // KIMI_PER_CHUNK
     for job in res["extract"]:
@@ -228,17 +244,23 @@ def test_slurm_kimi_extract_jobs_request_the_servers_gpus(tmp_path: Path) -> Non
     assert "gpu" not in res["build_patched_server"][0] and "gpu" not in res["prepare"][0]
 
 
-def test_slurm_kimi_with_external_servers_requests_no_gpu(tmp_path: Path) -> None:
-    """sglang.servers: the extract jobs are clients of servers that run elsewhere."""
+def run_slurm_kimi_external(tmp: Path) -> tuple[str, str]:
+    """The plain dry run, and the one of profiles/README.md that drops the GPU kind."""
     extra = "sglang: {servers: ['http://10.0.0.5:30000', 'http://10.0.0.6:30000'], dump_dir: /shared/dump}\n"
-    wd = kimi_workdir(tmp_path / "wd", extra)
-    out = dry_run(wd, "slurm", configfiles=KIMI_FILES)
+    wd = kimi_workdir(tmp / "wd", extra)
+    return (dry_run(wd, "slurm", configfiles=KIMI_FILES),
+            dry_run(wd, "slurm", "--set-resources", "extract:gpu_model=''", "extract:slurm_partition=cpu",
+                    configfiles=KIMI_FILES))
+
+
+def test_slurm_kimi_with_external_servers_requests_no_gpu(scenario: tuple[str, str]) -> None:
+    """sglang.servers: the extract jobs are clients of servers that run elsewhere."""
+    out, no_gpu_kind = scenario
     res = job_resources(out)
     assert "build_patched_server" not in res
     assert {job["gpu"] for job in res["extract"]} == {"0"}
     # profiles/README.md: drop the GPU kind for such a run, and no --gpus flag is left
-    out = dry_run(wd, "slurm", "--set-resources", "extract:gpu_model=''", "extract:slurm_partition=cpu",
-                  configfiles=KIMI_FILES)
+    out = no_gpu_kind
     call = sbatch_call(job_resources(out)["extract"][0])
     assert not [flag for flag in call if flag.startswith("--gpus")], call
     assert call[call.index("-p") + 1] == "cpu"
@@ -272,10 +294,13 @@ def kubernetes_store(tmp_path: Path) -> Path:
     return store
 
 
-def test_kubernetes_kimi_extract_pods_request_the_servers_gpus(tmp_path: Path) -> None:
-    wd = kimi_workdir(tmp_path / "wd")
-    out = dry_run(wd, "kubernetes", "--default-storage-prefix", str(kubernetes_store(tmp_path)),
-                  configfiles=KIMI_FILES)
+def run_kubernetes_kimi(tmp: Path) -> str:
+    return dry_run(kimi_workdir(tmp / "wd"), "kubernetes", "--default-storage-prefix", str(kubernetes_store(tmp)),
+                   configfiles=KIMI_FILES)
+
+
+def test_kubernetes_kimi_extract_pods_request_the_servers_gpus(scenario: str) -> None:
+    out = scenario
     res = job_resources(out)
     assert len(res["extract"]) == KIMI_RECORDS // KIMI_PER_CHUNK
     for job in res["extract"]:
@@ -287,29 +312,51 @@ def test_kubernetes_kimi_extract_pods_request_the_servers_gpus(tmp_path: Path) -
     assert "nvidia.com/gpu" not in requests and tolerations == []
 
 
-def test_kubernetes_kimi_with_external_servers_requests_no_gpu(tmp_path: Path) -> None:
-    extra = "sglang: {server_url: 'http://10.0.0.5:30000', dump_dir: /shared/dump}\n"
-    wd = kimi_workdir(tmp_path / "wd", extra)
-    out = dry_run(wd, "kubernetes", "--default-storage-prefix", str(kubernetes_store(tmp_path)),
-                  configfiles=KIMI_FILES)
+def run_kubernetes_kimi_external(tmp: Path) -> str:
+    wd = kimi_workdir(tmp / "wd", "sglang: {server_url: 'http://10.0.0.5:30000', dump_dir: /shared/dump}\n")
+    return dry_run(wd, "kubernetes", "--default-storage-prefix", str(kubernetes_store(tmp)), configfiles=KIMI_FILES)
+
+
+def test_kubernetes_kimi_with_external_servers_requests_no_gpu(scenario: str) -> None:
+    out = scenario
     for job in job_resources(out)["extract"]:
         assert pod_resources(job)[0]["nvidia.com/gpu"] == "0"
 
 
-def test_readme_production_command_plans_gpu_pool_for_the_server(tmp_path: Path) -> None:
-    """README's production command, as written plus a source and a local model: the local pool it
-    gives (--resources gpu=N) holds an extract job's GPUs (Snakemake refuses a job larger than the pool)."""
+def readme_production_words() -> list[str]:
     text = (ROOT / "README.md").read_text()
     section = text[text.index("## Production"):]
-    line = re.search(r"^ {4}(snakemake --cores .*--configfile config/kimi\.yaml)\s", section, re.M)[1]
-    words = line.split()
-    assert words[:5] == ["snakemake", "--cores", "8", "--resources", "gpu=8"]
-    wd = kimi_workdir(tmp_path / "wd")
+    return re.search(r"^ {4}(snakemake --cores .*--configfile config/kimi\.yaml)\s", section, re.M)[1].split()
+
+
+def run_readme_production(tmp: Path) -> subprocess.CompletedProcess[str]:
+    wd = kimi_workdir(tmp / "wd")
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([*snakemake_cmd(), "-n", *words[1:], "config/test.yaml"], cwd=wd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([*snakemake_cmd(), "-n", *readme_production_words()[1:], "config/test.yaml"], cwd=wd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_readme_production_command_plans_gpu_pool_for_the_server(scenario: subprocess.CompletedProcess[str]) -> None:
+    """README's production command, as written plus a source and a local model: the local pool it
+    gives (--resources gpu=N) holds an extract job's GPUs (Snakemake refuses a job larger than the pool)."""
+    words = readme_production_words()
+    assert words[:5] == ["snakemake", "--cores", "8", "--resources", "gpu=8"]
+    proc = scenario
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     pool = int(words[4].split("=")[1])
     gpus = {job["gpu"] for job in job_resources(proc.stdout)["extract"]}
     assert gpus == {str(pool)} == {str(KIMI_GPUS)}
+
+
+# every dry run above, all started in the background by the first test that needs one (conftest.scenarios_started)
+SCENARIOS = {
+    "slurm_output": run_slurm,
+    "test_slurm_keeps_the_rules_gpu_count": run_slurm_cpu,
+    "test_kubernetes_dry_run_jobs_and_resources": run_kubernetes,
+    "test_slurm_kimi_extract_jobs_request_the_servers_gpus": run_slurm_kimi,
+    "test_slurm_kimi_with_external_servers_requests_no_gpu": run_slurm_kimi_external,
+    "test_kubernetes_kimi_extract_pods_request_the_servers_gpus": run_kubernetes_kimi,
+    "test_kubernetes_kimi_with_external_servers_requests_no_gpu": run_kubernetes_kimi_external,
+    "test_readme_production_command_plans_gpu_pool_for_the_server": run_readme_production,
+}
