@@ -17,6 +17,7 @@ from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
 from hsextract.configfiles import configfile_groups, earlier_configfiles
 
 PER_CHUNK = 2048  # config/kimi.yaml
+Proc = subprocess.CompletedProcess[str]
 
 
 def readme_command(prefix: str) -> list[str]:
@@ -35,7 +36,7 @@ def kimi_workdir(tmp_path: Path) -> Path:
     return wd
 
 
-def run(wd: Path, argv: list[str]) -> subprocess.CompletedProcess[str]:
+def run(wd: Path, argv: list[str]) -> Proc:
     assert argv[0] == "snakemake"
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
@@ -56,13 +57,24 @@ def test_configfile_groups() -> None:
     assert earlier_configfiles(argv, [Path("other.yaml").absolute()]) == []
 
 
-@pytest.mark.slow
-def test_readme_production_dry_run_plans_every_job(tmp_path: Path) -> None:
+README_PRODUCTION = "snakemake -n --cores 8 --configfile config/kimi.yaml"
+
+
+def run_readme_production(tmp_path: Path) -> tuple[Path, Proc, Proc]:
+    """README's production dry run as written, and its one-flag spelling."""
     wd = kimi_workdir(tmp_path)
-    argv = readme_command("snakemake -n --cores 8 --configfile config/kimi.yaml")
+    return (wd, run(wd, readme_command(README_PRODUCTION)),
+            run(wd, ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "my-sources.yaml"]))
+
+
+@pytest.mark.slow
+def test_readme_production_dry_run_plans_every_job(
+    scenario: tuple[Path, Proc, Proc],
+) -> None:
+    argv = readme_command(README_PRODUCTION)
     assert argv == ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "--configfile",
                     "my-sources.yaml"]
-    proc = run(wd, argv)
+    wd, proc, one = scenario
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     n = math.ceil(sum(1 for _ in open(wd / "data/conversations.jsonl")) / PER_CHUNK)
@@ -72,17 +84,20 @@ def test_readme_production_dry_run_plans_every_job(tmp_path: Path) -> None:
     assert "results/kimi-k25/export/speculators-v1" in out and "results/tiny-default" not in out
     assert "make_tiny_model" not in out
     # the one-flag spelling plans the same jobs
-    one = run(wd, ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "my-sources.yaml"])
     assert one.returncode == 0 and job_counts(one.stdout) == job_counts(out)
     assert not (wd / "results").exists()
 
 
-@pytest.mark.slow
-def test_untrusted_custom_tokenizer_stops_before_any_job(tmp_path: Path) -> None:
+def run_untrusted(tmp_path: Path) -> tuple[Path, Proc]:
     wd = kimi_workdir(tmp_path)
     (wd / "untrusted.yaml").write_text("trust_remote_code: false\n")
     argv = ["snakemake", "--cores", "8", "--configfile", "config/kimi.yaml", "my-sources.yaml", "untrusted.yaml"]
-    proc = run(wd, argv)
+    return wd, run(wd, argv)
+
+
+@pytest.mark.slow
+def test_untrusted_custom_tokenizer_stops_before_any_job(scenario: tuple[Path, Proc]) -> None:
+    wd, proc = scenario
     assert proc.returncode != 0
     msg = (
         "trust_remote_code: the tokenizer of kimi-config is custom code (kimi-config/tokenizer_config.json auto_map "
@@ -93,10 +108,14 @@ def test_untrusted_custom_tokenizer_stops_before_any_job(tmp_path: Path) -> None
     assert not (wd / "results").exists() and not (wd / "logs").exists()
 
 
-def test_a_misspelt_key_is_one_line_with_the_closest_key(tmp_path: Path) -> None:
+def run_misspelt(tmp_path: Path) -> Proc:
     wd = kimi_workdir(tmp_path)
     (wd / "typo.yaml").write_text("prompts_per_chunck: 512\nsglang:\n  tpp: 8\n")
-    proc = run(wd, ["snakemake", "-n", "--configfile", "config/kimi.yaml", "my-sources.yaml", "typo.yaml"])
+    return run(wd, ["snakemake", "-n", "--configfile", "config/kimi.yaml", "my-sources.yaml", "typo.yaml"])
+
+
+def test_a_misspelt_key_is_one_line_with_the_closest_key(scenario: Proc) -> None:
+    proc = scenario
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
     assert ("prompts_per_chunck: unknown key; did you mean `prompts_per_chunk`? "
@@ -125,3 +144,12 @@ def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.Mon
     assert fetched == [("moonshotai/Kimi-K2.5", "config.json")]
     assert (hub.num_layers, hub.hidden_size, hub.vocab_size, hub.source) == (
         61, 7168, 163840, "hub config of moonshotai/Kimi-K2.5")
+
+
+# the Snakemake runs above, all started in the background by the first test that needs one
+# (conftest.scenarios_started)
+SCENARIOS = {
+    "test_readme_production_dry_run_plans_every_job": run_readme_production,
+    "test_untrusted_custom_tokenizer_stops_before_any_job": run_untrusted,
+    "test_a_misspelt_key_is_one_line_with_the_closest_key": run_misspelt,
+}
