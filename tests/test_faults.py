@@ -23,11 +23,12 @@ import textwrap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 import yaml
-from conftest import make_sample, shard_metadata
+from conftest import make_sample, selected_tests_use, shard_metadata
 
 from hsextract.errors import EngineError
 from hsextract.shard import SHARD_SUFFIX, ShardReader, ShardWriter
@@ -67,7 +68,7 @@ def sample_digests(shard: Path) -> dict[str, str]:
 FSIZE_SCRIPT = textwrap.dedent("""
     import json, resource, signal, sys
     sys.path.insert(0, sys.argv[2])
-    from conftest import make_sample, shard_metadata
+    from conftest import make_sample, selected_tests_use, shard_metadata
     from hsextract.errors import ShardError
     from hsextract.shard import ShardWriter
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
@@ -537,8 +538,44 @@ def reference_started(prepared: Path, background: ThreadPoolExecutor) -> Future[
     return background.submit(run)
 
 
+DISK_LIMIT = 64 * 1024  # above every log and metadata file Snakemake writes, below a shard
+# Snakemake under a file-size limit, SIGXFSZ ignored (a write past the limit fails with EFBIG); a wrapper that
+# execs it rather than preexec_fn, which is unsafe in a process with threads (the background pool)
+SMALL_DISK = ("import os, resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+              "limit = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)); "
+              "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+class DiskFull(NamedTuple):
+    workdir: Path
+    kept: dict[int, tuple[int, str]]  # chunk -> (mtime, sha256) of the shards not redone, before the run
+    proc: subprocess.CompletedProcess[str]
+
+
+@pytest.fixture(scope="module")
+def disk_full_started(reference_started: Future[Path], background: ThreadPoolExecutor) -> Future[DiskFull]:
+    """A copy of the reference run without shard 2, rerun under a 64 kB file-size limit (in the background)."""
+
+    def run() -> DiskFull:
+        reference = reference_started.result()
+        wd = reference.parent / "diskfull"
+        shutil.copytree(reference, wd, symlinks=True)
+        shard_file(wd, 2).unlink()
+        kept = {i: (shard_file(wd, i).stat().st_mtime_ns,
+                    hashlib.sha256(shard_file(wd, i).read_bytes()).hexdigest()) for i in (0, 1)}
+        proc = subprocess.run([sys.executable, "-c", SMALL_DISK, str(DISK_LIMIT), *smk_argv(*SHARDS)], cwd=wd,
+                              env=smk_env(), capture_output=True, text=True, timeout=600)
+        return DiskFull(wd, kept, proc)
+
+    return background.submit(run)
+
+
 @pytest.mark.slow
-def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, reference_started: Future[Path]) -> None:
+def test_hard_kill_during_extraction_then_rerun_incomplete(
+    prepared: Path, reference_started: Future[Path], request: pytest.FixtureRequest
+) -> None:
+    if selected_tests_use(request, "disk_full_started"):
+        request.getfixturevalue("disk_full_started")  # the disk-full run overlaps the attempts below
     wd = prepared.parent / "killed"
     shutil.copytree(prepared, wd, symlinks=True)
     rng = random.Random(KILL_SEED)
@@ -620,24 +657,9 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(prepared: Path, refer
 
 
 @pytest.mark.slow
-def test_disk_full_in_an_extract_job(reference_started: Future[Path]) -> None:
-    import resource
-
-    reference = reference_started.result()
-    wd = reference.parent / "diskfull"
-    shutil.copytree(reference, wd, symlinks=True)
+def test_disk_full_in_an_extract_job(disk_full_started: Future[DiskFull]) -> None:
+    wd, kept, proc = disk_full_started.result()
     victim = shard_file(wd, 2)
-    victim.unlink()
-    kept = {i: (shard_file(wd, i).stat().st_mtime_ns, hashlib.sha256(shard_file(wd, i).read_bytes()).hexdigest())
-            for i in (0, 1)}
-    limit = 64 * 1024  # above every log and metadata file Snakemake writes, below a shard
-
-    def small_disk() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    proc = subprocess.run(smk_argv(*SHARDS), cwd=wd, env=smk_env(), capture_output=True, text=True, timeout=600,
-                          preexec_fn=small_disk)
     assert proc.returncode != 0
     log = (wd / f"logs/{RUN}/extract/chunk-00002.log").read_text()
     assert re.search(rf"ShardError: \S*{re.escape(SHARDS[2])}: writing failed after \d+ samples \(File too large\); "
