@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -40,27 +41,24 @@ if os.environ.get("HSX_FAIL_REGEN_CHUNK"):
 """
 
 
-def test_regeneration_runs_end_to_end_and_a_failed_chunk_reruns_alone(tmp_path: Path) -> None:
-    wd = make_workdir(tmp_path / "rg")
-    (wd / "config/regen.yaml").write_text(CONFIG)
+def test_regeneration_runs_end_to_end_and_a_failed_chunk_reruns_alone(
+    tmp_path: Path, background: ThreadPoolExecutor
+) -> None:
+    wd, fresh = make_workdir(tmp_path / "rg"), make_workdir(tmp_path / "plan")
+    for d in (wd, fresh):
+        (d / "config/regen.yaml").write_text(CONFIG)
     cfg = ("config/regen.yaml",)
-    counts = job_counts(smk(wd, "-n", configfiles=cfg).stdout)
-    assert counts["regenerate_chunk"] == 2 and counts["regenerate_concat"] == 1 and counts["extract"] == 2
+    # the plan of the project before any run, in a second copy: it overlaps the failing run below
+    planned = background.submit(smk, fresh, "-n", configfiles=cfg)
 
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(FAIL_HOOK)
-    os.environ["HSX_FAIL_REGEN_CHUNK"] = "1"
-    old_pp = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(hook), old_pp) if p)
-    try:
-        failed = smk(wd, "--keep-going", check=False, configfiles=cfg)
-    finally:
-        del os.environ["HSX_FAIL_REGEN_CHUNK"]
-        if old_pp is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old_pp
+    fail_env = {"HSX_FAIL_REGEN_CHUNK": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH")) if p)}
+    failed = smk(wd, "--keep-going", check=False, configfiles=cfg, env=fail_env)
+    counts = job_counts(planned.result().stdout)
+    assert counts["regenerate_chunk"] == 2 and counts["regenerate_concat"] == 1 and counts["extract"] == 2
     assert failed.returncode != 0
     chunks = wd / "results" / RUN / "regenerated/chunks"
     c0, c1 = chunks / "chunk-00000.jsonl", chunks / "chunk-00001.jsonl"

@@ -77,10 +77,11 @@ def make_workdir(dest: Path, config: str = TEST_CONFIG) -> Path:
 
 def smk(
     workdir: Path, *args: str, check: bool = True, configfiles: tuple[str, ...] = ("config/test.yaml",),
-    timeout: int = 900,
+    timeout: int = 900, env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """Run snakemake in `workdir`; targets and options first (--configfile takes every word after it)."""
-    env = dict(os.environ)
+    """Run snakemake in `workdir`; targets and options first (--configfile takes every word after it).
+    `env`: variables set on top of this process's (a PYTHONPATH there goes after the checkout's src)."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.run(
