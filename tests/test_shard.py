@@ -366,18 +366,21 @@ def test_fp8_mode_dequantizes_to_bf16(tmp_path):
     assert torch.equal(got["input_ids"], samples[0][0])
 
 
-def test_reader_survives_fork_and_pickle(tmp_path):
+@pytest.mark.parametrize("decode_threads", [1, 2])
+def test_reader_survives_fork_and_pickle(tmp_path, decode_threads):
     samples = [make_sample(5, seed=k) for k in range(8)]
-    r = ShardReader(write(tmp_path / "a.hss", samples))
-    r[0]  # opens the file in this process
+    r = ShardReader(write(tmp_path / "a.hss", samples), decode_threads=decode_threads)
+    r[0]  # opens the file and (decode_threads 2) starts the decode threads in this process
     clone = pickle.loads(pickle.dumps(r))
     assert_same(clone[3], *samples[3])
     from torch.utils.data import DataLoader
 
     from hsextract import open_dataset
 
-    ds = open_dataset([tmp_path / "a.hss"])
-    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    ds = open_dataset([tmp_path / "a.hss"], decode_threads=decode_threads)
+    ds[0]  # the workers are forked from a process whose decode pool has threads; theirs must start anew
+    # timeout: a worker stuck on a pool without threads fails the test instead of hanging it
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120)
     got = list(loader)
     assert len(got) == 8
     for k, s in enumerate(got):
@@ -425,3 +428,46 @@ def test_samples_read_earlier_are_not_changed_by_later_reads(tmp_path, precision
         r[i]
     assert torch.equal(first["input_ids"], kept["input_ids"]) and torch.equal(first["loss_mask"], kept["loss_mask"])
     assert all(torch.equal(a, b) for a, b in zip(first["hidden_states"], kept["hidden_states"], strict=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_decode_threads_give_the_same_samples(tmp_path, precision):
+    samples = [make_sample(n, seed=k) for k, n in enumerate((7, 30, 1, 12))]
+    path = write(tmp_path / "a.hss", samples, precision=precision)
+    one, three = ShardReader(path), ShardReader(path, decode_threads=3)
+    for k in (2, 0, 3, 1):
+        a, b = one[k], three[k]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True))
+        if precision == "bf16":
+            assert_same(b, *samples[k])
+
+
+def test_decode_threads_report_a_frame_that_fails_in_a_decode_thread(tmp_path, monkeypatch):
+    import zstandard as zstd
+
+    samples = [make_sample(6, seed=k) for k in range(3)]
+    path = write(tmp_path / "a.hss", samples)
+    real = zstd.ZstdDecompressor
+
+    class FailsOffMainThread:  # hidden tensors decode on the pool's threads, ids and mask on the caller's
+        def __init__(self):
+            self.d = real()
+
+        def decompress(self, data, **kw):
+            if threading.current_thread() is not threading.main_thread():
+                raise zstd.ZstdError("simulated")
+            return self.d.decompress(data, **kw)
+
+    monkeypatch.setattr(zstd, "ZstdDecompressor", FailsOffMainThread)
+    r = ShardReader(path, decode_threads=2)
+    with pytest.raises(CorruptShardError, match=r"sample 1: frame does not decode \(simulated\)") as e:
+        r[1]
+    assert str(path) in str(e.value) and e.value.sample == 1
+
+
+def test_decode_threads_must_be_a_positive_integer(tmp_path):
+    path = write(tmp_path / "a.hss", [make_sample(3)])
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ShardError, match=f"decode_threads {bad!r}: must be an integer >= 1"):
+            ShardReader(path, decode_threads=bad)
