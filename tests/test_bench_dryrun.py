@@ -107,11 +107,12 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(tmp_path: Path) -
 
 
 def test_read_bench_dry_run_fills_every_store_and_worker_cell(tmp_path: Path) -> None:
-    """bench/read.py --dry: three stores of the same samples, every (cache, workers, store) cell measured."""
+    """bench/read.py --dry: three stores of the same samples (ours read two ways), every (cache, workers, store)
+    cell measured."""
     out = tmp_path / "read.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--dir", str(tmp_path),
-         "--out", str(out), "--md", str(tmp_path / "read.md")],
+        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--decode-threads", "3",
+         "--dir", str(tmp_path), "--out", str(out), "--md", str(tmp_path / "read.md")],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300, check=False)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
@@ -121,10 +122,13 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(tmp_path: Path) ->
     for by_w in res["cells"].values():
         assert sorted(by_w) == ["1", "2"]
         for row in by_w.values():
-            assert sorted(row) == [".pt", "ours", "safetensors"]
+            assert list(row) == ["ours", "ours t3", ".pt", "safetensors"]
             assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
     assert abs(sum(res["profile"]["split"].values()) - 1) < 1e-9 and res["profile"]["split"]["zstd decompress"] > 0
-    assert all(v > 0 for by in res["before_after"].values() for v in by.values())
+    assert sorted(res["decode_threads"]) == ["1", "2", "3"]
+    assert all(v["samples_s"] > 0 and v["samples_per_cpu_s"] > 0 for v in res["decode_threads"].values())
     md = (tmp_path / "read.md").read_text()
-    assert "| cache | workers | ours samples/s |" in md and md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2
+    head = "| cache | workers | ours GB/s | ours t3 GB/s | .pt GB/s | safetensors GB/s | ours / .pt | ours t3 / .pt |"
+    assert head in md
+    assert md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2 and "| decode_threads |" in md
     assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed

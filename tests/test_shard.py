@@ -95,16 +95,16 @@ def test_threads_give_identical_bytes(tmp_path):
 def test_failing_background_encode_leaves_no_shard(tmp_path, monkeypatch):
     """An error inside a worker thread surfaces from add()/close() and no shard or temp file remains."""
     w = ShardWriter(tmp_path / "a.hss", shard_metadata(), threads=2)
-    real = w._encode
+    real = w._encode_piece
     calls = []
 
-    def flaky(tensors):
+    def flaky(piece, t):  # the 8th tensor encoded: one of sample 1's, on a pool thread
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 8:
             raise MemoryError("simulated")
-        return real(tensors)
+        return real(piece, t)
 
-    monkeypatch.setattr(w, "_encode", flaky)
+    monkeypatch.setattr(w, "_encode_piece", flaky)
     with pytest.raises(MemoryError, match="simulated"):
         with w:
             for k in range(6):
@@ -159,13 +159,14 @@ def slow_disk(w: ShardWriter, delay_s: float = 0.05) -> ShardWriter:
 def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, monkeypatch):
     # Lower bounds only: each sleep is a minimum, and a loaded machine only adds to the waits.
     samples = [make_sample(5, seed=k) for k in range(8)]
-    real_encode = ShardWriter._encode
-    monkeypatch.setattr(ShardWriter, "_encode", lambda self, t: (time.sleep(0.1), real_encode(self, t))[1])
+    real_encode = ShardWriter._encode_piece
+    monkeypatch.setattr(ShardWriter, "_encode_piece",
+                        lambda self, p, t: (time.sleep(0.1 / 6), real_encode(self, p, t))[1])  # 6 tensors a sample
     with ShardWriter(tmp_path / "slow-encoder.hss", shard_metadata(), threads=2) as w:
         for sample in samples:
             w.add(*sample)
         enc = w.close()
-    monkeypatch.setattr(ShardWriter, "_encode", real_encode)
+    monkeypatch.setattr(ShardWriter, "_encode_piece", real_encode)
 
     with slow_disk(ShardWriter(tmp_path / "slow-disk.hss", shard_metadata(), threads=2)) as w:
         for sample in samples[:4]:
