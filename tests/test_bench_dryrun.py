@@ -21,8 +21,8 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}")
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sglang_throughput.py"), "--model", str(model), "--server-module",
-         "fake_sglang", "--skip-hf", "--lens", "64", "--n", "24", "--aux", "0", "1", "2", "--concurrency", "4",
-         "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out),
+         "fake_sglang", "--skip-hf", "--lens", "64", "32", "--n", "24", "16", "--aux", "0", "1", "2",
+         "--concurrency", "4", "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out),
          "--state", str(tmp_path / "state"),
          "--port", str(32000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
@@ -53,8 +53,12 @@ def test_throughput_bench_dry_run_fills_every_part(tmp_path: Path) -> None:
     assert set(tl) >= {"slot_wait", "http", "write", "marker_after_answer", "collect_after_marker"}
     assert 0 < tl["last_answered_s"] <= tl["last_collected_s"] <= tl["last_yielded_s"] < b["wall_s"] + 1
     assert len(json.loads((out / "timelines" / "b_capture_with_shards-64.json").read_text())) == 2 * 24
+    for name in ("b_capture_with_shards/t2#2", "b0_capture_no_shards#2", "a_plain#2"):  # repeats at every length
+        assert sorted(runs[name]) == ["32", "64"]
     table = (out / "throughput.md").read_text()
     assert "| b_capture_with_shards@8 / a_plain@8 (target >= 0.9 at 512) |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| (b)/(a), every repeat"))
+    assert row.count("2 x 2 runs") == 2  # (b) twice (t2, t2#2), (a) twice, at both lengths
 
 
 def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(tmp_path: Path) -> None:
