@@ -17,6 +17,7 @@ from conftest import make_sample, shard_metadata
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard import format as fmt
+from hsextract.shard import reader as reader_module
 
 
 def bits(t):
@@ -257,7 +258,11 @@ def test_no_pickle_in_shard(tmp_path):
     assert data[:8] == b"HSXSHARD" and data[-8:] == b"HSXSEND\0"
 
 
-def test_every_flipped_byte_is_an_error(tmp_path):
+@pytest.mark.parametrize("decode_threads", [1, 3])
+def test_every_flipped_byte_is_an_error(tmp_path, monkeypatch, decode_threads):
+    # decode_threads 3: records read in parallel slices (every record, here) and the payload checked while
+    # the hidden tensors decode
+    monkeypatch.setattr(reader_module, "PARALLEL_READ_MIN", 0)
     samples = [make_sample(6, seed=k) for k in range(3)]
     path = write(tmp_path / "a.hss", samples)
     good = path.read_bytes()
@@ -271,7 +276,7 @@ def test_every_flipped_byte_is_an_error(tmp_path):
         data[pos] ^= 1 << rng.randrange(8)
         bad.write_bytes(bytes(data))
         with pytest.raises(ShardError) as e:
-            r = ShardReader(bad)
+            r = ShardReader(bad, decode_threads=decode_threads)
             for i in range(len(r)):
                 r[i]
         msg = str(e.value)
@@ -432,7 +437,8 @@ def test_samples_read_earlier_are_not_changed_by_later_reads(tmp_path, precision
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
-def test_decode_threads_give_the_same_samples(tmp_path, precision):
+def test_decode_threads_give_the_same_samples(tmp_path, monkeypatch, precision):
+    monkeypatch.setattr(reader_module, "PARALLEL_READ_MIN", 0)  # every record read in parallel slices
     samples = [make_sample(n, seed=k) for k, n in enumerate((7, 30, 1, 12))]
     path = write(tmp_path / "a.hss", samples, precision=precision)
     one, three = ShardReader(path), ShardReader(path, decode_threads=3)

@@ -22,6 +22,7 @@ from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
 
 Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
+PARALLEL_READ_MIN = 8 << 20  # with decode threads, records from this size are read in slices in parallel
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # decode threads by pool size, shared by every reader of this process
 _POOLS_LOCK = threading.Lock()
@@ -213,22 +214,24 @@ class ShardReader:
         """The index columns (read-only view: do not modify)."""
         return self._index
 
-    def _record(self, i: int) -> memoryview:
-        """Record i read and checked, in this thread's record buffer: valid until its next _record call."""
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
-        i %= n
+    def _record(self, i: int, pool: ThreadPoolExecutor | None = None) -> memoryview:
+        """Record i read, its header checked (not yet its payload: _check_payload), in this thread's record
+        buffer: valid until its next _record call. With a pool, slices of a large record are read in parallel."""
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
         rec = self._record_buffer(rlen)
-        got = self._read_into(rec, off)
+        if pool is None or rlen < PARALLEL_READ_MIN:
+            got = self._read_into(rec, off)
+        else:
+            step = -(-rlen // self.decode_threads)
+            got = sum(pool.map(lambda a: self._read_into(rec[a:a + step], off + a), range(0, rlen, step)))
         if got != rlen:
             raise self._corrupt(i, f"record cut short: {got} of {rlen} bytes")
         self._check_record_header(i, rec)
-        payload = rec[fmt.RECORD.size:]
-        if fmt.payload_hash(payload) != self._index["payload_xxh3"][i]:
-            raise self._corrupt(i, "checksum mismatch")
         return rec
+
+    def _check_payload(self, i: int, rec: memoryview) -> None:
+        if fmt.payload_hash(rec[fmt.RECORD.size:]) != self._index["payload_xxh3"][i]:
+            raise self._corrupt(i, "checksum mismatch")
 
     def _check_record_header(self, i: int, rec: bytes | memoryview) -> None:
         magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
@@ -295,20 +298,29 @@ class ShardReader:
         t = torch.from_numpy(join_planes(planes, piece["planes"], nbytes)).view(DTYPES[piece["dtype"]])
         return t if piece["width"] == 1 else t.view(seq, piece["width"])
 
-    def _decode(self, i: int, rec: bytes | memoryview) -> Sample:
-        frames = self._frames(i, memoryview(rec)[fmt.RECORD.size:])
+    def _decode(self, i: int, rec: memoryview, pool: ThreadPoolExecutor | None = None) -> Sample:
+        """The sample of record i, its header already checked. Serially: payload checksum, then decode. With a
+        pool: the hidden tensors decode on it while this thread checks the payload checksum and decodes ids
+        and mask; nothing is returned unless the checksum matches (decoding unchecked bytes is safe: frame
+        sizes were parsed and bounded first)."""
+        if pool is None:
+            self._check_payload(i, rec)
+        try:
+            frames = self._frames(i, rec[fmt.RECORD.size:])
+        except CorruptShardError:
+            self._check_payload(i, rec)  # a damaged payload says so first, as on the serial path
+            raise
         seq = self._index["seq_lens"][i]
         jobs = []
         fi = 0
         for piece in self._pieces:
             jobs.append((piece, frames[fi:fi + piece["planes"]]))
             fi += piece["planes"]
-        if self.decode_threads > 1:
-            # ids and mask (pieces 0 and 1) are small: this thread decodes them while the pool takes the rest;
-            # every future is waited for before returning, as the frames point into this thread's record buffer
-            pool = _decode_pool(self.decode_threads)
+        if pool is not None:
+            # every future is waited for before returning: the frames point into this thread's record buffer
             futures = [pool.submit(self._decode_piece, i, p, f, seq) for p, f in jobs[2:]]
             try:
+                self._check_payload(i, rec)  # a damaged record is reported as such, whatever its frames do
                 head = [self._decode_piece(i, p, f, seq) for p, f in jobs[:2]]
             finally:
                 wait(futures)
@@ -322,8 +334,12 @@ class ShardReader:
 
     def __getitem__(self, i: int) -> Sample:
         i = int(i)
-        rec = self._record(i)
-        return self._decode(i % len(self), rec)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
+        i %= n
+        pool = _decode_pool(self.decode_threads) if self.decode_threads > 1 else None
+        return self._decode(i, self._record(i, pool), pool)
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
         """All samples in order, read and decoded ahead by a small thread pool."""
