@@ -179,9 +179,10 @@ class ShardWriter:
                               for f in self._encode_piece(piece, t)])
 
     def _submit(self, tensors: list[torch.Tensor]) -> Future[tuple[list[bytes], int]]:
-        """Encode a record's tensors as separate tasks: the last sample of a shard then takes one tensor's
-        time, not four tensors' on one thread, before close() can finish (a 2048-token sample at hidden
-        7168 took ~0.3 s). The task that finishes last builds the payload; no task waits for another."""
+        """Encode a record's tensors as separate tasks: the last samples of a shard then take one tensor's
+        time, not a whole sample's on one thread, before close() can finish (SGLang throughput at 2048
+        tokens, runs on different hosts: waits for encoding 0.1 s per part before, 0.0 s after). The task
+        that finishes last builds the payload; no task waits for another."""
         done: Future[tuple[list[bytes], int]] = Future()
         frames: list[list[bytes] | None] = [None] * len(tensors)
         left = [len(tensors)]
