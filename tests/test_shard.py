@@ -18,6 +18,7 @@ from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard import format as fmt
 from hsextract.shard import reader as reader_module
+from hsextract.shard.codec import dequantize_fp8, quantize_fp8
 
 
 def bits(t):
@@ -80,32 +81,38 @@ def test_ten_thousand_samples_random_access_equals_sequential(tmp_path):
         r[10_000]
 
 
-def test_threads_give_identical_bytes(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_threads_give_identical_bytes(tmp_path, precision):
     # 12 samples of varied lengths: more than the 4 the 3-thread writer encodes ahead (pipelined), so
     # records finishing out of order must still land in call order
     samples = [make_sample(1 + 17 * (k % 5), seed=k) for k in range(12)]
-    a = write(tmp_path / "a.hss", samples, threads=1).read_bytes()
-    b = write(tmp_path / "b.hss", samples, threads=3).read_bytes()
+    a = write(tmp_path / "a.hss", samples, threads=1, precision=precision).read_bytes()
+    b = write(tmp_path / "b.hss", samples, threads=3, precision=precision).read_bytes()
     assert a == b
     r = ShardReader(tmp_path / "b.hss")
     assert r.sample_ids == [f"s{k}" for k in range(12)]
     for k, (ids, hs, mask) in enumerate(samples):
-        assert_same(r[k], ids, hs, mask)
+        if precision == "bf16":
+            assert_same(r[k], ids, hs, mask)
+        else:  # quantized by the encoding threads: exactly what quantize + dequantize give
+            got = r[k]["hidden_states"]
+            assert all(torch.equal(bits(g), bits(dequantize_fp8(*quantize_fp8(h), torch.bfloat16)))
+                       for g, h in zip(got, hs, strict=True))
 
 
 def test_failing_background_encode_leaves_no_shard(tmp_path, monkeypatch):
     """An error inside a worker thread surfaces from add()/close() and no shard or temp file remains."""
     w = ShardWriter(tmp_path / "a.hss", shard_metadata(), threads=2)
-    real = w._encode_piece
+    real = w._encode_unit
     calls = []
 
-    def flaky(piece, t):  # the 8th tensor encoded: one of sample 1's, on a pool thread
+    def flaky(unit, t):  # the 8th tensor encoded: one of sample 1's, on a pool thread
         calls.append(1)
         if len(calls) == 8:
             raise MemoryError("simulated")
-        return real(piece, t)
+        return real(unit, t)
 
-    monkeypatch.setattr(w, "_encode_piece", flaky)
+    monkeypatch.setattr(w, "_encode_unit", flaky)
     with pytest.raises(MemoryError, match="simulated"):
         with w:
             for k in range(6):
@@ -160,14 +167,14 @@ def slow_disk(w: ShardWriter, delay_s: float = 0.05) -> ShardWriter:
 def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, monkeypatch):
     # Lower bounds only: each sleep is a minimum, and a loaded machine only adds to the waits.
     samples = [make_sample(5, seed=k) for k in range(8)]
-    real_encode = ShardWriter._encode_piece
-    monkeypatch.setattr(ShardWriter, "_encode_piece",
-                        lambda self, p, t: (time.sleep(0.1 / 6), real_encode(self, p, t))[1])  # 6 tensors a sample
+    real_encode = ShardWriter._encode_unit
+    monkeypatch.setattr(ShardWriter, "_encode_unit",
+                        lambda self, u, t: (time.sleep(0.1 / 6), real_encode(self, u, t))[1])  # 6 tensors a sample
     with ShardWriter(tmp_path / "slow-encoder.hss", shard_metadata(), threads=2) as w:
         for sample in samples:
             w.add(*sample)
         enc = w.close()
-    monkeypatch.setattr(ShardWriter, "_encode_piece", real_encode)
+    monkeypatch.setattr(ShardWriter, "_encode_unit", real_encode)
 
     with slow_disk(ShardWriter(tmp_path / "slow-disk.hss", shard_metadata(), threads=2)) as w:
         for sample in samples[:4]:
@@ -478,3 +485,21 @@ def test_decode_threads_must_be_a_positive_integer(tmp_path):
     for bad in (0, -1, 1.5, "2"):
         with pytest.raises(ShardError, match=f"decode_threads {bad!r}: must be an integer >= 1"):
             ShardReader(path, decode_threads=bad)
+
+
+def test_fp8_dequantize_table_equals_torch_conversion_for_every_bit_pattern():
+    """The lookup table stands in for torch's float8 -> float32 conversion: all 256 patterns (NaN, subnormals,
+    -0, the extremes), times per-row scales, rounded to each output dtype."""
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).repeat(4, 1)
+    scale = torch.tensor([1.0, 3.0e-5, 7.25, 1.0e4], dtype=torch.float32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = (q.float() * scale[:, None]).to(dtype)
+        got = dequantize_fp8(q, scale, dtype)
+        assert got.dtype == dtype and torch.equal(bits(got), bits(want))
+
+
+def test_fp8_quantize_leaves_a_float32_input_unchanged():
+    x = torch.randn(5, 16) * 100
+    kept = x.clone()
+    q, scale = quantize_fp8(x)
+    assert torch.equal(x, kept) and q.dtype == torch.float8_e4m3fn and scale.shape == (5,)

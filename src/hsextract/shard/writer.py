@@ -118,10 +118,13 @@ class ShardWriter:
         self.metadata = _check_metadata(metadata, precision)
         self.metadata["codec"] = {"name": "zstd-byteplane", "level": level}
         self._codec = Codec(level=level, threads=threads)
-        self._pieces = fmt.piece_layout(self.metadata)
+        # the pieces each input tensor becomes: ids, mask, then per hidden state its values (and under fp8
+        # its per-token scales, quantized by the encoding task, off the caller's thread)
+        pieces = fmt.piece_layout(self.metadata)
+        step = 2 if precision == "fp8_e4m3" else 1
+        self._units = [pieces[:1], pieces[1:2], *(pieces[k:k + step] for k in range(2, len(pieces), step))]
         self._out_dtype = DTYPES[self.metadata["dtype"]]
         self._hidden = self.metadata["hidden_size"]
-        self._fp8 = precision == "fp8_e4m3"
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hsx-enc") if threads > 1 else None
         self._pending: deque[tuple[int, Future[tuple[list[bytes], int]]]] = deque()
@@ -155,15 +158,19 @@ class ShardWriter:
                              self._codec.low_plane_compressor())
         return self._local.c
 
-    def _encode_piece(self, piece: dict[str, Any], t: torch.Tensor) -> list[bytes]:
-        """The frames of one tensor of a record. Runs on any thread."""
+    def _encode_unit(self, pieces: list[dict[str, Any]], t: torch.Tensor) -> list[bytes]:
+        """The frames of one input tensor of a record (under fp8: of its values and scales). Runs on any thread."""
         whole, top_plane, low_plane = self._compressors()
-        raw = to_bytes(t)
-        if piece["planes"] == 1:
-            return [whole.compress(raw)]
-        top = piece["planes"] - 1  # little endian: the last plane holds sign and exponent
-        return [(top_plane if k == top else low_plane).compress(p)
-                for k, p in enumerate(split_planes(raw, piece["planes"]))]
+        frames: list[bytes] = []
+        for piece, x in zip(pieces, quantize_fp8(t) if len(pieces) == 2 else (t,), strict=True):
+            raw = to_bytes(x)
+            if piece["planes"] == 1:
+                frames.append(whole.compress(raw))
+                continue
+            top = piece["planes"] - 1  # little endian: the last plane holds sign and exponent
+            frames.extend((top_plane if k == top else low_plane).compress(p)
+                          for k, p in enumerate(split_planes(raw, piece["planes"])))
+        return frames
 
     @staticmethod
     def _payload(frames: list[bytes]) -> tuple[list[bytes], int]:
@@ -175,8 +182,8 @@ class ShardWriter:
         return [table, *frames], hasher.intdigest()
 
     def _encode(self, tensors: list[torch.Tensor]) -> tuple[list[bytes], int]:
-        return self._payload([f for piece, t in zip(self._pieces, tensors, strict=True)
-                              for f in self._encode_piece(piece, t)])
+        return self._payload([f for unit, t in zip(self._units, tensors, strict=True)
+                              for f in self._encode_unit(unit, t)])
 
     def _submit(self, tensors: list[torch.Tensor]) -> Future[tuple[list[bytes], int]]:
         """Encode a record's tensors as separate tasks: the last samples of a shard then take one tensor's
@@ -188,9 +195,9 @@ class ShardWriter:
         left = [len(tensors)]
         lock = threading.Lock()
 
-        def piece_task(k: int, piece: dict[str, Any], t: torch.Tensor) -> None:
+        def unit_task(k: int, unit: list[dict[str, Any]], t: torch.Tensor) -> None:
             try:
-                got = self._encode_piece(piece, t)
+                got = self._encode_unit(unit, t)
                 with lock:
                     frames[k] = got
                     left[0] -= 1
@@ -203,8 +210,8 @@ class ShardWriter:
                         done.set_exception(e)
 
         assert self._pool is not None
-        for k, (piece, t) in enumerate(zip(self._pieces, tensors, strict=True)):
-            self._pool.submit(piece_task, k, piece, t)
+        for k, (unit, t) in enumerate(zip(self._units, tensors, strict=True)):
+            self._pool.submit(unit_task, k, unit, t)
         return done
 
     def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
@@ -228,10 +235,7 @@ class ShardWriter:
                     f"{where}: hidden_states[{k}] is {dtype_name(h.dtype) if h.dtype in DTYPES.values() else h.dtype} "
                     f"{tuple(h.shape)}, expected {self.metadata['dtype']} ({seq}, {self._hidden})"
                 )
-            if self._fp8:
-                out.extend(quantize_fp8(h))
-            else:
-                out.append(h)
+            out.append(h)
         return out
 
     # -- public API -----------------------------------------------------------------------
