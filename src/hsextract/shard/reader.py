@@ -311,26 +311,32 @@ class ShardReader:
             self._check_payload(i, rec)  # a damaged payload says so first, as on the serial path
             raise
         seq = self._index["seq_lens"][i]
-        jobs = []
+        # one unit per returned tensor: ids, mask, then each hidden state (under fp8: its values and scales)
+        jobs: list[list[tuple[dict[str, Any], list[memoryview]]]] = []
         fi = 0
         for piece in self._pieces:
-            jobs.append((piece, frames[fi:fi + piece["planes"]]))
+            job = (piece, frames[fi:fi + piece["planes"]])
             fi += piece["planes"]
+            if piece["name"].endswith(".scale"):
+                jobs[-1].append(job)
+            else:
+                jobs.append([job])
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
-            futures = [pool.submit(self._decode_piece, i, p, f, seq) for p, f in jobs[2:]]
+            futures = [pool.submit(self._decode_unit, i, unit, seq) for unit in jobs[2:]]
             try:
                 self._check_payload(i, rec)  # a damaged record is reported as such, whatever its frames do
-                head = [self._decode_piece(i, p, f, seq) for p, f in jobs[:2]]
+                head = [self._decode_unit(i, unit, seq) for unit in jobs[:2]]
             finally:
                 wait(futures)
             tensors = head + [f.result() for f in futures]
         else:
-            tensors = [self._decode_piece(i, p, f, seq) for p, f in jobs]
-        hidden = tensors[2:]
-        if self.metadata["precision"] == "fp8_e4m3":
-            hidden = [dequantize_fp8(q, s, self._out_dtype) for q, s in zip(hidden[0::2], hidden[1::2], strict=True)]
-        return {"input_ids": tensors[0], "hidden_states": hidden, "loss_mask": tensors[1]}
+            tensors = [self._decode_unit(i, unit, seq) for unit in jobs]
+        return {"input_ids": tensors[0], "hidden_states": tensors[2:], "loss_mask": tensors[1]}
+
+    def _decode_unit(self, i: int, unit: list[tuple[dict[str, Any], list[memoryview]]], seq: int) -> torch.Tensor:
+        got = [self._decode_piece(i, piece, frames, seq) for piece, frames in unit]
+        return dequantize_fp8(got[0], got[1], self._out_dtype) if len(got) == 2 else got[0]
 
     def __getitem__(self, i: int) -> Sample:
         i = int(i)
