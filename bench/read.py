@@ -58,7 +58,6 @@ from hsextract.export import export
 from hsextract.shard import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
-BASELINES = (".pt", "safetensors")
 N_HIDDEN = 4
 
 
