@@ -5,6 +5,8 @@ LLM-like activations (bench/codec.py's generator: per-channel log-normal scales,
 lengths drawn from 512..2048 tokens in steps of 256 until `--gb` GB of raw sample bytes. Stores:
   ours         ShardWriter shards (level 3, `--per-shard` samples per shard as the workflow's chunks), read
                through hsextract.open_dataset;
+  ours tN      the same shards, open_dataset(decode_threads=N) (`--decode-threads`, default 4): each worker
+               decodes a sample's hidden tensors on N threads;
   .pt          speculators v1: one torch.save per sample (hsextract.export "speculators-v1"), read with
                torch.load(weights_only=True, mmap=False);
   safetensors  speculators >= 0.5: one safetensors file per sample, hidden states stacked [seq, 4, H]
@@ -18,7 +20,8 @@ from the page cache and a timed epoch reads them from disk ("cold"). Dropping: `
 file of the store; the output says which was used and how much of the store stayed resident (fincore).
 Speeds: samples/s and GB/s of decoded hidden-state bytes (4 x seq x H x 2) per wall second of an epoch.
 Then one process reads our shards in a shuffled order under cProfile, and the time is split into stages:
-file read (pread), checksums (xxh3, crc32), zstd decompress, byte-plane reassembly, tensor construction.
+file read (pread), checksums (xxh3, crc32), zstd decompress, byte-plane reassembly, tensor construction; and
+in one process, alternating, decode_threads 1, 2 and N: samples per wall second and per CPU second.
 
     PYTHONPATH=src python bench/read.py [--gb 1.5] [--workers 1 2 4] [--out read.json] [--write-readme]
     PYTHONPATH=src python bench/read.py --dry   # seconds: tiny samples, for tests/test_bench_dryrun.py
@@ -52,11 +55,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from hsextract.dataset import open_dataset
 from hsextract.export import export
-from hsextract.shard import ShardReader, ShardWriter
-from hsextract.shard import format as fmt
+from hsextract.shard import ShardWriter
 
 ROOT = Path(__file__).resolve().parents[1]
-STORES = ("ours", ".pt", "safetensors")
 N_HIDDEN = 4
 
 
@@ -121,13 +122,20 @@ class SafetensorsFiles(Dataset):
         return {"input_ids": d["token_ids"], "hidden_states": d["hidden_states"], "loss_mask": mask}
 
 
-def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int) -> dict[str, dict[str, Any]]:
+def threaded(threads: int) -> str:
+    return f"ours t{threads}"
+
+
+def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int,
+                 decode_threads: int) -> dict[str, dict[str, Any]]:
     shards = folder / "shards"
     write_shards(shards, lens, hidden, per_shard)
     export(shards, folder / "pt", "speculators-v1")
     export(shards, folder / "st", "speculators-safetensors")
     stores = {
         "ours": {"dataset": open_dataset(shards), "files": sorted(shards.glob("*.hss"))},
+        threaded(decode_threads): {"dataset": open_dataset(shards, decode_threads=decode_threads),
+                                   "files": sorted(shards.glob("*.hss"))},
         ".pt": {"dataset": PtFiles(folder / "pt" / "data"), "files": sorted((folder / "pt" / "data").glob("*.pt"))},
         "safetensors": {"dataset": SafetensorsFiles(folder / "st"),
                         "files": sorted((folder / "st" / "hidden_states").glob("*.safetensors"))},
@@ -147,7 +155,7 @@ def check_same_samples(stores: dict[str, dict[str, Any]], n: int) -> None:
     """The first and last sample are equal in every store, tensor by tensor (so the stores hold the same data)."""
     for i in (0, n - 1):
         ref = stores["ours"]["dataset"][i]
-        for name in STORES[1:]:
+        for name in list(stores)[1:]:
             got = stores[name]["dataset"][i]
             same = torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
             same = same and all(torch.equal(a, b) for a, b in zip(hidden_list(got), ref["hidden_states"], strict=True))
@@ -207,19 +215,19 @@ def epoch(loader: DataLoader, n: int) -> tuple[float, int]:
 def measure(stores: dict[str, dict[str, Any]], workers: list[int], method: str, repeats: int,
             n: int) -> dict[str, Any]:
     """cells[cache][workers][store]: the best of `repeats` epochs; the stores' epochs alternate, so a change of
-    load on the machine hits all three alike."""
+    load on the machine hits all of them alike."""
     cells: dict[str, Any] = {"warm": {}, "cold": {}}
-    resident: dict[str, list[int]] = {s: [] for s in STORES}
+    resident: dict[str, list[int]] = {s: [] for s in stores}
     for w in workers:
         loaders = {name: DataLoader(stores[name]["dataset"], batch_size=1, shuffle=True, num_workers=w,
                                     persistent_workers=True, generator=torch.Generator().manual_seed(w))
-                   for name in STORES}
-        for name in STORES:
+                   for name in stores}
+        for name in stores:
             epoch(loaders[name], n)  # warms the page cache and starts the workers
         best: dict[str, dict[str, tuple[float, int]]] = {"warm": {}, "cold": {}}
         for cache in best:
             for _ in range(repeats):
-                for name in STORES:
+                for name in stores:
                     if cache == "cold":
                         evict(stores[name]["files"], method)
                         left = resident_bytes(stores[name]["files"])
@@ -274,44 +282,23 @@ def profile_ours(ds: Any, n: int) -> dict[str, Any]:
             "split": {k: v / total for k, v in split.items()}}
 
 
-class FreshBytesReader(ShardReader):
-    """Our reader before it kept a record buffer per thread: each record os.pread into a fresh bytes object,
-    with the same checks; for the before/after comparison of that change in one run."""
-
-    def _record(self, i: int) -> Any:
-        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
-        rec = os.pread(self._handle(), rlen, off)
-        if len(rec) != rlen:
-            raise RuntimeError(f"{self.path}: sample {i} cut short")
-        self._check_record_header(i, rec)
-        if fmt.payload_hash(memoryview(rec)[fmt.RECORD.size:]) != self._index["payload_xxh3"][i]:
-            raise RuntimeError(f"{self.path}: sample {i} checksum mismatch")
-        return rec
-
-
-def before_after(shards: list[Path], n: int, repeats: int) -> dict[str, Any]:
-    """Samples/s of our shards from the page cache, the reader before and after the per-thread record buffer,
-    alternating, best of `repeats` + 1: in one process without a DataLoader, and through a 1-worker DataLoader."""
-    after = open_dataset(shards)
-    before = open_dataset(shards)
-    before.readers = [FreshBytesReader(p) for p in shards]
-    variants = {"before": before, "after": after}
+def decode_threads(shards: list[Path], n: int, threads: list[int], repeats: int) -> dict[str, Any]:
+    """Our shards from the page cache in one process, shuffled, by decode_threads, alternating, best of
+    `repeats` + 1: samples per wall second and per CPU second of the process (all its threads)."""
+    variants = {t: open_dataset(shards, decode_threads=t) for t in threads}
     order = list(range(n))
     random.Random(2).shuffle(order)
-    loaders = {k: DataLoader(ds, batch_size=1, shuffle=True, num_workers=1, persistent_workers=True,
-                             generator=torch.Generator().manual_seed(2)) for k, ds in variants.items()}
-    for k in variants:
-        epoch(loaders[k], n)
-    best = {how: {k: float("inf") for k in variants} for how in ("in_process", "dataloader_1_worker")}
+    for ds in variants.values():
+        ds[order[0]]  # decode threads started
+    best: dict[int, tuple[float, float]] = {t: (float("inf"), float("inf")) for t in threads}
     for _ in range(repeats + 1):
-        for k, ds in variants.items():
-            t0 = time.perf_counter()
+        for t, ds in variants.items():
+            w0, c0 = time.perf_counter(), time.process_time()
             for i in order:
                 ds[i]
-            best["in_process"][k] = min(best["in_process"][k], time.perf_counter() - t0)
-            best["dataloader_1_worker"][k] = min(best["dataloader_1_worker"][k], epoch(loaders[k], n)[0])
-    del loaders
-    return {how: {k: n / v for k, v in by.items()} for how, by in best.items()}
+            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+            best[t] = (min(best[t][0], wall), min(best[t][1], cpu))
+    return {str(t): {"samples_s": n / wall, "samples_per_cpu_s": n / cpu} for t, (wall, cpu) in best.items()}
 
 
 # -- report ---------------------------------------------------------------------------------------------------
@@ -323,6 +310,7 @@ def machine() -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     sizes = res["stores"]
+    names = list(next(iter(res["cells"]["warm"].values())))  # ours, ours tN, then the baselines
     raw = res["raw_bytes"]
     lines = [
         res["machine"] + f"; load average {res['load_before']} before, {res['load_after']} after",
@@ -336,13 +324,17 @@ def markdown(res: dict[str, Any]) -> str:
            if any(v is not None for v in res["resident_after_evict"].values()) else "")
         + f". Each cell: the best of {res.get('repeats', '?')} epochs.",
         "",
-        "| cache | workers | " + " | ".join(f"{s} samples/s | {s} GB/s" for s in STORES) + " | ours / .pt |",
-        "|---|---|" + "---|---|" * len(STORES) + "---|",
+        "GB/s of hidden states delivered by the DataLoader (samples/s in the JSON); the ratios are of samples/s.",
+        "",
+        "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | ours / .pt | "
+        + f"{names[1]} / .pt |",
+        "|---|---|" + "---|" * len(names) + "---|---|",
     ]
     for cache, by_w in res["cells"].items():
         for w, row in by_w.items():
-            cells = " | ".join(f"{row[s]['samples_s']:.2f} | {row[s]['gb_s']:.2f}" for s in STORES)
-            lines.append(f"| {cache} | {w} | {cells} | {row['ours']['samples_s'] / row['.pt']['samples_s']:.2f} |")
+            cells = " | ".join(f"{row[s]['gb_s']:.2f}" for s in names)
+            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}" for s in names[:2])
+            lines.append(f"| {cache} | {w} | {cells} | {ratios} |")
     p = res["profile"]
     lines += [
         "",
@@ -354,13 +346,13 @@ def markdown(res: dict[str, Any]) -> str:
         "|---|---|",
         *(f"| {k} | {v:.1%} |" for k, v in p["split"].items()),
         "",
-        "Reading a record into a buffer kept per thread instead of a fresh bytes object (os.pread), our shards "
-        "from the page cache, alternating, samples/s:",
+        "Our shards from the page cache in one process (no DataLoader), shuffled, by `decode_threads`:",
         "",
-        "| how | before (fresh bytes per record) | after (buffer per thread) | after / before |",
+        "| decode_threads | samples/s | samples per CPU second | speed-up |",
         "|---|---|---|---|",
-        *(f"| {how.replace('_', ' ')} | {v['before']:.2f} | {v['after']:.2f} | {v['after'] / v['before']:.2f} |"
-          for how, v in res["before_after"].items()),
+        *(f"| {t} | {v['samples_s']:.2f} | {v['samples_per_cpu_s']:.2f} | "
+          f"{v['samples_s'] / res['decode_threads']['1']['samples_s']:.2f} |"
+          for t, v in res["decode_threads"].items()),
     ]
     return "\n".join(lines)
 
@@ -378,12 +370,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "repeats": a.repeats}
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
-        stores = build_stores(folder, lens, a.hidden, a.per_shard)
-        res["stores"] = {k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()}
+        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads)
+        res["stores"] = {k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
+                         if k != threaded(a.decode_threads)}
         res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
         res.update(measure(stores, a.workers, res["evict_method"], a.repeats, len(lens)))
         res["profile"] = profile_ours(stores["ours"]["dataset"], len(lens))
-        res["before_after"] = before_after(stores["ours"]["files"], len(lens), a.repeats)
+        res["decode_threads"] = decode_threads(stores["ours"]["files"], len(lens),
+                                               sorted({1, 2, a.decode_threads}), a.repeats)
     finally:
         shutil.rmtree(folder)
     res["load_after"] = load()
@@ -399,6 +393,7 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=256, help="sample lengths are multiples of this")
     ap.add_argument("--per-shard", type=int, default=64, help="samples per shard (the workflow's prompts_per_chunk)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--decode-threads", type=int, default=4, help="decode threads per worker of the `ours tN` store")
     ap.add_argument("--repeats", type=int, default=2, help="timed epochs per cell (the best is kept)")
     ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
                     help="how to empty the page cache for the cold epochs (auto: drop_caches where permitted)")

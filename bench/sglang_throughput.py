@@ -489,18 +489,20 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             save_dump_diagnostics(h.dump_dir, dump, f"b-{cc}-{L}")
             if "d" in a.parts and cc == a.concurrency[0]:
                 bench.part("d_handmade_pt", L, partial(handmade, L, ps[: 50 if L <= 512 else 30]), need_s=30)
-        # shard writer variants at the first length and concurrency, alternated --repeats times (the GPU
+        # shard writer variants at every length, first concurrency, alternated --repeats times (the GPU
         # host's speed drifts between parts); the first variant's first run is the main (b) above
-        cc, L = first
+        cc = first[0]
         for rep in range(a.repeats):
-            for i, variant in enumerate(a.shard_threads):
-                if rep == 0 and i == 0:
-                    continue
-                name = f"{key('b_capture_with_shards', cc, a)}/t{variant.replace('/', '_')}#{rep + 1}"
-                bench.part(name, L, partial(b, L, sets[L], cc, variant, name), need_s=60)
+            for L in sets:
+                for i, variant in enumerate(a.shard_threads):
+                    if rep == 0 and i == 0:
+                        continue
+                    name = f"{key('b_capture_with_shards', cc, a)}/t{variant.replace('/', '_')}#{rep + 1}"
+                    bench.part(name, L, partial(b, L, sets[L], cc, variant, name), need_s=60)
         if a.repeats > 1:
             name = f"{key('b0_capture_no_shards', cc, a)}#2"
-            bench.part(name, L, lambda: b0(L, sets[L], cc, name), need_s=40)
+            for L in sets:
+                bench.part(name, L, partial(b0, L, sets[L], cc, name), need_s=40)
     except Exception as e:  # server start-up
         bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
         (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
@@ -570,9 +572,9 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
             if "d" in a.parts:
                 bench.part("d_one_at_a_time", L, partial(http_run, a.port, ps[: 50 if L <= 512 else 30], 1), need_s=20)
         if a.repeats > 1 and "a" in a.parts:  # the plain server again, last: how far the host drifted
-            L, ps = next(iter(sets.items()))
-            bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L,
-                       partial(http_run, a.port, ps, a.concurrency[0]), need_s=30)
+            for L, ps in sets.items():
+                bench.part(f"{key('a_plain', a.concurrency[0], a)}#2", L,
+                           partial(http_run, a.port, ps, a.concurrency[0]), need_s=30)
     finally:
         _kill(pa)
 
@@ -598,6 +600,22 @@ def table(res: dict, lens: list[int], concurrency: list[int]) -> list[str]:
             except KeyError:
                 vals.append("-")
         lines.append(f"| {num} / {den} (target >= {target} at 512) | " + " | ".join(vals) + " |")
+    # every repeat: (b) at the first --shard-threads variant and (a), first concurrency, as mean and range
+    first = res["shard_threads"][0].replace("/", "_")
+    runs_of = {"b": [k for k in R if k == "b_capture_with_shards" or k.startswith(f"b_capture_with_shards/t{first}#")],
+               "b0": [k for k in R if k.split("#")[0] == "b0_capture_no_shards"],
+               "a": [k for k in R if k.split("#")[0] == "a_plain"]}
+    for num in ("b", "b0"):
+        vals = []
+        for L in lens:
+            xs = {n: [R[k][str(L)]["tok_s"] for k in runs_of[n] if str(L) in R[k]] for n in (num, "a")}
+            if not (xs[num] and xs["a"]):
+                vals.append("-")
+                continue
+            mean = sum(xs[num]) / len(xs[num]) / (sum(xs["a"]) / len(xs["a"]))
+            vals.append(f"{mean:.3f} ({min(xs[num]) / max(xs['a']):.2f}-{max(xs[num]) / min(xs['a']):.2f}; "
+                        f"{len(xs[num])} x {len(xs['a'])} runs)")
+        lines.append(f"| ({num})/(a), every repeat: mean over mean (range) | " + " | ".join(vals) + " |")
     for kind in ("errors", "skipped"):
         for key, per in res.get(kind, {}).items():
             for L, msg in per.items():

@@ -21,8 +21,8 @@ def run_throughput_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[st
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}")
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "sglang_throughput.py"), "--model", str(model), "--server-module",
-         "fake_sglang", "--skip-hf", "--lens", "64", "--n", "24", "--aux", "0", "1", "2", "--concurrency", "4",
-         "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out),
+         "fake_sglang", "--skip-hf", "--lens", "64", "32", "--n", "24", "16", "--aux", "0", "1", "2",
+         "--concurrency", "4", "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out),
          "--state", str(tmp_path / "state"),
          "--port", str(32000 + os.getpid() % 1000)],
         env=env, capture_output=True, text=True, timeout=300, check=False,
@@ -60,8 +60,12 @@ def test_throughput_bench_dry_run_fills_every_part(
     assert set(tl) >= {"slot_wait", "http", "write", "marker_after_answer", "collect_after_marker"}
     assert 0 < tl["last_answered_s"] <= tl["last_collected_s"] <= tl["last_yielded_s"] < b["wall_s"] + 1
     assert len(json.loads((out / "timelines" / "b_capture_with_shards-64.json").read_text())) == 2 * 24
+    for name in ("b_capture_with_shards/t2#2", "b0_capture_no_shards#2", "a_plain#2"):  # repeats at every length
+        assert sorted(runs[name]) == ["32", "64"]
     table = (out / "throughput.md").read_text()
     assert "| b_capture_with_shards@8 / a_plain@8 (target >= 0.9 at 512) |" in table
+    row = next(line for line in table.splitlines() if line.startswith("| (b)/(a), every repeat"))
+    assert row.count("2 x 2 runs") == 2  # (b) twice (t2, t2#2), (a) twice, at both lengths
 
 
 def run_fidelity_script(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
@@ -130,8 +134,8 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(
 def run_read_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path / "read.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--dir", str(tmp_path),
-         "--out", str(out), "--md", str(tmp_path / "read.md")],
+        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--decode-threads", "3",
+         "--dir", str(tmp_path), "--out", str(out), "--md", str(tmp_path / "read.md")],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300, check=False)
     return r, tmp_path
 
@@ -139,7 +143,8 @@ def run_read_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Pa
 def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     scenario: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
-    """bench/read.py --dry: three stores of the same samples, every (cache, workers, store) cell measured."""
+    """bench/read.py --dry: three stores of the same samples (ours read two ways), every (cache, workers, store)
+    cell measured."""
     r, tmp_path = scenario
     out = tmp_path / "read.json"
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -150,12 +155,15 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     for by_w in res["cells"].values():
         assert sorted(by_w) == ["1", "2"]
         for row in by_w.values():
-            assert sorted(row) == [".pt", "ours", "safetensors"]
+            assert list(row) == ["ours", "ours t3", ".pt", "safetensors"]
             assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
     assert abs(sum(res["profile"]["split"].values()) - 1) < 1e-9 and res["profile"]["split"]["zstd decompress"] > 0
-    assert all(v > 0 for by in res["before_after"].values() for v in by.values())
+    assert sorted(res["decode_threads"]) == ["1", "2", "3"]
+    assert all(v["samples_s"] > 0 and v["samples_per_cpu_s"] > 0 for v in res["decode_threads"].values())
     md = (tmp_path / "read.md").read_text()
-    assert "| cache | workers | ours samples/s |" in md and md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2
+    head = "| cache | workers | ours GB/s | ours t3 GB/s | .pt GB/s | safetensors GB/s | ours / .pt | ours t3 / .pt |"
+    assert head in md
+    assert md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2 and "| decode_threads |" in md
     assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed
 
 

@@ -17,6 +17,8 @@ from conftest import make_sample, shard_metadata
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard import format as fmt
+from hsextract.shard import reader as reader_module
+from hsextract.shard.codec import dequantize_fp8, quantize_fp8
 
 
 def bits(t):
@@ -79,32 +81,38 @@ def test_ten_thousand_samples_random_access_equals_sequential(tmp_path):
         r[10_000]
 
 
-def test_threads_give_identical_bytes(tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_threads_give_identical_bytes(tmp_path, precision):
     # 12 samples of varied lengths: more than the 4 the 3-thread writer encodes ahead (pipelined), so
     # records finishing out of order must still land in call order
     samples = [make_sample(1 + 17 * (k % 5), seed=k) for k in range(12)]
-    a = write(tmp_path / "a.hss", samples, threads=1).read_bytes()
-    b = write(tmp_path / "b.hss", samples, threads=3).read_bytes()
+    a = write(tmp_path / "a.hss", samples, threads=1, precision=precision).read_bytes()
+    b = write(tmp_path / "b.hss", samples, threads=3, precision=precision).read_bytes()
     assert a == b
     r = ShardReader(tmp_path / "b.hss")
     assert r.sample_ids == [f"s{k}" for k in range(12)]
     for k, (ids, hs, mask) in enumerate(samples):
-        assert_same(r[k], ids, hs, mask)
+        if precision == "bf16":
+            assert_same(r[k], ids, hs, mask)
+        else:  # quantized by the encoding threads: exactly what quantize + dequantize give
+            got = r[k]["hidden_states"]
+            assert all(torch.equal(bits(g), bits(dequantize_fp8(*quantize_fp8(h), torch.bfloat16)))
+                       for g, h in zip(got, hs, strict=True))
 
 
 def test_failing_background_encode_leaves_no_shard(tmp_path, monkeypatch):
     """An error inside a worker thread surfaces from add()/close() and no shard or temp file remains."""
     w = ShardWriter(tmp_path / "a.hss", shard_metadata(), threads=2)
-    real = w._encode
+    real = w._encode_unit
     calls = []
 
-    def flaky(tensors):
+    def flaky(unit, t):  # the 8th tensor encoded: one of sample 1's, on a pool thread
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 8:
             raise MemoryError("simulated")
-        return real(tensors)
+        return real(unit, t)
 
-    monkeypatch.setattr(w, "_encode", flaky)
+    monkeypatch.setattr(w, "_encode_unit", flaky)
     with pytest.raises(MemoryError, match="simulated"):
         with w:
             for k in range(6):
@@ -159,13 +167,14 @@ def slow_disk(w: ShardWriter, delay_s: float = 0.05) -> ShardWriter:
 def test_summary_says_whether_encoding_or_the_disk_held_the_writer_up(tmp_path, monkeypatch):
     # Lower bounds only: each sleep is a minimum, and a loaded machine only adds to the waits.
     samples = [make_sample(5, seed=k) for k in range(8)]
-    real_encode = ShardWriter._encode
-    monkeypatch.setattr(ShardWriter, "_encode", lambda self, t: (time.sleep(0.1), real_encode(self, t))[1])
+    real_encode = ShardWriter._encode_unit
+    monkeypatch.setattr(ShardWriter, "_encode_unit",
+                        lambda self, u, t: (time.sleep(0.1 / 6), real_encode(self, u, t))[1])  # 6 tensors a sample
     with ShardWriter(tmp_path / "slow-encoder.hss", shard_metadata(), threads=2) as w:
         for sample in samples:
             w.add(*sample)
         enc = w.close()
-    monkeypatch.setattr(ShardWriter, "_encode", real_encode)
+    monkeypatch.setattr(ShardWriter, "_encode_unit", real_encode)
 
     with slow_disk(ShardWriter(tmp_path / "slow-disk.hss", shard_metadata(), threads=2)) as w:
         for sample in samples[:4]:
@@ -256,7 +265,11 @@ def test_no_pickle_in_shard(tmp_path):
     assert data[:8] == b"HSXSHARD" and data[-8:] == b"HSXSEND\0"
 
 
-def test_every_flipped_byte_is_an_error(tmp_path):
+@pytest.mark.parametrize("decode_threads", [1, 3])
+def test_every_flipped_byte_is_an_error(tmp_path, monkeypatch, decode_threads):
+    # decode_threads 3: records read in parallel slices (every record, here) and the payload checked while
+    # the hidden tensors decode
+    monkeypatch.setattr(reader_module, "PARALLEL_READ_MIN", 0)
     samples = [make_sample(6, seed=k) for k in range(3)]
     path = write(tmp_path / "a.hss", samples)
     good = path.read_bytes()
@@ -270,7 +283,7 @@ def test_every_flipped_byte_is_an_error(tmp_path):
         data[pos] ^= 1 << rng.randrange(8)
         bad.write_bytes(bytes(data))
         with pytest.raises(ShardError) as e:
-            r = ShardReader(bad)
+            r = ShardReader(bad, decode_threads=decode_threads)
             for i in range(len(r)):
                 r[i]
         msg = str(e.value)
@@ -366,18 +379,21 @@ def test_fp8_mode_dequantizes_to_bf16(tmp_path):
     assert torch.equal(got["input_ids"], samples[0][0])
 
 
-def test_reader_survives_fork_and_pickle(tmp_path):
+@pytest.mark.parametrize("decode_threads", [1, 2])
+def test_reader_survives_fork_and_pickle(tmp_path, decode_threads):
     samples = [make_sample(5, seed=k) for k in range(8)]
-    r = ShardReader(write(tmp_path / "a.hss", samples))
-    r[0]  # opens the file in this process
+    r = ShardReader(write(tmp_path / "a.hss", samples), decode_threads=decode_threads)
+    r[0]  # opens the file and (decode_threads 2) starts the decode threads in this process
     clone = pickle.loads(pickle.dumps(r))
     assert_same(clone[3], *samples[3])
     from torch.utils.data import DataLoader
 
     from hsextract import open_dataset
 
-    ds = open_dataset([tmp_path / "a.hss"])
-    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    ds = open_dataset([tmp_path / "a.hss"], decode_threads=decode_threads)
+    ds[0]  # the workers are forked from a process whose decode pool has threads; theirs must start anew
+    # timeout: a worker stuck on a pool without threads fails the test instead of hanging it
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120)
     got = list(loader)
     assert len(got) == 8
     for k, s in enumerate(got):
@@ -425,3 +441,65 @@ def test_samples_read_earlier_are_not_changed_by_later_reads(tmp_path, precision
         r[i]
     assert torch.equal(first["input_ids"], kept["input_ids"]) and torch.equal(first["loss_mask"], kept["loss_mask"])
     assert all(torch.equal(a, b) for a, b in zip(first["hidden_states"], kept["hidden_states"], strict=True))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_decode_threads_give_the_same_samples(tmp_path, monkeypatch, precision):
+    monkeypatch.setattr(reader_module, "PARALLEL_READ_MIN", 0)  # every record read in parallel slices
+    samples = [make_sample(n, seed=k) for k, n in enumerate((7, 30, 1, 12))]
+    path = write(tmp_path / "a.hss", samples, precision=precision)
+    one, three = ShardReader(path), ShardReader(path, decode_threads=3)
+    for k in (2, 0, 3, 1):
+        a, b = one[k], three[k]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        assert all(torch.equal(bits(x), bits(y)) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True))
+        if precision == "bf16":
+            assert_same(b, *samples[k])
+
+
+def test_decode_threads_report_a_frame_that_fails_in_a_decode_thread(tmp_path, monkeypatch):
+    import zstandard as zstd
+
+    samples = [make_sample(6, seed=k) for k in range(3)]
+    path = write(tmp_path / "a.hss", samples)
+    real = zstd.ZstdDecompressor
+
+    class FailsOffMainThread:  # hidden tensors decode on the pool's threads, ids and mask on the caller's
+        def __init__(self):
+            self.d = real()
+
+        def decompress(self, data, **kw):
+            if threading.current_thread() is not threading.main_thread():
+                raise zstd.ZstdError("simulated")
+            return self.d.decompress(data, **kw)
+
+    monkeypatch.setattr(zstd, "ZstdDecompressor", FailsOffMainThread)
+    r = ShardReader(path, decode_threads=2)
+    with pytest.raises(CorruptShardError, match=r"sample 1: frame does not decode \(simulated\)") as e:
+        r[1]
+    assert str(path) in str(e.value) and e.value.sample == 1
+
+
+def test_decode_threads_must_be_a_positive_integer(tmp_path):
+    path = write(tmp_path / "a.hss", [make_sample(3)])
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(ShardError, match=f"decode_threads {bad!r}: must be an integer >= 1"):
+            ShardReader(path, decode_threads=bad)
+
+
+def test_fp8_dequantize_table_equals_torch_conversion_for_every_bit_pattern():
+    """The lookup table stands in for torch's float8 -> float32 conversion: all 256 patterns (NaN, subnormals,
+    -0, the extremes), times per-row scales, rounded to each output dtype."""
+    q = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).repeat(4, 1)
+    scale = torch.tensor([1.0, 3.0e-5, 7.25, 1.0e4], dtype=torch.float32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        want = (q.float() * scale[:, None]).to(dtype)
+        got = dequantize_fp8(q, scale, dtype)
+        assert got.dtype == dtype and torch.equal(bits(got), bits(want))
+
+
+def test_fp8_quantize_leaves_a_float32_input_unchanged():
+    x = torch.randn(5, 16) * 100
+    kept = x.clone()
+    q, scale = quantize_fp8(x)
+    assert torch.equal(x, kept) and q.dtype == torch.float8_e4m3fn and scale.shape == (5,)

@@ -96,8 +96,8 @@ class HiddenStateDataset(Dataset):
     so the dataset is safe to use with DataLoader workers (fork or spawn).
     """
 
-    def __init__(self, shards: list[Path]) -> None:
-        self.readers = [ShardReader(s) for s in shards]
+    def __init__(self, shards: list[Path], *, decode_threads: int = 1) -> None:
+        self.readers = [ShardReader(s, decode_threads=decode_threads) for s in shards]
         first = self.readers[0].metadata
         for r in self.readers[1:]:
             for k in CONSISTENT_KEYS:
@@ -147,9 +147,12 @@ class HiddenStateDataset(Dataset):
 
 
 def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
-                 verify_checksums: bool = False, allow_missing: bool = False) -> HiddenStateDataset:
+                 verify_checksums: bool = False, allow_missing: bool = False,
+                 decode_threads: int = 1) -> HiddenStateDataset:
     """All samples of a run folder (as its dataset.json lists them), a shard folder, a shard or a list.
 
     A run folder's listed shards must all be present with their recorded size; `verify_checksums` also
-    compares each whole file's sha256 (reads every byte); `allow_missing` reads what is there, warning."""
-    return HiddenStateDataset(find_shards(path, verify_checksums=verify_checksums, allow_missing=allow_missing))
+    compares each whole file's sha256 (reads every byte); `allow_missing` reads what is there, warning.
+    `decode_threads`: threads that decode one sample's hidden tensors in parallel, per process (ShardReader)."""
+    return HiddenStateDataset(find_shards(path, verify_checksums=verify_checksums, allow_missing=allow_missing),
+                              decode_threads=decode_threads)

@@ -115,14 +115,21 @@ def join_planes(planes: list[bytes], itemsize: int, nbytes: int) -> np.ndarray:
     return out
 
 
+# float32 value of every float8_e4m3fn bit pattern (exact, NaN included): on the CPU a table lookup is ~3x
+# faster than torch's per-element conversion, which made fp8 reads slower than bf16 ones
+_FP8_AS_F32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+
+
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (row) scaled float8_e4m3fn: x ≈ q * scale[:, None]. All-zero rows get scale 1."""
-    xf = x.float()
+    xf = x.to(torch.float32, copy=True)  # divided in place below (fresh tensors of this size fault in slowly)
     amax = xf.abs().amax(dim=-1)
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    q = xf.div_(scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.to(torch.float32)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (q.float() * scale[:, None]).to(dtype)
+    """(q as float32 * scale[:, None]) rounded to dtype."""
+    f = torch.from_numpy(_FP8_AS_F32[q.contiguous().view(torch.uint8).numpy()])
+    return f.mul_(scale[:, None]).to(dtype)
