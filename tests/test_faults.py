@@ -68,7 +68,7 @@ def sample_digests(shard: Path) -> dict[str, str]:
 FSIZE_SCRIPT = textwrap.dedent("""
     import json, resource, signal, sys
     sys.path.insert(0, sys.argv[2])
-    from conftest import make_sample, selected_tests_use, shard_metadata
+    from conftest import make_sample, shard_metadata
     from hsextract.errors import ShardError
     from hsextract.shard import ShardWriter
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # a write past the limit fails with EFBIG
