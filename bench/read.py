@@ -7,15 +7,19 @@ lengths drawn from 512..2048 tokens in steps of 256 until `--gb` GB of raw sampl
                through hsextract.open_dataset;
   ours tN      the same shards, open_dataset(decode_threads=N) (`--decode-threads`, default 4): each worker
                decodes a sample's hidden tensors on N threads;
+  ours stream tN  the same again as open_dataset(decode_threads=N).stream(readahead=R) (`--readahead`, default
+               2): an IterableDataset that shuffles every epoch itself and decodes each worker's next R
+               samples while the loader collates the current one;
   .pt          speculators v1: one torch.save per sample (hsextract.export "speculators-v1"), read with
                torch.load(weights_only=True, mmap=False);
   safetensors  speculators >= 0.5: one safetensors file per sample, hidden states stacked [seq, 4, H]
                (hsextract.export "speculators-safetensors"), read with safetensors.torch.load_file, the
                loss mask from the export's Arrow table (read once).
-Each store is read by a DataLoader (shuffle=True, batch_size=1, default collate, persistent workers) with
-1, 2 and 4 workers (`--workers`): one untimed epoch first (it reads every file, so the page cache is warm and
-the workers are started), then a timed epoch from the page cache ("warm"), then the store's files are dropped
-from the page cache and a timed epoch reads them from disk ("cold"). Dropping: `sync` and
+Each store is read by a DataLoader (shuffle=True, batch_size=1, default collate, persistent workers; the
+stream: no shuffle argument, it shuffles itself) with 1, 2 and 4 workers (`--workers`): one untimed epoch
+first (it reads every file, so the page cache is warm and the workers are started), then a timed epoch from
+the page cache ("warm"), then the store's files are dropped from the page cache and a timed epoch reads them
+from disk ("cold"). Dropping: `sync` and
 `echo 1 > /proc/sys/vm/drop_caches` where permitted, else fsync + posix_fadvise(POSIX_FADV_DONTNEED) on every
 file of the store; the output says which was used and how much of the store stayed resident (fincore).
 Speeds: samples/s and GB/s of decoded hidden-state bytes (4 x seq x H x 2) per wall second of an epoch.
@@ -51,7 +55,7 @@ import zstandard as zstd
 from codec import cpu_name, synthetic_samples  # bench/ is the script's folder
 from safetensors.torch import load_file
 from shard_meta import placeholder_metadata  # bench/ is the script's folder
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from hsextract.dataset import open_dataset
 from hsextract.export import export
@@ -126,8 +130,12 @@ def threaded(threads: int) -> str:
     return f"ours t{threads}"
 
 
+def streamed(threads: int) -> str:
+    return f"ours stream t{threads}"
+
+
 def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int,
-                 decode_threads: int) -> dict[str, dict[str, Any]]:
+                 decode_threads: int, readahead: int) -> dict[str, dict[str, Any]]:
     shards = folder / "shards"
     write_shards(shards, lens, hidden, per_shard)
     export(shards, folder / "pt", "speculators-v1")
@@ -136,6 +144,8 @@ def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int,
         "ours": {"dataset": open_dataset(shards), "files": sorted(shards.glob("*.hss"))},
         threaded(decode_threads): {"dataset": open_dataset(shards, decode_threads=decode_threads),
                                    "files": sorted(shards.glob("*.hss"))},
+        streamed(decode_threads): {"dataset": open_dataset(shards, decode_threads=decode_threads).stream(
+                                       readahead=readahead), "files": sorted(shards.glob("*.hss"))},
         ".pt": {"dataset": PtFiles(folder / "pt" / "data"), "files": sorted((folder / "pt" / "data").glob("*.pt"))},
         "safetensors": {"dataset": SafetensorsFiles(folder / "st"),
                         "files": sorted((folder / "st" / "hidden_states").glob("*.safetensors"))},
@@ -152,10 +162,11 @@ def hidden_list(s: dict[str, Any]) -> list[torch.Tensor]:
 
 
 def check_same_samples(stores: dict[str, dict[str, Any]], n: int) -> None:
-    """The first and last sample are equal in every store, tensor by tensor (so the stores hold the same data)."""
+    """The first and last sample are equal in every map-style store, tensor by tensor (so the stores hold the same
+    data; the stream reads the shards of `ours` through the same reader)."""
     for i in (0, n - 1):
         ref = stores["ours"]["dataset"][i]
-        for name in list(stores)[1:]:
+        for name in [k for k, v in stores.items() if k != "ours" and not isinstance(v["dataset"], IterableDataset)]:
             got = stores[name]["dataset"][i]
             same = torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
             same = same and all(torch.equal(a, b) for a, b in zip(hidden_list(got), ref["hidden_states"], strict=True))
@@ -219,8 +230,9 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], method: str, 
     cells: dict[str, Any] = {"warm": {}, "cold": {}}
     resident: dict[str, list[int]] = {s: [] for s in stores}
     for w in workers:
-        loaders = {name: DataLoader(stores[name]["dataset"], batch_size=1, shuffle=True, num_workers=w,
-                                    persistent_workers=True, generator=torch.Generator().manual_seed(w))
+        loaders = {name: DataLoader(stores[name]["dataset"], batch_size=1, num_workers=w, persistent_workers=True,
+                                    **({} if isinstance(stores[name]["dataset"], IterableDataset) else
+                                       {"shuffle": True, "generator": torch.Generator().manual_seed(w)}))
                    for name in stores}
         for name in stores:
             epoch(loaders[name], n)  # warms the page cache and starts the workers
@@ -310,7 +322,8 @@ def machine() -> str:
 
 def markdown(res: dict[str, Any]) -> str:
     sizes = res["stores"]
-    names = list(next(iter(res["cells"]["warm"].values())))  # ours, ours tN, then the baselines
+    names = list(next(iter(res["cells"]["warm"].values())))  # ours, ours tN, ours stream tN, then the baselines
+    ours = [s for s in names if s.startswith("ours")]
     raw = res["raw_bytes"]
     lines = [
         res["machine"] + f"; load average {res['load_before']} before, {res['load_after']} after",
@@ -326,14 +339,14 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "GB/s of hidden states delivered by the DataLoader (samples/s in the JSON); the ratios are of samples/s.",
         "",
-        "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | ours / .pt | "
-        + f"{names[1]} / .pt |",
-        "|---|---|" + "---|" * len(names) + "---|---|",
+        "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | "
+        + " | ".join(f"{s} / .pt" for s in ours) + " |",
+        "|---|---|" + "---|" * (len(names) + len(ours)),
     ]
     for cache, by_w in res["cells"].items():
         for w, row in by_w.items():
             cells = " | ".join(f"{row[s]['gb_s']:.2f}" for s in names)
-            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}" for s in names[:2])
+            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}" for s in ours)
             lines.append(f"| {cache} | {w} | {cells} | {ratios} |")
     p = res["profile"]
     lines += [
@@ -367,12 +380,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "min_len": min(lens), "max_len": max(lens), "hidden": a.hidden,
                            "hidden_bytes": sum(lens) * N_HIDDEN * a.hidden * 2,
                            "raw_bytes": sum(lens) * (N_HIDDEN * a.hidden * 2 + 16), "workers": a.workers,
-                           "repeats": a.repeats}
+                           "repeats": a.repeats, "readahead": a.readahead}
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
-        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads)
+        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead)
         res["stores"] = {k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
-                         if k != threaded(a.decode_threads)}
+                         if k not in (threaded(a.decode_threads), streamed(a.decode_threads))}
         res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
         res.update(measure(stores, a.workers, res["evict_method"], a.repeats, len(lens)))
         res["profile"] = profile_ours(stores["ours"]["dataset"], len(lens))
@@ -393,7 +406,9 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=256, help="sample lengths are multiples of this")
     ap.add_argument("--per-shard", type=int, default=64, help="samples per shard (the workflow's prompts_per_chunk)")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--decode-threads", type=int, default=4, help="decode threads per worker of the `ours tN` store")
+    ap.add_argument("--decode-threads", type=int, default=4,
+                    help="decode threads per worker of the `ours tN` and `ours stream tN` stores")
+    ap.add_argument("--readahead", type=int, default=2, help="samples each worker of the stream decodes ahead")
     ap.add_argument("--repeats", type=int, default=2, help="timed epochs per cell (the best is kept)")
     ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
                     help="how to empty the page cache for the cold epochs (auto: drop_caches where permitted)")

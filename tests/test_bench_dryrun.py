@@ -143,7 +143,7 @@ def run_read_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Pa
 def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     scenario: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
-    """bench/read.py --dry: three stores of the same samples (ours read two ways), every (cache, workers, store)
+    """bench/read.py --dry: three stores of the same samples (ours read three ways), every (cache, workers, store)
     cell measured."""
     r, tmp_path = scenario
     out = tmp_path / "read.json"
@@ -155,13 +155,14 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     for by_w in res["cells"].values():
         assert sorted(by_w) == ["1", "2"]
         for row in by_w.values():
-            assert list(row) == ["ours", "ours t3", ".pt", "safetensors"]
+            assert list(row) == ["ours", "ours t3", "ours stream t3", ".pt", "safetensors"]
             assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
     assert abs(sum(res["profile"]["split"].values()) - 1) < 1e-9 and res["profile"]["split"]["zstd decompress"] > 0
     assert sorted(res["decode_threads"]) == ["1", "2", "3"]
     assert all(v["samples_s"] > 0 and v["samples_per_cpu_s"] > 0 for v in res["decode_threads"].values())
     md = (tmp_path / "read.md").read_text()
-    head = "| cache | workers | ours GB/s | ours t3 GB/s | .pt GB/s | safetensors GB/s | ours / .pt | ours t3 / .pt |"
+    head = ("| cache | workers | ours GB/s | ours t3 GB/s | ours stream t3 GB/s | .pt GB/s | safetensors GB/s | "
+            "ours / .pt | ours t3 / .pt | ours stream t3 / .pt |")
     assert head in md
     assert md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2 and "| decode_threads |" in md
     assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed

@@ -58,6 +58,19 @@ def test_round_trip_is_byte_exact_with_special_values(tmp_path, dtype, name):
     assert r.metadata["dtype"] == name and r.metadata["format_version"] == fmt.FORMAT_VERSION
 
 
+@pytest.mark.parametrize("itemsize", [1, 2, 4])
+def test_byte_planes_split_and_join_exactly_across_join_blocks(itemsize):
+    import numpy as np
+
+    from hsextract.shard.codec import JOIN_BLOCK, join_planes, split_planes
+
+    n = 2 * JOIN_BLOCK + 5  # two whole blocks of join_planes and a short one
+    raw = np.random.default_rng(itemsize).integers(0, 256, n * itemsize, dtype=np.uint8)
+    planes = split_planes(raw, itemsize)
+    assert [p.tobytes() for p in planes] == [raw[k::itemsize].tobytes() for k in range(itemsize)]
+    assert join_planes([p.tobytes() for p in planes], itemsize, raw.size).tobytes() == raw.tobytes()
+
+
 def test_zero_trained_tokens_and_one_token(tmp_path):
     samples = [make_sample(1), make_sample(5, trained=False)]
     r = ShardReader(write(tmp_path / "a.hss", samples))

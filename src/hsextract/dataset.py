@@ -1,4 +1,5 @@
-"""`open_dataset`: every shard of a run as one map-style torch Dataset of speculators v1 dicts."""
+"""`open_dataset`: every shard of a run as one map-style torch Dataset of speculators v1 dicts, and
+`HiddenStateDataset.stream`: the same samples as a shuffled IterableDataset that decodes ahead."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import bisect
 import json
 import os
 import sys
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import Dataset
+import numpy as np
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import ShardError
 from hsextract.shard import SHARD_SUFFIX, ShardReader
@@ -144,6 +148,80 @@ class HiddenStateDataset(Dataset):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for r in self.readers:
             yield from r.iter_samples()
+
+    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, rank: int = 0,
+               world_size: int = 1) -> SampleStream:
+        """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
+        worker decoding its next `readahead` samples on threads while the loader collates and sends the
+        current one (a map-style dataset cannot: a worker learns its next index only when it asks for it)."""
+        return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, rank=rank,
+                            world_size=world_size)
+
+
+class SampleStream(IterableDataset):
+    """A HiddenStateDataset's samples, each exactly once per epoch, in a random permutation drawn from
+    (seed, epoch); with `world_size` > 1 this rank takes every world_size-th sample of it (the remainder that
+    would make ranks unequal is left out of that epoch), and DataLoader worker k of W every W-th of those.
+
+    Epochs: `set_epoch(e)` before iterating (as with DistributedSampler); each further pass over this
+    object counts one epoch on, which is how persistent DataLoader workers, whose copy set_epoch cannot
+    reach, advance. Memory: up to `readahead` decoded samples per worker besides the one handed out.
+    Use it with `DataLoader(stream, batch_size=..., num_workers=...)` and no `shuffle` argument."""
+
+    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, rank: int,
+                 world_size: int) -> None:
+        if not isinstance(readahead, int) or readahead < 0:
+            raise ShardError(f"readahead {readahead!r}: must be an integer >= 0 (samples decoded ahead)")
+        if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) \
+                or not 0 <= rank < world_size:
+            raise ShardError(f"rank {rank!r} of world_size {world_size!r}: need 0 <= rank < world_size")
+        self.dataset, self.shuffle, self.seed, self.readahead = dataset, shuffle, seed, readahead
+        self.rank, self.world_size = rank, world_size
+        self.epoch = 0
+        self._passes = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._passes = int(epoch), 0
+
+    def __len__(self) -> int:
+        """Samples this rank yields per epoch (all its workers together)."""
+        return len(self.dataset) // self.world_size if self.world_size > 1 else len(self.dataset)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The indices this rank yields in `epoch`, in order (before the split among workers)."""
+        n = len(self.dataset)
+        perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+        return perm[: len(self) * self.world_size][self.rank::self.world_size]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        epoch = self.epoch + self._passes
+        self._passes += 1
+        info = get_worker_info()
+        mine = self.order(epoch)
+        if info is not None:
+            mine = mine[info.id::info.num_workers]
+        if self.readahead == 0:
+            for i in mine:
+                yield self.dataset[int(i)]
+            return
+        # one thread per sample in flight, so `readahead` samples decode side by side; the pool is this
+        # pass's own (made in the worker process) and shut down with it, also when the consumer stops early
+        pool = ThreadPoolExecutor(self.readahead, thread_name_prefix="hsx-ahead")
+        pending: deque[Future[dict[str, Any]]] = deque()
+        try:
+            todo = iter(mine)
+            for i in todo:
+                pending.append(pool.submit(self.dataset.__getitem__, int(i)))
+                if len(pending) == self.readahead:
+                    break
+            while pending:
+                sample = pending.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    pending.append(pool.submit(self.dataset.__getitem__, int(nxt)))
+                yield sample
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

@@ -1,0 +1,126 @@
+"""HiddenStateDataset.stream: every sample exactly once per epoch, in an order fixed by (seed, epoch), split
+among ranks and DataLoader workers, decoded ahead on threads; errors arrive at their sample."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_sample, shard_metadata
+from torch.utils.data import DataLoader
+
+from hsextract import open_dataset
+from hsextract.errors import CorruptShardError, ShardError
+from hsextract.shard import ShardReader, ShardWriter
+
+N = 11  # samples over two shards (6 + 5): not a multiple of the worker or rank counts used below
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stream")
+    paths = []
+    for chunk, ks in enumerate((range(6), range(6, N))):
+        path = folder / f"chunk-{chunk:05d}.hss"
+        with ShardWriter(path, shard_metadata(chunk=chunk)) as w:
+            for k in ks:
+                w.add(*make_sample(3 + k, seed=k), sample_id=f"s{k}")
+        paths.append(path)
+    return paths
+
+
+def sample_no(s):
+    """Which sample this is: sample k has 3 + k tokens (a batch of one has a leading dimension)."""
+    return s["input_ids"].shape[-1] - 3
+
+
+def check_sample(s):
+    ids, hs, mask = make_sample(3 + sample_no(s), seed=sample_no(s))
+    assert torch.equal(s["input_ids"].reshape(-1), ids) and torch.equal(s["loss_mask"].reshape(-1), mask)
+    assert all(torch.equal(a.reshape(b.shape), b) for a, b in zip(s["hidden_states"], hs, strict=True))
+
+
+@pytest.mark.parametrize("readahead", [0, 1, 3])
+def test_one_process_yields_the_permutation_of_seed_and_epoch(shards, readahead):
+    stream = open_dataset(shards, decode_threads=2).stream(seed=7, readahead=readahead)
+    perm = np.random.default_rng([7, 0]).permutation(N)
+    got = list(stream)
+    assert [sample_no(s) for s in got] == perm.tolist()
+    for s in got:
+        check_sample(s)
+    # the next pass is epoch 1: another order, the same samples
+    second = [sample_no(s) for s in stream]
+    assert second == np.random.default_rng([7, 1]).permutation(N).tolist() and second != perm.tolist()
+    stream.set_epoch(0)
+    assert [sample_no(s) for s in stream] == perm.tolist()
+
+
+def test_unshuffled_is_dataset_order(shards):
+    assert [sample_no(s) for s in open_dataset(shards).stream(shuffle=False)] == list(range(N))
+
+
+def test_dataloader_workers_share_each_epoch_and_persistent_ones_move_on(shards):
+    stream = open_dataset(shards, decode_threads=2).stream(seed=3, readahead=2)
+    loader = DataLoader(stream, batch_size=1, num_workers=3, persistent_workers=True,
+                        multiprocessing_context="fork", timeout=120)
+    assert len(loader) == N
+    epochs = []
+    for _ in range(3):
+        got = list(loader)
+        for s in got:
+            check_sample(s)
+        epochs.append([sample_no(s) for s in got])
+    for e, order in enumerate(epochs):
+        assert sorted(order) == list(range(N))  # each sample exactly once
+        perm = np.random.default_rng([3, e]).permutation(N)
+        # worker k takes perm[k::3]; the loader interleaves the workers' outputs in turn
+        assert sorted(order) == sorted(perm.tolist())
+        by_worker = [perm[k::3].tolist() for k in range(3)]
+        interleaved = [x for row in zip(*[w + [None] * (4 - len(w)) for w in by_worker], strict=True)
+                       for x in row if x is not None]
+        assert order == interleaved
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+def test_ranks_take_disjoint_equal_shares(shards):
+    ds = open_dataset(shards)
+    shares = [[sample_no(s) for s in ds.stream(seed=1, rank=r, world_size=3)] for r in range(3)]
+    assert [len(s) for s in shares] == [N // 3] * 3 == [len(ds.stream(rank=r, world_size=3)) for r in range(3)]
+    every = sum(shares, [])
+    assert len(set(every)) == len(every) == 3 * (N // 3)
+    perm = np.random.default_rng([1, 0]).permutation(N)[: 3 * (N // 3)]
+    assert shares[1] == perm[1::3].tolist()
+
+
+def test_stopping_early_leaves_no_threads(shards):
+    before = {t.name for t in threading.enumerate()}
+    it = iter(open_dataset(shards).stream(readahead=3))
+    next(it)
+    assert any(t.name.startswith("hsx-ahead") for t in threading.enumerate())
+    it.close()
+    assert {t.name for t in threading.enumerate() if t.name.startswith("hsx-ahead")} <= before
+
+
+def test_a_damaged_sample_is_an_error_when_its_turn_comes(shards, tmp_path):
+    bad = tmp_path / "bad.hss"
+    data = bytearray(shards[0].read_bytes())
+    data[ShardReader(shards[0]).index["offsets"][2] + 60] ^= 0xFF  # inside sample 2's payload
+    bad.write_bytes(bytes(data))
+    stream = open_dataset([bad, shards[1]]).stream(shuffle=False, readahead=2)
+    got = []
+    with pytest.raises(CorruptShardError, match=r"bad\.hss.*sample 2"):
+        for s in stream:
+            got.append(sample_no(s))
+    assert got == [0, 1]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"readahead": -1}, "readahead -1: must be an integer >= 0 (samples decoded ahead)"),
+    ({"readahead": 1.5}, "readahead 1.5: must be an integer >= 0 (samples decoded ahead)"),
+    ({"rank": 2, "world_size": 2}, "rank 2 of world_size 2: need 0 <= rank < world_size"),
+    ({"world_size": 0}, "rank 0 of world_size 0: need 0 <= rank < world_size"),
+])
+def test_bad_arguments_say_what(shards, kwargs, message):
+    with pytest.raises(ShardError) as e:
+        open_dataset(shards).stream(**kwargs)
+    assert str(e.value) == message
