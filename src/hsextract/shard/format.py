@@ -81,3 +81,12 @@ def piece_layout(metadata: dict[str, Any]) -> list[dict[str, Any]]:
         if metadata["precision"] == "fp8_e4m3":
             pieces.append({"name": f"hidden_states.{k}.scale", "dtype": "float32", "planes": 4, "width": 1})
     return pieces
+
+
+def unit_layout(metadata: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """piece_layout grouped by the tensor of the sample each group makes: ids, mask, then one group per hidden
+    state (its values and, under fp8, their per-token scales). The writer encodes, the reader decodes a group
+    as one task."""
+    pieces = piece_layout(metadata)
+    step = 2 if metadata["precision"] == "fp8_e4m3" else 1
+    return [pieces[:1], pieces[1:2], *(pieces[k:k + step] for k in range(2, len(pieces), step))]

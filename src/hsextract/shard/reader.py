@@ -71,6 +71,7 @@ class ShardReader:
         self._local = threading.local()
         self.metadata, self._index = self._open()
         self._pieces = fmt.piece_layout(self.metadata)
+        self._units = fmt.unit_layout(self.metadata)
         self._out_dtype = DTYPES[self.metadata["dtype"]]
 
     # -- process-local file handle --------------------------------------------------------
@@ -214,10 +215,21 @@ class ShardReader:
         """The index columns (read-only view: do not modify)."""
         return self._index
 
+    def prefetch(self, i: int) -> None:
+        """Ask the kernel to start reading record i into the page cache, and return at once (a later read of
+        it then waits for less; nothing happens where the platform cannot)."""
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._handle(), self._index["offsets"][i], self._index["record_lens"][i],
+                             os.POSIX_FADV_WILLNEED)
+
     def _record(self, i: int, pool: ThreadPoolExecutor | None = None) -> memoryview:
         """Record i read, its header checked (not yet its payload: _check_payload), in this thread's record
         buffer: valid until its next _record call. With a pool, slices of a large record are read in parallel."""
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        if rlen >= PARALLEL_READ_MIN:
+            # from a cold cache the kernel then reads the whole record in large requests at once, where a
+            # plain read goes a readahead window at a time (a page-cache lookup when it is warm)
+            self.prefetch(i)
         rec = self._record_buffer(rlen)
         if pool is None or rlen < PARALLEL_READ_MIN:
             got = self._read_into(rec, off)
@@ -311,16 +323,14 @@ class ShardReader:
             self._check_payload(i, rec)  # a damaged payload says so first, as on the serial path
             raise
         seq = self._index["seq_lens"][i]
-        # one unit per returned tensor: ids, mask, then each hidden state (under fp8: its values and scales)
+        # one job per returned tensor: its pieces (fmt.unit_layout), each with its frames
         jobs: list[list[tuple[dict[str, Any], list[memoryview]]]] = []
         fi = 0
-        for piece in self._pieces:
-            job = (piece, frames[fi:fi + piece["planes"]])
-            fi += piece["planes"]
-            if piece["name"].endswith(".scale"):
-                jobs[-1].append(job)
-            else:
-                jobs.append([job])
+        for unit in self._units:
+            jobs.append([])
+            for piece in unit:
+                jobs[-1].append((piece, frames[fi:fi + piece["planes"]]))
+                fi += piece["planes"]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
             futures = [pool.submit(self._decode_unit, i, unit, seq) for unit in jobs[2:]]

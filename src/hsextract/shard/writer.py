@@ -81,6 +81,31 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
 
 
 
+class _RecordFrames:
+    """The frames of one record's tensors as their encoding tasks hand them in, in any order."""
+
+    def __init__(self, units: int) -> None:
+        self.done: Future[tuple[list[bytes], int]] = Future()
+        self._by_unit: list[list[bytes]] = [[] for _ in range(units)]
+        self._left = units
+        self._lock = threading.Lock()
+
+    def put(self, unit: int, frames: list[bytes]) -> bool:
+        """Store a tensor's frames; True for the call that completes the record."""
+        with self._lock:
+            self._by_unit[unit] = frames
+            self._left -= 1
+            return self._left == 0
+
+    def frames(self) -> list[bytes]:
+        return [f for fs in self._by_unit for f in fs]
+
+    def fail(self, e: BaseException) -> None:
+        with self._lock:
+            if not self.done.done():
+                self.done.set_exception(e)
+
+
 class ShardWriter:
     """Write samples to `path` through a temporary file; the shard appears only when complete.
 
@@ -118,11 +143,8 @@ class ShardWriter:
         self.metadata = _check_metadata(metadata, precision)
         self.metadata["codec"] = {"name": "zstd-byteplane", "level": level}
         self._codec = Codec(level=level, threads=threads)
-        # the pieces each input tensor becomes: ids, mask, then per hidden state its values (and under fp8
-        # its per-token scales, quantized by the encoding task, off the caller's thread)
-        pieces = fmt.piece_layout(self.metadata)
-        step = 2 if precision == "fp8_e4m3" else 1
-        self._units = [pieces[:1], pieces[1:2], *(pieces[k:k + step] for k in range(2, len(pieces), step))]
+        # the pieces each input tensor becomes (under fp8 quantized by the encoding task, off the caller's thread)
+        self._units = fmt.unit_layout(self.metadata)
         self._out_dtype = DTYPES[self.metadata["dtype"]]
         self._hidden = self.metadata["hidden_size"]
         self._local = threading.local()
@@ -190,29 +212,19 @@ class ShardWriter:
         time, not a whole sample's on one thread, before close() can finish (SGLang throughput at 2048
         tokens, runs on different hosts: waits for encoding 0.1 s per part before, 0.0 s after). The task
         that finishes last builds the payload; no task waits for another."""
-        done: Future[tuple[list[bytes], int]] = Future()
-        frames: list[list[bytes] | None] = [None] * len(tensors)
-        left = [len(tensors)]
-        lock = threading.Lock()
+        record = _RecordFrames(len(tensors))
 
         def unit_task(k: int, unit: list[dict[str, Any]], t: torch.Tensor) -> None:
             try:
-                got = self._encode_unit(unit, t)
-                with lock:
-                    frames[k] = got
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    done.set_result(self._payload([f for fs in frames for f in fs or ()]))
+                if record.put(k, self._encode_unit(unit, t)):
+                    record.done.set_result(self._payload(record.frames()))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer through the future
-                with lock:
-                    if not done.done():
-                        done.set_exception(e)
+                record.fail(e)
 
         assert self._pool is not None
         for k, (unit, t) in enumerate(zip(self._units, tensors, strict=True)):
             self._pool.submit(unit_task, k, unit, t)
-        return done
+        return record.done
 
     def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
                  loss_mask: torch.Tensor) -> list[torch.Tensor]:
