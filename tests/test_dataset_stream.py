@@ -125,25 +125,3 @@ def test_bad_arguments_say_what(shards, kwargs, message):
         open_dataset(shards).stream(**kwargs)
     assert str(e.value) == message
 
-
-def test_each_sample_is_asked_of_the_disk_before_it_decodes(shards, monkeypatch):
-    ds = open_dataset(shards)
-    events = []
-    prefetch, getitem = ds.prefetch, ds.__getitem__
-    monkeypatch.setattr(ds, "prefetch", lambda i: (events.append(("prefetch", i)), prefetch(i))[1])
-    monkeypatch.setattr(ds, "__getitem__", lambda i: (events.append(("decode", i)), getitem(i))[1])
-    order = [sample_no(s) for s in ds.stream(seed=5, readahead=2)]
-    assert [i for what, i in events if what == "prefetch"] == order
-    for i in order:
-        assert events.index(("prefetch", i)) < events.index(("decode", i))
-
-
-def test_prefetch_asks_the_kernel_for_the_whole_record(shards, monkeypatch):
-    from hsextract.shard import reader as reader_module
-
-    r = ShardReader(shards[0])
-    calls = []
-    monkeypatch.setattr(reader_module.os, "posix_fadvise", lambda *a: calls.append(a))
-    r.prefetch(2)
-    ix = r.index
-    assert calls == [(r._handle(), ix["offsets"][2], ix["record_lens"][2], reader_module.os.POSIX_FADV_WILLNEED)]

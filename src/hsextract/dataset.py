@@ -141,11 +141,6 @@ class HiddenStateDataset(Dataset):
         reader, j = self.locate(int(i))
         return reader[j]
 
-    def prefetch(self, i: int) -> None:
-        """Start reading sample i's record into the page cache (ShardReader.prefetch)."""
-        reader, j = self.locate(int(i))
-        reader.prefetch(j)
-
     @property
     def sample_lengths(self) -> list[int]:
         return [n for r in self.readers for n in r.seq_lens]
@@ -214,17 +209,12 @@ class SampleStream(IterableDataset):
         pool = ThreadPoolExecutor(self.readahead, thread_name_prefix="hsx-ahead")
         pending: deque[Future[dict[str, Any]]] = deque()
         try:
-            # the disk also starts on the sample after the ones decoding, so its read overlaps their decode
             todo = (int(i) for i in mine)
             nxt = next(todo, None)
-            if nxt is not None:
-                self.dataset.prefetch(nxt)
             while nxt is not None or pending:
                 while nxt is not None and len(pending) < self.readahead:
                     pending.append(pool.submit(self.dataset.__getitem__, nxt))
                     nxt = next(todo, None)
-                    if nxt is not None:
-                        self.dataset.prefetch(nxt)
                 yield pending.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)

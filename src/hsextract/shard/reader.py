@@ -215,21 +215,10 @@ class ShardReader:
         """The index columns (read-only view: do not modify)."""
         return self._index
 
-    def prefetch(self, i: int) -> None:
-        """Ask the kernel to start reading record i into the page cache, and return at once (a later read of
-        it then waits for less; nothing happens where the platform cannot)."""
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self._handle(), self._index["offsets"][i], self._index["record_lens"][i],
-                             os.POSIX_FADV_WILLNEED)
-
     def _record(self, i: int, pool: ThreadPoolExecutor | None = None) -> memoryview:
         """Record i read, its header checked (not yet its payload: _check_payload), in this thread's record
         buffer: valid until its next _record call. With a pool, slices of a large record are read in parallel."""
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
-        if rlen >= PARALLEL_READ_MIN:
-            # from a cold cache the kernel then reads the whole record in large requests at once, where a
-            # plain read goes a readahead window at a time (a page-cache lookup when it is warm)
-            self.prefetch(i)
         rec = self._record_buffer(rlen)
         if pool is None or rlen < PARALLEL_READ_MIN:
             got = self._read_into(rec, off)
