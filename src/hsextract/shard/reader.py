@@ -24,7 +24,9 @@ Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
 PARALLEL_READ_MIN = 8 << 20  # with decode threads, records from this size are read in slices in parallel
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}  # decode threads by pool size, shared by every reader of this process
+# threads by (job, pool size), shared by every reader of this process; reads and decodes have pools of their own,
+# so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
+_POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -38,11 +40,11 @@ def _forget_pools() -> None:
 os.register_at_fork(after_in_child=_forget_pools)
 
 
-def _decode_pool(threads: int) -> ThreadPoolExecutor:
+def _pool(job: str, threads: int) -> ThreadPoolExecutor:
     with _POOLS_LOCK:
-        pool = _POOLS.get(threads)
+        pool = _POOLS.get((job, threads))
         if pool is None:
-            pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="hsx-decode")
+            pool = _POOLS[job, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"hsx-{job}")
         return pool
 
 
@@ -343,8 +345,10 @@ class ShardReader:
         if not -n <= i < n:
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
         i %= n
-        pool = _decode_pool(self.decode_threads) if self.decode_threads > 1 else None
-        return self._decode(i, self._record(i, pool), pool)
+        if self.decode_threads == 1:
+            return self._decode(i, self._record(i))
+        rec = self._record(i, _pool("read", self.decode_threads))
+        return self._decode(i, rec, _pool("decode", self.decode_threads))
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
         """All samples in order, read and decoded ahead by a small thread pool."""
