@@ -218,7 +218,7 @@ def sglang_engine(srv: FakeServer, **kw):
 
     kw.setdefault("timeout_s", 2.0)
     kw.setdefault("backoff_s", 0.01)
-    return SGLangEngine(srv.url, CaptureSpec(aux_layers=AUX), srv.dumper.cfg.dump_dir, **kw)
+    return SGLangEngine(srv.url, CaptureSpec(aux_layers=AUX, final_state="post_norm"), srv.dumper.cfg.dump_dir, **kw)
 
 
 def dump_dir(tmp_path: Path) -> Path:
@@ -346,11 +346,11 @@ def test_run_name_cannot_leave_the_results_folder(run_name: str) -> None:
 def test_server_binds_loopback_unless_configured() -> None:
     from hsextract.sglang import server as hsrv
 
-    cfg = hsrv.ServerConfig(model="/m", aux_layers=(1,))
+    cfg = hsrv.ServerConfig(model="/m", aux_layers=(1,), final_state="post_norm")
     assert cfg.host == "127.0.0.1"
     cmd = hsrv.build_command(cfg)
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    other = hsrv.build_command(hsrv.ServerConfig(model="/m", aux_layers=(1,), host="10.0.0.5"))
+    other = hsrv.build_command(hsrv.ServerConfig(model="/m", aux_layers=(1,), host="10.0.0.5", final_state="post_norm"))
     assert other[other.index("--host") + 1] == "10.0.0.5"
 
 

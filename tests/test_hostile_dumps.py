@@ -375,7 +375,7 @@ def test_the_client_refuses_an_unsafe_dump_directory(tmp_path: Path) -> None:
     d = private(tmp_path)
     d.chmod(0o777)
     with pytest.raises(DumpDirError, match=rf"^dump directory {d} has mode 0777; it must be 0700"):
-        SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,)), d)
+        SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,), "post_norm"), d)
 
 
 def test_api_key_reaches_the_server_command_and_the_requests_but_no_log(tmp_path: Path,
@@ -387,7 +387,7 @@ def test_api_key_reaches_the_server_command_and_the_requests_but_no_log(tmp_path
     from hsextract.sglang.api import TransientError
     from hsextract.sglang.client import SGLangEngine
 
-    cfg = hsrv.ServerConfig(model="m", aux_layers=(1,), api_key="s3cret")
+    cfg = hsrv.ServerConfig(model="m", aux_layers=(1,), api_key="s3cret", final_state="post_norm")
     cmd = hsrv.build_command(cfg)
     assert cmd[cmd.index("--api-key") + 1] == "s3cret"
     assert "s3cret" not in " ".join(hsrv.redact(cmd)) and hsrv.redact(cmd)[cmd.index("--api-key") + 1] == "***"
@@ -398,7 +398,7 @@ def test_api_key_reaches_the_server_command_and_the_requests_but_no_log(tmp_path
         raise OSError("no server here")
 
     monkeypatch.setattr(http.client.HTTPConnection, "request", request)
-    eng = SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,)), private(tmp_path), api_key="s3cret")
+    eng = SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,), "post_norm"), private(tmp_path), api_key="s3cret")
     with pytest.raises(TransientError, match="POST /generate failed: OSError: no server here"):
         eng._generate("hsx-a", [1, 2])
     assert eng.health() == "OSError: no server here"
@@ -438,8 +438,8 @@ def test_corrupted_dumps_are_retried_and_every_sample_is_its_own(tmp_path: Path,
         ps = [Prompt(i, f"s{i:03d}", torch.randint(0, 5000, (int(n),), generator=g).tolist())
               for i, n in enumerate(torch.randint(4, 40, (6,), generator=g))]
         cp = ChunkPrompts([p.sample_id for p in ps], [p.input_ids for p in ps], [[1] * len(p.input_ids) for p in ps])
-        eng = SGLangEngine(srv.url, CaptureSpec(aux_layers=aux), srv.dumper.cfg.dump_dir, timeout_s=10.0,
-                           backoff_s=0.01, retries=3, concurrency=2)
+        eng = SGLangEngine(srv.url, CaptureSpec(aux_layers=aux, final_state="post_norm"), srv.dumper.cfg.dump_dir,
+                           timeout_s=10.0, backoff_s=0.01, retries=3, concurrency=2)
         extract_chunk(cp, tmp_path / "c.hss", eng,
                       shard_metadata(aux_layers=list(aux), hidden_size=HIDDEN, engine="sglang"), progress=False)
         assert len(flipped) == 2 and srv.n_requests >= len(ps) + 2

@@ -20,7 +20,7 @@ from hsextract.sglang import server as hsrv
 from hsextract.sglang.client import SGLangEngine
 
 AUX = (1, 3, 5)
-SPEC = CaptureSpec(aux_layers=AUX)
+SPEC = CaptureSpec(aux_layers=AUX, final_state="post_norm")
 
 
 def prompts(n: int, seed: int = 0, lo: int = 1, hi: int = 200) -> list[Prompt]:
@@ -152,7 +152,8 @@ def test_no_plugin_marker_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_aux_layer_mismatch_with_running_server(server: FakeServer) -> None:
-    eng = SGLangEngine(server.url, CaptureSpec(aux_layers=(2, 4, 6)), server.dumper.cfg.dump_dir)
+    spec = CaptureSpec(aux_layers=(2, 4, 6), final_state="post_norm")
+    eng = SGLangEngine(server.url, spec, server.dumper.cfg.dump_dir)
     with pytest.raises(EngineError, match=r"captures aux layers \[1, 3, 5\], this run asks for \[2, 4, 6\]"):
         list(eng.extract(prompts(1)))
 
@@ -199,6 +200,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def fake_cfg(tmp_path: Path, port: int, **kw) -> hsrv.ServerConfig:
     kw.setdefault("env", {"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}"})
+    kw.setdefault("final_state", "post_norm")
     return hsrv.ServerConfig(model=str(tmp_path / "model"), aux_layers=AUX, module="fake_sglang", port=port,
                              run_name="t/1", startup_timeout_s=60, stop_grace_s=5, **kw)
 
@@ -317,15 +319,16 @@ def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Pat
 
 def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
     cfg = hsrv.ServerConfig(model="/m", aux_layers=(2, 30, 58), python="/env/bin/python", tp=8,
-                            capture="builtin", launch_args=("--mem-fraction-static", "0.8"))
+                            capture="builtin", launch_args=("--mem-fraction-static", "0.8"), final_state="post_norm")
     assert hsrv.build_command(cfg) == [
         "/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
         "30000", "--tp", "8", "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-aux-hidden-states",
         "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "2", "30", "58",
         "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.8"]
     with pytest.raises(ConfigError, match="2 replicas x tp 8 need 16"):
-        hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)))
-    assert hsrv.gpu_set(hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3), 2) == [4, 5]
+        hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)), final_state="pre_norm")
+    three = hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3, final_state="pre_norm")
+    assert hsrv.gpu_set(three, 2) == [4, 5]
     assert [hsrv.replica_for_chunk(c, 3) for c in range(5)] == [0, 1, 2, 0, 1]
 
 
@@ -350,3 +353,11 @@ def test_trust_remote_code_reaches_the_server_command() -> None:
 
     kimi = yaml.safe_load((Path(__file__).resolve().parents[1] / "config/kimi.yaml").read_text())
     assert kimi["trust_remote_code"] is True and "--trust-remote-code" not in kimi["sglang"]["launch_args"]
+
+
+def test_final_state_is_always_chosen() -> None:
+    """pre_norm (speculators) or post_norm (SpecForge): neither the client's spec nor the server has a default."""
+    with pytest.raises(TypeError, match="final_state"):
+        CaptureSpec(aux_layers=AUX)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="final_state"):
+        hsrv.ServerConfig(model="/m", aux_layers=AUX)  # type: ignore[call-arg]

@@ -252,10 +252,10 @@ def test_copy_stream_from_env(tmp_path: Path) -> None:
 
 
 def test_server_config_passes_writer_threads(tmp_path: Path) -> None:
-    cfg = server.ServerConfig(model="m", aux_layers=(1, 2))
+    cfg = server.ServerConfig(model="m", aux_layers=(1, 2), final_state="pre_norm")
     assert server.build_env(cfg, tmp_path, base={})["HSEXTRACT_WRITER_THREADS"] == "4"
-    cfg8 = server.ServerConfig(model="m", aux_layers=(1, 2), writer_threads=8)
+    cfg8 = server.ServerConfig(model="m", aux_layers=(1, 2), writer_threads=8, final_state="pre_norm")
     assert server.build_env(cfg8, tmp_path, base={})["HSEXTRACT_WRITER_THREADS"] == "8"
     assert server.config_hash(cfg, 0) != server.config_hash(cfg8, 0)
     with pytest.raises(ConfigError, match=r"sglang.writer_threads: 0; must be >= 1"):
-        server.ServerConfig(model="m", aux_layers=(1, 2), writer_threads=0)
+        server.ServerConfig(model="m", aux_layers=(1, 2), writer_threads=0, final_state="pre_norm")

@@ -175,7 +175,7 @@ def test_both_final_states_of_one_forward(model_dir: Path, prompts: list[Prompt]
 def test_more_than_eight_aux_layers_is_a_config_error(tmp_path_factory: pytest.TempPathFactory) -> None:
     deep = make_tiny_model(tmp_path_factory.mktemp("deep") / "m", CONVERSATIONS, num_hidden_layers=10, hidden_size=64)
     with pytest.raises(ConfigError, match=r"^aux_layers: 9 layers; at most 8 are supported.$"):
-        TransformersEngine(deep, CaptureSpec(tuple(range(9))))
+        TransformersEngine(deep, CaptureSpec(tuple(range(9)), "post_norm"))
 
 
 def test_extracting_twice_is_bit_identical(model_dir: Path, prompts: list[Prompt]) -> None:
@@ -189,21 +189,21 @@ def test_extracting_twice_is_bit_identical(model_dir: Path, prompts: list[Prompt
 
 def test_aux_beyond_depth_is_a_config_error(model_dir: Path) -> None:
     with pytest.raises(ConfigError) as e:
-        TransformersEngine(model_dir, CaptureSpec((1, 2, 4)))
+        TransformersEngine(model_dir, CaptureSpec((1, 2, 4), "post_norm"))
     assert str(e.value) == (
         f"aux_layers: layer id 4 is out of range for {model_dir}, which has 4 decoder layers; "
         "allowed ids are 0..3 (id i = output of decoder layer i)."
     )
     with pytest.raises(ConfigError, match=r"aux_layers: layer id -1 is out of range"):
-        TransformersEngine(model_dir, CaptureSpec((-1,)))
+        TransformersEngine(model_dir, CaptureSpec((-1,), "post_norm"))
     with pytest.raises(ConfigError, match=r"aux_layers: \[1, 1\] repeats a layer id"):
-        TransformersEngine(model_dir, CaptureSpec((1, 1)))
+        TransformersEngine(model_dir, CaptureSpec((1, 1), "post_norm"))
     with pytest.raises(ConfigError, match=r"final_state: 'normed' is not allowed"):
         TransformersEngine(model_dir, CaptureSpec((1,), "normed"))  # type: ignore[arg-type]
 
 
 def test_bad_prompts_are_engine_errors(model_dir: Path) -> None:
-    with TransformersEngine(model_dir, CaptureSpec((1,))) as eng:
+    with TransformersEngine(model_dir, CaptureSpec((1,), "post_norm")) as eng:
         with pytest.raises(EngineError) as e:
             list(eng.extract([Prompt(0, "ok", [5, 6]), Prompt(1, "empty-one", [])]))
         assert str(e.value) == (
@@ -215,7 +215,7 @@ def test_bad_prompts_are_engine_errors(model_dir: Path) -> None:
 
 
 def test_batching_respects_budget_and_order(model_dir: Path) -> None:
-    with TransformersEngine(model_dir, CaptureSpec((1,)), token_budget=100, max_batch=3) as eng:
+    with TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), token_budget=100, max_batch=3) as eng:
         lens = [10, 20, 30, 5, 5, 5, 5, 150, 40, 50, 1]
         ps = [Prompt(i, str(i), [9] * n) for i, n in enumerate(lens)]
         batches = [[p.index for p in b] for b in eng._batches(ps)]
@@ -230,6 +230,6 @@ def test_batching_respects_budget_and_order(model_dir: Path) -> None:
 
 def test_config_errors_for_budget(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match=r"^token_budget: 0 must be >= 1"):
-        TransformersEngine(model_dir, CaptureSpec((1,)), token_budget=0)
+        TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), token_budget=0)
     with pytest.raises(ConfigError, match=r"^dtype: 'int8' is not supported"):
-        TransformersEngine(model_dir, CaptureSpec((1,)), dtype="int8")
+        TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), dtype="int8")

@@ -66,10 +66,11 @@ def capture(a: argparse.Namespace) -> int:
                  "n": a.n, "again": a.again, "chunked_prefill_size": a.chunked_prefill_size}
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(a.n, vocab, seed=7)
-    spec = CaptureSpec(aux_layers=tuple(a.aux))
+    spec = CaptureSpec(aux_layers=tuple(a.aux), final_state="post_norm")  # the figures in bench/README.md
     extra = ["--enable-dp-attention", "--dp", str(a.dp)] if a.dp > 1 else []
     cfg = ServerConfig(model=a.model, aux_layers=spec.aux_layers, python=sys.executable, port=a.port, tp=a.tp,
-                       gpus=tuple(a.gpus), chunked_prefill_size=a.chunked_prefill_size, module=a.module,
+                       final_state=spec.final_state, gpus=tuple(a.gpus), chunked_prefill_size=a.chunked_prefill_size,
+                       module=a.module,
                        launch_args=tuple(shlex.split(a.sgl_args)) + tuple(extra), run_name=a.name,
                        startup_timeout_s=a.startup_timeout, stop_grace_s=10)
 

@@ -24,7 +24,8 @@ BOTH = "both"
 @dataclass(frozen=True)
 class CaptureSpec:
     aux_layers: tuple[int, ...]
-    final_state: FinalState = "post_norm"
+    # no default: pre_norm is what speculators reads, post_norm what SpecForge does; choosing must be explicit
+    final_state: FinalState
 
     @property
     def num_tensors(self) -> int:

@@ -51,7 +51,7 @@ class ServerConfig:
     model: str
     aux_layers: tuple[int, ...]
     python: str = sys.executable  # the server environment's interpreter
-    final_state: str = "post_norm"
+    final_state: str = field(kw_only=True)  # no default, as CaptureSpec's: the server's and the client's must agree
     host: str = "127.0.0.1"
     api_key: str | None = None  # the server requires it (--api-key); never logged or stored in clear
     port: int = 30000
