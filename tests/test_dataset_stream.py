@@ -34,6 +34,14 @@ def sample_no(s):
     return s["input_ids"].shape[-1] - 3
 
 
+def delivered(perm, workers):
+    """The order a DataLoader hands out a stream's epoch: worker k takes perm[k::workers], and the loader takes
+    one sample from each worker in turn (skipping a worker that has run out)."""
+    shares = [list(perm[k::workers]) for k in range(workers)]
+    return [int(x) for row in zip(*[w + [None] * (len(shares[0]) - len(w)) for w in shares], strict=True)
+            for x in row if x is not None]
+
+
 def check_sample(s):
     ids, hs, mask = make_sample(3 + sample_no(s), seed=sample_no(s))
     assert torch.equal(s["input_ids"].reshape(-1), ids) and torch.equal(s["loss_mask"].reshape(-1), mask)
@@ -72,13 +80,7 @@ def test_dataloader_workers_share_each_epoch_and_persistent_ones_move_on(shards)
         epochs.append([sample_no(s) for s in got])
     for e, order in enumerate(epochs):
         assert sorted(order) == list(range(N))  # each sample exactly once
-        perm = np.random.default_rng([3, e]).permutation(N)
-        # worker k takes perm[k::3]; the loader interleaves the workers' outputs in turn
-        assert sorted(order) == sorted(perm.tolist())
-        by_worker = [perm[k::3].tolist() for k in range(3)]
-        interleaved = [x for row in zip(*[w + [None] * (4 - len(w)) for w in by_worker], strict=True)
-                       for x in row if x is not None]
-        assert order == interleaved
+        assert order == delivered(np.random.default_rng([3, e]).permutation(N), 3)
     assert epochs[0] != epochs[1] != epochs[2]
 
 
@@ -125,3 +127,16 @@ def test_bad_arguments_say_what(shards, kwargs, message):
         open_dataset(shards).stream(**kwargs)
     assert str(e.value) == message
 
+
+
+
+def test_workers_that_are_not_persistent_follow_set_epoch(shards):
+    stream = open_dataset(shards).stream(seed=4, readahead=1)
+    loader = DataLoader(stream, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120)
+    orders = {}
+    for e in (0, 1, 1, 0):
+        stream.set_epoch(e)
+        order = [sample_no(s) for s in loader]
+        assert order == delivered(np.random.default_rng([4, e]).permutation(N), 2)
+        orders.setdefault(e, order)
+    assert orders[0] != orders[1]

@@ -163,10 +163,11 @@ class SampleStream(IterableDataset):
     (seed, epoch); with `world_size` > 1 this rank takes every world_size-th sample of it (the remainder that
     would make ranks unequal is left out of that epoch), and DataLoader worker k of W every W-th of those.
 
-    Epochs: `set_epoch(e)` before iterating (as with DistributedSampler); each further pass over this
-    object counts one epoch on, which is how persistent DataLoader workers, whose copy set_epoch cannot
-    reach, advance. Memory: up to `readahead` decoded samples per worker besides the one handed out.
-    Use it with `DataLoader(stream, batch_size=..., num_workers=...)` and no `shuffle` argument."""
+    Epochs: each further pass over one copy of this object counts one epoch on: in this process, and in
+    persistent DataLoader workers (which keep their copy). Workers that are not persistent start every epoch
+    from a fresh copy, so there call `set_epoch(e)` before each epoch, as with DistributedSampler, or every
+    epoch repeats the first one's order. Memory: up to `readahead` decoded samples per worker besides the one
+    handed out. Use it with `DataLoader(stream, batch_size=..., num_workers=...)` and no `shuffle` argument."""
 
     def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, rank: int,
                  world_size: int) -> None:
