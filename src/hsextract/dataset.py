@@ -186,7 +186,7 @@ class SampleStream(IterableDataset):
 
     def __len__(self) -> int:
         """Samples this rank yields per epoch (all its workers together)."""
-        return len(self.dataset) // self.world_size if self.world_size > 1 else len(self.dataset)
+        return len(self.dataset) // self.world_size
 
     def order(self, epoch: int) -> np.ndarray:
         """The indices this rank yields in `epoch`, in order (before the split among workers)."""

@@ -79,8 +79,6 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
     return meta
 
 
-
-
 class _RecordFrames:
     """The frames of one record's tensors as their encoding tasks hand them in, in any order."""
 
