@@ -57,15 +57,23 @@ def selected_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
 def scenarios_started(
     request: pytest.FixtureRequest, background: ThreadPoolExecutor, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Future[Any]]:
-    """The module's SCENARIOS (test or fixture name -> function of a fresh folder: the subprocess runs a test
-    asserts on), those a selected test is or uses, all started in the background by the first test that
-    needs one."""
+    """The module's SCENARIOS (a test's or fixture's name -> function of a fresh folder: the run a test
+    asserts on), those a selected test is or uses (as `name` or `name_started`), all started in the
+    background with the module's first test. Runs that need another fixture's result are set up by hand
+    (test_faults)."""
     wanted: set[str] = set()
     for item in request.session.items:
         if getattr(item, "module", None) is request.module:
             wanted |= {item.originalname, *getattr(item, "fixturenames", ())}
     return {name: background.submit(run, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
-            for name, run in request.module.SCENARIOS.items() if name in wanted}
+            for name, run in request.module.SCENARIOS.items() if name in wanted or f"{name}_started" in wanted}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _scenarios_start_early(request: pytest.FixtureRequest) -> None:
+    # with the module's first test, so that the tests in front of those that wait on a run overlap it
+    if getattr(request.module, "SCENARIOS", None):
+        request.getfixturevalue("scenarios_started")
 
 
 @pytest.fixture

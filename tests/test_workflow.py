@@ -17,13 +17,12 @@ import shlex
 import shutil
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import selected_tests_use
 
 from hsextract.dataset import find_shards
 from hsextract.provenance import sha256_file
@@ -108,28 +107,25 @@ def shard_path(workdir: Path, chunk: int) -> Path:
     return run_dir(workdir) / "shards" / f"chunk-{chunk:05d}{SHARD_SUFFIX}"
 
 
+def run_full(folder: Path) -> Path:
+    """The full run of TEST_CONFIG (SCENARIOS: in the background from the module's first test on, so the
+    tests before the ones that read it, and the failed-chunk test's own runs, overlap it)."""
+    wd = make_workdir(folder / "a")
+    smk(wd)
+    return wd
+
+
 @pytest.fixture(scope="module")
-def full_run_started(tmp_path_factory: pytest.TempPathFactory, background: ThreadPoolExecutor) -> Future[Path]:
-    """The full run of TEST_CONFIG, in the background from the module's first test on: the tests before
-    the ones that read it (stops before any job, the independent run of the failed-chunk test) overlap it."""
-    wd = make_workdir(tmp_path_factory.mktemp("wf") / "a")
-
-    def run() -> Path:
-        smk(wd)
-        return wd
-
-    return background.submit(run)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _start_full_run(request: pytest.FixtureRequest) -> None:
-    if selected_tests_use(request, "full_run_started"):
-        request.getfixturevalue("full_run_started")
+def full_run_started(scenarios_started: dict[str, Future[Path]]) -> Future[Path]:
+    return scenarios_started["full_run"]
 
 
 @pytest.fixture(scope="module")
 def full_run(full_run_started: Future[Path]) -> Path:
     return full_run_started.result()
+
+
+SCENARIOS = {"full_run": run_full}
 
 
 def test_dry_run_plans_one_extract_job_per_chunk(tmp_path: Path) -> None:

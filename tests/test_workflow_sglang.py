@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import selected_tests_use
 from fake_sglang import HIDDEN, FakeServer, expected_states
 from test_workflow import ROOT, job_counts, make_workdir, smk
 
@@ -89,36 +87,20 @@ def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int) -
     return wd
 
 
-@pytest.fixture(scope="module")
-def whole_run_started(tmp_path_factory: pytest.TempPathFactory, background: ThreadPoolExecutor) -> Future[WholeRun]:
-    """The whole run against one fake server (its dry run, then the run), in the background from the module's
-    first test on: the other tests of the module overlap it."""
-    tmp = tmp_path_factory.mktemp("sg-whole")
+def run_whole(tmp: Path) -> WholeRun:
+    """The whole run against one fake server (its dry run, then the run); SCENARIOS: in the background from
+    the module's first test on, so the other tests of the module overlap it."""
     dump = tmp / "dump"
     dump.mkdir(mode=0o700)  # private, as the client requires of a dump directory
     srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
     try:
         wd = sg_workdir(tmp, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
                              "timeout_s: 30, retries: 1}\n", records=12, per_chunk=6)
-    except BaseException:
+        dry = smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout
+        smk(wd, configfiles=("config/sg.yaml",))
+    finally:
         srv.stop()
-        raise
-
-    def run() -> WholeRun:
-        try:
-            dry = smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout
-            smk(wd, configfiles=("config/sg.yaml",))
-        finally:
-            srv.stop()
-        return WholeRun(wd, dump, srv, dry)
-
-    return background.submit(run)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _start_whole_run(request: pytest.FixtureRequest) -> None:
-    if selected_tests_use(request, "whole_run_started"):
-        request.getfixturevalue("whole_run_started")
+    return WholeRun(wd, dump, srv, dry)
 
 
 def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: Path) -> None:
@@ -159,8 +141,8 @@ def test_two_servers_share_the_chunks_and_a_failed_chunk_reruns_alone(tmp_path: 
             b2.stop()
 
 
-def test_whole_run_against_a_fake_sglang_server(whole_run_started: Future[WholeRun]) -> None:
-    wd, dump, srv, dry = whole_run_started.result()
+def test_whole_run_against_a_fake_sglang_server(scenario: WholeRun) -> None:
+    wd, dump, srv, dry = scenario
     counts = job_counts(dry)
     assert counts["extract"] == 2 and "build_patched_server" not in counts
     run = wd / "results/sg-test"
@@ -179,3 +161,6 @@ def test_whole_run_against_a_fake_sglang_server(whole_run_started: Future[WholeR
             n += 1
     assert n > 0 and srv.n_requests >= n
     assert not list(dump.glob("*.piece")) and not list(dump.glob("*.done"))  # the client cleaned up
+
+
+SCENARIOS = {"test_whole_run_against_a_fake_sglang_server": run_whole}
