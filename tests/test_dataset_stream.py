@@ -140,3 +140,18 @@ def test_workers_that_are_not_persistent_follow_set_epoch(shards):
         assert order == delivered(np.random.default_rng([4, e]).permutation(N), 2)
         orders.setdefault(e, order)
     assert orders[0] != orders[1]
+
+
+def test_a_resumed_epoch_delivers_the_rest_in_the_same_order(shards):
+    stream = open_dataset(shards).stream(seed=9, readahead=2)
+    stream.set_epoch(2, start=4)
+    assert len(stream) == N - 4
+    loader = DataLoader(stream, batch_size=None, num_workers=3, persistent_workers=True,
+                        multiprocessing_context="fork", timeout=120)
+    whole = np.random.default_rng([9, 2]).permutation(N).tolist()
+    # the first 4 samples of epoch 2 were delivered before the checkpoint; with 3 workers the rest comes in order
+    assert [sample_no(s) for s in loader] == whole[4:]
+    assert [sample_no(s) for s in loader] == np.random.default_rng([9, 3]).permutation(N).tolist()  # whole again
+    with pytest.raises(ShardError) as e:
+        stream.set_epoch(0, start=N + 1)
+    assert str(e.value) == f"start {N + 1}: must be an integer from 0 to the {N} samples an epoch of this rank holds"

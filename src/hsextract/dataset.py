@@ -166,7 +166,10 @@ class SampleStream(IterableDataset):
     Epochs: each further pass over one copy of this object counts one epoch on: in this process, and in
     persistent DataLoader workers (which keep their copy). Workers that are not persistent start every epoch
     from a fresh copy, so there call `set_epoch(e)` before each epoch, as with DistributedSampler, or every
-    epoch repeats the first one's order. Memory: up to `readahead` decoded samples per worker besides the one
+    epoch repeats the first one's order. Resuming from a checkpoint: `set_epoch(e, start=k)` before the
+    loader's first pass (workers not yet started), k = samples of epoch e this rank's loader had delivered;
+    the pass then delivers the rest of that epoch in the same order (a loader hands out its workers' shares
+    in turn, which is the epoch's order). Memory: up to `readahead` decoded samples per worker besides the one
     handed out. Use it with `DataLoader(stream, batch_size=..., num_workers=...)` and no `shuffle` argument."""
 
     def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, rank: int,
@@ -178,27 +181,36 @@ class SampleStream(IterableDataset):
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: need 0 <= rank < world_size")
         self.dataset, self.shuffle, self.seed, self.readahead = dataset, shuffle, seed, readahead
         self.rank, self.world_size = rank, world_size
-        self.epoch = 0
+        self.epoch = self.start = 0
         self._passes = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self._passes = int(epoch), 0
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The next pass is `epoch`, from its `start`-th sample on (this rank's order)."""
+        if not isinstance(start, int) or not 0 <= start <= self.per_epoch:
+            raise ShardError(f"start {start!r}: must be an integer from 0 to the {self.per_epoch} samples an epoch "
+                             "of this rank holds")
+        self.epoch, self.start, self._passes = int(epoch), start, 0
+
+    @property
+    def per_epoch(self) -> int:
+        """Samples an epoch of this rank holds (all its workers together)."""
+        return len(self.dataset) // self.world_size
 
     def __len__(self) -> int:
-        """Samples this rank yields per epoch (all its workers together)."""
-        return len(self.dataset) // self.world_size
+        """Samples this rank yields in its next pass (less than per_epoch when resumed: set_epoch's start)."""
+        return self.per_epoch - (self.start if self._passes == 0 else 0)
 
     def order(self, epoch: int) -> np.ndarray:
         """The indices this rank yields in `epoch`, in order (before the split among workers)."""
         n = len(self.dataset)
         perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-        return perm[: len(self) * self.world_size][self.rank::self.world_size]
+        return perm[: self.per_epoch * self.world_size][self.rank::self.world_size]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         epoch = self.epoch + self._passes
+        mine = self.order(epoch)[self.start if self._passes == 0 else 0:]
         self._passes += 1
         info = get_worker_info()
-        mine = self.order(epoch)
         if info is not None:
             mine = mine[info.id::info.num_workers]
         if self.readahead == 0:
