@@ -120,7 +120,7 @@ def test_a_damaged_sample_is_an_error_when_its_turn_comes(shards, tmp_path):
     ({"readahead": -1}, "readahead -1: must be an integer >= 0 (samples decoded ahead)"),
     ({"readahead": 1.5}, "readahead 1.5: must be an integer >= 0 (samples decoded ahead)"),
     ({"rank": 2, "world_size": 2}, "rank 2 of world_size 2: need 0 <= rank < world_size"),
-    ({"world_size": 0}, "rank 0 of world_size 0: need 0 <= rank < world_size"),
+    ({"rank": 0, "world_size": 0}, "rank 0 of world_size 0: need 0 <= rank < world_size"),
 ])
 def test_bad_arguments_say_what(shards, kwargs, message):
     with pytest.raises(ShardError) as e:
@@ -155,3 +155,22 @@ def test_a_resumed_epoch_delivers_the_rest_in_the_same_order(shards):
     with pytest.raises(ShardError) as e:
         stream.set_epoch(0, start=N + 1)
     assert str(e.value) == f"start {N + 1}: must be an integer from 0 to the {N} samples an epoch of this rank holds"
+
+
+def test_ranks_must_be_named_under_torch_distributed(shards, monkeypatch):
+    import torch.distributed as dist
+
+    ds = open_dataset(shards)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    with pytest.raises(ShardError) as e:
+        ds.stream()
+    assert str(e.value) == (
+        "torch.distributed runs 4 ranks: pass stream(rank=..., world_size=...), the data-parallel rank and size "
+        "(under plain DDP or FSDP dist.get_rank() and dist.get_world_size()), or world_size=1 for every rank to "
+        "read every sample")
+    assert len(ds.stream(rank=1, world_size=4)) == N // 4 and len(ds.stream(rank=0, world_size=1)) == N
+    with pytest.raises(ShardError, match=r"^rank 1 of world_size None: give both or neither$"):
+        ds.stream(rank=1)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    assert len(ds.stream()) == N

@@ -149,11 +149,27 @@ class HiddenStateDataset(Dataset):
         for r in self.readers:
             yield from r.iter_samples()
 
-    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, rank: int = 0,
-               world_size: int = 1) -> SampleStream:
+    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, rank: int | None = None,
+               world_size: int | None = None) -> SampleStream:
         """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
         worker decoding its next `readahead` samples on threads while the loader collates and sends the
-        current one (a map-style dataset cannot: a worker learns its next index only when it asks for it)."""
+        current one (a map-style dataset cannot: a worker learns its next index only when it asks for it).
+
+        `rank`, `world_size`: this rank's share of the data. Left out, they are 0 and 1 (every sample), unless
+        torch.distributed is initialized with more than one rank: then they must be given, since the global
+        rank is the data-parallel rank only without tensor or pipeline parallelism, and every rank reading
+        every sample would train on each sample world_size times without a word."""
+        if rank is None and world_size is None:
+            rank, world_size = 0, 1
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                raise ShardError(
+                    f"torch.distributed runs {dist.get_world_size()} ranks: pass stream(rank=..., world_size=...), "
+                    "the data-parallel rank and size (under plain DDP or FSDP dist.get_rank() and "
+                    "dist.get_world_size()), or world_size=1 for every rank to read every sample")
+        elif rank is None or world_size is None:
+            raise ShardError(f"rank {rank!r} of world_size {world_size!r}: give both or neither")
         return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, rank=rank,
                             world_size=world_size)
 
