@@ -35,8 +35,8 @@ def sample_no(s):
 
 
 def delivered(perm, workers):
-    """The order a DataLoader hands out a stream's epoch: worker k takes perm[k::workers], and the loader takes
-    one sample from each worker in turn (skipping a worker that has run out)."""
+    """The order a DataLoader hands out a stream's epoch, worked out the long way: worker k takes perm[k::workers],
+    and the loader takes one sample from each worker in turn (skipping a worker that has run out)."""
     shares = [list(perm[k::workers]) for k in range(workers)]
     return [int(x) for row in zip(*[w + [None] * (len(shares[0]) - len(w)) for w in shares], strict=True)
             for x in row if x is not None]
@@ -152,17 +152,20 @@ def test_a_resumed_epoch_delivers_the_rest_in_the_same_order(shards):
     # the first 4 samples of epoch 2 were delivered before the checkpoint; with 3 workers the rest comes in order
     assert [sample_no(s) for s in loader] == whole[4:]
     assert [sample_no(s) for s in loader] == np.random.default_rng([9, 3]).permutation(N).tolist()  # whole again
+    # freed now: in the reference cycle of the ExceptionInfo below (frame -> e -> traceback -> frame), only the
+    # garbage collector would free it, and a persistent loader's workers then take 5 s each to stop (torch's)
+    del loader
     with pytest.raises(ShardError) as e:
         stream.set_epoch(0, start=N + 1)
     assert str(e.value) == f"start {N + 1}: must be an integer from 0 to the {N} samples an epoch of this rank holds"
 
 
 def test_ranks_must_be_named_under_torch_distributed(shards, monkeypatch):
-    import torch.distributed as dist
+    from hsextract import dataset
 
+    assert dataset.distributed_ranks() == 1  # no process group here
     ds = open_dataset(shards)
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    monkeypatch.setattr(dataset, "distributed_ranks", lambda: 4)
     with pytest.raises(ShardError) as e:
         ds.stream()
     assert str(e.value) == (
@@ -172,5 +175,20 @@ def test_ranks_must_be_named_under_torch_distributed(shards, monkeypatch):
     assert len(ds.stream(rank=1, world_size=4)) == N // 4 and len(ds.stream(rank=0, world_size=1)) == N
     with pytest.raises(ShardError, match=r"^rank 1 of world_size None: give both or neither$"):
         ds.stream(rank=1)
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    monkeypatch.setattr(dataset, "distributed_ranks", lambda: 1)
     assert len(ds.stream()) == N
+
+
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_batches_come_in_the_epoch_order_and_resume_after_any_batch(shards, batch_size):
+    stream = open_dataset(shards).stream(seed=6, batch_size=batch_size)
+    loader = DataLoader(stream, batch_size=batch_size, num_workers=2, multiprocessing_context="fork", timeout=120,
+                        collate_fn=lambda batch: [sample_no(s) for s in batch])
+    perm = np.random.default_rng([6, 0]).permutation(N).tolist()
+    batches = list(loader)
+    assert batches == [perm[a:a + batch_size] for a in range(0, N, batch_size)]
+    stream.set_epoch(0, start=2 * batch_size)  # two batches had been delivered
+    assert sum(loader, []) == perm[2 * batch_size:]
+    with pytest.raises(ShardError, match=r"^batch_size 0: must be the DataLoader's batch size, an integer >= 1$"):
+        open_dataset(shards).stream(batch_size=0)
+

@@ -149,11 +149,12 @@ class HiddenStateDataset(Dataset):
         for r in self.readers:
             yield from r.iter_samples()
 
-    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, rank: int | None = None,
-               world_size: int | None = None) -> SampleStream:
+    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, batch_size: int = 1,
+               rank: int | None = None, world_size: int | None = None) -> SampleStream:
         """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
         worker decoding its next `readahead` samples on threads while the loader collates and sends the
         current one (a map-style dataset cannot: a worker learns its next index only when it asks for it).
+        `batch_size`: the DataLoader's (None counts as 1); workers take turns by whole batches.
 
         `rank`, `world_size`: this rank's share of the data. Left out, they are 0 and 1 (every sample), unless
         torch.distributed is initialized with more than one rank: then they must be given, since the global
@@ -161,41 +162,51 @@ class HiddenStateDataset(Dataset):
         every sample would train on each sample world_size times without a word."""
         if rank is None and world_size is None:
             rank, world_size = 0, 1
-            import torch.distributed as dist
-
-            if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            if (ranks := distributed_ranks()) > 1:
                 raise ShardError(
-                    f"torch.distributed runs {dist.get_world_size()} ranks: pass stream(rank=..., world_size=...), "
-                    "the data-parallel rank and size (under plain DDP or FSDP dist.get_rank() and "
+                    f"torch.distributed runs {ranks} ranks: pass stream(rank=..., world_size=...), the "
+                    "data-parallel rank and size (under plain DDP or FSDP dist.get_rank() and "
                     "dist.get_world_size()), or world_size=1 for every rank to read every sample")
         elif rank is None or world_size is None:
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: give both or neither")
-        return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, rank=rank,
-                            world_size=world_size)
+        return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, batch_size=batch_size,
+                            rank=rank, world_size=world_size)
+
+
+def distributed_ranks() -> int:
+    """Ranks of the initialized torch.distributed default group; 1 without one."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class SampleStream(IterableDataset):
     """A HiddenStateDataset's samples, each exactly once per epoch, in a random permutation drawn from
     (seed, epoch); with `world_size` > 1 this rank takes every world_size-th sample of it (the remainder that
-    would make ranks unequal is left out of that epoch), and DataLoader worker k of W every W-th of those.
+    would make ranks unequal is left out of that epoch), and DataLoader worker k of W every W-th batch of
+    `batch_size` consecutive samples of those. A loader takes the workers' batches in turn, so it delivers the
+    rank's samples in exactly this order.
 
     Epochs: each further pass over one copy of this object counts one epoch on: in this process, and in
     persistent DataLoader workers (which keep their copy). Workers that are not persistent start every epoch
     from a fresh copy, so there call `set_epoch(e)` before each epoch, as with DistributedSampler, or every
     epoch repeats the first one's order. Resuming from a checkpoint: `set_epoch(e, start=k)` before the
     loader's first pass (workers not yet started), k = samples of epoch e this rank's loader had delivered;
-    the pass then delivers the rest of that epoch in the same order (a loader hands out its workers' shares
-    in turn, which is the epoch's order). Memory: up to `readahead` decoded samples per worker besides the one
-    handed out. Use it with `DataLoader(stream, batch_size=..., num_workers=...)` and no `shuffle` argument."""
+    the pass then delivers the rest of that epoch in the same order. Memory: up to `readahead` decoded
+    samples per worker besides the one handed out. Use it with `DataLoader(stream, batch_size=B,
+    num_workers=...)`, B the stream's `batch_size`, and no `shuffle` argument."""
 
-    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, rank: int,
-                 world_size: int) -> None:
+    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, batch_size: int,
+                 rank: int, world_size: int) -> None:
         if not isinstance(readahead, int) or readahead < 0:
             raise ShardError(f"readahead {readahead!r}: must be an integer >= 0 (samples decoded ahead)")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ShardError(f"batch_size {batch_size!r}: must be the DataLoader's batch size, an integer >= 1")
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) \
                 or not 0 <= rank < world_size:
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: need 0 <= rank < world_size")
         self.dataset, self.shuffle, self.seed, self.readahead = dataset, shuffle, seed, readahead
+        self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.epoch = self.start = 0
         self._passes = 0
@@ -228,7 +239,8 @@ class SampleStream(IterableDataset):
         self._passes += 1
         info = get_worker_info()
         if info is not None:
-            mine = mine[info.id::info.num_workers]
+            batch_no = np.arange(len(mine)) // self.batch_size
+            mine = mine[batch_no % info.num_workers == info.id]
         if self.readahead == 0:
             for i in mine:
                 yield self.dataset[int(i)]
