@@ -154,7 +154,7 @@ class HiddenStateDataset(Dataset):
         """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
         worker decoding its next `readahead` samples on threads while the loader collates and sends the
         current one (a map-style dataset cannot: a worker learns its next index only when it asks for it).
-        `batch_size`: the DataLoader's (None counts as 1); workers take turns by whole batches.
+        `batch_size`: the DataLoader's (1 for its batch_size=None); workers take turns by whole batches.
 
         `rank`, `world_size`: this rank's share of the data. Left out, they are 0 and 1 (every sample), unless
         torch.distributed is initialized with more than one rank: then they must be given, since the global
