@@ -47,10 +47,18 @@ def background() -> Iterator[ThreadPoolExecutor]:
     pool.shutdown(wait=True, cancel_futures=True)
 
 
+def selected_names(request: pytest.FixtureRequest) -> set[str]:
+    """The names of the requesting module's selected tests and of every fixture they use."""
+    names: set[str] = set()
+    for item in request.session.items:
+        if getattr(item, "module", None) is request.module:
+            names |= {item.originalname, *getattr(item, "fixturenames", ())}
+    return names
+
+
 def selected_tests_use(request: pytest.FixtureRequest, fixture: str) -> bool:
     """Whether a selected test of the requesting module uses `fixture`: background set-up starts only then."""
-    return any(getattr(item, "module", None) is request.module and fixture in getattr(item, "fixturenames", ())
-               for item in request.session.items)
+    return fixture in selected_names(request)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +69,7 @@ def scenarios_started(
     asserts on), those a selected test is or uses (as `name` or `name_started`), all started in the
     background with the module's first test. Runs that need another fixture's result are set up by hand
     (test_faults)."""
-    wanted: set[str] = set()
-    for item in request.session.items:
-        if getattr(item, "module", None) is request.module:
-            wanted |= {item.originalname, *getattr(item, "fixturenames", ())}
+    wanted = selected_names(request)
     return {name: background.submit(run, tmp_path_factory.mktemp(name.removeprefix("test_")[:30]))
             for name, run in request.module.SCENARIOS.items() if name in wanted or f"{name}_started" in wanted}
 
