@@ -57,7 +57,7 @@ from safetensors.torch import load_file
 from shard_meta import placeholder_metadata  # bench/ is the script's folder
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from hsextract.dataset import open_dataset
+from hsextract.dataset import SampleStream, open_dataset
 from hsextract.export import export
 from hsextract.shard import ShardWriter
 
@@ -134,25 +134,33 @@ def streamed(threads: int) -> str:
     return f"ours stream t{threads}"
 
 
-def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int,
-                 decode_threads: int, readahead: int) -> dict[str, dict[str, Any]]:
+STORES = ("ours", "threaded", "stream", "pt", "safetensors")  # --stores: the .pt baseline is always read
+
+
+def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, decode_threads: int, readahead: int,
+                 wanted: list[str]) -> dict[str, dict[str, Any]]:
     shards = folder / "shards"
     write_shards(shards, lens, hidden, per_shard)
     export(shards, folder / "pt", "speculators-v1")
-    export(shards, folder / "st", "speculators-safetensors")
-    stores = {
-        "ours": {"dataset": open_dataset(shards), "files": sorted(shards.glob("*.hss"))},
-        threaded(decode_threads): {"dataset": open_dataset(shards, decode_threads=decode_threads),
-                                   "files": sorted(shards.glob("*.hss"))},
-        streamed(decode_threads): {"dataset": open_dataset(shards, decode_threads=decode_threads).stream(
-                                       readahead=readahead), "files": sorted(shards.glob("*.hss"))},
-        ".pt": {"dataset": PtFiles(folder / "pt" / "data"), "files": sorted((folder / "pt" / "data").glob("*.pt"))},
-        "safetensors": {"dataset": SafetensorsFiles(folder / "st"),
-                        "files": sorted((folder / "st" / "hidden_states").glob("*.safetensors"))},
-    }
+    files = sorted(shards.glob("*.hss"))
+    stores: dict[str, dict[str, Any]] = {}
+    if "ours" in wanted:
+        stores["ours"] = {"dataset": open_dataset(shards), "files": files}
+    if "threaded" in wanted:
+        stores[threaded(decode_threads)] = {"dataset": open_dataset(shards, decode_threads=decode_threads),
+                                            "files": files}
+    if "stream" in wanted:
+        stores[streamed(decode_threads)] = {"dataset": open_dataset(shards, decode_threads=decode_threads).stream(
+                                                readahead=readahead), "files": files}
+    stores[".pt"] = {"dataset": PtFiles(folder / "pt" / "data"),
+                     "files": sorted((folder / "pt" / "data").glob("*.pt"))}
+    if "safetensors" in wanted:
+        export(shards, folder / "st", "speculators-safetensors")
+        stores["safetensors"] = {"dataset": SafetensorsFiles(folder / "st"),
+                                 "files": sorted((folder / "st" / "hidden_states").glob("*.safetensors"))}
     for s in stores.values():
         s["bytes"] = sum(p.stat().st_size for p in s["files"])
-    check_same_samples(stores, len(lens))
+    check_same_samples(shards, stores, len(lens))
     return stores
 
 
@@ -161,12 +169,13 @@ def hidden_list(s: dict[str, Any]) -> list[torch.Tensor]:
     return list(h.unbind(-2)) if isinstance(h, torch.Tensor) else list(h)  # safetensors: [(1,) seq, 4, H]
 
 
-def check_same_samples(stores: dict[str, dict[str, Any]], n: int) -> None:
-    """The first and last sample are equal in every map-style store, tensor by tensor (so the stores hold the same
-    data; the stream reads the shards of `ours` through the same reader)."""
+def check_same_samples(shards: Path, stores: dict[str, dict[str, Any]], n: int) -> None:
+    """The first and last sample are equal in our shards and every map-style store, tensor by tensor (so the
+    stores hold the same data; the streams read our shards through the same reader)."""
+    ours = open_dataset(shards)
     for i in (0, n - 1):
-        ref = stores["ours"]["dataset"][i]
-        for name in [k for k, v in stores.items() if k != "ours" and not isinstance(v["dataset"], IterableDataset)]:
+        ref = ours[i]
+        for name in [k for k, v in stores.items() if not isinstance(v["dataset"], IterableDataset)]:
             got = stores[name]["dataset"][i]
             same = torch.equal(got["input_ids"], ref["input_ids"]) and torch.equal(got["loss_mask"], ref["loss_mask"])
             same = same and all(torch.equal(a, b) for a, b in zip(hidden_list(got), ref["hidden_states"], strict=True))
@@ -223,17 +232,26 @@ def epoch(loader: DataLoader, n: int) -> tuple[float, int]:
     return wall, nbytes
 
 
-def measure(stores: dict[str, dict[str, Any]], workers: list[int], method: str, repeats: int,
+def loader(dataset: Any, workers: int, batch: str) -> DataLoader:
+    """The store's DataLoader: batch "1" collates each sample into a batch of one (the default collate), "none"
+    hands samples over as they are (batch_size=None); a stream is told which (it shuffles itself)."""
+    size = 1 if batch == "1" else None
+    if isinstance(dataset, SampleStream):
+        return DataLoader(dataset.dataset.stream(readahead=dataset.readahead, batch_size=size), batch_size=size,
+                          num_workers=workers, persistent_workers=True)
+    return DataLoader(dataset, batch_size=size, num_workers=workers, persistent_workers=True, shuffle=True,
+                      generator=torch.Generator().manual_seed(workers))
+
+
+def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list[str], method: str, repeats: int,
             n: int) -> dict[str, Any]:
-    """cells[cache][workers][store]: the best of `repeats` epochs; the stores' epochs alternate, so a change of
-    load on the machine hits all of them alike."""
+    """cells[cache][row][store], row the worker count ("4"; "4 uncollated" for batch "none"): the best of
+    `repeats` epochs; the stores' epochs alternate, so a change of load on the machine hits all of them alike."""
     cells: dict[str, Any] = {"warm": {}, "cold": {}}
     resident: dict[str, list[int]] = {s: [] for s in stores}
-    for w in workers:
-        loaders = {name: DataLoader(stores[name]["dataset"], batch_size=1, num_workers=w, persistent_workers=True,
-                                    **({} if isinstance(stores[name]["dataset"], IterableDataset) else
-                                       {"shuffle": True, "generator": torch.Generator().manual_seed(w)}))
-                   for name in stores}
+    for w, batch in [(w, b) for b in batches for w in workers]:
+        row = str(w) if batch == "1" else f"{w} uncollated"
+        loaders = {name: loader(stores[name]["dataset"], w, batch) for name in stores}
         for name in stores:
             epoch(loaders[name], n)  # warms the page cache and starts the workers
         best: dict[str, dict[str, tuple[float, int]]] = {"warm": {}, "cold": {}}
@@ -247,7 +265,7 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], method: str, 
                             resident[name].append(left)
                     best[cache][name] = min(best[cache].get(name, (float("inf"), 0)), epoch(loaders[name], n))
         for cache, by_store in best.items():
-            cells[cache][str(w)] = {name: {"samples_s": n / wall, "gb_s": nbytes / wall / 1e9, "wall_s": wall}
+            cells[cache][row] = {name: {"samples_s": n / wall, "gb_s": nbytes / wall / 1e9, "wall_s": wall}
                                     for name, (wall, nbytes) in by_store.items()}
         del loaders  # shuts the workers down before the next worker count starts its own
     return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()}}
@@ -348,6 +366,8 @@ def markdown(res: dict[str, Any]) -> str:
             cells = " | ".join(f"{row[s]['gb_s']:.2f}" for s in names)
             ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}" for s in ours)
             lines.append(f"| {cache} | {w} | {cells} | {ratios} |")
+    if "profile" not in res:
+        return "\n".join(lines)
     p = res["profile"]
     lines += [
         "",
@@ -380,17 +400,19 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "min_len": min(lens), "max_len": max(lens), "hidden": a.hidden,
                            "hidden_bytes": sum(lens) * N_HIDDEN * a.hidden * 2,
                            "raw_bytes": sum(lens) * (N_HIDDEN * a.hidden * 2 + 16), "workers": a.workers,
-                           "repeats": a.repeats, "readahead": a.readahead}
+                           "repeats": a.repeats, "readahead": a.readahead, "batches": a.batch}
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
-        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead)
+        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead, a.stores)
+        shards = sorted((folder / "shards").glob("*.hss"))
         res["stores"] = {k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
                          if k not in (threaded(a.decode_threads), streamed(a.decode_threads))}
+        res["stores"].setdefault("ours", {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)})
         res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
-        res.update(measure(stores, a.workers, res["evict_method"], a.repeats, len(lens)))
-        res["profile"] = profile_ours(stores["ours"]["dataset"], len(lens))
-        res["decode_threads"] = decode_threads(stores["ours"]["files"], len(lens),
-                                               sorted({1, 2, a.decode_threads}), a.repeats)
+        res.update(measure(stores, a.workers, a.batch, res["evict_method"], a.repeats, len(lens)))
+        if a.profile:
+            res["profile"] = profile_ours(open_dataset(shards), len(lens))
+            res["decode_threads"] = decode_threads(shards, len(lens), sorted({1, 2, a.decode_threads}), a.repeats)
     finally:
         shutil.rmtree(folder)
     res["load_after"] = load()
@@ -409,6 +431,14 @@ def main() -> None:
     ap.add_argument("--decode-threads", type=int, default=4,
                     help="decode threads per worker of the `ours tN` and `ours stream tN` stores")
     ap.add_argument("--readahead", type=int, default=2, help="samples each worker of the stream decodes ahead")
+    ap.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES),
+                    help="stores to read (the .pt baseline always is): ours, threaded (ours tN), stream (ours "
+                         "stream tN), pt, safetensors")
+    ap.add_argument("--batch", nargs="+", choices=["1", "none"], default=["1"],
+                    help="DataLoader batch_size: 1 (the default collate: each sample copied into a batch of one) "
+                         "and/or none (uncollated: samples handed over as they are; rows marked 'uncollated')")
+    ap.add_argument("--no-profile", dest="profile", action="store_false",
+                    help="skip the one-process profile and the decode_threads table")
     ap.add_argument("--repeats", type=int, default=2, help="timed epochs per cell (the best is kept)")
     ap.add_argument("--evict", choices=["auto", "drop_caches", "fadvise"], default="auto",
                     help="how to empty the page cache for the cold epochs (auto: drop_caches where permitted)")

@@ -131,20 +131,28 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(
     assert res["checks"]["right_layers_within_tol"] is False and r.returncode == 1  # fake states: checks fail
 
 
-def run_read_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_read_bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path / "read.json"
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--workers", "1", "2", "--decode-threads", "3",
+        [sys.executable, str(ROOT / "bench" / "read.py"), "--dry", "--decode-threads", "3", *args,
          "--dir", str(tmp_path), "--out", str(out), "--md", str(tmp_path / "read.md")],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), capture_output=True, text=True, timeout=300, check=False)
     return r, tmp_path
 
 
+def run_read_bench_all(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    return run_read_bench(tmp_path, "--workers", "1", "2", "--batch", "1", "none")
+
+
+def run_read_bench_stream(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    return run_read_bench(tmp_path, "--workers", "2", "--stores", "stream", "--no-profile")
+
+
 def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     scenario: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
-    """bench/read.py --dry: three stores of the same samples (ours read three ways), every (cache, workers, store)
-    cell measured."""
+    """bench/read.py --dry: three stores of the same samples (ours read three ways), every (cache, workers, loader
+    batching, store) cell measured."""
     r, tmp_path = scenario
     out = tmp_path / "read.json"
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -153,7 +161,7 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     assert set(res["stores"]) == {"ours", ".pt", "safetensors"} and all(v["bytes"] > 0 for v in res["stores"].values())
     assert sorted(res["cells"]) == ["cold", "warm"]
     for by_w in res["cells"].values():
-        assert sorted(by_w) == ["1", "2"]
+        assert list(by_w) == ["1", "2", "1 uncollated", "2 uncollated"]
         for row in by_w.values():
             assert list(row) == ["ours", "ours t3", "ours stream t3", ".pt", "safetensors"]
             assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
@@ -164,8 +172,23 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(
     head = ("| cache | workers | ours GB/s | ours t3 GB/s | ours stream t3 GB/s | .pt GB/s | safetensors GB/s | "
             "ours / .pt | ours t3 / .pt | ours stream t3 / .pt |")
     assert head in md
-    assert md.count("\n| warm |") == 2 and md.count("\n| cold |") == 2 and "| decode_threads |" in md
+    assert md.count("\n| warm |") == 4 and md.count("\n| cold |") == 4 and "| decode_threads |" in md
+    assert "\n| cold | 2 uncollated | " in md
     assert list(tmp_path.glob("hsx-read-*")) == []  # the stores are removed
+
+
+def test_read_bench_dry_run_reads_the_chosen_stores_only(
+    scenario: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """--stores stream --no-profile: the stream and the .pt baseline it is compared with, no profile tables."""
+    r, tmp_path = scenario
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads((tmp_path / "read.json").read_text())
+    assert set(res["stores"]) == {"ours", ".pt"} and "profile" not in res
+    assert [list(row) for by_w in res["cells"].values() for row in by_w.values()] == [["ours stream t3", ".pt"]] * 2
+    md = (tmp_path / "read.md").read_text()
+    assert "| cache | workers | ours stream t3 GB/s | .pt GB/s | ours stream t3 / .pt |" in md
+    assert "| decode_threads |" not in md
 
 
 # each test's bench run, all started in the background by the first of them (conftest.scenarios_started), the
@@ -174,5 +197,6 @@ SCENARIOS = {
     "test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin": run_fidelity_script,
     "test_throughput_bench_dry_run_fills_every_part": run_throughput_bench,
     "test_fidelity_sglang_path_plumbing_against_the_fake_server": run_fidelity_sglang,
-    "test_read_bench_dry_run_fills_every_store_and_worker_cell": run_read_bench,
+    "test_read_bench_dry_run_fills_every_store_and_worker_cell": run_read_bench_all,
+    "test_read_bench_dry_run_reads_the_chosen_stores_only": run_read_bench_stream,
 }

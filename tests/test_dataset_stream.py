@@ -123,6 +123,24 @@ def test_bad_arguments_say_what(shards, kwargs, message):
 
 
 
+@pytest.mark.parametrize("batch_size", [None, 1])
+def test_uncollated_samples_leave_a_worker_in_shared_memory(shards, batch_size):
+    """stream(batch_size=None) for a loader that does not collate: a worker's samples are decoded into shared
+    memory, so sending them copies nothing; with batch_size=1 they are ordinary memory (a collating loader copies
+    them into a fresh shared block anyway)."""
+    def as_sent(s):  # the loader's per-sample conversion in the worker, just before the sample is sent
+        return sample_no(s), [t.is_shared() for t in (s["input_ids"], s["loss_mask"], *s["hidden_states"])], s
+
+    stream = open_dataset(shards, decode_threads=2).stream(seed=5, batch_size=batch_size)
+    loader = DataLoader(stream, batch_size=None, num_workers=2, collate_fn=as_sent, multiprocessing_context="fork",
+                        timeout=120)
+    got = list(loader)
+    assert [k for k, _, _ in got] == np.random.default_rng([5, 0]).permutation(N).tolist()
+    assert all(all(shared) == (batch_size is None) and len(set(shared)) == 1 for _, shared, _ in got)
+    for _, _, s in got:
+        check_sample(s)
+
+
 def test_workers_that_are_not_persistent_follow_set_epoch(shards):
     stream = open_dataset(shards).stream(seed=4, readahead=1)
     loader = DataLoader(stream, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120)
@@ -182,6 +200,7 @@ def test_batches_come_in_the_epoch_order_and_resume_after_any_batch(shards, batc
     assert batches == [perm[a:a + batch_size] for a in range(0, N, batch_size)]
     stream.set_epoch(0, start=2 * batch_size)  # two batches had been delivered
     assert sum(loader, []) == perm[2 * batch_size:]
-    with pytest.raises(ShardError, match=r"^batch_size 0: must be the DataLoader's batch size, an integer >= 1$"):
+    with pytest.raises(ShardError,
+                       match=r"^batch_size 0: must be the DataLoader's batch size, an integer >= 1 or None$"):
         open_dataset(shards).stream(batch_size=0)
 

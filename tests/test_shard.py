@@ -377,6 +377,20 @@ def test_bad_input_is_refused_with_the_sample_named(tmp_path):
         ShardWriter(tmp_path / "b.hss", meta)
 
 
+@pytest.mark.parametrize("decode_threads", [1, 3])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_a_sample_decoded_into_shared_memory_is_the_same_sample(tmp_path, precision, decode_threads):
+    samples = [make_sample(5 + 9 * k, seed=k) for k in range(3)]
+    r = ShardReader(write(tmp_path / "a.hss", samples, precision=precision), decode_threads=decode_threads)
+    for k in range(3):
+        plain, shared = r[k], r.sample(k, shared_memory=True)
+        tensors = [shared["input_ids"], shared["loss_mask"], *shared["hidden_states"]]
+        assert all(t.is_shared() for t in tensors)
+        assert not any(t.is_shared() for t in [plain["input_ids"], *plain["hidden_states"]])
+        for a, b in zip(tensors, [plain["input_ids"], plain["loss_mask"], *plain["hidden_states"]], strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
 def test_fp8_mode_dequantizes_to_bf16(tmp_path):
     samples = [make_sample(32, hidden=64, seed=3)]
     samples[0][1][0][5].zero_()

@@ -10,6 +10,7 @@ import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +139,12 @@ class HiddenStateDataset(Dataset):
         return self.readers[k], i - self._starts[k]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.sample(i)
+
+    def sample(self, i: int, *, shared_memory: bool = False) -> dict[str, Any]:
+        """Sample i (as `ds[i]`); `shared_memory`: see ShardReader.sample."""
         reader, j = self.locate(int(i))
-        return reader[j]
+        return reader.sample(j, shared_memory=shared_memory)
 
     @property
     def sample_lengths(self) -> list[int]:
@@ -149,12 +154,16 @@ class HiddenStateDataset(Dataset):
         for r in self.readers:
             yield from r.iter_samples()
 
-    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, batch_size: int = 1,
+    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, batch_size: int | None = 1,
                rank: int | None = None, world_size: int | None = None) -> SampleStream:
         """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
         worker decoding its next `readahead` samples on threads while the loader collates and sends the
         current one (a map-style dataset cannot: a worker learns its next index only when it asks for it).
-        `batch_size`: the DataLoader's (1 for its batch_size=None); workers take turns by whole batches.
+        `batch_size`: the DataLoader's; workers take turns by whole batches. With the loader's batch_size=None
+        (no collation: each sample arrives as the dataset returns it, without a batch dimension), give None too:
+        then each worker decodes its samples straight into shared memory and hands them over without a copy,
+        where a collating loader copies every sample once more (into a fresh shared block: about as much as a
+        worker's decode costs, on its one main thread).
 
         `rank`, `world_size`: this rank's share of the data. Left out, they are 0 and 1 (every sample), unless
         torch.distributed is initialized with more than one rank: then they must be given, since the global
@@ -196,12 +205,13 @@ class SampleStream(IterableDataset):
     samples per worker besides the one handed out. Use it with `DataLoader(stream, batch_size=B,
     num_workers=...)`, B the stream's `batch_size`, and no `shuffle` argument."""
 
-    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, batch_size: int,
-                 rank: int, world_size: int) -> None:
+    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int,
+                 batch_size: int | None, rank: int, world_size: int) -> None:
         if not isinstance(readahead, int) or readahead < 0:
             raise ShardError(f"readahead {readahead!r}: must be an integer >= 0 (samples decoded ahead)")
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ShardError(f"batch_size {batch_size!r}: must be the DataLoader's batch size, an integer >= 1")
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ShardError(f"batch_size {batch_size!r}: must be the DataLoader's batch size, an integer >= 1 or "
+                             "None")
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) \
                 or not 0 <= rank < world_size:
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: need 0 <= rank < world_size")
@@ -239,11 +249,13 @@ class SampleStream(IterableDataset):
         self._passes += 1
         info = get_worker_info()
         if info is not None:
-            batch_no = np.arange(len(mine)) // self.batch_size
+            batch_no = np.arange(len(mine)) // (self.batch_size or 1)
             mine = mine[batch_no % info.num_workers == info.id]
+        # uncollated samples leave a worker as they are: in shared memory they cross without a copy
+        get = partial(self.dataset.sample, shared_memory=info is not None and self.batch_size is None)
         if self.readahead == 0:
             for i in mine:
-                yield self.dataset[int(i)]
+                yield get(int(i))
             return
         # one thread per sample in flight, so `readahead` samples decode side by side; the pool is this
         # pass's own (made in the worker process) and shut down with it, also when the consumer stops early
@@ -254,7 +266,7 @@ class SampleStream(IterableDataset):
             nxt = next(todo, None)
             while nxt is not None or pending:
                 while nxt is not None and len(pending) < self.readahead:
-                    pending.append(pool.submit(self.dataset.__getitem__, nxt))
+                    pending.append(pool.submit(get, nxt))
                     nxt = next(todo, None)
                 yield pending.popleft().result()
         finally:

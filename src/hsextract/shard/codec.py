@@ -101,9 +101,9 @@ def split_planes(raw: np.ndarray, itemsize: int) -> list[np.ndarray]:
 JOIN_BLOCK = 1 << 17  # elements per block of join_planes (256 KB of output)
 
 
-def join_planes(planes: list[bytes], itemsize: int, nbytes: int) -> np.ndarray:
-    """Inverse of split_planes into a fresh writable uint8 array (not zero-filled first)."""
-    out = np.empty(nbytes, dtype=np.uint8)
+def join_planes(planes: list[bytes], itemsize: int, nbytes: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Inverse of split_planes into `out` (nbytes uint8), by default a fresh array (not zero-filled first)."""
+    out = np.empty(nbytes, dtype=np.uint8) if out is None else out
     if itemsize == 1:
         out[:] = np.frombuffer(planes[0], dtype=np.uint8)
     elif itemsize == 2 and sys.byteorder == "little":
@@ -136,7 +136,9 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.to(torch.float32)
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(q as float32 * scale[:, None]) rounded to dtype."""
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """(q as float32 * scale[:, None]) rounded to dtype, into `out` (q's shape, dtype) if given."""
     f = torch.from_numpy(_FP8_AS_F32[q.contiguous().view(torch.uint8).numpy()])
-    return f.mul_(scale[:, None]).to(dtype)
+    f.mul_(scale[:, None])
+    return f.to(dtype) if out is None else out.copy_(f)

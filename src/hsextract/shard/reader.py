@@ -48,6 +48,12 @@ def _pool(job: str, threads: int) -> ThreadPoolExecutor:
         return pool
 
 
+def _shared_bytes(nbytes: int) -> torch.Tensor:
+    """An nbytes uint8 tensor in shared memory, as the DataLoader's default collate makes them (its pages are
+    faulted in by whoever writes it first: here the decode threads, not the worker's one main thread)."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,))
+
+
 class ShardReader:
     """Read a shard written by ShardWriter.
 
@@ -287,7 +293,8 @@ class ShardReader:
                 self._local.d = dctx
         return dctx
 
-    def _decode_piece(self, i: int, piece: dict[str, Any], frames: list[memoryview], seq: int) -> torch.Tensor:
+    def _decode_piece(self, i: int, piece: dict[str, Any], frames: list[memoryview], seq: int,
+                      shared: bool = False) -> torch.Tensor:
         dctx = self._decompressor()
         nbytes = seq * piece["width"] * DTYPES[piece["dtype"]].itemsize
         try:
@@ -298,10 +305,16 @@ class ShardReader:
             raise self._corrupt(i, f"frame does not decode ({e})") from e
         if any(len(p) * piece["planes"] != nbytes for p in planes):
             raise self._corrupt(i, f"{piece['name']} decodes to the wrong size")
-        t = torch.from_numpy(join_planes(planes, piece["planes"], nbytes)).view(DTYPES[piece["dtype"]])
+        if shared:  # the tensor that owns the shared block is returned (a tensor made from numpy would not be shared)
+            t = _shared_bytes(nbytes)
+            join_planes(planes, piece["planes"], nbytes, t.numpy())
+        else:
+            t = torch.from_numpy(join_planes(planes, piece["planes"], nbytes))
+        t = t.view(DTYPES[piece["dtype"]])
         return t if piece["width"] == 1 else t.view(seq, piece["width"])
 
-    def _decode(self, i: int, rec: memoryview, pool: ThreadPoolExecutor | None = None) -> Sample:
+    def _decode(self, i: int, rec: memoryview, pool: ThreadPoolExecutor | None = None,
+                shared: bool = False) -> Sample:
         """The sample of record i, its header already checked. Serially: payload checksum, then decode. With a
         pool: the hidden tensors decode on it while this thread checks the payload checksum and decodes ids
         and mask; nothing is returned unless the checksum matches (decoding unchecked bytes is safe: frame
@@ -324,31 +337,42 @@ class ShardReader:
                 fi += piece["planes"]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
-            futures = [pool.submit(self._decode_unit, i, unit, seq) for unit in jobs[2:]]
+            futures = [pool.submit(self._decode_unit, i, unit, seq, shared) for unit in jobs[2:]]
             try:
                 self._check_payload(i, rec)  # a damaged record is reported as such, whatever its frames do
-                head = [self._decode_unit(i, unit, seq) for unit in jobs[:2]]
+                head = [self._decode_unit(i, unit, seq, shared) for unit in jobs[:2]]
             finally:
                 wait(futures)
             tensors = head + [f.result() for f in futures]
         else:
-            tensors = [self._decode_unit(i, unit, seq) for unit in jobs]
+            tensors = [self._decode_unit(i, unit, seq, shared) for unit in jobs]
         return {"input_ids": tensors[0], "hidden_states": tensors[2:], "loss_mask": tensors[1]}
 
-    def _decode_unit(self, i: int, unit: list[tuple[dict[str, Any], list[memoryview]]], seq: int) -> torch.Tensor:
-        got = [self._decode_piece(i, piece, frames, seq) for piece, frames in unit]
-        return dequantize_fp8(got[0], got[1], self._out_dtype) if len(got) == 2 else got[0]
+    def _decode_unit(self, i: int, unit: list[tuple[dict[str, Any], list[memoryview]]], seq: int,
+                     shared: bool) -> torch.Tensor:
+        if len(unit) == 1:
+            return self._decode_piece(i, *unit[0], seq, shared)
+        q, scale = (self._decode_piece(i, piece, frames, seq) for piece, frames in unit)
+        out = _shared_bytes(q.numel() * self._out_dtype.itemsize).view(self._out_dtype).view(q.shape) \
+            if shared else None
+        return dequantize_fp8(q, scale, self._out_dtype, out)
 
     def __getitem__(self, i: int) -> Sample:
+        return self.sample(i)
+
+    def sample(self, i: int, *, shared_memory: bool = False) -> Sample:
+        """Sample i (as `reader[i]`). `shared_memory`: its tensors are decoded straight into shared memory, so
+        that a DataLoader worker hands them to the loader's process without a copy (see
+        HiddenStateDataset.stream); elsewhere it only costs the shared blocks' set-up."""
         i = int(i)
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
         i %= n
         if self.decode_threads == 1:
-            return self._decode(i, self._record(i))
+            return self._decode(i, self._record(i), shared=shared_memory)
         rec = self._record(i, _pool("read", self.decode_threads))
-        return self._decode(i, rec, _pool("decode", self.decode_threads))
+        return self._decode(i, rec, _pool("decode", self.decode_threads), shared_memory)
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
         """All samples in order, read and decoded ahead by a small thread pool."""
