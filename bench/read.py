@@ -15,17 +15,20 @@ lengths drawn from 512..2048 tokens in steps of 256 until `--gb` GB of raw sampl
   safetensors  speculators >= 0.5: one safetensors file per sample, hidden states stacked [seq, 4, H]
                (hsextract.export "speculators-safetensors"), read with safetensors.torch.load_file, the
                loss mask from the export's Arrow table (read once).
-Each store is read by a DataLoader (shuffle=True, batch_size=1, default collate, persistent workers; the
-stream: no shuffle argument, it shuffles itself) with 1, 2 and 4 workers (`--workers`): one untimed epoch
-first (it reads every file, so the page cache is warm and the workers are started), then a timed epoch from
-the page cache ("warm"), then the store's files are dropped from the page cache and a timed epoch reads them
-from disk ("cold"). Dropping: `sync` and
-`echo 1 > /proc/sys/vm/drop_caches` where permitted, else fsync + posix_fadvise(POSIX_FADV_DONTNEED) on every
-file of the store; the output says which was used and how much of the store stayed resident (fincore).
-Speeds: samples/s and GB/s of decoded hidden-state bytes (4 x seq x H x 2) per wall second of an epoch.
-Then one process reads our shards in a shuffled order under cProfile, and the time is split into stages:
-file read (pread), checksums (xxh3, crc32), zstd decompress, byte-plane reassembly, tensor construction; and
-in one process, alternating, decode_threads 1, 2 and N: samples per wall second and per CPU second.
+Each store is read by a DataLoader (shuffle=True, persistent workers; the stream: no shuffle argument, it
+shuffles itself) with 1, 2 and 4 workers (`--workers`), and `--batch 1 none` (default 1): batch_size=1 with
+the default collate, and/or batch_size=None, no collation (rows "N uncollated"; the stream as
+stream(batch_size=None), which decodes into shared memory). `--stores` picks the stores (the .pt baseline is
+always read). One untimed epoch first (it reads every file, so the page cache is warm and the workers are
+started), then a timed epoch from the page cache ("warm"), then the store's files are dropped from the page
+cache and a timed epoch reads them from disk ("cold"). Dropping: `sync` and `echo 1 >
+/proc/sys/vm/drop_caches` where permitted, else fsync + posix_fadvise(POSIX_FADV_DONTNEED) on every file of
+the store; the output says which was used and how much of the store stayed resident (fincore). Speeds:
+samples/s and GB/s of decoded hidden-state bytes (4 x seq x H x 2) per wall second of an epoch. Then (unless
+--no-profile) one process reads our shards in a shuffled order under cProfile, and the time is split into
+stages: file read (pread), checksums (xxh3, crc32), zstd decompress, byte-plane reassembly, tensor
+construction; and in one process, alternating, decode_threads 1, 2 and N: samples per wall second and per CPU
+second.
 
     PYTHONPATH=src python bench/read.py [--gb 1.5] [--workers 1 2 4] [--out read.json] [--write-readme]
     PYTHONPATH=src python bench/read.py --dry   # seconds: tiny samples, for tests/test_bench_dryrun.py
@@ -405,9 +408,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     try:
         stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead, a.stores)
         shards = sorted((folder / "shards").glob("*.hss"))
-        res["stores"] = {k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
-                         if k not in (threaded(a.decode_threads), streamed(a.decode_threads))}
-        res["stores"].setdefault("ours", {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)})
+        res["stores"] = {"ours": {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}} | {
+            k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
+            if k not in ("ours", threaded(a.decode_threads), streamed(a.decode_threads))}
         res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
         res.update(measure(stores, a.workers, a.batch, res["evict_method"], a.repeats, len(lens)))
         if a.profile:
