@@ -54,7 +54,9 @@ class TracedStream(SampleStream):
             t0 = time.perf_counter()
             yield s
             EVENTS.append(("handover", os.getpid(), t0, time.perf_counter()))
-        (self.dump / f"{os.getpid()}.json").write_text(json.dumps(EVENTS))
+        tmp = self.dump / f".{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(EVENTS))
+        tmp.rename(self.dump / f"{os.getpid()}.json")  # whole or absent for the reader below
 
 
 def union(intervals: list[tuple[float, float]]) -> float:
@@ -74,9 +76,11 @@ def epoch(loader: DataLoader, stream: TracedStream, n: int) -> dict[str, Any]:
     for _ in loader:
         arrivals.append(time.perf_counter() - t0)
     wall = time.perf_counter() - t0
+    deadline = time.monotonic() + 60
     while len(list(stream.dump.glob("*.json"))) < max(loader.num_workers, 1):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{stream.dump}: not every worker wrote its trace within 60 s of the epoch's end")
         time.sleep(0.05)  # the workers write their traces after their last sample (diagnosis script, not a test)
-    time.sleep(0.2)
     ev = [e for f in stream.dump.glob("*.json") for e in json.loads(f.read_text())]
     out: dict[str, Any] = {"wall_s": wall, "first_s": arrivals[0], "samples": len(arrivals)}
     for what in ("read", "decode", "handover"):
