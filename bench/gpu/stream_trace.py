@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -97,16 +98,16 @@ def epoch(loader: DataLoader, stream: TracedStream, n: int) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--gb", type=float, default=4)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--readahead", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--decode-threads", type=int, default=4)
-    ap.add_argument("--dir", default=tempfile.gettempdir())
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    folder = Path(tempfile.mkdtemp(prefix="hsx-trace-", dir=a.dir))
+def describe(r: dict[str, Any]) -> str:
+    per_worker = ", ".join(f"{x:.0%}" for x in r["worker_no_read_share"])
+    return (f"w{r['workers']} ra{r['readahead']} {r['cache']}: {r['gb_s']:.2f} GB/s, first sample "
+            f"{r['first_s'] * 1000:.0f} ms, read {r['read_ms_mean']:.0f} / decode {r['decode_ms_mean']:.0f} / "
+            f"hand-over {r['handover_ms_mean']:.0f} ms per sample, no read in flight "
+            f"{r['no_read_in_flight_share']:.0%} (per worker {per_worker})")
+
+
+def cells(folder: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
+    """A warm and a cold epoch per (workers, readahead), over shards of --gb GB written into `folder`."""
     lens = sample_lengths(a.gb, 7168, 512, 2048, 256)
     write_shards(folder / "shards", lens, 7168, 64)
     shards = sorted((folder / "shards").glob("*.hss"))
@@ -127,11 +128,25 @@ def main() -> None:
                 r = epoch(loader, stream, len(lens))
                 r.update(workers=w, readahead=ra, cache=cache, gb_s=hidden / r["wall_s"] / 1e9)
                 res.append(r)
-                print(f"w{w} ra{ra} {cache}: {r['gb_s']:.2f} GB/s, first sample {r['first_s'] * 1000:.0f} ms, "
-                      f"read {r['read_ms_mean']:.0f} / decode {r['decode_ms_mean']:.0f} / hand-over "
-                      f"{r['handover_ms_mean']:.0f} ms per sample, no read in flight {r['no_read_in_flight_share']:.0%}"
-                      f" (per worker {', '.join(f'{x:.0%}' for x in r['worker_no_read_share'])})", flush=True)
+                print(describe(r), flush=True)
             del loader
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--gb", type=float, default=4)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--readahead", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--decode-threads", type=int, default=4)
+    ap.add_argument("--dir", default=tempfile.gettempdir())
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    folder = Path(tempfile.mkdtemp(prefix="hsx-trace-", dir=a.dir))
+    try:
+        res = cells(folder, a)
+    finally:
+        shutil.rmtree(folder)  # the shards (gigabytes)
     if a.out:
         Path(a.out).write_text(json.dumps(res))
 
