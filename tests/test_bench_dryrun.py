@@ -11,6 +11,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def listen_port(block: int) -> int:
+    """A port (and the next) for a bench's own servers: below the kernel's ephemeral range, so that no client
+    socket's local port can hold it (a bench opens many connections; a fake server once failed to bind a port
+    in that range), and per process, so that two runs of the suite on one machine differ."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    port = 20000 + 1000 * block + 2 * (os.getpid() % 500)
+    assert port + 1 < low, f"port {port} is inside the ephemeral range from {low}"
+    return port
+
+
 def run_throughput_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path, Path]:
     model = tmp_path / "model"
     model.mkdir()
@@ -24,7 +35,7 @@ def run_throughput_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[st
          "fake_sglang", "--skip-hf", "--lens", "64", "32", "--n", "24", "16", "--aux", "0", "1", "2",
          "--concurrency", "4", "8", "--shard-threads", "2", f"1:{elsewhere}", "--repeats", "2", "--out", str(out),
          "--state", str(tmp_path / "state"),
-         "--port", str(32000 + os.getpid() % 1000)],
+         "--port", str(listen_port(0))],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )
     return r, out, elsewhere
@@ -111,7 +122,7 @@ def run_fidelity_sglang(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str
         [sys.executable, str(ROOT / "bench" / "gpu" / "fidelity.py"), "--model", str(models / "llama"), "--name", "f",
          "--aux", "dflash", "--state", str(tmp_path / "state"), "--out", str(out), "--n", "4", "--max-len", "48",
          "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--startup-timeout", "120",
-         "--port", str(33000 + os.getpid() % 1000)],
+         "--port", str(listen_port(1))],
         env=env, capture_output=True, text=True, timeout=900, check=False)
     return r, out
 
