@@ -203,7 +203,8 @@ class SampleStream(IterableDataset):
     loader's first pass (workers not yet started), k = samples of epoch e this rank's loader had delivered;
     the pass then delivers the rest of that epoch in the same order. Memory: up to `readahead` decoded
     samples per worker besides the one handed out. Use it with `DataLoader(stream, batch_size=B,
-    num_workers=...)`, B the stream's `batch_size`, and no `shuffle` argument."""
+    num_workers=...)`, B the stream's `batch_size` (None for a loader that does not collate), and no `shuffle`
+    argument."""
 
     def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int,
                  batch_size: int | None, rank: int, world_size: int) -> None:
