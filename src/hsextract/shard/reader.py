@@ -79,7 +79,14 @@ class ShardReader:
         self._local = threading.local()
         self.metadata, self._index = self._open()
         self._pieces = fmt.piece_layout(self.metadata)
-        self._units = fmt.unit_layout(self.metadata)
+        # per returned tensor (fmt.unit_layout), its pieces with the range of the record's frames each decodes
+        self._units: list[list[tuple[dict[str, Any], int, int]]] = []
+        fi = 0
+        for unit in fmt.unit_layout(self.metadata):
+            self._units.append([])
+            for piece in unit:
+                self._units[-1].append((piece, fi, fi + piece["planes"]))
+                fi += piece["planes"]
         self._out_dtype = DTYPES[self.metadata["dtype"]]
 
     # -- process-local file handle --------------------------------------------------------
@@ -327,14 +334,7 @@ class ShardReader:
             self._check_payload(i, rec)  # a damaged payload says so first, as on the serial path
             raise
         seq = self._index["seq_lens"][i]
-        # one job per returned tensor: its pieces (fmt.unit_layout), each with its frames
-        jobs: list[list[tuple[dict[str, Any], list[memoryview]]]] = []
-        fi = 0
-        for unit in self._units:
-            jobs.append([])
-            for piece in unit:
-                jobs[-1].append((piece, frames[fi:fi + piece["planes"]]))
-                fi += piece["planes"]
+        jobs = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
             futures = [pool.submit(self._decode_unit, i, unit, seq, shared) for unit in jobs[2:]]
