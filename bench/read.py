@@ -44,7 +44,6 @@ import platform
 import pstats
 import random
 import shutil
-import subprocess
 import tempfile
 import time
 import warnings
@@ -56,6 +55,7 @@ import safetensors
 import torch
 import zstandard as zstd
 from codec import cpu_name, synthetic_samples  # bench/ is the script's folder
+from pagecache import drop_method, evict, resident_bytes  # bench/ is the script's folder
 from safetensors.torch import load_file
 from shard_meta import placeholder_metadata  # bench/ is the script's folder
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -184,40 +184,6 @@ def check_same_samples(shards: Path, stores: dict[str, dict[str, Any]], n: int) 
             same = same and all(torch.equal(a, b) for a, b in zip(hidden_list(got), ref["hidden_states"], strict=True))
             if not same:
                 raise RuntimeError(f"sample {i} of store {name} differs from ours")
-
-
-# -- page cache -----------------------------------------------------------------------------------------------
-def drop_method() -> str:
-    """'drop_caches' if writing /proc/sys/vm/drop_caches works here, else 'fadvise'."""
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return "drop_caches"
-    except OSError:
-        return "fadvise"
-
-
-def evict(files: list[Path], method: str) -> None:
-    if method == "drop_caches":
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-        return
-    for p in files:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_bytes(files: list[Path]) -> int | None:
-    """Bytes of `files` in the page cache (util-linux fincore), or None without it."""
-    if not shutil.which("fincore"):
-        return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, files)],
-                         capture_output=True, text=True, check=False)
-    return sum(int(x) for x in out.stdout.split()) if out.returncode == 0 else None
 
 
 # -- DataLoader epochs ----------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import platform
 import random
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -34,19 +35,11 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
+from pagecache import drop_method, evict  # noqa: E402
+
 ALIGN = 4096
 PATTERNS = ("files", "slices", "slices+seq", "slices+fd", "whole", "chunks", "direct")
-
-
-def drop_caches(files: list[Path]) -> None:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
-    except OSError:  # not root: evict our own files
-        for p in files:
-            fd = os.open(p, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
 
 
 def block_info(folder: Path) -> dict[str, str]:
@@ -155,7 +148,7 @@ def worker(pattern: str, big: str, files: list[str], recs: list[tuple[int, int, 
 
 def one_pass(pattern: str, procs: int, big: Path, files: list[Path], recs: list[tuple[int, int, int]],
              a: argparse.Namespace) -> dict[str, float]:
-    drop_caches([big, *files])
+    evict([big, *files], a.evict)  # drop_caches as root, else each of our files
     ctx = mp.get_context("fork")
     go, done = ctx.Event(), ctx.Queue()
     ps = [ctx.Process(target=worker, args=(pattern, str(big), [str(f) for f in files], recs[k::procs], a, go, done))
@@ -190,6 +183,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    a.evict = drop_method()
     rng = random.Random(0)
     folder = Path(tempfile.mkdtemp(prefix="hsx-probe-", dir=a.dir))
     res: dict = {"block": block_info(folder), "args": vars(a), "cells": {}}

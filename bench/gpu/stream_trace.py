@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
-from read import drop_method, evict, sample_lengths, write_shards  # noqa: E402
+from pagecache import drop_method, evict  # noqa: E402
+from read import sample_lengths, write_shards  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from hsextract.dataset import SampleStream, open_dataset  # noqa: E402
