@@ -7,9 +7,11 @@ lengths drawn from 512..2048 tokens in steps of 256 until `--gb` GB of raw sampl
                through hsextract.open_dataset;
   ours tN      the same shards, open_dataset(decode_threads=N) (`--decode-threads`, default 4): each worker
                decodes a sample's hidden tensors on N threads;
-  ours stream tN  the same again as open_dataset(decode_threads=N).stream(readahead=R) (`--readahead`, default
-               2): an IterableDataset that shuffles every epoch itself and decodes each worker's next R
-               samples while the loader collates the current one;
+  ours stream tN  the same again as open_dataset(decode_threads=N).stream(readahead=R, prefetch=P)
+               (`--readahead`, default 2; `--prefetch`, default 4): an IterableDataset that shuffles every
+               epoch itself, decodes each worker's next R samples while the loader collates the current one and
+               asks the disk for the records of the P after those; several `--prefetch` values give one
+               store each ("ours stream tN pP");
   .pt          speculators v1: one torch.save per sample (hsextract.export "speculators-v1"), read with
                torch.load(weights_only=True, mmap=False);
   safetensors  speculators >= 0.5: one safetensors file per sample, hidden states stacked [seq, 4, H]
@@ -133,15 +135,15 @@ def threaded(threads: int) -> str:
     return f"ours t{threads}"
 
 
-def streamed(threads: int) -> str:
-    return f"ours stream t{threads}"
+def streamed(threads: int, prefetch: int | None = None) -> str:
+    return f"ours stream t{threads}" + ("" if prefetch is None else f" p{prefetch}")
 
 
 STORES = ("ours", "threaded", "stream", "pt", "safetensors")  # --stores: the .pt baseline is always read
 
 
 def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, decode_threads: int, readahead: int,
-                 wanted: list[str]) -> dict[str, dict[str, Any]]:
+                 prefetch: list[int], wanted: list[str]) -> dict[str, dict[str, Any]]:
     shards = folder / "shards"
     write_shards(shards, lens, hidden, per_shard)
     export(shards, folder / "pt", "speculators-v1")
@@ -153,8 +155,11 @@ def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, dec
         stores[threaded(decode_threads)] = {"dataset": open_dataset(shards, decode_threads=decode_threads),
                                             "files": files}
     if "stream" in wanted:
-        stores[streamed(decode_threads)] = {"dataset": open_dataset(shards, decode_threads=decode_threads).stream(
-                                                readahead=readahead), "files": files}
+        for p in prefetch:
+            stores[streamed(decode_threads, p if len(prefetch) > 1 else None)] = {
+                "dataset": open_dataset(shards, decode_threads=decode_threads).stream(readahead=readahead,
+                                                                                      prefetch=p),
+                "files": files}
     stores[".pt"] = {"dataset": PtFiles(folder / "pt" / "data"),
                      "files": sorted((folder / "pt" / "data").glob("*.pt"))}
     if "safetensors" in wanted:
@@ -206,8 +211,9 @@ def loader(dataset: Any, workers: int, batch: str) -> DataLoader:
     hands samples over as they are (batch_size=None); a stream is told which (it shuffles itself)."""
     size = 1 if batch == "1" else None
     if isinstance(dataset, SampleStream):
-        return DataLoader(dataset.dataset.stream(readahead=dataset.readahead, batch_size=size), batch_size=size,
-                          num_workers=workers, persistent_workers=True)
+        return DataLoader(dataset.dataset.stream(readahead=dataset.readahead, prefetch=dataset.prefetch,
+                                                 batch_size=size), batch_size=size, num_workers=workers,
+                          persistent_workers=True)
     return DataLoader(dataset, batch_size=size, num_workers=workers, persistent_workers=True, shuffle=True,
                       generator=torch.Generator().manual_seed(workers))
 
@@ -369,14 +375,16 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                            "min_len": min(lens), "max_len": max(lens), "hidden": a.hidden,
                            "hidden_bytes": sum(lens) * N_HIDDEN * a.hidden * 2,
                            "raw_bytes": sum(lens) * (N_HIDDEN * a.hidden * 2 + 16), "workers": a.workers,
-                           "repeats": a.repeats, "readahead": a.readahead, "batches": a.batch}
+                           "repeats": a.repeats, "readahead": a.readahead, "prefetch": a.prefetch,
+                           "batches": a.batch}
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
-        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead, a.stores)
+        stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead, a.prefetch,
+                              a.stores)
         shards = sorted((folder / "shards").glob("*.hss"))
         res["stores"] = {"ours": {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}} | {
             k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
-            if k not in ("ours", threaded(a.decode_threads), streamed(a.decode_threads))}
+            if not k.startswith("ours")}
         res["evict_method"] = drop_method() if a.evict == "auto" else a.evict
         res.update(measure(stores, a.workers, a.batch, res["evict_method"], a.repeats, len(lens)))
         if a.profile:
@@ -400,6 +408,9 @@ def main() -> None:
     ap.add_argument("--decode-threads", type=int, default=4,
                     help="decode threads per worker of the `ours tN` and `ours stream tN` stores")
     ap.add_argument("--readahead", type=int, default=2, help="samples each worker of the stream decodes ahead")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[4],
+                    help="samples after those whose records each stream worker asks of the disk (one stream store "
+                         "per value)")
     ap.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES),
                     help="stores to read (the .pt baseline always is): ours, threaded (ours tN), stream (ours "
                          "stream tN), pt, safetensors")

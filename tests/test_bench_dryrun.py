@@ -156,7 +156,7 @@ def run_read_bench_all(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str]
 
 
 def run_read_bench_stream(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    return run_read_bench(tmp_path, "--workers", "2", "--stores", "stream", "--no-profile")
+    return run_read_bench(tmp_path, "--workers", "2", "--stores", "stream", "--prefetch", "0", "3", "--no-profile")
 
 
 def test_read_bench_dry_run_fills_every_store_and_worker_cell(
@@ -191,14 +191,17 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(
 def test_read_bench_dry_run_reads_the_chosen_stores_only(
     scenario: tuple[subprocess.CompletedProcess[str], Path],
 ) -> None:
-    """--stores stream --no-profile: the stream and the .pt baseline it is compared with, no profile tables."""
+    """--stores stream --prefetch 0 3 --no-profile: the stream once per prefetch and the .pt baseline they are
+    compared with, no profile tables."""
     r, tmp_path = scenario
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads((tmp_path / "read.json").read_text())
     assert set(res["stores"]) == {"ours", ".pt"} and "profile" not in res
-    assert [list(row) for by_w in res["cells"].values() for row in by_w.values()] == [["ours stream t3", ".pt"]] * 2
+    assert [list(row) for by_w in res["cells"].values() for row in by_w.values()] == [
+        ["ours stream t3 p0", "ours stream t3 p3", ".pt"]] * 2
     md = (tmp_path / "read.md").read_text()
-    assert "| cache | workers | ours stream t3 GB/s | .pt GB/s | ours stream t3 / .pt |" in md
+    assert ("| cache | workers | ours stream t3 p0 GB/s | ours stream t3 p3 GB/s | .pt GB/s | "
+            "ours stream t3 p0 / .pt | ours stream t3 p3 / .pt |") in md
     assert "| decode_threads |" not in md
 
 

@@ -109,9 +109,37 @@ def test_a_damaged_sample_is_an_error_when_its_turn_comes(shards, tmp_path):
     assert got == [0, 1]
 
 
+@pytest.mark.parametrize(("readahead", "prefetch"), [(0, 2), (2, 3), (3, 0)])
+def test_the_disk_is_asked_for_the_next_records_in_the_epoch_order(shards, readahead, prefetch):
+    """prefetch: when sample k of the order is handed out, the records of at least the next `prefetch` samples have
+    been asked of the disk, and not more than those the decode threads hold besides; each once, in order."""
+    ds = open_dataset(shards, decode_threads=2)
+    asked, moved = [], threading.Condition()
+    real = ds.prefetch
+
+    def record(i):
+        real(i)
+        with moved:
+            asked.append(i)
+            moved.notify_all()
+
+    ds.prefetch = record
+    stream = ds.stream(seed=3, readahead=readahead, prefetch=prefetch)
+    order = np.random.default_rng([3, 0]).permutation(N).tolist()
+    for k, s in enumerate(stream):
+        assert sample_no(s) == order[k]
+        check_sample(s)
+        with moved:  # the hints run on a thread of their own: wait for those already asked for
+            least = min(N, k + 1 + prefetch)
+            assert not prefetch or moved.wait_for(lambda n=least: len(asked) >= n, timeout=60)
+            assert len(asked) <= (min(N, k + max(readahead, 1) + prefetch) if prefetch else 0)
+    assert asked == (order if prefetch else [])
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"readahead": -1}, "readahead -1: must be an integer >= 0 (samples decoded ahead)"),
     ({"readahead": 1.5}, "readahead 1.5: must be an integer >= 0 (samples decoded ahead)"),
+    ({"prefetch": -2}, "prefetch -2: must be an integer >= 0 (samples whose records are asked of the disk ahead)"),
     ({"rank": 2, "world_size": 2}, "rank 2 of world_size 2: need 0 <= rank < world_size"),
     ({"rank": 0, "world_size": 0}, "rank 0 of world_size 0: need 0 <= rank < world_size"),
 ])

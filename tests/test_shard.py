@@ -3,6 +3,7 @@
 import os
 import pickle
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -530,3 +531,55 @@ def test_fp8_quantize_leaves_a_float32_input_unchanged():
     kept = x.clone()
     q, scale = quantize_fp8(x)
     assert torch.equal(x, kept) and q.dtype == torch.float8_e4m3fn and scale.shape == (5,)
+
+
+def _resident(path):
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True,
+                         text=True, check=True)
+    return int(out.stdout.split()[0])
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise") or shutil.which("fincore") is None,
+                    reason="needs posix_fadvise and util-linux fincore")
+def test_prefetch_brings_a_whole_large_record_into_the_page_cache(tmp_path):
+    """The kernel starts at most one readahead window of a WILLNEED range (8 MB here, 128 KB by default) and drops
+    the rest: the record is asked for piece by piece, so all of it arrives."""
+    path = tmp_path / "big.hss"
+    with ShardWriter(path, shard_metadata(hidden_size=4096)) as w:
+        w.add(*make_sample(1024, hidden=4096, seed=1), sample_id="big")  # ~30 MB of random bf16
+        w.add(*make_sample(3, hidden=4096, seed=2), sample_id="small")
+    r = ShardReader(path)
+    rlen = r.index["record_lens"][0]
+    assert rlen > 16 << 20
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if (before := _resident(path)) > rlen // 10:
+        pytest.skip(f"{tmp_path}: its page cache cannot be dropped (tmpfs?)")
+    deadline = time.monotonic() + 120  # the kernel reads on its own; this only bounds a failure
+    while _resident(path) < rlen and time.monotonic() < deadline:
+        # asked again while waiting: the kernel may drop a hint under load (one local run of 25 did), and a hint of the
+        # whole range at once brings the same first window every time
+        r.prefetch(0)
+        time.sleep(0.05)
+    assert _resident(path) >= rlen, f"resident {before} before, {_resident(path)} after; record {rlen} bytes"
+    assert torch.equal(r[0]["hidden_states"][3], make_sample(1024, hidden=4096, seed=1)[1][3])
+
+
+def test_prefetch_asks_for_exactly_the_record_in_pieces(tmp_path, monkeypatch):
+    path = tmp_path / "s.hss"
+    with ShardWriter(path, shard_metadata(hidden_size=512)) as w:
+        for k in range(3):
+            w.add(*make_sample(100 + 150 * k, hidden=512, seed=k), sample_id=f"s{k}")
+    r = ShardReader(path)
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((off, n, advice)))
+    r.prefetch(2)
+    off, rlen = r.index["offsets"][2], r.index["record_lens"][2]
+    assert rlen > 2 * reader_module.HINT_PIECE
+    assert all(a == os.POSIX_FADV_WILLNEED and 0 < n <= reader_module.HINT_PIECE for _, n, a in asked)
+    assert [(o, o + n) for o, n, _ in asked] == [(o, min(o + reader_module.HINT_PIECE, off + rlen))
+                                               for o in range(off, off + rlen, reader_module.HINT_PIECE)]
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: (_ for _ in ()).throw(OSError(22, "Invalid argument")))
+    r.prefetch(0)  # a file system that refuses the hint reads as before
+    assert torch.equal(r[0]["input_ids"], make_sample(100, hidden=512, seed=0)[0])

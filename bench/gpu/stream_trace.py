@@ -118,7 +118,8 @@ def cells(folder: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
     res = []
     for w in a.workers:
         for ra in a.readahead:
-            stream = TracedStream(ds, shuffle=True, seed=0, readahead=ra, batch_size=1, rank=0, world_size=1)
+            stream = TracedStream(ds, shuffle=True, seed=0, readahead=ra, prefetch=a.prefetch, batch_size=1, rank=0,
+                                  world_size=1)
             stream.dump = folder / f"trace-{w}-{ra}"
             stream.dump.mkdir()
             loader = DataLoader(stream, batch_size=1, num_workers=w, persistent_workers=True)
@@ -127,7 +128,7 @@ def cells(folder: Path, a: argparse.Namespace) -> list[dict[str, Any]]:
                 if cache == "cold":
                     evict(shards, method)
                 r = epoch(loader, stream, len(lens))
-                r.update(workers=w, readahead=ra, cache=cache, gb_s=hidden / r["wall_s"] / 1e9)
+                r.update(workers=w, readahead=ra, prefetch=a.prefetch, cache=cache, gb_s=hidden / r["wall_s"] / 1e9)
                 res.append(r)
                 print(describe(r), flush=True)
             del loader
@@ -139,6 +140,8 @@ def main() -> None:
     ap.add_argument("--gb", type=float, default=4)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--readahead", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--prefetch", type=int, default=4, help="the stream's prefetch (records asked of the disk ahead; "
+                    "the trace's reads are ours only, not the kernel's reads those start)")
     ap.add_argument("--decode-threads", type=int, default=4)
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--out", default=None)

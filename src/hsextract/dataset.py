@@ -146,6 +146,11 @@ class HiddenStateDataset(Dataset):
         reader, j = self.locate(int(i))
         return reader.sample(j, shared_memory=shared_memory)
 
+    def prefetch(self, i: int) -> None:
+        """Start reading sample i's record into the page cache (ShardReader.prefetch)."""
+        reader, j = self.locate(int(i))
+        reader.prefetch(j)
+
     @property
     def sample_lengths(self) -> list[int]:
         return [n for r in self.readers for n in r.seq_lens]
@@ -154,11 +159,13 @@ class HiddenStateDataset(Dataset):
         for r in self.readers:
             yield from r.iter_samples()
 
-    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, batch_size: int | None = 1,
-               rank: int | None = None, world_size: int | None = None) -> SampleStream:
+    def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, prefetch: int = 4,
+               batch_size: int | None = 1, rank: int | None = None, world_size: int | None = None) -> SampleStream:
         """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
-        worker decoding its next `readahead` samples on threads while the loader collates and sends the
-        current one (a map-style dataset cannot: a worker learns its next index only when it asks for it).
+        worker decoding its next samples on threads (`readahead` at a time, counting the one it hands out next)
+        while the loader collates and sends the current one (a map-style dataset cannot: a worker learns its
+        next index only when it asks for it), and asking the disk for the records of the `prefetch` samples
+        after those (into the page cache: ShardReader.prefetch), so that a cold read never waits for a hand-over.
         `batch_size`: the DataLoader's; workers take turns by whole batches. With the loader's batch_size=None
         (no collation: each sample arrives as the dataset returns it, without a batch dimension), give None too:
         then each worker decodes its samples straight into shared memory and hands them over without a copy,
@@ -178,8 +185,8 @@ class HiddenStateDataset(Dataset):
                     "dist.get_world_size()), or world_size=1 for every rank to read every sample")
         elif rank is None or world_size is None:
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: give both or neither")
-        return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, batch_size=batch_size,
-                            rank=rank, world_size=world_size)
+        return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, prefetch=prefetch,
+                            batch_size=batch_size, rank=rank, world_size=world_size)
 
 
 def distributed_ranks() -> int:
@@ -202,21 +209,26 @@ class SampleStream(IterableDataset):
     epoch repeats the first one's order. Resuming from a checkpoint: `set_epoch(e, start=k)` before the
     loader's first pass (workers not yet started), k = samples of epoch e this rank's loader had delivered;
     the pass then delivers the rest of that epoch in the same order. Memory: up to `readahead` decoded
-    samples per worker besides the one handed out. Use it with `DataLoader(stream, batch_size=B,
-    num_workers=...)`, B the stream's `batch_size` (None for a loader that does not collate), and no `shuffle`
-    argument."""
+    samples per worker (the one being handed out included; the loader's own prefetch holds more), and up to
+    `prefetch` records per worker in the page cache, which the kernel reclaims as it needs. Use it with
+    `DataLoader(stream, batch_size=B, num_workers=...)`, B the stream's `batch_size` (None for a loader that does
+    not collate), and no `shuffle` argument."""
 
-    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int,
+    def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, prefetch: int,
                  batch_size: int | None, rank: int, world_size: int) -> None:
         if not isinstance(readahead, int) or readahead < 0:
             raise ShardError(f"readahead {readahead!r}: must be an integer >= 0 (samples decoded ahead)")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ShardError(f"prefetch {prefetch!r}: must be an integer >= 0 (samples whose records are asked of "
+                             "the disk ahead)")
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ShardError(f"batch_size {batch_size!r}: must be the DataLoader's batch size, an integer >= 1 or "
                              "None")
         if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) \
                 or not 0 <= rank < world_size:
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: need 0 <= rank < world_size")
-        self.dataset, self.shuffle, self.seed, self.readahead = dataset, shuffle, seed, readahead
+        self.dataset, self.shuffle, self.seed, self.readahead, self.prefetch = (dataset, shuffle, seed, readahead,
+                                                                                 prefetch)
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
         self.epoch = self.start = 0
@@ -254,24 +266,33 @@ class SampleStream(IterableDataset):
             mine = mine[batch_no % info.num_workers == info.id]
         # uncollated samples leave a worker as they are: in shared memory they cross without a copy
         get = partial(self.dataset.sample, shared_memory=info is not None and self.batch_size is None)
-        if self.readahead == 0:
-            for i in mine:
-                yield get(int(i))
-            return
-        # one thread per sample in flight, so `readahead` samples decode side by side; the pool is this
+        todo = [int(i) for i in mine]
+        # the disk is asked for the next records on a thread of their own, so that it keeps reading while the
+        # samples in hand decode and go out; the decode threads' reads then find them in the page cache
+        hints = ThreadPoolExecutor(1, thread_name_prefix="hsx-hint") if self.prefetch else None
+        hinted = 0
+        # one thread per sample in flight, so `readahead` samples decode side by side; the pools are this
         # pass's own (made in the worker process) and shut down with it, also when the consumer stops early
-        pool = ThreadPoolExecutor(self.readahead, thread_name_prefix="hsx-ahead")
+        pool = ThreadPoolExecutor(self.readahead, thread_name_prefix="hsx-ahead") if self.readahead else None
         pending: deque[Future[dict[str, Any]]] = deque()
         try:
-            todo = (int(i) for i in mine)
-            nxt = next(todo, None)
-            while nxt is not None or pending:
-                while nxt is not None and len(pending) < self.readahead:
-                    pending.append(pool.submit(get, nxt))
-                    nxt = next(todo, None)
+            for k, i in enumerate(todo):
+                if hints is not None:  # the records of this sample and the `prefetch` after it
+                    for j in todo[hinted:k + 1 + self.prefetch]:
+                        hints.submit(self.dataset.prefetch, j)
+                    hinted = len(todo[:k + 1 + self.prefetch])
+                if pool is None:
+                    yield get(i)
+                    continue
+                pending.append(pool.submit(get, i))
+                if len(pending) >= self.readahead:  # readahead - 1 keep decoding while this one goes out
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            for p in (pool, hints):
+                if p is not None:
+                    p.shutdown(wait=True, cancel_futures=True)
 
 
 def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

@@ -23,6 +23,9 @@ from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
 Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
 PARALLEL_READ_MIN = 8 << 20  # with decode threads, records from this size are read in slices in parallel
+# Linux starts at most max(read_ahead_kb, max_sectors_kb) of a posix_fadvise(WILLNEED) range and drops the rest
+# silently; 128 KiB is the default read_ahead_kb, so a record is asked for in pieces of that size
+HINT_PIECE = 128 << 10
 
 # threads by (job, pool size), shared by every reader of this process; reads and decodes have pools of their own,
 # so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
@@ -229,6 +232,20 @@ class ShardReader:
     def index(self) -> dict[str, list[Any]]:
         """The index columns (read-only view: do not modify)."""
         return self._index
+
+    def prefetch(self, i: int) -> None:
+        """Ask the kernel to start reading record i into the page cache (posix_fadvise WILLNEED, HINT_PIECE at a
+        time), so that its read finds it there. Submitting blocks only while the disk's queue is full; a
+        platform or file system that does not take the hint reads as before."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        fd = self._handle()
+        try:
+            for a in range(off, off + rlen, HINT_PIECE):
+                os.posix_fadvise(fd, a, min(HINT_PIECE, off + rlen - a), os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
 
     def _record(self, i: int, pool: ThreadPoolExecutor | None = None) -> memoryview:
         """Record i read, its header checked (not yet its payload: _check_payload), in this thread's record
