@@ -14,6 +14,10 @@ export PYTHONPATH=$REPO/src:/tmp/extra PYTHONUNBUFFERED=1
 { echo "cpus $(nproc)"; free -g | head -2; df -h /tmp | tail -1
   dd if=/dev/zero of=/tmp/ddprobe bs=16M count=128 conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write: /'
   rm -f /tmp/ddprobe
+  findmnt -T /tmp -o SOURCE,FSTYPE | tail -1 | sed 's/^/\/tmp on: /'
+  for q in /sys/block/*/queue; do  # the most one posix_fadvise(WILLNEED) starts: max of these two
+    echo "$(basename "$(dirname "$q")"): read_ahead_kb $(cat "$q/read_ahead_kb") max_sectors_kb $(cat "$q/max_sectors_kb")"
+  done | grep -v '^loop'
 } >"$OUT/machine.txt" 2>&1 || true
 args=("$@")
 [ ${#args[@]} -gt 0 ] || args=(--gb 2.5 --workers 1 2 4 --decode-threads 4)
