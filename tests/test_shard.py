@@ -572,14 +572,32 @@ def test_prefetch_asks_for_exactly_the_record_in_pieces(tmp_path, monkeypatch):
         for k in range(3):
             w.add(*make_sample(100 + 150 * k, hidden=512, seed=k), sample_id=f"s{k}")
     r = ShardReader(path)
+    r._hint_piece = piece = 128 << 10  # this disk's may be larger than these records
     asked = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((off, n, advice)))
     r.prefetch(2)
     off, rlen = r.index["offsets"][2], r.index["record_lens"][2]
-    assert rlen > 2 * reader_module.HINT_PIECE
-    assert all(a == os.POSIX_FADV_WILLNEED and 0 < n <= reader_module.HINT_PIECE for _, n, a in asked)
-    assert [(o, o + n) for o, n, _ in asked] == [(o, min(o + reader_module.HINT_PIECE, off + rlen))
-                                               for o in range(off, off + rlen, reader_module.HINT_PIECE)]
+    assert rlen > 2 * piece
+    assert all(a == os.POSIX_FADV_WILLNEED and 0 < n <= piece for _, n, a in asked)
+    assert [(o, o + n) for o, n, _ in asked] == [(o, min(o + piece, off + rlen)) for o in range(off, off + rlen, piece)]
     monkeypatch.setattr(os, "posix_fadvise", lambda *a: (_ for _ in ()).throw(OSError(22, "Invalid argument")))
     r.prefetch(0)  # a file system that refuses the hint reads as before
     assert torch.equal(r[0]["input_ids"], make_sample(100, hidden=512, seed=0)[0])
+
+
+def test_the_hint_piece_is_what_the_kernel_takes_of_one_willneed(tmp_path):
+    """max(read_ahead_kb, max_sectors_kb) of the file's disk, found for a disk or a partition; 128 KiB (the default
+    read_ahead_kb) where sysfs has no such device."""
+    block = tmp_path / "dev" / "block"
+    (block / "8:0" / "queue").mkdir(parents=True)
+    (block / "8:0" / "queue" / "read_ahead_kb").write_text("8192\n")
+    (block / "8:0" / "queue" / "max_sectors_kb").write_text("1280\n")
+    (block / "8:0" / "8:1").mkdir()  # a partition: its queue is its disk's (sysfs: .../sda/sda1/../queue)
+    (block / "8:1").symlink_to(block / "8:0" / "8:1")
+    (block / "9:0" / "queue").mkdir(parents=True)
+    (block / "9:0" / "queue" / "read_ahead_kb").write_text("0\n")
+    (block / "9:0" / "queue" / "max_sectors_kb").write_text("64\n")
+    assert reader_module.hint_piece(os.makedev(8, 0), tmp_path) == 8192 << 10
+    assert reader_module.hint_piece(os.makedev(8, 1), tmp_path) == 8192 << 10
+    assert reader_module.hint_piece(os.makedev(9, 0), tmp_path) == 64 << 10  # no readahead: max_sectors_kb
+    assert reader_module.hint_piece(os.makedev(0, 52), tmp_path) == 128 << 10  # overlayfs, tmpfs: no block device

@@ -23,9 +23,7 @@ from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
 Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
 PARALLEL_READ_MIN = 8 << 20  # with decode threads, records from this size are read in slices in parallel
-# Linux starts at most max(read_ahead_kb, max_sectors_kb) of a posix_fadvise(WILLNEED) range and drops the rest
-# silently; 128 KiB is the default read_ahead_kb, so a record is asked for in pieces of that size
-HINT_PIECE = 128 << 10
+HINT_PIECE = 128 << 10  # ShardReader.prefetch's piece where the disk's limits are not known (the default read_ahead_kb)
 
 # threads by (job, pool size), shared by every reader of this process; reads and decodes have pools of their own,
 # so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
@@ -49,6 +47,20 @@ def _pool(job: str, threads: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _POOLS[job, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"hsx-{job}")
         return pool
+
+
+def hint_piece(dev: int, sys_root: Path = Path("/sys")) -> int:
+    """The most bytes one posix_fadvise(WILLNEED) starts reading on block device `dev` (a file's st_dev): Linux
+    reads max(read_ahead_kb, max_sectors_kb) of the range and drops the rest without a word. HINT_PIECE where
+    sysfs does not say (no sysfs; a file system without a block device of its own, as overlayfs)."""
+    node = sys_root / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
+    for queue in (node / "queue", node / ".." / "queue"):  # a disk, or a partition of one
+        try:
+            kb = max(int((queue / name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb"))
+        except (OSError, ValueError):
+            continue
+        return max(kb << 10, 4096)  # read_ahead_kb 0 leaves max_sectors_kb, at least a page
+    return HINT_PIECE
 
 
 def _shared_bytes(nbytes: int) -> torch.Tensor:
@@ -79,6 +91,7 @@ class ShardReader:
         self.decode_threads = decode_threads
         self._fd: int | None = None
         self._pid = -1
+        self._hint_piece: int | None = None
         self._local = threading.local()
         self.metadata, self._index = self._open()
         self._pieces = fmt.piece_layout(self.metadata)
@@ -234,16 +247,19 @@ class ShardReader:
         return self._index
 
     def prefetch(self, i: int) -> None:
-        """Ask the kernel to start reading record i into the page cache (posix_fadvise WILLNEED, HINT_PIECE at a
-        time), so that its read finds it there. Submitting blocks only while the disk's queue is full; a
-        platform or file system that does not take the hint reads as before."""
+        """Ask the kernel to start reading record i into the page cache (posix_fadvise WILLNEED, in pieces the
+        kernel takes whole: hint_piece), so that its read finds it there. Submitting blocks only while the
+        disk's queue is full; a platform or file system that does not take the hint reads as before."""
         if not hasattr(os, "posix_fadvise"):
             return
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
         fd = self._handle()
+        if self._hint_piece is None:
+            self._hint_piece = hint_piece(os.fstat(fd).st_dev)
+        step = self._hint_piece
         try:
-            for a in range(off, off + rlen, HINT_PIECE):
-                os.posix_fadvise(fd, a, min(HINT_PIECE, off + rlen - a), os.POSIX_FADV_WILLNEED)
+            for a in range(off, off + rlen, step):
+                os.posix_fadvise(fd, a, min(step, off + rlen - a), os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
 
