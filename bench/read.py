@@ -192,18 +192,21 @@ def check_same_samples(shards: Path, stores: dict[str, dict[str, Any]], n: int) 
 
 
 # -- DataLoader epochs ----------------------------------------------------------------------------------------
-def epoch(loader: DataLoader, n: int) -> tuple[float, int]:
-    """Wall seconds of one pass and the hidden-state bytes it delivered (checked: every sample exactly once)."""
-    seen = 0
-    nbytes = 0
+def epoch(loader: DataLoader, n: int) -> tuple[float, int, float, float]:
+    """Wall seconds of one pass and the hidden-state bytes it delivered (checked: every sample exactly once), and
+    samples/s and bytes/s in its steady part: from the arrival of the first tenth of its samples to that of the
+    last tenth's first (a long epoch's rate, without the workers' fill at the start and their drain at the end)."""
+    arrivals = [0.0]  # seconds since the start at which the first k samples had arrived
+    sizes = []
     t0 = time.perf_counter()
     for batch in loader:
-        seen += 1
-        nbytes += sum(h.numel() * h.element_size() for h in hidden_list(batch))
-    wall = time.perf_counter() - t0
-    if seen != n:
-        raise RuntimeError(f"epoch delivered {seen} samples, the dataset holds {n}")
-    return wall, nbytes
+        arrivals.append(time.perf_counter() - t0)
+        sizes.append(sum(h.numel() * h.element_size() for h in hidden_list(batch)))
+    if len(sizes) != n:
+        raise RuntimeError(f"epoch delivered {len(sizes)} samples, the dataset holds {n}")
+    a, b = n // 10, n - n // 10
+    span = arrivals[b] - arrivals[a]
+    return arrivals[-1], sum(sizes), (b - a) / span, sum(sizes[a:b]) / span
 
 
 def loader(dataset: Any, workers: int, batch: str) -> DataLoader:
@@ -229,7 +232,7 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
         loaders = {name: loader(stores[name]["dataset"], w, batch) for name in stores}
         for name in stores:
             epoch(loaders[name], n)  # warms the page cache and starts the workers
-        best: dict[str, dict[str, tuple[float, int]]] = {"warm": {}, "cold": {}}
+        best: dict[str, dict[str, list[tuple[float, int, float, float]]]] = {"warm": {}, "cold": {}}
         for cache in best:
             for _ in range(repeats):
                 for name in stores:
@@ -238,10 +241,13 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
                         left = resident_bytes(stores[name]["files"])
                         if left is not None:
                             resident[name].append(left)
-                    best[cache][name] = min(best[cache].get(name, (float("inf"), 0)), epoch(loaders[name], n))
-        for cache, by_store in best.items():
-            cells[cache][row] = {name: {"samples_s": n / wall, "gb_s": nbytes / wall / 1e9, "wall_s": wall}
-                                    for name, (wall, nbytes) in by_store.items()}
+                    best[cache].setdefault(name, []).append(epoch(loaders[name], n))
+        for cache, by_store in best.items():  # each figure the best of the repeats
+            cells[cache][row] = {name: {"samples_s": n / min(e[0] for e in runs),
+                                        "gb_s": max(e[1] / e[0] for e in runs) / 1e9, "wall_s": min(e[0] for e in runs),
+                                        "steady_samples_s": max(e[2] for e in runs),
+                                        "steady_gb_s": max(e[3] for e in runs) / 1e9}
+                                 for name, runs in by_store.items()}
         del loaders  # shuts the workers down before the next worker count starts its own
     return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()}}
 
@@ -330,16 +336,20 @@ def markdown(res: dict[str, Any]) -> str:
            if any(v is not None for v in res["resident_after_evict"].values()) else "")
         + f". Each cell: the best of {res.get('repeats', '?')} epochs.",
         "",
-        "GB/s of hidden states delivered by the DataLoader (samples/s in the JSON); the ratios are of samples/s.",
+        "GB/s of hidden states delivered by the DataLoader over the epoch (samples/s in the JSON); the ratios are "
+        "of samples/s, over the epoch and in its steady part (\"steady\": from the arrival of its first tenth of "
+        "samples to that of its last tenth, without the workers' fill and drain).",
         "",
         "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | "
-        + " | ".join(f"{s} / .pt" for s in ours) + " |",
-        "|---|---|" + "---|" * (len(names) + len(ours)),
+        + " | ".join(f"{s} / .pt | {s} / .pt steady" for s in ours) + " |",
+        "|---|---|" + "---|" * (len(names) + 2 * len(ours)),
     ]
     for cache, by_w in res["cells"].items():
         for w, row in by_w.items():
             cells = " | ".join(f"{row[s]['gb_s']:.2f}" for s in names)
-            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}" for s in ours)
+            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f} | "
+                                + (f"{row[s]['steady_samples_s'] / row['.pt']['steady_samples_s']:.2f}"
+                                   if "steady_samples_s" in row[s] else "–") for s in ours)
             lines.append(f"| {cache} | {w} | {cells} | {ratios} |")
     if "profile" not in res:
         return "\n".join(lines)

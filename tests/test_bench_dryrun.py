@@ -176,12 +176,14 @@ def test_read_bench_dry_run_fills_every_store_and_worker_cell(
         for row in by_w.values():
             assert list(row) == ["ours", "ours t3", "ours stream t3", ".pt", "safetensors"]
             assert all(c["samples_s"] > 0 and c["gb_s"] > 0 for c in row.values())
+            assert all(c["steady_samples_s"] > 0 and c["steady_gb_s"] > 0 for c in row.values())
     assert abs(sum(res["profile"]["split"].values()) - 1) < 1e-9 and res["profile"]["split"]["zstd decompress"] > 0
     assert sorted(res["decode_threads"]) == ["1", "2", "3"]
     assert all(v["samples_s"] > 0 and v["samples_per_cpu_s"] > 0 for v in res["decode_threads"].values())
     md = (tmp_path / "read.md").read_text()
     head = ("| cache | workers | ours GB/s | ours t3 GB/s | ours stream t3 GB/s | .pt GB/s | safetensors GB/s | "
-            "ours / .pt | ours t3 / .pt | ours stream t3 / .pt |")
+            "ours / .pt | ours / .pt steady | ours t3 / .pt | ours t3 / .pt steady | ours stream t3 / .pt | "
+            "ours stream t3 / .pt steady |")
     assert head in md
     assert md.count("\n| warm |") == 4 and md.count("\n| cold |") == 4 and "| decode_threads |" in md
     assert "\n| cold | 2 uncollated | " in md
@@ -201,7 +203,8 @@ def test_read_bench_dry_run_reads_the_chosen_stores_only(
         ["ours stream t3 p0", "ours stream t3 p3", ".pt"]] * 2
     md = (tmp_path / "read.md").read_text()
     assert ("| cache | workers | ours stream t3 p0 GB/s | ours stream t3 p3 GB/s | .pt GB/s | "
-            "ours stream t3 p0 / .pt | ours stream t3 p3 / .pt |") in md
+            "ours stream t3 p0 / .pt | ours stream t3 p0 / .pt steady | ours stream t3 p3 / .pt | "
+            "ours stream t3 p3 / .pt steady |") in md
     assert "| decode_threads |" not in md
 
 
