@@ -143,7 +143,7 @@ STORES = ("ours", "threaded", "stream", "pt", "safetensors")  # --stores: the .p
 
 
 def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, decode_threads: int, readahead: int,
-                 prefetch: list[int], wanted: list[str]) -> dict[str, dict[str, Any]]:
+                 prefetch: list[int], wanted: list[str], random: bool = False) -> dict[str, dict[str, Any]]:
     shards = folder / "shards"
     write_shards(shards, lens, hidden, per_shard)
     export(shards, folder / "pt", "speculators-v1")
@@ -160,6 +160,12 @@ def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, dec
                 "dataset": open_dataset(shards, decode_threads=decode_threads).stream(readahead=readahead,
                                                                                       prefetch=p),
                 "files": files}
+        if random:  # EXPERIMENT: the same with the kernel's readahead off on the shards' descriptors
+            ds = open_dataset(shards, decode_threads=decode_threads)
+            for r in ds.readers:
+                r.kernel_readahead_off = True
+            stores[streamed(decode_threads, prefetch[-1]) + " random"] = {
+                "dataset": ds.stream(readahead=readahead, prefetch=prefetch[-1]), "files": files}
     stores[".pt"] = {"dataset": PtFiles(folder / "pt" / "data"),
                      "files": sorted((folder / "pt" / "data").glob("*.pt"))}
     if "safetensors" in wanted:
@@ -227,6 +233,7 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
     `repeats` epochs; the stores' epochs alternate, so a change of load on the machine hits all of them alike."""
     cells: dict[str, Any] = {"warm": {}, "cold": {}}
     resident: dict[str, list[int]] = {s: [] for s in stores}
+    read_back: dict[str, list[float]] = {s: [] for s in stores}
     for w, batch in [(w, b) for b in batches for w in workers]:
         row = str(w) if batch == "1" else f"{w} uncollated"
         loaders = {name: loader(stores[name]["dataset"], w, batch) for name in stores}
@@ -241,7 +248,10 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
                         left = resident_bytes(stores[name]["files"])
                         if left is not None:
                             resident[name].append(left)
+                    before = disk_read_bytes()
                     best[cache].setdefault(name, []).append(epoch(loaders[name], n))
+                    if cache == "cold" and before is not None:
+                        read_back[name].append((disk_read_bytes() - before) / stores[name]["bytes"])
         for cache, by_store in best.items():  # each figure the best of the repeats
             cells[cache][row] = {name: {"samples_s": n / min(e[0] for e in runs),
                                         "gb_s": max(e[1] / e[0] for e in runs) / 1e9, "wall_s": min(e[0] for e in runs),
@@ -249,7 +259,16 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
                                         "steady_gb_s": max(e[3] for e in runs) / 1e9}
                                  for name, runs in by_store.items()}
         del loaders  # shuts the workers down before the next worker count starts its own
-    return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()}}
+    return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()},
+            "disk_read_per_store_byte": {k: [min(v), max(v)] if v else None for k, v in read_back.items()}}
+
+
+def disk_read_bytes() -> int | None:
+    """Bytes read from this machine's disks so far (/sys/block/*/stat, 512-byte sectors; not loop, ram or zram
+    devices), or None where there is no such file: read around a cold epoch, it says how much of the disk's work
+    the store's bytes were."""
+    stats = [p for p in Path("/sys/block").glob("*/stat") if not p.parent.name.startswith(("loop", "ram", "zram"))]
+    return sum(int(p.read_text().split()[2]) for p in stats) * 512 if stats else None
 
 
 # -- where our read time goes ---------------------------------------------------------------------------------
@@ -334,7 +353,11 @@ def markdown(res: dict[str, Any]) -> str:
         + (", resident after it: " + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in res["resident_after_evict"].items()
                                                if v is not None)
            if any(v is not None for v in res["resident_after_evict"].values()) else "")
-        + f". Each cell: the best of {res.get('repeats', '?')} epochs.",
+        + f". Each cell: the best of {res.get('repeats', '?')} epochs."
+        + ("" if not any(res.get("disk_read_per_store_byte", {}).values()) else
+           " Bytes read from the disks per byte of the store in its cold epochs (min-max; other processes' reads "
+           "count too): " + ", ".join(f"{k} {v[0]:.3f}-{v[1]:.3f}" for k, v in res["disk_read_per_store_byte"].items()
+                                     if v)),
         "",
         "GB/s of hidden states delivered by the DataLoader over the epoch (samples/s in the JSON); the ratios are "
         "of samples/s, over the epoch and in its steady part (\"steady\": from the arrival of its first tenth of "
@@ -390,7 +413,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
         stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead, a.prefetch,
-                              a.stores)
+                              a.stores, a.random)
         shards = sorted((folder / "shards").glob("*.hss"))
         res["stores"] = {"ours": {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}} | {
             k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
@@ -421,6 +444,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[4],
                     help="samples after those whose records each stream worker asks of the disk (one stream store "
                          "per value)")
+    ap.add_argument("--random", action="store_true", help="EXPERIMENT: one more stream store, the last --prefetch "
+                    "with POSIX_FADV_RANDOM on its descriptors")
     ap.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES),
                     help="stores to read (the .pt baseline always is): ours, threaded (ours tN), stream (ours "
                          "stream tN), pt, safetensors")
