@@ -143,7 +143,7 @@ STORES = ("ours", "threaded", "stream", "pt", "safetensors")  # --stores: the .p
 
 
 def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, decode_threads: int, readahead: int,
-                 prefetch: list[int], wanted: list[str], random: bool = False) -> dict[str, dict[str, Any]]:
+                 prefetch: list[int], wanted: list[str]) -> dict[str, dict[str, Any]]:
     shards = folder / "shards"
     write_shards(shards, lens, hidden, per_shard)
     export(shards, folder / "pt", "speculators-v1")
@@ -160,12 +160,6 @@ def build_stores(folder: Path, lens: list[int], hidden: int, per_shard: int, dec
                 "dataset": open_dataset(shards, decode_threads=decode_threads).stream(readahead=readahead,
                                                                                       prefetch=p),
                 "files": files}
-        if random:  # EXPERIMENT: the same with the kernel's readahead off on the shards' descriptors
-            ds = open_dataset(shards, decode_threads=decode_threads)
-            for r in ds.readers:
-                r.kernel_readahead_off = True
-            stores[streamed(decode_threads, prefetch[-1]) + " random"] = {
-                "dataset": ds.stream(readahead=readahead, prefetch=prefetch[-1]), "files": files}
     stores[".pt"] = {"dataset": PtFiles(folder / "pt" / "data"),
                      "files": sorted((folder / "pt" / "data").glob("*.pt"))}
     if "safetensors" in wanted:
@@ -343,6 +337,7 @@ def markdown(res: dict[str, Any]) -> str:
     names = list(next(iter(res["cells"]["warm"].values())))  # ours, ours tN, ours stream tN, then the baselines
     ours = [s for s in names if s.startswith("ours")]
     raw = res["raw_bytes"]
+    steady = "steady_samples_s" in next(iter(next(iter(res["cells"]["warm"].values())).values()))  # older JSON: not
     lines = [
         res["machine"] + f"; load average {res['load_before']} before, {res['load_after']} after",
         "",
@@ -360,19 +355,20 @@ def markdown(res: dict[str, Any]) -> str:
                                      if v)),
         "",
         "GB/s of hidden states delivered by the DataLoader over the epoch (samples/s in the JSON); the ratios are "
-        "of samples/s, over the epoch and in its steady part (\"steady\": from the arrival of its first tenth of "
-        "samples to that of its last tenth, without the workers' fill and drain).",
+        "of samples/s" + (", over the epoch and in its steady part (\"steady\": from the arrival of its first "
+                          "tenth of samples to that of its last tenth, without the workers' fill and drain)."
+                          if steady else "."),
         "",
         "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | "
-        + " | ".join(f"{s} / .pt | {s} / .pt steady" for s in ours) + " |",
-        "|---|---|" + "---|" * (len(names) + 2 * len(ours)),
+        + " | ".join(f"{s} / .pt" + (f" | {s} / .pt steady" if steady else "") for s in ours) + " |",
+        "|---|---|" + "---|" * (len(names) + (1 + steady) * len(ours)),
     ]
     for cache, by_w in res["cells"].items():
         for w, row in by_w.items():
             cells = " | ".join(f"{row[s]['gb_s']:.2f}" for s in names)
-            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f} | "
-                                + (f"{row[s]['steady_samples_s'] / row['.pt']['steady_samples_s']:.2f}"
-                                   if "steady_samples_s" in row[s] else "–") for s in ours)
+            ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}"
+                                + (f" | {row[s]['steady_samples_s'] / row['.pt']['steady_samples_s']:.2f}"
+                                   if steady else "") for s in ours)
             lines.append(f"| {cache} | {w} | {cells} | {ratios} |")
     if "profile" not in res:
         return "\n".join(lines)
@@ -413,7 +409,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="hsx-read-", dir=a.dir))
     try:
         stores = build_stores(folder, lens, a.hidden, a.per_shard, a.decode_threads, a.readahead, a.prefetch,
-                              a.stores, a.random)
+                              a.stores)
         shards = sorted((folder / "shards").glob("*.hss"))
         res["stores"] = {"ours": {"bytes": sum(p.stat().st_size for p in shards), "files": len(shards)}} | {
             k: {"bytes": v["bytes"], "files": len(v["files"])} for k, v in stores.items()
@@ -444,8 +440,6 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[4],
                     help="samples after those whose records each stream worker asks of the disk (one stream store "
                          "per value)")
-    ap.add_argument("--random", action="store_true", help="EXPERIMENT: one more stream store, the last --prefetch "
-                    "with POSIX_FADV_RANDOM on its descriptors")
     ap.add_argument("--stores", nargs="+", choices=STORES, default=list(STORES),
                     help="stores to read (the .pt baseline always is): ours, threaded (ours tN), stream (ours "
                          "stream tN), pt, safetensors")

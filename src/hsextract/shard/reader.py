@@ -82,8 +82,6 @@ class ShardReader:
     Each DataLoader worker has its own threads: workers x decode_threads should not exceed the loader's cores.
     """
 
-    kernel_readahead_off = False  # EXPERIMENT (bench/read.py --random): POSIX_FADV_RANDOM on the descriptor
-
     def __init__(self, path: str | os.PathLike[str], *, decode_threads: int = 1) -> None:
         self.path = Path(path)
         if not self.path.exists():
@@ -115,8 +113,6 @@ class ShardReader:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise ShardError(f"{self.path}: not a regular file; a shard is a regular *{fmt.SHARD_SUFFIX} file")
-            if self.kernel_readahead_off:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             self._fd = fd
             self._pid = os.getpid()
         return self._fd
