@@ -601,3 +601,31 @@ def test_the_hint_piece_is_what_the_kernel_takes_of_one_willneed(tmp_path):
     assert reader_module.hint_piece(os.makedev(8, 1), tmp_path) == 8192 << 10
     assert reader_module.hint_piece(os.makedev(9, 0), tmp_path) == 64 << 10  # no readahead: max_sectors_kb
     assert reader_module.hint_piece(os.makedev(0, 52), tmp_path) == 128 << 10  # overlayfs, tmpfs: no block device
+
+
+def test_threads_that_open_a_reader_at_once_share_one_descriptor(tmp_path, monkeypatch):
+    """A stream worker's first sample: its hint, read and decode threads all reach a fresh reader's file at once;
+    it is opened once (no descriptor left behind)."""
+    path = tmp_path / "s.hss"
+    with ShardWriter(path, shard_metadata()) as w:
+        w.add(*make_sample(5), sample_id="s0")
+    r = pickle.loads(pickle.dumps(ShardReader(path)))  # as a spawned worker receives it: not yet open
+    opened, both_in = [], threading.Barrier(2)
+    real_open = os.open
+
+    def slow_open(*args, **kw):
+        opened.append(args[0])
+        try:
+            both_in.wait(timeout=1)  # an unguarded second thread would arrive here too
+        except threading.BrokenBarrierError:
+            pass
+        return real_open(*args, **kw)
+
+    monkeypatch.setattr(reader_module.os, "open", slow_open)
+    fds = []
+    threads = [threading.Thread(target=lambda: fds.append(r._handle())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert opened == [path] and len(set(fds)) == 1 and fds[0] == r._fd

@@ -280,7 +280,7 @@ class SampleStream(IterableDataset):
                 if hints is not None:  # the records of this sample and the `prefetch` after it
                     for j in todo[hinted:k + 1 + self.prefetch]:
                         hints.submit(self.dataset.prefetch, j)
-                    hinted = len(todo[:k + 1 + self.prefetch])
+                    hinted = min(len(todo), k + 1 + self.prefetch)
                 if pool is None:
                     yield get(i)
                     continue

@@ -28,21 +28,21 @@ HINT_PIECE = 128 << 10  # ShardReader.prefetch's piece where the disk's limits a
 # threads by (job, pool size), shared by every reader of this process; reads and decodes have pools of their own,
 # so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
+_LOCK = threading.Lock()  # _POOLS, and a reader's first open in a process (decode, read and hint threads race to it)
 
 
 def _forget_pools() -> None:
     # a forked child (a DataLoader worker) inherits the pools but not their threads: it starts its own
-    global _POOLS_LOCK
+    global _LOCK
     _POOLS.clear()
-    _POOLS_LOCK = threading.Lock()
+    _LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_pools)
 
 
 def _pool(job: str, threads: int) -> ThreadPoolExecutor:
-    with _POOLS_LOCK:
+    with _LOCK:
         pool = _POOLS.get((job, threads))
         if pool is None:
             pool = _POOLS[job, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"hsx-{job}")
@@ -108,13 +108,15 @@ class ShardReader:
     # -- process-local file handle --------------------------------------------------------
     def _handle(self) -> int:
         if self._fd is None or self._pid != os.getpid():
-            # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                os.close(fd)
-                raise ShardError(f"{self.path}: not a regular file; a shard is a regular *{fmt.SHARD_SUFFIX} file")
-            self._fd = fd
-            self._pid = os.getpid()
+            with _LOCK:
+                if self._fd is None or self._pid != os.getpid():
+                    # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
+                    fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        os.close(fd)
+                        raise ShardError(f"{self.path}: not a regular file; a shard is a regular "
+                                         f"*{fmt.SHARD_SUFFIX} file")
+                    self._fd, self._pid = fd, os.getpid()
         return self._fd
 
     def __getstate__(self) -> dict[str, Any]:
