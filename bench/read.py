@@ -194,8 +194,8 @@ def check_same_samples(shards: Path, stores: dict[str, dict[str, Any]], n: int) 
 # -- DataLoader epochs ----------------------------------------------------------------------------------------
 def epoch(loader: DataLoader, n: int) -> tuple[float, int, float, float]:
     """Wall seconds of one pass and the hidden-state bytes it delivered (checked: every sample exactly once), and
-    samples/s and bytes/s in its steady part: from the arrival of the first tenth of its samples to that of the
-    last tenth's first (a long epoch's rate, without the workers' fill at the start and their drain at the end)."""
+    samples/s and bytes/s in its steady part: between the arrivals of its (n/10)-th and its (n - n/10)-th sample
+    (a long epoch's rate, without the workers' fill at the start and their drain at the end)."""
     arrivals = [0.0]  # seconds since the start at which the first k samples had arrived
     sizes = []
     t0 = time.perf_counter()
@@ -242,9 +242,9 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
                         left = resident_bytes(stores[name]["files"])
                         if left is not None:
                             resident[name].append(left)
-                    before = disk_read_bytes()
+                    before = disk_read_bytes() if cache == "cold" else None
                     best[cache].setdefault(name, []).append(epoch(loaders[name], n))
-                    if cache == "cold" and before is not None:
+                    if before is not None:
                         read_back[name].append((disk_read_bytes() - before) / stores[name]["bytes"])
         for cache, by_store in best.items():  # each figure the best of the repeats
             cells[cache][row] = {name: {"samples_s": n / min(e[0] for e in runs),
@@ -337,7 +337,8 @@ def markdown(res: dict[str, Any]) -> str:
     names = list(next(iter(res["cells"]["warm"].values())))  # ours, ours tN, ours stream tN, then the baselines
     ours = [s for s in names if s.startswith("ours")]
     raw = res["raw_bytes"]
-    steady = "steady_samples_s" in next(iter(next(iter(res["cells"]["warm"].values())).values()))  # older JSON: not
+    # the JSON of runs before the steady figures has none: their table leaves the columns out
+    steady = "steady_samples_s" in next(iter(next(iter(res["cells"]["warm"].values())).values()))
     lines = [
         res["machine"] + f"; load average {res['load_before']} before, {res['load_after']} after",
         "",
