@@ -1,6 +1,7 @@
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -8,6 +9,19 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def listen_port(block: int) -> int:
+    """A port (and the next) for a test's own servers: below the kernel's ephemeral range, so that no client
+    socket's local port can hold it (a bench opens many connections; a fake server once failed to bind a port
+    in that range), and per process, so that two runs of the suite on one machine differ. Blocks of 1000:
+    0 and 1 the benches' dry runs, 2 the fake SGLang servers of test_sglang_client (the servers set
+    SO_REUSEADDR, so one test's port is free again for the next)."""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    port = 20000 + 1000 * block + 2 * (os.getpid() % 500)
+    assert port + 1 < low, f"port {port} is inside the ephemeral range from {low}"
+    return port
 
 
 def shard_metadata(**over):

@@ -8,18 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import listen_port
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def listen_port(block: int) -> int:
-    """A port (and the next) for a bench's own servers: below the kernel's ephemeral range, so that no client
-    socket's local port can hold it (a bench opens many connections; a fake server once failed to bind a port
-    in that range), and per process, so that two runs of the suite on one machine differ."""
-    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
-    port = 20000 + 1000 * block + 2 * (os.getpid() % 500)
-    assert port + 1 < low, f"port {port} is inside the ephemeral range from {low}"
-    return port
 
 
 def run_throughput_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path, Path]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang, imported next, lives here
+from conftest import listen_port
 from fake_sglang import HIDDEN, FakeServer, expected_states
 
 from hsextract.engines.base import CaptureSpec, Prompt
@@ -205,14 +206,6 @@ def fake_cfg(tmp_path: Path, port: int, **kw) -> hsrv.ServerConfig:
                              run_name="t/1", startup_timeout_s=60, stop_grace_s=5, **kw)
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def environ_of(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(x.decode().split("=", 1) for x in raw if b"=" in x)
@@ -220,7 +213,7 @@ def environ_of(pid: int) -> dict[str, str]:
 
 def test_server_start_reuse_restart_and_stop(tmp_path: Path) -> None:
     state = tmp_path / "server"
-    cfg = fake_cfg(tmp_path, free_port(), replicas=2, gpus=(4, 5), chunked_prefill_size=32)
+    cfg = fake_cfg(tmp_path, listen_port(2), replicas=2, gpus=(4, 5), chunked_prefill_size=32)
     h = hsrv.ensure_server(state, cfg, replica=1)
     try:
         assert h.url == f"http://127.0.0.1:{cfg.port + 1}"
@@ -277,14 +270,14 @@ def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
 
 
 def test_server_that_dies_during_startup_reports_its_log(tmp_path: Path) -> None:
-    cfg = fake_cfg(tmp_path, free_port(), launch_args=("--die-after", "x"))  # argparse error: exit 2
+    cfg = fake_cfg(tmp_path, listen_port(2), launch_args=("--die-after", "x"))  # argparse error: exit 2
     with pytest.raises(EngineError, match=r"(?s)exited with code 2 during start-up.*--die-after: invalid int value"):
         hsrv.ensure_server(tmp_path / "server", cfg)
     assert list((tmp_path / "server").glob("replica-*.json")) == []
 
 
 def test_server_without_plugin_is_refused(tmp_path: Path) -> None:
-    cfg = fake_cfg(tmp_path, free_port(), env={"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}",
+    cfg = fake_cfg(tmp_path, listen_port(2), env={"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}",
                                                "HSEXTRACT_DUMP_DIR": ""})
     with pytest.raises(EngineError, match="healthy but the hsextract plugin is not active"):
         hsrv.ensure_server(tmp_path / "server", cfg)
