@@ -546,7 +546,7 @@ def test_prefetch_brings_a_whole_large_record_into_the_page_cache(tmp_path):
     the rest: the record is asked for piece by piece, so all of it arrives."""
     path = tmp_path / "big.hss"
     with ShardWriter(path, shard_metadata(hidden_size=4096)) as w:
-        w.add(*make_sample(1024, hidden=4096, seed=1), sample_id="big")  # ~30 MB of random bf16
+        w.add(*make_sample(1024, hidden=4096, seed=1), sample_id="big")  # 32 MB of bf16, 22 MB stored
         w.add(*make_sample(3, hidden=4096, seed=2), sample_id="small")
     r = ShardReader(path)
     rlen = r.index["record_lens"][0]
