@@ -572,7 +572,8 @@ def test_prefetch_asks_for_exactly_the_record_in_pieces(tmp_path, monkeypatch):
         for k in range(3):
             w.add(*make_sample(100 + 150 * k, hidden=512, seed=k), sample_id=f"s{k}")
     r = ShardReader(path)
-    r._hint_piece = piece = 128 << 10  # this disk's may be larger than these records
+    piece = 128 << 10  # this disk's may be larger than these records
+    monkeypatch.setattr(reader_module, "hint_piece", lambda dev: piece)
     asked = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((off, n, advice)))
     r.prefetch(2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import struct
@@ -49,6 +50,7 @@ def _pool(job: str, threads: int) -> ThreadPoolExecutor:
         return pool
 
 
+@functools.cache  # one disk's limits, asked once per process
 def hint_piece(dev: int, sys_root: Path = Path("/sys")) -> int:
     """The most bytes one posix_fadvise(WILLNEED) starts reading on block device `dev` (a file's st_dev): Linux
     reads max(read_ahead_kb, max_sectors_kb) of the range and drops the rest without a word. HINT_PIECE where
@@ -91,7 +93,6 @@ class ShardReader:
         self.decode_threads = decode_threads
         self._fd: int | None = None
         self._pid = -1
-        self._hint_piece: int | None = None
         self._local = threading.local()
         self.metadata, self._index = self._open()
         self._pieces = fmt.piece_layout(self.metadata)
@@ -256,9 +257,7 @@ class ShardReader:
             return
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
         fd = self._handle()
-        if self._hint_piece is None:
-            self._hint_piece = hint_piece(os.fstat(fd).st_dev)
-        step = self._hint_piece
+        step = hint_piece(os.fstat(fd).st_dev)
         try:
             for a in range(off, off + rlen, step):
                 os.posix_fadvise(fd, a, min(step, off + rlen - a), os.POSIX_FADV_WILLNEED)
