@@ -356,8 +356,8 @@ def markdown(res: dict[str, Any]) -> str:
                                      if v)),
         "",
         "GB/s of hidden states delivered by the DataLoader over the epoch (samples/s in the JSON); the ratios are "
-        "of samples/s" + (", over the epoch and in its steady part (\"steady\": from the arrival of its first "
-                          "tenth of samples to that of its last tenth, without the workers' fill and drain)."
+        "of samples/s" + (", over the epoch and in its steady part (\"steady\": between the arrivals of its "
+                          "n/10-th and (n - n/10)-th sample, without the workers' fill and drain)."
                           if steady else "."),
         "",
         "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | "
