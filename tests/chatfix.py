@@ -26,11 +26,13 @@ SPECIALS = {
     "deepseek_v31": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
                      "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
                      "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
+    "mistral": ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
+    "gemma3": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
 }
 BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]",
-       "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>"}
+       "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>", "mistral": "<s>", "gemma3": "<bos>"}
 EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>",
-       "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>"}
+       "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>", "mistral": "</s>", "gemma3": "<eos>"}
 
 CORPUS = [
     "Hello there! How are you today?",

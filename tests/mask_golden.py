@@ -472,4 +472,108 @@ EXPECTED = {
             '⟦Très bien ✓ 日本⟧<｜end▁of▁sentence｜>',
         ],
     },
+    'mistral': {
+        ('default', 'single'): [
+            '<s>[INST] Hello there![/INST]⟦ How are you today?</s>⟧',
+        ],
+        ('default', 'system'): [
+            '<s>[INST] You are a helpful assistant.\n\nHello there![/INST]⟦ How are y'
+            'ou today?</s>⟧',
+        ],
+        ('default', 'multi'): [
+            '<s>[INST] Hello there![/INST]⟦ How are you today?</s>⟧[INST] What is t'
+            'wo plus two?[/INST]⟦ Two plus two is four.</s>⟧',
+        ],
+        ('default', 'tool'): [
+            '<s>[INST] You are a helpful assistant.\n\nWhat is the weather in Paris?['
+            '/INST]⟦[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa'
+            'ris"}}]</s>⟧',
+            '<s>[INST] What is the weather in Paris?[/INST][TOOL_CALLS] [{"name": "'
+            'get_weather", "arguments": {"city": "Paris"}}]</s>[TOOL_RESULTS] {"con'
+            'tent": {"temperature": 21}, "call_id": "c1"}[/TOOL_RESULTS]⟦ The weath'
+            'er in Paris is sunny.</s>⟧',
+        ],
+        ('default', 'empty'): [
+            '<s>[INST] Hello there![/INST]⟦ </s>⟧[INST] What is two plus two?[/INST'
+            ']⟦ Four.</s>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<s>[INST] Ça va? 日本語[/INST]⟦ Très bien ✓ 日本</s>⟧',
+        ],
+        ('neither', 'single'): [
+            '<s>[INST] Hello there![/INST]⟦ How are you today?⟧</s>',
+        ],
+        ('neither', 'system'): [
+            '<s>[INST] You are a helpful assistant.\n\nHello there![/INST]⟦ How are y'
+            'ou today?⟧</s>',
+        ],
+        ('neither', 'multi'): [
+            '<s>[INST] Hello there![/INST]⟦ How are you today?⟧</s>[INST] What is t'
+            'wo plus two?[/INST]⟦ Two plus two is four.⟧</s>',
+        ],
+        ('neither', 'tool'): [
+            '<s>[INST] You are a helpful assistant.\n\nWhat is the weather in Paris?['
+            '/INST]⟦[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Pa'
+            'ris"}}]⟧</s>',
+            '<s>[INST] What is the weather in Paris?[/INST][TOOL_CALLS] [{"name": "'
+            'get_weather", "arguments": {"city": "Paris"}}]</s>[TOOL_RESULTS] {"con'
+            'tent": {"temperature": 21}, "call_id": "c1"}[/TOOL_RESULTS]⟦ The weath'
+            'er in Paris is sunny.⟧</s>',
+        ],
+        ('neither', 'empty'): [
+            '<s>[INST] Hello there![/INST]⟦ ⟧</s>[INST] What is two plus two?[/INST'
+            ']⟦ Four.⟧</s>',
+        ],
+        ('neither', 'unicode'): [
+            '<s>[INST] Ça va? 日本語[/INST]⟦ Très bien ✓ 日本⟧</s>',
+        ],
+    },
+    'gemma3': {
+        ('default', 'single'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
+            'l\n⟦How are you today?<end_of_turn>⟧\n',
+        ],
+        ('default', 'system'): [
+            '<bos><start_of_turn>user\nYou are a helpful assistant.\n\nHello there!<en'
+            'd_of_turn>\n<start_of_turn>model\n⟦How are you today?<end_of_turn>⟧\n',
+        ],
+        ('default', 'multi'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
+            'l\n⟦How are you today?<end_of_turn>⟧\n<start_of_turn>user\nWhat is two pl'
+            'us two?<end_of_turn>\n<start_of_turn>model\n⟦Two plus two is four.<end_o'
+            'f_turn>⟧\n',
+        ],
+        ('default', 'empty'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
+            'l\n⟦<end_of_turn>⟧\n<start_of_turn>user\nWhat is two plus two?<end_of_tur'
+            'n>\n<start_of_turn>model\n⟦Four.<end_of_turn>⟧\n',
+        ],
+        ('default', 'unicode'): [
+            '<bos><start_of_turn>user\nÇa va? 日本語<end_of_turn>\n<start_of_turn>model\n'
+            '⟦Très bien ✓ 日本<end_of_turn>⟧\n',
+        ],
+        ('neither', 'single'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
+            'l\n⟦How are you today?⟧<end_of_turn>\n',
+        ],
+        ('neither', 'system'): [
+            '<bos><start_of_turn>user\nYou are a helpful assistant.\n\nHello there!<en'
+            'd_of_turn>\n<start_of_turn>model\n⟦How are you today?⟧<end_of_turn>\n',
+        ],
+        ('neither', 'multi'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
+            'l\n⟦How are you today?⟧<end_of_turn>\n<start_of_turn>user\nWhat is two pl'
+            'us two?<end_of_turn>\n<start_of_turn>model\n⟦Two plus two is four.⟧<end_'
+            'of_turn>\n',
+        ],
+        ('neither', 'empty'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
+            'l\n<end_of_turn>\n<start_of_turn>user\nWhat is two plus two?<end_of_turn>'
+            '\n<start_of_turn>model\n⟦Four.⟧<end_of_turn>\n',
+        ],
+        ('neither', 'unicode'): [
+            '<bos><start_of_turn>user\nÇa va? 日本語<end_of_turn>\n<start_of_turn>model\n'
+            '⟦Très bien ✓ 日本⟧<end_of_turn>\n',
+        ],
+    },
 }

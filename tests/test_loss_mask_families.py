@@ -4,7 +4,7 @@ through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)
 from __future__ import annotations
 
 import pytest
-from chatfix import SYS, A, U, make_slow_tokenizer, make_tokenizer
+from chatfix import SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
 from mask_golden import EXPECTED
 
 from hsextract.conversations import Conversation
@@ -26,7 +26,7 @@ CONVS = {
     "unicode": Conversation([U("Ça va? 日本語"), A("Très bien ✓ 日本", "Répondre poliment.")]),
 }
 FLAGS = {"default": {}, "neither": {"train_on_eot": False, "train_on_reasoning": False}}
-FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31"]
+FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3"]
 
 
 @pytest.fixture(scope="module", params=["fast", "slow"])
@@ -50,16 +50,28 @@ def test_exact_masks(family, kind):
             assert s.input_ids == tok(text, add_special_tokens=False)["input_ids"]
 
 
+def _encoded(tok, conv, **kw):
+    """The samples' (ids, mask, turn), or the error's text where the template refuses the conversation."""
+    try:
+        return [(s.input_ids, s.loss_mask, s.turn) for s in ChatMasker(tok, **kw).encode(conv)]
+    except Exception as e:  # noqa: BLE001 - the template's own raise_exception (Gemma: no tool role)
+        return f"{type(e).__name__}: {e}"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_slow_masks_equal_fast_masks(family):
     fast, slow = make_tokenizer(family), make_slow_tokenizer(family)
+    refused = set()
     for flags in FLAGS.values():
         for split in ("auto", "never", "always"):
-            for conv in CONVS.values():
-                a = ChatMasker(fast, split_turns=split, **flags).encode(conv)
-                b = ChatMasker(slow, split_turns=split, **flags).encode(conv)
-                assert [(s.input_ids, s.loss_mask, s.turn) for s in a] == [
-                    (s.input_ids, s.loss_mask, s.turn) for s in b]
+            for name, conv in CONVS.items():
+                a = _encoded(fast, conv, split_turns=split, **flags)
+                assert a == _encoded(slow, conv, split_turns=split, **flags)
+                if isinstance(a, str):
+                    refused.add((name, a))
+    # only the refusals a template makes itself, each with its own words
+    assert refused == ({("tool", "TemplateError: Conversation roles must alternate user/assistant/user/assistant/...")}
+                       if family == "gemma3" else set())
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -69,6 +81,8 @@ def test_sentinels_change_nothing_outside_their_turn(family):
     m = ChatMasker(make_tokenizer(family))
     checked = 0
     for conv in CONVS.values():
+        if isinstance(_encoded(m.tokenizer, conv), str):
+            continue  # refused by the template itself (test_slow_masks_equal_fast_masks)
         for j, msg in enumerate(conv.messages):
             if msg["role"] != "assistant":
                 continue
@@ -175,3 +189,27 @@ def test_piecewise_tokenization_is_checked_against_whole_tokenization():
     assert s.input_ids == tok(s.text, add_special_tokens=False)["input_ids"]
     assert m.renderer.notes == ["piecewise tokenization differs from whole tokenization: tokenizing whole texts"]
     assert marked(s, tok).endswith("<think>\nThe user greets.\n</think>\n\nHow are you today?<|im_end|>⟧")
+
+
+def test_system_prompt_in_the_last_user_message_split_as_the_server_saw_it():
+    """Mistral-v0.3-style templates put the system prompt into the last user message only: the prompt of turn j
+    holds it, the turn rendered last and the whole conversation do not, and the template has no generation
+    prompt to find the turn by. Each turn's sample is its prompt as the server saw it plus the turn."""
+    tok = make_tokenizer("mistral")
+    conv = Conversation([SYS, U("Hello there!"), A("How are you today?"), U("What is two plus two?"),
+                         A("Two plus two is four.")])
+    m = ChatMasker(tok)
+    samples = m.encode(conv)
+    assert [s.turn for s in samples] == [2, 4]
+    for s, j, turn in zip(samples, (2, 4), (" How are you today?</s>", " Two plus two is four.</s>"), strict=True):
+        prompt = tok(m.render(conv.messages[:j], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+        assert s.input_ids[:len(prompt)] == prompt and "You are a helpful assistant." in tok.decode(prompt)
+        assert trained_segments(s, tok) == [turn]
+        assert s.loss_mask == [0] * len(prompt) + [1] * (len(s.input_ids) - len(prompt))
+    assert m.stats["turns_after_rewritten_history"] == 2
+    # Unsplit, both turns are located in the rendering without the system prompt (which has none).
+    never = ChatMasker(tok, split_turns="never")
+    (s,) = never.encode(conv)
+    assert marked(s, tok) == ("<s>[INST] Hello there![/INST]⟦ How are you today?</s>⟧[INST] What is two plus two?"
+                              "[/INST]⟦ Two plus two is four.</s>⟧")
+    assert never.stats["turns_history_fallback"] == 2 and never.stats["turns_unlocated"] == 0

@@ -13,10 +13,12 @@ sentencepiece, custom code) work as fast ones do. For assistant turn j:
     P_j = ids(render(conv[:j], add_generation_prompt=True))   what the server saw before generating turn j
     E_j = ids(render(conv[:j+1]))                              the turn rendered as the last message
 
-P_j must be a prefix of E_j, otherwise the template cannot render what the server saw and the conversation
-is refused with reason `not_prefix_stable` (a thinking generation prompt with data that has no reasoning,
-or the reverse). `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header, body, stop token
-and template tail.
+P_j must be a prefix of E_j, or the turn must be found in E_j after history the template rewrote (after the
+generation prompt; for a template without one, as Mistral's, which puts the system prompt into the last user
+message only, after the longest tail of P_j); otherwise the template cannot render what the server saw and
+the conversation is refused with reason `not_prefix_stable` (a thinking generation prompt with data that has
+no reasoning, or the reverse). `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header, body,
+stop token and template tail.
 
 Turn j is *history-stable* when E_j up to its last generated token is also a prefix of the full rendering
 R = ids(render(conv)): R then holds exactly the context and the tokens of turn j. Templates that rewrite
@@ -134,7 +136,8 @@ class ChatMasker:
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, len(p), last=True)
         else:  # the template rewrote earlier turns: the turn opens with the generation prompt after them
             self.stats["turns_after_rewritten_history"] += 1
-            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True)
+            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True,
+                           prompt=p)
         if sp is None:
             raise self._not_prefix_stable(j, p, e)
         slot = rd.facts().reasoning_slot
@@ -174,7 +177,7 @@ class ChatMasker:
                 p = self._prompt_ids(conv, j)
                 lo = spans[-1].end if spans else 0
                 got = find_turn(rd, msgs, tools, j, r, len(p) if is_prefix(p, r) else None,
-                                self._generation_prompt(conv, j, p), lo)
+                                self._generation_prompt(conv, j, p), lo, prompt=p)
                 if got is None:
                     self.stats["turns_unlocated"] += 1
                     continue

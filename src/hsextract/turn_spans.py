@@ -85,13 +85,28 @@ def _last_occurrence(x: list[int], g: list[int], lo: int, hi: int) -> int | None
     return None
 
 
+def _after_longest_suffix(x: list[int], prompt: list[int], lo: int, hi: int) -> int | None:
+    """End of the longest suffix of `prompt` found in x[lo:hi] (the last such place on a tie), or None."""
+    best, at = 0, None
+    for k in range(lo + 1, hi + 1):
+        n = 0
+        while n < len(prompt) and k - n > lo and x[k - 1 - n] == prompt[-1 - n]:
+            n += 1
+        if n and n >= best:
+            best, at = n, k
+    return at
+
+
 def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any, j: int, x: list[int],
-              p: int | None, gen: list[int] | None = None, lo: int = 0, last: bool = False) -> TurnSpan | None:
+              p: int | None, gen: list[int] | None = None, lo: int = 0, last: bool = False,
+              prompt: list[int] | None = None) -> TurnSpan | None:
     """The span of assistant turn j in the frame `msgs` rendered to ids `x` (see the module docstring).
 
-    `p` None: the frame's history differs from the prompt the server saw (a template that rewrites earlier
-    turns); the turn then starts after the last occurrence of the generation prompt `gen` in x[lo:], before the
-    turn's content. None when it is not found. `last`: turn j is the frame's last message."""
+    `p` None: the frame's history differs from the prompt the server saw, `prompt` (a template that rewrites
+    earlier turns, or puts the system prompt in the last user message as Mistral's do); the turn then starts,
+    in x[lo:] before the turn's content, after the last occurrence of the generation prompt `gen`, or, for a
+    template without one, after the longest suffix of `prompt` found there. None when it is not found.
+    `last`: turn j is the frame's last message."""
     facts = renderer.facts()
     m = msgs[j]
 
@@ -125,7 +140,8 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
         limit = c if c is not None else len(x)
         if xn is not None and xn != x:
             limit = min(limit, common_prefix(x, xn))
-        p = _last_occurrence(x, gen or [], lo, limit) if gen else None
+        p = _last_occurrence(x, gen, lo, limit) if gen else \
+            _after_longest_suffix(x, prompt, lo, limit) if prompt else None
         if p is None:
             return None
     if reasoning_rendered:
