@@ -28,11 +28,19 @@ SPECIALS = {
                      "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
     "mistral": ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"],
     "gemma3": ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"],
+    "deepseek_r1": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                    "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+                    "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>",
+                    "<｜tool▁output▁end｜>"],
+    "qwq": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
+            "<tool_response>", "</tool_response>"],
 }
 BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]",
-       "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>", "mistral": "<s>", "gemma3": "<bos>"}
+       "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>", "mistral": "<s>", "gemma3": "<bos>",
+       "deepseek_r1": "<｜begin▁of▁sentence｜>", "qwq": None}
 EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>",
-       "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>", "mistral": "</s>", "gemma3": "<eos>"}
+       "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>", "mistral": "</s>", "gemma3": "<eos>",
+       "deepseek_r1": "<｜end▁of▁sentence｜>", "qwq": "<|im_end|>"}
 
 CORPUS = [
     "Hello there! How are you today?",

@@ -576,4 +576,124 @@ EXPECTED = {
             '⟦Très bien ✓ 日本⟧<end_of_turn>\n',
         ],
     },
+    'deepseek_r1': {
+        ('default', 'system'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hello there!<'
+            '｜Assistant｜><think>\n⟦The user greets.\n</think>\n\nHow are you today?<｜en'
+            'd▁of▁sentence｜>⟧',
+        ],
+        ('default', 'multi'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜><think>\n⟦The use'
+            'r greets.\n</think>\n\nHow are you today?<｜end▁of▁sentence｜>⟧',
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜>How are you toda'
+            'y?<｜end▁of▁sentence｜><｜User｜>What is two plus two?<｜Assistant｜><think>'
+            '\n⟦Add them.\n</think>\n\nTwo plus two is four.<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'tool'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the w'
+            'eather in Paris?<｜Assistant｜><think>\n⟦Let me think.\n</think>\n\n<｜tool▁c'
+            'alls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json'
+            '\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sent'
+            'ence｜>⟧',
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the w'
+            'eather in Paris?<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>fu'
+            'nction<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call'
+            '▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜too'
+            'l▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>⟦<｜tool▁outputs▁'
+            'end｜>The weather in Paris is sunny.<｜end▁of▁sentence｜>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜><think>\n⟦Répondre '
+            'poliment.\n</think>\n\nTrès bien ✓ 日本<｜end▁of▁sentence｜>⟧',
+        ],
+        ('neither', 'system'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hello there!<'
+            '｜Assistant｜><think>\nThe user greets.\n</think>\n\n⟦How are you today?⟧<｜e'
+            'nd▁of▁sentence｜>',
+        ],
+        ('neither', 'multi'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜><think>\nThe user'
+            ' greets.\n</think>\n\n⟦How are you today?⟧<｜end▁of▁sentence｜>',
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜>How are you toda'
+            'y?<｜end▁of▁sentence｜><｜User｜>What is two plus two?<｜Assistant｜><think>'
+            '\nAdd them.\n</think>\n\n⟦Two plus two is four.⟧<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'tool'): [
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the w'
+            'eather in Paris?<｜Assistant｜><think>\nLet me think.\n</think>\n\n⟦<｜tool▁c'
+            'alls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json'
+            '\n{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>⟧<｜end▁of▁sen'
+            'tence｜>',
+            '<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the w'
+            'eather in Paris?<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>fu'
+            'nction<｜tool▁sep｜>get_weather\n```json\n{"city": "Paris"}\n```<｜tool▁call'
+            '▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜too'
+            'l▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>⟦<｜tool▁outputs▁'
+            'end｜>The weather in Paris is sunny.⟧<｜end▁of▁sentence｜>',
+        ],
+        ('neither', 'unicode'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜><think>\nRépondre p'
+            'oliment.\n</think>\n\n⟦Très bien ✓ 日本⟧<｜end▁of▁sentence｜>',
+        ],
+    },
+    'qwq': {
+        ('default', 'system'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n⟦The user gr'
+            'eets.\n</think>\n\nHow are you today?<|im_end|>⟧',
+        ],
+        ('default', 'multi'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            '⟦The user greets.\n</think>\n\nHow are you today?<|im_end|>⟧',
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\nHow are '
+            'you today?<|im_end|>\n<|im_start|>user\nWhat is two plus two?<|im_end|>\n'
+            '<|im_start|>assistant\n<think>\n⟦Add them.\n</think>\n\nTwo plus two is fou'
+            'r.<|im_end|>⟧',
+        ],
+        ('default', 'tool'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n<th'
+            'ink>\n⟦Let me think.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arg'
+            'uments": {"city": "Paris"}}\n</tool_call><|im_end|>⟧',
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n<to'
+            'ol_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</too'
+            'l_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature": 21}'
+            '\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n⟦21 degrees.'
+            '\n</think>\n\nThe weather in Paris is sunny.<|im_end|>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<|im_start|>user\nÇa va? 日本語<|im_end|>\n<|im_start|>assistant\n<think>\n⟦R'
+            'épondre poliment.\n</think>\n\nTrès bien ✓ 日本<|im_end|>⟧',
+        ],
+        ('neither', 'system'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\nThe user gre'
+            'ets.\n</think>\n\n⟦How are you today?⟧<|im_end|>',
+        ],
+        ('neither', 'multi'): [
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n'
+            'The user greets.\n</think>\n\n⟦How are you today?⟧<|im_end|>',
+            '<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\nHow are '
+            'you today?<|im_end|>\n<|im_start|>user\nWhat is two plus two?<|im_end|>\n'
+            '<|im_start|>assistant\n<think>\nAdd them.\n</think>\n\n⟦Two plus two is fou'
+            'r.⟧<|im_end|>',
+        ],
+        ('neither', 'tool'): [
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n<th'
+            'ink>\nLet me think.\n</think>\n\n⟦<tool_call>\n{"name": "get_weather", "arg'
+            'uments": {"city": "Paris"}}\n</tool_call>⟧<|im_end|>',
+            '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>'
+            'user\nWhat is the weather in Paris?<|im_end|>\n<|im_start|>assistant\n<to'
+            'ol_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</too'
+            'l_call><|im_end|>\n<|im_start|>user\n<tool_response>\n{"temperature": 21}'
+            '\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n21 degrees.\n'
+            '</think>\n\n⟦The weather in Paris is sunny.⟧<|im_end|>',
+        ],
+        ('neither', 'unicode'): [
+            '<|im_start|>user\nÇa va? 日本語<|im_end|>\n<|im_start|>assistant\n<think>\nRé'
+            'pondre poliment.\n</think>\n\n⟦Très bien ✓ 日本⟧<|im_end|>',
+        ],
+    },
 }

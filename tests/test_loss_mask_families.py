@@ -4,7 +4,7 @@ through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)
 from __future__ import annotations
 
 import pytest
-from chatfix import SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
+from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
 from mask_golden import EXPECTED
 
 from hsextract.conversations import Conversation
@@ -26,7 +26,17 @@ CONVS = {
     "unicode": Conversation([U("Ça va? 日本語"), A("Très bien ✓ 日本", "Répondre poliment.")]),
 }
 FLAGS = {"default": {}, "neither": {"train_on_eot": False, "train_on_reasoning": False}}
-FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3"]
+FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3", "deepseek_r1", "qwq"]
+# conversations a template refuses, with its words or ours (the exact masks of the others are in mask_golden)
+OPENED = ("TemplateError: assistant turn {}: the generation prompt opens a reasoning block ('<think>') that the "
+          "template never renders for an assistant turn, and this turn has no reasoning to fill it: give it "
+          "`reasoning_content`, or its raw text with '</think>' in `content` (or regenerate the responses with "
+          "this model)")
+REFUSED = {
+    "gemma3": {"tool": "TemplateError: Conversation roles must alternate user/assistant/user/assistant/..."},
+    "deepseek_r1": {"single": OPENED.format(1), "empty": OPENED.format(3)},
+    "qwq": {"single": OPENED.format(1), "empty": OPENED.format(3)},
+}
 
 
 @pytest.fixture(scope="module", params=["fast", "slow"])
@@ -51,27 +61,25 @@ def test_exact_masks(family, kind):
 
 
 def _encoded(tok, conv, **kw):
-    """The samples' (ids, mask, turn), or the error's text where the template refuses the conversation."""
+    """The samples' (ids, mask, turn), or the error's text where the conversation is refused."""
     try:
         return [(s.input_ids, s.loss_mask, s.turn) for s in ChatMasker(tok, **kw).encode(conv)]
-    except Exception as e:  # noqa: BLE001 - the template's own raise_exception (Gemma: no tool role)
+    except Exception as e:  # noqa: BLE001 - a template's own raise_exception (Gemma: no tool role) or ours
         return f"{type(e).__name__}: {e}"
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_slow_masks_equal_fast_masks(family):
     fast, slow = make_tokenizer(family), make_slow_tokenizer(family)
-    refused = set()
+    refused = {}
     for flags in FLAGS.values():
         for split in ("auto", "never", "always"):
             for name, conv in CONVS.items():
                 a = _encoded(fast, conv, split_turns=split, **flags)
                 assert a == _encoded(slow, conv, split_turns=split, **flags)
                 if isinstance(a, str):
-                    refused.add((name, a))
-    # only the refusals a template makes itself, each with its own words
-    assert refused == ({("tool", "TemplateError: Conversation roles must alternate user/assistant/user/assistant/...")}
-                       if family == "gemma3" else set())
+                    refused[name] = a
+    assert refused == REFUSED.get(family, {})
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -82,7 +90,7 @@ def test_sentinels_change_nothing_outside_their_turn(family):
     checked = 0
     for conv in CONVS.values():
         if isinstance(_encoded(m.tokenizer, conv), str):
-            continue  # refused by the template itself (test_slow_masks_equal_fast_masks)
+            continue  # refused (REFUSED)
         for j, msg in enumerate(conv.messages):
             if msg["role"] != "assistant":
                 continue
@@ -103,7 +111,8 @@ def test_sentinels_change_nothing_outside_their_turn(family):
                 assert common_prefix(a, b) >= sp.prompt_end, (family, j)
                 assert len(a) - common_suffix(a, b) <= len(a) - (len(x) - sp.end), (family, j)
                 checked += 1
-    assert checked >= 6
+    # R1 and QwQ: a turn after a prompt that opens reasoning is no prefix of its rendering (exact masks cover those)
+    assert checked >= (0 if family in ("deepseek_r1", "qwq") else 6)
 
 
 def test_split_counts_and_cost_in_tokens():
@@ -154,10 +163,46 @@ def test_thinking_switches():
     (s,) = ChatMasker(tok, chat_template_kwargs={"thinking": False}).encode(CONVS["single"])
     assert marked(s, tok).endswith(
         "<|im_assistant|>assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧")
-    # DeepSeek-V3.1 with thinking on: the prompt opens <think> but no turn is ever rendered with it.
-    with pytest.raises(TemplateError, match="assistant turn 1: the template is not prefix-stable") as e:
-        ChatMasker(make_tokenizer("deepseek_v31"), chat_template_kwargs={"thinking": True}).encode(CONVS["single"])
-    assert e.value.reason == "not_prefix_stable"
+    # DeepSeek-V3.1 with thinking on: the prompt opens <think>, no turn is ever rendered with it, the template
+    # writes </think> + content: the reasoning goes before that </think>, as the model writes it.
+    tok = make_tokenizer("deepseek_v31")
+    m = ChatMasker(tok, chat_template_kwargs={"thinking": True})
+    (s,) = m.encode(CONVS["system"])
+    assert marked(s, tok) == ("<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hello there!<｜Assistant｜>"
+                              "<think>⟦The user greets.</think>How are you today?<｜end▁of▁sentence｜>⟧")
+    assert m.stats["reasoning_inserted"] == 1
+    # a turn without reasoning cannot fill the block the prompt opened
+    with pytest.raises(TemplateError) as e:
+        m.encode(CONVS["single"])
+    assert f"TemplateError: {e.value}" == OPENED.format(1) and e.value.reason == "not_prefix_stable"
+
+
+@pytest.mark.parametrize("family", ["deepseek_r1", "qwq"])
+def test_prompt_that_opens_reasoning_gets_the_turns_reasoning_in_any_form(family):
+    """R1 and QwQ end the generation prompt with `<think>\\n` and cut everything up to `</think>` from every
+    assistant turn: each turn's sample is its prompt, then the reasoning, `</think>`, the blank line and the answer
+    the model wrote. The data may hold the reasoning as a field or inline (with or without the opener): the same
+    sample; inline text that departs from the usual layout is kept as written."""
+    tok = make_tokenizer(family)
+    tail = U("What is two plus two?"), A("Four.", "Add.")
+    forms = [A("How are you today?", "The user greets."),
+             {"role": "assistant", "content": "<think>\nThe user greets.\n</think>\n\nHow are you today?"},
+             {"role": "assistant", "content": "The user greets.\n</think>\n\nHow are you today?"}]
+    got = [ChatMasker(tok).encode(Conversation([U("Hello there!"), a, *tail])) for a in forms]
+    (first, second), rest = got[0], got[1:]
+    assert all([(s.input_ids, s.loss_mask) for s in r][:1] == [(first.input_ids, first.loss_mask)] for r in rest)
+    m = ChatMasker(tok)
+    prompt = tok(m.render([U("Hello there!")], add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+    assert first.input_ids[:len(prompt)] == prompt and tok.decode(prompt).endswith("<think>\n")
+    assert trained_segments(first, tok) == ["The user greets.\n</think>\n\nHow are you today?" + EOS[family]]
+    assert trained_segments(second, tok) == ["Add.\n</think>\n\nFour." + EOS[family]]
+    (odd, _) = ChatMasker(tok).encode(Conversation([
+        U("Hello there!"), {"role": "assistant", "content": "<think>The user greets.</think>How are you today?"},
+        *tail]))
+    assert trained_segments(odd, tok) == ["The user greets.</think>How are you today?" + EOS[family]]
+    (s,) = ChatMasker(tok, train_on_reasoning=False, train_on_eot=False).encode(Conversation([U("Hello there!"),
+                                                                                              forms[0]]))
+    assert trained_segments(s, tok) == ["How are you today?"]
 
 
 def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():

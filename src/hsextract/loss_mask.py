@@ -42,13 +42,14 @@ Splitting costs tokens: a conversation of k turns stores the context of turn j o
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from hsextract.conversations import Conversation
 from hsextract.errors import ConfigError
-from hsextract.template_render import TemplateError, TemplateRenderer, is_prefix
+from hsextract.template_render import TemplateError, TemplateRenderer, common_prefix, is_prefix
 from hsextract.turn_spans import TurnSpan, find_turn, shifted
 
 SPLIT_MODES = ("auto", "never", "always")
@@ -139,21 +140,76 @@ class ChatMasker:
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True,
                            prompt=p)
         if sp is None:
-            raise self._not_prefix_stable(j, p, e)
+            opened = self._opened_reasoning(conv, j, p, e)
+            if opened is None:
+                raise self._not_prefix_stable(j, p, e)
+            return opened[0], e_text, opened[1]
         slot = rd.facts().reasoning_slot
         reasoning = msgs[j].get("reasoning_content")
         if reasoning and not sp.reasoning_rendered and slot and \
                 tuple(e[sp.prompt_end:sp.content_start]) == slot[0] + slot[1]:
             # The template never renders this turn's reasoning (Kimi's final answer): put it back between the
             # markup it keeps, so the sample holds what the model generated.
-            self.stats["reasoning_inserted"] += 1
-            block = list(slot[0]) + rd.ids(reasoning) + list(slot[1])
-            body = e[sp.content_start:sp.end]
-            start = len(p) + len(block)
-            stop = None if sp.stop is None else start + sp.stop - sp.content_start
-            return p + block + body, e_text, replace(sp, prompt_end=len(p), header_start=start, content_start=start,
-                                                      stop=stop, end=start + len(body), reasoning_rendered=True)
+            ids, span = self._put_back(p, list(slot[0]) + rd.ids(reasoning) + list(slot[1]), e, sp)
+            return ids, e_text, span
         return p + e[sp.prompt_end:sp.end], e_text, shifted(sp, len(p) - sp.prompt_end)
+
+    def _put_back(self, p: list[int], block: list[int], e: list[int], sp: TurnSpan) -> tuple[list[int], TurnSpan]:
+        """The server's prompt p, the turn's reasoning `block` the template does not render, then the turn as
+        rendered in e from its content on (span sp in e)."""
+        self.stats["reasoning_inserted"] += 1
+        body = e[sp.content_start:sp.end]
+        start = len(p) + len(block)
+        stop = None if sp.stop is None else start + sp.stop - sp.content_start
+        return p + block + body, replace(sp, prompt_end=len(p), header_start=start, content_start=start, stop=stop,
+                                         end=start + len(body), reasoning_rendered=True)
+
+    def _opened_reasoning(self, conv: Conversation, j: int, p: list[int], e: list[int]
+                          ) -> tuple[list[int], TurnSpan] | None:
+        """Turn j where the generation prompt opens a reasoning block (`<think>`) that no rendered assistant turn
+        has (DeepSeek-R1 and QwQ cut everything up to `</think>` from the content; DeepSeek-V3.1 with `thinking`
+        renders `</think>` + content): after the prompt the model wrote its reasoning, the closer and the answer.
+        The reasoning is `reasoning_content`, or the content's own text before the closer; the closer and the
+        answer are the turn as the template renders it. A template that never writes the closer gets it as those
+        models write it: reasoning, newline, closer, blank line (unless the data's own text says otherwise).
+        None when the turn is not such a case."""
+        rd, m = self.renderer, conv.messages[j]
+        k = common_prefix(p, e)
+        gen = self._generation_prompt(conv, j, p)
+        if not gen or k < len(p) - len(gen):
+            return None  # the history differs too, or there is no generation prompt to open anything
+        opener = rd.tokenizer.decode(p[k:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        tag = re.fullmatch(r"\s*(<([A-Za-z_][\w-]*)>)(\s*)", opener)
+        if tag is None or f"</{tag[2]}>" not in rd.template:
+            return None
+        closer, content = f"</{tag[2]}>", m.get("content") or ""
+        if m.get("reasoning_content"):
+            reasoning, after = m["reasoning_content"], None
+        elif closer in content:
+            reasoning, after = content.split(closer, 1)
+            if reasoning.lstrip().startswith(tag[1]):  # the raw text repeats the opener the prompt ends with
+                reasoning = reasoning.lstrip()[len(tag[1]):].removeprefix(tag[3])
+        else:
+            raise TemplateError(
+                f"assistant turn {j}: the generation prompt opens a reasoning block ({tag[1]!r}) that the template "
+                f"never renders for an assistant turn, and this turn has no reasoning to fill it: give it "
+                f"`reasoning_content`, or its raw text with {closer!r} in `content` (or regenerate the responses "
+                f"with this model)", reason=NOT_PREFIX_STABLE)
+        held = p[len(p) - len(gen):k]  # the part of the generation prompt the turn rendered last has
+        sp = find_turn(rd, conv.messages[:j + 1], conv.tools, j, e, None, held, last=True, prompt=p[:k])
+        if sp is None:
+            return None
+        region = e[sp.prompt_end:sp.content_start]
+        if closer in rd.tokenizer.decode(region, skip_special_tokens=False):  # the template writes the closer
+            return self._put_back(p, rd.ids(reasoning) + region, e, sp)
+        if after is None:
+            reasoning, after = reasoning.rstrip("\n") + "\n", "\n\n"
+        answer = rd.tokenizer.decode(e[sp.content_start:sp.stop if sp.stop is not None else sp.end],
+                                     skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        gap = after[:len(after) - len(after.lstrip())]
+        if answer.startswith(gap):  # the template keeps the blank line the model wrote (R1), or there is none
+            gap = ""
+        return self._put_back(p, rd.ids(reasoning + closer + gap), e, sp)
 
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""

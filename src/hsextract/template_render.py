@@ -94,6 +94,7 @@ class TemplateRenderer:
         if isinstance(template, dict):  # several named templates: the default one renders chats
             template = template.get("default") or next(iter(template.values()))
         self.tokenizer = tokenizer
+        self.template: str = template
         self.kwargs = dict(chat_template_kwargs or {})
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
