@@ -317,12 +317,29 @@ def test_reasoning_split_tool_turns_and_cut_conversations():
                                "content": "How are you today?"}
     # Kimi's generation prompt opens <think> and the model's text continues it; but this template renders
     # a finished plain turn as history with an empty <think></think>: what is stored is not what was
-    # generated, and the stats say so.
+    # generated, and the stats say so. (The masker would put the reasoning back, but this fixture's alphabet
+    # has no characters for the template probe's sentinels, so it cannot find where.)
     assert stats.roundtrip == {"none": 2}
     masker = ChatMasker(tok)
     p = masker.render(new.messages[:1], add_generation_prompt=True)
     assert p.endswith("<|im_assistant|>assistant<|im_middle|><think>")
     assert masker.render(new.messages[:2]) == p + "</think>Two plus two is four.<|im_end|>"
+
+    # DeepSeek-R1: the prompt ends with <think>\n and every turn is rendered without its reasoning; the stored
+    # message is the one whose sample holds the generated text: split where the usual layout holds, else raw.
+    rtok = make_tok("deepseek_r1")
+    for text, want in [("Let me think\n</think>\n\nIt is four.",
+                        {"reasoning_content": "Let me think", "content": "It is four."}),
+                       ("Let me think\n\n</think>It is four.",
+                        {"content": "Let me think\n\n</think>It is four."})]:
+        stats = RegenStats()
+        (rn,) = regenerate_chunk([Conversation(conv.messages[:2])], Scripted(rtok, [text]), settings, tokenizer=rtok,
+                                 stats=stats)
+        assert rn.messages[1] == {"role": "assistant", **want} and stats.roundtrip == {"tokens": 1}
+        rm = ChatMasker(rtok)
+        rp = rm.render(rn.messages[:1], add_generation_prompt=True)
+        (sample,) = rm.encode(rn)
+        assert sample.input_ids == rtok(rp + text + "<｜end▁of▁sentence｜>", add_special_tokens=False)["input_ids"]
 
     # Qwen3: the model writes the think block itself; the template renders it back exactly (the newlines it
     # adds are stripped from the fields), token for token.

@@ -154,6 +154,11 @@ class ChatMasker:
             return ids, e_text, span
         return p + e[sp.prompt_end:sp.end], e_text, shifted(sp, len(p) - sp.prompt_end)
 
+    def turn_ids(self, conv: Conversation, j: int) -> list[int]:
+        """The ids of assistant turn j's own sample: the prompt the server saw, then the turn (as `split_turns`
+        stores it)."""
+        return self._turn(conv, j, self.renderer.render(conv.messages[:j + 1], conv.tools))[0]
+
     def _put_back(self, p: list[int], block: list[int], e: list[int], sp: TurnSpan) -> tuple[list[int], TurnSpan]:
         """The server's prompt p, the turn's reasoning `block` the template does not render, then the turn as
         rendered in e from its content on (span sp in e)."""

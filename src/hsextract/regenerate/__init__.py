@@ -15,9 +15,11 @@ message with the target's own generation:
 
 The generated ids are decoded and turned back into a message ({content} or {reasoning_content, content}
 when the text holds a `</think>`). The split that the template renders back to exactly the prompt text +
-the generated text is chosen; `stats.roundtrip` counts turns whose re-tokenized rendering holds exactly the
-generated ids ("tokens"), only the same text ("text"), or neither ("none": e.g. a template that trims
-content).
+the generated text is chosen; where no rendering can hold it (a template that cuts the reasoning from every
+turn: DeepSeek-R1, QwQ), the split whose sample, as prepare makes it (`ChatMasker.turn_ids`), holds the
+prompt + generated ids. `stats.roundtrip` counts turns whose re-tokenized rendering or sample holds exactly
+the generated ids ("tokens"), a rendering only the same text ("text"), or neither ("none": e.g. a template
+that trims content).
 
 One output line per input record, so the regenerated file holds as many records as the input mixture and
 `prepare` on it has the chunk count computed from the original sources:

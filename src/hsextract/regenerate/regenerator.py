@@ -104,9 +104,20 @@ class Regenerator:
                 exact = ids[:len(prompt.prompt_ids) + len(body)] == prompt.prompt_ids + body
                 stats.roundtrip["tokens" if exact else "text"] += 1
                 return msg
+        # No rendering holds the text as generated (the template cuts or moves reasoning: Kimi, R1, QwQ): the
+        # sample prepare makes of the turn, which puts the reasoning back, is what must hold the generated ids.
+        msgs = [{"role": "assistant", **{k: v for k, v in c.items() if v or k == "content"}} for c in cands]
+        want = prompt.prompt_ids + body
+        for msg in msgs:
+            try:
+                ids = self.masker.turn_ids(Conversation(head + [msg], tools), len(head))
+            except Exception:  # noqa: BLE001 - a candidate the masker refuses is just not the one
+                continue
+            if ids[:len(want)] == want:
+                stats.roundtrip["tokens"] += 1
+                return msg
         stats.roundtrip["none"] += 1
-        c = cands[0]
-        return {"role": "assistant", **{k: v for k, v in c.items() if v or k == "content"}}
+        return msgs[0]
 
     def regenerate(self, conversations: Sequence[Conversation | None], sample_ids: Sequence[str] | None = None,
                    stats: RegenStats | None = None) -> list[Conversation | None]:
