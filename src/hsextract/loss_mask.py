@@ -136,10 +136,11 @@ class ChatMasker:
         if is_prefix(p, e):
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, len(p), last=True)
         else:  # the template rewrote earlier turns: the turn opens with the generation prompt after them
-            self.stats["turns_after_rewritten_history"] += 1
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True,
                            prompt=p)
-        if sp is None:
+            if sp is not None:
+                self.stats["turns_after_rewritten_history"] += 1
+        if sp is None:  # or the prompt opens a reasoning block that no rendering has (R1, QwQ)
             opened = self._opened_reasoning(conv, j, p, e)
             if opened is None:
                 raise self._not_prefix_stable(j, p, e)
