@@ -128,6 +128,33 @@ def test_masks_explain_marks_trained_spans(tmp_path, capsys):
         "== conversations 1, samples 1, turns 1"]
 
 
+def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys):
+    """A conversation prepare would drop (a template's own refusal, a malformed record, a turn whose prompt opens
+    reasoning it lacks) is shown with its reason and counted; the others are explained."""
+    from chatfix import make_tokenizer
+
+    make_tokenizer("gemma3").save_pretrained(tmp_path / "gemma")
+    make_tokenizer("deepseek_r1").save_pretrained(tmp_path / "r1")
+    conv = tmp_path / "conv.jsonl"
+    hello = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "How are you today?"}]
+    tool = [*hello, {"role": "tool", "content": "21"}]
+    conv.write_text("\n".join([json.dumps({"messages": tool}), "{not json", json.dumps({"messages": hello})]) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "gemma")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"== {conv}:1: refused (template_error): Conversation roles must alternate "
+                      "user/assistant/user/assistant/...")
+    assert out[1].startswith(f"== refused: {conv}:2: malformed record (bad_json): ")
+    assert out[2:7] == [f"== {conv}:3: 25 tokens, 7 trained", "<bos><start_of_turn>user", "Hello there!<end_of_turn>",
+                       "<start_of_turn>model", "⟦How are you today?<end_of_turn>⟧"]
+    assert out[-1].endswith(", refused template_error 1") and out[-1].count("refused") == 2
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "r1")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2] == (f"== {conv}:3: refused (not_prefix_stable): assistant turn 1: the generation prompt opens a "
+                      "reasoning block ('<think>') that the template never renders for an assistant turn, and this "
+                      "turn has no reasoning to fill it: give it `reasoning_content`, or its raw text with "
+                      "'</think>' in `content` (or regenerate the responses with this model)")
+
+
 def test_masks_explain_color_marks_reasoning_blue(tmp_path, capsys):
     from chatfix import make_tokenizer
 

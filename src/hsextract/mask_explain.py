@@ -2,15 +2,17 @@
 
 Each sample is printed as its decoded tokens with every run of trained tokens between ⟦ and ⟧ (with
 `--color`, in colour instead: reasoning blue, eot yellow, the rest green). Nothing is tokenized back: the
-marks sit exactly on token boundaries, as the mask does.
+marks sit exactly on token boundaries, as the mask does. A record prepare would drop is shown with its reason
+and the error's words, and the next one is explained.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hsextract.conversations import open_sources
+from hsextract.conversations import MalformedRecordError, open_sources
 from hsextract.loss_mask import ChatMasker, MaskedSample
 
 OPEN, CLOSE = "⟦", "⟧"
@@ -55,16 +57,29 @@ def explain(path: str | Path, masker: ChatMasker, color: bool = False) -> str:
     (src,) = open_sources([{"path": str(path), "format": "auto", "weight": 1.0, "max_records": None, "name": None,
                             "split": None}])
     lines: list[str] = []
+    refused: Counter[str] = Counter()
     for i in range(len(src)):
-        location, conv = src.read(i)
-        samples = masker.encode(conv)
+        try:
+            location, conv = src.read(i)
+        except MalformedRecordError as e:  # its message names the record
+            refused[e.reason] += 1
+            lines.append(f"== refused: {e}")
+            continue
+        try:
+            samples = masker.encode(conv)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception, or a TemplateError
+            # shown and counted as prepare drops it (strict: false); the next conversation is explained
+            reason = getattr(e, "reason", "template_error")
+            refused[reason] += 1
+            lines.append(f"== {location}: refused ({reason}): {e}")
+            continue
         for k, s in enumerate(samples):
             title = f"== {location}" + (f" sample {k + 1}/{len(samples)} (the turn at message {s.turn})"
                                         if s.turn is not None else "")
             lines.append(f"{title}: {len(s.input_ids)} tokens, {sum(s.loss_mask)} trained")
             lines.append(colored(s, masker.tokenizer, masker) if color else marked(s, masker.tokenizer))
     stats = ", ".join(f"{k} {v}" for k, v in sorted(masker.stats.items()))
-    lines.append(f"== {stats}")
+    lines.append(f"== {stats}" + "".join(f", refused {k} {v}" for k, v in sorted(refused.items())))
     return "\n".join(lines) + "\n"
 
 
