@@ -203,6 +203,11 @@ def test_prompt_that_opens_reasoning_gets_the_turns_reasoning_in_any_form(family
     (s,) = ChatMasker(tok, train_on_reasoning=False, train_on_eot=False).encode(Conversation([U("Hello there!"),
                                                                                               forms[0]]))
     assert trained_segments(s, tok) == ["How are you today?"]
+    # Unsplit, the full rendering has no reasoning and no <think>: the turns are trained as it renders them.
+    never = ChatMasker(tok, split_turns="never")
+    (s,) = never.encode(Conversation([U("Hello there!"), forms[0], *tail]))
+    assert trained_segments(s, tok) == ["How are you today?" + EOS[family], "Four." + EOS[family]]
+    assert dict(never.stats) == {"conversations": 1, "turns": 2, "turns_history_fallback": 2, "samples": 1}
 
 
 def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():

@@ -163,12 +163,21 @@ class ChatMasker:
     def _put_back(self, p: list[int], block: list[int], e: list[int], sp: TurnSpan) -> tuple[list[int], TurnSpan]:
         """The server's prompt p, the turn's reasoning `block` the template does not render, then the turn as
         rendered in e from its content on (span sp in e)."""
-        self.stats["reasoning_inserted"] += 1
         body = e[sp.content_start:sp.end]
         start = len(p) + len(block)
         stop = None if sp.stop is None else start + sp.stop - sp.content_start
         return p + block + body, replace(sp, prompt_end=len(p), header_start=start, content_start=start, stop=stop,
-                                         end=start + len(body), reasoning_rendered=True)
+                                         end=start + len(body), reasoning_rendered=True, reasoning_inserted=True)
+
+    def _reasoning_opener(self, p: list[int], x: list[int], gen: list[int]) -> tuple[re.Match[str], int] | None:
+        """(the opener's match: tag, name, its trailing space; k) where the end of the generation prompt, p[k:], opens
+        a reasoning block (`<think>`, its closer in the template) that x, rendered from the same history, lacks."""
+        k = common_prefix(p, x)
+        if not gen or k < len(p) - len(gen):
+            return None  # the history differs too, or there is no generation prompt to open anything
+        opener = self.renderer.tokenizer.decode(p[k:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        tag = re.fullmatch(r"\s*(<([A-Za-z_][\w-]*)>)(\s*)", opener)
+        return None if tag is None or f"</{tag[2]}>" not in self.renderer.template else (tag, k)
 
     def _opened_reasoning(self, conv: Conversation, j: int, p: list[int], e: list[int]
                           ) -> tuple[list[int], TurnSpan] | None:
@@ -180,14 +189,11 @@ class ChatMasker:
         models write it: reasoning, newline, closer, blank line (unless the data's own text says otherwise).
         None when the turn is not such a case."""
         rd, m = self.renderer, conv.messages[j]
-        k = common_prefix(p, e)
         gen = self._generation_prompt(conv, j, p)
-        if not gen or k < len(p) - len(gen):
-            return None  # the history differs too, or there is no generation prompt to open anything
-        opener = rd.tokenizer.decode(p[k:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        tag = re.fullmatch(r"\s*(<([A-Za-z_][\w-]*)>)(\s*)", opener)
-        if tag is None or f"</{tag[2]}>" not in rd.template:
+        opened = self._reasoning_opener(p, e, gen)
+        if opened is None:
             return None
+        tag, k = opened
         closer, content = f"</{tag[2]}>", m.get("content") or ""
         if m.get("reasoning_content"):
             reasoning, after = m["reasoning_content"], None
@@ -232,14 +238,20 @@ class ChatMasker:
         if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)
+            if inserted := sum(sp.reasoning_inserted for *_, sp in turns):
+                self.stats["reasoning_inserted"] += inserted
             return [MaskedSample(t, self._mask(len(t), [sp]), e_text, j, [sp]) for j, t, e_text, sp in turns]
         spans: list[TurnSpan] = []
         for (j, _, _, sp), ok in zip(turns, stable, strict=True):
             if not ok:
                 p = self._prompt_ids(conv, j)
                 lo = spans[-1].end if spans else 0
-                got = find_turn(rd, msgs, tools, j, r, len(p) if is_prefix(p, r) else None,
-                                self._generation_prompt(conv, j, p), lo, prompt=p)
+                gen = self._generation_prompt(conv, j, p)
+                got = find_turn(rd, msgs, tools, j, r, len(p) if is_prefix(p, r) else None, gen, lo, prompt=p)
+                if got is None and (opened := self._reasoning_opener(p, r, gen)) is not None:
+                    # the prompt opens reasoning no rendering has (R1, QwQ): the turn follows what R holds of it
+                    k = opened[1]
+                    got = find_turn(rd, msgs, tools, j, r, None, p[len(p) - len(gen):k], lo, prompt=p[:k])
                 if got is None:
                     self.stats["turns_unlocated"] += 1
                     continue

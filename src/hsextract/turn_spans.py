@@ -37,6 +37,7 @@ class TurnSpan:
     end: int  # one past the last generated token (stop + 1, or the end of the message text)
     reasoning_rendered: bool
     filler_trained: bool  # X[p:hdr] when no reasoning is rendered: text the model writes itself
+    reasoning_inserted: bool = False  # X[p:hdr] is reasoning no rendering has, put back (ChatMasker)
 
     def labels(self, train_on_reasoning: bool, train_on_eot: bool) -> list[tuple[int, int, str]]:
         """[(start, end, kind)] of the turn's tokens; kind is reasoning, header, body, eot or untrained."""
