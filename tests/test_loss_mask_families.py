@@ -207,7 +207,8 @@ def test_prompt_that_opens_reasoning_gets_the_turns_reasoning_in_any_form(family
     never = ChatMasker(tok, split_turns="never")
     (s,) = never.encode(Conversation([U("Hello there!"), forms[0], *tail]))
     assert trained_segments(s, tok) == ["How are you today?" + EOS[family], "Four." + EOS[family]]
-    assert dict(never.stats) == {"conversations": 1, "turns": 2, "turns_history_fallback": 2, "samples": 1}
+    assert dict(never.stats) == {"conversations": 1, "turns": 2, "turns_history_fallback": 2, "samples": 1,
+                                 "reasoning_not_rendered": 2}
 
 
 def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():

@@ -231,15 +231,11 @@ class ChatMasker:
         turns = [(j, *self._turn(conv, j, r_text)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
-        for j, _, _, sp in turns:
-            if msgs[j].get("reasoning_content") and not sp.reasoning_rendered:  # dropped, even when last
-                self.stats["reasoning_not_rendered"] += 1
         stable = [is_prefix(t, r) for _, t, _, _ in turns]
         if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)
-            if inserted := sum(sp.reasoning_inserted for *_, sp in turns):
-                self.stats["reasoning_inserted"] += inserted
+            self._count_reasoning(msgs, [sp for *_, sp in turns])
             return [MaskedSample(t, self._mask(len(t), [sp]), e_text, j, [sp]) for j, t, e_text, sp in turns]
         spans: list[TurnSpan] = []
         for (j, _, _, sp), ok in zip(turns, stable, strict=True):
@@ -263,7 +259,16 @@ class ChatMasker:
                                     f"order this masker cannot follow")
             spans.append(sp)
         self.stats["samples"] += 1
+        self._count_reasoning(msgs, spans)
         return [MaskedSample(r, self._mask(len(r), spans), r_text, None, spans)]
+
+    def _count_reasoning(self, msgs: list[dict[str, Any]], stored: list[TurnSpan]) -> None:
+        """Of the turns stored: those with reasoning put back, and those whose reasoning is not in the sample."""
+        for sp in stored:
+            if sp.reasoning_inserted:
+                self.stats["reasoning_inserted"] += 1
+            elif msgs[sp.index].get("reasoning_content") and not sp.reasoning_rendered:  # dropped, even when last
+                self.stats["reasoning_not_rendered"] += 1
 
 
 __all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "ChatMasker", "MaskedSample", "TemplateError"]
