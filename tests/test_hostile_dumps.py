@@ -9,6 +9,7 @@ import os
 import shutil
 import stat
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -421,14 +422,17 @@ def test_corrupted_dumps_are_retried_and_every_sample_is_its_own(tmp_path: Path,
     aux = (1, 3, 5)
     real = dumpfiles.write_piece
     flipped: list[str] = []
+    lock = threading.Lock()  # the server writes pieces on several threads: exactly the first two are damaged
 
     def write_and_damage(*a, **kw):
         path = real(*a, **kw)
-        if len(flipped) < 2:
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0x40
-            path.write_bytes(bytes(data))
+        with lock:
+            if len(flipped) >= 2:
+                return path
             flipped.append(path.name)
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0x40
+        path.write_bytes(bytes(data))
         return path
 
     monkeypatch.setattr(dumpfiles, "write_piece", write_and_damage)
