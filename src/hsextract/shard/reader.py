@@ -113,11 +113,12 @@ class ShardReader:
                 if self._fd is None or self._pid != os.getpid():
                     # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
                     fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    st = os.fstat(fd)
+                    if not stat.S_ISREG(st.st_mode):
                         os.close(fd)
                         raise ShardError(f"{self.path}: not a regular file; a shard is a regular "
                                          f"*{fmt.SHARD_SUFFIX} file")
-                    self._fd, self._pid = fd, os.getpid()
+                    self._fd, self._pid, self._dev = fd, os.getpid(), st.st_dev  # _dev: the disk, for prefetch
         return self._fd
 
     def __getstate__(self) -> dict[str, Any]:
@@ -257,7 +258,7 @@ class ShardReader:
             return
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
         fd = self._handle()
-        step = hint_piece(os.fstat(fd).st_dev)
+        step = hint_piece(self._dev)
         try:
             for a in range(off, off + rlen, step):
                 os.posix_fadvise(fd, a, min(step, off + rlen - a), os.POSIX_FADV_WILLNEED)
