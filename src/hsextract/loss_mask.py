@@ -133,15 +133,16 @@ class ChatMasker:
         p = self._prompt_ids(conv, j)
         e_text = r_text if j == len(msgs) - 1 else rd.render(msgs[:j + 1], tools)
         e = rd.ids(e_text)
+        gen: list[int] = []
         if is_prefix(p, e):
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, len(p), last=True)
         else:  # the template rewrote earlier turns: the turn opens with the generation prompt after them
-            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, self._generation_prompt(conv, j, p), last=True,
-                           prompt=p)
+            gen = self._generation_prompt(conv, j, p)
+            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, gen, last=True, prompt=p)
             if sp is not None:
                 self.stats["turns_after_rewritten_history"] += 1
         if sp is None:  # or the prompt opens a reasoning block that no rendering has (R1, QwQ)
-            opened = self._opened_reasoning(conv, j, p, e)
+            opened = self._opened_reasoning(conv, j, p, e, gen)
             if opened is None:
                 raise self._not_prefix_stable(j, p, e)
             return opened[0], e_text, opened[1]
@@ -179,7 +180,7 @@ class ChatMasker:
         tag = re.fullmatch(r"\s*(<([A-Za-z_][\w-]*)>)(\s*)", opener)
         return None if tag is None or f"</{tag[2]}>" not in self.renderer.template else (tag, k)
 
-    def _opened_reasoning(self, conv: Conversation, j: int, p: list[int], e: list[int]
+    def _opened_reasoning(self, conv: Conversation, j: int, p: list[int], e: list[int], gen: list[int]
                           ) -> tuple[list[int], TurnSpan] | None:
         """Turn j where the generation prompt opens a reasoning block (`<think>`) that no rendered assistant turn
         has (DeepSeek-R1 and QwQ cut everything up to `</think>` from the content; DeepSeek-V3.1 with `thinking`
@@ -187,9 +188,8 @@ class ChatMasker:
         The reasoning is `reasoning_content`, or the content's own text before the closer; the closer and the
         answer are the turn as the template renders it. A template that never writes the closer gets it as those
         models write it: reasoning, newline, closer, blank line (unless the data's own text says otherwise).
-        None when the turn is not such a case."""
+        `gen`: the generation prompt (`_generation_prompt`). None when the turn is not such a case."""
         rd, m = self.renderer, conv.messages[j]
-        gen = self._generation_prompt(conv, j, p)
         opened = self._reasoning_opener(p, e, gen)
         if opened is None:
             return None
