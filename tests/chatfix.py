@@ -10,6 +10,9 @@ from transformers import AddedToken, PreTrainedTokenizer, PreTrainedTokenizerFas
 
 TEMPLATES = Path(__file__).parent / "fixtures" / "templates"
 
+GLM = ["[gMASK]", "<sop>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<think>",
+       "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>",
+       "<tool_response>", "</tool_response>"]
 SPECIALS = {
     "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
     "deepseek_v3": ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
@@ -34,13 +37,15 @@ SPECIALS = {
                     "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"],
     "qwq": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
             "<tool_response>", "</tool_response>"],
+    "glm45": GLM,
+    "glm47": GLM,
 }
 BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]",
        "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>", "mistral": "<s>", "gemma3": "<bos>",
-       "deepseek_r1": "<｜begin▁of▁sentence｜>", "qwq": None}
+       "deepseek_r1": "<｜begin▁of▁sentence｜>", "qwq": None, "glm45": None, "glm47": None}
 EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>",
        "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>", "mistral": "</s>", "gemma3": "<eos>",
-       "deepseek_r1": "<｜end▁of▁sentence｜>", "qwq": "<|im_end|>"}
+       "deepseek_r1": "<｜end▁of▁sentence｜>", "qwq": "<|im_end|>", "glm45": "<|endoftext|>", "glm47": "<|endoftext|>"}
 
 CORPUS = [
     "Hello there! How are you today?",

@@ -696,4 +696,133 @@ EXPECTED = {
             'pondre poliment.\n</think>\n\n⟦Très bien ✓ 日本⟧<|im_end|>',
         ],
     },
+    'glm45': {
+        ('default', 'single'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think></think>\n⟦How are'
+            ' you today?⟧',
+        ],
+        ('default', 'system'): [
+            '[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>Hello there'
+            '!<|assistant|>⟦\n<think>The user greets.</think>\nHow are you today?⟧',
+        ],
+        ('default', 'multi'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>⟦\n<think>The user greets.'
+            '</think>\nHow are you today?<|user|>⟧',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think></think>\nHow are '
+            'you today?<|user|>What is two plus two?<|assistant|>⟦\n<think>Add them.'
+            '</think>\nTwo plus two is four.⟧',
+        ],
+        ('default', 'tool'): [
+            '[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>What is the'
+            ' weather in Paris?<|assistant|>⟦\n<think>Let me think.</think>\n<tool_ca'
+            'll>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</'
+            'tool_call><|observation|>⟧\n<tool_response>\n{"temperature": 21}\n</tool_'
+            'response><|assistant|>⟦\n<think>21 degrees.</think>\nThe weather in Pari'
+            's is sunny.⟧',
+        ],
+        ('default', 'empty'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>⟦\n<think>Nothing to say.<'
+            '/think><|user|>⟧',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think></think><|user|>W'
+            'hat is two plus two?<|assistant|>\n<think></think>\n⟦Four.⟧',
+        ],
+        ('default', 'unicode'): [
+            '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|>⟦\n<think>Répondre poliment.'
+            '</think>\nTrès bien ✓ 日本⟧',
+        ],
+        ('neither', 'single'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think></think>\n⟦How are'
+            ' you today?⟧',
+        ],
+        ('neither', 'system'): [
+            '[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>Hello there'
+            '!<|assistant|>\n<think>The user greets.</think>\n⟦How are you today?⟧',
+        ],
+        ('neither', 'multi'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think>The user greets.<'
+            '/think>\n⟦How are you today?⟧<|user|>',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think></think>\nHow are '
+            'you today?<|user|>What is two plus two?<|assistant|>\n<think>Add them.<'
+            '/think>\n⟦Two plus two is four.⟧',
+        ],
+        ('neither', 'tool'): [
+            '[gMASK]<sop><|system|>\nYou are a helpful assistant.<|user|>What is the'
+            ' weather in Paris?<|assistant|>\n<think>Let me think.</think>\n⟦<tool_ca'
+            'll>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</'
+            'tool_call>⟧<|observation|>\n<tool_response>\n{"temperature": 21}\n</tool_'
+            'response><|assistant|>\n<think>21 degrees.</think>\n⟦The weather in Pari'
+            's is sunny.⟧',
+        ],
+        ('neither', 'empty'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think>Nothing to say.</'
+            'think><|user|>',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|>\n<think></think><|user|>W'
+            'hat is two plus two?<|assistant|>\n<think></think>\n⟦Four.⟧',
+        ],
+        ('neither', 'unicode'): [
+            '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|>\n<think>Répondre poliment.<'
+            '/think>\n⟦Très bien ✓ 日本⟧',
+        ],
+    },
+    'glm47': {
+        ('default', 'single'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think></think>⟦How are y'
+            'ou today?⟧',
+        ],
+        ('default', 'system'): [
+            '[gMASK]<sop><|system|>You are a helpful assistant.<|user|>Hello there!'
+            '<|assistant|><think>⟦The user greets.</think>How are you today?⟧',
+        ],
+        ('default', 'multi'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think>⟦The user greets.<'
+            '/think>How are you today?<|user|>⟧What is two plus two?<|assistant|><t'
+            'hink>⟦Add them.</think>Two plus two is four.⟧',
+        ],
+        ('default', 'tool'): [
+            '[gMASK]<sop><|system|>You are a helpful assistant.<|user|>What is the '
+            'weather in Paris?<|assistant|><think>⟦Let me think.</think><tool_call>'
+            'get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_c'
+            'all><|observation|>⟧<tool_response>{"temperature": 21}</tool_response>'
+            '<|assistant|><think>⟦21 degrees.</think>The weather in Paris is sunny.'
+            '⟧',
+        ],
+        ('default', 'empty'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think>⟦Nothing to say.</'
+            'think><|user|>⟧What is two plus two?<|assistant|><think></think>⟦Four.'
+            '⟧',
+        ],
+        ('default', 'unicode'): [
+            '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|><think>⟦Répondre poliment.<'
+            '/think>Très bien ✓ 日本⟧',
+        ],
+        ('neither', 'single'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think></think>⟦How are y'
+            'ou today?⟧',
+        ],
+        ('neither', 'system'): [
+            '[gMASK]<sop><|system|>You are a helpful assistant.<|user|>Hello there!'
+            '<|assistant|><think>The user greets.</think>⟦How are you today?⟧',
+        ],
+        ('neither', 'multi'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think>The user greets.</'
+            'think>⟦How are you today?⟧<|user|>What is two plus two?<|assistant|><t'
+            'hink>Add them.</think>⟦Two plus two is four.⟧',
+        ],
+        ('neither', 'tool'): [
+            '[gMASK]<sop><|system|>You are a helpful assistant.<|user|>What is the '
+            'weather in Paris?<|assistant|><think>Let me think.</think>⟦<tool_call>'
+            'get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_c'
+            'all>⟧<|observation|><tool_response>{"temperature": 21}</tool_response>'
+            '<|assistant|><think>21 degrees.</think>⟦The weather in Paris is sunny.'
+            '⟧',
+        ],
+        ('neither', 'empty'): [
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think>Nothing to say.</t'
+            'hink><|user|>What is two plus two?<|assistant|><think></think>⟦Four.⟧',
+        ],
+        ('neither', 'unicode'): [
+            '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|><think>Répondre poliment.</'
+            'think>⟦Très bien ✓ 日本⟧',
+        ],
+    },
 }

@@ -26,7 +26,8 @@ CONVS = {
     "unicode": Conversation([U("Ça va? 日本語"), A("Très bien ✓ 日本", "Répondre poliment.")]),
 }
 FLAGS = {"default": {}, "neither": {"train_on_eot": False, "train_on_reasoning": False}}
-FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3", "deepseek_r1", "qwq"]
+FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3", "deepseek_r1", "qwq",
+            "glm45", "glm47"]
 # conversations a template refuses, with its words or ours (the exact masks of the others are in mask_golden)
 OPENED = ("TemplateError: assistant turn {}: the generation prompt opens a reasoning block ('<think>') that the "
           "template never renders for an assistant turn, and this turn has no reasoning to fill it: give it "
@@ -264,3 +265,36 @@ def test_system_prompt_in_the_last_user_message_split_as_the_server_saw_it():
     assert marked(s, tok) == ("<s>[INST] Hello there![/INST]⟦ How are you today?</s>⟧[INST] What is two plus two?"
                               "[/INST]⟦ Two plus two is four.</s>⟧")
     assert never.stats["turns_history_fallback"] == 2 and never.stats["turns_unlocated"] == 0
+
+
+@pytest.mark.parametrize("family", ["glm45", "glm47"])
+def test_template_without_a_stop_token_trains_the_next_header_the_model_stops_with(family):
+    """GLM-4.5/4.7 write no token after an assistant turn: the model stops by writing the next message's header
+    (`<|user|>`, `<|observation|>`: stop ids of its generation config). That header is the turn's stop token
+    (trained with `train_on_eot`) wherever a message follows the turn; the `</tool_call>` closing a call is the
+    call's own markup, trained with it whatever `train_on_eot` says; a turn that ends the conversation has no
+    stop in the data."""
+    tok = make_tokenizer(family)
+    facts = ChatMasker(tok).renderer.facts()
+    ids = tok.convert_tokens_to_ids
+    assert not facts.writes_stop
+    assert facts.next_stops == (("user", ids("<|user|>")), ("tool", ids("<|observation|>")))
+    assert facts.stop_ids == {ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")}
+    nl = "\n" if family == "glm45" else ""
+    # (without reasoning, the empty think block the template writes before the turn's text is filler)
+    calls = (f"<tool_call>get_weather{nl}<arg_key>city</arg_key>{nl}<arg_value>Paris</arg_value>{nl}<arg_key>days"
+             f"</arg_key>{nl}<arg_value>2</arg_value>{nl}</tool_call>{nl}<tool_call>get_time{nl}</tool_call>")
+    conv = Conversation([U("What is the weather in Paris?"),
+                         A("", None, [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
+                         {"role": "tool", "content": "21"}, {"role": "tool", "content": "noon"},
+                         A("Sunny at noon."), U("Thanks!"), A("You are welcome.")])
+    turns = [[calls + "<|observation|>"], ["Sunny at noon.<|user|>"], ["You are welcome."]]
+    for split in ("auto", "never", "always"):
+        got = [trained_segments(s, tok) for s in ChatMasker(tok, split_turns=split).encode(conv)]
+        assert got == (turns if split == "always" else [sum(turns, [])]), (family, split)
+    got = [trained_segments(s, tok) for s in ChatMasker(tok, train_on_eot=False).encode(conv)]
+    assert got == [[calls, "Sunny at noon.", "You are welcome."]]
+    # A split turn's own sample ends with the header the model wrote after it; the last turn's has none.
+    samples = ChatMasker(tok, split_turns="always").encode(conv)
+    assert [tok.convert_ids_to_tokens(s.input_ids[-1]) for s in samples[:2]] == ["<|observation|>", "<|user|>"]
+    assert tok.decode(samples[2].input_ids).endswith("You are welcome.")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
-from chatfix import BOS, CORPUS, EOS, SPECIALS, TEMPLATES
+from chatfix import BOS, CORPUS, EOS, SPECIALS, TEMPLATES, make_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -155,6 +155,10 @@ def test_stop_token_is_the_templates_end_of_turn():
            for name in ("llama3", "qwen3", "deepseek_v3", "kimi_k25")}
     assert got == {"llama3": ["<|eot_id|>"], "qwen3": ["<|im_end|>"], "deepseek_v3": ["<｜end▁of▁sentence｜>"],
                    "kimi_k25": ["<|im_end|>"]}
+    # GLM-4.5 writes no token after a turn: the model stops by writing the next message's header (a tokenizer
+    # with byte fallback: the template probe's sentinels must survive tokenization)
+    glm = make_tokenizer("glm45")
+    assert glm.convert_ids_to_tokens(end_of_turn_ids(glm)) == ["<|user|>", "<|observation|>", "<|endoftext|>"]
     assert cut_at_stop([5, 6, 7, 6, 8], [6]) == [5, 6] and cut_at_stop([5, 7], [6]) == [5, 7]
 
 

@@ -235,9 +235,11 @@ class ChatMasker:
         if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)
-            self._count_reasoning(msgs, [sp for *_, sp in turns])
-            return [MaskedSample(t, self._mask(len(t), [sp]), e_text, j, [sp]) for j, t, e_text, sp in turns]
+            split = [(j, *self._with_next_stop(msgs, j, t, sp), e_text) for j, t, e_text, sp in turns]
+            self._count_reasoning(msgs, [sp for _, _, sp, _ in split])
+            return [MaskedSample(t, self._mask(len(t), [sp]), e_text, j, [sp]) for j, t, sp, e_text in split]
         spans: list[TurnSpan] = []
+        facts = rd.facts()
         for (j, _, _, sp), ok in zip(turns, stable, strict=True):
             if not ok:
                 p = self._prompt_ids(conv, j)
@@ -253,6 +255,8 @@ class ChatMasker:
                     continue
                 sp = got
                 self.stats["turns_history_fallback"] += 1
+            if sp.stop is None and not facts.writes_stop and sp.end < len(r) and r[sp.end] in facts.stop_ids:
+                sp = replace(sp, stop=sp.end, end=sp.end + 1)  # the next message's header ends the turn (GLM)
             if spans and sp.prompt_end < spans[-1].end:
                 raise TemplateError(f"assistant turn {j}: found at token {sp.prompt_end}, inside the previous "
                                     f"turn (which ends at token {spans[-1].end}); the template renders turns in an "
@@ -261,6 +265,16 @@ class ChatMasker:
         self.stats["samples"] += 1
         self._count_reasoning(msgs, spans)
         return [MaskedSample(r, self._mask(len(r), spans), r_text, None, spans)]
+
+    def _with_next_stop(self, msgs: list[dict[str, Any]], j: int, ids: list[int], sp: TurnSpan
+                        ) -> tuple[list[int], TurnSpan]:
+        """Turn j's own sample, ending with the stop token the model wrote after it where the template writes
+        none (GLM-4.5: the header of the next message, `<|user|>` or `<|observation|>`, by its role)."""
+        facts = self.renderer.facts()
+        nxt = dict(facts.next_stops).get(msgs[j + 1]["role"]) if j + 1 < len(msgs) else None
+        if sp.stop is not None or nxt is None or sp.end != len(ids):
+            return ids, sp
+        return ids + [nxt], replace(sp, stop=sp.end, end=sp.end + 1)
 
     def _count_reasoning(self, msgs: list[dict[str, Any]], stored: list[TurnSpan]) -> None:
         """Of the turns stored: those with reasoning put back, and those whose reasoning is not in the sample."""

@@ -13,6 +13,10 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
 Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
 - `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the last special token the template writes
   after the message (a plain turn and a tool-call turn), and `after_stop`, the text that follows it there;
+- `writes_stop`: whether the template writes a special token after a plain turn at all. GLM-4.5's does not:
+  the model stops by writing the next message's header (`<|user|>`, `<|observation|>`, stop ids in its
+  generation config), so the special token closing a tool call (`</tool_call>`) is markup, not a stop, and
+  `next_stops` holds, per role of the next message, the header token that ends the turn before it;
 - `content_header`: text the template writes between a reasoning block and the content that the model
   writes itself (harmony's `<|start|>assistant<|channel|>final<|message|>`), empty for think-tag templates;
 - `renders_reasoning`: whether any probe renders reasoning at all;
@@ -82,6 +86,8 @@ class TemplateFacts:
     notes: list[str] = field(default_factory=list)
     after_stop: frozenset[tuple[int, ...]] = frozenset()  # what a last turn's stop token is followed by
     reasoning_slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (opener, closer) of reasoning
+    writes_stop: bool = True
+    next_stops: tuple[tuple[str, int], ...] = ()  # (role of the next message, its header's stop token)
 
 
 class TemplateRenderer:
@@ -211,6 +217,8 @@ class TemplateRenderer:
         variants = [{"content": SENT[0]},
                     {"content": SENT[0], "tool_calls": [{"type": "function", "function": {
                         "name": "f", "arguments": {"x": SENT[0]}}}]}]
+        writes_stop = True
+        next_stops: list[tuple[str, int]] = []
         for v in variants:
             try:
                 turn = [self.render_ids(user + [{"role": "assistant", **v, "content": s}]) for s in SENT]
@@ -219,23 +227,35 @@ class TemplateRenderer:
                 continue
             tail = turn[0][len(turn[0]) - common_suffix(turn[0], turn[1]):]
             at = [k for k, t in enumerate(tail) if t in special]
-            if at:
+            if "tool_calls" not in v and turn[0] != turn[1]:  # (equal: the tokenizer cannot show the sentinels)
+                writes_stop = bool(at)
+            if at and writes_stop:
                 stop.add(tail[at[-1]])
                 after.add(tuple(tail[at[-1] + 1:]))
             if "tool_calls" not in v:  # a turn in history: its stop token is the first special one after it
-                try:
-                    hist = [self.render_ids(user + [{"role": "assistant", "content": s}] + user) for s in SENT]
+                for role, nxt in (("user", user), ("tool", [{"role": "tool", "content": "r"}])):
+                    if writes_stop and role == "tool":
+                        break
+                    try:
+                        hist = [self.render_ids(user + [{"role": "assistant", "content": s}] + nxt) for s in SENT]
+                    except Exception as e:  # noqa: BLE001 - templates that require alternation end here
+                        notes.append(f"history probe ({role}) failed: {e}")
+                        continue
                     first = [t for t in hist[0][common_prefix(hist[0], hist[1]):] if t in special]
-                    if first:
+                    after_turn = hist[0][len(hist[0]) - common_suffix(hist[0], hist[1]):]
+                    if writes_stop and first:
                         stop.add(first[0])
-                except Exception as e:  # noqa: BLE001 - templates that require alternation end here
-                    notes.append(f"history probe failed: {e}")
+                    elif not writes_stop and after_turn[:1] and after_turn[0] in special:
+                        # no stop written: the next message's header, right after the turn, is what ends it
+                        stop.add(after_turn[0])
+                        next_stops.append((role, after_turn[0]))
             h = self._probe_header(user, v, p, gen)
             slot = slot or self._slot
             if h is not None:
                 renders_reasoning = True
                 header = header or h
-        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot)
+        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot,
+                             writes_stop, tuple(next_stops))
 
     def _probe_header(self, user: list[dict[str, Any]], v: dict[str, Any], p: list[int], gen: tuple[int, ...]
                       ) -> tuple[int, ...] | None:

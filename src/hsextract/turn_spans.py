@@ -10,7 +10,8 @@ X[:p] is what the server saw before it generated the turn. Within X the turn is 
                   <|channel|>final<|message|>`), empty for think-tag templates
     X[c:stop]     the message: content, tool-call markup, and any closers before the stop token
     X[stop]       the stop token: the first token of the template's stop set (`TemplateFacts.stop_ids`) at or
-                  after the last message-dependent token
+                  after the last message-dependent token; for a template that writes none (GLM-4.5), the token
+                  right after the message when it is a stop (the next message's header), else there is none
     X[stop+1:]    template text after the stop token (Qwen's `\\n` after `<|im_end|>`), never generated
 
 c is where rendering the turn with its content replaced by a sentinel first differs from X; the end of the
@@ -154,8 +155,15 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     if c is None:  # the template does not render the content (Llama renders tool calls instead)
         c = p
     c = max(c, p)
+    if not facts.writes_stop and m.get("tool_calls"):  # no stop token after the calls to end the turn at
+        xt = variant({k: v for k, v in m.items() if k != "tool_calls"})
+        if xt is not None and xt != x:
+            ends.append(len(x) - common_suffix(x, xt, len(x) - c))
     d = max([c] + ends)
-    stop = next((i for i in range(max(d - 1, c), len(x)) if x[i] in facts.stop_ids), None)
+    if facts.writes_stop:
+        stop = next((i for i in range(max(d - 1, c), len(x)) if x[i] in facts.stop_ids), None)
+    else:
+        stop = d if d < len(x) and x[d] in facts.stop_ids else None
     end = stop + 1 if stop is not None else d
     c = min(c, end if stop is None else stop)
     special = renderer.special_ids()

@@ -13,7 +13,8 @@ from hsextract.settings import RegenerateSettings
 
 def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
     """Stop tokens: the first token of the text the template writes after an assistant message (when it is
-    a special/added token: <|eot_id|>, <|im_end|>, <｜end▁of▁sentence｜>), then eos."""
+    a special/added token: <|eot_id|>, <|im_end|>, <｜end▁of▁sentence｜>), or, for a template that writes none
+    (GLM-4.5), the headers of the messages that follow a turn (`<|user|>`, `<|observation|>`); then eos."""
     masker = ChatMasker(tokenizer, chat_template_kwargs=dict(chat_template_kwargs or {}))
     sent = "\ue000"
     text = masker.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sent}])
@@ -24,6 +25,9 @@ def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | No
         special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
         if first and first[0] in special:
             out.append(first[0])
+    for _, t in masker.renderer.facts().next_stops:
+        if t not in out:
+            out.append(t)
     eos = tokenizer.eos_token_id
     for t in eos if isinstance(eos, list) else [eos]:
         if t is not None and t not in out:
