@@ -379,6 +379,29 @@ def test_reasoning_split_tool_turns_and_cut_conversations():
     assert st.turns_hit_max_new_tokens == 1
 
 
+@pytest.mark.parametrize("family", ["glm45", "glm47"])
+def test_template_without_a_stop_token_regenerates_and_masks_what_the_model_wrote(family):
+    """GLM-4.5/4.7 write no token after a turn: the generated text (its stop, a header, is cut) is stored as
+    reasoning + content that render back token for token, and the sample of a turn followed by a message ends
+    with the header the model stopped with."""
+    tok = make_tokenizer(family)
+    conv = Conversation([{"role": "user", "content": "What is two plus two?"},
+                         {"role": "assistant", "content": "four", "reasoning_content": "old"},
+                         {"role": "user", "content": "Hello there!"}])
+    nl = "\n" if family == "glm45" else ""
+    opener = "\n<think>" if family == "glm45" else ""  # GLM-4.7's generation prompt ends with <think>
+    texts = [f"{opener}Let me think</think>{nl}It is four.", f"{opener}Greet.</think>{nl}Hello!"]
+    stats = RegenStats()
+    (new,) = regenerate_chunk([conv], Scripted(tok, texts), regen_settings(), tokenizer=tok, stats=stats)
+    assert new.messages[1::2] == [{"role": "assistant", "reasoning_content": "Let me think", "content": "It is four."},
+                                  {"role": "assistant", "reasoning_content": "Greet.", "content": "Hello!"}]
+    assert stats.roundtrip == {"tokens": 2}
+    m = ChatMasker(tok, split_turns="always")
+    for j, text, stop, sample in zip((1, 3), texts, ("<|user|>", ""), m.encode(new), strict=True):
+        prompt = m.render(new.messages[:j], add_generation_prompt=True)
+        assert sample.input_ids == tok(prompt + text + stop, add_special_tokens=False)["input_ids"]
+
+
 def test_malformed_records_lenient_keep_one_line_each(tmp_path):
     tok = make_tok("deepseek_v3")
     src = tmp_path / "in.jsonl"

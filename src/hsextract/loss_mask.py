@@ -4,8 +4,9 @@ The rule (config/README.md, "Loss masks"): a token gets loss 1 exactly when the 
 that assistant turn: everything after the generation prompt up to and including its stop token (content,
 tool-call markup, headers it writes itself, reasoning per `train_on_reasoning`, the stop token per
 `train_on_eot`); never the generation prompt, never template text after the stop token, never a token of
-another message. Filler a template writes for a turn whose reasoning it does not render (an empty
-`<think></think>`) was not generated: not trained.
+another message (but for a template that writes no stop token, GLM's: the next message's header the model
+wrote to stop, `<|user|>` or `<|observation|>`, is the turn's stop token). Filler a template writes for a
+turn whose reasoning it does not render (an empty `<think></think>`) was not generated: not trained.
 
 Turn boundaries are found on token ids, never on character offsets, so slow tokenizers (tiktoken,
 sentencepiece, custom code) work as fast ones do. For assistant turn j:
@@ -27,6 +28,7 @@ turns unstable. `split_turns` decides what to store:
 
     auto    one sample R when every turn is history-stable; else one sample per assistant turn:
             E_j cut after its stop token (exactly the server's context plus the turn), trained on turn j only
+            (a template that writes no stop token: the next message's header is appended as the stop)
     always  one sample per assistant turn, always
     never   one sample R; an unstable turn is located in R with the same method in the full rendering
             (`turns_history_fallback`: trained as R renders it, which is not what the server saw), or, when
