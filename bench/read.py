@@ -247,14 +247,17 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
                     if before is not None:
                         read_back[name].append((disk_read_bytes() - before) / stores[name]["bytes"])
         for cache, by_store in best.items():  # each figure the best of the repeats
-            cells[cache][row] = {name: {"samples_s": n / min(e[0] for e in runs),
-                                        "gb_s": max(e[1] / e[0] for e in runs) / 1e9, "wall_s": min(e[0] for e in runs),
-                                        "steady_samples_s": max(e[2] for e in runs),
-                                        "steady_gb_s": max(e[3] for e in runs) / 1e9}
-                                 for name, runs in by_store.items()}
+            cells[cache][row] = {name: _best(runs, n) for name, runs in by_store.items()}
         del loaders  # shuts the workers down before the next worker count starts its own
     return {"cells": cells, "resident_after_evict": {k: max(v) if v else None for k, v in resident.items()},
             "disk_read_per_store_byte": {k: [min(v), max(v)] if v else None for k, v in read_back.items()}}
+
+
+def _best(runs: list[tuple[float, int, float, float]], n: int) -> dict[str, float]:
+    """One cell from a store's epochs (wall s, bytes, steady samples/s, steady bytes/s): the best of each."""
+    wall = min(e[0] for e in runs)
+    return {"samples_s": n / wall, "gb_s": max(e[1] / e[0] for e in runs) / 1e9, "wall_s": wall,
+            "steady_samples_s": max(e[2] for e in runs), "steady_gb_s": max(e[3] for e in runs) / 1e9}
 
 
 def disk_read_bytes() -> int | None:
