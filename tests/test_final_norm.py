@@ -26,7 +26,7 @@ from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
 from hsextract.errors import ConfigError, ShardError
 from hsextract.export import export
-from hsextract.final_norm import FinalNorm, final_norm_metadata, read_final_norm
+from hsextract.final_norm import NORM_KINDS, FinalNorm, final_norm_metadata, read_final_norm
 from hsextract.shard import ShardWriter
 from hsextract.tinymodel import make_tiny_model
 
@@ -83,11 +83,45 @@ def test_metadata_round_trip_is_exact_and_damage_is_named(model_dir: Path) -> No
         FinalNorm.from_metadata({**entry, "weight": "not base64!"}, "x.hss")
 
 
+# Small shapes for a random-weight model of any family (each config takes the keys it has).
+SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=300, moe_intermediate_size=32, n_routed_experts=4, num_experts=4,
+             num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+             max_position_embeddings=128)
+
+
+# Kimi's checkpoints ship custom code (trust_remote_code) around the DeepseekV3 norm: covered by deepseek_v3.
+@pytest.mark.parametrize("model_type", sorted(set(NORM_KINDS) - {"kimi_k2", "kimi_k25", "kimi_vl"}))
+def test_every_listed_family_norm_is_the_models_own(tmp_path: Path, model_type: str) -> None:
+    """For each model_type the table knows: a random-weight checkpoint of that family (transformers' own
+    modeling code), its final norm as recorded, applied to bf16 states, equals the model's norm bit for bit,
+    and no other kind does."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = AutoConfig.for_model(model_type)
+    kw = {k: v for k, v in SMALL.items() if hasattr(base, k)}
+    if hasattr(base, "layer_types"):
+        kw["layer_types"] = None  # recomputed for the small layer count
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, pad_token_id=0, **kw),
+                                             dtype=torch.bfloat16)
+    with torch.no_grad():  # a weight far from its initial ones and zeros, so the kinds differ
+        model.model.norm.weight.copy_(torch.randn(64) * 0.3 + 1)
+    model.save_pretrained(tmp_path)
+    norm = read_final_norm(str(tmp_path))
+    assert norm.kind == NORM_KINDS[model_type] and norm.source == "model.safetensors:model.norm.weight"
+    x = (torch.randn(16, 64) * 3).to(torch.bfloat16)
+    want = model.model.norm(x).detach()
+    assert torch.equal(norm.apply(x), want)
+    others = {k for k in NORM_KINDS.values() if k != norm.kind}
+    assert all(not torch.equal(FinalNorm(k, norm.eps, norm.weight).apply(x), want) for k in others)
+
+
 def test_unreadable_norm_is_reported_not_guessed(tmp_path: Path, model_dir: Path) -> None:
     cfg = json.loads((model_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "gemma2"}))
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))  # a LayerNorm
     entry, why = final_norm_metadata(str(tmp_path))
-    assert entry is None and "model_type 'gemma2' has no known final-norm formula" in why
+    assert entry is None and "model_type 'falcon' has no known final-norm formula" in why
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     entry, why = final_norm_metadata(str(tmp_path))
     assert entry is None and why == (f"model {tmp_path}: no safetensors weights found (model.safetensors or its "

@@ -8,10 +8,17 @@ Metadata entry (JSON, in every shard's metadata under `final_norm`):
     {"kind": "rms_norm", "eps": 1e-06, "dtype": "bfloat16", "hidden_size": H,
      "weight": "<base64 of the weight's little-endian bytes>", "source": "<file>:<tensor name>"}
 
-`rms_norm` is the norm of the Llama / DeepSeek-V3 / Qwen / Mistral families, computed as transformers
-computes it: x32 = x in float32; y = x32 * rsqrt(mean(x32^2) + eps); out = weight * y.to(dtype), with the
-weight in the model dtype. The weight is read from the checkpoint (not from an engine), so the sglang
-engine, which never loads the model in the client, records the same entry as the transformers engine.
+Kinds, each computed as transformers computes it for the families named (x32 = x in float32,
+y = x32 * rsqrt(mean(x32^2) + eps)):
+
+    rms_norm         weight * y.to(dtype), the weight in the model dtype (Llama, DeepSeek-V3, Kimi, Qwen,
+                     Mistral, GLM-4.5, MiniMax-M2, ...)
+    rms_norm_f32     (weight * y).to(dtype): the weight applied in float32, one rounding (gpt-oss)
+    rms_norm_offset  (y * (1 + weight in float32)).to(dtype): the weight stored as an offset from 1 (Gemma,
+                     Qwen3-Next)
+
+The weight is read from the checkpoint (not from an engine), so the sglang engine, which never loads the
+model in the client, records the same entry as the transformers engine.
 """
 
 from __future__ import annotations
@@ -28,12 +35,15 @@ import torch
 from hsextract.errors import ConfigError, ShardError
 from hsextract.model_info import text_config
 
-RMS_NORM = "rms_norm"
-# model_type of the (text) config -> norm kind. Gemma's RMSNorm scales by (1 + weight) and is not listed.
-RMS_NORM_MODEL_TYPES = frozenset({
-    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3",
-    "kimi_k2", "kimi_k25", "kimi_vl",
-})
+RMS_NORM, RMS_NORM_F32, RMS_NORM_OFFSET = "rms_norm", "rms_norm_f32", "rms_norm_offset"
+# model_type of the (text) config -> norm kind; each checked against the model's own norm in tests/test_final_norm
+NORM_KINDS = {
+    **dict.fromkeys(("llama", "llama4_text", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                     "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_vl", "glm4", "glm4_moe",
+                     "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "exaone4"), RMS_NORM),
+    "gpt_oss": RMS_NORM_F32,
+    **dict.fromkeys(("gemma2", "gemma3_text", "qwen3_next"), RMS_NORM_OFFSET),
+}
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHT_SUFFIX = "model.norm.weight"
 
@@ -70,14 +80,19 @@ class FinalNorm:
         return cls(str(kind), eps, weight, str(entry.get("source", "")))
 
     def apply(self, pre: torch.Tensor) -> torch.Tensor:
-        """post-norm = norm(pre-norm), [seq, H] in pre's dtype."""
-        if self.kind != RMS_NORM:
-            raise ConfigError(f"final norm kind {self.kind!r}: only {RMS_NORM!r} can be applied at export")
+        """post-norm = norm(pre-norm), [seq, H] in pre's dtype (the kinds: module docstring)."""
+        kinds = sorted(set(NORM_KINDS.values()))
+        if self.kind not in kinds:
+            raise ConfigError(f"final norm kind {self.kind!r}: only {', '.join(kinds)} can be applied at export")
         if pre.shape[-1] != self.weight.numel():
             raise ShardError(f"final norm of hidden size {self.weight.numel()} applied to states of "
                              f"width {pre.shape[-1]}")
         x = pre.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.kind == RMS_NORM_F32:
+            return (self.weight.to(torch.float32) * x).to(pre.dtype)
+        if self.kind == RMS_NORM_OFFSET:
+            return (x * (1.0 + self.weight.to(torch.float32))).to(pre.dtype)
         return self.weight.to(pre.dtype) * x.to(pre.dtype)
 
 
@@ -110,9 +125,10 @@ def read_final_norm(model: str, dtype: str = "bfloat16") -> FinalNorm:
         raise ConfigError(f"model {model}: no readable config.json, so its final norm cannot be recorded")
     text = text_config(json.loads(cfg_path.read_text()))
     model_type = str(text.get("model_type", ""))
-    if model_type not in RMS_NORM_MODEL_TYPES:
+    kind = NORM_KINDS.get(model_type)
+    if kind is None:
         raise ConfigError(f"model {model}: model_type {model_type!r} has no known final-norm formula "
-                          f"(known: {', '.join(sorted(RMS_NORM_MODEL_TYPES))})")
+                          f"(known: {', '.join(sorted(NORM_KINDS))})")
     eps = text.get("rms_norm_eps")
     if not isinstance(eps, (int, float)):
         raise ConfigError(f"{cfg_path}: no numeric rms_norm_eps; the final norm cannot be recorded")
@@ -132,7 +148,7 @@ def read_final_norm(model: str, dtype: str = "bfloat16") -> FinalNorm:
     with safe_open(str(file), framework="pt") as f:
         name = name or _weight_name(list(f.keys()), str(file))
         weight = f.get_tensor(name)
-    return FinalNorm(RMS_NORM, float(eps), weight.to(_DTYPES[dtype]).contiguous(), f"{file.name}:{name}")
+    return FinalNorm(kind, float(eps), weight.to(_DTYPES[dtype]).contiguous(), f"{file.name}:{name}")
 
 
 def final_norm_metadata(model: str, dtype: str = "bfloat16") -> tuple[dict[str, Any] | None, str | None]:
