@@ -298,3 +298,19 @@ def test_template_without_a_stop_token_trains_the_next_header_the_model_stops_wi
     samples = ChatMasker(tok, split_turns="always").encode(conv)
     assert [tok.convert_ids_to_tokens(s.input_ids[-1]) for s in samples[:2]] == ["<|observation|>", "<|user|>"]
     assert tok.decode(samples[2].input_ids).endswith("You are welcome.")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_turn_whose_text_holds_a_stop_token_is_refused(family):
+    """The model stops at its stop token: an assistant turn whose content or reasoning holds one (eos here) was
+    not generated as written; a user message may hold it (the server's prompt holds it as well)."""
+    tok = make_tokenizer(family)
+    m = ChatMasker(tok)
+    for key, turn in (("content", A(f"Four.{EOS[family]}Thanks")), ("reasoning_content", A("Four.", f"x{EOS[family]}"))):
+        with pytest.raises(TemplateError) as e:
+            m.encode(Conversation([U("What is two plus two?"), turn]))
+        at = turn[key].index(EOS[family])
+        assert str(e.value).startswith(f"assistant turn 1: its {key} holds {EOS[family]!r} (at character {at}), a "
+                                       "token that ends a turn") and e.value.reason == "stop_token_in_turn"
+    (s,) = m.encode(Conversation([U(f"Say {EOS[family]}"), A("Four.", "Add.")]))
+    assert "Four." in trained_segments(s, tok)[-1]

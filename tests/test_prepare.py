@@ -172,3 +172,19 @@ def test_not_prefix_stable_dropped_and_counted(tmp_path):
     summary = run_prepare(_cfg(src, strict=False, **kw), tok, tmp_path / "out", 1)
     assert summary["dropped"] == {"not_prefix_stable": 1}
     assert summary["kept"] == 2  # the record without reasoning, split into its two turns
+
+
+def test_turn_holding_a_stop_token_dropped_and_counted(tmp_path):
+    """A runaway generation copied into the data: the answer, `<|im_end|>`, a made-up next user turn. The model
+    stops at that token, so the text after it was never generated as this turn: refused, saying where."""
+    runaway = conv("Hello there!", "How are you today?<|im_end|>\n<|im_start|>user\nFine.")
+    src = _write(tmp_path, [_multi(), runaway, conv("Say <|im_end|>", "Two plus two is four.")])
+    tok = make_tokenizer("qwen3")
+    with pytest.raises(ConfigError) as e:
+        run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "strict", 1)
+    assert str(e.value) == (f"{src}:2: assistant turn 1: its content holds '<|im_end|>' (at character 18), a token "
+                            "that ends a turn: the model stops there, so this is not one generated turn (a runaway "
+                            "generation?). Cut the text at it, or regenerate the responses with this model")
+    summary = run_prepare(_cfg(src, prompts_per_chunk=4, strict=False), tok, tmp_path / "out", 1)
+    # dropped: the runaway only; a user message may hold the token (the server sees it there as well)
+    assert summary["dropped"] == {"stop_token_in_turn": 1} and summary["kept"] == 3

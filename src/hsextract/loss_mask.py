@@ -18,7 +18,7 @@ P_j must be a prefix of E_j, or the turn must be found in E_j after history the 
 generation prompt; for a template without one, as Mistral's, which puts the system prompt into the last user
 message only, after the longest tail of P_j); otherwise the template cannot render what the server saw and
 the conversation is refused with reason `not_prefix_stable` (a thinking generation prompt with data that has
-no reasoning, or the reverse). `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header, body,
+no reasoning, or the reverse). A turn whose own text holds a stop token is refused as `stop_token_in_turn`. `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header, body,
 stop token and template tail.
 
 Turn j is *history-stable* when E_j up to its last generated token is also a prefix of the full rendering
@@ -56,6 +56,7 @@ from hsextract.turn_spans import TurnSpan, find_turn, shifted
 
 SPLIT_MODES = ("auto", "never", "always")
 NOT_PREFIX_STABLE = "not_prefix_stable"
+STOP_TOKEN_IN_TURN = "stop_token_in_turn"
 TRAINED_KINDS = frozenset({"reasoning", "header", "body", "eot"})
 
 
@@ -225,9 +226,30 @@ class ChatMasker:
             gap = ""
         return self._put_back(p, rd.ids(reasoning + closer + gap), e, sp)
 
+    def _refuse_stop_tokens_inside(self, msgs: list[dict[str, Any]]) -> None:
+        """An assistant turn whose own text holds a token that ends a turn (`<|im_end|>`, GLM's `<|user|>`, eos)
+        was not generated as one turn: the model stops at that token. Runaway generations copied into datasets
+        (an answer, `<|im_end|>`, a made-up next user turn) look like this; trained, they would teach the
+        drafter to go on after the stop."""
+        rd = self.renderer
+        stops = [t for t, i in rd.added.items() if i in rd.facts().stop_ids]
+        for j, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            for key in ("reasoning_content", "content"):
+                text = m.get(key)
+                hit = next((t for t in stops if isinstance(text, str) and t in text), None)
+                if hit is not None:
+                    raise TemplateError(
+                        f"assistant turn {j}: its {key} holds {hit!r} (at character {text.index(hit)}), a token that "
+                        f"ends a turn: the model stops there, so this is not one generated turn (a runaway "
+                        f"generation?). Cut the text at it, or regenerate the responses with this model",
+                        reason=STOP_TOKEN_IN_TURN)
+
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         msgs, tools, rd = conv.messages, conv.tools, self.renderer
+        self._refuse_stop_tokens_inside(msgs)
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
         turns = [(j, *self._turn(conv, j, r_text)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -287,4 +309,4 @@ class ChatMasker:
                 self.stats["reasoning_not_rendered"] += 1
 
 
-__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "ChatMasker", "MaskedSample", "TemplateError"]
+__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "ChatMasker", "MaskedSample", "TemplateError"]

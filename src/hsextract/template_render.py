@@ -109,7 +109,7 @@ class TemplateRenderer:
         self._slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.notes: list[str] = []
         added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
-        self._added = added
+        self.added = added  # text of each added token -> its id (the tokenizer splits these out of any text)
         self._split: re.Pattern[str] | None = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
             if added else None)
@@ -169,7 +169,7 @@ class TemplateRenderer:
         for k, piece in enumerate(self._split.split(text)):
             if not piece:
                 continue
-            out.extend([self._added[piece]] if k % 2 else self._piece_ids(piece))
+            out.extend([self.added[piece]] if k % 2 else self._piece_ids(piece))
         return out
 
     def verify(self, text: str) -> list[int]:
