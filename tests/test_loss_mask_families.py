@@ -306,7 +306,8 @@ def test_turn_whose_text_holds_a_stop_token_is_refused(family):
     not generated as written; a user message may hold it (the server's prompt holds it as well)."""
     tok = make_tokenizer(family)
     m = ChatMasker(tok)
-    for key, turn in (("content", A(f"Four.{EOS[family]}Thanks")), ("reasoning_content", A("Four.", f"x{EOS[family]}"))):
+    eos = EOS[family]
+    for key, turn in (("content", A(f"Four.{eos}Thanks")), ("reasoning_content", A("Four.", f"x{eos}"))):
         with pytest.raises(TemplateError) as e:
             m.encode(Conversation([U("What is two plus two?"), turn]))
         at = turn[key].index(EOS[family])

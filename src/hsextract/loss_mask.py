@@ -18,8 +18,9 @@ P_j must be a prefix of E_j, or the turn must be found in E_j after history the 
 generation prompt; for a template without one, as Mistral's, which puts the system prompt into the last user
 message only, after the longest tail of P_j); otherwise the template cannot render what the server saw and
 the conversation is refused with reason `not_prefix_stable` (a thinking generation prompt with data that has
-no reasoning, or the reverse). A turn whose own text holds a stop token is refused as `stop_token_in_turn`. `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header, body,
-stop token and template tail.
+no reasoning, or the reverse). `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header,
+body, stop token and template tail. A turn whose own text holds a stop token is refused as
+`stop_token_in_turn` (the model stops there: a runaway generation copied into the data).
 
 Turn j is *history-stable* when E_j up to its last generated token is also a prefix of the full rendering
 R = ids(render(conv)): R then holds exactly the context and the tokens of turn j. Templates that rewrite
