@@ -307,11 +307,15 @@ def test_turn_whose_text_holds_a_stop_token_is_refused(family):
     tok = make_tokenizer(family)
     m = ChatMasker(tok)
     eos = EOS[family]
-    for key, turn in (("content", A(f"Four.{eos}Thanks")), ("reasoning_content", A("Four.", f"x{eos}"))):
+    for key, turn in (("content", A(f"Four.{eos}Thanks")), ("reasoning_content", A("Four.", f"x{eos}y"))):
         with pytest.raises(TemplateError) as e:
             m.encode(Conversation([U("What is two plus two?"), turn]))
         at = turn[key].index(EOS[family])
         assert str(e.value).startswith(f"assistant turn 1: its {key} holds {EOS[family]!r} (at character {at}), a "
                                        "token that ends a turn") and e.value.reason == "stop_token_in_turn"
+    with pytest.raises(TemplateError) as e:  # data exported with the stop token it already ends with
+        m.encode(Conversation([U("What is two plus two?"), A(f"Four.{eos}\n")]))
+    assert str(e.value) == (f"assistant turn 1: its content ends with {eos!r}, a token that ends a turn, which the "
+                            "template writes itself: strip it from the data")
     (s,) = m.encode(Conversation([U(f"Say {EOS[family]}"), A("Four.", "Add.")]))
     assert "Four." in trained_segments(s, tok)[-1]

@@ -240,12 +240,17 @@ class ChatMasker:
             for key in ("reasoning_content", "content"):
                 text = m.get(key)
                 hit = next((t for t in stops if isinstance(text, str) and t in text), None)
-                if hit is not None:
+                if hit is None:
+                    continue
+                at = text.index(hit)
+                if key == "content" and not text[at:].removeprefix(hit).strip():  # exported with its stop token
                     raise TemplateError(
-                        f"assistant turn {j}: its {key} holds {hit!r} (at character {text.index(hit)}), a token that "
-                        f"ends a turn: the model stops there, so this is not one generated turn (a runaway "
-                        f"generation?). Cut the text at it, or regenerate the responses with this model",
-                        reason=STOP_TOKEN_IN_TURN)
+                        f"assistant turn {j}: its {key} ends with {hit!r}, a token that ends a turn, which the "
+                        f"template writes itself: strip it from the data", reason=STOP_TOKEN_IN_TURN)
+                raise TemplateError(
+                    f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), a token that ends a turn: "
+                    f"the model stops there, so this is not one generated turn (a runaway generation?). Cut the "
+                    f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
 
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
