@@ -34,6 +34,30 @@ def shard_metadata(**over):
     return meta
 
 
+# Small shapes for a random-weight model of any family (each config takes the keys it has).
+SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             vocab_size=300, moe_intermediate_size=32, n_routed_experts=4, num_experts=4, num_local_experts=4,
+             num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=128)
+
+
+def tiny_checkpoint(model_type: str, path: Path, num_hidden_layers: int = 2):
+    """A random-weight bf16 checkpoint of `model_type` (transformers' own modeling code) saved at `path`, hidden 64,
+    its final norm's weight drawn away from ones and zeros (so that the norm formulas differ); returns the model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = AutoConfig.for_model(model_type)
+    kw = {k: v for k, v in SMALL.items() if hasattr(base, k)}
+    if hasattr(base, "layer_types"):
+        kw["layer_types"] = None  # recomputed for the small layer count
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, pad_token_id=0, num_hidden_layers=num_hidden_layers, **kw)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.model.norm.weight.copy_(torch.randn(SMALL["hidden_size"]) * 0.3 + 1)
+    model.save_pretrained(path)
+    return model
+
+
 def make_sample(seq, hidden=16, n=4, dtype=torch.bfloat16, seed=0, trained=True):
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 1000, (seq,), generator=g)

@@ -19,7 +19,7 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import torch
-from conftest import shard_metadata
+from conftest import shard_metadata, tiny_checkpoint
 
 from hsextract import open_dataset
 from hsextract.engines.base import CaptureSpec, Prompt
@@ -83,31 +83,13 @@ def test_metadata_round_trip_is_exact_and_damage_is_named(model_dir: Path) -> No
         FinalNorm.from_metadata({**entry, "weight": "not base64!"}, "x.hss")
 
 
-# Small shapes for a random-weight model of any family (each config takes the keys it has).
-SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, vocab_size=300, moe_intermediate_size=32, n_routed_experts=4, num_experts=4,
-             num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-             max_position_embeddings=128)
-
-
 # Kimi's checkpoints ship custom code (trust_remote_code) around the DeepseekV3 norm: covered by deepseek_v3.
 @pytest.mark.parametrize("model_type", sorted(set(NORM_KINDS) - {"kimi_k2", "kimi_k25", "kimi_vl"}))
 def test_every_listed_family_norm_is_the_models_own(tmp_path: Path, model_type: str) -> None:
     """For each model_type the table knows: a random-weight checkpoint of that family (transformers' own
     modeling code), its final norm as recorded, applied to bf16 states, equals the model's norm bit for bit,
     and no other kind does."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    base = AutoConfig.for_model(model_type)
-    kw = {k: v for k, v in SMALL.items() if hasattr(base, k)}
-    if hasattr(base, "layer_types"):
-        kw["layer_types"] = None  # recomputed for the small layer count
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, pad_token_id=0, **kw),
-                                             dtype=torch.bfloat16)
-    with torch.no_grad():  # a weight far from its initial ones and zeros, so the kinds differ
-        model.model.norm.weight.copy_(torch.randn(64) * 0.3 + 1)
-    model.save_pretrained(tmp_path)
+    model = tiny_checkpoint(model_type, tmp_path)
     norm = read_final_norm(str(tmp_path))
     assert norm.kind == NORM_KINDS[model_type] and norm.source == "model.safetensors:model.norm.weight"
     x = (torch.randn(16, 64) * 3).to(torch.bfloat16)

@@ -24,6 +24,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
+from conftest import tiny_checkpoint
 
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
@@ -233,3 +234,28 @@ def test_config_errors_for_budget(model_dir: Path) -> None:
         TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), token_budget=0)
     with pytest.raises(ConfigError, match=r"^dtype: 'int8' is not supported"):
         TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), dtype="int8")
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "glm4_moe", "minimax_m2", "gpt_oss", "gemma3_text",
+                                        "qwen3_next"])
+def test_other_families_capture_the_right_layers_and_final_norm(tmp_path: Path, model_type: str) -> None:
+    """Families other than the tiny DeepseekV3 (GLM-4.5, MiniMax-M2, gpt-oss: eager attention, it has no sdpa
+    path; Gemma-3 and Qwen3-Next: a 1 + weight norm; Qwen3-Next: linear attention layers): one sample, every aux
+    layer equals transformers' `hidden_states[i+1]` bit for bit, the post-norm state its last entry, and the
+    final norm as shards record it, applied to the pre-norm state, gives the post-norm state bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from hsextract.engines.base import BOTH
+    from hsextract.final_norm import read_final_norm
+
+    tiny_checkpoint(model_type, tmp_path, num_hidden_layers=4)
+    ids = torch.randint(1, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    with TransformersEngine(tmp_path, CaptureSpec((0, 2), BOTH)) as e:
+        (c,) = list(e.extract([Prompt(0, "a", ids)]))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)(
+            torch.tensor([ids]), output_hidden_states=True).hidden_states
+    aux0, aux2, pre, post = c.hidden_states
+    assert torch.equal(aux0, ref[1][0]) and torch.equal(aux2, ref[3][0]) and torch.equal(post, ref[-1][0])
+    assert not torch.equal(aux0, ref[2][0]) and not torch.equal(pre, post)
+    assert torch.equal(read_final_norm(str(tmp_path)).apply(pre), post)

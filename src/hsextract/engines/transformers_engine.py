@@ -101,10 +101,16 @@ class TransformersEngine(Engine):
         self.max_batch = max_batch
         self.on_sample = on_sample
 
+        def load(attn: str) -> Any:
+            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation=attn)
+
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                self.model_path, dtype=self.dtype, attn_implementation=attn_implementation
-            )
+            try:
+                model = load(attn_implementation)
+            except ValueError as e:  # gpt-oss (attention sinks) has no sdpa path: its eager attention is the one
+                if attn_implementation != "sdpa" or "attention implementation" not in str(e):
+                    raise
+                model = load("eager")
         except (OSError, ValueError) as e:
             raise EngineError(
                 f"transformers could not load model {self.model_path!r}: {e}. Check the `model` key: a local "
