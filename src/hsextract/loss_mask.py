@@ -239,10 +239,10 @@ class ChatMasker:
                 continue
             for key in ("reasoning_content", "content"):
                 text = m.get(key)
-                hit = next((t for t in stops if isinstance(text, str) and t in text), None)
-                if hit is None:
+                hits = sorted((text.index(t), t) for t in stops if isinstance(text, str) and t in text)
+                if not hits:
                     continue
-                at = text.index(hit)
+                at, hit = hits[0]
                 if key == "content" and not text[at:].removeprefix(hit).strip():  # exported with its stop token
                     raise TemplateError(
                         f"assistant turn {j}: its {key} ends with {hit!r}, a token that ends a turn, which the "
