@@ -825,4 +825,58 @@ EXPECTED = {
             'think>⟦Très bien ✓ 日本⟧',
         ],
     },
+    'phi3': {
+        ('default', 'single'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦How are you today?<|end|>⟧'
+            '\n<|endoftext|>',
+        ],
+        ('default', 'system'): [
+            '<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nHello there!<|'
+            'end|>\n<|assistant|>\n⟦How are you today?<|end|>⟧\n<|endoftext|>',
+        ],
+        ('default', 'multi'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦How are you today?<|end|>⟧'
+            '\n<|user|>\nWhat is two plus two?<|end|>\n<|assistant|>\n⟦Two plus two is '
+            'four.<|end|>⟧\n<|endoftext|>',
+        ],
+        ('default', 'tool'): [
+            '<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nWhat is the we'
+            'ather in Paris?<|end|>\n<|assistant|>\n⟦<|end|>⟧\n<|assistant|>\n⟦The weat'
+            'her in Paris is sunny.<|end|>⟧\n<|endoftext|>',
+        ],
+        ('default', 'empty'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦<|end|>⟧\n<|user|>\nWhat is '
+            'two plus two?<|end|>\n<|assistant|>\n⟦Four.<|end|>⟧\n<|endoftext|>',
+        ],
+        ('default', 'unicode'): [
+            '<|user|>\nÇa va? 日本語<|end|>\n<|assistant|>\n⟦Très bien ✓ 日本<|end|>⟧\n<|end'
+            'oftext|>',
+        ],
+        ('neither', 'single'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦How are you today?⟧<|end|>'
+            '\n<|endoftext|>',
+        ],
+        ('neither', 'system'): [
+            '<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nHello there!<|'
+            'end|>\n<|assistant|>\n⟦How are you today?⟧<|end|>\n<|endoftext|>',
+        ],
+        ('neither', 'multi'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦How are you today?⟧<|end|>'
+            '\n<|user|>\nWhat is two plus two?<|end|>\n<|assistant|>\n⟦Two plus two is '
+            'four.⟧<|end|>\n<|endoftext|>',
+        ],
+        ('neither', 'tool'): [
+            '<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nWhat is the we'
+            'ather in Paris?<|end|>\n<|assistant|>\n<|end|>\n<|assistant|>\n⟦The weathe'
+            'r in Paris is sunny.⟧<|end|>\n<|endoftext|>',
+        ],
+        ('neither', 'empty'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n<|end|>\n<|user|>\nWhat is tw'
+            'o plus two?<|end|>\n<|assistant|>\n⟦Four.⟧<|end|>\n<|endoftext|>',
+        ],
+        ('neither', 'unicode'): [
+            '<|user|>\nÇa va? 日本語<|end|>\n<|assistant|>\n⟦Très bien ✓ 日本⟧<|end|>\n<|end'
+            'oftext|>',
+        ],
+    },
 }

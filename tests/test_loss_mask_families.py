@@ -27,7 +27,7 @@ CONVS = {
 }
 FLAGS = {"default": {}, "neither": {"train_on_eot": False, "train_on_reasoning": False}}
 FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3", "deepseek_r1", "qwq",
-            "glm45", "glm47"]
+            "glm45", "glm47", "phi3"]
 # conversations a template refuses, with its words or ours (the exact masks of the others are in mask_golden)
 OPENED = ("TemplateError: assistant turn {}: the generation prompt opens a reasoning block ('<think>') that the "
           "template never renders for an assistant turn, and this turn has no reasoning to fill it: give it "

@@ -11,8 +11,9 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
   been written), so a record the template accepts is never refused because of our normalisation.
 
 Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
-- `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the last special token the template writes
-  after the message (a plain turn and a tool-call turn), and `after_stop`, the text that follows it there;
+- `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the special token the template writes after
+  the message (the first after a plain turn, the last after a tool-call turn), and `after_stop`, the text that
+  follows it there (Phi-3: `\n` + eos);
 - `writes_stop`: whether the template writes a special token after a plain turn at all. GLM-4.5's does not:
   the model stops by writing the next message's header (`<|user|>`, `<|observation|>`, stop ids in its
   generation config), so the special token closing a tool call (`</tool_call>`) is markup, not a stop, and
@@ -230,8 +231,11 @@ class TemplateRenderer:
             if "tool_calls" not in v and turn[0] != turn[1]:  # (equal: the tokenizer cannot show the sentinels)
                 writes_stop = bool(at)
             if at and writes_stop:
-                stop.add(tail[at[-1]])
-                after.add(tuple(tail[at[-1] + 1:]))
+                # a plain turn's stop is the first special token after it (Phi-3 appends eos after its `<|end|>`);
+                # a tool call's own markup closes before the stop, the last one (DeepSeek's calls end)
+                k = at[-1] if "tool_calls" in v else at[0]
+                stop.add(tail[k])
+                after.add(tuple(tail[k + 1:]))
             if "tool_calls" not in v:  # a turn in history: its stop token is the first special one after it
                 for role, nxt in (("user", user), ("tool", [{"role": "tool", "content": "r"}])):
                     if writes_stop and role == "tool":

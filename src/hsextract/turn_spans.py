@@ -122,8 +122,9 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
 
     if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content"):
         # A template without reasoning, the turn rendered last: it ends with the stop token and the fixed text
-        # the probe saw after it; everything from the generation prompt on is the turn's own text.
-        for i in range(len(x) - 1, p - 1, -1):
+        # the probe saw after it; everything from the generation prompt on is the turn's own text. (The first
+        # such token: the text after a Phi-3 turn's `<|end|>` holds eos, a stop token as well.)
+        for i in range(p, len(x)):
             if x[i] in facts.stop_ids and tuple(x[i + 1:]) in facts.after_stop:
                 return TurnSpan(j, p, p, p, i, i + 1, False, True)
     xc = variant(_content_sentinel(m))
