@@ -839,11 +839,6 @@ EXPECTED = {
             '\n<|user|>\nWhat is two plus two?<|end|>\n<|assistant|>\n⟦Two plus two is '
             'four.<|end|>⟧\n<|endoftext|>',
         ],
-        ('default', 'tool'): [
-            '<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nWhat is the we'
-            'ather in Paris?<|end|>\n<|assistant|>\n⟦<|end|>⟧\n<|assistant|>\n⟦The weat'
-            'her in Paris is sunny.<|end|>⟧\n<|endoftext|>',
-        ],
         ('default', 'empty'): [
             '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦<|end|>⟧\n<|user|>\nWhat is '
             'two plus two?<|end|>\n<|assistant|>\n⟦Four.<|end|>⟧\n<|endoftext|>',
@@ -864,11 +859,6 @@ EXPECTED = {
             '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦How are you today?⟧<|end|>'
             '\n<|user|>\nWhat is two plus two?<|end|>\n<|assistant|>\n⟦Two plus two is '
             'four.⟧<|end|>\n<|endoftext|>',
-        ],
-        ('neither', 'tool'): [
-            '<|system|>\nYou are a helpful assistant.<|end|>\n<|user|>\nWhat is the we'
-            'ather in Paris?<|end|>\n<|assistant|>\n<|end|>\n<|assistant|>\n⟦The weathe'
-            'r in Paris is sunny.⟧<|end|>\n<|endoftext|>',
         ],
         ('neither', 'empty'): [
             '<|user|>\nHello there!<|end|>\n<|assistant|>\n<|end|>\n<|user|>\nWhat is tw'

@@ -33,8 +33,12 @@ OPENED = ("TemplateError: assistant turn {}: the generation prompt opens a reaso
           "template never renders for an assistant turn, and this turn has no reasoning to fill it: give it "
           "`reasoning_content`, or its raw text with '</think>' in `content` (or regenerate the responses with "
           "this model)")
+NO_TOOLS = ("TemplateError: assistant turn 2: the chat template does not render its tool calls, so its sample "
+            "would train an empty turn: set a `chat_template` that renders tool calls, or leave conversations with "
+            "tool calls out")
 REFUSED = {
-    "gemma3": {"tool": "TemplateError: Conversation roles must alternate user/assistant/user/assistant/..."},
+    "gemma3": {"tool": NO_TOOLS},
+    "phi3": {"tool": NO_TOOLS},
     "deepseek_r1": {"single": OPENED.format(1), "empty": OPENED.format(3)},
     "qwq": {"single": OPENED.format(1), "empty": OPENED.format(3)},
 }
@@ -319,3 +323,20 @@ def test_turn_whose_text_holds_a_stop_token_is_refused(family):
                             "template writes itself: strip it from the data")
     (s,) = m.encode(Conversation([U(f"Say {EOS[family]}"), A("Four.", "Add.")]))
     assert "Four." in trained_segments(s, tok)[-1]
+
+
+def test_tool_calls_a_template_does_not_render_are_refused():
+    """Phi-3's template renders a tool-call turn as if it had no calls: trained, its sample would teach the
+    stop token right after the prompt, or the content without the calls. Templates that render them are fine."""
+    turn = A("Let me check.", None, [("get_weather", {"city": "Paris"})])
+    conv = Conversation([U("What is the weather in Paris?"), turn])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(make_tokenizer("phi3")).encode(conv)
+    assert str(e.value) == ("assistant turn 1: the chat template does not render its tool calls, so its sample "
+                            "would train the content without them: set a `chat_template` that renders tool calls, "
+                            "or leave conversations with tool calls out")
+    assert e.value.reason == "tool_calls_not_rendered"
+    for family in ("qwen3", "glm45", "llama3"):
+        tok = make_tokenizer(family)
+        (s,) = ChatMasker(tok).encode(conv)
+        assert "get_weather" in "".join(trained_segments(s, tok)), family

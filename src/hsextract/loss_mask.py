@@ -20,7 +20,8 @@ message only, after the longest tail of P_j); otherwise the template cannot rend
 the conversation is refused with reason `not_prefix_stable` (a thinking generation prompt with data that has
 no reasoning, or the reverse). `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header,
 body, stop token and template tail. A turn whose own text holds a stop token is refused as
-`stop_token_in_turn` (the model stops there: a runaway generation copied into the data).
+`stop_token_in_turn` (the model stops there: a runaway generation copied into the data), a tool-call turn
+the template renders as if it had no calls as `tool_calls_not_rendered`.
 
 Turn j is *history-stable* when E_j up to its last generated token is also a prefix of the full rendering
 R = ids(render(conv)): R then holds exactly the context and the tokens of turn j. Templates that rewrite
@@ -58,6 +59,7 @@ from hsextract.turn_spans import TurnSpan, find_turn, shifted
 SPLIT_MODES = ("auto", "never", "always")
 NOT_PREFIX_STABLE = "not_prefix_stable"
 STOP_TOKEN_IN_TURN = "stop_token_in_turn"
+TOOL_CALLS_NOT_RENDERED = "tool_calls_not_rendered"
 TRAINED_KINDS = frozenset({"reasoning", "header", "body", "eot"})
 
 
@@ -252,10 +254,29 @@ class ChatMasker:
                     f"the model stops there, so this is not one generated turn (a runaway generation?). Cut the "
                     f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
 
+    def _refuse_unrendered_tool_calls(self, msgs: list[dict[str, Any]], tools: Any) -> None:
+        """A template without tool calls (Phi-3) renders a tool-call turn as if it had none: its sample would
+        train an empty turn (the stop token right after the prompt) or the content without the calls."""
+        rd = self.renderer
+        for j, m in enumerate(msgs):
+            if m["role"] != "assistant" or not m.get("tool_calls"):
+                continue
+            try:
+                without = rd.render(msgs[:j] + [{k: v for k, v in m.items() if k != "tool_calls"}], tools)
+            except Exception:  # noqa: BLE001 - the template needs the calls to render this turn: it renders them
+                continue
+            if without == rd.render(msgs[:j + 1], tools):
+                what = "the content without them" if (m.get("content") or "").strip() else "an empty turn"
+                raise TemplateError(
+                    f"assistant turn {j}: the chat template does not render its tool calls, so its sample would "
+                    f"train {what}: set a `chat_template` that renders tool calls, or leave conversations with "
+                    f"tool calls out", reason=TOOL_CALLS_NOT_RENDERED)
+
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         msgs, tools, rd = conv.messages, conv.tools, self.renderer
         self._refuse_stop_tokens_inside(msgs)
+        self._refuse_unrendered_tool_calls(msgs, tools)
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
         turns = [(j, *self._turn(conv, j, r_text)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -315,4 +336,5 @@ class ChatMasker:
                 self.stats["reasoning_not_rendered"] += 1
 
 
-__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "ChatMasker", "MaskedSample", "TemplateError"]
+__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "TOOL_CALLS_NOT_RENDERED", "ChatMasker",
+           "MaskedSample", "TemplateError"]
