@@ -340,3 +340,21 @@ def test_tool_calls_a_template_does_not_render_are_refused():
         tok = make_tokenizer(family)
         (s,) = ChatMasker(tok).encode(conv)
         assert "get_weather" in "".join(trained_segments(s, tok)), family
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in REFUSED or "tool" not in REFUSED[f]])
+def test_tool_call_arguments_as_a_json_string_render_as_the_object(family):
+    """OpenAI-format data writes a call's arguments as a JSON string; SGLang and vLLM parse it before rendering
+    (GLM's template iterates the object, Llama's and Qwen's serialise it with `tojson`). The sample is the one
+    the object gives; a string that is no JSON object reaches the template as written."""
+    tok = make_tokenizer(family)
+
+    def sample(args):
+        conv = Conversation([U("What is the weather in Paris?"), A("", "Let me think.", [("get_weather", args)]),
+                             {"role": "tool", "content": "21", "tool_call_id": "c1"}, A("Sunny.", "Done.")])
+        return [(s.input_ids, s.loss_mask) for s in ChatMasker(tok).encode(conv)]
+
+    assert sample('{"city":"Paris",  "days": 2}') == sample({"city": "Paris", "days": 2})
+    if family == "qwen3":  # renders a string argument as it is
+        (ids, _), *_ = sample("city=Paris")
+        assert "city=Paris" in tok.decode(ids)

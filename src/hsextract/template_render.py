@@ -8,7 +8,10 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
   sees the reasoning our normalised records carry as `reasoning_content`;
 - an assistant message with empty content and tool calls or reasoning is first rendered as normalised
   (`content: ""`), and when the template refuses that, without the `content` key (as the record may have
-  been written), so a record the template accepts is never refused because of our normalisation.
+  been written), so a record the template accepts is never refused because of our normalisation;
+- tool-call arguments written as a JSON-object string (the OpenAI format) as that object, as SGLang and vLLM
+  pass them to the template: GLM's template iterates them, Llama's and Qwen's serialise the object with
+  `tojson`, so the string itself would render unlike anything the server renders (or not at all).
 
 Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
 - `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the special token the template writes after
@@ -27,6 +30,7 @@ Once per template (`probe()`), a two-message conversation with private-use senti
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +80,18 @@ def _reads_field(template: str, name: str) -> bool:
     return re.search(pat, template) is not None
 
 
+def _object_arguments(call: Any) -> Any:
+    """The tool call with arguments given as a JSON-object string parsed into the object (module docstring)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call  # not JSON: the template gets the text as written
+    return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
+
+
 @dataclass
 class TemplateFacts:
     """What the probe learned about a template (see the module docstring)."""
@@ -121,6 +137,8 @@ class TemplateRenderer:
         if m.get("role") != "assistant":
             return m
         out = {k: v for k, v in m.items() if k != "reasoning_content"}
+        if m.get("tool_calls"):
+            out["tool_calls"] = [_object_arguments(c) for c in m["tool_calls"]]
         r = m.get("reasoning_content")
         if r is not None:
             for f in self.reasoning_fields:
