@@ -44,6 +44,7 @@ NORM_KINDS = {
     "gpt_oss": RMS_NORM_F32,
     **dict.fromkeys(("gemma2", "gemma3_text", "qwen3_next"), RMS_NORM_OFFSET),
 }
+_KINDS = sorted(set(NORM_KINDS.values()))
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _WEIGHT_SUFFIX = "model.norm.weight"
 
@@ -81,9 +82,8 @@ class FinalNorm:
 
     def apply(self, pre: torch.Tensor) -> torch.Tensor:
         """post-norm = norm(pre-norm), [seq, H] in pre's dtype (the kinds: module docstring)."""
-        kinds = sorted(set(NORM_KINDS.values()))
-        if self.kind not in kinds:
-            raise ConfigError(f"final norm kind {self.kind!r}: only {', '.join(kinds)} can be applied at export")
+        if self.kind not in _KINDS:
+            raise ConfigError(f"final norm kind {self.kind!r}: only {', '.join(_KINDS)} can be applied at export")
         if pre.shape[-1] != self.weight.numel():
             raise ShardError(f"final norm of hidden size {self.weight.numel()} applied to states of "
                              f"width {pre.shape[-1]}")

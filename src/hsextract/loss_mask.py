@@ -100,6 +100,7 @@ class ChatMasker:
         self.train_on_reasoning = train_on_reasoning
         self.split_turns = split_turns
         self.stats: Counter[str] = Counter()
+        self._stop_texts: list[str] | None = None
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
                add_generation_prompt: bool = False) -> str:
@@ -234,14 +235,15 @@ class ChatMasker:
         was not generated as one turn: the model stops at that token. Runaway generations copied into datasets
         (an answer, `<|im_end|>`, a made-up next user turn) look like this; trained, they would teach the
         drafter to go on after the stop."""
-        rd = self.renderer
-        stops = [t for t, i in rd.added.items() if i in rd.facts().stop_ids]
+        if self._stop_texts is None:  # once per masker: the template's stop ids, as the text they are written
+            stop_ids = self.renderer.facts().stop_ids
+            self._stop_texts = [t for t, i in self.renderer.added.items() if i in stop_ids]
         for j, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
             for key in ("reasoning_content", "content"):
                 text = m.get(key)
-                hits = sorted((text.index(t), t) for t in stops if isinstance(text, str) and t in text)
+                hits = sorted((text.index(t), t) for t in self._stop_texts if isinstance(text, str) and t in text)
                 if not hits:
                     continue
                 at, hit = hits[0]

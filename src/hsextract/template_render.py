@@ -255,20 +255,20 @@ class TemplateRenderer:
                 stop.add(tail[k])
                 after.add(tuple(tail[k + 1:]))
             if "tool_calls" not in v:  # a turn in history: its stop token is the first special one after it
-                for role, nxt in (("user", user), ("tool", [{"role": "tool", "content": "r"}])):
-                    if writes_stop and role == "tool":
-                        break
+                nexts = [("user", user)] + ([] if writes_stop else [("tool", [{"role": "tool", "content": "r"}])])
+                for role, nxt in nexts:
                     try:
                         hist = [self.render_ids(user + [{"role": "assistant", "content": s}] + nxt) for s in SENT]
                     except Exception as e:  # noqa: BLE001 - templates that require alternation end here
                         notes.append(f"history probe ({role}) failed: {e}")
                         continue
-                    first = [t for t in hist[0][common_prefix(hist[0], hist[1]):] if t in special]
+                    if writes_stop:
+                        first = [t for t in hist[0][common_prefix(hist[0], hist[1]):] if t in special]
+                        stop.update(first[:1])
+                        continue
+                    # no stop written: the next message's header, right after the turn, is what ends it
                     after_turn = hist[0][len(hist[0]) - common_suffix(hist[0], hist[1]):]
-                    if writes_stop and first:
-                        stop.add(first[0])
-                    elif not writes_stop and after_turn[:1] and after_turn[0] in special:
-                        # no stop written: the next message's header, right after the turn, is what ends it
+                    if after_turn[:1] and after_turn[0] in special:
                         stop.add(after_turn[0])
                         next_stops.append((role, after_turn[0]))
             h = self._probe_header(user, v, p, gen)
