@@ -342,6 +342,21 @@ def test_tool_calls_a_template_does_not_render_are_refused():
         assert "get_weather" in "".join(trained_segments(s, tok)), family
 
 
+def test_tool_messages_a_template_drops_are_refused():
+    """Phi-3's template drops the `tool` role: the turn after a tool message would be trained without the
+    result in its context. Every other family renders the result (Gemma-3 refuses the role in its own words)."""
+    conv = Conversation([U("What is the weather in Paris?"), A("I will look it up."),
+                         {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "c1"}, A("Sunny.")])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(make_tokenizer("phi3")).encode(conv)
+    assert str(e.value) == ("message 2 (tool): the chat template does not render tool messages, so the turns after "
+                            "it would be trained without the tool result in their context: set a `chat_template` "
+                            "that renders them, or leave conversations with tool messages out")
+    assert e.value.reason == "tool_results_not_rendered"
+    assert [f for f in FAMILIES if not ChatMasker(make_tokenizer(f)).renderer.facts().renders_tool_results] == [
+        "phi3"]
+
+
 @pytest.mark.parametrize("family", [f for f in FAMILIES if f not in REFUSED or "tool" not in REFUSED[f]])
 def test_tool_call_arguments_as_a_json_string_render_as_the_object(family):
     """OpenAI-format data writes a call's arguments as a JSON string; SGLang and vLLM parse it before rendering

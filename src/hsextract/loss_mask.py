@@ -21,7 +21,8 @@ the conversation is refused with reason `not_prefix_stable` (a thinking generati
 no reasoning, or the reverse). `turn_spans.find_turn` then splits E_j[len(P_j):] into reasoning, header,
 body, stop token and template tail. A turn whose own text holds a stop token is refused as
 `stop_token_in_turn` (the model stops there: a runaway generation copied into the data), a tool-call turn
-the template renders as if it had no calls as `tool_calls_not_rendered`.
+the template renders as if it had no calls as `tool_calls_not_rendered`, a tool message it drops as
+`tool_results_not_rendered`.
 
 Turn j is *history-stable* when E_j up to its last generated token is also a prefix of the full rendering
 R = ids(render(conv)): R then holds exactly the context and the tokens of turn j. Templates that rewrite
@@ -60,6 +61,7 @@ SPLIT_MODES = ("auto", "never", "always")
 NOT_PREFIX_STABLE = "not_prefix_stable"
 STOP_TOKEN_IN_TURN = "stop_token_in_turn"
 TOOL_CALLS_NOT_RENDERED = "tool_calls_not_rendered"
+TOOL_RESULTS_NOT_RENDERED = "tool_results_not_rendered"
 TRAINED_KINDS = frozenset({"reasoning", "header", "body", "eot"})
 
 
@@ -274,11 +276,24 @@ class ChatMasker:
                     f"train {what}: set a `chat_template` that renders tool calls, or leave conversations with "
                     f"tool calls out", reason=TOOL_CALLS_NOT_RENDERED)
 
+    def _refuse_unrendered_tool_results(self, msgs: list[dict[str, Any]]) -> None:
+        """A template that drops tool messages (Phi-3) trains the turns after one without the result in their
+        context: the drafter learns answers that seem to come from nowhere."""
+        if self.renderer.facts().renders_tool_results:
+            return
+        for j, m in enumerate(msgs):
+            if m["role"] == "tool":
+                raise TemplateError(
+                    f"message {j} (tool): the chat template does not render tool messages, so the turns after it "
+                    f"would be trained without the tool result in their context: set a `chat_template` that "
+                    f"renders them, or leave conversations with tool messages out", reason=TOOL_RESULTS_NOT_RENDERED)
+
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         msgs, tools, rd = conv.messages, conv.tools, self.renderer
         self._refuse_stop_tokens_inside(msgs)
         self._refuse_unrendered_tool_calls(msgs, tools)
+        self._refuse_unrendered_tool_results(msgs)
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
         turns = [(j, *self._turn(conv, j, r_text)) for j, m in enumerate(msgs) if m["role"] == "assistant"]
@@ -338,5 +353,5 @@ class ChatMasker:
                 self.stats["reasoning_not_rendered"] += 1
 
 
-__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "TOOL_CALLS_NOT_RENDERED", "ChatMasker",
-           "MaskedSample", "TemplateError"]
+__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "TOOL_CALLS_NOT_RENDERED",
+           "TOOL_RESULTS_NOT_RENDERED", "ChatMasker", "MaskedSample", "TemplateError"]

@@ -25,7 +25,9 @@ Once per template (`probe()`), a two-message conversation with private-use senti
   writes itself (harmony's `<|start|>assistant<|channel|>final<|message|>`), empty for think-tag templates;
 - `renders_reasoning`: whether any probe renders reasoning at all;
 - `reasoning_slot`: (opener, closer) around reasoning, when both are special tokens and a turn without
-  reasoning keeps exactly them (Kimi: `<think>` ending the generation prompt, `</think>`).
+  reasoning keeps exactly them (Kimi: `<think>` ending the generation prompt, `</think>`);
+- `renders_tool_results`: false when a tool message's content is nowhere in the rendering (Phi-3 drops
+  the `tool` role); true when it is, or when the template refuses the probe (its own error comes first).
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class TemplateFacts:
     reasoning_slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (opener, closer) of reasoning
     writes_stop: bool = True
     next_stops: tuple[tuple[str, int], ...] = ()  # (role of the next message, its header's stop token)
+    renders_tool_results: bool = True
 
 
 class TemplateRenderer:
@@ -277,7 +280,16 @@ class TemplateRenderer:
                 renders_reasoning = True
                 header = header or h
         return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot,
-                             writes_stop, tuple(next_stops))
+                             writes_stop, tuple(next_stops), self._renders_tool_results(user))
+
+    def _renders_tool_results(self, user: list[dict[str, Any]]) -> bool:
+        call = {"type": "function", "id": "call00001", "function": {"name": "f", "arguments": {"x": "1"}}}
+        msgs = user + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "content": SENT[0], "tool_call_id": "call00001", "name": "f"}]
+        try:
+            return SENT[0] in self.render(msgs, None, True)
+        except Exception:  # noqa: BLE001 - the template refuses tool messages, in its own words, when they come
+            return True
 
     def _probe_header(self, user: list[dict[str, Any]], v: dict[str, Any], p: list[int], gen: tuple[int, ...]
                       ) -> tuple[int, ...] | None:
