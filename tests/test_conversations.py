@@ -11,6 +11,7 @@ import pytest
 
 from hsextract.conversations import (
     MalformedRecordError,
+    as_openai,
     count_records,
     iter_conversations,
     mixture,
@@ -57,7 +58,28 @@ def test_formats_normalize_to_the_same_conversation(tmp_path):
     b = _read_all([{"path": _jsonl(tmp_path / "b.jsonl", [SHAREGPT])}])
     (tmp_path / "c.json").write_text(json.dumps([SHAREGPT]))
     c = _read_all([{"path": tmp_path / "c.json", "format": "sharegpt"}])
-    assert a[0].messages == EXPECTED and b[0].messages == EXPECTED and c[0].messages == EXPECTED
+    assert b[0].messages == EXPECTED and c[0].messages == EXPECTED
+    # content given as parts keeps them beside their text (template_render passes them as SGLang does)
+    assert a[0].messages == [EXPECTED[0], {**EXPECTED[1], "content_parts": ["Hi"]}, *EXPECTED[2:]]
+
+
+def test_content_parts_are_kept_and_written_back_as_parts():
+    """OpenAI content parts (`text`, or `input_text` of the Responses API): `content` is their texts joined
+    with a space (what SGLang renders for a template that takes a string), `content_parts` the texts; a
+    regenerated record writes them back as the parts they were."""
+    rec = {"messages": [{"role": "user", "content": [{"type": "text", "text": "Summarise:"},
+                                                     {"type": "input_text", "text": "A long text."}]},
+                        {"role": "assistant", "content": [{"text": "Short."}]}]}
+    conv = normalize_record(rec)
+    assert conv.messages == [
+        {"role": "user", "content": "Summarise: A long text.", "content_parts": ["Summarise:", "A long text."]},
+        {"role": "assistant", "content": "Short.", "content_parts": ["Short."]}]
+    assert [as_openai(m) for m in conv.messages] == [
+        {"role": "user", "content": [{"type": "text", "text": "Summarise:"}, {"type": "text", "text": "A long text."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Short."}]}]
+    assert normalize_record({"messages": [as_openai(m) for m in conv.messages]}) == conv
+    # content replaced since (a regenerated turn): written as the string it now is
+    assert as_openai({**conv.messages[1], "content": "New."}) == {"role": "assistant", "content": "New."}
 
 
 def test_ultrachat_parquet_jsonl_and_hf_disk_agree(tmp_path):
@@ -91,7 +113,10 @@ MALFORMED = [
      "messages[0] has unknown role 'robot'; known: ['assistant', 'developer', 'function', 'system', 'tool', 'user']"),
     (b'{"messages": [{"role": "user", "content": "  "}]}\n', "empty_content", "messages[0] (user) has empty content"),
     (b'{"messages": [{"role": "user", "content": 5}]}\n', "wrong_type",
-     "messages[0].content: content must be a string, got int"),
+     "messages[0].content: content must be a string or a list of text parts, got int"),
+    (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "a.png"}}]}]}\n',
+     "wrong_type", "messages[0].content: only text content parts are supported, got {'type': 'image_url', "
+     "'image_url': {'url': 'a.png'}}"),
     (b'{"messages": "hi"}\n', "wrong_type", "`messages` must be a list, got str"),
     (b'[1, 2]\n', "wrong_type", "a record must be a JSON object, got list"),
     (b'{"text": "hi"}\n', "missing_messages", "no `messages`, `conversations` or `data` key (keys: ['text'])"),
@@ -118,10 +143,10 @@ def test_malformed_lenient_counts_each_reason(tmp_path):
     p.write_bytes(GOOD + b"".join(line for line, _, _ in MALFORMED) + GOOD)
     counts: dict[str, int] = {}
     got = list(iter_conversations([{"path": p}], strict=False, counts=counts))
-    assert len(got) == 12 and sum(c is not None for _, c in got) == 2
+    assert len(got) == 13 and sum(c is not None for _, c in got) == 2
     assert counts == {"bad_json": 1, "non_utf8": 1, "missing_role": 1, "unknown_role": 1, "empty_content": 1,
-                      "wrong_type": 3, "missing_messages": 2}
-    assert count_records([{"path": p}]) == 12  # malformed records are input records too
+                      "wrong_type": 4, "missing_messages": 2}
+    assert count_records([{"path": p}]) == 13  # malformed records are input records too
 
 
 def test_tool_call_and_reasoning_type_errors():

@@ -7,10 +7,10 @@ import pytest
 from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
 from mask_golden import EXPECTED
 
-from hsextract.conversations import Conversation
+from hsextract.conversations import Conversation, normalize_record
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.mask_explain import marked
-from hsextract.template_render import SENT, common_prefix, common_suffix
+from hsextract.template_render import SENT, common_prefix, common_suffix, content_format
 from hsextract.turn_spans import find_turn
 
 CONVS = {
@@ -373,3 +373,46 @@ def test_tool_call_arguments_as_a_json_string_render_as_the_object(family):
     if family == "qwen3":  # renders a string argument as it is
         (ids, _), *_ = sample("city=Paris")
         assert "city=Paris" in tok.decode(ids)
+
+
+PARTS_TEMPLATE = (  # iterates content parts, as Kimi-K2.5's and Llama-4's templates do (Llama-4's trims each)
+    "{%- for m in messages -%}<|im_start|>{{ m['role'] }}:"
+    "{%- if m['content'] is string -%}{{ m['content'] }}"
+    "{%- else -%}{%- for part in m['content'] -%}{{ part['text'] | trim }}{%- endfor -%}{%- endif -%}"
+    "<|im_end|>{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant:{%- endif -%}")
+
+
+def test_content_parts_reach_the_template_as_sglang_passes_them():
+    """Content given as text parts: a template that takes a string gets their texts joined with a space, one
+    that iterates parts gets the list and renders it its own way (SGLang's content format rule); either way
+    the sample is the server's rendering, and the assistant turn's mask covers what the template wrote."""
+    record = {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": " Summarise: "},
+                                     {"type": "text", "text": "Two plus two."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Four "}, {"type": "text", "text": "it is."}]}]}
+    conv = normalize_record(record)
+    tok = make_tokenizer("qwen3")
+    assert content_format(tok.chat_template) == "string"
+    (s,) = ChatMasker(tok).encode(conv)
+    (plain,) = ChatMasker(tok).encode(Conversation([U(" Summarise:  Two plus two."), A("Four  it is.")]))
+    assert (s.input_ids, s.loss_mask) == (plain.input_ids, plain.loss_mask)
+    tok.chat_template = PARTS_TEMPLATE
+    assert content_format(PARTS_TEMPLATE) == "openai"
+    (s,) = ChatMasker(tok).encode(conv)
+    assert s.input_ids == tok.apply_chat_template(record["messages"], tokenize=True, return_dict=False)
+    assert tok.decode(s.input_ids) == ("<|im_start|>user:Summarise:Two plus two.<|im_end|>"
+                                       "<|im_start|>assistant:Fourit is.<|im_end|>")
+    assert trained_segments(s, tok) == ["Fourit is.<|im_end|>"]
+
+
+@pytest.mark.parametrize("template,fmt", [
+    ("{% for c in message['content'] %}{{ c.text }}{% endfor %}", "openai"),
+    ("{% for c in msg.content | selectattr('type', 'equalto', 'text') %}{{ c.text }}{% endfor %}", "openai"),
+    ("{% for c in m.content[1:] %}{% generation %}{{ c.text }}{% endgeneration %}{% endfor %}", "openai"),
+    ("{{ message['content'] }}{# image placeholders #}", "openai"),
+    ("{% for c in messages[0].content %}{{ c }}{% endfor %}", "string"),
+    ("{% for message in messages %}{{ message.content }}{% endfor %}", "string"),
+    ("{% for c in message.content %}", "string"),  # does not parse: SGLang falls back to the string format
+])
+def test_content_format_follows_sglangs_rule(template, fmt):
+    assert content_format(template) == fmt

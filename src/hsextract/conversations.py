@@ -3,6 +3,9 @@
 Normalized conversation: a list of messages, each a dict with
   role: "system" | "user" | "assistant" | "tool"
   content: str                      (may be "" only for an assistant turn that has tool_calls)
+  content_parts: list[str]          (only where the record gave content as a list of text parts: their texts;
+                                     `content` is then they joined with a space, the text SGLang renders for a
+                                     template that takes a string; see `template_render.content_format`)
   reasoning_content: str            (assistant only, optional; from `reasoning_content`, `thinking` or `reasoning`)
   tool_calls: list[{"type": "function", "function": {"name": str, "arguments": str | dict}, "id"?: str}]
   tool_call_id: str, name: str      (optional, carried through)
@@ -334,20 +337,33 @@ def _open_reader(spec: SourceSpec) -> _Reader:
 
 
 def _text(value: Any, where: str) -> str:
-    """Content as a string: str, None -> "", or OpenAI text parts joined."""
+    """Content as a string: str or None -> "" (OpenAI content parts: `_parts`)."""
     if value is None:
         return ""
     if isinstance(value, str):
         return value
-    if isinstance(value, list):
-        parts = []
-        for p in value:
-            if isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                raise _Bad(WRONG_TYPE, f"{where}: only text content parts are supported, got {p!r:.80}")
-        return "".join(parts)
-    raise _Bad(WRONG_TYPE, f"{where}: content must be a string, got {type(value).__name__}")
+    raise _Bad(WRONG_TYPE, f"{where}: content must be a string or a list of text parts, got {type(value).__name__}")
+
+
+def _parts(value: list[Any], where: str) -> list[str]:
+    """The texts of OpenAI content parts (`text`, or `input_text` as the Responses API writes it)."""
+    out = []
+    for p in value:
+        if isinstance(p, Mapping) and p.get("type", "text") in ("text", "input_text") and \
+                isinstance(p.get("text"), str):
+            out.append(p["text"])
+        else:
+            raise _Bad(WRONG_TYPE, f"{where}: only text content parts are supported, got {p!r:.80}")
+    return out
+
+
+def as_openai(msg: dict[str, Any]) -> dict[str, Any]:
+    """A normalized message as a record writes it: content parts as the list they came as."""
+    parts = msg.get("content_parts")
+    out = {k: v for k, v in msg.items() if k != "content_parts"}
+    if parts is not None and msg.get("content") == " ".join(parts):
+        out["content"] = [{"type": "text", "text": p} for p in parts]
+    return out
 
 
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
@@ -391,6 +407,11 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
                 from None
         msg["content"] = ""
         msg["tool_calls"] = _tool_calls([call], where)
+    elif isinstance(raw.get(content_key), list):
+        parts = _parts(raw[content_key], f"{where}.{content_key}")
+        msg["content"] = " ".join(parts)
+        if parts:
+            msg["content_parts"] = parts
     else:
         msg["content"] = _text(raw.get(content_key), f"{where}.{content_key}")
     if "tool_calls" in raw and raw["tool_calls"] is not None and role == "assistant":
@@ -580,5 +601,5 @@ def iter_conversations(sources_config: Any, seed: int = 0, strict: bool = True,
 
 __all__ = [
     "Conversation", "MalformedRecordError", "MixtureEntry", "Source", "SourceSpec", "MALFORMED_REASONS", "ROLES",
-    "count_records", "iter_conversations", "mixture", "normalize_record", "open_sources", "parse_sources",
+    "as_openai", "count_records", "iter_conversations", "mixture", "normalize_record", "open_sources", "parse_sources",
 ]

@@ -12,6 +12,10 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
 - tool-call arguments written as a JSON-object string (the OpenAI format) as that object, as SGLang and vLLM
   pass them to the template: GLM's template iterates them, Llama's and Qwen's serialise the object with
   `tojson`, so the string itself would render unlike anything the server renders (or not at all).
+- content given as a list of text parts as SGLang passes it (`content_format`): to a template that takes a
+  string, the texts joined with a space (the record's `content`); to one that iterates parts (Kimi-K2.5's,
+  Llama-4's, most multimodal ones), the list, which the template renders its own way (Kimi's joins the texts
+  with nothing, Llama-4's trims each).
 
 Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
 - `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the special token the template writes after
@@ -36,6 +40,10 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import jinja2
+from jinja2 import nodes
+from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from hsextract.errors import ConfigError
 
@@ -82,6 +90,33 @@ def _reads_field(template: str, name: str) -> bool:
     return re.search(pat, template) is not None
 
 
+def content_format(template: str) -> str:
+    """`openai` when the server passes this template a message's content parts as a list, else `string`.
+    SGLang's rule (`detect_jinja_template_content_format`, after vLLM's): a template that mentions media
+    (`image`, `audio`, `video`, `vision`), or loops over `message.content` (or `msg.content`, `m.content`,
+    through filters, tests and slices), takes the list."""
+    if any(w in template for w in ("image", "audio", "video", "vision")):
+        return "openai"
+    try:  # parsed in the environment apply_chat_template renders with (it knows `{% generation %}`)
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except jinja2.TemplateError:
+        return "string"
+    return "openai" if any(_message_content(loop.iter) for loop in tree.find_all(nodes.For)) else "string"
+
+
+def _message_content(node: nodes.Node | None) -> bool:
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (
+            isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if isinstance(node, nodes.Getattr):
+        owner, key = node.node, node.attr
+    elif isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const):
+        owner, key = node.node, node.arg.value
+    else:
+        return False
+    return key == "content" and isinstance(owner, nodes.Name) and owner.name in ("message", "msg", "m")
+
+
 def _object_arguments(call: Any) -> Any:
     """The tool call with arguments given as a JSON-object string parsed into the object (module docstring)."""
     fn = call.get("function") if isinstance(call, dict) else None
@@ -121,6 +156,7 @@ class TemplateRenderer:
             template = template.get("default") or next(iter(template.values()))
         self.tokenizer = tokenizer
         self.template: str = template
+        self.content_format = content_format(template)
         self.kwargs = dict(chat_template_kwargs or {})
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
@@ -137,6 +173,11 @@ class TemplateRenderer:
     # ------------------------------------------------------------------------------------------- text
 
     def _prepare(self, m: dict[str, Any], drop_empty_content: bool) -> dict[str, Any]:
+        parts = m.get("content_parts")
+        if parts is not None:  # the content's parts (conversations.py); not once a probe replaced the content
+            m = {k: v for k, v in m.items() if k != "content_parts"}
+            if self.content_format == "openai" and m.get("content") == " ".join(parts):
+                m["content"] = [{"type": "text", "text": p} for p in parts]
         if m.get("role") != "assistant":
             return m
         out = {k: v for k, v in m.items() if k != "reasoning_content"}
@@ -326,4 +367,4 @@ class TemplateRenderer:
 
 
 __all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TemplateError", "TemplateFacts", "TemplateRenderer",
-           "common_prefix", "common_suffix", "is_prefix"]
+           "common_prefix", "content_format", "common_suffix", "is_prefix"]

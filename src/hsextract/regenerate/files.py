@@ -11,7 +11,7 @@ from typing import Any
 
 from hsextract import chunks
 from hsextract.atomic import write_atomic
-from hsextract.conversations import Conversation
+from hsextract.conversations import Conversation, as_openai
 from hsextract.errors import ConfigError
 
 
@@ -25,7 +25,7 @@ def stats_path(out_path: str | os.PathLike[str]) -> Path:
 
 
 def record(sample_id: str, source: str, conv: Conversation) -> dict[str, Any]:
-    rec: dict[str, Any] = {"id": sample_id, "source": source, "messages": conv.messages}
+    rec: dict[str, Any] = {"id": sample_id, "source": source, "messages": [as_openai(m) for m in conv.messages]}
     if conv.tools:
         rec["tools"] = conv.tools
     return rec
