@@ -375,7 +375,7 @@ def test_tool_call_arguments_as_a_json_string_render_as_the_object(family):
         assert "city=Paris" in tok.decode(ids)
 
 
-PARTS_TEMPLATE = (  # iterates content parts, as Kimi-K2.5's and Llama-4's templates do (Llama-4's trims each)
+PARTS_TEMPLATE = (  # iterates content parts, trimming each: the list and the joined text render differently
     "{%- for m in messages -%}<|im_start|>{{ m['role'] }}:"
     "{%- if m['content'] is string -%}{{ m['content'] }}"
     "{%- else -%}{%- for part in m['content'] -%}{{ part['text'] | trim }}{%- endfor -%}{%- endif -%}"
