@@ -775,8 +775,10 @@ EXPECTED = {
         ],
         ('default', 'multi'): [
             '[gMASK]<sop><|user|>Hello there!<|assistant|><think>⟦The user greets.<'
-            '/think>How are you today?<|user|>⟧What is two plus two?<|assistant|><t'
-            'hink>⟦Add them.</think>Two plus two is four.⟧',
+            '/think>How are you today?<|user|>⟧',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|></think>How are you today'
+            '?<|user|>What is two plus two?<|assistant|><think>⟦Add them.</think>Tw'
+            'o plus two is four.⟧',
         ],
         ('default', 'tool'): [
             '[gMASK]<sop><|system|>You are a helpful assistant.<|user|>What is the '
@@ -788,8 +790,9 @@ EXPECTED = {
         ],
         ('default', 'empty'): [
             '[gMASK]<sop><|user|>Hello there!<|assistant|><think>⟦Nothing to say.</'
-            'think><|user|>⟧What is two plus two?<|assistant|><think></think>⟦Four.'
-            '⟧',
+            'think><|user|>⟧',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|></think><|user|>What is t'
+            'wo plus two?<|assistant|><think></think>⟦Four.⟧',
         ],
         ('default', 'unicode'): [
             '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|><think>⟦Répondre poliment.<'
@@ -805,8 +808,10 @@ EXPECTED = {
         ],
         ('neither', 'multi'): [
             '[gMASK]<sop><|user|>Hello there!<|assistant|><think>The user greets.</'
-            'think>⟦How are you today?⟧<|user|>What is two plus two?<|assistant|><t'
-            'hink>Add them.</think>⟦Two plus two is four.⟧',
+            'think>⟦How are you today?⟧<|user|>',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|></think>How are you today'
+            '?<|user|>What is two plus two?<|assistant|><think>Add them.</think>⟦Tw'
+            'o plus two is four.⟧',
         ],
         ('neither', 'tool'): [
             '[gMASK]<sop><|system|>You are a helpful assistant.<|user|>What is the '
@@ -818,7 +823,9 @@ EXPECTED = {
         ],
         ('neither', 'empty'): [
             '[gMASK]<sop><|user|>Hello there!<|assistant|><think>Nothing to say.</t'
-            'hink><|user|>What is two plus two?<|assistant|><think></think>⟦Four.⟧',
+            'hink><|user|>',
+            '[gMASK]<sop><|user|>Hello there!<|assistant|></think><|user|>What is t'
+            'wo plus two?<|assistant|><think></think>⟦Four.⟧',
         ],
         ('neither', 'unicode'): [
             '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|><think>Répondre poliment.</'

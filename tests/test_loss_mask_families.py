@@ -176,10 +176,12 @@ def test_thinking_switches():
     assert marked(s, tok) == ("<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hello there!<｜Assistant｜>"
                               "<think>⟦The user greets.</think>How are you today?<｜end▁of▁sentence｜>⟧")
     assert m.stats["reasoning_inserted"] == 1
-    # a turn without reasoning cannot fill the block the prompt opened
-    with pytest.raises(TemplateError) as e:
-        m.encode(CONVS["single"])
-    assert f"TemplateError: {e.value}" == OPENED.format(1) and e.value.reason == "not_prefix_stable"
+    # a turn without reasoning: the empty block the template renders for it (`</think>` + content), the closer
+    # untrained filler, as Kimi's `<think></think>`
+    (s,) = m.encode(CONVS["single"])
+    assert marked(s, tok) == ("<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜><think></think>"
+                              "⟦How are you today?<｜end▁of▁sentence｜>⟧")
+    assert m.stats["reasoning_inserted"] == 1
 
 
 @pytest.mark.parametrize("family", ["deepseek_r1", "qwq"])
@@ -293,11 +295,14 @@ def test_template_without_a_stop_token_trains_the_next_header_the_model_stops_wi
                          {"role": "tool", "content": "21"}, {"role": "tool", "content": "noon"},
                          A("Sunny at noon."), U("Thanks!"), A("You are welcome.")])
     turns = [[calls + "<|observation|>"], ["Sunny at noon.<|user|>"], ["You are welcome."]]
+    # GLM-4.7's prompt ends with `<think>`, its history renders a turn without reasoning `</think>` + text: each
+    # turn's prompt is in no later rendering, so `auto` splits
+    splits = ("always", "auto") if family == "glm47" else ("always",)
     for split in ("auto", "never", "always"):
         got = [trained_segments(s, tok) for s in ChatMasker(tok, split_turns=split).encode(conv)]
-        assert got == (turns if split == "always" else [sum(turns, [])]), (family, split)
+        assert got == (turns if split in splits else [sum(turns, [])]), (family, split)
     got = [trained_segments(s, tok) for s in ChatMasker(tok, train_on_eot=False).encode(conv)]
-    assert got == [[calls, "Sunny at noon.", "You are welcome."]]
+    assert sum(got, []) == [calls, "Sunny at noon.", "You are welcome."]
     # A split turn's own sample ends with the header the model wrote after it; the last turn's has none.
     samples = ChatMasker(tok, split_turns="always").encode(conv)
     assert [tok.convert_ids_to_tokens(s.input_ids[-1]) for s in samples[:2]] == ["<|observation|>", "<|user|>"]

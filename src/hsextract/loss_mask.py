@@ -197,6 +197,9 @@ class ChatMasker:
         The reasoning is `reasoning_content`, or the content's own text before the closer; the closer and the
         answer are the turn as the template renders it. A template that never writes the closer gets it as those
         models write it: reasoning, newline, closer, blank line (unless the data's own text says otherwise).
+        A turn without reasoning is the closer and the answer where the template renders such a turn so
+        (GLM-4.7: `</think>` right after the header), the closer untrained as the filler it then is; where it
+        does not (R1, QwQ), nothing tells what the model wrote: refused.
         `gen`: the generation prompt (`_generation_prompt`). None when the turn is not such a case."""
         rd, m = self.renderer, conv.messages[j]
         opened = self._reasoning_opener(p, e, gen)
@@ -204,24 +207,29 @@ class ChatMasker:
             return None
         tag, k = opened
         closer, content = f"</{tag[2]}>", m.get("content") or ""
+        reasoning: str | None = None
         if m.get("reasoning_content"):
             reasoning, after = m["reasoning_content"], None
         elif closer in content:
             reasoning, after = content.split(closer, 1)
             if reasoning.lstrip().startswith(tag[1]):  # the raw text repeats the opener the prompt ends with
                 reasoning = reasoning.lstrip()[len(tag[1]):].removeprefix(tag[3])
-        else:
+        held = p[len(p) - len(gen):k]  # the part of the generation prompt the turn rendered last has
+        sp = find_turn(rd, conv.messages[:j + 1], conv.tools, j, e, None, held, last=True, prompt=p[:k])
+        region = [] if sp is None else e[sp.prompt_end:sp.content_start]
+        writes_closer = closer in rd.tokenizer.decode(region, skip_special_tokens=False)
+        if reasoning is None and writes_closer:  # an empty reasoning block, as the template renders one
+            ids, span = self._put_back(p, region, e, sp)
+            return ids, replace(span, reasoning_rendered=False, reasoning_inserted=False, filler_trained=False)
+        if reasoning is None:
             raise TemplateError(
                 f"assistant turn {j}: the generation prompt opens a reasoning block ({tag[1]!r}) that the template "
                 f"never renders for an assistant turn, and this turn has no reasoning to fill it: give it "
                 f"`reasoning_content`, or its raw text with {closer!r} in `content` (or regenerate the responses "
                 f"with this model)", reason=NOT_PREFIX_STABLE)
-        held = p[len(p) - len(gen):k]  # the part of the generation prompt the turn rendered last has
-        sp = find_turn(rd, conv.messages[:j + 1], conv.tools, j, e, None, held, last=True, prompt=p[:k])
         if sp is None:
             return None
-        region = e[sp.prompt_end:sp.content_start]
-        if closer in rd.tokenizer.decode(region, skip_special_tokens=False):  # the template writes the closer
+        if writes_closer:
             return self._put_back(p, rd.ids(reasoning) + region, e, sp)
         if after is None:
             reasoning, after = reasoning.rstrip("\n") + "\n", "\n\n"

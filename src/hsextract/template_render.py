@@ -345,8 +345,10 @@ class TemplateRenderer:
             with_r = [turn(SENT[0], r) for r in SENT_REASONING] + [turn(SENT[1], SENT_REASONING[0])]
         except Exception:  # noqa: BLE001 - the template refuses reasoning here
             return None
-        if with_r[0] == plain[0] or not is_prefix(p, with_r[0]) or not is_prefix(p, plain[0]):
+        if with_r[0] == plain[0] or not is_prefix(p, with_r[0]):
             return None
+        if not is_prefix(p, plain[0]):  # rendered, but a turn without it drops the prompt's opener (GLM-4.7)
+            return ()
         r_end = len(with_r[0]) - common_suffix(with_r[0], with_r[1])
         closer = with_r[0][r_end:common_prefix(with_r[0], with_r[2])]
         f0 = plain[0][len(p):common_prefix(plain[0], plain[1])]
