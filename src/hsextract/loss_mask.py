@@ -150,6 +150,15 @@ class ChatMasker:
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, gen, last=True, prompt=p)
             if sp is not None:
                 self.stats["turns_after_rewritten_history"] += 1
+        if sp is None and (k := self._closed_block(p, e, gen)) is not None:
+            # the prompt ends with an empty reasoning block no rendering has (Gemma-4 with thinking off)
+            sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, p[len(p) - len(gen):k], last=True, prompt=p[:k])
+            before = [] if sp is None else e[sp.prompt_end:sp.content_start]  # the block's closer, rendered again?
+            if sp is not None and sp.prompt_end == k and not sp.reasoning_rendered and \
+                    before == p[len(p) - len(before):]:
+                ids, span = self._put_back(p, [], e, sp)
+                return ids, e_text, replace(span, reasoning_rendered=False, reasoning_inserted=False)
+            sp = None
         if sp is None:  # or the prompt opens a reasoning block that no rendering has (R1, QwQ)
             opened = self._opened_reasoning(conv, j, p, e, gen)
             if opened is None:
@@ -178,6 +187,27 @@ class ChatMasker:
         stop = None if sp.stop is None else start + sp.stop - sp.content_start
         return p + block + body, replace(sp, prompt_end=len(p), header_start=start, content_start=start, stop=stop,
                                          end=start + len(body), reasoning_rendered=True, reasoning_inserted=True)
+
+    def _closed_block(self, p: list[int], x: list[int], gen: list[int]) -> int | None:
+        """k where the end of the generation prompt, p[k:], is an empty reasoning block that x, rendered from the
+        same history, lacks: two special tokens around at most a word (Gemma-4 with thinking off writes
+        `<|channel>thought\n<channel|>` there, and never in a rendered turn; `<think></think>`), then at most
+        whitespace. The model wrote the turn after that block, as the template renders the turn."""
+        k = common_prefix(p, x)
+        if not gen or k < len(p) - len(gen):
+            return None
+        special, text = self.renderer.special_ids(), self._text
+        tail = p[k:]
+        while tail and tail[-1] not in special and not text(tail[-1:]).strip():
+            tail = tail[:-1]
+        inner = tail[1:-1]
+        if len(tail) < 2 or tail[0] not in special or tail[-1] not in special or any(t in special for t in inner) \
+                or not re.fullmatch(r"\s*\w*\s*", text(inner)):
+            return None
+        return k
+
+    def _text(self, ids: list[int]) -> str:
+        return self.renderer.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _reasoning_opener(self, p: list[int], x: list[int], gen: list[int]) -> tuple[re.Match[str], int] | None:
         """(the opener's match: tag, name, its trailing space; k) where the end of the generation prompt, p[k:], opens
@@ -322,6 +352,9 @@ class ChatMasker:
                 lo = spans[-1].end if spans else 0
                 gen = self._generation_prompt(conv, j, p)
                 got = find_turn(rd, msgs, tools, j, r, len(p) if is_prefix(p, r) else None, gen, lo, prompt=p)
+                if got is None and (k := self._closed_block(p, r, gen)) is not None:
+                    got = find_turn(rd, msgs, tools, j, r, None, p[len(p) - len(gen):k], lo, prompt=p[:k])
+                    got = got if got is not None and got.prompt_end == k else None
                 if got is None and (opened := self._reasoning_opener(p, r, gen)) is not None:
                     # the prompt opens reasoning no rendering has (R1, QwQ): the turn follows what R holds of it
                     k = opened[1]

@@ -55,6 +55,12 @@ class TurnSpan:
         return [(a, b, k) for a, b, k in out if b > a]
 
 
+def _names_calls(renderer: TemplateRenderer, ids: list[int], calls: list[dict[str, Any]]) -> bool:
+    """Whether the text of `ids` names every tool call's function (it holds the calls' markup)."""
+    text = renderer.tokenizer.decode(ids, skip_special_tokens=False)
+    return all(str((c.get("function") or c).get("name", "")) in text for c in calls)
+
+
 def _content_sentinel(m: dict[str, Any]) -> dict[str, Any]:
     return {**m, "content": SENT[0] if m.get("content") != SENT[0] else SENT[1]}
 
@@ -156,9 +162,13 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     if c is None:  # the template does not render the content (Llama renders tool calls instead)
         c = p
     c = max(c, p)
-    if not facts.writes_stop and m.get("tool_calls"):  # no stop token after the calls to end the turn at
-        xt = variant({k: v for k, v in m.items() if k != "tool_calls"})
-        if xt is not None and xt != x:
+    xt = variant({k: v for k, v in m.items() if k != "tool_calls"}) if m.get("tool_calls") else None
+    if xt is not None and xt != x:
+        # Tool calls rendered before the content (Gemma-4): the message starts with them, after any reasoning.
+        calls = max(common_prefix(x, xt), len(x) - common_suffix(x, xn) if reasoning_rendered and xn else p)
+        if p <= calls < c and _names_calls(renderer, x[calls:c], m["tool_calls"]):
+            c = calls
+        if not facts.writes_stop:  # no stop token after the calls to end the turn at
             ends.append(len(x) - common_suffix(x, xt, len(x) - c))
     d = max([c] + ends)
     if facts.writes_stop:
