@@ -40,15 +40,17 @@ SPECIALS = {
     "glm45": GLM,
     "glm47": GLM,
     "phi3": ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+    "gemma4": ["<bos>", "<eos>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>", "<|tool>", "<tool|>",
+               "<|tool_call>", "<tool_call|>", "<|tool_response>", "<tool_response|>"],
 }
 BOS = {"llama3": "<|begin_of_text|>", "deepseek_v3": "<｜begin▁of▁sentence｜>", "qwen3": None, "kimi_k25": "[BOS]",
        "harmony": None, "deepseek_v31": "<｜begin▁of▁sentence｜>", "mistral": "<s>", "gemma3": "<bos>",
        "deepseek_r1": "<｜begin▁of▁sentence｜>", "qwq": None, "glm45": None, "glm47": None,
-       "phi3": None}
+       "phi3": None, "gemma4": "<bos>"}
 EOS = {"llama3": "<|eot_id|>", "deepseek_v3": "<｜end▁of▁sentence｜>", "qwen3": "<|im_end|>", "kimi_k25": "<|im_end|>",
        "harmony": "<|return|>", "deepseek_v31": "<｜end▁of▁sentence｜>", "mistral": "</s>", "gemma3": "<eos>",
        "deepseek_r1": "<｜end▁of▁sentence｜>", "qwq": "<|im_end|>", "glm45": "<|endoftext|>", "glm47": "<|endoftext|>",
-       "phi3": "<|endoftext|>"}
+       "phi3": "<|endoftext|>", "gemma4": "<eos>"}
 
 CORPUS = [
     "Hello there! How are you today?",

@@ -876,4 +876,60 @@ EXPECTED = {
             'oftext|>',
         ],
     },
+    'gemma4': {
+        ('default', 'single'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
+            'hannel|>⟦How are you today?<turn|>⟧',
+        ],
+        ('default', 'system'): [
+            '<bos><|turn>system\nYou are a helpful assistant.<turn|>\n<|turn>user\nHel'
+            'lo there!<turn|>\n<|turn>model\n<|channel>thought\n<channel|>⟦How are you'
+            ' today?<turn|>⟧',
+        ],
+        ('default', 'multi'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
+            'hannel|>⟦How are you today?<turn|>⟧',
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\nHow are you today?<t'
+            'urn|>\n<|turn>user\nWhat is two plus two?<turn|>\n<|turn>model\n<|channel>'
+            'thought\n<channel|>⟦Two plus two is four.<turn|>⟧',
+        ],
+        ('default', 'empty'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
+            'hannel|>⟦<turn|>⟧',
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<turn|>\n<|turn>user\n'
+            'What is two plus two?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>'
+            '⟦Four.<turn|>⟧',
+        ],
+        ('default', 'unicode'): [
+            '<bos><|turn>user\nÇa va? 日本語<turn|>\n<|turn>model\n<|channel>thought\n<cha'
+            'nnel|>⟦Très bien ✓ 日本<turn|>⟧',
+        ],
+        ('neither', 'single'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
+            'hannel|>⟦How are you today?⟧<turn|>',
+        ],
+        ('neither', 'system'): [
+            '<bos><|turn>system\nYou are a helpful assistant.<turn|>\n<|turn>user\nHel'
+            'lo there!<turn|>\n<|turn>model\n<|channel>thought\n<channel|>⟦How are you'
+            ' today?⟧<turn|>',
+        ],
+        ('neither', 'multi'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
+            'hannel|>⟦How are you today?⟧<turn|>',
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\nHow are you today?<t'
+            'urn|>\n<|turn>user\nWhat is two plus two?<turn|>\n<|turn>model\n<|channel>'
+            'thought\n<channel|>⟦Two plus two is four.⟧<turn|>',
+        ],
+        ('neither', 'empty'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
+            'hannel|><turn|>',
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<turn|>\n<|turn>user\n'
+            'What is two plus two?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>'
+            '⟦Four.⟧<turn|>',
+        ],
+        ('neither', 'unicode'): [
+            '<bos><|turn>user\nÇa va? 日本語<turn|>\n<|turn>model\n<|channel>thought\n<cha'
+            'nnel|>⟦Très bien ✓ 日本⟧<turn|>',
+        ],
+    },
 }

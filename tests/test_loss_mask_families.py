@@ -27,7 +27,7 @@ CONVS = {
 }
 FLAGS = {"default": {}, "neither": {"train_on_eot": False, "train_on_reasoning": False}}
 FAMILIES = ["harmony", "llama3", "qwen3", "kimi_k25", "deepseek_v31", "mistral", "gemma3", "deepseek_r1", "qwq",
-            "glm45", "glm47", "phi3"]
+            "glm45", "glm47", "phi3", "gemma4"]
 # conversations a template refuses, with its words or ours (the exact masks of the others are in mask_golden)
 OPENED = ("TemplateError: assistant turn {}: the generation prompt opens a reasoning block ('<think>') that the "
           "template never renders for an assistant turn, and this turn has no reasoning to fill it: give it "
@@ -36,8 +36,13 @@ OPENED = ("TemplateError: assistant turn {}: the generation prompt opens a reaso
 NO_TOOLS = ("TemplateError: assistant turn 2: the chat template does not render its tool calls, so its sample "
             "would train an empty turn: set a `chat_template` that renders tool calls, or leave conversations with "
             "tool calls out")
+THINKING_OFF = ("TemplateError: assistant turn 2: the template is not prefix-stable: the turn rendered does not start "
+                "with the generation prompt the server saw (first difference at token 41: prompt '<channel|>' vs turn "
+                "'Let me think.'). Set `chat_template_kwargs` (e.g. enable_thinking / thinking) to match the data, or "
+                "fix the data's reasoning fields")
 REFUSED = {
     "gemma3": {"tool": NO_TOOLS},
+    "gemma4": {"tool": THINKING_OFF},  # reasoning in a tool-call turn, a prompt that closed the thought channel
     "phi3": {"tool": NO_TOOLS},
     "deepseek_r1": {"single": OPENED.format(1), "empty": OPENED.format(3)},
     "qwq": {"single": OPENED.format(1), "empty": OPENED.format(3)},
@@ -116,8 +121,9 @@ def test_sentinels_change_nothing_outside_their_turn(family):
                 assert common_prefix(a, b) >= sp.prompt_end, (family, j)
                 assert len(a) - common_suffix(a, b) <= len(a) - (len(x) - sp.end), (family, j)
                 checked += 1
-    # R1 and QwQ: a turn after a prompt that opens reasoning is no prefix of its rendering (exact masks cover those)
-    assert checked >= (0 if family in ("deepseek_r1", "qwq") else 6)
+    # R1 and QwQ: a turn after a prompt that opens reasoning is no prefix of its rendering, nor is one after
+    # Gemma-4's prompt that closes an empty thought channel (the exact masks cover those)
+    assert checked >= (0 if family in ("deepseek_r1", "qwq", "gemma4") else 6)
 
 
 def test_split_counts_and_cost_in_tokens():
@@ -421,3 +427,43 @@ def test_content_parts_reach_the_template_as_sglang_passes_them():
 ])
 def test_content_format_follows_sglangs_rule(template, fmt):
     assert content_format(template) == fmt
+
+
+def test_gemma4_empty_thought_channel_and_calls_before_the_content():
+    """Gemma-4 with thinking off ends the generation prompt with an empty thought channel no rendered turn has:
+    each turn is its prompt, channel included, then the turn as rendered. With thinking on, a tool-call turn
+    renders its reasoning, then the calls, then the content: the calls are the message (trained whatever
+    `train_on_reasoning` says), not filler."""
+    tok = make_tokenizer("gemma4")
+    conv = Conversation([U("What is the weather in Paris?"), A("Checking.", None, [("get_weather", {"city": "Paris"})]),
+                         {"role": "tool", "content": "21", "name": "get_weather"}, A("Sunny.")])
+    calls = "<|tool_call>call:get_weather{city:Paris}<tool_call|>"
+    samples = ChatMasker(tok).encode(conv)
+    assert [marked(s, tok).split("<|turn>model\n")[-1] for s in samples] == [
+        f"<|channel>thought\n<channel|>⟦{calls}Checking.<|tool_response>⟧",
+        f"{calls}Checking.<|tool_response>response:get_weather{{value:21}}<tool_response|>⟦Sunny.<turn|>⟧"]
+    assert tok.decode(samples[0].input_ids).endswith(
+        f"<|turn>model\n<|channel>thought\n<channel|>{calls}Checking.<|tool_response>")
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    conv.messages[1]["reasoning_content"] = "Look it up."
+    for flags, first in (({}, f"<|channel>thought\nLook it up.\n<channel|>{calls}Checking.<|tool_response>"),
+                         ({"train_on_reasoning": False}, f"{calls}Checking.<|tool_response>")):
+        (s,) = ChatMasker(tok, **thinking, **flags).encode(conv)
+        assert trained_segments(s, tok) == [first, "Sunny.<turn|>"], flags
+
+
+def test_prompt_closing_an_empty_block_the_history_renders_as_its_closer():
+    """A template whose generation prompt closes an empty think block (`<think></think>`) while a rendered turn
+    writes only the closer (`</think>` + content, as DeepSeek-V3.2-style templates do): the turn follows the
+    prompt's block, the closer is not written twice."""
+    tok = make_tokenizer("deepseek_v31")
+    tok.chat_template = (
+        "{{ bos_token }}{%- for m in messages -%}{%- if m['role'] == 'user' -%}<｜User｜>{{ m['content'] }}"
+        "{%- else -%}<｜Assistant｜></think>{{ m['content'] }}<｜end▁of▁sentence｜>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<｜Assistant｜><think></think>{%- endif -%}")
+    samples = ChatMasker(tok).encode(CONVS["multi"])
+    assert [marked(s, tok) for s in samples] == [
+        "<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜><think></think>⟦How are you today?"
+        "<｜end▁of▁sentence｜>⟧",
+        "<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>How are you today?<｜end▁of▁sentence｜>"
+        "<｜User｜>What is two plus two?<｜Assistant｜><think></think>⟦Two plus two is four.<｜end▁of▁sentence｜>⟧"]
