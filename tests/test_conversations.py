@@ -78,6 +78,16 @@ def test_content_parts_are_kept_and_written_back_as_parts():
         {"role": "user", "content": [{"type": "text", "text": "Summarise:"}, {"type": "text", "text": "A long text."}]},
         {"role": "assistant", "content": [{"type": "text", "text": "Short."}]}]
     assert normalize_record({"messages": [as_openai(m) for m in conv.messages]}) == conv
+    # Mistral's reasoning chunks are the turn's reasoning (a reasoning field, where given, wins)
+    think = {"role": "assistant", "content": [{"type": "thinking", "thinking": "Two and two."},
+                                              {"type": "text", "text": "Four."}]}
+    assert normalize_record({"messages": [rec["messages"][0], think]}).messages[1] == {
+        "role": "assistant", "content": "Four.", "content_parts": ["Four."], "reasoning_content": "Two and two."}
+    assert normalize_record({"messages": [rec["messages"][0], {**think, "reasoning_content": "R"}]}).messages[1][
+        "reasoning_content"] == "R"
+    with pytest.raises(Exception) as ei:  # a user's message has no reasoning
+        normalize_record({"messages": [{"role": "user", "content": think["content"]}]})
+    assert ei.value.reason == "wrong_type"
     # content replaced since (a regenerated turn): written as the string it now is
     assert as_openai({**conv.messages[1], "content": "New."}) == {"role": "assistant", "content": "New."}
 

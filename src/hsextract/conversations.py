@@ -6,7 +6,8 @@ Normalized conversation: a list of messages, each a dict with
   content_parts: list[str]          (only where the record gave content as a list of text parts: their texts;
                                      `content` is then they joined with a space, the text SGLang renders for a
                                      template that takes a string; see `template_render.content_format`)
-  reasoning_content: str            (assistant only, optional; from `reasoning_content`, `thinking` or `reasoning`)
+  reasoning_content: str            (assistant only, optional; from `reasoning_content`, `thinking` or `reasoning`,
+                                     else from `thinking` content parts, as Mistral writes reasoning)
   tool_calls: list[{"type": "function", "function": {"name": str, "arguments": str | dict}, "id"?: str}]
   tool_call_id: str, name: str      (optional, carried through)
 Keys that a record does not have are absent (templates test `'tool_calls' in message`).
@@ -345,16 +346,20 @@ def _text(value: Any, where: str) -> str:
     raise _Bad(WRONG_TYPE, f"{where}: content must be a string or a list of text parts, got {type(value).__name__}")
 
 
-def _parts(value: list[Any], where: str) -> list[str]:
-    """The texts of OpenAI content parts (`text`, or `input_text` as the Responses API writes it)."""
-    out = []
+def _parts(value: list[Any], where: str, role: str) -> tuple[list[str], list[str]]:
+    """The texts of OpenAI content parts (`text`, or `input_text` as the Responses API writes it), and of an
+    assistant's `thinking` parts (Mistral's reasoning chunks: `{"type": "thinking", "thinking": str}`)."""
+    texts, thinking = [], []
     for p in value:
         if isinstance(p, Mapping) and p.get("type", "text") in ("text", "input_text") and \
                 isinstance(p.get("text"), str):
-            out.append(p["text"])
+            texts.append(p["text"])
+        elif role == "assistant" and isinstance(p, Mapping) and p.get("type") == "thinking" and \
+                isinstance(p.get("thinking"), str):
+            thinking.append(p["thinking"])
         else:
             raise _Bad(WRONG_TYPE, f"{where}: only text content parts are supported, got {p!r:.80}")
-    return out
+    return texts, thinking
 
 
 def as_openai(msg: dict[str, Any]) -> dict[str, Any]:
@@ -408,10 +413,12 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
         msg["content"] = ""
         msg["tool_calls"] = _tool_calls([call], where)
     elif isinstance(raw.get(content_key), list):
-        parts = _parts(raw[content_key], f"{where}.{content_key}")
+        parts, thinking = _parts(raw[content_key], f"{where}.{content_key}", role)
         msg["content"] = " ".join(parts)
         if parts:
             msg["content_parts"] = parts
+        if "".join(thinking) and not any(raw.get(k) for k in _REASONING_KEYS):
+            msg["reasoning_content"] = "".join(thinking)
     else:
         msg["content"] = _text(raw.get(content_key), f"{where}.{content_key}")
     if "tool_calls" in raw and raw["tool_calls"] is not None and role == "assistant":
