@@ -467,3 +467,37 @@ def test_prompt_closing_an_empty_block_the_history_renders_as_its_closer():
         "<｜end▁of▁sentence｜>⟧",
         "<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>How are you today?<｜end▁of▁sentence｜>"
         "<｜User｜>What is two plus two?<｜Assistant｜><think></think>⟦Two plus two is four.<｜end▁of▁sentence｜>⟧"]
+
+
+def test_turn_is_never_found_inside_the_context():
+    """A template whose prompt is no prefix of the turn's rendering, and whose rendering without a generation
+    prompt is no prefix of the prompt (Cohere's tool-use template): the turn is looked for after the longest tail
+    of the prompt, which here matches a word of the preamble. A turn found before the end of the previous message
+    would train the context: refused instead."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = (
+        "Rules: answer after the word Reply.{%- for m in messages -%}{%- if m['role'] == 'user' -%}"
+        "<|im_start|>{{ m['content'] }}{%- else -%}<think>{{ m['content'] }}<|im_end|>{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<think>Reply{%- else -%}</think>{%- endif -%}")
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(tok).encode(CONVS["single"])
+    assert e.value.reason == "not_prefix_stable"
+
+
+def test_tool_calls_rendered_after_the_stop_token_are_refused():
+    """A template that renders a turn's tool calls as a message of its own after the turn's stop token
+    (GigaChat-3's `function call` role): the turn's sample would train an empty turn, not the calls."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = (
+        "{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>"
+        "{%- for c in m.get('tool_calls') or [] -%}<|im_start|>function call\n{{ c['function'] | tojson }}<|im_end|>"
+        "{%- endfor -%}{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    conv = Conversation([U("What is the weather in Paris?"), A("", None, [("get_weather", {"city": "Paris"})]),
+                         {"role": "tool", "content": "21"}, A("Sunny.")])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(tok).encode(conv)
+    assert str(e.value) == ("assistant turn 1: the chat template renders its tool calls after the turn's stop token, "
+                            "as a message of their own, so its sample would train a turn without them: set a "
+                            "`chat_template` that renders tool calls in the assistant turn, or leave conversations "
+                            "with tool calls out")
+    assert e.value.reason == "tool_calls_after_stop"

@@ -25,6 +25,8 @@ from typing import Any
 
 from hsextract.template_render import SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix, common_suffix
 
+TOOL_CALLS_AFTER_STOP = "tool_calls_after_stop"
+
 
 @dataclass(frozen=True)
 class TurnSpan:
@@ -118,21 +120,30 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     facts = renderer.facts()
     m = msgs[j]
 
-    def variant(new: dict[str, Any]) -> list[int] | None:
+    def variant(new: dict[str, Any], at: int = j) -> list[int] | None:
         alt = list(msgs)
-        alt[j] = new
+        alt[at] = new
         try:
             return renderer.render_ids(alt, tools)
         except Exception:  # noqa: BLE001 - a template that refuses the variant (e.g. content with thinking)
             return None
 
-    if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content"):
+    if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content") and \
+            not m.get("tool_calls"):
         # A template without reasoning, the turn rendered last: it ends with the stop token and the fixed text
         # the probe saw after it; everything from the generation prompt on is the turn's own text. (The first
-        # such token: the text after a Phi-3 turn's `<|end|>` holds eos, a stop token as well.)
+        # such token: the text after a Phi-3 turn's `<|end|>` holds eos, a stop token as well.) Not for a turn
+        # with calls, which a template may render after the stop (checked below).
         for i in range(p, len(x)):
             if x[i] in facts.stop_ids and tuple(x[i + 1:]) in facts.after_stop:
                 return TurnSpan(j, p, p, p, i, i + 1, False, True)
+    def _end_of_previous(j: int) -> int:
+        """One past the last token of message j - 1's own text in x (0 when it cannot be told)."""
+        if j == 0 or not isinstance(msgs[j - 1].get("content"), str):
+            return 0
+        xs = variant(_content_sentinel(msgs[j - 1]), j - 1)
+        return 0 if xs is None or xs == x else len(x) - common_suffix(x, xs)
+
     xc = variant(_content_sentinel(m))
     xn = variant({k: v for k, v in m.items() if k != "reasoning_content"}) if m.get("reasoning_content") else None
     reasoning_rendered = xn is not None and xn != x
@@ -151,7 +162,7 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
             limit = min(limit, common_prefix(x, xn))
         p = _last_occurrence(x, gen, lo, limit) if gen else \
             _after_longest_suffix(x, prompt, lo, limit) if prompt else None
-        if p is None:
+        if p is None or p < _end_of_previous(j):  # found inside the context (a short tail matched early)
             return None
     if reasoning_rendered:
         assert xn is not None
@@ -177,6 +188,12 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
         stop = d if d < len(x) and x[d] in facts.stop_ids else None
     end = stop + 1 if stop is not None else d
     c = min(c, end if stop is None else stop)
+    if last and stop is not None and xt is not None and xt != x and len(x) - common_suffix(x, xt) > end:
+        raise TemplateError(
+            f"assistant turn {j}: the chat template renders its tool calls after the turn's stop token, as a "
+            f"message of their own, so its sample would train a turn without them: set a `chat_template` that "
+            f"renders tool calls in the assistant turn, or leave conversations with tool calls out",
+            reason=TOOL_CALLS_AFTER_STOP)
     special = renderer.special_ids()
     if reasoning_rendered:
         hdr = c - _header_len(x[p:c], facts, special)
@@ -189,4 +206,4 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     return TurnSpan(j, p, hdr, c, stop, end, reasoning_rendered, filler)
 
 
-__all__ = ["TurnSpan", "find_turn", "shifted"]
+__all__ = ["TOOL_CALLS_AFTER_STOP", "TurnSpan", "find_turn", "shifted"]
