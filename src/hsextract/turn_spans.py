@@ -128,6 +128,13 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
         except Exception:  # noqa: BLE001 - a template that refuses the variant (e.g. content with thinking)
             return None
 
+    def end_of_previous() -> int:
+        """One past the last token of message j - 1's own text in x (0 when it cannot be told)."""
+        if j == 0 or not isinstance(msgs[j - 1].get("content"), str):
+            return 0
+        xs = variant(_content_sentinel(msgs[j - 1]), j - 1)
+        return 0 if xs is None or xs == x else len(x) - common_suffix(x, xs)
+
     if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content") and \
             not m.get("tool_calls"):
         # A template without reasoning, the turn rendered last: it ends with the stop token and the fixed text
@@ -137,13 +144,6 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
         for i in range(p, len(x)):
             if x[i] in facts.stop_ids and tuple(x[i + 1:]) in facts.after_stop:
                 return TurnSpan(j, p, p, p, i, i + 1, False, True)
-    def _end_of_previous(j: int) -> int:
-        """One past the last token of message j - 1's own text in x (0 when it cannot be told)."""
-        if j == 0 or not isinstance(msgs[j - 1].get("content"), str):
-            return 0
-        xs = variant(_content_sentinel(msgs[j - 1]), j - 1)
-        return 0 if xs is None or xs == x else len(x) - common_suffix(x, xs)
-
     xc = variant(_content_sentinel(m))
     xn = variant({k: v for k, v in m.items() if k != "reasoning_content"}) if m.get("reasoning_content") else None
     reasoning_rendered = xn is not None and xn != x
@@ -162,7 +162,7 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
             limit = min(limit, common_prefix(x, xn))
         p = _last_occurrence(x, gen, lo, limit) if gen else \
             _after_longest_suffix(x, prompt, lo, limit) if prompt else None
-        if p is None or p < _end_of_previous(j):  # found inside the context (a short tail matched early)
+        if p is None or p < end_of_previous():  # found inside the context (a short tail matched early)
             return None
     if reasoning_rendered:
         assert xn is not None
