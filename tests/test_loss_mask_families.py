@@ -501,3 +501,19 @@ def test_tool_calls_rendered_after_the_stop_token_are_refused():
                             "`chat_template` that renders tool calls in the assistant turn, or leave conversations "
                             "with tool calls out")
     assert e.value.reason == "tool_calls_after_stop"
+
+
+def test_prompt_opener_with_whitespace_a_turn_without_reasoning_renders_closed():
+    """Nemotron-3's prompt ends `<think>\\n`; a turn without reasoning is rendered `<think></think>` + content:
+    that turn is the prompt's open block closed at once (`</think>`, untrained filler) and the content."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = (
+        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' -%}"
+        "{%- if m.get('reasoning_content') -%}{{ '<think>\\n' + m['reasoning_content'] + '\\n</think>\\n' }}"
+        "{%- else -%}<think></think>{%- endif -%}{%- endif -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}")
+    (s,) = ChatMasker(tok).encode(CONVS["single"])
+    assert marked(s, tok) == ("<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n</think>"
+                              "⟦How are you today?<|im_end|>⟧")
+    (s,) = ChatMasker(tok).encode(CONVS["system"])  # with reasoning: as rendered
+    assert trained_segments(s, tok) == ["The user greets.\n</think>\nHow are you today?<|im_end|>"]

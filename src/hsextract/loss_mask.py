@@ -211,11 +211,14 @@ class ChatMasker:
 
     def _reasoning_opener(self, p: list[int], x: list[int], gen: list[int]) -> tuple[re.Match[str], int] | None:
         """(the opener's match: tag, name, its trailing space; k) where the end of the generation prompt, p[k:], opens
-        a reasoning block (`<think>`, its closer in the template) that x, rendered from the same history, lacks."""
+        a reasoning block (`<think>`, its closer in the template) that x, rendered from the same history, lacks
+        (or has without the whitespace after it: Nemotron-3 prompts `<think>\n`, renders `<think></think>`)."""
         k = common_prefix(p, x)
         if not gen or k < len(p) - len(gen):
             return None  # the history differs too, or there is no generation prompt to open anything
-        opener = self.renderer.tokenizer.decode(p[k:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if k > len(p) - len(gen) and not self._text(p[k:]).strip() and p[k - 1] in self.renderer.special_ids():
+            k -= 1
+        opener = self._text(p[k:])
         tag = re.fullmatch(r"\s*(<([A-Za-z_][\w-]*)>)(\s*)", opener)
         return None if tag is None or f"</{tag[2]}>" not in self.renderer.template else (tag, k)
 
@@ -247,6 +250,9 @@ class ChatMasker:
         held = p[len(p) - len(gen):k]  # the part of the generation prompt the turn rendered last has
         sp = find_turn(rd, conv.messages[:j + 1], conv.tools, j, e, None, held, last=True, prompt=p[:k])
         region = [] if sp is None else e[sp.prompt_end:sp.content_start]
+        if region[:1] == p[k:k + 1]:  # the rendering's own opener: the prompt holds it
+            region = region[1:]
+            sp = replace(sp, prompt_end=sp.prompt_end + 1)
         writes_closer = closer in rd.tokenizer.decode(region, skip_special_tokens=False)
         if reasoning is None and writes_closer:  # an empty reasoning block, as the template renders one
             ids, span = self._put_back(p, region, e, sp)
