@@ -3,7 +3,10 @@ through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
+import transformers.utils.chat_template_utils as hf_templates
 from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
 from mask_golden import EXPECTED
 
@@ -517,3 +520,15 @@ def test_prompt_opener_with_whitespace_a_turn_without_reasoning_renders_closed()
                               "⟦How are you today?<|im_end|>⟧")
     (s,) = ChatMasker(tok).encode(CONVS["system"])  # with reasoning: as rendered
     assert trained_segments(s, tok) == ["The user greets.\n</think>\nHow are you today?<|im_end|>"]
+
+
+def test_a_template_that_writes_the_time_writes_one_time_per_renderer():
+    """Templates write today's date or the time with `strftime_now` (gpt-oss, Llama-3.2; Hunyuan to the second):
+    a prompt and its turn, rendered a moment apart, must write the same time, or the turn is no longer found
+    after its prompt. Microseconds make every rendering differ unless one clock is held for the renderer."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = "{{ strftime_now('%H:%M:%S.%f') }}" + tok.chat_template
+    for name in ("single", "multi", "tool"):
+        samples = ChatMasker(tok).encode(CONVS[name])
+        assert len({tok.decode(s.input_ids[:12]) for s in samples}) == 1
+    assert hf_templates.datetime is datetime.datetime  # the real clock again, outside the renderings

@@ -35,12 +35,17 @@ Once per template (`probe()`), a two-message conversation with private-use senti
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import re
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
+import transformers.utils.chat_template_utils as hf_templates
 from jinja2 import nodes
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
@@ -116,6 +121,33 @@ def _message_content(node: nodes.Node | None) -> bool:
     return key == "content" and isinstance(owner, nodes.Name) and owner.name in ("message", "msg", "m")
 
 
+_CLOCK_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _clock_at(instant: datetime.datetime) -> Iterator[None]:
+    """transformers' `strftime_now` (templates that write today's date or the time: gpt-oss, Llama-3.2,
+    Hunyuan to the second) reads the clock at `instant`: every rendering of one renderer writes the same time,
+    so a prompt and its turn, rendered a moment apart, still share their prefix. (A template cannot be given
+    its own clock: transformers turns callables passed to a template into text.)"""
+    real = getattr(hf_templates, "datetime", None)
+    if not (isinstance(real, type) and issubclass(real, datetime.datetime)):
+        yield  # a transformers without that clock: nothing to hold
+        return
+
+    class Held(real):  # type: ignore[misc, valid-type]
+        @classmethod
+        def now(cls, tz: datetime.tzinfo | None = None) -> datetime.datetime:
+            return instant if tz is None else instant.astimezone(tz)
+
+    with _CLOCK_LOCK:
+        hf_templates.datetime = Held
+        try:
+            yield
+        finally:
+            hf_templates.datetime = real
+
+
 def _object_arguments(call: Any) -> Any:
     """The tool call with arguments given as a JSON-object string parsed into the object (module docstring)."""
     fn = call.get("function") if isinstance(call, dict) else None
@@ -156,6 +188,7 @@ class TemplateRenderer:
         self.tokenizer = tokenizer
         self.template: str = template
         self.content_format = content_format(template)
+        self._clock = datetime.datetime.now() if "strftime_now" in template else None  # see `_clock_at`
         self.kwargs = dict(chat_template_kwargs or {})
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
@@ -191,8 +224,9 @@ class TemplateRenderer:
         return out
 
     def _apply(self, msgs: list[dict[str, Any]], tools: Any, gen: bool) -> str:
-        out = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
-                                                 **self.kwargs)
+        with _clock_at(self._clock) if self._clock else contextlib.nullcontext():
+            out = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
+                                                     **self.kwargs)
         if not isinstance(out, str):
             raise TemplateError(f"apply_chat_template returned {type(out).__name__}, expected a string")
         return out
