@@ -532,3 +532,26 @@ def test_a_template_that_writes_the_time_writes_one_time_per_renderer():
         samples = ChatMasker(tok).encode(CONVS[name])
         assert len({tok.decode(s.input_ids[:12]) for s in samples}) == 1
     assert hf_templates.datetime is datetime.datetime  # the real clock again, outside the renderings
+
+
+def test_a_reasoning_block_the_template_leaves_open_is_refused():
+    """A template that opens `<think>` in the prompt and renders the content right after it, reading no reasoning
+    field (vLLM's Nemotron-Nano-v2 example): the sample would train the answer as reasoning. Raw text holding
+    the closer is what such a template expects, and is trained as written."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = (
+        "{#- the content holds the reasoning, then </think>, then the answer -#}"
+        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' -%}"
+        "{{ '<think>\\n' }}{%- endif -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}")
+    for name in ("single", "system"):
+        with pytest.raises(TemplateError) as e:
+            ChatMasker(tok).encode(CONVS[name])
+        assert str(e.value) == (
+            f"assistant turn {len(CONVS[name].messages) - 1}: the generation prompt opens a reasoning block "
+            "('<think>') that the template does not close in this turn, so its sample would train the answer as "
+            "reasoning: give the turn its raw text in `content` (reasoning, '</think>', answer), or turn thinking "
+            "off with `chat_template_kwargs`")
+        assert e.value.reason == "reasoning_left_open"
+    (s,) = ChatMasker(tok).encode(Conversation([U("Hello there!"), A("The user greets.\n</think>\n\nHi.")]))
+    assert trained_segments(s, tok) == ["The user greets.\n</think>\n\nHi.<|im_end|>"]

@@ -62,6 +62,7 @@ NOT_PREFIX_STABLE = "not_prefix_stable"
 STOP_TOKEN_IN_TURN = "stop_token_in_turn"
 TOOL_CALLS_NOT_RENDERED = "tool_calls_not_rendered"
 TOOL_RESULTS_NOT_RENDERED = "tool_results_not_rendered"
+REASONING_LEFT_OPEN = "reasoning_left_open"
 TRAINED_KINDS = frozenset({"reasoning", "header", "body", "eot"})
 
 
@@ -172,7 +173,21 @@ class ChatMasker:
             # markup it keeps, so the sample holds what the model generated.
             ids, span = self._put_back(p, list(slot[0]) + rd.ids(reasoning) + list(slot[1]), e, sp)
             return ids, e_text, span
+        self._refuse_open_block(j, p, e[sp.prompt_end:sp.end])
         return p + e[sp.prompt_end:sp.end], e_text, shifted(sp, len(p) - sp.prompt_end)
+
+    def _refuse_open_block(self, j: int, p: list[int], turn: list[int]) -> None:
+        """A prompt that ends by opening a reasoning block (`<think>\n`) and a turn, as the template renders it,
+        that never closes it (a template that reads no reasoning field and renders the content right there):
+        the sample would train the answer as reasoning, and the model's `</think>` nowhere."""
+        opener = re.search(r"<([A-Za-z_][\w-]*)>\s*$", self._text(p[-4:]))
+        if opener is None or f"</{opener[1]}>" not in self.renderer.template or f"</{opener[1]}>" in self._text(turn):
+            return
+        raise TemplateError(
+            f"assistant turn {j}: the generation prompt opens a reasoning block ('<{opener[1]}>') that the template "
+            f"does not close in this turn, so its sample would train the answer as reasoning: give the turn its raw "
+            f"text in `content` (reasoning, '</{opener[1]}>', answer), or turn thinking off with "
+            f"`chat_template_kwargs`", reason=REASONING_LEFT_OPEN)
 
     def turn_ids(self, conv: Conversation, j: int) -> list[int]:
         """The ids of assistant turn j's own sample: the prompt the server saw, then the turn (as `split_turns`
@@ -400,5 +415,5 @@ class ChatMasker:
                 self.stats["reasoning_not_rendered"] += 1
 
 
-__all__ = ["NOT_PREFIX_STABLE", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "TOOL_CALLS_NOT_RENDERED",
+__all__ = ["NOT_PREFIX_STABLE", "REASONING_LEFT_OPEN", "SPLIT_MODES", "STOP_TOKEN_IN_TURN", "TOOL_CALLS_NOT_RENDERED",
            "TOOL_RESULTS_NOT_RENDERED", "ChatMasker", "MaskedSample", "TemplateError"]
