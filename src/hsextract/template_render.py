@@ -14,7 +14,9 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
   `tojson`, so the string itself would render unlike anything the server renders (or not at all).
 - content given as a list of text parts as SGLang passes it (`content_format`): to a template that takes a
   string, the texts joined with a space (the record's `content`); to one that iterates parts or mentions
-  media (the multimodal ones, Kimi-K2.5's among them), the list, which the template renders its own way.
+  media (the multimodal ones, Kimi-K2.5's among them), the list, which the template renders its own way;
+- one time to a template that writes the date or the time (`strftime_now`): the moment the renderer was
+  made (`_clock_at`).
 
 Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
 - `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the special token the template writes after
