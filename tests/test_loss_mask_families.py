@@ -339,34 +339,31 @@ def test_turn_whose_text_holds_a_stop_token_is_refused(family):
     assert "Four." in trained_segments(s, tok)[-1]
 
 
-def test_tool_calls_a_template_does_not_render_are_refused():
-    """Phi-3's template renders a tool-call turn as if it had no calls: trained, its sample would teach the
-    stop token right after the prompt, or the content without the calls. Templates that render them are fine."""
-    turn = A("Let me check.", None, [("get_weather", {"city": "Paris"})])
-    conv = Conversation([U("What is the weather in Paris?"), turn])
-    with pytest.raises(TemplateError) as e:
-        ChatMasker(make_tokenizer("phi3")).encode(conv)
-    assert str(e.value) == ("assistant turn 1: the chat template does not render its tool calls, so its sample "
-                            "would train the content without them: set a `chat_template` that renders tool calls, "
-                            "or leave conversations with tool calls out")
-    assert e.value.reason == "tool_calls_not_rendered"
+def test_tool_calls_and_results_a_template_drops_are_refused():
+    """Phi-3's template renders a tool-call turn as if it had no calls (trained, its sample would teach the stop
+    token right after the prompt, or the content without the calls) and drops the `tool` role (the turn after a
+    result would be trained without it in its context). Templates that render them are fine; every other family
+    renders tool results (Gemma-3 refuses the role in its own words)."""
+    calls = Conversation([U("What is the weather in Paris?"),
+                          A("Let me check.", None, [("get_weather", {"city": "Paris"})])])
+    result = Conversation([U("What is the weather in Paris?"), A("I will look it up."),
+                           {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "c1"}, A("Sunny.")])
+    for conv, reason, message in (
+            (calls, "tool_calls_not_rendered",
+             "assistant turn 1: the chat template does not render its tool calls, so its sample would train the "
+             "content without them: set a `chat_template` that renders tool calls, or leave conversations with "
+             "tool calls out"),
+            (result, "tool_results_not_rendered",
+             "message 2 (tool): the chat template does not render tool messages, so the turns after it would be "
+             "trained without the tool result in their context: set a `chat_template` that renders them, or leave "
+             "conversations with tool messages out")):
+        with pytest.raises(TemplateError) as e:
+            ChatMasker(make_tokenizer("phi3")).encode(conv)
+        assert (str(e.value), e.value.reason) == (message, reason)
     for family in ("qwen3", "glm45", "llama3"):
         tok = make_tokenizer(family)
-        (s,) = ChatMasker(tok).encode(conv)
+        (s,) = ChatMasker(tok).encode(calls)
         assert "get_weather" in "".join(trained_segments(s, tok)), family
-
-
-def test_tool_messages_a_template_drops_are_refused():
-    """Phi-3's template drops the `tool` role: the turn after a tool message would be trained without the
-    result in its context. Every other family renders the result (Gemma-3 refuses the role in its own words)."""
-    conv = Conversation([U("What is the weather in Paris?"), A("I will look it up."),
-                         {"role": "tool", "content": "Sunny, 21 C", "tool_call_id": "c1"}, A("Sunny.")])
-    with pytest.raises(TemplateError) as e:
-        ChatMasker(make_tokenizer("phi3")).encode(conv)
-    assert str(e.value) == ("message 2 (tool): the chat template does not render tool messages, so the turns after "
-                            "it would be trained without the tool result in their context: set a `chat_template` "
-                            "that renders them, or leave conversations with tool messages out")
-    assert e.value.reason == "tool_results_not_rendered"
     assert [f for f in FAMILIES if not ChatMasker(make_tokenizer(f)).renderer.facts().renders_tool_results] == [
         "phi3"]
 
