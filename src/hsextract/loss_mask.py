@@ -208,8 +208,8 @@ class ChatMasker:
         same history, lacks: two special tokens around at most a word (Gemma-4 with thinking off writes
         `<|channel>thought\n<channel|>` there, and never in a rendered turn; `<think></think>`), then at most
         whitespace. The model wrote the turn after that block, as the template renders the turn."""
-        k = common_prefix(p, x)
-        if not gen or k < len(p) - len(gen):
+        k = self._prompt_tail(p, x, gen)
+        if k is None:
             return None
         special, text = self.renderer.special_ids(), self._text
         tail = p[k:]
@@ -221,6 +221,13 @@ class ChatMasker:
             return None
         return k
 
+    @staticmethod
+    def _prompt_tail(p: list[int], x: list[int], gen: list[int]) -> int | None:
+        """Where x, rendered from the same history as the prompt p, departs from it, when that is within the
+        generation prompt `gen` (None: the history differs too, or there is no generation prompt)."""
+        k = common_prefix(p, x)
+        return None if not gen or k < len(p) - len(gen) else k
+
     def _text(self, ids: list[int]) -> str:
         return self.renderer.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -228,9 +235,9 @@ class ChatMasker:
         """(the opener's match: tag, name, its trailing space; k) where the end of the generation prompt, p[k:], opens
         a reasoning block (`<think>`, its closer in the template) that x, rendered from the same history, lacks
         (or has without the whitespace after it: Nemotron-3 prompts `<think>\n`, renders `<think></think>`)."""
-        k = common_prefix(p, x)
-        if not gen or k < len(p) - len(gen):
-            return None  # the history differs too, or there is no generation prompt to open anything
+        k = self._prompt_tail(p, x, gen)
+        if k is None:
+            return None
         if k > len(p) - len(gen) and not self._text(p[k:]).strip() and p[k - 1] in self.renderer.special_ids():
             k -= 1
         opener = self._text(p[k:])
@@ -267,8 +274,7 @@ class ChatMasker:
         region = [] if sp is None else e[sp.prompt_end:sp.content_start]
         if region[:1] == p[k:k + 1]:  # the rendering's own opener: the prompt holds it
             region = region[1:]
-            sp = replace(sp, prompt_end=sp.prompt_end + 1)
-        writes_closer = closer in rd.tokenizer.decode(region, skip_special_tokens=False)
+        writes_closer = closer in self._text(region)
         if reasoning is None and writes_closer:  # an empty reasoning block, as the template renders one
             ids, span = self._put_back(p, region, e, sp)
             return ids, replace(span, reasoning_rendered=False, reasoning_inserted=False, filler_trained=False)
@@ -284,8 +290,7 @@ class ChatMasker:
             return self._put_back(p, rd.ids(reasoning) + region, e, sp)
         if after is None:
             reasoning, after = reasoning.rstrip("\n") + "\n", "\n\n"
-        answer = rd.tokenizer.decode(e[sp.content_start:sp.stop if sp.stop is not None else sp.end],
-                                     skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        answer = self._text(e[sp.content_start:sp.stop if sp.stop is not None else sp.end])
         gap = after[:len(after) - len(after.lstrip())]
         if answer.startswith(gap):  # the template keeps the blank line the model wrote (R1), or there is none
             gap = ""

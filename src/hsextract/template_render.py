@@ -196,6 +196,7 @@ class TemplateRenderer:
             "reasoning_content",)
         self._ids: dict[str, list[int]] = {}
         self._facts: TemplateFacts | None = None
+        self._special: frozenset[int] | None = None
         self._slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.notes: list[str] = []
         added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
@@ -284,11 +285,13 @@ class TemplateRenderer:
 
     # ------------------------------------------------------------------------------------------- probe
 
-    def special_ids(self) -> set[int]:
-        tok = self.tokenizer
-        out = set(getattr(tok, "all_special_ids", []) or [])
-        out |= set((getattr(tok, "added_tokens_decoder", None) or {}).keys())
-        return out
+    def special_ids(self) -> frozenset[int]:
+        """The tokenizer's special and added token ids (fixed per tokenizer: found once, asked for per turn)."""
+        if self._special is None:
+            tok = self.tokenizer
+            self._special = frozenset(getattr(tok, "all_special_ids", []) or []) | frozenset(
+                (getattr(tok, "added_tokens_decoder", None) or {}).keys())
+        return self._special
 
     def facts(self) -> TemplateFacts:
         if self._facts is None:
