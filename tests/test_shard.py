@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+import tracemalloc
 
 import pytest
 import torch
@@ -630,3 +631,20 @@ def test_threads_that_open_a_reader_at_once_share_one_descriptor(tmp_path, monke
     for t in threads:
         t.join()
     assert opened == [path] and len(set(fds)) == 1 and fds[0] == r._fd
+
+
+def test_a_thread_keeps_one_record_buffer_whatever_shards_it_reads(tmp_path):
+    """Record buffers are kept per thread, not per reader: a trainer's worker that reads from hundreds of shards
+    must not hold a buffer for each of them."""
+    readers = [ShardReader(write(tmp_path / f"{k}.hss", [make_sample(2000, seed=k)])) for k in range(12)]
+    biggest = max(r.index["record_lens"][0] for r in readers)
+    readers[0][0]  # this thread's buffer and zstd context exist before counting
+    tracemalloc.start()
+    try:
+        for r in readers:
+            r[0]
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert biggest > 100_000
+    assert held < 2 * biggest

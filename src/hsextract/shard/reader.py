@@ -30,6 +30,9 @@ HINT_PIECE = 128 << 10  # ShardReader.prefetch's piece where the disk's limits a
 # so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _LOCK = threading.Lock()  # _POOLS, and a reader's first open in a process (decode, read and hint threads race to it)
+# per thread, for every reader: its record buffer and zstd context. Per reader they added up to a buffer per shard
+# a thread had read from (a Kimi-scale dataset: hundreds of shards, records up to REUSE_MAX)
+_THREAD = threading.local()
 
 
 def _forget_pools() -> None:
@@ -93,7 +96,6 @@ class ShardReader:
         self.decode_threads = decode_threads
         self._fd: int | None = None
         self._pid = -1
-        self._local = threading.local()
         self.metadata, self._index = self._open()
         self._pieces = fmt.piece_layout(self.metadata)
         # per returned tensor (fmt.unit_layout), its pieces with the range of the record's frames each decodes
@@ -123,12 +125,8 @@ class ShardReader:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fd=None, _pid=-1, _local=None)
+        state.update(_fd=None, _pid=-1)
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._local = threading.local()
 
     def close(self) -> None:
         if self._fd is not None and self._pid == os.getpid():
@@ -145,17 +143,18 @@ class ShardReader:
         return os.pread(self._handle(), n, offset)
 
     def _record_buffer(self, n: int) -> memoryview:
-        """A writable n-byte buffer to read a record into, reused by this thread for the next record.
+        """A writable n-byte buffer to read a record into, reused by this thread for its next record, of any
+        reader.
 
         os.pread returns a fresh bytes object: for a record of tens of MB every page of it faulted in on
         first touch, and that took ~30% of a warm-cache read (bench/read.py, "trainer read"). Kept per thread
         (ThreadPool readers, DataLoader workers), so a sample's tensors never point into it; records over
         REUSE_MAX get a one-off buffer so a rare huge sample does not stay resident."""
-        buf = getattr(self._local, "buf", None) if self._local is not None else None
+        buf = getattr(_THREAD, "buf", None)
         if buf is None or len(buf) < n:
             buf = np.empty(n, np.uint8)  # numpy asks for huge pages for large arrays
-            if n <= REUSE_MAX and self._local is not None:
-                self._local.buf = buf
+            if n <= REUSE_MAX:
+                _THREAD.buf = buf
         return memoryview(buf)[:n]
 
     def _read_into(self, buf: memoryview, offset: int) -> int:
@@ -328,11 +327,9 @@ class ShardReader:
 
     def _decompressor(self) -> zstd.ZstdDecompressor:
         # one per thread: a zstd context must not be used by two threads at once
-        dctx = getattr(self._local, "d", None) if self._local is not None else None
+        dctx = getattr(_THREAD, "d", None)
         if dctx is None:
-            dctx = zstd.ZstdDecompressor()
-            if self._local is not None:
-                self._local.d = dctx
+            dctx = _THREAD.d = zstd.ZstdDecompressor()
         return dctx
 
     def _decode_piece(self, i: int, piece: dict[str, Any], frames: list[memoryview], seq: int,
