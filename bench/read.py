@@ -192,10 +192,11 @@ def check_same_samples(shards: Path, stores: dict[str, dict[str, Any]], n: int) 
 
 
 # -- DataLoader epochs ----------------------------------------------------------------------------------------
-def epoch(loader: DataLoader, n: int) -> tuple[float, int, float, float]:
-    """Wall seconds of one pass and the hidden-state bytes it delivered (checked: every sample exactly once), and
+def epoch(loader: DataLoader, n: int) -> tuple[float, int, float, float, float]:
+    """Wall seconds of one pass and the hidden-state bytes it delivered (checked: every sample exactly once),
     samples/s and bytes/s in its steady part: between the arrivals of its (n/10)-th and its (n - n/10)-th sample
-    (a long epoch's rate, without the workers' fill at the start and their drain at the end)."""
+    (a long epoch's rate, without the workers' fill at the start and their drain at the end), and the seconds to
+    its first sample."""
     arrivals = [0.0]  # seconds since the start at which the first k samples had arrived
     sizes = []
     t0 = time.perf_counter()
@@ -206,7 +207,7 @@ def epoch(loader: DataLoader, n: int) -> tuple[float, int, float, float]:
         raise RuntimeError(f"epoch delivered {len(sizes)} samples, the dataset holds {n}")
     a, b = n // 10, n - n // 10
     span = arrivals[b] - arrivals[a]
-    return arrivals[-1], sum(sizes), (b - a) / span, sum(sizes[a:b]) / span
+    return arrivals[-1], sum(sizes), (b - a) / span, sum(sizes[a:b]) / span, arrivals[1]
 
 
 def loader(dataset: Any, workers: int, batch: str) -> DataLoader:
@@ -233,7 +234,7 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
         loaders = {name: loader(stores[name]["dataset"], w, batch) for name in stores}
         for name in stores:
             epoch(loaders[name], n)  # warms the page cache and starts the workers
-        best: dict[str, dict[str, list[tuple[float, int, float, float]]]] = {"warm": {}, "cold": {}}
+        best: dict[str, dict[str, list[tuple[float, int, float, float, float]]]] = {"warm": {}, "cold": {}}
         for cache in best:
             for _ in range(repeats):
                 for name in stores:
@@ -253,11 +254,13 @@ def measure(stores: dict[str, dict[str, Any]], workers: list[int], batches: list
             "disk_read_per_store_byte": {k: [min(v), max(v)] if v else None for k, v in read_back.items()}}
 
 
-def _best(runs: list[tuple[float, int, float, float]], n: int) -> dict[str, float]:
-    """One cell from a store's epochs (wall s, bytes, steady samples/s, steady bytes/s): the best of each."""
+def _best(runs: list[tuple[float, int, float, float, float]], n: int) -> dict[str, float]:
+    """One cell from a store's epochs (wall s, bytes, steady samples/s, steady bytes/s, first sample s): the best
+    of each."""
     wall = min(e[0] for e in runs)
     return {"samples_s": n / wall, "gb_s": max(e[1] / e[0] for e in runs) / 1e9, "wall_s": wall,
-            "steady_samples_s": max(e[2] for e in runs), "steady_gb_s": max(e[3] for e in runs) / 1e9}
+            "steady_samples_s": max(e[2] for e in runs), "steady_gb_s": max(e[3] for e in runs) / 1e9,
+            "first_s": min(e[4] for e in runs)}
 
 
 def disk_read_bytes() -> int | None:
@@ -341,7 +344,8 @@ def markdown(res: dict[str, Any]) -> str:
     ours = [s for s in names if s.startswith("ours")]
     raw = res["raw_bytes"]
     # the JSON of runs before the steady figures has none: their table leaves the columns out
-    steady = "steady_samples_s" in next(iter(next(iter(res["cells"]["warm"].values())).values()))
+    some = next(iter(next(iter(res["cells"]["warm"].values())).values()))
+    steady, first = "steady_samples_s" in some, "first_s" in some
     lines = [
         res["machine"] + f"; load average {res['load_before']} before, {res['load_after']} after",
         "",
@@ -361,11 +365,13 @@ def markdown(res: dict[str, Any]) -> str:
         "GB/s of hidden states delivered by the DataLoader over the epoch (samples/s in the JSON); the ratios are "
         "of samples/s" + (", over the epoch and in its steady part (\"steady\": between the arrivals of its "
                           "n/10-th and (n - n/10)-th sample, without the workers' fill and drain)."
-                          if steady else "."),
+                          if steady else ".")
+        + (" First: milliseconds from the epoch's start to its first sample." if first else ""),
         "",
         "| cache | workers | " + " | ".join(f"{s} GB/s" for s in names) + " | "
-        + " | ".join(f"{s} / .pt" + (f" | {s} / .pt steady" if steady else "") for s in ours) + " |",
-        "|---|---|" + "---|" * (len(names) + (1 + steady) * len(ours)),
+        + " | ".join(f"{s} / .pt" + (f" | {s} / .pt steady" if steady else "") for s in ours)
+        + "".join(f" | {s} first ms" for s in names if first) + " |",
+        "|---|---|" + "---|" * (len(names) + (1 + steady) * len(ours) + first * len(names)),
     ]
     for cache, by_w in res["cells"].items():
         for w, row in by_w.items():
@@ -373,7 +379,8 @@ def markdown(res: dict[str, Any]) -> str:
             ratios = " | ".join(f"{row[s]['samples_s'] / row['.pt']['samples_s']:.2f}"
                                 + (f" | {row[s]['steady_samples_s'] / row['.pt']['steady_samples_s']:.2f}"
                                    if steady else "") for s in ours)
-            lines.append(f"| {cache} | {w} | {cells} | {ratios} |")
+            firsts = "".join(f" | {row[s]['first_s'] * 1e3:.0f}" for s in names if first)
+            lines.append(f"| {cache} | {w} | {cells} | {ratios}{firsts} |")
     if "profile" not in res:
         return "\n".join(lines)
     p = res["profile"]

@@ -15,8 +15,9 @@ export PYTHONPATH=$REPO/src:/tmp/extra PYTHONUNBUFFERED=1
   dd if=/dev/zero of=/tmp/ddprobe bs=16M count=128 conv=fdatasync 2>&1 | tail -1 | sed 's/^/disk write: /'
   rm -f /tmp/ddprobe
   findmnt -T /tmp -o SOURCE,FSTYPE | tail -1 | sed 's/^/\/tmp on: /'
-  for q in /sys/block/*/queue; do  # the most one posix_fadvise(WILLNEED) starts: max of these two
-    echo "$(basename "$(dirname "$q")"): read_ahead_kb $(cat "$q/read_ahead_kb") max_sectors_kb $(cat "$q/max_sectors_kb")"
+  for q in /sys/block/*/queue; do  # the most one posix_fadvise(WILLNEED) starts: max of the first two
+    echo "$(basename "$(dirname "$q")"): read_ahead_kb $(cat "$q/read_ahead_kb") max_sectors_kb $(cat "$q/max_sectors_kb")" \
+      "nr_requests $(cat "$q/nr_requests") scheduler $(cat "$q/scheduler")"
   done | grep -v '^loop'
 } >"$OUT/machine.txt" 2>&1 || true
 args=("$@")
