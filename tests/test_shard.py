@@ -503,9 +503,14 @@ def test_decode_threads_report_a_frame_that_fails_in_a_decode_thread(tmp_path, m
             return self.d.decompress(data, **kw)
 
     monkeypatch.setattr(zstd, "ZstdDecompressor", FailsOffMainThread)
+    monkeypatch.setattr(reader_module, "_POOLS", {})  # threads of their own: none holds an earlier test's context
     r = ShardReader(path, decode_threads=2)
-    with pytest.raises(CorruptShardError, match=r"sample 1: frame does not decode \(simulated\)") as e:
-        r[1]
+    try:
+        with pytest.raises(CorruptShardError, match=r"sample 1: frame does not decode \(simulated\)") as e:
+            r[1]
+    finally:
+        for pool in reader_module._POOLS.values():
+            pool.shutdown()
     assert str(path) in str(e.value) and e.value.sample == 1
 
 
