@@ -174,6 +174,16 @@ def test_not_prefix_stable_dropped_and_counted(tmp_path):
     assert summary["kept"] == 2  # the record without reasoning, split into its two turns
 
 
+def test_every_record_dropped_is_an_error(tmp_path):
+    src = _write(tmp_path, [_multi(), _multi()])
+    kw = {"prompts_per_chunk": 4, "chat_template_kwargs": {"enable_thinking": False}, "strict": False}
+    with pytest.raises(ConfigError) as e:
+        run_prepare(_cfg(src, **kw), make_tokenizer("qwen3"), tmp_path / "out", 1)
+    assert str(e.value) == ("prepare kept no sample of the 2 records read (dropped: duplicate 1, not_prefix_stable 1); "
+                            "with strict: true it stops at the first of them, saying which record and why")
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
 def test_turn_holding_a_stop_token_dropped_and_counted(tmp_path):
     """A runaway generation copied into the data: the answer, `<|im_end|>`, a made-up next user turn. The model
     stops at that token, so the text after it was never generated as this turn: refused, saying where."""

@@ -170,6 +170,10 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                 s["kept"] += 1
                 s["tokens"] += len(ids)
                 s["trained_tokens"] += n_trained
+    if total["read"] and not total["kept"]:  # strict: false, and every record dropped: extract would run for nothing
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted(total["dropped"].items()))
+        raise ConfigError(f"prepare kept no sample of the {total['read']} records read (dropped: {reasons}); with "
+                          "strict: true it stops at the first of them, saying which record and why")
     _write_chunk(out, chunk, rows)
     per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
                       "tokens": sum(r["num_tokens"] for r in rows)})
