@@ -30,8 +30,8 @@ HINT_PIECE = 128 << 10  # ShardReader.prefetch's piece where the disk's limits a
 # so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
 _LOCK = threading.Lock()  # _POOLS, and a reader's first open in a process (decode, read and hint threads race to it)
-# per thread, for every reader: its record buffer and zstd context. Per reader they added up to a buffer per shard
-# a thread had read from (a Kimi-scale dataset: hundreds of shards, records up to REUSE_MAX)
+# a thread's record buffer and zstd context, shared by every reader: kept per reader, they would add up to one
+# buffer per shard the thread reads from (a Kimi-scale dataset: hundreds of shards, records up to REUSE_MAX)
 _THREAD = threading.local()
 
 
