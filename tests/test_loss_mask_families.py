@@ -193,6 +193,25 @@ def test_thinking_switches():
     assert m.stats["reasoning_inserted"] == 1
 
 
+def test_prompt_that_closes_a_block_it_never_opened():
+    """Kimi-shaped, with a generation prompt that writes the closer alone when thinking is off (`<|im_middle|></think>`,
+    as some Kimi-K2.5 prompts are quoted) while every rendered turn has `<think></think>`: the model wrote the
+    answer right after that `</think>`; the rendering's empty block is not the model's."""
+    tok = make_tokenizer("kimi_k25")
+    old = "{%- if thinking is defined and thinking is false -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    assert tok.chat_template.count(old) == 1
+    tok.chat_template = tok.chat_template.replace(old, old.replace("<think></think>", "</think>"))
+    m = ChatMasker(tok, chat_template_kwargs={"thinking": False})
+    (s,) = m.encode(CONVS["single"])
+    assert marked(s, tok).endswith("<|im_assistant|>assistant<|im_middle|></think>⟦How are you today?<|im_end|>⟧")
+    prompt = m.render(CONVS["single"].messages[:1], add_generation_prompt=True)
+    assert s.input_ids == tok(prompt + "How are you today?<|im_end|>", add_special_tokens=False)["input_ids"]
+    never = ChatMasker(tok, chat_template_kwargs={"thinking": False}, split_turns="never")
+    (s,) = never.encode(CONVS["single"])  # the rendering, its empty block untrained
+    assert marked(s, tok).endswith("<|im_assistant|>assistant<|im_middle|><think></think>⟦How are you today?"
+                                   "<|im_end|>⟧")
+
+
 @pytest.mark.parametrize("family", ["deepseek_r1", "qwq"])
 def test_prompt_that_opens_reasoning_gets_the_turns_reasoning_in_any_form(family):
     """R1 and QwQ end the generation prompt with `<think>\\n` and cut everything up to `</think>` from every

@@ -154,9 +154,11 @@ class ChatMasker:
         if sp is None and (k := self._closed_block(p, e, gen)) is not None:
             # the prompt ends with an empty reasoning block no rendering has (Gemma-4 with thinking off)
             sp = find_turn(rd, msgs[:j + 1], tools, j, e, None, p[len(p) - len(gen):k], last=True, prompt=p[:k])
-            before = [] if sp is None else e[sp.prompt_end:sp.content_start]  # the block's closer, rendered again?
+            # what the rendering writes before the content: nothing, the block's closer again, or the whole block
+            # where the prompt wrote its closer alone
+            before = [] if sp is None else e[sp.prompt_end:sp.content_start]
             if sp is not None and sp.prompt_end == k and not sp.reasoning_rendered and \
-                    before == p[len(p) - len(before):]:
+                    (before == p[len(p) - len(before):] or self._whole_block(p, before)):
                 ids, span = self._put_back(p, [], e, sp)
                 return ids, e_text, replace(span, reasoning_rendered=False, reasoning_inserted=False)
             sp = None
@@ -206,8 +208,9 @@ class ChatMasker:
     def _closed_block(self, p: list[int], x: list[int], gen: list[int]) -> int | None:
         """k where the end of the generation prompt, p[k:], is an empty reasoning block that x, rendered from the
         same history, lacks: two special tokens around at most a word (Gemma-4 with thinking off writes
-        `<|channel>thought\n<channel|>` there, and never in a rendered turn; `<think></think>`), then at most
-        whitespace. The model wrote the turn after that block, as the template renders the turn."""
+        `<|channel>thought\n<channel|>` there, and never in a rendered turn; `<think></think>`), or a block's
+        closer alone (`</think>`, where the rendering writes `<think></think>`); then at most whitespace. The
+        model wrote the turn after that block, as the template renders the turn."""
         k = self._prompt_tail(p, x, gen)
         if k is None:
             return None
@@ -215,11 +218,22 @@ class ChatMasker:
         tail = p[k:]
         while tail and tail[-1] not in special and not text(tail[-1:]).strip():
             tail = tail[:-1]
+        if len(tail) == 1 and tail[0] in special and self._opener_of(tail[0]) is not None:
+            return k
         inner = tail[1:-1]
         if len(tail) < 2 or tail[0] not in special or tail[-1] not in special or any(t in special for t in inner) \
                 or not re.fullmatch(r"\s*\w*\s*", text(inner)):
             return None
         return k
+
+    def _whole_block(self, p: list[int], x: list[int]) -> bool:
+        """x opens with the empty block whose closer alone ends the prompt p (`<think></think>` after `</think>`)."""
+        return len(x) >= 2 and x[1] == p[-1] and x[0] == self._opener_of(p[-1])
+
+    def _opener_of(self, closer: int) -> int | None:
+        """The special token `<name>` of a special token `</name>`, if the tokenizer has both."""
+        name = re.fullmatch(r"</([A-Za-z_][\w-]*)>", self._text([closer]))
+        return None if name is None else self.renderer.added.get(f"<{name[1]}>")
 
     @staticmethod
     def _prompt_tail(p: list[int], x: list[int], gen: list[int]) -> int | None:
@@ -381,6 +395,10 @@ class ChatMasker:
                 if got is None and (k := self._closed_block(p, r, gen)) is not None:
                     got = find_turn(rd, msgs, tools, j, r, None, p[len(p) - len(gen):k], lo, prompt=p[:k])
                     got = got if got is not None and got.prompt_end == k else None
+                    if got is not None and self._whole_block(p, r[k:k + 2]):  # not the model's: the prompt's closer
+                        c = k + 2
+                        got = replace(got, prompt_end=c, header_start=max(got.header_start, c),
+                                      content_start=max(got.content_start, c))
                 if got is None and (opened := self._reasoning_opener(p, r, gen)) is not None:
                     # the prompt opens reasoning no rendering has (R1, QwQ): the turn follows what R holds of it
                     k = opened[1]
