@@ -141,8 +141,8 @@ def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys)
     conv.write_text("\n".join([json.dumps({"messages": tool}), "{not json", json.dumps({"messages": hello})]) + "\n")
     assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "gemma")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == (f"== {conv}:1: refused (template_error): Conversation roles must alternate "
-                      "user/assistant/user/assistant/...")
+    assert out[0] == (f"== {conv}:1: refused (template_error): the chat template refused it: Conversation roles "
+                      "must alternate user/assistant/user/assistant/...")
     assert out[1].startswith(f"== refused: {conv}:2: malformed record (bad_json): ")
     assert out[2:7] == [f"== {conv}:3: 25 tokens, 7 trained", "<bos><start_of_turn>user", "Hello there!<end_of_turn>",
                        "<start_of_turn>model", "⟦How are you today?<end_of_turn>⟧"]

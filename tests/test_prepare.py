@@ -174,6 +174,26 @@ def test_not_prefix_stable_dropped_and_counted(tmp_path):
     assert summary["kept"] == 2  # the record without reasoning, split into its two turns
 
 
+def test_an_error_inside_the_chat_template_is_named_as_the_templates(tmp_path):
+    tool = {"messages": [{"role": "user", "content": "What is the weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                         {"role": "tool", "content": "21", "tool_call_id": "c1"},
+                         {"role": "assistant", "content": "Sunny."}]}
+    src = _write(tmp_path, [tool])
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = (  # reads a tool message's name, which this record does not give
+        "{%- for m in messages -%}{%- if m.role == 'tool' -%}{{ '<|im_start|>tool ' + m.name + '\n' + m.content }}"
+        "{%- else -%}<|im_start|>{{ m.role }}\n{{ m.content }}{{ m.tool_calls | tojson if m.tool_calls }}{%- endif -%}"
+        "<|im_end|>\n{%- endfor -%}"
+        "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    with pytest.raises(ConfigError) as e:
+        run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "out", 1)
+    assert str(e.value) == (f"{src}:1: the chat template failed on it (UndefinedError: 'dict object' has no "
+                            "attribute 'name'); a field it reads may be missing from the record (a tool message's "
+                            "name, a tool call's id) or hold another type")
+
+
 def test_every_record_dropped_is_an_error(tmp_path):
     src = _write(tmp_path, [_multi(), _multi()])
     kw = {"prompts_per_chunk": 4, "chat_template_kwargs": {"enable_thinking": False}, "strict": False}

@@ -14,6 +14,7 @@ from typing import Any
 
 from hsextract.conversations import MalformedRecordError, open_sources
 from hsextract.loss_mask import ChatMasker, MaskedSample
+from hsextract.template_render import failure
 
 OPEN, CLOSE = "⟦", "⟧"
 _COLORS = {"reasoning": "\x1b[34m", "eot": "\x1b[33m", "header": "\x1b[32m", "body": "\x1b[32m"}
@@ -71,7 +72,7 @@ def explain(path: str | Path, masker: ChatMasker, color: bool = False) -> str:
             # shown and counted as prepare drops it (strict: false); the next conversation is explained
             reason = getattr(e, "reason", "template_error")
             refused[reason] += 1
-            lines.append(f"== {location}: refused ({reason}): {e}")
+            lines.append(f"== {location}: refused ({reason}): {failure(e)}")
             continue
         for k, s in enumerate(samples):
             title = f"== {location}" + (f" sample {k + 1}/{len(samples)} (the turn at message {s.turn})"

@@ -36,6 +36,7 @@ from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.progress import bar
 from hsextract.settings import PrepareSettings
+from hsextract.template_render import failure
 from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
 
@@ -146,7 +147,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             samples = masker.encode(conv)
         except Exception as e:  # jinja errors (raise_exception in templates) and TemplateError
             if strict:
-                raise TemplateError(f"{location}: {e}", getattr(e, "reason", TEMPLATE_ERROR)) from e
+                raise TemplateError(f"{location}: {failure(e)}", getattr(e, "reason", TEMPLATE_ERROR)) from e
             drop(st, getattr(e, "reason", TEMPLATE_ERROR))
             continue
         for sample in samples:  # several when the conversation is split into turns (`split_turns`)

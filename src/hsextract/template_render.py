@@ -42,6 +42,7 @@ import datetime
 import json
 import re
 import threading
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,6 +70,21 @@ class TemplateError(ConfigError):
     def __init__(self, message: str, reason: str = "template_error") -> None:
         super().__init__(message)
         self.reason = reason
+
+
+def failure(e: BaseException) -> str:
+    """What went wrong in encoding one conversation, said so that its source is plain: our TemplateError as it
+    is; an error raised inside the chat template (a `raise_exception`, or a field it reads that the record lacks)
+    named as the template's; anything else as raised."""
+    if isinstance(e, TemplateError):
+        return str(e)
+    if type(e) is jinja2.exceptions.TemplateError:  # the template's raise_exception: its own words
+        return f"the chat template refused it: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, jinja2.exceptions.TemplateError) or any(f.filename == "<template>" for f in frames):
+        return (f"the chat template failed on it ({type(e).__name__}: {e}); a field it reads may be missing from "
+                "the record (a tool message's name, a tool call's id) or hold another type")
+    return f"{type(e).__name__}: {e}"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
