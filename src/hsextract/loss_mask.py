@@ -182,8 +182,9 @@ class ChatMasker:
         """A prompt that ends by opening a reasoning block (`<think>\n`) and a turn, as the template renders it,
         that never closes it (a template that reads no reasoning field and renders the content right there):
         the sample would train the answer as reasoning, and the model's `</think>` nowhere."""
-        opener = re.search(r"<([A-Za-z_][\w-]*)>\s*$", self._text(p[-4:]))
-        if opener is None or f"</{opener[1]}>" not in self.renderer.template or f"</{opener[1]}>" in self._text(turn):
+        rd = self.renderer
+        opener = re.search(r"<([A-Za-z_][\w-]*)>\s*$", rd.text(p[-4:]))
+        if opener is None or f"</{opener[1]}>" not in rd.template or f"</{opener[1]}>" in rd.text(turn):
             return
         raise TemplateError(
             f"assistant turn {j}: the generation prompt opens a reasoning block ('<{opener[1]}>') that the template "
@@ -214,7 +215,7 @@ class ChatMasker:
         k = self._prompt_tail(p, x, gen)
         if k is None:
             return None
-        special, text = self.renderer.special_ids(), self._text
+        special, text = self.renderer.special_ids(), self.renderer.text
         tail = p[k:]
         while tail and tail[-1] not in special and not text(tail[-1:]).strip():
             tail = tail[:-1]
@@ -232,7 +233,7 @@ class ChatMasker:
 
     def _opener_of(self, closer: int) -> int | None:
         """The special token `<name>` of a special token `</name>`, if the tokenizer has both."""
-        name = re.fullmatch(r"</([A-Za-z_][\w-]*)>", self._text([closer]))
+        name = re.fullmatch(r"</([A-Za-z_][\w-]*)>", self.renderer.text([closer]))
         return None if name is None else self.renderer.added.get(f"<{name[1]}>")
 
     @staticmethod
@@ -242,9 +243,6 @@ class ChatMasker:
         k = common_prefix(p, x)
         return None if not gen or k < len(p) - len(gen) else k
 
-    def _text(self, ids: list[int]) -> str:
-        return self.renderer.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
     def _reasoning_opener(self, p: list[int], x: list[int], gen: list[int]) -> tuple[re.Match[str], int] | None:
         """(the opener's match: tag, name, its trailing space; k) where the end of the generation prompt, p[k:], opens
         a reasoning block (`<think>`, its closer in the template) that x, rendered from the same history, lacks
@@ -252,9 +250,9 @@ class ChatMasker:
         k = self._prompt_tail(p, x, gen)
         if k is None:
             return None
-        if k > len(p) - len(gen) and not self._text(p[k:]).strip() and p[k - 1] in self.renderer.special_ids():
+        if k > len(p) - len(gen) and not self.renderer.text(p[k:]).strip() and p[k - 1] in self.renderer.special_ids():
             k -= 1
-        opener = self._text(p[k:])
+        opener = self.renderer.text(p[k:])
         tag = re.fullmatch(r"\s*(<([A-Za-z_][\w-]*)>)(\s*)", opener)
         return None if tag is None or f"</{tag[2]}>" not in self.renderer.template else (tag, k)
 
@@ -288,7 +286,7 @@ class ChatMasker:
         region = [] if sp is None else e[sp.prompt_end:sp.content_start]
         if region[:1] == p[k:k + 1]:  # the rendering's own opener: the prompt holds it
             region = region[1:]
-        writes_closer = closer in self._text(region)
+        writes_closer = closer in self.renderer.text(region)
         if reasoning is None and writes_closer:  # an empty reasoning block, as the template renders one
             ids, span = self._put_back(p, region, e, sp)
             return ids, replace(span, reasoning_rendered=False, reasoning_inserted=False, filler_trained=False)
@@ -304,7 +302,7 @@ class ChatMasker:
             return self._put_back(p, rd.ids(reasoning) + region, e, sp)
         if after is None:
             reasoning, after = reasoning.rstrip("\n") + "\n", "\n\n"
-        answer = self._text(e[sp.content_start:sp.stop if sp.stop is not None else sp.end])
+        answer = self.renderer.text(e[sp.content_start:sp.stop if sp.stop is not None else sp.end])
         gap = after[:len(after) - len(after.lstrip())]
         if answer.startswith(gap):  # the template keeps the blank line the model wrote (R1), or there is none
             gap = ""

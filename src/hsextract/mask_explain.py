@@ -14,7 +14,7 @@ from typing import Any
 
 from hsextract.conversations import MalformedRecordError, open_sources
 from hsextract.loss_mask import ChatMasker, MaskedSample
-from hsextract.template_render import failure
+from hsextract.template_render import TEMPLATE_ERROR, failure
 
 OPEN, CLOSE = "⟦", "⟧"
 _COLORS = {"reasoning": "\x1b[34m", "eot": "\x1b[33m", "header": "\x1b[32m", "body": "\x1b[32m"}
@@ -70,7 +70,7 @@ def explain(path: str | Path, masker: ChatMasker, color: bool = False) -> str:
             samples = masker.encode(conv)
         except Exception as e:  # noqa: BLE001 - a template's raise_exception, or a TemplateError
             # shown and counted as prepare drops it (strict: false); the next conversation is explained
-            reason = getattr(e, "reason", "template_error")
+            reason = getattr(e, "reason", TEMPLATE_ERROR)
             refused[reason] += 1
             lines.append(f"== {location}: refused ({reason}): {failure(e)}")
             continue

@@ -36,7 +36,7 @@ from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.progress import bar
 from hsextract.settings import PrepareSettings
-from hsextract.template_render import failure
+from hsextract.template_render import TEMPLATE_ERROR, failure
 from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
 
@@ -57,7 +57,6 @@ SCHEMA = pa.schema([
 TOO_LONG = "too_long"
 NO_TRAINED_TOKENS = "no_trained_tokens"
 DUPLICATE = "duplicate"
-TEMPLATE_ERROR = "template_error"
 
 
 def chunk_name(chunk: int) -> str:

@@ -52,6 +52,7 @@ import transformers.utils.chat_template_utils as hf_templates
 from jinja2 import nodes
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
+from hsextract.conversations import as_openai
 from hsextract.errors import ConfigError
 
 # Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
@@ -62,12 +63,15 @@ SENT_REASONING = ("\ue002\ue002", "\uf003\uf003")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
+TEMPLATE_ERROR = "template_error"  # the reason a conversation is dropped under when nothing names another
+
+
 class TemplateError(ConfigError):
     """The chat template cannot give a consistent mask for a conversation (names the turn and the text).
 
     `reason` is the counter name prepare drops the conversation under when `strict` is false."""
 
-    def __init__(self, message: str, reason: str = "template_error") -> None:
+    def __init__(self, message: str, reason: str = TEMPLATE_ERROR) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -224,11 +228,9 @@ class TemplateRenderer:
     # ------------------------------------------------------------------------------------------- text
 
     def _prepare(self, m: dict[str, Any], drop_empty_content: bool) -> dict[str, Any]:
-        parts = m.get("content_parts")
-        if parts is not None:  # the content's parts (conversations.py); not once a probe replaced the content
-            m = {k: v for k, v in m.items() if k != "content_parts"}
-            if self.content_format == "openai" and m.get("content") == " ".join(parts):
-                m["content"] = [{"type": "text", "text": p} for p in parts]
+        if "content_parts" in m:  # the content's parts (conversations.py); not once a probe replaced the content
+            m = as_openai(m) if self.content_format == "openai" else \
+                {k: v for k, v in m.items() if k != "content_parts"}
         if m.get("role") != "assistant":
             return m
         out = {k: v for k, v in m.items() if k != "reasoning_content"}
@@ -272,6 +274,10 @@ class TemplateRenderer:
             got = self._full_ids(piece)
             self._ids[piece] = got
         return got
+
+    def text(self, ids: list[int]) -> str:
+        """The text of `ids`, special tokens and spacing as they are."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def ids(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added). The renders of one conversation share most of their
@@ -422,5 +428,5 @@ class TemplateRenderer:
         return ()
 
 
-__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TemplateError", "TemplateFacts", "TemplateRenderer",
-           "common_prefix", "content_format", "common_suffix", "is_prefix"]
+__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TEMPLATE_ERROR", "TemplateError", "TemplateFacts",
+           "TemplateRenderer", "common_prefix", "content_format", "common_suffix", "failure", "is_prefix"]

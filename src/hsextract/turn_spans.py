@@ -59,7 +59,7 @@ class TurnSpan:
 
 def _names_calls(renderer: TemplateRenderer, ids: list[int], calls: list[dict[str, Any]]) -> bool:
     """Whether the text of `ids` names every tool call's function (it holds the calls' markup)."""
-    text = renderer.tokenizer.decode(ids, skip_special_tokens=False)
+    text = renderer.text(ids)
     return all(str((c.get("function") or c).get("name", "")) in text for c in calls)
 
 
