@@ -379,19 +379,23 @@ def test_the_client_refuses_an_unsafe_dump_directory(tmp_path: Path) -> None:
         SGLangEngine("http://127.0.0.1:1", CaptureSpec((1,), "post_norm"), d)
 
 
-def test_api_key_reaches_the_server_command_and_the_requests_but_no_log(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_api_key_reaches_the_server_in_a_file_and_the_requests_but_no_command(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import http.client
 
     from hsextract.engines.base import CaptureSpec
+    from hsextract.errors import ConfigError
     from hsextract.sglang import server as hsrv
     from hsextract.sglang.api import TransientError
     from hsextract.sglang.client import SGLangEngine
 
     cfg = hsrv.ServerConfig(model="m", aux_layers=(1,), api_key="s3cret", final_state="post_norm")
-    cmd = hsrv.build_command(cfg)
-    assert cmd[cmd.index("--api-key") + 1] == "s3cret"
-    assert "s3cret" not in " ".join(hsrv.redact(cmd)) and hsrv.redact(cmd)[cmd.index("--api-key") + 1] == "***"
+    with pytest.raises(ConfigError, match="reaches the server in a key file"):
+        hsrv.build_command(cfg)  # never on the command line (issue 36: ps shows it to every local user)
+    cmd = hsrv.build_command(cfg, key_file=tmp_path / "k.yaml")
+    assert "s3cret" not in " ".join(cmd) and cmd[cmd.index("--config") + 1] == str(tmp_path / "k.yaml")
+    assert hsrv.redact(["x", "--api-key", "s3cret", "--admin-api-key=s3cret"]) == [
+        "x", "--api-key", "<redacted>", "--admin-api-key=<redacted>"]
     sent: list[dict] = []
 
     def request(self, method, url, body=None, headers=None):

@@ -459,58 +459,60 @@ def _dumper_for(tmp_path: Path, aux: tuple[int, ...], final_state: str = "pre_no
     return d
 
 
-def test_setup_resolves_aux_plus_one_and_writes_marker(tmp_path: Path) -> None:
+def test_setup_captures_the_hidden_states_ids_and_writes_marker(tmp_path: Path) -> None:
     d = _dumper_for(tmp_path, (2, 30, 58))
     m = FakeDeepseek()
     d.setup_model(m, types.SimpleNamespace())
     assert d.mode == "plugin" and d.hidden_size == H
-    assert d.verify_model(m) == [3, 31, 59]
-    marker = d.write_marker([3, 31, 59])
+    assert d.verify_model(m) == [2, 30, 58]  # SGLang's "before layer i" index is the hidden_states id
+    marker = d.write_marker([2, 30, 58])
     assert marker.name.startswith("plugin-")
-    assert '"layers_to_capture": [3, 31, 59]' in marker.read_text()
+    text = marker.read_text()
+    assert '"layers_to_capture": [2, 30, 58]' in text and '"layer_convention": "hidden_states"' in text
 
 
 def test_deepseek_quirk_is_refused(tmp_path: Path) -> None:
-    d = _dumper_for(tmp_path, (2, 30, 58))
+    # no dflash setter: set_eagle3 with the ids of a +1 class ([0, 4, 6]), which DeepSeek's rule takes raw
+    d = _dumper_for(tmp_path, (1, 5, 7))
     m = FakeDeepseekOld()
     d.setup_model(m, types.SimpleNamespace())
     with pytest.raises(plg.PluginConfigError) as e:
         d.verify_model(m)
     assert str(e.value) == (
-        "hsextract: FakeDeepseekOld captures layers [2, 30, 58], but aux_layers [2, 30, 58] need "
-        "[3, 31, 59] (SGLang index = layer id + 1). Refusing to dump the wrong layers."
+        "hsextract: FakeDeepseekOld captures layers [0, 4, 6], but aux_layers (hidden_states ids) [1, 5, 7] need "
+        "[1, 5, 7] (SGLang's index = the hidden_states id). Refusing to dump the wrong layers."
     )
-    # builtin mode (server launched with EAGLE3 ids): same check, with the launch hint
-    d2 = _dumper_for(tmp_path, (2, 30, 58), "post_norm")
+    # builtin mode (server launched with EAGLE3 ids one below, as for a +1 class): same check, with the launch hint
+    d2 = _dumper_for(tmp_path, (3, 30, 58), "post_norm")
     m2 = FakeDeepseekOld()
     d2.setup_model(m2, types.SimpleNamespace(enable_return_aux_hidden_states=True))
-    m2.set_eagle3_layers_to_capture([2, 30, 58])
-    with pytest.raises(plg.PluginConfigError, match="DFLASH --return-aux-hidden-state-layer-ids 2 30 58"):
+    m2.set_eagle3_layers_to_capture([2, 29, 57])
+    with pytest.raises(plg.PluginConfigError, match="DFLASH --return-aux-hidden-state-layer-ids 2 29 57"):
         d2.verify_model(m2)
 
 
 def test_plugin_config_from_env(tmp_path: Path) -> None:
     assert plg.PluginConfig.from_env({}) is None
-    cfg = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "2, 30,58"})
-    assert cfg.aux_layers == (2, 30, 58) and cfg.expected_capture == [3, 31, 59]
+    cfg = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "2, 30,58"})
+    assert cfg.aux_layers == (2, 30, 58) and cfg.expected_capture == [2, 30, 58]
     with pytest.raises(plg.PluginConfigError, match="No such file or directory; the server launcher creates it"):
-        plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path / "nope"), "HSEXTRACT_AUX_LAYERS": "1"})
+        plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path / "nope"), "HSEXTRACT_AUX_HIDDEN_STATES": "1"})
     assert cfg.final_state == "pre_norm"
-    with pytest.raises(plg.PluginConfigError, match=r"^HSEXTRACT_AUX_LAYERS is not set: give the aux layer ids"):
+    with pytest.raises(plg.PluginConfigError, match=r"^HSEXTRACT_AUX_HIDDEN_STATES is not set: give the aux layer ids"):
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path)})
-    mtp = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": ""})
+    mtp = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": ""})
     assert mtp.aux_layers == () and mtp.expected_capture == []
-    eight = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "0,1,2,3,4,5,6,7"})
+    eight = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "0,1,2,3,4,5,6,7"})
     assert len(eight.aux_layers) == 8
     for bad in ("0,1,2,3,4,5,6,7,8", "1,1", "-1"):
         with pytest.raises(plg.PluginConfigError, match="need 0 to 8 distinct non-negative layer ids"):
-            plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": bad})
+            plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": bad})
     post = plg.PluginConfig.from_env(
-        {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1", "HSEXTRACT_FINAL_STATE": "post_norm"})
+        {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1", "HSEXTRACT_FINAL_STATE": "post_norm"})
     assert post.final_state == "post_norm"
     with pytest.raises(plg.PluginConfigError, match=r"HSEXTRACT_FINAL_STATE='normed': use pre_norm or post_norm"):
         plg.PluginConfig.from_env(
-            {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1", "HSEXTRACT_FINAL_STATE": "normed"})
+            {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1", "HSEXTRACT_FINAL_STATE": "normed"})
 
 
 class _CHM:
@@ -629,7 +631,7 @@ def test_pre_norm_is_the_final_norms_input_sum_for_1_to_8_aux_layers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aux: tuple[int, ...]
 ) -> None:
     d, m = _setup(tmp_path, aux, "pre_norm", monkeypatch)
-    assert m.model.layers_to_capture == [a + 1 for a in aux] and d.verify_model(m) == [a + 1 for a in aux]
+    assert m.model.layers_to_capture == list(aux) and d.verify_model(m) == list(aux)  # hidden_states ids
     assert d.norm_module == "FusedAddRMSNorm"
     r = m.forward_rows(11, seed=len(aux))
     k = len(aux)

@@ -223,7 +223,7 @@ def test_flush_drains_every_thread_and_close_joins_them(tmp_path: Path) -> None:
 
 # ---- configuration ------------------------------------------------------------------------------------
 def test_writer_threads_from_env(tmp_path: Path) -> None:
-    base = {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1,3,5"}
+    base = {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1,3,5"}
     assert plg.PluginConfig.from_env(base).writer_threads == 4
     cfg = plg.PluginConfig.from_env(base | {"HSEXTRACT_WRITER_THREADS": "2"})
     assert cfg.writer_threads == 2
@@ -239,7 +239,7 @@ def test_writer_threads_from_env(tmp_path: Path) -> None:
 
 
 def test_copy_stream_from_env(tmp_path: Path) -> None:
-    base = {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_LAYERS": "1,3,5"}
+    base = {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1,3,5"}
     assert plg.PluginConfig.from_env(base).copy_stream is True
     off = plg.PluginConfig.from_env(base | {"HSEXTRACT_COPY_STREAM": "0"})
     assert off.copy_stream is False

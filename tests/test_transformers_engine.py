@@ -81,8 +81,8 @@ def reference(model_dir: Path, prompts: list[Prompt]) -> list[list[torch.Tensor]
 
 
 def _ref_layer(ref: list[torch.Tensor], aux: int) -> torch.Tensor:
-    # output of decoder layer aux: hidden_states[aux+1], except the last layer (pre-norm, from the hook)
-    return ref[aux + 1]
+    # aux ids are hidden_states ids (hsextract.layers): hidden_states[aux], the input of decoder layer aux
+    return ref[aux]
 
 
 def test_batched_padded_matches_each_sample_alone(
@@ -124,10 +124,11 @@ def test_single_sample_is_bit_exact_layer_mapping(
     with TransformersEngine(model_dir, spec, token_budget=1) as eng:
         got = list(eng.extract(prompts[:3]))
     for c, ref in zip(got, reference[:3], strict=True):
-        assert torch.equal(c.hidden_states[0], ref[3])
-        assert torch.equal(c.hidden_states[1], ref[1])
-        assert torch.equal(c.hidden_states[2], ref[-2])  # aux id n-1 = last layer's own (pre-norm) output
-        assert torch.equal(c.hidden_states[3], ref[-2])
+        assert torch.equal(c.hidden_states[0], ref[2])  # hidden_states[2]: the output of layer 1
+        assert torch.equal(c.hidden_states[1], ref[0])  # hidden_states[0]: the embeddings
+        assert torch.equal(c.hidden_states[2], ref[3])  # hidden_states[3]: the output of layer 2
+        assert not torch.equal(c.hidden_states[2], ref[-2])  # not the last layer's own output
+        assert torch.equal(c.hidden_states[3], ref[-2])  # pre-norm: the last layer's output
 
 
 def test_pre_norm_vs_post_norm(model_dir: Path, prompts: list[Prompt]) -> None:
@@ -193,7 +194,7 @@ def test_aux_beyond_depth_is_a_config_error(model_dir: Path) -> None:
         TransformersEngine(model_dir, CaptureSpec((1, 2, 4), "post_norm"))
     assert str(e.value) == (
         f"aux_layers: layer id 4 is out of range for {model_dir}, which has 4 decoder layers; "
-        "allowed ids are 0..3 (id i = output of decoder layer i)."
+        "allowed ids are 0..3 (id i = hidden_states[i], the output of decoder layer i-1)."
     )
     with pytest.raises(ConfigError, match=r"aux_layers: layer id -1 is out of range"):
         TransformersEngine(model_dir, CaptureSpec((-1,), "post_norm"))
@@ -241,7 +242,7 @@ def test_config_errors_for_budget(model_dir: Path) -> None:
 def test_other_families_capture_the_right_layers_and_final_norm(tmp_path: Path, model_type: str) -> None:
     """Families other than the tiny DeepseekV3 (GLM-4.5, MiniMax-M2, gpt-oss: eager attention, it has no sdpa
     path; Gemma-3 and Qwen3-Next: a 1 + weight norm; Qwen3-Next: linear attention layers): one sample, every aux
-    layer equals transformers' `hidden_states[i+1]` bit for bit, the post-norm state its last entry, and the
+    layer equals transformers' `hidden_states[i]` bit for bit, the post-norm state its last entry, and the
     final norm as shards record it, applied to the pre-norm state, gives the post-norm state bit for bit."""
     from transformers import AutoModelForCausalLM
 
@@ -256,6 +257,6 @@ def test_other_families_capture_the_right_layers_and_final_norm(tmp_path: Path, 
         ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)(
             torch.tensor([ids]), output_hidden_states=True).hidden_states
     aux0, aux2, pre, post = c.hidden_states
-    assert torch.equal(aux0, ref[1][0]) and torch.equal(aux2, ref[3][0]) and torch.equal(post, ref[-1][0])
-    assert not torch.equal(aux0, ref[2][0]) and not torch.equal(pre, post)
+    assert torch.equal(aux0, ref[0][0]) and torch.equal(aux2, ref[2][0]) and torch.equal(post, ref[-1][0])
+    assert not torch.equal(aux0, ref[1][0]) and not torch.equal(aux2, ref[3][0]) and not torch.equal(pre, post)
     assert torch.equal(read_final_norm(str(tmp_path)).apply(pre), post)

@@ -1,15 +1,21 @@
 """Capture presets: which decoder layers a run stores, named by the drafter that reads them.
 
-    eagle3  [2, L//2, L-3]: the default of vLLM's hidden-state extraction and of speculators (and
-            SGLang's set_eagle3_layers_to_capture without ids); Kimi-K2.5 (61 layers): [2, 30, 58]
-    dflash  5 layers evenly spaced from 1 to L-3, rounded as DFlash's build_target_layer_ids rounds
-            (Python round); 61 layers: [1, 15, 30, 44, 58]
+Ids are hidden_states indices (hsextract.layers): id i is transformers `hidden_states[i]`, the input of
+decoder layer i, i.e. the output of layer i-1. For a model of L decoder layers:
+
+    eagle3  [2, L//2, L-3]: what EAGLE-3's reference code, vLLM and SGLang (set_eagle3_layers_to_capture
+            without ids) feed an EAGLE-3 drafter; Kimi-K2.5 (61 layers): [2, 30, 58], the outputs of
+            layers 1, 29, 57
+    dflash  what SGLang's DFlash feeds a 5-layer drafter: the outputs of build_target_layer_ids(L, 5)
+            (evenly spaced from 1 to L-3, Python round), so hidden_states [2, .., L-2]; 61 layers:
+            [2, 16, 31, 45, 59]
     mtp     no aux layer: the final state only (an MTP head reads the last hidden state)
     custom  the explicit `aux_layers` list (1 to 8 ids)
 
-Ids follow the layer convention: id i is the output of decoder layer i. Every preset is followed by the
-final state (`final_state`). A preset with an explicit `aux_layers` list too must agree with it: a list
-copied from another model's config would otherwise silently capture the wrong layers.
+An explicit `aux_layers` list must say its convention (`aux_layers_convention`): hsextract's ids meant
+layer outputs before this was recorded, so a list is never silently read one way or the other. Every
+preset is followed by the final state (`final_state`). A preset with an explicit list too must agree
+with it: a list copied from another model's config would otherwise silently capture the wrong layers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hsextract.errors import ConfigError
+from hsextract.layers import CONVENTIONS, HIDDEN_STATES, LAYER_OUTPUT, describe, to_hidden_states
 
 PRESETS = ("eagle3", "dflash", "mtp", "custom")
 MAX_AUX_LAYERS = 8
@@ -29,8 +36,9 @@ def eagle3_layers(num_layers: int) -> list[int]:
 
 
 def dflash_layers(num_layers: int, n: int = DFLASH_NUM_LAYERS) -> list[int]:
+    # DFlash names layers by their output (SGLang's set_dflash_layers_to_capture adds 1): hidden_states is +1
     start, end = 1, num_layers - 3
-    return [round(start + i * (end - start) / (n - 1)) for i in range(n)]
+    return [round(start + i * (end - start) / (n - 1)) + 1 for i in range(n)]
 
 
 def preset_layers(preset: str, num_layers: int) -> list[int]:
@@ -49,23 +57,41 @@ def preset_layers(preset: str, num_layers: int) -> list[int]:
     return layers
 
 
-def resolve_aux_layers(config: Mapping[str, Any], num_layers: int) -> list[int]:
-    """The run's aux layer ids from `capture` and `aux_layers`; a ConfigError names the key to change."""
+def explicit_layers(config: Mapping[str, Any]) -> list[int] | None:
+    """The explicit `aux_layers` list as hidden_states ids (None without a list); its convention must be said."""
     given = config.get("aux_layers")
+    if given is None:
+        return None
+    convention = config.get("aux_layers_convention")
+    if convention not in CONVENTIONS:
+        ids = [int(i) for i in given]
+        raise ConfigError(
+            f"aux_layers: {ids} does not say which layers it means; add aux_layers_convention: "
+            f"{HIDDEN_STATES} (id i = transformers hidden_states[i]: {describe(ids)}; what vLLM, SGLang and "
+            f"EAGLE-3 drafter configs use) or aux_layers_convention: {LAYER_OUTPUT} (id i = the output of "
+            f"decoder layer i: {describe(to_hidden_states(ids, LAYER_OUTPUT))}; hsextract's meaning before it "
+            f"was recorded), or set aux_layers: null to take the `capture` preset's layers")
+    return to_hidden_states(given, convention)
+
+
+def resolve_aux_layers(config: Mapping[str, Any], num_layers: int) -> list[int]:
+    """The run's aux layers as hidden_states ids, from `capture`, `aux_layers` and its convention; a
+    ConfigError names the key to change."""
+    given = explicit_layers(config)
     # without a `capture` key (a config that did not pass the schema): a list is custom, no list eagle3
     preset = config.get("capture") or ("custom" if given is not None else "eagle3")
     if preset == "custom":
         if not given:
             raise ConfigError("aux_layers: capture: custom needs an explicit list of 1 to "
                               f"{MAX_AUX_LAYERS} layer ids (for the final state alone use capture: mtp)")
-        layers = list(given)
+        layers = given
     else:
         layers = preset_layers(preset, num_layers)
-        if given is not None and list(given) != layers:
+        if given is not None and given != layers:
             raise ConfigError(
-                f"aux_layers: capture: {preset} takes its layers from the model ({layers} for its {num_layers} "
-                f"decoder layers), but aux_layers is {list(given)}; set aux_layers: null to use the preset "
-                f"(config/config.yaml sets a list for the tiny model), or capture: custom to keep the list")
+                f"aux_layers: capture: {preset} takes its layers from the model ({describe(layers)} for its "
+                f"{num_layers} decoder layers), but aux_layers is {describe(given)}; set aux_layers: null to use "
+                f"the preset, or capture: custom to keep the list")
     if len(layers) > MAX_AUX_LAYERS:
         raise ConfigError(f"aux_layers: {len(layers)} layers; at most {MAX_AUX_LAYERS} aux layers are supported")
     return layers

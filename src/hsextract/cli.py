@@ -77,6 +77,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         summary = export(args.run_dir, args.out_dir, args.fmt, force=args.force, allow_missing=args.allow_missing)
     print(f"exported {summary['num_samples']} samples ({summary['num_tokens']} tokens) as {args.fmt} "
           f"to {summary['data_path']}")
+    li = summary["layers"]
+    sgl = li["sglang_0.5.16"]
+    print(f"layers: {li['stored']['meaning']}; {li['consumer']}: {li[li['consumer']]}")
+    print(f"drafter config eagle_aux_hidden_state_layer_ids: vLLM {li['vllm']['eagle_aux_hidden_state_layer_ids']}, "
+          f"SGLang 0.5.16 {sgl['eagle_aux_hidden_state_layer_ids'] if sgl['eagle_aux_hidden_state_layer_ids'] is not None else '(' + sgl['note'] + ')'}"
+          f" (all in {summary['out_dir']}/layers.json)")
     return 0
 
 

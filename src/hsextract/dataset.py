@@ -18,10 +18,13 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import ShardError
+from hsextract.layers import HIDDEN_STATES, describe, shard_convention, shard_hidden_states
 from hsextract.shard import SHARD_SUFFIX, ShardReader
 
 # Keys that must agree across shards for their samples to form one training set.
-CONSISTENT_KEYS = ("model", "aux_layers", "final_state", "final_norm", "hidden_size", "dtype", "num_hidden_tensors")
+# (aux layers are compared as hidden_states ids: a shard written before the convention was recorded holds the
+# same layers under other numbers)
+CONSISTENT_KEYS = ("model", "final_state", "final_norm", "hidden_size", "dtype", "num_hidden_tensors")
 
 
 MANIFEST_NAME = "dataset.json"
@@ -105,6 +108,11 @@ class HiddenStateDataset(Dataset):
         self.readers = [ShardReader(s, decode_threads=decode_threads) for s in shards]
         first = self.readers[0].metadata
         for r in self.readers[1:]:
+            if shard_hidden_states(r.metadata) != shard_hidden_states(first):
+                raise ShardError(
+                    f"{r.path}: holds {describe(shard_hidden_states(r.metadata))} but {self.readers[0].path} holds "
+                    f"{describe(shard_hidden_states(first))}; shards of one dataset must come from the same model "
+                    "and capture settings")
             for k in CONSISTENT_KEYS:
                 if r.metadata.get(k) != first.get(k):
                     a, b = _shown(k, r.metadata.get(k)), _shown(k, first.get(k))
@@ -123,6 +131,9 @@ class HiddenStateDataset(Dataset):
     def metadata(self) -> dict[str, Any]:
         """The first shard's metadata plus the dataset's shard list and size."""
         meta = dict(self.readers[0].metadata)
+        # the aux layers as hidden_states ids whatever the shards recorded (the recorded convention kept beside)
+        meta["recorded_layer_convention"] = shard_convention(meta)
+        meta["aux_layers"], meta["layer_convention"] = shard_hidden_states(meta), HIDDEN_STATES
         meta.pop("chunk", None)
         meta["shards"] = [str(r.path) for r in self.readers]
         meta["num_samples"] = self._len

@@ -24,6 +24,7 @@ from hsextract import provenance
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
 from hsextract.final_norm import final_norm_metadata
+from hsextract.layers import HIDDEN_STATES
 from hsextract.model_info import read_model_shape
 from hsextract.settings import ExtractSettings
 
@@ -90,6 +91,8 @@ def shard_metadata(
     chunk: int,
     chat_template_hash: str | None = None,
     vocab_size: int | None = None,
+    num_hidden_layers: int | None = None,
+    architecture: str | None = None,
 ) -> dict[str, Any]:
     """The self-description every shard carries (docs/FORMAT.md, "Metadata").
 
@@ -109,6 +112,9 @@ def shard_metadata(
         "engine": s.engine,
         "engine_version": engine.version(),
         "aux_layers": list(s.aux_layers),
+        "layer_convention": HIDDEN_STATES,  # hsextract.layers; shards without it hold layer-output ids
+        "num_hidden_layers": num_hidden_layers,
+        "architecture": architecture,  # the checkpoint's class: which SGLang layer-id rule its drafter meets
         "final_state": s.final_state,
         "final_norm": norm,  # hsextract.final_norm: post-norm = norm(pre-norm) at export
         "hidden_size": int(hidden_size),
@@ -225,7 +231,8 @@ def run_extract(
     shape = read_model_shape(settings.model)
     shard = settings.shard
     with build_engine(settings, spec, chunk) as engine:
-        meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size)
+        meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size,
+                              shape.num_layers, shape.architecture)
         return extract_chunk(
             prompts, shard_path, engine, meta,
             level=shard.compression_level, threads=shard.threads, precision=shard.precision, progress=progress,

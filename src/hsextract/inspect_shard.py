@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hsextract import layers
 from hsextract.shard import ShardReader
 
 
@@ -27,6 +28,7 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
         "raw_bytes": raw,
         "stored_bytes": stored,
         "stored_over_raw": round(stored / raw, 4) if raw else None,
+        "layers": layer_info(r.metadata),
     }
     if samples:
         info["samples"] = [
@@ -37,6 +39,34 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
     return info
 
 
+def layer_info(meta: dict[str, Any]) -> dict[str, Any]:
+    """The shard's aux layers with their recorded meaning, as hidden_states ids, and each consumer's ids."""
+    hs = layers.shard_hidden_states(meta)
+    recorded = "layer_convention" in meta
+    return {
+        "recorded": {"aux_layers": list(meta["aux_layers"]), "convention": layers.shard_convention(meta),
+                     "convention_recorded": recorded},
+        **({} if recorded else {"note": "written before hsextract recorded a layer convention: its ids are "
+                                        "layer outputs (id i = the output of decoder layer i)"}),
+        **layers.drafter_config(hs, meta.get("num_hidden_layers"), meta.get("architecture")),
+    }
+
+
+def _layers_text(li: dict[str, Any]) -> list[str]:
+    rec, stored = li["recorded"], li["stored"]
+    head = f"aux_layers     {rec['aux_layers']} ({rec['convention']} ids"
+    head += ")" if rec["convention_recorded"] else ", not recorded: written before hsextract recorded it)"
+    lines = [head, f"               = {stored['meaning']}"]
+    sgl = li["sglang_0.5.16"]
+    arch = sgl["target_architecture"]
+    sgl_text = (f"{arch} {sgl['eagle_aux_hidden_state_layer_ids']}" if sgl["eagle_aux_hidden_state_layer_ids"]
+                is not None else sgl["note"])
+    lines.append(f"drafter config eagle_aux_hidden_state_layer_ids: vLLM "
+                 f"{li['vllm']['eagle_aux_hidden_state_layer_ids']}; SGLang 0.5.16 {sgl_text}")
+    lines.append(f"               SpecForge aux_hidden_states_layers {li['specforge']['aux_hidden_states_layers']}")
+    return lines
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.3f} MB"
 
@@ -45,11 +75,12 @@ def format_info(info: dict[str, Any]) -> str:
     """Human-readable text of shard_info()."""
     m = info["metadata"]
     lines = [f"shard          {info['shard']}"]
-    for key in ("format_version", "model", "engine", "engine_version", "aux_layers", "final_state", "hidden_size",
+    for key in ("format_version", "model", "engine", "engine_version", "final_state", "hidden_size",
                 "dtype", "precision", "codec", "config_hash", "tokenizer_hash", "chat_template_hash"):
         if key in m:
             lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
-    shown = {line.split()[0] for line in lines[1:]}
+    shown = {line.split()[0] for line in lines[1:]} | {"aux_layers", "layer_convention"}
+    lines += _layers_text(info["layers"] if "layers" in info else layer_info(m))
     extra = sorted(set(m) - shown - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
     for key in extra:
         lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")

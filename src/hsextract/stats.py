@@ -17,12 +17,14 @@ import pandas as pd
 import torch
 
 from hsextract.atomic import write_atomic
+from hsextract.layers import HIDDEN_STATES, shard_hidden_states
 
 SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
 
 def tensor_names(aux_layers: Sequence[int], final_state: str) -> list[str]:
-    return [f"aux_{i}" for i in aux_layers] + [f"final_{final_state}"]
+    """Labels of a shard's tensors; `aux_layers` as hidden_states ids (hsextract.layers)."""
+    return [f"hidden_states[{i}]" for i in aux_layers] + [f"final_{final_state}"]
 
 
 def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, Any]:
@@ -31,7 +33,8 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
 
     reader = ShardReader(shard_path)
     meta = reader.metadata
-    names = tensor_names(meta["aux_layers"], meta["final_state"])
+    aux = shard_hidden_states(meta)  # an old shard's layer-output ids, converted
+    names = tensor_names(aux, meta["final_state"])
     n_t = len(names)
     hidden = int(meta["hidden_size"])
     sum_sq = np.zeros(n_t, dtype=np.float64)
@@ -71,7 +74,8 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
     return {
         "shard": str(shard_path),
         "chunk": meta.get("chunk"),
-        "aux_layers": list(meta["aux_layers"]),
+        "aux_layers": aux,
+        "layer_convention": HIDDEN_STATES,
         "final_state": meta["final_state"],
         "hidden_size": hidden,
         "samples": len(seq_lengths),

@@ -1,9 +1,9 @@
 """The engine interfaces: `Engine` (token ids in, per-sample hidden states out) and `Generator` (token ids
 in, generated token ids out; used by `regenerate`).
 
-Layer convention (config/README.md, `aux_layers`): aux layer id i is the *output of decoder layer i*, i.e.
-transformers' hidden_states[i+1] and SGLang's capture index i+1. The last tensor is the
-last decoder layer's output, after the final norm (`post_norm`) or before it (`pre_norm`).
+Layer convention (hsextract.layers): aux layer id i is transformers' `hidden_states[i]`, the input of
+decoder layer i (the output of layer i-1), SGLang's capture index i and vLLM's aux layer id i. The last
+tensor is the last decoder layer's output, after the final norm (`post_norm`) or before it (`pre_norm`).
 """
 
 from __future__ import annotations

@@ -7,10 +7,11 @@ layer i, EXCEPT the last entry, which transformers replaces with the output of t
 norm (`capture_outputs(tie_last_hidden_states=True)`; transformers 4.x appended the normed
 state last as well). The last decoder layer's own (pre-norm) output is not in the tuple.
 
-So this engine takes aux ids i < num_layers - 1 from `hidden_states[i+1]` and gets the
-last layer's output from forward hooks: on the last decoder layer (pre-norm, also used
-for an aux id of num_layers - 1) and on the final norm module (post-norm). It runs the
-backbone (`model.model`), not the lm_head: logits are never needed.
+Aux ids are hidden_states indices (hsextract.layers), so this engine takes aux id i from
+`hidden_states[i]` (i < num_layers: the tuple's entries before its replaced last one) and gets
+the last layer's output from forward hooks: on the last decoder layer (pre-norm) and on the
+final norm module (post-norm). It runs the backbone (`model.model`), not the lm_head: logits
+are never needed.
 
 Batching is sort-free: consecutive prompts are grouped while batch_size * max_len stays
 within `token_budget` (and batch_size within `max_batch`); a prompt longer than the budget
@@ -67,7 +68,7 @@ def validate_capture_spec(spec: CaptureSpec, num_layers: int, model: str) -> Non
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < num_layers:
             raise ConfigError(
                 f"aux_layers: layer id {i!r} is out of range for {model}, which has {num_layers} decoder layers; "
-                f"allowed ids are 0..{num_layers - 1} (id i = output of decoder layer i)."
+                f"allowed ids are 0..{num_layers - 1} (id i = hidden_states[i], the output of decoder layer i-1)."
             )
     if len(set(spec.aux_layers)) != len(spec.aux_layers):
         raise ConfigError(f"aux_layers: {list(spec.aux_layers)} repeats a layer id; give each layer once.")
@@ -222,7 +223,7 @@ class TransformersEngine(Engine):
         if pre is None or post is None:
             raise EngineError(f"{self.model_path}: the last-layer/final-norm hooks did not fire during the forward.")
         finals = {"pre_norm": [pre], "post_norm": [post], BOTH: [pre, post]}[self.spec.final_state]
-        layers = [pre if i == self.num_layers - 1 else hs[i + 1] for i in self.spec.aux_layers] + finals
+        layers = [hs[i] for i in self.spec.aux_layers] + finals
         self._captured.clear()
 
         results = []

@@ -6,12 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from hsextract import layers
 from hsextract.errors import ConfigError
 from hsextract.export.common import (
     CONSUMER_FINAL_STATE,
     FinalNormWarning,
     final_norm_message,
     prepare_out_dir,
+    save_json,
     warn_final_norm,
 )
 from hsextract.export.specforge import export_specforge
@@ -26,6 +28,13 @@ EXPORTERS = {
     "speculators-safetensors": export_speculators_safetensors,
 }
 FORMATS = tuple(EXPORTERS)
+LAYERS_FILE = "layers.json"
+# the entry of hsextract.layers.drafter_config that holds each format's consumer's own ids
+CONSUMER_LAYER_KEY = {
+    "speculators-v1": "speculators_0.4_data_config",  # data_config.json's layer_ids: layer outputs
+    "speculators-safetensors": "vllm",  # speculators >= 0.5 trains drafters that vLLM serves: hidden_states ids
+    "specforge": "specforge",  # aux_hidden_states_layers: layer outputs (hidden_states[i + 1])
+}
 
 
 def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt: str,
@@ -54,8 +63,12 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     warning = warn_final_norm(fmt, final_state, convertible=norm is not None)
     pds = ProgressDataset(ds, f"export {fmt}")
     summary = EXPORTERS[fmt](pds, out, norm) if norm is not None else EXPORTERS[fmt](pds, out)
+    # every consumer's ids for the stored layers (hsextract.layers), this format's own first
+    ids = layers.drafter_config(meta["aux_layers"], meta.get("num_hidden_layers"), meta.get("architecture"))
+    layer_ids = {"format": fmt, "consumer": CONSUMER_LAYER_KEY[fmt], **ids}
+    save_json(out / LAYERS_FILE, layer_ids)
     summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
-                   warning=warning, final_norm_applied=norm is not None)
+                   warning=warning, final_norm_applied=norm is not None, layers=layer_ids)
     return summary
 
 

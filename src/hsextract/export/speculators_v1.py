@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from hsextract import __version__
+from hsextract import __version__, layers
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import own_storage, remove_stale, save_json, save_torch
 
@@ -29,7 +29,9 @@ from hsextract.export.common import own_storage, remove_stale, save_json, save_t
 def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[str, Any]:
     """speculators 0.4's DataGenerationConfig (version "2.0") with what the shards know; unknowns are null."""
     n_layers = meta.get("num_hidden_layers")
-    layer_ids = list(meta["aux_layers"]) + [n_layers - 1 if isinstance(n_layers, int) else None]
+    # speculators 0.4's data generation captures after layer i (custom_worker.py): its layer_ids are layer outputs,
+    # the last one the last decoder layer; meta's aux_layers are hidden_states ids (dataset.metadata)
+    layer_ids = layers.to_layer_output(meta["aux_layers"]) + [n_layers - 1 if isinstance(n_layers, int) else None]
     hidden, n = meta["hidden_size"], meta["num_hidden_tensors"]
     return {
         "version": "2.0",
@@ -61,8 +63,10 @@ def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[st
         },
         "hidden_states": {
             "layer_ids": layer_ids,
-            "description": (f"outputs of decoder layers {list(meta['aux_layers'])}, then the last decoder layer "
-                            f"({meta['final_state']}); captured by hsextract with engine {meta.get('engine')}"),
+            "description": (f"{layers.describe(meta['aux_layers'])} (layer_ids are layer outputs, as speculators "
+                            f"0.4 records them), then the last decoder layer ({meta['final_state']}); captured by "
+                            f"hsextract with engine {meta.get('engine')}. A drafter served by vLLM takes "
+                            f"eagle_aux_hidden_state_layer_ids {list(meta['aux_layers'])} (layers.json)"),
         },
         "generation": {"cache_dir": None},
         "format": {

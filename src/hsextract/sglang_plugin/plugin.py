@@ -5,7 +5,8 @@ enable it with `SGLANG_PLUGINS=hsextract`. Inactive unless `HSEXTRACT_DUMP_DIR` 
 
 Environment (set by `hsextract.sglang.server`):
     HSEXTRACT_DUMP_DIR      private dump directory (must exist)
-    HSEXTRACT_AUX_LAYERS    aux layer ids, e.g. "2,30,58" (output of decoder layer i); 0 to 8 of them,
+    HSEXTRACT_AUX_HIDDEN_STATES aux layers as hidden_states ids, e.g. "2,30,58" (id i = the input of decoder
+                            layer i = SGLang's capture index i); 0 to 8 of them,
                             "" (set but empty) for the final state alone (capture: mtp; plugin capture only)
     HSEXTRACT_FINAL_STATE   pre_norm (the last decoder layer's output) or post_norm (after the final norm);
                             both (pre then post, of the same forward: the fidelity benchmark's diagnostic)
@@ -22,12 +23,13 @@ Capture source:
     logits_output.hidden_states holds the packed aux layers [T, K*H], last_hidden_states the
     post-norm final state [T, H].
   * `plugin` (SGLang 0.5.16, or a newer one without that flag): after model load the plugin calls the
-    model's `set_dflash_layers_to_capture(aux)` (always +1; falls back to `set_eagle3_layers_to_capture`),
+    model's `set_dflash_layers_to_capture([i - 1 for i in aux])` (always +1; falls back to
+    `set_eagle3_layers_to_capture` with the ids hsextract.layers.sglang_eagle3_ids gives for the class),
     forces CaptureHiddenMode.FULL on EXTEND batches, and appends the post-norm final state to the stored
     aux tensor in LogitsProcessor._get_hidden_states_to_store -> [T, (K+1)*H]. Launch with
     `--enable-return-hidden-states` so prefill CUDA graphs are captured in FULL mode.
-Either way the resolved `layers_to_capture` must equal [i+1 for i in aux]; otherwise the server refuses
-to start (DeepSeek's set_eagle3 takes ids raw unless the first is 1).
+Either way the resolved `layers_to_capture` must equal aux; otherwise the server refuses to start
+(DeepSeek's set_eagle3 takes ids raw unless the first is 1).
 
 Pre-norm final state: the layer-capture list never reaches past the last layer (capture index i is the
 input of layer i), and the model returns the normed state. A forward pre-hook on the decoder's final norm
@@ -66,6 +68,7 @@ from typing import Any
 
 import torch
 
+from hsextract.layers import HIDDEN_STATES, sglang_eagle3_ids
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the plugin's public names
@@ -89,7 +92,7 @@ from hsextract.sglang_plugin.writer import DumpWriter
 
 log = logging.getLogger("hsextract.sglang_plugin")
 
-PLUGIN_VERSION = "1"
+PLUGIN_VERSION = "2"  # 2: aux ids are hidden_states ids (HSEXTRACT_AUX_HIDDEN_STATES)
 WRITER_SWITCH_INTERVAL_S = 0.0005
 TARGET_FORWARD = "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation"
 TARGET_LOAD_MODEL = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
@@ -235,15 +238,21 @@ class Dumper:
                                     "plugin capture source (sglang.capture: plugin), not "
                                     "--enable-return-aux-hidden-states")
         if self.mode == "plugin" and self.cfg.aux_layers:  # none: FULL mode stores the final state by itself
-            setter = getattr(model, "set_dflash_layers_to_capture", None) or getattr(
-                model, "set_eagle3_layers_to_capture", None
-            )
-            if setter is None:
+            aux = list(self.cfg.aux_layers)
+            if hasattr(model, "set_dflash_layers_to_capture"):  # DFlash names layers by their output: +1
+                model.set_dflash_layers_to_capture([i - 1 for i in aux])
+            elif hasattr(model, "set_eagle3_layers_to_capture"):
+                ids = sglang_eagle3_ids(aux, type(model).__name__)
+                if ids is None:
+                    raise PluginConfigError(
+                        f"hsextract: {type(model).__name__}.set_eagle3_layers_to_capture cannot capture "
+                        f"hidden_states {aux} (and it has no set_dflash_layers_to_capture)")
+                model.set_eagle3_layers_to_capture(ids)
+            else:
                 raise PluginConfigError(
                     f"hsextract: {type(model).__name__} has neither set_dflash_layers_to_capture nor "
                     "set_eagle3_layers_to_capture; this model cannot capture aux hidden states in SGLang"
                 )
-            setter(list(self.cfg.aux_layers))
         if self.tap is not None:
             if self.mode == "builtin":  # the method exists from SGLang 0.5.2x on, as the builtin flag does
                 _install_hook(TARGET_LAST_STORE, _around_last_store)
@@ -265,14 +274,16 @@ class Dumper:
         if resolved != expected:
             hint = (
                 " With --enable-return-aux-hidden-states pass --speculative-algorithm DFLASH "
-                f"--return-aux-hidden-state-layer-ids {' '.join(map(str, self.cfg.aux_layers))} (always +1); "
+                f"--return-aux-hidden-state-layer-ids {' '.join(str(i - 1) for i in self.cfg.aux_layers)} "
+                "(always +1); "
                 "EAGLE3 takes DeepSeek ids raw unless the first is 1."
                 if self.mode == "builtin"
                 else ""
             )
             raise PluginConfigError(
                 f"hsextract: {type(model).__name__} captures layers {resolved}, but aux_layers "
-                f"{list(self.cfg.aux_layers)} need {expected} (SGLang index = layer id + 1). Refusing to "
+                f"(hidden_states ids) {list(self.cfg.aux_layers)} need {expected} (SGLang's index = the "
+                f"hidden_states id). Refusing to "
                 f"dump the wrong layers.{hint}"
             )
         return resolved
@@ -288,6 +299,7 @@ class Dumper:
             "sglang_version": sgl,
             "capture": self.mode,
             "aux_layers": list(self.cfg.aux_layers),
+            "layer_convention": HIDDEN_STATES,
             "layers_to_capture": resolved,
             "final_state": self.cfg.final_state,
             "final_norm_module": self.norm_module,

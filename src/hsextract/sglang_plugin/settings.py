@@ -13,7 +13,9 @@ from hsextract.capture import MAX_AUX_LAYERS
 from hsextract.sglang_plugin.dumpcheck import DumpDirError, verify_dir
 
 ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
-ENV_AUX_LAYERS = "HSEXTRACT_AUX_LAYERS"
+# named for its convention: a plugin installed by an older hsextract (which read HSEXTRACT_AUX_LAYERS as
+# layer outputs) finds nothing and refuses to start instead of capturing one layer deeper
+ENV_AUX_LAYERS = "HSEXTRACT_AUX_HIDDEN_STATES"
 ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
 ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
 ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
@@ -42,8 +44,8 @@ class PluginConfig:
 
     @property
     def expected_capture(self) -> list[int]:
-        """SGLang capture indices: aux id i (output of layer i) is the input of layer i+1."""
-        return [i + 1 for i in self.aux_layers]
+        """SGLang capture indices ("before layer i"): the hidden_states ids themselves."""
+        return list(self.aux_layers)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> PluginConfig | None:

@@ -17,7 +17,7 @@ import torch
 import xxhash
 import zstandard as zstd
 
-from hsextract import __version__
+from hsextract import __version__, layers
 from hsextract.atomic import commit, create_temp, remove_temps
 from hsextract.errors import ShardError
 from hsextract.shard import format as fmt
@@ -65,8 +65,12 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
         raise ShardError(f"shard metadata hidden_size {metadata['hidden_size']!r}: must be a positive integer")
     if precision not in PRECISIONS:
         raise ShardError(f"precision {precision!r}: use one of {PRECISIONS}")
+    convention = metadata.get("layer_convention", layers.STORED)
+    if convention not in layers.CONVENTIONS:
+        raise ShardError(f"shard metadata layer_convention {convention!r}: use one of {layers.CONVENTIONS}")
     meta = dict(metadata)
     meta["aux_layers"] = [int(x) for x in metadata["aux_layers"]]
+    meta["layer_convention"] = convention
     meta.update(
         format_version=fmt.FORMAT_VERSION,
         precision=precision,
