@@ -147,3 +147,21 @@ def test_check_installed_without_sglang_names_the_interpreter() -> None:
         pytest.skip("sglang is installed in this environment")
     assert not rep.ok
     assert f"no sglang package importable by {sys.executable}" in str(rep.problems[0])
+
+
+def test_report_says_which_releases_ran_and_which_were_checked_statically_only(tmp_path: Path) -> None:
+    """The defaults (config/kimi.yaml, envs/sglang.yaml) are what ran; every other checked release is static."""
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    assert set(sc.RAN_ON_GPU) <= set(sc.RELEASES_CHECKED) == set(VERSIONS)
+    ran = sc.CompatReport(source="x", version="0.5.16").summary()
+    assert ran["ran_on_gpu"] is True and ran["tested"] == sc.RAN_ON_GPU["0.5.16"]
+    static = sc.CompatReport(source="x", version="0.5.23").summary()
+    assert static["ran_on_gpu"] is False and "statically only" in static["tested"]
+    assert static["releases"]["checked_statically_only"] == ["0.5.23"]
+    env = yaml.safe_load((root / "envs/sglang.yaml").read_text())
+    pins = dict(p.split("==") for d in env["dependencies"] if isinstance(d, dict) for p in d["pip"] if "==" in p)
+    assert pins["sglang"] in sc.RAN_ON_GPU
+    kimi = yaml.safe_load((root / "config/kimi.yaml").read_text())
+    assert kimi["sglang"]["capture"] == "plugin" and "capture: plugin" in sc.RAN_ON_GPU[pins["sglang"]]

@@ -2,8 +2,10 @@
 
 Reads the source (a wheel, or an installed package) with `ast` and verifies every hook target, attribute,
 keyword argument and server flag the plugin uses; a missing one is reported with its file and line (the
-line of the class or function where it was expected). Supported range: SGLang 0.5.16 to 0.5.23. One module
-for one job (a list of checks, each a few lines, against one source tree), hence its length.
+line of the class or function where it was expected). Supported range: SGLang 0.5.16 to 0.5.23. Of the
+releases whose wheels the tests check (RELEASES_CHECKED), RAN_ON_GPU ran on a GPU with the plugin; the others
+are checked statically only: the report says which (`ran_on_gpu`, `releases`). One module for one job (a list
+of checks, each a few lines, against one source tree), hence its length.
 
     python -m hsextract.sglang.compat --wheel sglang-0.5.23-*.whl
     python -m hsextract.sglang.compat --python /opt/sglang/bin/python     # the server's environment
@@ -32,6 +34,14 @@ from hsextract.sglang_plugin.plugin import (
 
 SUPPORTED_MIN = (0, 5, 16)
 SUPPORTED_MAX = (0, 5, 23)
+# Releases whose wheels tests/test_sglang_compat.py checks against every requirement below.
+RELEASES_CHECKED = ("0.5.16", "0.5.23")
+# Of those, the ones that ran on a GPU with this project's plugin, and how (the defaults of config/kimi.yaml
+# and envs/sglang.yaml follow this); every other release is checked statically only.
+RAN_ON_GPU: dict[str, str] = {
+    "0.5.16": "capture: plugin, on an H200 (Python 3.12, torch 2.11.0+cu130, triton attention): "
+              "bench/gpu/run_fidelity.sh, run_throughput.sh (bench/README.md)",
+}
 
 # needed_for: "all" (any use), "plugin" (capture set up by the plugin: 0.5.16), "builtin"
 # (--enable-return-aux-hidden-states: 0.5.2x), "llama" / "deepseek" (that model family).
@@ -178,12 +188,23 @@ class CompatReport:
     def ok(self) -> bool:
         return self.in_range and self._ok("all") and bool(self.capture_sources)
 
+    @property
+    def ran_on_gpu(self) -> bool:
+        v = parse_version(self.version)
+        return v is not None and ".".join(map(str, v)) in RAN_ON_GPU
+
     def summary(self) -> dict:
+        v = parse_version(self.version)
+        release = ".".join(map(str, v)) if v else None
         return {
             "source": self.source,
             "sglang_version": self.version,
             "in_supported_range": self.in_range,
             "supported_range": [".".join(map(str, SUPPORTED_MIN)), ".".join(map(str, SUPPORTED_MAX))],
+            "ran_on_gpu": self.ran_on_gpu,
+            "tested": RAN_ON_GPU.get(release or "", "checked statically only (this report), never ran on a GPU"),
+            "releases": {"ran_on_gpu": dict(RAN_ON_GPU),
+                         "checked_statically_only": [r for r in RELEASES_CHECKED if r not in RAN_ON_GPU]},
             "capture_sources": self.capture_sources,
             "models": self.models,
             "checked": self.checked,
