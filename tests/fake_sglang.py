@@ -10,6 +10,15 @@ Failure injection (command line, or FakeServer kwargs): --fail-first N (HTTP 500
 close the socket on request N+1), --wrong-prompt-tokens, --no-marker (plugin not active).
 
     python tests/fake_sglang.py --model-path x --host 127.0.0.1 --port 30000   # env HSEXTRACT_DUMP_DIR, ..._AUX_LAYERS
+
+SGLang's model object: with `model=` (FakeServer) or a `--model-path` whose config.json is Kimi-K2.5's wrapper
+(KimiK25ForConditionalGeneration), a pass goes through an object of SGLang's class shape (FakeKimiK25, below: the
+wrapper around a DeepseekV3ForCausalLM, as sglang/srt/models/kimi_k25.py builds it) and the plugin's own model
+hooks: at start the plugin's set-up finds the decoder and its final norm inside it, sets the capture layers
+through the wrapper's delegating setters and verifies them (the marker says what it resolved); each pass runs the
+decoder (capture layers' inputs as aux, the final norm called on hidden + residual, so the plugin's pre-hook
+takes the pre-norm state) and SGLang's LogitsProcessor store through the plugin's hook. The rows it dumps are the
+same expected_states, so a whole run is checked value for value either way.
 """
 
 from __future__ import annotations
@@ -22,9 +31,11 @@ import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from hsextract.model_info import text_config
 from hsextract.sglang_plugin import plugin as plg
 
 HIDDEN = 16
@@ -66,6 +77,139 @@ class _LogitsOut:
     last_hidden_states: torch.Tensor | None = None
 
 
+# ---- SGLang's model objects, in the shape the plugin reads ----------------------------------------------------
+class FusedAddRMSNorm(torch.nn.Module):
+    """SGLang's RMSNorm called with a residual (fused_add_rmsnorm): writes the sum into `residual` and the normed
+    state into `x`, in place, and returns both."""
+
+    def __init__(self, hidden: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, hidden).to(torch.bfloat16))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        residual.add_(x)
+        r = residual.float()
+        x.copy_((r * torch.rsqrt(r.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype))
+        return x, residual
+
+
+class FakeDecoder(torch.nn.Module):
+    """SGLang's DeepseekV2Model: decoder `.layers`, the final `.norm`, `layers_to_capture` (capture index i = the
+    input of layer i). A pass's rows [T, (K+1)*H] of expected_states come out as that model's would: the first K
+    blocks as the captured layers' inputs (in layer order), the last as hidden + residual entering the norm."""
+
+    def __init__(self, num_layers: int, hidden: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Identity() for _ in range(num_layers))
+        self.norm = FusedAddRMSNorm(hidden)
+        self.layers_to_capture: list[int] = []
+        self.hidden = hidden
+
+    def forward(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.hidden
+        if len(self.layers_to_capture) != k:
+            raise RuntimeError(f"fake decoder: {k} aux layers wanted, layers_to_capture {self.layers_to_capture}")
+        aux = [rows[:, j * h:(j + 1) * h] for j in range(k)]
+        pre = rows[:, k * h:(k + 1) * h]
+        residual = torch.ones_like(pre)  # hidden + residual == pre exactly: small integers in bf16
+        hidden, _ = self.norm((pre - residual).contiguous(), residual)
+        return hidden, aux
+
+
+class FakeDeepseekV3ForCausalLM(torch.nn.Module):
+    """SGLang 0.5.16's DeepseekV3ForCausalLM: `.model` the decoder; its capture setters (deepseek_v2.py:2915-2942)."""
+
+    def __init__(self, config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = config
+        self.model = FakeDecoder(config.num_hidden_layers, config.hidden_size)
+
+    def forward(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.model(rows, k)
+
+    def set_eagle3_layers_to_capture(self, layer_ids: list[int] | None = None) -> None:
+        if layer_ids is None:
+            n = self.config.num_hidden_layers
+            self.model.layers_to_capture = [2, n // 2, n - 3]
+        elif layer_ids and layer_ids[0] == 1:
+            self.model.layers_to_capture = [v + 1 for v in layer_ids]
+        else:
+            self.model.layers_to_capture = list(layer_ids)
+
+    def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+        self.model.layers_to_capture = [v + 1 for v in layer_ids]
+
+
+class FakeKimiK25Config:
+    """SGLang's KimiK25Config: the text model's settings in `text_config`; hidden_size reads them."""
+
+    def __init__(self, text_config: SimpleNamespace) -> None:
+        self.text_config = text_config
+        self.architectures = ["KimiK25ForConditionalGeneration"]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.text_config.hidden_size
+
+
+class FakeKimiK25(torch.nn.Module):
+    """SGLang 0.5.16's KimiK25ForConditionalGeneration (models/kimi_k25.py:642-941): `vision_tower`,
+    `mm_projector`, `language_model` (a DeepseekV3ForCausalLM); `.model` aliases language_model and assigning
+    `.model` is a no-op; the capture setters delegate to the language model."""
+
+    def __init__(self, text_config: SimpleNamespace) -> None:
+        super().__init__()
+        self.config = FakeKimiK25Config(text_config)
+        self.vision_tower = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+        self.mm_projector = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, text_config.hidden_size))
+        self.language_model = FakeDeepseekV3ForCausalLM(text_config)
+
+    @property
+    def model(self) -> FakeDeepseekV3ForCausalLM:
+        return self.language_model
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "model":
+            return
+        super().__setattr__(name, value)
+
+    def forward(self, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.language_model(rows, k)  # general_mm_embed_routine: text only, straight to the language model
+
+    def set_eagle3_layers_to_capture(self, layer_ids: list[int] | None = None) -> None:
+        self.language_model.set_eagle3_layers_to_capture(layer_ids)
+
+    def set_dflash_layers_to_capture(self, layer_ids: list[int]) -> None:
+        self.language_model.set_dflash_layers_to_capture(layer_ids)
+
+
+def sglang_model_for(model_path: str | os.PathLike[str]) -> FakeKimiK25 | None:
+    """The SGLang model object for a Kimi-K2.5-packaged checkpoint (config.json's class and text_config), else
+    None (the server dumps its rows without a model object)."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        return None
+    cfg = json.loads(cfg_file.read_text())
+    if (cfg.get("architectures") or [None])[0] != "KimiK25ForConditionalGeneration":
+        return None
+    text = cfg["text_config"]
+    return FakeKimiK25(SimpleNamespace(num_hidden_layers=int(text["num_hidden_layers"]),
+                                       hidden_size=int(text["hidden_size"])))
+
+
+def sgl_store(self: object, hidden_states: torch.Tensor, hidden_states_before_norm: torch.Tensor | None,
+              aux_hidden_states: list[torch.Tensor] | None, pruned_states: torch.Tensor | None,
+              pruned_states_before_norm: torch.Tensor | None, aux_pruned_states: list[torch.Tensor] | None,
+              sample_indices: torch.Tensor | None, logits_metadata: object) -> torch.Tensor | None:
+    """SGLang 0.5.16's LogitsProcessor._get_hidden_states_to_store, FULL capture (logits_processor.py:630-650)."""
+    return torch.cat(aux_hidden_states, dim=-1) if aux_hidden_states is not None else hidden_states
+
+
+_FULL = SimpleNamespace(capture_hidden_mode=SimpleNamespace(is_full=lambda: True))
+_PLUGIN_LOCK = threading.Lock()  # the plugin's hooks read one module-level Dumper; servers in one process take turns
+
+
 class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 256  # listen backlog; the default 5 resets connections at 32 in flight (uvicorn: 2048)
 
@@ -76,7 +220,7 @@ class FakeServer:
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
                  hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
-                 gather: int = 0, final_state: str = "post_norm") -> None:
+                 gather: int = 0, final_state: str = "post_norm", model: torch.nn.Module | None = None) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), final_state=final_state,
                                staging_bytes=staging_bytes)
         self.dumper = plg.Dumper(cfg, pin=False, write_delay_s=write_delay_s)
@@ -101,14 +245,36 @@ class FakeServer:
         self._queue: list[_Req] = []
         self._cv = threading.Condition()
         self._stop = threading.Event()
+        self.model = model
+        resolved = self._set_up_model(model) if model is not None else [a + 1 for a in aux_layers]
         if marker:
-            self.dumper.write_marker([a + 1 for a in aux_layers])
+            self.dumper.write_marker(resolved)
         self.httpd = _HTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.url = f"http://{host}:{self.port}"
         self._threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
                          threading.Thread(target=self._schedule, daemon=True)]
+
+    def _set_up_model(self, model: torch.nn.Module) -> list[int]:
+        """The plugin's hooks after ModelRunner.load_model and init_attention_backends, on SGLang's model object."""
+        if self.builtin:
+            raise ValueError("fake sglang: a model object runs the plugin capture source only")
+        self.dumper.setup_model(model, SimpleNamespace(enable_return_aux_hidden_states=False))
+        if self.dumper.hidden_size != self.hidden:
+            raise ValueError(f"fake sglang: model hidden size {self.dumper.hidden_size}, rows of {self.hidden}")
+        return self.dumper.verify_model(model)
+
+    def _forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """The model's forward on a pass's rows, then the logits processor's store through the plugin's hook."""
+        k = self.k1 - self.dumper.n_final
+        with _PLUGIN_LOCK:
+            previous, plg._DUMPER = plg._DUMPER, self.dumper
+            try:
+                hidden, aux = self.model(rows, k)
+                return plg._around_store(sgl_store, None, hidden, None, aux or None, None, None, None, None, _FULL)
+            finally:
+                plg._DUMPER = previous
 
     def start(self) -> FakeServer:
         for t in self._threads:
@@ -161,7 +327,9 @@ class FakeServer:
                 for r, pre, ext in parts]
         rows.append(torch.full((3, self.k1 * self.hidden), -77.0, dtype=torch.bfloat16))  # graph padding
         hs = torch.cat(rows)
-        if self.builtin:
+        if self.model is not None:
+            lo = _LogitsOut(self._forward(hs))
+        elif self.builtin:
             k = (self.k1 - 1) * self.hidden
             lo = _LogitsOut(hs[:, :k].contiguous(), hs[:, k:].contiguous())
         else:
@@ -258,12 +426,14 @@ def main(argv: list[str] | None = None) -> None:
     if cfg is None:
         cfg = plg.PluginConfig(Path("/nonexistent"), (0,))
     model_cfg = Path(a.model_path) / "config.json"  # a real model dir: its hidden size (throughput dry run)
-    hidden = json.loads(model_cfg.read_text()).get("hidden_size", HIDDEN) if model_cfg.is_file() else HIDDEN
+    hidden = text_config(json.loads(model_cfg.read_text())).get("hidden_size", HIDDEN) if model_cfg.is_file() \
+        else HIDDEN
     srv = FakeServer(cfg.dump_dir, cfg.aux_layers, a.host, a.port, chunk=a.chunked_prefill_size,
                      builtin=a.enable_return_aux_hidden_states, fail_first=a.fail_first, hang_first=a.hang_first,
                      skip_dump_first=a.skip_dump_first, die_after=a.die_after,
                      wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True, hidden=hidden,
-                     staging_bytes=min(cfg.staging_bytes, 1 << 30), final_state=cfg.final_state)
+                     staging_bytes=min(cfg.staging_bytes, 1 << 30), final_state=cfg.final_state,
+                     model=sglang_model_for(a.model_path) if a.model_path else None)
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:

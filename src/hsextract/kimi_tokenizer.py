@@ -48,6 +48,11 @@ SPECIAL_OFFSETS: dict[str, int] = {
     "<|tool_call_argument_begin|>": 12,
     "<|tool_call_end|>": 13,
     "[UNK]": 14,
+    # Kimi-K2.5's media tokens (its processor expands <|media_pad|>, config.json's media_placeholder_token_id)
+    "<|media_begin|>": 15,
+    "<|media_content|>": 16,
+    "<|media_end|>": 17,
+    "<|media_pad|>": 18,
     "[PAD]": NUM_RESERVED_SPECIAL_TOKENS - 1,
 }
 ROLE_TOKENS = ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")

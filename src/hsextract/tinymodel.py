@@ -11,9 +11,19 @@ the shipped conversations, in one of two packagings (`tokenizer=`):
   behind an `auto_map` (tokenization_kimi.py), a tiktoken.model BPE, a slow tokenizer, a
   Kimi-K2.5-shaped template with a `thinking` switch. Loading it needs trust_remote_code.
 
+The checkpoint itself comes in one of two packagings (`packaging=`):
+
+- `text`: a DeepseekV3ForCausalLM directory (config.json, model.safetensors), what save_pretrained writes;
+- `kimi-k25`: Kimi-K2.5's multimodal wrapper in miniature (hsextract.kimi_k25_checkpoint, which says what
+  SGLang needs to serve it and why the quantization_config it carries covers no layer): the same text
+  weights under `language_model.`, its config in `text_config` (rms_norm_eps 1e-5, as Kimi's), a small
+  MoonViT and projector, the processor files. Needs the kimi tokenizer.
+
 Everything is deterministic: the same arguments write byte-identical weights and tokenizer files.
 
     python -m hsextract.tinymodel --out resources/tiny-model --conversations data/conversations.jsonl [--tokenizer kimi]
+    python -m hsextract.tinymodel --packaging kimi-k25 --tokenizer kimi --out resources/kimi-k25-mini \
+        --conversations data/conversations.jsonl
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ TINY_CONFIG: dict[str, Any] = {
 }
 DEFAULT_VOCAB_SIZE = 4096
 TOKENIZER_KINDS = ("fast", "kimi")
+PACKAGINGS = ("text", "kimi-k25")
 # std of the random weights: the usual 0.02 for all matrices, except the MoE router.
 # A random router with std 0.02 gives sigmoid scores all within ~0.5 +- 0.08, so the top-2
 # choice is a near-tie for many tokens, and the rounding difference between a padded batch
@@ -204,13 +215,16 @@ def make_tiny_model(
     init_std: float = DEFAULT_INIT_STD,
     router_std: float = DEFAULT_ROUTER_STD,
     tokenizer: str = "fast",
+    packaging: str = "text",
+    quantization_config: bool = True,
     **config_overrides: Any,
 ) -> Path:
     """Write a tiny DeepseekV3ForCausalLM (bf16 safetensors) + tokenizer to `out_dir`.
 
-    `tokenizer` is the packaging, `fast` or `kimi` (module docstring); `vocab_size` counts every id,
-    the kimi packaging's 256 reserved special ids included. `config_overrides` replace keys of
-    TINY_CONFIG (e.g. num_hidden_layers=4, hidden_size=128 for tests). The directory is built under a
+    `tokenizer` is the tokenizer's packaging, `fast` or `kimi`, `packaging` the checkpoint's, `text` or
+    `kimi-k25` (module docstring; `quantization_config=False` leaves that block out of a kimi-k25 config);
+    `vocab_size` counts every id, the kimi tokenizer's 256 reserved special ids included. `config_overrides`
+    replace keys of TINY_CONFIG (e.g. num_hidden_layers=4, hidden_size=128 for tests). The directory is built under a
     temporary name next to `out_dir` and renamed into place, replacing any previous one: it exists
     whole or not at all.
     """
@@ -218,6 +232,15 @@ def make_tiny_model(
 
     if tokenizer not in TOKENIZER_KINDS:
         raise ConfigError(f"tiny model: tokenizer={tokenizer!r}; choose one of {list(TOKENIZER_KINDS)}")
+    if packaging not in PACKAGINGS:
+        raise ConfigError(f"tiny model: packaging={packaging!r}; choose one of {list(PACKAGINGS)}")
+    if packaging == "kimi-k25":
+        from hsextract import kimi_k25_checkpoint
+
+        if tokenizer != "kimi":
+            raise ConfigError("tiny model: packaging kimi-k25 ships Kimi-K2.5's tokenizer packaging; "
+                              "pass tokenizer='kimi' (--tokenizer kimi)")
+        config_overrides = {"rms_norm_eps": kimi_k25_checkpoint.RMS_NORM_EPS, **config_overrides}
     out = Path(out_dir)
     if tokenizer == "kimi":
         from hsextract import kimi_tokenizer
@@ -249,9 +272,13 @@ def make_tiny_model(
             kimi_tokenizer.write_kimi_tokenizer(tmp, ranks, TINY_CONFIG["max_position_embeddings"])
         else:
             fast.save_pretrained(tmp)
+        if packaging == "kimi-k25":
+            kimi_k25_checkpoint.rewrap(tmp, media_placeholder_token_id=ids["<|media_pad|>"], seed=seed,
+                                       init_std=init_std, quantization=quantization_config)
         info = {
             "what": "hsextract tiny model: random DeepseekV3 (Kimi-K2.5 shape in miniature)",
             "tokenizer": tokenizer,
+            "packaging": packaging,
             "seed": seed,
             "init_std": init_std,
             "router_std": router_std,
@@ -290,6 +317,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--hidden-size", type=int, default=TINY_CONFIG["hidden_size"])
     p.add_argument("--tokenizer", choices=TOKENIZER_KINDS, default="fast",
                    help="fast: tokenizer.json; kimi: custom-code tiktoken tokenizer packaged like Kimi-K2.5's")
+    p.add_argument("--packaging", choices=PACKAGINGS, default="text",
+                   help="text: a DeepseekV3ForCausalLM checkpoint; kimi-k25: Kimi-K2.5's multimodal wrapper in "
+                        "miniature (needs --tokenizer kimi)")
+    p.add_argument("--no-quantization-config", dest="quantization_config", action="store_false",
+                   help="kimi-k25: leave out the compressed-tensors quantization_config (it covers no layer)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     out = make_tiny_model(
@@ -300,6 +332,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         num_hidden_layers=args.num_layers,
         hidden_size=args.hidden_size,
         tokenizer=args.tokenizer,
+        packaging=args.packaging,
+        quantization_config=args.quantization_config,
     )
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
 

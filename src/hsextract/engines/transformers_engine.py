@@ -88,7 +88,7 @@ class TransformersEngine(Engine):
         attn_implementation: str = "sdpa",
         on_sample: Callable[[Captured], None] | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM
+        from hsextract.text_model import load_causal_lm
 
         if token_budget < 1:
             raise ConfigError(f"token_budget: {token_budget} must be >= 1 (tokens per forward batch).")
@@ -103,7 +103,8 @@ class TransformersEngine(Engine):
         self.on_sample = on_sample
 
         def load(attn: str) -> Any:
-            return AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, attn_implementation=attn)
+            # a multimodal wrapper (Kimi-K2.5): its text model, from text_config and the language_model.* weights
+            return load_causal_lm(self.model_path, self.dtype, attn)
 
         try:
             try:

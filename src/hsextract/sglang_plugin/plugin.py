@@ -312,12 +312,20 @@ class Dumper:
         return path
 
 
+# Where a decoder sits: a causal LM's `.model`; a multimodal wrapper's text model's `.model` (SGLang's
+# KimiK25ForConditionalGeneration: `.language_model`, a DeepseekV3ForCausalLM, which its `.model` aliases).
+DECODER_PATHS = (("model",), ("language_model", "model"), ("model", "model"))
+
+
 def find_decoder(model: Any) -> Any | None:
-    """The model's decoder: the module holding `layers_to_capture` (model.model, or deeper for wrappers
-    such as Kimi-K2.5's language_model); one with a non-empty list first."""
-    inner = getattr(model, "model", None)
-    if inner is not None and isinstance(getattr(inner, "layers_to_capture", None), list):
-        return inner
+    """The model's decoder: the module holding `layers_to_capture` beside its `.layers` and final `.norm`, at
+    one of DECODER_PATHS, else the first module of the tree with a non-empty list (or an empty one)."""
+    for path in DECODER_PATHS:
+        inner = model
+        for name in path:
+            inner = getattr(inner, name, None)
+        if inner is not None and isinstance(getattr(inner, "layers_to_capture", None), list):
+            return inner
     found = None
     for m in model.modules() if hasattr(model, "modules") else []:
         v = getattr(m, "layers_to_capture", None)
