@@ -7,7 +7,13 @@ rows, and hands them to `hsextract.sglang_plugin.plugin.Dumper.on_extend` exactl
 
 Failure injection (command line, or FakeServer kwargs): --fail-first N (HTTP 500), --hang-first N
 (never answer), --skip-dump-first N (answer 200, dump nothing), --die-after N (exit the process /
-close the socket on request N+1), --wrong-prompt-tokens, --no-marker (plugin not active).
+close the socket on request N+1), --wrong-prompt-tokens, --no-marker (plugin not active), --crash-at-start
+(print the settings, then exit 1, as a server that fails to load its model).
+
+The door, as SGLang 0.5.16 keeps it: `--api-key KEY`, or a `--config FILE.yaml` whose keys become flags
+(`api-key: KEY`; the command line wins over the file), and then every request but /health and /metrics needs
+`Authorization: Bearer KEY` (401 {"error": "Unauthorized"} otherwise; sglang/srt/utils/auth.py). At start-up
+it prints its settings, key in clear, as SGLang's `logger.info(f"{server_args=}")` does.
 
     python tests/fake_sglang.py --model-path x --host 127.0.0.1 --port 30000   # env HSEXTRACT_DUMP_DIR, ..._AUX_LAYERS
 
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -220,7 +228,8 @@ class FakeServer:
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
                  hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
-                 gather: int = 0, final_state: str = "post_norm", model: torch.nn.Module | None = None) -> None:
+                 gather: int = 0, final_state: str = "post_norm", api_key: str | None = None,
+                 model: torch.nn.Module | None = None) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), final_state=final_state,
                                staging_bytes=staging_bytes)
         self.dumper = plg.Dumper(cfg, pin=False, write_delay_s=write_delay_s)
@@ -235,6 +244,8 @@ class FakeServer:
         # the first pass waits for `gather` requests (5 s at most) and takes them in rid order: a test whose
         # outcome depends on which requests share that pass gets the same pass on a loaded machine
         self.gather = gather
+        self.api_key = api_key
+        self.refused = 0  # requests answered 401 (no or a wrong key)
         self.n_requests = 0
         self.rids: list[str] = []  # every rid /generate received, in arrival order
         self.passes = 0
@@ -358,13 +369,31 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _authorized(self) -> bool:
+                """SGLang's decide_request_auth for a NORMAL endpoint; a refusal is answered here."""
+                if self.path.startswith(("/health", "/metrics")) or not srv.api_key:
+                    return True
+                parts = (self.headers.get("Authorization") or "").split(" ", 1)
+                if len(parts) == 2 and parts[0].lower() == "bearer" and secrets.compare_digest(parts[1],
+                                                                                               srv.api_key):
+                    return True
+                with srv._lock:
+                    srv.refused += 1
+                self.close_connection = True  # the body, if any, is left unread
+                self._send(401, {"error": "Unauthorized"})
+                return False
+
             def do_GET(self) -> None:
+                if not self._authorized():
+                    return
                 if self.path == "/health":
                     self._send(200, {})
                 else:
                     self._send(404, {"error": "not found"})
 
             def do_POST(self) -> None:
+                if not self._authorized():
+                    return
                 n = int(self.headers.get("Content-Length", 0))
                 req = json.loads(self.rfile.read(n))
                 if self.path != "/generate":
@@ -406,6 +435,23 @@ class FakeServer:
         return H
 
 
+def merge_config_file(argv: list[str]) -> list[str]:
+    """SGLang's ConfigArgumentMerger: the YAML file after --config becomes `--key value` flags, put before the
+    other arguments (so the command line wins)."""
+    import yaml
+
+    if "--config" not in argv:
+        return argv
+    i = argv.index("--config")
+    path = argv[i + 1]
+    if not path.endswith((".yaml", ".yml")):
+        raise SystemExit(f"Config file must be YAML format, got: {path}")
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    flags = [x for k, v in data.items() for x in ((f"--{k}",) if v is True else (f"--{k}", str(v)))]
+    return flags + argv[:i] + argv[i + 2:]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model-path", default="")
@@ -419,7 +465,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--die-after", type=int, default=None)
     ap.add_argument("--wrong-prompt-tokens", action="store_true")
     ap.add_argument("--startup-delay", type=float, default=0.0)
-    a, _unknown = ap.parse_known_args(argv)  # the real launcher's other flags are ignored
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--crash-at-start", action="store_true")
+    a, _unknown = ap.parse_known_args(merge_config_file(list(sys.argv[1:] if argv is None else argv)))
+    # what SGLang 0.5.16 logs at start-up (sglang/srt/entrypoints/engine.py), the key in clear
+    print(f"server_args=ServerArgs(model_path={a.model_path!r}, host={a.host!r}, port={a.port}, "
+          f"api_key={a.api_key!r}, chunked_prefill_size={a.chunked_prefill_size})", flush=True)
+    if a.crash_at_start:
+        raise SystemExit("RuntimeError: Not enough memory (injected start-up failure)")
     time.sleep(a.startup_delay)
     cfg = plg.PluginConfig.from_env()
     marker = cfg is not None
@@ -433,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
                      skip_dump_first=a.skip_dump_first, die_after=a.die_after,
                      wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True, hidden=hidden,
                      staging_bytes=min(cfg.staging_bytes, 1 << 30), final_state=cfg.final_state,
-                     model=sglang_model_for(a.model_path) if a.model_path else None)
+                     api_key=a.api_key, model=sglang_model_for(a.model_path) if a.model_path else None)
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:

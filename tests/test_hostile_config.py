@@ -87,7 +87,9 @@ def test_non_regular_sources_are_refused_without_opening_them(tmp_path: Path) ->
         with pytest.raises(ConfigError) as e:
             check_source_path("sources[0].path", path)
         assert str(e.value).startswith(f"sources[0].path: {path} {what}")
-    check_source_path("sources[0].path", tmp_path)  # a dataset folder
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds/state.json").write_text("{}")
+    check_source_path("sources[0].path", tmp_path / "ds")  # a dataset folder (save_to_disk)
     (tmp_path / "a.jsonl").write_text("{}\n")
     check_source_path("sources[0].path", tmp_path / "a.jsonl")
 

@@ -336,9 +336,10 @@ def test_trust_remote_code_reaches_the_server_command() -> None:
     assert "--trust-remote-code" not in hsrv.build_command(server())
     trusted = server(trust_remote_code=True)
     assert hsrv.build_command(trusted)[-2:] == ["--disable-prefill-cuda-graph", "--trust-remote-code"]
-    # given in launch_args as well (older configs): passed once
-    both = server(trust_remote_code=True, sglang={"launch_args": ["--trust-remote-code"]})
-    assert hsrv.build_command(both).count("--trust-remote-code") == 1
+    # in launch_args: the launcher's own flag, refused with the key to set (issue 36)
+    with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --trust-remote-code is set by the launcher "
+                                          r"itself; set `trust_remote_code: true`$"):
+        server(trust_remote_code=True, sglang={"launch_args": ["--trust-remote-code"]})
     # a running server started without it is not reused
     assert hsrv.config_hash(trusted, 0) != hsrv.config_hash(server(), 0)
     # config/kimi.yaml: from the key, not from launch_args

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import listen_port
 from fake_sglang import HIDDEN, FakeServer, expected_states
 from test_workflow import ROOT, job_counts, make_workdir, smk
 
@@ -161,6 +162,52 @@ def test_whole_run_against_a_fake_sglang_server(scenario: WholeRun) -> None:
             n += 1
     assert n > 0 and srv.n_requests >= n
     assert not list(dump.glob("*.piece")) and not list(dump.glob("*.done"))  # the client cleaned up
+
+
+def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_path: Path) -> None:
+    """Issue 36, through the workflow: the extraction jobs start the (fake) server themselves, with the
+    configured key in a 0600 file (SGLang's --config), never on its command line; a request without the key is
+    refused; and no byte the run wrote (dataset.json, patched.json, shards, logs, Snakemake's own files) holds
+    the key. `--no-hooks` keeps the server up after the run (onsuccess would stop it) to knock on its door."""
+    import secrets
+
+    from test_server_door import cmdline, fake_server_python, request
+
+    from hsextract.redaction import REDACTED
+    from hsextract.sglang import server as hsrv
+
+    key = f"hsx-wf-{secrets.token_hex(16)}"
+    wrapper = fake_server_python(tmp_path)
+    wd = sg_workdir(tmp_path, f"sglang: {{python: '{wrapper}', port: {listen_port(4)}, api_key: '{key}', "
+                              "concurrency: 4, timeout_s: 30, retries: 1, startup_timeout_s: 120}\n",
+                    records=12, per_chunk=6)
+    sg = wd / "config/sg.yaml"
+    if "aux_layers_convention" not in sg.read_text():  # the ids are hidden_states ids, as the fake's marker says
+        sg.write_text(sg.read_text() + "capture: custom\naux_layers_convention: hidden_states\n")
+    state = wd / "results/sg-test/server"
+    # the server's environment needs no build here: patched.json as rule build_patched_server writes it
+    state.mkdir(parents=True)
+    (state / "patched.json").write_text(json.dumps({"python": str(wrapper)}))
+    try:
+        plan = job_counts(smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout)
+        assert "build_patched_server" not in plan and plan["extract"] == 2
+        smk(wd, "--no-hooks", configfiles=("config/sg.yaml",))
+        h = hsrv.ServerHandle.from_json((state / "replica-0.json").read_text())
+        assert hsrv._alive(h.pid) and key.encode() not in cmdline(h.pid)
+        assert cmdline(h.pid).split(b"\0")[-3:-1] == [b"--config", str(state.absolute() / "private/replica-0.yaml")
+                                                       .encode()]
+        assert request(h.url, "POST", "/generate", None) == 401
+        assert request(h.url, "POST", "/generate", key[:-1]) == 401
+    finally:
+        hsrv.stop_servers(state, grace_s=5)
+    dataset = json.loads((wd / "results/sg-test/dataset.json").read_text())
+    assert dataset["all_valid"] is True and dataset["provenance"]["config"]["sglang"]["api_key"] == REDACTED
+    log = (state / "replica-0.log").read_text()
+    assert f"api_key='{REDACTED}'" in log  # the server printed its settings, key hidden on its way to the log
+    config_file = wd / "config/sg.yaml"
+    written = [f for f in wd.rglob("*") if f.is_file() and not f.is_symlink() and f != config_file]
+    assert len(written) > 30 and not (state / "private/replica-0.yaml").exists()
+    assert [f for f in written if key.encode() in f.read_bytes()] == []
 
 
 SCENARIOS = {"test_whole_run_against_a_fake_sglang_server": run_whole}

@@ -65,6 +65,9 @@ def check_engine(s: Settings) -> None:
                 f"engine: sglang is not usable in this installation ({e}); use engine: transformers "
                 f"or install the sglang extra"
             ) from None
+        from hsextract.sglang.server import check_launch_args
+
+        check_launch_args(s.extract.sglang.launch_args)  # the launcher owns --host, --port, --api-key, ...
 
 
 def check_layers(s: Settings, shape: ModelShape) -> list[int]:

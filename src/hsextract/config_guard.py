@@ -7,8 +7,9 @@
   the figures). So the Snakefile calls this first: it counts the config's values as a tree would, and
   stops at MAX_CONFIG_VALUES without expanding anything.
 - `check_remote`: a non-loopback `sglang.host` needs `sglang.api_key` or an explicit `allow_remote`.
-- `check_source_path`: a source must be a regular file or a folder; a FIFO would block the record count
-  at parse time forever, a device (/dev/zero) would be read without end.
+- `check_source_path`: a source must be a regular file or a dataset folder; a FIFO would block the record
+  count at parse time forever, a device (/dev/zero) would be read without end, and any other folder is
+  refused by name before a reader fails on it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ def check_bounded(config: Any, limit: int = MAX_CONFIG_VALUES, max_depth: int = 
     return count
 
 
+# what makes a folder a source: `datasets.save_to_disk` of a Dataset, or of a DatasetDict
+DATASET_FOLDER_FILES = ("state.json", "dataset_dict.json")
+
+
 def check_source_path(key: str, path: str | os.PathLike[str]) -> None:
-    """`path` exists and is a regular file or a folder (symlinks followed); else ConfigError naming `key`."""
+    """`path` exists and is a regular file or a `save_to_disk` folder (symlinks followed); else ConfigError
+    naming `key`."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
@@ -60,6 +66,10 @@ def check_source_path(key: str, path: str | os.PathLike[str]) -> None:
         kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
             "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
         raise ConfigError(f"{key}: {path} is {kind}; a source must be a regular file or a dataset folder")
+    if stat.S_ISDIR(mode) and not any(os.path.isfile(os.path.join(path, n)) for n in DATASET_FOLDER_FILES):
+        raise ConfigError(f"{key}: {path} is a folder but not a `datasets.save_to_disk` dataset (it has no "
+                          f"{' or '.join(DATASET_FOLDER_FILES)}); name a .jsonl, .json, .parquet or .arrow file, "
+                          "or such a dataset folder")
 
 
 def is_loopback(host: str) -> bool:
@@ -82,10 +92,12 @@ def check_remote(config: Mapping[str, Any]) -> None:
         return
     if sg.get("allow_remote") is True:
         print(f"hsextract: warning: sglang.host {host} is not a loopback address and sglang.api_key is not set: "
-              "anyone who can reach the port can use the server (sglang.allow_remote: true)", file=sys.stderr)
+              "anyone who can reach the port can try the server; it requires the random key the launcher makes "
+              "(sglang.allow_remote: true)", file=sys.stderr)
         return
     raise ConfigError(
         f"sglang.host: {host} is not a loopback address: the server would accept requests from the network. "
-        "Set sglang.api_key (the servers then require it and the client sends it), or sglang.allow_remote: true "
-        "to run without one, or use 127.0.0.1."
+        "Set sglang.api_key (the servers require it and every client must send it), or sglang.allow_remote: true "
+        "to listen there with the random key each server gets (only this user can read it, in "
+        "results/<run_name>/server/private/), or use 127.0.0.1."
     )

@@ -15,6 +15,7 @@ from typing import Any
 
 from hsextract import provenance
 from hsextract.errors import ValidationFailure
+from hsextract.redaction import redact_config
 from hsextract.settings import Settings
 
 MANIFEST_FORMAT = "hsextract-dataset"
@@ -120,6 +121,6 @@ def build_manifest(
             "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.tokenizer_dir),
             "chat_template_hash": meta.get("chat_template_hash"),
             "prepare": {k: v for k, v in prep.items() if k != "dropped"},
-            "config": dict(s.config),
+            "config": redact_config(s.config),  # dataset.json is shared with the data: no secret in it
         },
     }

@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from types import MappingProxyType
@@ -31,6 +31,7 @@ from typing import Any
 
 from hsextract.config_guard import check_bounded
 from hsextract.errors import ConfigError
+from hsextract.redaction import redact_config, redact_text, secret_values
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -92,7 +93,7 @@ class SGLangSettings:
     python: str | None
     launch_args: tuple[str, ...]
     host: str
-    api_key: str | None
+    api_key: str | None = field(repr=False)  # a secret (hsextract.redaction)
     allow_remote: bool
     port: int
     tp: int
@@ -273,14 +274,19 @@ def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     if errors:
         e = errors[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
-        raise ConfigError(f"{_message(where, e)} (workflow/schemas/config.schema.yaml)")
+        # jsonschema quotes the value: never a secret's
+        raise ConfigError(redact_text(f"{_message(where, e)} (workflow/schemas/config.schema.yaml)",
+                                      secret_values(filled)))
     return filled
 
 
 def _message(where: str, error: Any) -> str:
     """One line per violation; an unknown key names the allowed key it most likely misspells."""
     if error.validator != "additionalProperties" or not isinstance(error.instance, Mapping):
-        return f"{where or 'config'}: {error.message}"
+        message, quoted = error.message, repr(error.instance)
+        if isinstance(error.instance, str) and len(quoted) > 80:  # a 5,000-character run_name: its length
+            message = message.replace(quoted, f"{quoted[:40]}... ({len(error.instance)} characters)")
+        return f"{where or 'config'}: {message}"
     allowed = list(error.schema.get("properties", {}))
     unknown = [str(k) for k in error.instance if k not in allowed]
     parts = []
@@ -304,7 +310,7 @@ def from_config(config: Mapping[str, Any]) -> Settings:
     from hsextract.provenance import config_hash
 
     c = fill_defaults(config)
-    digest = config_hash(c)
+    digest = config_hash(redact_config(c))  # a secret is no data; its hash would be a trace of it
     if c["aux_layers"] is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
         from hsextract.capture import resolve_aux_layers
         from hsextract.config import model_shape

@@ -66,6 +66,8 @@ class SGLangEngine(Engine):
         else:
             url = server.url
             dump_dir = dump_dir or server.dump_dir
+            # a server started by the launcher: the key it made or was given (ServerHandle.api_key)
+            api_key = api_key if api_key is not None else getattr(server, "api_key", None)
         if dump_dir is None:
             raise ConfigError("sglang engine: dump_dir is required with server_url (the directory the server's "
                               "HSEXTRACT_DUMP_DIR names, on this machine)")

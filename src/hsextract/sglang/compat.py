@@ -125,6 +125,13 @@ REQUIREMENTS: tuple[Requirement, ...] = (
                 needed_for="builtin"),
     Requirement("", "return_aux_hidden_state_layer_ids", "server_arg", "SGLang's own aux capture",
                 needed_for="builtin"),
+    # the API key: the launcher names a 0600 YAML file with --config (hsextract.sglang.keyfile), which
+    # prepare_server_args turns into --api-key inside the process
+    Requirement("", "api_key", "server_arg", "the server's API key"),
+    Requirement("sglang.srt.server_args", "prepare_server_args", "function", "--config file of server flags",
+                params=("argv",)),
+    Requirement("sglang.srt.server_args", "", "string", "--config file of server flags (the API key)",
+                value="--config"),
     # HTTP contract the client uses
     Requirement("sglang.srt.managers.io_struct", "GenerateReqInput.rid", "member", "request id"),
     Requirement("sglang.srt.managers.io_struct", "GenerateReqInput.input_ids", "member", "token-id prompts"),

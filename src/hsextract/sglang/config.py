@@ -126,7 +126,7 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
 
         cfg = server_config_from(settings, root)
         server = ensure_server(state_dir(settings, root), cfg, replica=replica_for_chunk(chunk, cfg.replicas))
-        dump_dir = None
+        dump_dir = None  # the handle's, as its key (configured or made by the launcher)
     return SGLangEngine(
         server,
         spec,
@@ -137,7 +137,7 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
         backoff_s=float(s.backoff_s),
         run_name=settings.run_name,
         chunk=chunk,
-        api_key=s.api_key,
+        api_key=s.api_key if urls else None,
     )
 
 
@@ -191,7 +191,8 @@ def build_patched(
     Raises EngineError when the install fails or the installed SGLang lacks something the plugin uses
     (the compatibility report's problems are in the message, with file and line)."""
     from hsextract.sglang.compat import check_installed
-    from hsextract.sglang.server import build_command
+    from hsextract.sglang.keyfile import key_path
+    from hsextract.sglang.server import build_command, redact
 
     py = python or server_python(settings, root)
     if install:
@@ -228,7 +229,8 @@ def build_patched(
         "plugin_sha256": plugin_source_hash(installed),
         "capture": cfg.capture,
         "capture_sources": report["capture_sources"],
-        "launch": [build_command(cfg, r) for r in range(cfg.replicas)],
+        # the key file each replica's command names (made when the server starts), never the key
+        "launch": [redact(build_command(cfg, r, key_path(state_dir(settings, root), r))) for r in range(cfg.replicas)],
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@
 Start-or-reuse, not a Snakemake service job: each extraction job calls `ensure_server(state_dir, cfg, replica)`,
 which takes a file lock (filelock) on `state_dir/replica-<r>.lock`, reuses the server named by
 `replica-<r>.json` if its process is alive, answers GET /health and its plugin marker is in place, and
-otherwise kills what is left (its whole process group) and starts a fresh one in its own session. The
+otherwise kills what is left (its whole process group) and starts a fresh one in its own process group. The
 Snakefile's `onsuccess:`/`onerror:` call `stop_servers(state_dir)` (and `onstart:` too, which kills a
 server orphaned by a `kill -9` of Snakemake). The server is not a DAG input.
 
@@ -12,6 +12,12 @@ exists), removed when the server is stopped. Replicas: replica r listens on port
 gpus[r*tp:(r+1)*tp] through CUDA_VISIBLE_DEVICES; chunk i goes to replica i % replicas. With
 `server_url` nothing is started: `external_server(url, dump_dir)` wraps a server that runs elsewhere
 (on this node: the dump directory must be visible here).
+
+The door: each server started here requires an API key (config `sglang.api_key`, else a random one), which
+reaches it through a 0600 file named by SGLang's `--config` (hsextract.sglang.keyfile says why not a flag or
+the environment); its output reaches its log through hsextract.sglang.logscrub, which hides the key. The
+launcher owns the flags that decide where the server listens and what it captures: `sglang.launch_args` may
+not set them (LAUNCHER_FLAGS), and a non-loopback host without a key file is refused (build_command).
 """
 
 from __future__ import annotations
@@ -36,7 +42,10 @@ from pathlib import Path
 import filelock
 import psutil
 
+from hsextract.config_guard import is_loopback
 from hsextract.errors import ConfigError, EngineError
+from hsextract.redaction import redact_command, redact_text
+from hsextract.sglang import keyfile
 from hsextract.sglang.api import health
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin import settings as ps
@@ -53,7 +62,9 @@ class ServerConfig:
     python: str = sys.executable  # the server environment's interpreter
     final_state: str = field(kw_only=True)  # no default, as CaptureSpec's: the server's and the client's must agree
     host: str = "127.0.0.1"
-    api_key: str | None = None  # the server requires it (--api-key); never logged or stored in clear
+    # config sglang.api_key: the key the server requires; None: ensure_server makes a random one. It reaches
+    # the server in a 0600 file (hsextract.sglang.keyfile), never on the command line, in a log or a state file
+    api_key: str | None = field(default=None, repr=False)
     port: int = 30000
     tp: int = 1
     replicas: int = 1
@@ -90,6 +101,7 @@ class ServerConfig:
         if self.gpus is not None and len(self.gpus) < self.tp * self.replicas:
             raise ConfigError(f"sglang.gpus lists {len(self.gpus)} devices; {self.replicas} replicas x tp "
                               f"{self.tp} need {self.tp * self.replicas}")
+        check_launch_args(self.launch_args)
 
 
 @dataclass
@@ -104,15 +116,19 @@ class ServerHandle:
     # the dump dir as created (lstat st_dev, st_ino): stop removes it only if that very directory is there
     dump_dir_dev: int | None = None
     dump_dir_ino: int | None = None
+    # the key the server requires (read from its key file; never written into the state file)
+    api_key: str | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> str:
         d = asdict(self)
+        d.pop("api_key")
         d["dump_dir"] = str(self.dump_dir)
         return json.dumps(d, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> ServerHandle:
         d = json.loads(text)
+        d.pop("api_key", None)
         d["dump_dir"] = Path(d["dump_dir"])
         return cls(**d)
 
@@ -131,7 +147,60 @@ def replica_for_chunk(chunk: int, replicas: int) -> int:
     return chunk % replicas
 
 
-def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
+# Flags the launcher sets itself, and what sets them: `sglang.launch_args` may not name them (nor abbreviate
+# them: SGLang's argparse takes any unambiguous prefix, `--hos` for `--host`), since the last value wins and
+# the launcher's own would be overridden (`--host 0.0.0.0` after `--host 127.0.0.1`).
+LAUNCHER_FLAGS: dict[str, str] = {
+    "--model-path": "set `model`",
+    "--model": "set `model`",
+    "--host": "set `sglang.host`",
+    "--port": "set `sglang.port`",
+    "--tp": "set `sglang.tp`",
+    "--tp-size": "set `sglang.tp`",
+    "--tensor-parallel-size": "set `sglang.tp`",
+    "--chunked-prefill-size": "set `sglang.chunked_prefill_size`",
+    "--trust-remote-code": "set `trust_remote_code: true`",
+    "--api-key": "set `sglang.api_key` (or nothing: each server gets a random key)",
+    "--config": "it passes the API key file; give the file's options as launch_args",
+    "--enable-return-hidden-states": "set `sglang.capture`",
+    "--enable-return-aux-hidden-states": "set `sglang.capture`",
+    "--speculative-algorithm": "set `sglang.capture`",
+    "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
+    "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
+    "--disable-radix-cache": "the capture needs it; remove it",
+    "--skip-tokenizer-init": "the client sends token ids; remove it",
+    # secrets: a command line is readable by every local user
+    "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
+    "--ssl-keyfile-password": "a password on the command line is visible to every local user (ps); remove it",
+}
+# SGLang flags that are a beginning of a launcher flag but their own (an exact match wins in argparse)
+_OWN_PREFIXES = frozenset({"--ssl-keyfile"})
+
+
+def check_launch_args(launch_args: Sequence[str]) -> None:
+    """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS flag."""
+    for i, arg in enumerate(launch_args):
+        name = arg.split("=", 1)[0]  # `--host=0.0.0.0` too; the value is never shown (it may be a key)
+        if not name.startswith("--") or len(name) < 3 or name in _OWN_PREFIXES:
+            continue
+        flag = name if name in LAUNCHER_FLAGS else next((f for f in LAUNCHER_FLAGS if f.startswith(name)), None)
+        if flag is not None:
+            what = name if flag == name else f"{name} (an abbreviation of {flag})"
+            raise ConfigError(f"sglang.launch_args[{i}]: {what} is set by the launcher itself; "
+                              f"{LAUNCHER_FLAGS[flag]}")
+
+
+def build_command(cfg: ServerConfig, replica: int = 0, key_file: str | os.PathLike[str] | None = None) -> list[str]:
+    """The server's command line. `key_file`: the server's API key file (keyfile.write_key), passed with
+    SGLang's --config; the key itself is never on the command line. Without one the server has no key, which
+    only a loopback host may do."""
+    if key_file is None and (cfg.api_key or not is_loopback(cfg.host)):
+        raise ConfigError(
+            f"sglang.host: {cfg.host} is not a loopback address: a server there needs an API key file"
+            if not is_loopback(cfg.host) else
+            "sglang.api_key reaches the server in a key file (build_command(cfg, replica, key_file)), never on "
+            "its command line"
+        )
     cmd = [cfg.python, "-m", cfg.module, "--model-path", cfg.model, "--host", cfg.host,
            "--port", str(cfg.port + replica), "--tp", str(cfg.tp), "--disable-radix-cache", "--skip-tokenizer-init"]
     if cfg.chunked_prefill_size is not None:
@@ -144,10 +213,10 @@ def build_command(cfg: ServerConfig, replica: int = 0) -> list[str]:
         cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs, if on, captured in FULL mode
     if not cfg.prefill_cuda_graph:
         cmd += ["--disable-prefill-cuda-graph"]
-    if cfg.api_key:
-        cmd += ["--api-key", cfg.api_key]
-    if cfg.trust_remote_code and "--trust-remote-code" not in cfg.launch_args:
+    if cfg.trust_remote_code:
         cmd += ["--trust-remote-code"]
+    if key_file is not None:
+        cmd += ["--config", str(key_file)]
     return cmd + list(cfg.launch_args)
 
 
@@ -168,8 +237,10 @@ def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
 
 
 def config_hash(cfg: ServerConfig, replica: int) -> str:
+    """What a running server must match to be reused; the key is not in it (the state file holds this hash):
+    ensure_server compares it with the server's key file instead."""
     d = asdict(cfg)
-    for k in ("startup_timeout_s", "stop_grace_s"):
+    for k in ("startup_timeout_s", "stop_grace_s", "api_key"):
         d.pop(k)
     d["replica"] = replica
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -183,8 +254,9 @@ def make_dump_dir(run_name: str) -> Path:
 
 
 def redact(cmd: list[str]) -> list[str]:
-    """The command with the value after --api-key hidden (for logs and the state file)."""
-    return [("***" if i and cmd[i - 1] == "--api-key" else a) for i, a in enumerate(cmd)]
+    """The command with the value of every secret flag hidden (hsextract.redaction; for logs, errors and the
+    state file)."""
+    return redact_command(cmd)
 
 
 def _has_marker(dump_dir: Path) -> bool:
@@ -289,20 +361,64 @@ def _stop_handle(h: ServerHandle, grace_s: float, started_here: bool = False) ->
     return killed
 
 
+def _launch(cmd: list[str], env: Mapping[str, str], log_path: Path, key_file: Path) -> tuple[subprocess.Popen,
+                                                                                             subprocess.Popen]:
+    """Start the server in a process group of its own (no terminal signal reaches it), its stdout and stderr
+    going through hsextract.sglang.logscrub (same group: stopping the server stops it) into `log_path`, which
+    so never holds the key. A new process group rather than a new session: the filter may join only a group
+    of its own session."""
+    r, w = os.pipe()
+    try:
+        with open(log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%F %T')} starting: {' '.join(redact(cmd))}\n".encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, env=env, stdout=w, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    process_group=0)
+            try:
+                scrub = subprocess.Popen([sys.executable, "-m", "hsextract.sglang.logscrub", str(key_file)],
+                                         stdin=r, stdout=log, stderr=subprocess.STDOUT, process_group=proc.pid)
+            except BaseException:
+                _kill_group(proc.pid, 1.0)
+                raise
+    finally:
+        os.close(r)
+        os.close(w)
+    return proc, scrub
+
+
+def _drain_log(scrub: subprocess.Popen, pgid: int) -> None:
+    """Wait until the log filter has copied the server's last output (it ends when the group has no writer
+    left); a group member still holding the pipe is killed."""
+    try:
+        scrub.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)  # the filter is alive: pgid is still our group
+        scrub.wait()
+
+
 def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) -> ServerHandle:
-    """Return a healthy server for `replica`, reusing a running one or starting it (minutes for SGLang)."""
+    """Return a healthy server for `replica`, reusing a running one or starting it (minutes for SGLang).
+
+    A server started here requires an API key: `cfg.api_key`, else a fresh random one; it is kept in
+    `state_dir/private/replica-<r>.yaml` (mode 0600, hsextract.sglang.keyfile) for the jobs that reuse the
+    server, and the handle carries it for the client (`SGLangEngine` sends it)."""
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     h_cfg = config_hash(cfg, replica)
     ep = _endpoint(state_dir, replica)
+    key_file = keyfile.key_path(state_dir, replica)
     with _locked(state_dir / f"replica-{replica}.lock"):
         if ep.exists():
             old = ServerHandle.from_json(ep.read_text())
-            if (old.config_hash == h_cfg and _alive(old.pid) and health(old.url, api_key=cfg.api_key) is None
+            old.api_key = keyfile.read_key(key_file)
+            if (old.config_hash == h_cfg and old.api_key is not None and cfg.api_key in (None, old.api_key)
+                    and _alive(old.pid) and health(old.url, api_key=old.api_key) is None
                     and _has_marker(old.dump_dir)):
                 return old
-            _stop_handle(old, cfg.stop_grace_s)  # stale, dead, or another configuration
+            _stop_handle(old, cfg.stop_grace_s)  # stale, dead, another configuration or another key
             ep.unlink()
+        keyfile.remove_key(key_file)
         port = cfg.port + replica
         deadline = time.monotonic() + 10.0  # a just-killed server closes its socket after it turns zombie
         while _port_in_use(cfg.host, port) and time.monotonic() < deadline:
@@ -310,40 +426,49 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
         if _port_in_use(cfg.host, port):
             raise EngineError(f"port {port} on {cfg.host} is already in use by another process; stop it or set "
                               f"sglang.port (replica {replica} uses port + {replica})")
+        key = cfg.api_key or keyfile.new_key()
+        keyfile.write_key(key_file, key)
         dump_dir = make_dump_dir(cfg.run_name)
-        cmd = build_command(cfg, replica)
+        cmd = build_command(cfg, replica, key_file)
         log_path = state_dir / f"replica-{replica}.log"
-        with open(log_path, "ab") as log:
-            log.write(f"\n==== {time.strftime('%F %T')} starting: {' '.join(redact(cmd))}\n".encode())
-            log.flush()
-            proc = subprocess.Popen(cmd, env=build_env(cfg, dump_dir, replica), stdout=log,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc, scrub = _launch(cmd, build_env(cfg, dump_dir, replica), log_path, key_file)
+        except BaseException:
+            keyfile.remove_key(key_file)
+            shutil.rmtree(dump_dir, ignore_errors=True)
+            raise
         st = os.lstat(dump_dir)
         h = ServerHandle(url=f"http://{cfg.host}:{port}", dump_dir=dump_dir, pid=proc.pid, replica=replica,
                          config_hash=h_cfg, command=redact(cmd), log=str(log_path), dump_dir_dev=st.st_dev,
-                         dump_dir_ino=st.st_ino)
+                         dump_dir_ino=st.st_ino, api_key=key)
         write_bytes_atomic(ep, h.to_json().encode())  # written before waiting: a stop during start-up finds the pid
+
+        def failed(why: str, grace_s: float, tail: bool = True) -> EngineError:
+            _stop_handle(h, grace_s, started_here=True)
+            _drain_log(scrub, proc.pid)
+            ep.unlink(missing_ok=True)
+            keyfile.remove_key(key_file)
+            if tail:
+                why += f"; last lines of {log_path}:\n{_tail(log_path)}"
+            # the log went through the filter; the key is hidden here too, whatever else wrote there
+            return EngineError(redact_text(why, [key]))
+
         deadline = time.monotonic() + cfg.startup_timeout_s
         while True:
             rc = proc.poll()
             if rc is not None:
-                _stop_handle(h, 1.0, started_here=True)
-                ep.unlink(missing_ok=True)
-                raise EngineError(f"the SGLang server (replica {replica}) exited with code {rc} during start-up; "
-                                  f"command: {' '.join(cmd)}\nlast lines of {log_path}:\n{_tail(log_path)}")
-            if health(h.url, 2.0, api_key=cfg.api_key) is None:
+                raise failed(f"the SGLang server (replica {replica}) exited with code {rc} during start-up; "
+                             f"command: {' '.join(h.command)}", 1.0)
+            if health(h.url, 2.0, api_key=key) is None:
                 if _has_marker(dump_dir):
                     return h
-                _stop_handle(h, cfg.stop_grace_s, started_here=True)
-                ep.unlink(missing_ok=True)
-                raise EngineError(f"the SGLang server at {h.url} is healthy but the hsextract plugin is not active "
-                                  f"(no {dumpfiles.PLUGIN_MARKER_PREFIX}*.json in its dump dir): install hsextract "
-                                  f"into {cfg.python}'s environment (rule build_patched_server); log: {log_path}")
+                raise failed(f"the SGLang server at {h.url} is healthy but the hsextract plugin is not active "
+                             f"(no {dumpfiles.PLUGIN_MARKER_PREFIX}*.json in its dump dir): install hsextract "
+                             f"into {cfg.python}'s environment (rule build_patched_server); log: {log_path}",
+                             cfg.stop_grace_s, tail=False)
             if time.monotonic() > deadline:
-                _stop_handle(h, cfg.stop_grace_s, started_here=True)
-                ep.unlink(missing_ok=True)
-                raise EngineError(f"the SGLang server (replica {replica}) was not healthy after "
-                                  f"{cfg.startup_timeout_s:g} s; last lines of {log_path}:\n{_tail(log_path)}")
+                raise failed(f"the SGLang server (replica {replica}) was not healthy after "
+                             f"{cfg.startup_timeout_s:g} s", cfg.stop_grace_s)
             time.sleep(0.5)
 
 
@@ -361,10 +486,12 @@ def stop_servers(state_dir: str | Path, grace_s: float = 30.0) -> list[int]:
                 h = ServerHandle.from_json(ep.read_text())
             except (OSError, ValueError, TypeError):
                 ep.unlink(missing_ok=True)
+                keyfile.remove_key(keyfile.key_path(state_dir, replica))
                 continue
             if _stop_handle(h, grace_s) and h.pid:
                 killed.append(h.pid)
             ep.unlink(missing_ok=True)
+            keyfile.remove_key(keyfile.key_path(state_dir, replica))
     return killed
 
 
@@ -386,8 +513,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = []
     for ep in sorted(Path(a.state_dir).glob("replica-*.json")):
         h = ServerHandle.from_json(ep.read_text())
+        key = keyfile.read_key(keyfile.key_path(a.state_dir, h.replica))
         out.append({"replica": h.replica, "url": h.url, "pid": h.pid, "alive": _alive(h.pid),
-                    "health": health(h.url) or "ok", "dump_dir": str(h.dump_dir)})
+                    "health": health(h.url, api_key=key) or "ok", "dump_dir": str(h.dump_dir)})
     print(json.dumps(out, indent=1))
     return 0
 

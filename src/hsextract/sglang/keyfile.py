@@ -1,0 +1,90 @@
+"""The API key of a local SGLang server: made by the launcher, kept in a file only this user can read.
+
+How the key reaches the server. SGLang 0.5.16 takes it from its `--api-key` flag only (`ServerArgs.api_key`,
+sglang/srt/server_args.py); no environment variable sets it (sglang/srt/environ.py has none) and it reads
+nothing from standard input. A flag on the command line is readable by every local user (/proc/<pid>/cmdline,
+`ps`), so the launcher uses SGLang's `--config FILE.yaml` instead (`prepare_server_args`: when "--config" is
+in argv, `ConfigArgumentMerger.merge_config_with_args` reads the YAML file and turns its keys into flags
+inside the process; sglang/srt/server_args_config_parser.py, sglang/srt/utils/ in 0.5.2x). The command line
+then names the file, not the key; the file is mode 0600 in a 0700 directory (`private/` in the run's
+server state directory), so only this user (and root) reads it: as private as a process environment, which
+SGLang would not read the key from anyway.
+
+The file stays while the server runs: a later extraction job reuses the server and reads the key from it
+(its client sends `Authorization: Bearer <key>`). `stop_servers` removes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+from pathlib import Path
+
+from hsextract.errors import EngineError
+from hsextract.sglang_plugin.atomic import write_bytes_atomic
+
+KEY_DIR = "private"
+FILE_KEY = "api-key"  # the key's name in SGLang's --config file (its flag without the dashes)
+_MAX_BYTES = 4096
+_OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def key_path(state_dir: str | Path, replica: int) -> Path:
+    """The key file of `replica` (absolute: the server opens it from its own working directory)."""
+    return Path(state_dir).absolute() / KEY_DIR / f"replica-{replica}.yaml"
+
+
+def new_key() -> str:
+    """A fresh random key: 256 bits, hex (never starts with '-', which SGLang's argparse would take for a flag)."""
+    return secrets.token_hex(32)
+
+
+def private_dir(path: Path) -> Path:
+    """`path` as a directory of this user's, mode 0700, not a symlink (made if missing)."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise EngineError(f"{path} is not a directory of this user's (a symlink, or someone else's): the server's "
+                          "API key cannot be kept there. Remove it; the launcher makes it again.")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def write_key(path: Path, key: str) -> None:
+    """Write `key` to `path` (mode 0600) as SGLang's --config YAML: `api-key: "<key>"` (a JSON string is a
+    YAML double-quoted scalar)."""
+    private_dir(path.parent)
+    write_bytes_atomic(path, f"{FILE_KEY}: {json.dumps(key)}\n".encode(), mode=0o600)
+
+
+def read_key(path: Path) -> str | None:
+    """The key in `path`; None when it is missing, not a regular file of this user's with mode 0600 or
+    stricter, or not a key file."""
+    try:
+        fd = os.open(path, _OPEN)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            return None
+        data = os.read(fd, _MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_BYTES:
+        return None
+    prefix = f"{FILE_KEY}: ".encode()
+    if not data.startswith(prefix):
+        return None
+    try:
+        key = json.loads(data[len(prefix):])
+    except ValueError:
+        return None
+    return key if isinstance(key, str) and key else None
+
+
+def remove_key(path: Path) -> None:
+    path.unlink(missing_ok=True)

@@ -1,0 +1,417 @@
+"""Issue 36: the local SGLang server's door and its key.
+
+No secret at rest or in sight (config hash, dataset.json's config, schema errors, patched.json, the state
+file, the server's log and command line, a start-up failure), a key by default (a random one, kept 0600 in
+the private state directory, sent by the client), the launcher owns its flags (each `launch_args` override
+refused by name), and the two small ones (`run_name` bounded by the schema, a folder source of the wrong
+kind named). The server is tests/fake_sglang.py, which keeps its door as SGLang 0.5.16 does.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang lives here
+from conftest import listen_port
+from fake_sglang import expected_states
+
+from hsextract.config_guard import check_source_path
+from hsextract.engines.base import CaptureSpec, Prompt
+from hsextract.errors import ConfigError, EngineError
+from hsextract.redaction import REDACTED, redact_command, redact_config, redact_text, secret_values
+from hsextract.settings import fill_defaults
+from hsextract.sglang import keyfile
+from hsextract.sglang import server as hsrv
+from hsextract.sglang.client import SGLangEngine
+from hsextract.sglang.logscrub import copy_scrubbed
+
+ROOT = Path(__file__).resolve().parents[1]
+AUX = (1, 3, 5)
+SPEC = CaptureSpec(aux_layers=AUX, final_state="post_norm")
+KEY = "hsx-door-test-Zq8w1K5vXb3nT7yP"  # a configured key: searched for in every byte written
+
+
+# ---- one list of secrets, one way to hide them ------------------------------------------------------
+def test_redaction_hides_the_secret_keys_and_flags_only() -> None:
+    cfg = {"run_name": "r", "sglang": {"api_key": KEY, "host": "10.0.0.1"}, "model": "m"}
+    red = redact_config(cfg)
+    assert red == {"run_name": "r", "sglang": {"api_key": REDACTED, "host": "10.0.0.1"}, "model": "m"}
+    assert cfg["sglang"]["api_key"] == KEY  # a copy
+    assert redact_config({"sglang": {"api_key": None}}) == {"sglang": {"api_key": None}}  # unset stays unset
+    assert redact_config({"sglang": None}) == {"sglang": None} and redact_config({}) == {}
+    assert secret_values(cfg) == [KEY] and secret_values({"sglang": {"api_key": 12345}}) == ["12345"]
+    assert secret_values({"sglang": {"api_key": 'a"b'}}) == ['a\\"b', 'a"b']  # as JSON quotes it, and as is
+    assert redact_command(["py", "--api-key", KEY, "--port", "1", "--admin-api-key=x", "--ssl-keyfile-password",
+                           "y"]) == ["py", "--api-key", REDACTED, "--port", "1", f"--admin-api-key={REDACTED}",
+                                     "--ssl-keyfile-password", REDACTED]
+    assert redact_text(f"a {KEY} b {KEY}", [KEY]) == f"a {REDACTED} b {REDACTED}"
+
+
+def test_the_config_hash_is_not_a_trace_of_the_key() -> None:
+    """dataset.json and every shard record the config hash: it hashes the redacted config."""
+    from hsextract.provenance import config_hash
+
+    a = fill_defaults({"sglang": {"api_key": KEY}})
+    b = fill_defaults({"sglang": {"api_key": "another-key"}})
+    assert config_hash(redact_config(a)) == config_hash(redact_config(b)) != config_hash(a)
+    none = fill_defaults({})
+    assert config_hash(redact_config(none)) != config_hash(redact_config(a))  # set or not is no secret
+
+
+@pytest.mark.parametrize("value", ["-" + KEY, KEY + " x", KEY + "\n", 12345])
+def test_a_schema_error_on_the_key_does_not_print_it(value: object) -> None:
+    with pytest.raises(ConfigError) as e:
+        fill_defaults({"sglang": {"api_key": value}})
+    msg = str(e.value)
+    assert msg.startswith("sglang.api_key: ") and str(value).strip() not in msg and REDACTED in msg
+    assert "\n" not in msg
+
+
+def test_the_cli_prints_no_key(tmp_path: Path) -> None:
+    """`hsextract plan` merges config files as the workflow does: its error names the key, not the value."""
+    (tmp_path / "c.yaml").write_text(f"sglang: {{api_key: '-{KEY}'}}\n")
+    out = subprocess.run([sys.executable, "-m", "hsextract.cli", "plan", "--configfile", "config/kimi.yaml",
+                          str(tmp_path / "c.yaml"),
+                          "--samples", "10", "--mean-tokens", "100"], capture_output=True, text=True, cwd=ROOT,
+                         timeout=300)
+    assert out.returncode != 0 and "sglang.api_key" in out.stderr
+    assert KEY not in out.stdout + out.stderr
+
+
+# ---- the launcher owns the door ---------------------------------------------------------------------
+# each flag the launcher sets, with what its refusal says to do instead
+OVERRIDES = {
+    "--model-path": "set `model`",
+    "--model": "set `model`",
+    "--host": "set `sglang.host`",
+    "--port": "set `sglang.port`",
+    "--tp": "set `sglang.tp`",
+    "--tp-size": "set `sglang.tp`",
+    "--tensor-parallel-size": "set `sglang.tp`",
+    "--chunked-prefill-size": "set `sglang.chunked_prefill_size`",
+    "--trust-remote-code": "set `trust_remote_code: true`",
+    "--api-key": "set `sglang.api_key` (or nothing: each server gets a random key)",
+    "--config": "it passes the API key file; give the file's options as launch_args",
+    "--enable-return-hidden-states": "set `sglang.capture`",
+    "--enable-return-aux-hidden-states": "set `sglang.capture`",
+    "--speculative-algorithm": "set `sglang.capture`",
+    "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
+    "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
+    "--disable-radix-cache": "the capture needs it; remove it",
+    "--skip-tokenizer-init": "the client sends token ids; remove it",
+    "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
+    "--ssl-keyfile-password": "a password on the command line is visible to every local user (ps); remove it",
+}
+
+
+def test_every_launcher_flag_is_listed() -> None:
+    assert hsrv.LAUNCHER_FLAGS == OVERRIDES
+    # whatever the launcher itself passes is among them
+    cfg = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", chunked_prefill_size=8,
+                            trust_remote_code=True)
+    for capture in ("plugin", "builtin"):
+        cmd = hsrv.build_command(hsrv.ServerConfig(**{**cfg.__dict__, "capture": capture}), 0, "/k.yaml")
+        assert {a for a in cmd if a.startswith("--")} <= set(OVERRIDES)
+
+
+@pytest.mark.parametrize("flag", sorted(OVERRIDES))
+def test_each_launch_args_override_is_refused_with_its_message(flag: str) -> None:
+    want = rf"^sglang.launch_args\[2\]: {flag} is set by the launcher itself; {_re(OVERRIDES[flag])}$"
+    for args in (("--mem-fraction-static", "0.8", flag, "x"), ("--mem-fraction-static", "0.8", f"{flag}=x")):
+        with pytest.raises(ConfigError, match=want):  # in the launcher, called directly
+            hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", launch_args=args)
+        with pytest.raises(ConfigError, match=want):  # at config-check time, before any job
+            hsrv.check_launch_args(list(args))
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_abbreviations_are_refused_and_sglangs_own_flags_pass() -> None:
+    """SGLang's argparse takes an unambiguous beginning of a flag: `--hos 0.0.0.0` is `--host 0.0.0.0`."""
+    with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --hos \(an abbreviation of --host\) is set "
+                                          r"by the launcher itself; set `sglang.host`$"):
+        hsrv.check_launch_args(["--hos", "0.0.0.0"])
+    with pytest.raises(ConfigError, match=r"--api-k \(an abbreviation of --api-key\)"):
+        hsrv.check_launch_args(["--api-k=x"])
+    # --ssl-keyfile is SGLang's own flag (an exact match wins), values and short flags are not flags
+    hsrv.check_launch_args(["--ssl-keyfile", "/k.pem", "--mem-fraction-static", "0.85", "--served-model-name",
+                            "host", "-h", "--"])
+
+
+def test_config_check_refuses_an_override_before_any_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsextract.config import check
+
+    cfg = door_config(tmp_path, monkeypatch)
+    cfg.update(engine="sglang", sglang={"launch_args": ["--host", "0.0.0.0"]})
+    with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --host is set by the launcher itself; set "
+                                          r"`sglang.host`$"):
+        check(cfg)
+    cfg["engine"] = "transformers"  # no server, nothing to refuse
+    check(cfg)
+
+
+def test_the_launcher_refuses_a_remote_host_without_a_key() -> None:
+    remote = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", host="0.0.0.0")
+    with pytest.raises(ConfigError, match=r"^sglang.host: 0.0.0.0 is not a loopback address: a server there needs "
+                                          r"an API key file$"):
+        hsrv.build_command(remote)
+    cmd = hsrv.build_command(remote, 0, "/state/private/replica-0.yaml")
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0" and cmd[-2:] == ["--config", "/state/private/replica-0.yaml"]
+    keyed = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", api_key=KEY)
+    with pytest.raises(ConfigError, match="never on its command line"):
+        hsrv.build_command(keyed)
+    assert KEY not in repr(keyed) and KEY not in " ".join(hsrv.build_command(keyed, 0, "/k.yaml"))
+    local = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm")
+    assert "--config" not in hsrv.build_command(local)  # a bare loopback server (tests, benches): allowed
+
+
+# ---- the key file and the log filter ----------------------------------------------------------------
+def test_key_file_is_private_and_read_only_when_it_is(tmp_path: Path) -> None:
+    path = keyfile.key_path(tmp_path / "server", 3)
+    assert path == (tmp_path / "server/private/replica-3.yaml").absolute()
+    keyfile.write_key(path, KEY)
+    assert path.stat().st_mode & 0o777 == 0o600 and path.parent.stat().st_mode & 0o777 == 0o700
+    assert path.read_text() == f'api-key: "{KEY}"\n'  # SGLang's --config YAML: its flag, as a key
+    assert keyfile.read_key(path) == KEY
+    path.chmod(0o644)
+    assert keyfile.read_key(path) is None  # readable by others: not trusted as the server's key
+    path.chmod(0o600)
+    (tmp_path / "link.yaml").symlink_to(path)
+    assert keyfile.read_key(tmp_path / "link.yaml") is None
+    os.mkfifo(tmp_path / "fifo.yaml", 0o600)
+    assert keyfile.read_key(tmp_path / "fifo.yaml") is None  # not opened for a blocking read
+    (tmp_path / "other.yaml").write_text("api-key: [1]\n")
+    (tmp_path / "other.yaml").chmod(0o600)
+    assert keyfile.read_key(tmp_path / "other.yaml") is None and keyfile.read_key(tmp_path / "none") is None
+    new = keyfile.new_key()
+    assert len(new) == 64 and int(new, 16) >= 0 and new != keyfile.new_key()
+
+
+def test_the_log_filter_hides_a_key_split_anywhere(tmp_path: Path) -> None:
+    text = f"server_args=ServerArgs(api_key='{KEY}', port=1)\nand again {KEY}{KEY}; {KEY[:5]} is not it\n".encode()
+    want = text.replace(KEY.encode(), REDACTED.encode())
+    for cut in range(len(text) + 1):
+        for step in (1, 7):  # every split of the key across reads
+            chunks = [text[:cut], *(text[i:i + step] for i in range(cut, len(text), step))]
+            with open(tmp_path / "log", "wb") as out:
+                copy_scrubbed(iter(chunks), out, [KEY.encode()])
+            assert (tmp_path / "log").read_bytes() == want, (cut, step)
+
+
+# ---- a server the launcher starts -------------------------------------------------------------------
+def door_cfg(tmp_path: Path, **kw) -> hsrv.ServerConfig:
+    kw.setdefault("env", {"PYTHONPATH": f"{ROOT / 'src'}:{ROOT / 'tests'}"})
+    return hsrv.ServerConfig(model=str(tmp_path / "model"), aux_layers=AUX, module="fake_sglang",
+                             port=listen_port(3), run_name="door", startup_timeout_s=60, stop_grace_s=5,
+                             final_state="post_norm", **kw)
+
+
+def request(url: str, method: str, path: str, key: str | None) -> int:
+    host, port = url.removeprefix("http://").split(":")
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        body = json.dumps({"rid": "x", "input_ids": [1, 2], "sampling_params": {"max_new_tokens": 0}})
+        c.request(method, path, body=body if method == "POST" else None,
+                  headers={"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})})
+        r = c.getresponse()
+        r.read()
+        return r.status
+    finally:
+        c.close()
+
+
+def cmdline(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
+def group_members(pgid: int) -> list[int]:
+    out = []
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            if os.getpgid(int(p.name)) == pgid:
+                out.append(int(p.name))
+        except (ProcessLookupError, PermissionError):
+            pass
+    return out
+
+
+def test_a_started_server_gets_a_random_key_that_only_its_clients_send(tmp_path: Path) -> None:
+    state = tmp_path / "server"
+    cfg = door_cfg(tmp_path)
+    h = hsrv.ensure_server(state, cfg)
+    try:
+        key = h.api_key
+        assert key is not None and len(key) == 64  # a fresh random key: none was configured
+        kf = state / "private/replica-0.yaml"
+        assert keyfile.read_key(kf) == key and kf.stat().st_mode & 0o777 == 0o600
+        assert (state / "private").stat().st_mode & 0o777 == 0o700
+        # no key on a command line (world-readable), in the environment, the state file or the log
+        members = group_members(h.pid)
+        assert len(members) == 2  # the server and its log filter, one process group
+        for pid in members:
+            assert key.encode() not in cmdline(pid)
+            assert key.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+        assert cmdline(h.pid).split(b"\0")[-3:-1] == [b"--config", str(kf).encode()]
+        assert key not in (state / "replica-0.json").read_text() and key not in repr(h)
+        # the door: only the key opens it; /health stays open, as SGLang's
+        assert request(h.url, "POST", "/generate", None) == 401
+        assert request(h.url, "POST", "/generate", "wrong-" + key) == 401
+        assert request(h.url, "GET", "/health", None) == 200
+        # the engine sends it (the handle carries it): the chunk is extracted
+        ps = [Prompt(i, f"s{i}", list(range(3 + i, 40 + 5 * i))) for i in range(6)]
+        got = list(SGLangEngine(h, SPEC, timeout_s=10, concurrency=3).extract(ps))
+        for r, p in zip(got, ps, strict=True):
+            assert all(a.equal(b) for a, b in zip(r.hidden_states, expected_states(p.input_ids, len(AUX) + 1),
+                                                  strict=True))
+        # a later job reuses the server and reads its key from the private file
+        again = hsrv.ensure_server(state, cfg)
+        assert (again.pid, again.api_key) == (h.pid, key)
+        # a configured key that is not the running server's: a fresh server with that key
+        keyed = hsrv.ensure_server(state, door_cfg(tmp_path, api_key=KEY))
+        assert keyed.pid != h.pid and keyed.api_key == KEY and keyfile.read_key(kf) == KEY
+        assert request(keyed.url, "POST", "/generate", key) == 401
+        log = (state / "replica-0.log").read_bytes()
+        # what the server printed went through the filter: its settings line names the key as hidden
+        assert log.count(f"api_key='{REDACTED}'".encode()) == 2
+        assert key.encode() not in log and KEY.encode() not in log
+    finally:
+        hsrv.stop_servers(state, grace_s=5)
+    assert not kf.exists() and list(state.glob("replica-*.json")) == []
+
+
+def test_a_workflow_job_starts_the_server_with_a_key_and_sends_it(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through what an extraction job calls (sglang.config.engine_from_config), with no key configured."""
+    from hsextract.settings import from_config
+    from hsextract.sglang import config as sc
+
+    monkeypatch.chdir(tmp_path)
+    wrapper = fake_server_python(tmp_path)
+    settings = from_config({**door_config(tmp_path, monkeypatch), "engine": "sglang", "run_name": "door-wf",
+                            "sglang": {"python": str(wrapper), "port": listen_port(3) + 1}}).extract
+    eng = sc.engine_from_config(settings, CaptureSpec(settings.aux_layers, settings.final_state), 0, tmp_path)
+    try:
+        key = eng.api._auth["Authorization"].removeprefix("Bearer ")
+        assert key == keyfile.read_key(tmp_path / "results/door-wf/server/private/replica-0.yaml")
+        assert request(eng.url, "POST", "/generate", None) == 401
+        assert eng.health() is None
+    finally:
+        sc.stop_local_servers(settings, tmp_path)
+
+
+def test_a_start_up_failure_of_a_server_with_a_key_leaves_no_trace(tmp_path: Path) -> None:
+    state = tmp_path / "server"
+    cfg = door_cfg(tmp_path, api_key=KEY, launch_args=("--crash-at-start",))
+    with pytest.raises(EngineError) as e:
+        hsrv.ensure_server(state, cfg)
+    msg = str(e.value)
+    assert "exited with code 1 during start-up" in msg and "Not enough memory" in msg  # the log's tail
+    assert f"api_key='{REDACTED}'" in msg and KEY not in msg
+    log = (state / "replica-0.log").read_bytes()
+    assert b"Not enough memory" in log and KEY.encode() not in log
+    assert not (state / "private/replica-0.yaml").exists() and list(state.glob("replica-*.json")) == []
+    for f in state.rglob("*"):
+        assert not f.is_file() or KEY.encode() not in f.read_bytes(), f
+
+
+def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsextract.settings import from_config
+    from hsextract.sglang import compat
+    from hsextract.sglang import config as sc
+
+    class Report:
+        def summary(self) -> dict:
+            return {"ok": True, "sglang_version": "0.5.16", "capture_sources": ["plugin"], "problems": []}
+
+    monkeypatch.setattr(compat, "check_installed", lambda py: Report())
+    monkeypatch.chdir(tmp_path)
+    settings = from_config({**door_config(tmp_path, monkeypatch), "engine": "sglang",
+                            "sglang": {"api_key": KEY, "host": "10.0.0.7", "replicas": 2}}).extract
+    out = tmp_path / "results/door/server/patched.json"
+    info = sc.build_patched(settings, out, repo=ROOT, python=sys.executable, install=False)
+    assert KEY.encode() not in out.read_bytes()
+    for r, cmd in enumerate(info["launch"]):
+        assert cmd[cmd.index("--config") + 1] == str(keyfile.key_path(tmp_path / "results/door/server", r))
+        assert "--api-key" not in cmd and cmd[cmd.index("--host") + 1] == "10.0.0.7"
+
+
+# ---- the two small ones -----------------------------------------------------------------------------
+def test_a_long_run_name_is_one_line_naming_the_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        fill_defaults({"run_name": "a" * 5000})
+    assert str(e.value) == (f"run_name: '{'a' * 39}... (5000 characters) is too long "
+                            "(workflow/schemas/config.schema.yaml)")
+    fill_defaults({"run_name": "a" * 100})
+    for bad in ("a/b", "..", "a\n", "-a", "a b"):
+        with pytest.raises(ConfigError, match=r"^run_name: .* does not match"):
+            fill_defaults({"run_name": bad})
+
+
+def test_snakemake_stops_a_long_run_name_in_one_line(tmp_path: Path) -> None:
+    snakemake = Path(sys.executable).with_name("snakemake")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run([str(snakemake), "-n", "--cores", "1", "--config", f"run_name={'r' * 5000}"], cwd=ROOT,
+                         capture_output=True, text=True, env=env, timeout=600, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0 and "OSError" not in text and "File name too long" not in text
+    lines = [line for line in text.splitlines() if "run_name" in line]
+    assert lines and all(len(line) < 300 for line in lines)
+    assert any("run_name: 'rrrr" in line and "(5000 characters) is too long" in line for line in lines)
+
+
+def test_a_folder_of_the_wrong_kind_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsextract.config import check
+
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=rf"^sources\[0\].path: {folder} is a folder but not a "
+                                          r"`datasets.save_to_disk` dataset \(it has no state.json or "
+                                          r"dataset_dict.json\); name a .jsonl"):
+        check_source_path("sources[0].path", folder)
+    cfg = door_config(tmp_path, monkeypatch)
+    cfg["sources"] = [cfg["sources"][0], {"path": str(folder), "format": "auto"}]
+    with pytest.raises(ConfigError, match=r"^sources\[1\].path: .* is a folder but not"):
+        check(cfg)
+    (folder / "state.json").write_text("{}")
+    check_source_path("sources[0].path", folder)
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------
+def door_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """A config config.check accepts: a 6-layer model's config.json, a one-tensor reference (capture: mtp,
+    the final state alone, so no layer list), ten conversations."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model/config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 6,
+                                                             "hidden_size": 16}))
+    torch.save({"input_ids": torch.arange(3), "hidden_states": [torch.zeros(3, 16, dtype=torch.bfloat16)],
+                "loss_mask": torch.ones(3, dtype=torch.int64)}, tmp_path / "ref.pt")
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}
+            for i in range(10)]
+    (tmp_path / "conv.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"run_name": "door", "model": "model", "make_tiny_model": False, "reference_sample": "ref.pt",
+            "capture": "mtp", "aux_layers": None, "prompts_per_chunk": 4,
+            "sources": [{"path": "conv.jsonl", "format": "messages"}]}
+
+
+def fake_server_python(where: Path) -> Path:
+    """An executable that serves as `sglang.python`: `<it> -m sglang.launch_server ARGS` runs the fake."""
+    exe = where / "fake-sglang-python"
+    exe.write_text(f"#!/bin/sh\nshift 2\nPYTHONPATH={ROOT / 'tests'}:{ROOT / 'src'} exec {sys.executable} "
+                   "-m fake_sglang \"$@\"\n")
+    exe.chmod(0o755)
+    return exe
