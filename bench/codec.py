@@ -62,7 +62,7 @@ def real_samples(tokens: int, seq: int) -> tuple[list[Sample], int]:
         for start in range(0, tokens, seq):
             x = ids[start:start + seq]
             out = model(x[None], output_hidden_states=True)
-            hs = [out.hidden_states[i + 1][0].contiguous() for i in (2, 4, 6)]
+            hs = [out.hidden_states[i][0].contiguous() for i in (3, 5, 7)]
             hs.append(out.hidden_states[-1][0].contiguous())  # transformers applies the final norm to the last entry
             samples.append({"input_ids": x.clone(), "hidden_states": hs,
                             "loss_mask": (torch.arange(len(x)) % 3 != 0).long()})
@@ -192,7 +192,7 @@ def bench_zstd(samples: list[Sample]) -> tuple[int, tuple[float, float], tuple[f
 
 def bench_ours(samples: list[Sample], hidden: int, threads: int, folder: Path,
                precision: str = "bf16") -> tuple[int, tuple[float, float], tuple[float, float]]:
-    meta = placeholder_metadata(hidden, [2, 4, 6], engine_version="0")
+    meta = placeholder_metadata(hidden, [3, 5, 7], engine_version="0")
     path = folder / f"bench-{threads}-{precision}.hss"
 
     def enc() -> None:

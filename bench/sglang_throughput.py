@@ -222,7 +222,7 @@ def hf_run(model_dir: str, length: int, batches: int, batch: int, aux: tuple[int
         t0 = time.monotonic()
         for _ in range(batches):
             out = m(x, output_hidden_states=True, logits_to_keep=1)
-            keep = [out.hidden_states[a + 1].cpu() for a in aux] + [out.hidden_states[-1].cpu()]
+            keep = [out.hidden_states[a].cpu() for a in aux] + [out.hidden_states[-1].cpu()]
         torch.cuda.synchronize()
         wall = time.monotonic() - t0
     del m, out, keep
@@ -627,7 +627,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="config-only model dir (SGLang --load-format dummy)")
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--aux", type=int, nargs="+", default=[1, 15, 28])
+    ap.add_argument("--aux", type=int, nargs="+", default=[2, 16, 29])  # eagle3 of 32 layers (hidden_states ids)
     ap.add_argument("--lens", type=int, nargs="+", default=[512, 2048])
     ap.add_argument("--n", type=int, nargs="+", default=None,
                     help="prompts per length (default 1024 / 256: steady state, the start and the tail of a run "

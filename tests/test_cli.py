@@ -44,7 +44,9 @@ def test_inspect_text(shard, capsys):
     assert main(["inspect", "--samples", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert f"shard          {path}" in out
-    assert "final_state    post_norm" in out and "aux_layers     [1, 2, 3]" in out and "run_name       t" in out
+    assert "final_state    post_norm" in out and "run_name       t" in out
+    assert "aux_layers     [1, 2, 3] (hidden_states ids)" in out
+    assert "               = hidden_states[1, 2, 3] = outputs of decoder layers 0, 1, 2" in out
     assert "samples        3" in out and "tokens         16" in out
     assert f"trained tokens {sum(int(s[2].sum()) for s in samples)}" in out
     assert out[-3].split() == ["0", "3", str(int(samples[0][2].sum())), "conv-0"]
@@ -56,7 +58,12 @@ def test_export_command(shard, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["export", "--format", "specforge", str(path.parent.parent), str(out)]) == 0
     captured = capsys.readouterr()
-    assert captured.out == f"exported 3 samples (16 tokens) as specforge to {out}\n"
+    assert captured.out == (
+        f"exported 3 samples (16 tokens) as specforge to {out}\n"
+        "layers: hidden_states[1, 2, 3] = outputs of decoder layers 0, 1, 2; specforge: {'aux_hidden_states_layers': "
+        "[0, 1, 2]}\n"
+        "drafter config eagle_aux_hidden_state_layer_ids: vLLM [1, 2, 3], SGLang 0.5.16 (the target's architecture is "
+        f"not recorded: its class decides SGLang's rule) (all in {out}/layers.json)\n")
     assert captured.err == ""  # post_norm data to SpecForge: nothing to warn about
     d = torch.load(out / "rows_0-3" / "data_2.ckpt", weights_only=True)
     assert torch.equal(d["input_ids"], samples[2][0])

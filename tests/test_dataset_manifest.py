@@ -9,7 +9,7 @@ from hsextract import open_dataset
 from hsextract.errors import ShardError
 from hsextract.export import export
 from hsextract.provenance import sha256_file
-from hsextract.shard import ShardWriter
+from hsextract.shard import ShardReader, ShardWriter
 
 
 @pytest.fixture
@@ -58,8 +58,9 @@ def test_truncated_shard_is_an_error(run):
 
 def test_export_compares_checksums(run, tmp_path):
     path = run / "shards" / "chunk-00000.hss"
+    off = ShardReader(path).index["offsets"][0]
     data = bytearray(path.read_bytes())
-    data[len(data) // 3] ^= 0xFF  # inside the sample record: same size, other bytes
+    data[off + 32] ^= 0xFF  # inside the first sample record: same size, other bytes
     path.write_bytes(bytes(data))
     assert len(open_dataset(run)) == 3  # sizes agree: opening alone does not hash
     with pytest.raises(ShardError, match="chunk-00000.hss: sha256 differs"):

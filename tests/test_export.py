@@ -119,7 +119,7 @@ def test_specforge_keys_shapes_values(run_dir, tmp_path):
     with pytest.warns(FinalNormWarning):
         export(run_dir, out, "specforge")
     ds = open_dataset(run_dir)
-    assert [p.name for p in out.iterdir()] == ["rows_0-5"]
+    assert sorted(p.name for p in out.iterdir()) == ["layers.json", "rows_0-5"]  # SpecForge reads rows_*/*.ckpt
     for i in range(5):
         d = torch.load(out / "rows_0-5" / f"data_{i}.ckpt", weights_only=True)
         ours = ds[i]
@@ -221,7 +221,8 @@ def test_five_aux_layer_capture_round_trips_and_exports(tmp_path):
 
     export(tmp_path / "run", tmp_path / "v1", "speculators-v1")
     cfg = json.loads((tmp_path / "v1" / "data" / "data_config.json").read_text())
-    assert cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 6 and cfg["hidden_states"]["layer_ids"][:5] == aux
+    assert cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 6
+    assert cfg["hidden_states"]["layer_ids"][:5] == [a - 1 for a in aux]  # speculators 0.4: layer outputs
     raw = torch.load(tmp_path / "v1" / "data" / "data_2.pt", weights_only=True)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(raw["hidden_states"], samples[2][1], strict=True))
     with pytest.warns(FinalNormWarning):  # pre_norm without a recorded norm: exported as is, loudly

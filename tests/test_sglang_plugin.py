@@ -502,17 +502,18 @@ def test_plugin_config_from_env(tmp_path: Path) -> None:
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path)})
     mtp = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": ""})
     assert mtp.aux_layers == () and mtp.expected_capture == []
-    eight = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "0,1,2,3,4,5,6,7"})
+    eight = plg.PluginConfig.from_env(
+        {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "0,1,2,3,4,5,6,7"})
     assert len(eight.aux_layers) == 8
     for bad in ("0,1,2,3,4,5,6,7,8", "1,1", "-1"):
         with pytest.raises(plg.PluginConfigError, match="need 0 to 8 distinct non-negative layer ids"):
             plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": bad})
-    post = plg.PluginConfig.from_env(
-        {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1", "HSEXTRACT_FINAL_STATE": "post_norm"})
+    post = plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1",
+                                      "HSEXTRACT_FINAL_STATE": "post_norm"})
     assert post.final_state == "post_norm"
     with pytest.raises(plg.PluginConfigError, match=r"HSEXTRACT_FINAL_STATE='normed': use pre_norm or post_norm"):
-        plg.PluginConfig.from_env(
-            {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1", "HSEXTRACT_FINAL_STATE": "normed"})
+        plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1",
+                                   "HSEXTRACT_FINAL_STATE": "normed"})
 
 
 class _CHM:

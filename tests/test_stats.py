@@ -45,7 +45,7 @@ def test_chunk_stats_values(shards: list[Path]) -> None:
     assert (s["samples"], s["tokens"], s["trained_tokens"], s["seq_lengths"], s["trained_lengths"]) == (
         2, 5, 3, [3, 2], [2, 1])
     assert s["token_freq"] == {"6": 1, "7": 1, "9": 1}
-    assert [t["name"] for t in s["tensors"]] == ["aux_0", "aux_2", "final_post_norm"]
+    assert [t["name"] for t in s["tensors"]] == ["hidden_states[0]", "hidden_states[2]", "final_post_norm"]
     # sum of squares: value^2 * hidden * tokens, summed over samples
     assert [t["sum_sq"] for t in s["tensors"]] == [(1 * 3 + 9 * 2) * HIDDEN, (4 * 3 + 4 * 2) * HIDDEN,
                                                    (0.25 * 3 + 0.25 * 2) * HIDDEN]
@@ -69,8 +69,8 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
     assert (summary["bytes_raw"], summary["bytes_stored"]) == (raw, stored)
     assert summary["stored_over_raw"] == round(stored / raw, 4)
     layers = tables["layers"].set_index("tensor")
-    # aux_0: squares 1 (3 tok), 9 (2 tok), 1 (5 tok) over 10 tokens
-    assert layers.loc["aux_0", "rms"] == pytest.approx(math.sqrt((3 + 18 + 5) / 10))
+    # hidden_states[0]: squares 1 (3 tok), 9 (2 tok), 1 (5 tok) over 10 tokens
+    assert layers.loc["hidden_states[0]", "rms"] == pytest.approx(math.sqrt((3 + 18 + 5) / 10))
     assert layers.loc["final_post_norm", "abs_max"] == 4.0
     assert list(tables["dropped"].itertuples(index=False, name=None)) == [("no_trained_tokens", 5), ("too_long", 2)]
     pos = tables["rms_by_position"]
@@ -81,7 +81,7 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
     assert (seq["q00"], seq["q50"], seq["q100"], seq["mean"]) == (2.0, 3.0, 5.0, 10 / 3)
     write_table(tables["layers"], tmp_path / "layers.tsv")
     back = pd.read_csv(tmp_path / "layers.tsv", sep="\t")
-    assert list(back["tensor"]) == ["aux_0", "aux_2", "final_post_norm"]
+    assert list(back["tensor"]) == ["hidden_states[0]", "hidden_states[2]", "final_post_norm"]
 
 
 def test_token_freq_over_trained_tokens(shards: list[Path], tmp_path: Path) -> None:
@@ -149,7 +149,7 @@ def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Pa
     assert "<th>stored_over_raw</th>" in page["chunks"]
     assert ('<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td>'
             '<td class="num">4</td>') in page["chunks"]
-    assert '<tr><td>aux_0</td><td class="num">' in page["layers"]
+    assert '<tr><td>hidden_states[0]</td><td class="num">' in page["layers"]
     assert '<tr><td>too_long</td><td class="num">2</td></tr><tr><td>duplicate</td><td class="num">1</td></tr>' in page[
         "dropped"]
     v = page["validation"]

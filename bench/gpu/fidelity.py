@@ -104,7 +104,7 @@ def direct_hf(model_dir: str, prompts: list[Prompt], aux: tuple[int, ...], devic
     with torch.no_grad():
         for p in prompts:
             out = m(torch.tensor([p.input_ids], device=device), output_hidden_states=True, use_cache=False)
-            out_refs.append({"aux": [out.hidden_states[a + 1][0].cpu() for a in aux], "pre": cap["pre"][0].cpu(),
+            out_refs.append({"aux": [out.hidden_states[a][0].cpu() for a in aux], "pre": cap["pre"][0].cpu(),
                              "post": cap["post"][0].cpu()})
     for h in hooks:
         h.remove()

@@ -79,10 +79,11 @@ def cmd_export(args: argparse.Namespace) -> int:
           f"to {summary['data_path']}")
     li = summary["layers"]
     sgl = li["sglang_0.5.16"]
+    sgl_ids = sgl["eagle_aux_hidden_state_layer_ids"]
     print(f"layers: {li['stored']['meaning']}; {li['consumer']}: {li[li['consumer']]}")
     print(f"drafter config eagle_aux_hidden_state_layer_ids: vLLM {li['vllm']['eagle_aux_hidden_state_layer_ids']}, "
-          f"SGLang 0.5.16 {sgl['eagle_aux_hidden_state_layer_ids'] if sgl['eagle_aux_hidden_state_layer_ids'] is not None else '(' + sgl['note'] + ')'}"
-          f" (all in {summary['out_dir']}/layers.json)")
+          f"SGLang 0.5.16 {sgl_ids if sgl_ids is not None else '(' + sgl['note'] + ')'} "
+          f"(all in {summary['out_dir']}/layers.json)")
     return 0
 
 

@@ -17,6 +17,9 @@ Environment (set by `hsextract.sglang.server`):
                             skips SGLang's own warmup (random hex rid) and health checks (HEALTH_CHECK_*)
     HSEXTRACT_COPY_STREAM   1 (default): device-to-host copies on a side stream, beside the next forward;
                             0: on the forward's stream (saves one device copy of each batch's rows)
+    HSEXTRACT_EAGLE3_IDS    diagnostic (bench/gpu/eagle3_ids.py): set the capture with the model's own
+                            set_eagle3_layers_to_capture(ids), as SGLang's EAGLE-3 worker does for a drafter
+                            config's ids, and dump what it resolves without checking it
 
 Capture source:
   * `builtin`: the server runs with `--enable-return-aux-hidden-states` (SGLang >= 0.5.2x):
@@ -77,6 +80,7 @@ from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the 
     ENV_AUX_LAYERS,
     ENV_COPY_STREAM,
     ENV_DUMP_DIR,
+    ENV_EAGLE3_IDS,
     ENV_FINAL_STATE,
     ENV_RID_PREFIX,
     ENV_STAGING_MB,
@@ -239,7 +243,9 @@ class Dumper:
                                     "--enable-return-aux-hidden-states")
         if self.mode == "plugin" and self.cfg.aux_layers:  # none: FULL mode stores the final state by itself
             aux = list(self.cfg.aux_layers)
-            if hasattr(model, "set_dflash_layers_to_capture"):  # DFlash names layers by their output: +1
+            if self.cfg.eagle3_ids is not None:  # diagnostic: as SGLang's EAGLE-3 worker sets up its target
+                model.set_eagle3_layers_to_capture(list(self.cfg.eagle3_ids))
+            elif hasattr(model, "set_dflash_layers_to_capture"):  # DFlash names layers by their output: +1
                 model.set_dflash_layers_to_capture([i - 1 for i in aux])
             elif hasattr(model, "set_eagle3_layers_to_capture"):
                 ids = sglang_eagle3_ids(aux, type(model).__name__)
@@ -271,6 +277,10 @@ class Dumper:
             "hsextract: aux_layers %s -> resolved layers_to_capture %s (expected %s, capture source %s)",
             list(self.cfg.aux_layers), resolved, expected, self.mode,
         )
+        if self.cfg.eagle3_ids is not None:  # diagnostic: dump what SGLang chose, for the bench to compare
+            log.warning("hsextract: %s=%s resolved to layers_to_capture %s (not checked: diagnostic)",
+                        ENV_EAGLE3_IDS, list(self.cfg.eagle3_ids), resolved)
+            return resolved
         if resolved != expected:
             hint = (
                 " With --enable-return-aux-hidden-states pass --speculative-algorithm DFLASH "
@@ -301,6 +311,7 @@ class Dumper:
             "aux_layers": list(self.cfg.aux_layers),
             "layer_convention": HIDDEN_STATES,
             "layers_to_capture": resolved,
+            "eagle3_ids": None if self.cfg.eagle3_ids is None else list(self.cfg.eagle3_ids),
             "final_state": self.cfg.final_state,
             "final_norm_module": self.norm_module,
             "hidden_size": self.hidden_size,

@@ -16,6 +16,10 @@ ENV_DUMP_DIR = "HSEXTRACT_DUMP_DIR"
 # named for its convention: a plugin installed by an older hsextract (which read HSEXTRACT_AUX_LAYERS as
 # layer outputs) finds nothing and refuses to start instead of capturing one layer deeper
 ENV_AUX_LAYERS = "HSEXTRACT_AUX_HIDDEN_STATES"
+# Diagnostic (bench/gpu/eagle3_ids.py): a drafter config's eagle_aux_hidden_state_layer_ids, given to the
+# model's set_eagle3_layers_to_capture as SGLang's EAGLE-3 worker gives them; the layers it resolves are
+# recorded in the marker and dumped, not checked, so that the bench compares SGLang's own choice.
+ENV_EAGLE3_IDS = "HSEXTRACT_EAGLE3_IDS"
 ENV_FINAL_STATE = "HSEXTRACT_FINAL_STATE"
 ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
 ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
@@ -41,6 +45,7 @@ class PluginConfig:
     rid_prefix: str = DEFAULT_RID_PREFIX
     writer_threads: int = DEFAULT_WRITER_THREADS
     copy_stream: bool = True
+    eagle3_ids: tuple[int, ...] | None = None  # ENV_EAGLE3_IDS (diagnostic)
 
     @property
     def expected_capture(self) -> list[int]:
@@ -87,5 +92,12 @@ class PluginConfig:
         copy_stream = env.get(ENV_COPY_STREAM, "1")
         if copy_stream not in ("0", "1"):
             raise PluginConfigError(f"{ENV_COPY_STREAM}={copy_stream!r}: expected 1 (side stream) or 0")
+        raw_e3 = env.get(ENV_EAGLE3_IDS)
+        try:
+            eagle3 = None if raw_e3 is None else tuple(int(x) for x in raw_e3.replace(" ", "").split(",") if x)
+        except ValueError as e:
+            raise PluginConfigError(f"{ENV_EAGLE3_IDS}={raw_e3!r}: expected comma-separated integers") from e
+        if eagle3 is not None and len(eagle3) != len(aux):
+            raise PluginConfigError(f"{ENV_EAGLE3_IDS}={raw_e3!r}: one id per aux layer ({len(aux)})")
         return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads,
-                   copy_stream == "1")
+                   copy_stream == "1", eagle3)
