@@ -90,7 +90,7 @@ def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(
     assert "models: deepseek:eagle3 deepseek-fixed:eagle3 llama:dflash" in log  # the MoE model's twin added
     res = {n: json.loads((out / f"fidelity-{n}.json").read_text()) for n in ("deepseek", "deepseek-fixed", "llama")}
     assert [res[n]["check_mode"] for n in res] == ["token", "sample", "sample"]  # the twin: dense bounds
-    assert res["deepseek"]["aux_layers"] == [2, 4, 5] and res["llama"]["aux_layers"] == [1, 2, 3, 4, 5]
+    assert res["deepseek"]["aux_layers"] == [2, 4, 5] and res["llama"]["aux_layers"] == [2, 3, 4, 5, 6]
     for n, x in res.items():
         assert x["pass"] and "error" not in x, (n, x.get("error"), x.get("checks"))
         assert x["tensors"][-2:] == ["final_pre_norm", "final_post_norm"]

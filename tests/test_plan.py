@@ -34,7 +34,8 @@ def small(tmp_path: Path) -> dict:
     # nested like Kimi-K2.5's multimodal config: the text model's hidden size counts
     (model / "config.json").write_text(
         json.dumps({"hidden_size": 9999, "text_config": {"hidden_size": 64, "num_hidden_layers": 8}}))
-    return {"model": str(model), "aux_layers": [1, 5, 7], "prompts_per_chunk": 10,
+    return {"model": str(model), "capture": "custom", "aux_layers": [1, 5, 7], "aux_layers_convention": "hidden_states",
+            "prompts_per_chunk": 10,
             "engine": "transformers", "transformers": {"device": "cuda"}, "shard": {"precision": "bf16"}}
 
 
@@ -135,6 +136,7 @@ def test_kimi_example_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     argv = shlex.split(command)
     assert argv[:2] == ["hsextract", "plan"]
     kimi = {"model": "moonshotai/Kimi-K2.5", "engine": "sglang", "aux_layers": [2, 30, 58],
+            "aux_layers_convention": "hidden_states",
             "prompts_per_chunk": 2048, "sglang": {"tp": 8, "replicas": 1}, "shard": {"precision": "bf16"}}
     (tmp_path / "kimi.yaml").write_text(yaml.safe_dump(kimi))
     argv[argv.index("--configfile") + 1] = str(tmp_path / "kimi.yaml")

@@ -9,6 +9,7 @@ config twice gives identical samples; bad configs stop before any job and name t
 from __future__ import annotations
 
 import base64
+import copy
 import json
 import math
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -152,12 +154,12 @@ def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:
 
 def test_aux_layer_beyond_depth_stops_before_any_job(tmp_path: Path) -> None:
     wd = make_workdir(tmp_path / "d")
-    (wd / "config/deep.yaml").write_text("aux_layers: [1, 5, 10]\n")
+    (wd / "config/deep.yaml").write_text("capture: custom\naux_layers: [1, 5, 10]\naux_layers_convention: hidden_states\n")
     proc = smk(wd, check=False, configfiles=("config/test.yaml", "config/deep.yaml"))
     assert proc.returncode != 0
     assert (
-        "aux_layers[2]: layer 10 is beyond the model's depth: the tiny model (hsextract.tinymodel) has 10 "
-        "decoder layers, so ids 0..9 are allowed"
+        "aux_layers[2]: hidden_states[10] is beyond the aux layers of the tiny model (hsextract.tinymodel): it has "
+        "10 decoder layers, so hidden_states ids 0..9 are allowed"
     ) in proc.stderr + proc.stdout
     assert not (wd / "results").exists() and not (wd / "logs").exists()
 
@@ -218,7 +220,11 @@ def test_full_run_validates(full_run: Path) -> None:
     assert counts["samples"] + counts["dropped_samples"] == RECORDS
     assert counts["dropped"] == prep["dropped"]
     assert 0 < counts["stored_over_raw"] < 1.0
-    assert manifest["aux_layers"] == [1, 5, 7] and manifest["final_state"] == "pre_norm"
+    assert manifest["aux_layers"] == [2, 5, 7] and manifest["final_state"] == "pre_norm"  # capture: eagle3
+    assert manifest["layer_convention"] == "hidden_states"
+    assert manifest["layers"]["vllm"] == {"eagle_aux_hidden_state_layer_ids": [2, 5, 7]}
+    assert manifest["layers"]["sglang_0.5.16"]["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]  # DeepseekV3: raw
+    assert manifest["layers"]["specforge"] == {"aux_hidden_states_layers": [1, 4, 6]}
     assert manifest["provenance"]["config"]["run_name"] == RUN
     assert len(manifest["provenance"]["model_hash"]) == 64
     lock = {"path": "requirements/cpu.lock", "sha256": sha256_file(ROOT / "requirements/cpu.lock")}
@@ -255,7 +261,8 @@ def token_errors(got: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
-    """Each sample alone, unpadded, through plain transformers: aux id i = hidden_states[i+1]."""
+    """Each sample alone, unpadded, through plain transformers: aux id i = hidden_states[i] (what an EAGLE-3
+    engine feeds a drafter), and not hidden_states[i+1] (the outputs of those layers)."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(2)
@@ -263,7 +270,7 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
     last = {}
     model.model.layers[-1].register_forward_hook(
         lambda m, i, o: last.__setitem__("out", o[0] if isinstance(o, tuple) else o))
-    aux = [1, 5, 7]
+    aux = [2, 5, 7]  # the eagle3 preset of 10 layers
     checked = 0
     for i in range(N_CHUNKS):
         reader = ShardReader(shard_path(full_run, i))
@@ -275,8 +282,8 @@ def test_hidden_states_equal_independent_forward(full_run: Path) -> None:
                 post = model.model.norm(last["out"])[0]
             assert torch.equal(post, hs[-1][0])  # transformers' last hidden state is post-norm
             # final_state: pre_norm (the default): the last decoder layer's output, not the normed one
-            right = [hs[layer + 1][0] for layer in aux] + [pre]
-            wrong = [hs[layer + 2][0] for layer in aux] + [post]
+            right = [hs[layer][0] for layer in aux] + [pre]
+            wrong = [hs[layer + 1][0] for layer in aux] + [post]
             for j in range(4):
                 err = token_errors(s["hidden_states"][j], right[j])
                 where = f"chunk {i} sample {k} tensor {j}"
@@ -362,3 +369,220 @@ def test_readme_deleted_shard_reruns_alone(tmp_path: Path, full_run: Path) -> No
     assert manifest["shards"][2]["sha256"] == sha256_file(shard_path(wd, 2))
     # the rerun wrote the same samples as the first run
     assert sha256_file(shard_path(wd, 2)) == sha256_file(shard_path(full_run, 2))
+
+
+# What a config change reruns (hsextract.reruns.KEYS). Each key is changed alone on a run where its rules have
+# jobs: the full run for most keys; for `sglang.*` and `regenerate.*` (and the keys regenerate reads too), the
+# full run recorded as made under `engine: sglang` or `regenerate.enabled` (snakemake --touch: nothing runs).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "sglang": {"engine": "sglang"},
+    "regenerate": {"regenerate": {"enabled": True}},
+}
+# Changed values the schema's types alone do not give: another value with the keys it needs, or a file that exists.
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "run_name": {"run_name": "another-run"},
+    "model": {"model": "resources/another-tiny-model"},
+    "make_tiny_model": {"make_tiny_model": False, "reference_sample": "resources/reference/tiny.pt"},
+    "tokenizer": {"tokenizer": "resources/tiny-model"},
+    # the tiny model's kimi tokenizer is custom code
+    "trust_remote_code": {"trust_remote_code": False, "tiny_model_tokenizer": "fast"},
+    # the shipped reference sample holds 3 aux layers
+    "capture": {"capture": "custom", "aux_layers": [1, 2, 3], "aux_layers_convention": "hidden_states"},
+    "aux_layers": {"capture": "custom", "aux_layers": [1, 2, 3], "aux_layers_convention": "hidden_states"},
+    "aux_layers_convention": {"capture": "custom", "aux_layers": [1, 2, 3], "aux_layers_convention": "layer_output"},
+    "reference_sample": {"reference_sample": "resources/reference/copy.pt"},
+    "sources": {"sources": [{"path": "data/conversations.jsonl", "format": "messages", "max_records": RECORDS - 8}]},
+    "chat_template": {"chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"},
+    "chat_template_kwargs": {"chat_template_kwargs": {"thinking": False}},  # issue 35: it planned nothing
+    "transformers.device": {"transformers.device": "auto"},
+    "sglang.python": {"sglang.python": sys.executable},
+    "sglang.launch_args": {"sglang.launch_args": ["--mem-fraction-static", "0.8"]},
+    "sglang.host": {"sglang.host": "0.0.0.0", "sglang.api_key": "a-secret"},
+    "sglang.api_key": {"sglang.api_key": "a-secret"},
+    "sglang.gpus": {"sglang.gpus": [0]},
+    "sglang.server_url": {"sglang.server_url": "http://127.0.0.1:30999", "sglang.dump_dir": "dumps"},
+    "sglang.servers": {"sglang.servers": ["http://127.0.0.1:30999"], "sglang.dump_dir": "dumps"},
+    "sglang.dump_dir": {"sglang.dump_dir": "dumps"},
+    "regenerate.stop_token_ids": {"regenerate.stop_token_ids": [1]},
+    "regenerate.device": {"regenerate.device": "cpu"},
+    "regenerate.server_url": {"regenerate.server_url": "http://127.0.0.1:30998"},
+}
+
+
+def dotted_get(config: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        config = config[part]
+    return config
+
+
+def nested(changes: dict[str, Any]) -> dict[str, Any]:
+    """{"a.b": 1} -> {"a": {"b": 1}}"""
+    out: dict[str, Any] = {}
+    for key, value in changes.items():
+        *parents, last = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return out
+
+
+def changed_value(key: str, prop: dict[str, Any], current: Any) -> dict[str, Any]:
+    """{dotted key: value} that changes `key` from `current`: EXAMPLES, else from its schema."""
+    if key in EXAMPLES:
+        return EXAMPLES[key]
+    types = prop["type"] if isinstance(prop.get("type"), list) else [prop.get("type")]
+    if "enum" in prop:
+        return {key: next(v for v in prop["enum"] if v != current and v is not None)}
+    if isinstance(current, bool):
+        return {key: not current}
+    if "integer" in types or "number" in types:
+        if current is None:
+            return {key: 64}
+        up = current + 1
+        return {key: up if up <= prop.get("maximum", up) else current / 2 if "number" in types else current - 1}
+    if "array" in types and "enum" in prop.get("items", {}):
+        return {key: [next(v for v in prop["items"]["enum"] if v not in (current or ()))]}
+    if types == ["string"] and isinstance(current, str) and "pattern" not in prop:
+        return {key: current + "x"}
+    raise AssertionError(f"{key}: the test cannot make another value of it from the schema; add one to EXAMPLES")
+
+
+class Plans:
+    """tests/snakemake_plans.py, running in `workdir`: `plan(config, forcerun)`, `touch(config)`."""
+
+    def __init__(self, workdir: Path, log: Path) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests/snakemake_plans.py"), str(workdir), "config/test.yaml"],
+            cwd=workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"), text=True,
+        )
+
+    def ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"snakemake_plans.py ended ({self.proc.poll()}): {self.log.read_text()[-3000:]}"
+        answer = json.loads(line)
+        assert "error" not in answer, f"{request}: {answer['error']}"
+        return answer
+
+    def plan(self, config: dict[str, Any], forcerun: tuple[str, ...] = ()) -> dict[str, int]:
+        return self.ask({"plan": config, "forcerun": list(forcerun)})["plan"]
+
+    def close(self) -> None:
+        assert self.proc.stdin
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, full_run: Path) -> None:
+    """Generated from the schema: after a finished run, each key changed alone makes the dry run plan exactly
+    the rules hsextract.reruns.KEYS names for it and what follows them (the plan of `--forcerun RULES` under
+    the same config), an operational key nothing. First, as a user would: `chat_template_kwargs: {thinking:
+    false}` in a config file given to the same command plans prepare (issue 35: it planned nothing)."""
+    import yaml
+    from snakemake.utils import update_config
+
+    from hsextract import reruns
+    from hsextract.settings import fill_defaults, schema
+
+    wd = tmp_path / "reruns"
+    shutil.copytree(full_run, wd, symlinks=True)
+    shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
+    # a reference of the tiny model's width, for make_tiny_model: false (a real model's reference must match it)
+    dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
+    hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1
+    torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden)] * n,
+                "loss_mask": torch.ones(4, dtype=torch.int64)}, wd / "resources/reference/tiny.pt")
+    (wd / "config/thinking.yaml").write_text("chat_template_kwargs: {thinking: false}\n")
+    plan = job_counts(smk(wd, "-n", configfiles=("config/test.yaml", "config/thinking.yaml")).stdout)
+    assert plan["prepare"] == 1 and plan["extract"] == N_CHUNKS and plan["manifest"] == 1, plan
+
+    leaves = _schema_leaves(schema()["properties"])
+    assert set(leaves) == set(reruns.KEYS)  # tests/test_reruns.py says which differ
+    base = yaml.safe_load((wd / "config/config.yaml").read_text())
+    update_config(base, yaml.safe_load((wd / "config/test.yaml").read_text()))
+    plans = Plans(wd, tmp_path / "plans.log")
+    wrong, seen_rules, runs = [], set(), 0
+    try:
+        for name, variant in VARIANTS.items():
+            if variant:
+                plans.ask({"touch": variant})
+            current = fill_defaults({**base, **variant})
+            assert plans.plan(variant) == {}, name  # a finished run: nothing to do
+            oracle: dict[tuple[str, ...], dict[str, int]] = {}
+            for key, rules in reruns.KEYS.items():
+                section = key.split(".")[0] if "." in key else None
+                wanted = (section == name) if section in VARIANTS else (
+                    name == "default" or (name == "regenerate" and "regenerate_chunk" in rules))
+                if not wanted:
+                    continue
+                change = changed_value(key, leaves[key], dotted_get(current, key))
+                config = copy.deepcopy(variant)
+                update_config(config, nested(change))
+                # the keys an example changes with it add their rules
+                rules = tuple(r for r in reruns.RULES if any(r in reruns.KEYS[k] for k in change))
+                answer = plans.ask({"plan": config, "forcerun": []})
+                got, seen_rules = answer["plan"], seen_rules | set(answer["rules"])
+                runs += 1
+                if not rules:
+                    expected = {}
+                else:
+                    # the plan of forcing its rules: on the unchanged run first (the same jobs), else under this config
+                    if rules not in oracle:
+                        oracle[rules] = plans.plan(variant, rules)
+                        runs += 1
+                    expected = oracle[rules]
+                    if got != expected:
+                        expected = plans.plan(config, rules)
+                        runs += 1
+                    if not expected:
+                        wrong.append(f"{name}: {key}: none of its rules {rules} has a job in this run")
+                if got != expected:
+                    why = rules or "operational"
+                    wrong.append(f"{name}: {key} -> {change}: planned {got}, expected {expected} ({why})")
+    finally:
+        plans.close()
+    assert not wrong, "\n".join(wrong)
+    assert set(reruns.RULES) <= seen_rules, set(reruns.RULES) - seen_rules
+    print(f"{runs} dry runs")
+
+
+def _schema_leaves(props: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> its schema, for every key that is not an object with fixed properties."""
+    out: dict[str, Any] = {}
+    for key, sub in props.items():
+        if sub.get("type") == "object" and "properties" in sub:
+            out.update(_schema_leaves(sub["properties"], f"{prefix}{key}."))
+        else:
+            out[prefix + key] = sub
+    return out
+
+
+def test_dataset_json_records_the_effective_values(full_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every key that decides the data, as the run used it (defaults filled, the capture preset resolved), and
+    prepare's whole settings section (in its summary); a changed key reruns the manifest (the test above)."""
+    import yaml
+    from snakemake.utils import update_config
+
+    from hsextract import reruns
+    from hsextract.settings import SCHEMA_TO_TREE, from_config
+
+    manifest = json.loads((run_dir(full_run) / "dataset.json").read_text())
+    config = yaml.safe_load((full_run / "config/config.yaml").read_text())
+    update_config(config, yaml.safe_load((full_run / "config/test.yaml").read_text()))
+    monkeypatch.chdir(full_run)  # the preset resolves against the run's model
+    settings = from_config(config)
+    recorded = manifest["provenance"]["config"]
+    for key, rules in reruns.KEYS.items():
+        if rules and key in SCHEMA_TO_TREE:  # a key the tree lacks is recorded as the Snakefile resolved it
+            assert reruns.plain(dotted_get(recorded, key)) == reruns.value(settings, key), key
+    assert recorded["aux_layers"] == manifest["aux_layers"] == list(settings.aux_layers)
+    prepared = manifest["provenance"]["prepare"]["settings"]
+    assert prepared == {k: v for k, v in reruns.plain(settings.prepare).items() if k != "chat_template"}
+    assert prepared["chat_template_kwargs"] == {} and prepared["trust_remote_code"] is True
