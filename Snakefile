@@ -58,6 +58,7 @@ report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/gpu_pool.smk"
 include: "workflow/rules/model.smk"
 
 

@@ -57,14 +57,15 @@ def test_configfile_groups() -> None:
     assert earlier_configfiles(argv, [Path("other.yaml").absolute()]) == []
 
 
-README_PRODUCTION = "snakemake -n --cores 8 --configfile config/kimi.yaml"
+README_PRODUCTION = "snakemake -n --cores 8 --resources gpu=8 --configfile config/kimi.yaml"
 
 
 def run_readme_production(tmp_path: Path) -> tuple[Path, Proc, Proc]:
     """README's production dry run as written, and its one-flag spelling."""
     wd = kimi_workdir(tmp_path)
     return (wd, run(wd, readme_command(README_PRODUCTION)),
-            run(wd, ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "my-sources.yaml"]))
+            run(wd, ["snakemake", "-n", "--cores", "8", "--resources", "gpu=8", "--configfile", "config/kimi.yaml",
+                     "my-sources.yaml"]))
 
 
 @pytest.mark.slow
@@ -72,8 +73,8 @@ def test_readme_production_dry_run_plans_every_job(
     scenario: tuple[Path, Proc, Proc],
 ) -> None:
     argv = readme_command(README_PRODUCTION)
-    assert argv == ["snakemake", "-n", "--cores", "8", "--configfile", "config/kimi.yaml", "--configfile",
-                    "my-sources.yaml"]
+    assert argv == ["snakemake", "-n", "--cores", "8", "--resources", "gpu=8", "--configfile", "config/kimi.yaml",
+                    "--configfile", "my-sources.yaml"]
     wd, proc, one = scenario
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -86,6 +87,25 @@ def test_readme_production_dry_run_plans_every_job(
     # the one-flag spelling plans the same jobs
     assert one.returncode == 0 and job_counts(one.stdout) == job_counts(out)
     assert not (wd / "results").exists()
+
+
+def run_without_pool(tmp_path: Path) -> tuple[Path, Proc]:
+    """README's production dry run without its --resources gpu=8: profiles/default's pool is gpu=1."""
+    wd = kimi_workdir(tmp_path)
+    argv = [w for w in readme_command(README_PRODUCTION) if w not in ("--resources", "gpu=8")]
+    return wd, run(wd, argv)
+
+
+@pytest.mark.slow
+def test_a_pool_smaller_than_one_extract_job_refuses_before_any_job(scenario: tuple[Path, Proc]) -> None:
+    """A TP-8 extract job under the pool gpu=1 would run (and be planned) as gpu=1: refused, naming the flag."""
+    wd, proc = scenario
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert ("extract jobs need 8 GPUs each (engine sglang: sglang.tp 8 x sglang.replicas 1, local servers), but the "
+            "run's GPU pool is gpu=1") in out
+    assert "Pass --resources gpu=8 on a machine with 8 GPUs" in out
+    assert "rule extract:" not in out and not (wd / "results").exists()
 
 
 def run_untrusted(tmp_path: Path) -> tuple[Path, Proc]:
@@ -150,6 +170,7 @@ def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.Mon
 # (conftest.scenarios_started)
 SCENARIOS = {
     "test_readme_production_dry_run_plans_every_job": run_readme_production,
+    "test_a_pool_smaller_than_one_extract_job_refuses_before_any_job": run_without_pool,
     "test_untrusted_custom_tokenizer_stops_before_any_job": run_untrusted,
     "test_a_misspelt_key_is_one_line_with_the_closest_key": run_misspelt,
 }

@@ -349,6 +349,53 @@ def test_readme_production_command_plans_gpu_pool_for_the_server(scenario: subpr
     assert gpus == {str(pool)} == {str(KIMI_GPUS)}
 
 
+def dry_run_given(wd: Path, flag: str, profile: str, *extra: str) -> subprocess.CompletedProcess[str]:
+    """A dry run of config/kimi.yaml with a profile given by `flag` (--profile: profiles/default is loaded too)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    return subprocess.run([*snakemake_cmd(), "-n", flag, f"profiles/{profile}", *extra, "--configfile", *KIMI_FILES],
+                          cwd=wd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def run_cluster_profiles_either_way(tmp: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    wd = kimi_workdir(tmp / "wd")
+    store = ("--default-storage-prefix", str(kubernetes_store(tmp)))
+    return {f"{profile} {flag}": dry_run_given(wd, flag, profile, *(store if profile == "kubernetes" else ()))
+            for profile in ("slurm", "kubernetes") for flag in ("--profile", "--workflow-profile")}
+
+
+def test_cluster_profiles_plan_the_same_jobs_either_way_they_are_given(
+        scenario: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    """--profile profiles/slurm loads profiles/default too (its local pool gpu=1 would cut a TP-8 job to one GPU,
+    its default-resources would replace the cluster's): the pool is lifted, and every job asks for what it asks
+    for with --workflow-profile."""
+    for profile in ("slurm", "kubernetes"):
+        given, workflow = scenario[f"{profile} --profile"], scenario[f"{profile} --workflow-profile"]
+        for proc in (given, workflow):
+            assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        assert "workflow specific profile profiles/default" in given.stderr
+        assert f"does not apply to the {profile} executor and is lifted" in given.stderr
+        assert "is lifted" not in workflow.stderr
+        assert job_resources(given.stdout) == job_resources(workflow.stdout)
+        assert {job["gpu"] for job in job_resources(given.stdout)["extract"]} == {str(KIMI_GPUS)}
+    call = sbatch_call(job_resources(scenario["slurm --profile"].stdout)["extract"][0])
+    assert "--gpus=h200:8" in call
+    requests, _ = pod_resources(job_resources(scenario["kubernetes --profile"].stdout)["extract"][0])
+    assert requests["nvidia.com/gpu"] == str(KIMI_GPUS)
+
+
+def run_slurm_small_pool_on_command_line(tmp: Path) -> subprocess.CompletedProcess[str]:
+    return dry_run_given(kimi_workdir(tmp / "wd"), "--profile", "slurm", "--resources", "gpu=4")
+
+
+def test_cluster_pool_given_smaller_than_a_job_refuses(scenario: subprocess.CompletedProcess[str]) -> None:
+    proc = scenario
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "extract jobs need 8 GPUs each" in out and "gpu=4" in out and "Pass --resources gpu=8 or more" in out
+    assert "rule extract:" not in out  # refused before any job was planned
+
+
 # every dry run above, all started in the background by the first test that needs one (conftest.scenarios_started)
 SCENARIOS = {
     "slurm_output": run_slurm,
@@ -359,4 +406,6 @@ SCENARIOS = {
     "test_kubernetes_kimi_extract_pods_request_the_servers_gpus": run_kubernetes_kimi,
     "test_kubernetes_kimi_with_external_servers_requests_no_gpu": run_kubernetes_kimi_external,
     "test_readme_production_command_plans_gpu_pool_for_the_server": run_readme_production,
+    "test_cluster_profiles_plan_the_same_jobs_either_way_they_are_given": run_cluster_profiles_either_way,
+    "test_cluster_pool_given_smaller_than_a_job_refuses": run_slurm_small_pool_on_command_line,
 }
