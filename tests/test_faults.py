@@ -298,7 +298,7 @@ SCHEMA_CASES = {
     "enum": ("engine", "vllm", "engine: 'vllm' is not one of ['transformers', 'sglang']"),
     "minimum": ("prompts_per_chunk", 0, "prompts_per_chunk: 0 is less than the minimum of 1"),
     "maximum": ("shard.compression_level", 23, "shard.compression_level: 23 is greater than the maximum of 22"),
-    "pattern": ("run_name", "../x", "run_name: '../x' does not match '^[A-Za-z0-9][A-Za-z0-9._-]*$'"),
+    "pattern": ("run_name", "../x", "run_name: '../x' does not match '^[A-Za-z0-9][A-Za-z0-9._-]*$(?!\\\\n)'"),
     "minItems": ("sources", [], "sources: [] should be non-empty"),
     "uniqueItems": ("aux_layers", [1, 1], "aux_layers: [1, 1] has non-unique elements"),
     "items": ("aux_layers", [1, -2], "aux_layers[1]: -2 is less than the minimum of 0"),
@@ -344,14 +344,18 @@ def test_run_name_cannot_leave_the_results_folder(run_name: str) -> None:
 
 # ---- 7. security ----------------------------------------------------------------------------------
 def test_server_binds_loopback_unless_configured() -> None:
+    from hsextract.errors import ConfigError
     from hsextract.sglang import server as hsrv
 
     cfg = hsrv.ServerConfig(model="/m", aux_layers=(1,), final_state="post_norm")
     assert cfg.host == "127.0.0.1"
     cmd = hsrv.build_command(cfg)
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    other = hsrv.build_command(hsrv.ServerConfig(model="/m", aux_layers=(1,), host="10.0.0.5", final_state="post_norm"))
+    remote = hsrv.ServerConfig(model="/m", aux_layers=(1,), host="10.0.0.5", final_state="post_norm")
+    other = hsrv.build_command(remote, 0, "/state/private/replica-0.yaml")  # only with a key file (issue 36)
     assert other[other.index("--host") + 1] == "10.0.0.5"
+    with pytest.raises(ConfigError, match="not a loopback address"):
+        hsrv.build_command(remote)
 
 
 def test_dump_dir_is_private_unpredictable_and_contained() -> None:
