@@ -1,6 +1,8 @@
 """The production command of README.md, run as written (dry run) against a Kimi-K2.5-shaped config directory
 (tests/fixtures/kimi-k25-config: config.json and tokenizer_config.json, no weights), and the refusal of its
-custom-code tokenizer with trust_remote_code: false before any job. Slow (runs Snakemake)."""
+custom-code tokenizer with trust_remote_code: false before any job; README's run command as a dry run on one
+GPU with the miniature Kimi-K2.5 checkpoint (`tinymodel --packaging kimi-k25`) as `model`, as the GPU check of
+issue 34 runs it. Slow (runs Snakemake)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
 
 from hsextract.configfiles import configfile_groups, earlier_configfiles
@@ -108,6 +111,55 @@ def test_a_pool_smaller_than_one_extract_job_refuses_before_any_job(scenario: tu
     assert "rule extract:" not in out and not (wd / "results").exists()
 
 
+README_RUN = "snakemake --cores 8 --resources"
+# what a sources file adds for the miniature: its depth takes the eagle3 preset (config/kimi.yaml lists Kimi's
+# [2, 30, 58] of 61 layers), a sample of its width (the shipped reference is Kimi's 7168), one GPU (tp 1)
+MINIATURE_SOURCES = """\
+model: kimi-k25-mini
+sources:
+  - {path: data/conversations.jsonl, format: auto}
+aux_layers: null
+reference_sample: reference-256.pt
+sglang: {tp: 1}
+"""
+
+
+def run_readme_run_on_the_miniature(tmp_path: Path) -> tuple[Path, Proc, Proc]:
+    """README's production run command with -n, --resources gpu=1, the miniature K2.5 checkpoint in the sources;
+    and the same without `aux_layers: null` (config/kimi.yaml's Kimi ids)."""
+    from hsextract.tinymodel import make_tiny_model
+
+    wd = make_workdir(tmp_path / "mini")
+    make_tiny_model(wd / "kimi-k25-mini", wd / "data/conversations.jsonl", tokenizer="kimi", packaging="kimi-k25")
+    torch.save({"input_ids": torch.arange(5), "hidden_states": [torch.ones(5, 256, dtype=torch.bfloat16)] * 4,
+                "loss_mask": torch.ones(5, dtype=torch.int64)}, wd / "reference-256.pt")
+    (wd / "my-sources.yaml").write_text(MINIATURE_SOURCES)
+    argv = readme_command(README_RUN)
+    argv = [argv[0], "-n", *argv[1:]]
+    argv[argv.index("--resources") + 1] = "gpu=1"
+    planned = run(wd, argv)
+    (wd / "my-sources.yaml").write_text(MINIATURE_SOURCES.replace("aux_layers: null\n", ""))
+    return wd, planned, run(wd, argv)
+
+
+@pytest.mark.slow
+def test_readme_run_command_plans_every_job_on_the_miniature_kimi_k25(scenario: tuple[Path, Proc, Proc]) -> None:
+    wd, proc, kimi_ids = scenario
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    n = math.ceil(sum(1 for _ in open(wd / "data/conversations.jsonl")) / PER_CHUNK)
+    assert job_counts(out) == {"build_patched_server": 1, "prepare": 1, "extract": n, "validate": n, "stats": n,
+                               "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "export": 1, "all": 1}
+    assert "results/kimi-k25/export/speculators-v1" in out and "make_tiny_model" not in out
+    extract = out.split("rule extract:")[1].split("\n\n")[0]
+    assert "gpu=1" in extract.replace(" ", "")  # tp 1 x 1 replica, within the pool
+    # the depth is the wrapper's text_config's: the eagle3 preset of its 10 layers, not Kimi's ids of 61
+    assert kimi_ids.returncode != 0
+    assert "hidden_states[2, 5, 7]" in kimi_ids.stdout + kimi_ids.stderr
+    assert "10 decoder layers" in kimi_ids.stdout + kimi_ids.stderr
+    assert not (wd / "results").exists()
+
+
 def run_untrusted(tmp_path: Path) -> tuple[Path, Proc]:
     wd = kimi_workdir(tmp_path)
     (wd / "untrusted.yaml").write_text("trust_remote_code: false\n")
@@ -170,6 +222,7 @@ def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.Mon
 # (conftest.scenarios_started)
 SCENARIOS = {
     "test_readme_production_dry_run_plans_every_job": run_readme_production,
+    "test_readme_run_command_plans_every_job_on_the_miniature_kimi_k25": run_readme_run_on_the_miniature,
     "test_a_pool_smaller_than_one_extract_job_refuses_before_any_job": run_without_pool,
     "test_untrusted_custom_tokenizer_stops_before_any_job": run_untrusted,
     "test_a_misspelt_key_is_one_line_with_the_closest_key": run_misspelt,

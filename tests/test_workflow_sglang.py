@@ -2,7 +2,9 @@
 
 The fake server answers /generate like SGLang (chunked-prefill passes mixing requests) and writes dump
 files with the real plugin code; its hidden states are a known function of (token, position, column), so
-the shards are checked value for value. Slow (runs Snakemake).
+the shards are checked value for value. The whole run's checkpoint is packaged as Kimi-K2.5 ships
+(`tinymodel --packaging kimi-k25`), so the fake presents SGLang's KimiK25ForConditionalGeneration and the
+plugin's set-up, pre-norm tap and store hook run on that wrapper. Slow (runs Snakemake).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import listen_port
-from fake_sglang import HIDDEN, FakeServer, expected_states
+from fake_sglang import HIDDEN, FakeServer, expected_states, sglang_model_for
 from test_workflow import ROOT, job_counts, make_workdir, smk
 
 from hsextract.dataset import find_shards
@@ -70,18 +72,21 @@ def reference_sample(path: Path, hidden: int) -> None:
     torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": torch.ones(5, dtype=torch.int64)}, path)
 
 
-def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int) -> Path:
-    """A workdir with a tiny model of the fake server's hidden size and a config for engine: sglang."""
+def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int, packaging: str = "text") -> Path:
+    """A workdir with a tiny model of the fake server's hidden size and a config for engine: sglang;
+    packaging kimi-k25: the model packaged as Kimi-K2.5 ships (with its tokenizer packaging)."""
     from hsextract.tinymodel import make_tiny_model
 
     wd = make_workdir(tmp_path / "sg")
     # a model of the fake server's hidden size (tokenizer and config are what the workflow reads)
+    kimi = {"tokenizer": "kimi", "packaging": "kimi-k25"} if packaging == "kimi-k25" else {}
     make_tiny_model(wd / "resources/tiny16", wd / "data/conversations.jsonl", hidden_size=HIDDEN,
-                    q_lora_rank=16, kv_lora_rank=32, intermediate_size=32, moe_intermediate_size=16)
+                    q_lora_rank=16, kv_lora_rank=32, intermediate_size=32, moe_intermediate_size=16, **kimi)
     reference_sample(wd / "resources/ref16.pt", HIDDEN)
     (wd / "config/sg.yaml").write_text(
         "run_name: sg-test\nmodel: resources/tiny16\nmake_tiny_model: false\nengine: sglang\n"
-        "aux_layers: [1, 5, 7]\nreference_sample: resources/ref16.pt\n"
+        "capture: custom\naux_layers: [1, 5, 7]\naux_layers_convention: hidden_states\n"
+        "reference_sample: resources/ref16.pt\n"
         f"sources:\n  - {{path: data/conversations.jsonl, format: messages, max_records: {records}}}\n"
         f"prompts_per_chunk: {per_chunk}\nmax_seq_len: 256\n" + sglang_yaml
     )
@@ -93,10 +98,14 @@ def run_whole(tmp: Path) -> WholeRun:
     the module's first test on, so the other tests of the module overlap it."""
     dump = tmp / "dump"
     dump.mkdir(mode=0o700)  # private, as the client requires of a dump directory
-    srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm").start()
+    wd = sg_workdir(tmp, "", records=12, per_chunk=6, packaging="kimi-k25")
+    # SGLang serves this checkpoint as KimiK25ForConditionalGeneration: the fake presents that object
+    srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm", model=sglang_model_for(wd / "resources/tiny16"))
+    srv.start()
     try:
-        wd = sg_workdir(tmp, f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
-                             "timeout_s: 30, retries: 1}\n", records=12, per_chunk=6)
+        with open(wd / "config/sg.yaml", "a") as f:
+            f.write(f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, timeout_s: 30, "
+                    "retries: 1}\n")
         dry = smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout
         smk(wd, configfiles=("config/sg.yaml",))
     finally:
@@ -146,6 +155,9 @@ def test_whole_run_against_a_fake_sglang_server(scenario: WholeRun) -> None:
     wd, dump, srv, dry = scenario
     counts = job_counts(dry)
     assert counts["extract"] == 2 and "build_patched_server" not in counts
+    # the plugin set the capture up on the wrapper: through its delegating setter, in its text model's decoder
+    assert type(srv.model).__name__ == "FakeKimiK25" and srv.passes > 0
+    assert srv.model.language_model.model.layers_to_capture == list(AUX)
     run = wd / "results/sg-test"
     assert json.loads((run / "dataset.json").read_text())["all_valid"] is True
     shards = find_shards(run)
@@ -155,6 +167,7 @@ def test_whole_run_against_a_fake_sglang_server(scenario: WholeRun) -> None:
         r = ShardReader(path)
         assert r.metadata["engine"] == "sglang" and "hsextract plugin" in r.metadata["engine_version"]
         assert r.metadata["final_state"] == "pre_norm"  # the default; the fake server runs that capture
+        assert r.metadata["final_norm"]["source"].endswith(":language_model.model.norm.weight")
         for k in range(len(r)):
             s = r[k]
             want = expected_states(s["input_ids"].tolist(), len(AUX) + 1)
