@@ -94,8 +94,9 @@ def find_wrapped_text_model(model: str) -> WrappedTextModel | None:
     return WrappedTextModel(str(wrapper), archs[0], text, norms[0][: -len(NORM_SUFFIX)], tuple(names))
 
 
-def load_causal_lm(model: str, dtype: Any, attn_implementation: str) -> Any:
-    """A transformers causal LM: the wrapper's text model, or AutoModelForCausalLM.from_pretrained(model)."""
+def load_causal_lm(model: str, dtype: Any, attn_implementation: str | None = None) -> Any:
+    """A transformers causal LM: the wrapper's text model, or AutoModelForCausalLM.from_pretrained(model);
+    `attn_implementation` None: transformers' default."""
     wrapped = find_wrapped_text_model(model)
     if wrapped is None:
         from transformers import AutoModelForCausalLM
@@ -104,7 +105,8 @@ def load_causal_lm(model: str, dtype: Any, attn_implementation: str) -> Any:
     return load_wrapped_text_model(model, wrapped, dtype, attn_implementation)
 
 
-def load_wrapped_text_model(model: str, wrapped: WrappedTextModel, dtype: Any, attn_implementation: str) -> Any:
+def load_wrapped_text_model(model: str, wrapped: WrappedTextModel, dtype: Any,
+                            attn_implementation: str | None = None) -> Any:
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -32,15 +32,14 @@ def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any
         from hsextract.sglang.generate import SGLangGenerator
 
         return SGLangGenerator(regen.server_url, regen, stop_ids)
-    from transformers import AutoModelForCausalLM
-
     from hsextract.engines.transformers_engine import resolve_device
     from hsextract.engines.transformers_generate import TransformersGenerator
+    from hsextract.text_model import load_causal_lm
 
     device = resolve_device(regen.device)
     dtype: Any = "auto" if regen.dtype == "auto" else getattr(torch, regen.dtype)  # the schema's enum: torch dtypes
     try:
-        model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=dtype).to(device).eval()
+        model = load_causal_lm(settings.model, dtype).to(device).eval()  # a wrapper's (Kimi-K2.5's) text model
     except (OSError, ValueError) as e:
         raise ConfigError(f"config key `model`: cannot load {settings.model} for regeneration: {e}") from e
     return TransformersGenerator(model, regen, stop_ids, pad_token_id=tokenizer.pad_token_id)
