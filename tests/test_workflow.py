@@ -481,10 +481,11 @@ class Plans:
 
 
 def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, full_run: Path) -> None:
-    """Generated from the schema: after a finished run, each key changed alone makes the dry run plan exactly
-    the rules hsextract.reruns.KEYS names for it and what follows them (the plan of `--forcerun RULES` under
-    the same config), an operational key nothing. First, as a user would: `chat_template_kwargs: {thinking:
-    false}` in a config file given to the same command plans prepare (issue 35: it planned nothing)."""
+    """Generated from the schema: after a finished run, each key that decides data, changed alone, makes the dry
+    run plan exactly the rules hsextract.reruns.KEYS names for it and what follows them (the plan of `--forcerun
+    RULES` under the same config); the operational keys, all changed at once, plan nothing. First, as a user
+    would: `chat_template_kwargs: {thinking: false}` in a config file given to the same command plans prepare
+    (issue 35: it planned nothing)."""
     import yaml
     from snakemake.utils import update_config
 
@@ -493,64 +494,70 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
 
     wd = tmp_path / "reruns"
     shutil.copytree(full_run, wd, symlinks=True)
-    shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
-    # a reference of the tiny model's width, for make_tiny_model: false (a real model's reference must match it)
-    dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
-    hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1
-    torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden)] * n,
-                "loss_mask": torch.ones(4, dtype=torch.int64)}, wd / "resources/reference/tiny.pt")
-    (wd / "config/thinking.yaml").write_text("chat_template_kwargs: {thinking: false}\n")
-    plan = job_counts(smk(wd, "-n", configfiles=("config/test.yaml", "config/thinking.yaml")).stdout)
-    assert plan["prepare"] == 1 and plan["extract"] == N_CHUNKS and plan["manifest"] == 1, plan
-
-    leaves = _schema_leaves(schema()["properties"])
-    assert set(leaves) == set(reruns.KEYS)  # tests/test_reruns.py says which differ
-    base = yaml.safe_load((wd / "config/config.yaml").read_text())
-    update_config(base, yaml.safe_load((wd / "config/test.yaml").read_text()))
-    plans = Plans(wd, tmp_path / "plans.log")
-    wrong, seen_rules, runs = [], set(), 0
+    plans = Plans(wd, tmp_path / "plans.log")  # its imports overlap the command below
     try:
+        (wd / "config/thinking.yaml").write_text("chat_template_kwargs: {thinking: false}\n")
+        plan = job_counts(smk(wd, "-n", configfiles=("config/test.yaml", "config/thinking.yaml")).stdout)
+        assert plan["prepare"] == 1 and plan["extract"] == N_CHUNKS and plan["manifest"] == 1, plan
+
+        shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
+        # a reference of the tiny model's width, for make_tiny_model: false (a real model's must match it)
+        dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
+        hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1
+        torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden)] * n,
+                    "loss_mask": torch.ones(4, dtype=torch.int64)}, wd / "resources/reference/tiny.pt")
+        leaves = _schema_leaves(schema()["properties"])
+        assert set(leaves) == set(reruns.KEYS)  # tests/test_reruns.py says which differ
+        base = yaml.safe_load((wd / "config/config.yaml").read_text())
+        update_config(base, yaml.safe_load((wd / "config/test.yaml").read_text()))
+        wrong, seen_rules = [], set()
+
+        def check(name: str, variant: dict[str, Any], change: dict[str, Any], oracle: dict[Any, Any]) -> None:
+            """`change` ({dotted key: value}) on top of `variant` plans what forcing its keys' rules plans."""
+            nonlocal seen_rules
+            config = copy.deepcopy(variant)
+            update_config(config, nested(change))
+            rules = tuple(r for r in reruns.RULES if any(r in reruns.KEYS[k] for k in change))
+            answer = plans.ask({"plan": config})
+            got, seen_rules = answer["plan"], seen_rules | set(answer["rules"])
+            expected: dict[str, int] = {}
+            if rules:
+                # forcing its rules on the unchanged run first (the same jobs, shared by keys), else under this config
+                if rules not in oracle:
+                    oracle[rules] = plans.plan(variant, rules)
+                expected = oracle[rules] if got == oracle[rules] else plans.plan(config, rules)
+                if not expected:
+                    wrong.append(f"{name}: {list(change)}: none of the rules {rules} has a job in this run")
+            if got != expected:
+                why = rules or "operational"
+                wrong.append(f"{name}: {change}: planned {got}, expected {expected} ({why})")
+
         for name, variant in VARIANTS.items():
             if variant:
                 plans.ask({"touch": variant})
-            current = fill_defaults({**base, **variant})
             assert plans.plan(variant) == {}, name  # a finished run: nothing to do
-            oracle: dict[tuple[str, ...], dict[str, int]] = {}
+            current = fill_defaults({**base, **variant})
+            operational: dict[str, Any] = {}
+            oracle: dict[Any, Any] = {}
             for key, rules in reruns.KEYS.items():
                 section = key.split(".")[0] if "." in key else None
                 wanted = (section == name) if section in VARIANTS else (
                     name == "default" or (name == "regenerate" and "regenerate_chunk" in rules))
-                if not wanted:
-                    continue
-                change = changed_value(key, leaves[key], dotted_get(current, key))
-                config = copy.deepcopy(variant)
-                update_config(config, nested(change))
-                # the keys an example changes with it add their rules
-                rules = tuple(r for r in reruns.RULES if any(r in reruns.KEYS[k] for k in change))
-                answer = plans.ask({"plan": config, "forcerun": []})
-                got, seen_rules = answer["plan"], seen_rules | set(answer["rules"])
-                runs += 1
-                if not rules:
-                    expected = {}
-                else:
-                    # the plan of forcing its rules: on the unchanged run first (the same jobs), else under this config
-                    if rules not in oracle:
-                        oracle[rules] = plans.plan(variant, rules)
-                        runs += 1
-                    expected = oracle[rules]
-                    if got != expected:
-                        expected = plans.plan(config, rules)
-                        runs += 1
-                    if not expected:
-                        wrong.append(f"{name}: {key}: none of its rules {rules} has a job in this run")
-                if got != expected:
-                    why = rules or "operational"
-                    wrong.append(f"{name}: {key} -> {change}: planned {got}, expected {expected} ({why})")
+                if wanted:
+                    change = changed_value(key, leaves[key], dotted_get(current, key))
+                    if rules:
+                        check(name, variant, change, oracle)
+                    else:
+                        operational.update(change)
+            before = len(wrong)
+            check(name, variant, operational, oracle)
+            if len(wrong) > before:  # which of them
+                for key, value in operational.items():
+                    check(name, variant, {key: value}, oracle)
     finally:
         plans.close()
     assert not wrong, "\n".join(wrong)
     assert set(reruns.RULES) <= seen_rules, set(reruns.RULES) - seen_rules
-    print(f"{runs} dry runs")
 
 
 def _schema_leaves(props: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -35,15 +35,11 @@ from hsextract.conversations import Conversation, MalformedRecordError, count_re
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
 from hsextract.progress import bar
+from hsextract.reruns import plain
 from hsextract.settings import PrepareSettings
 from hsextract.template_render import TEMPLATE_ERROR, failure
 from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
-
-# the settings a summary records (the chat template is recorded by its hash)
-SUMMARY_SETTINGS = ("seed", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot", "train_on_reasoning",
-                    "dedup", "strict", "chat_template_kwargs", "trust_remote_code", "split_turns",
-                    "prompts_per_chunk")
 
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),
@@ -189,8 +185,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
         "masks": dict(sorted(masker.stats.items())),
-        "settings": {k: getattr(cfg, k) for k in SUMMARY_SETTINGS}
-        | {"chat_template_kwargs": dict(cfg.chat_template_kwargs)},
+        # the whole section, each field's effective value (the chat template by its hash, above)
+        "settings": {k: v for k, v in plain(cfg).items() if k != "chat_template"},
     }
     text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
     write_bytes_atomic(out / "summary.json", text.encode())

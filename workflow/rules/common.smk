@@ -1,6 +1,6 @@
 import re
 
-from hsextract import chunks
+from hsextract import chunks, reruns
 from hsextract.config import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
 
@@ -12,6 +12,10 @@ N_CHUNKS = PLAN.n_chunks
 CHUNKS = chunks.labels(N_CHUNKS)
 MODEL = SETTINGS.model
 TOKENIZER = SETTINGS.tokenizer_dir
+# `params: settings=RERUN[name]` of the rules that config keys decide, the effective values of those keys
+# (hsextract.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
+# trigger); operational keys (threads, memory, devices, token budget, servers) are in none and rerun nothing.
+RERUN = {name: reruns.params(SETTINGS, name) for name in reruns.RULES}
 
 # regenerate.enabled (workflow/rules/regenerate.smk): the assistant turns are rewritten into
 # REGEN_DIR, and prepare reads the regenerated conversations instead of the configured sources.
@@ -90,42 +94,6 @@ def get_extract_inputs(wildcards):
     return inputs
 
 
-# Config keys whose values decide the content of prepare's and extract's outputs.
-PREPARE_KEYS = (
-    "sources",
-    "seed",
-    "prompts_per_chunk",
-    "max_seq_len",
-    "truncate",
-    "min_trained_tokens",
-    "train_on_eot",
-    "train_on_reasoning",
-    "split_turns",
-    "dedup",
-    "strict",
-    "tokenizer",
-    "model",
-)
-EXTRACT_KEYS = ("model", "engine", "aux_layers", "final_state")
-
-
-def get_prepare_settings(wildcards):
-    settings = {key: config.get(key) for key in PREPARE_KEYS}
-    if config["regenerate"]["enabled"]:
-        settings["regenerate"] = config["regenerate"]
-    return settings
-
-
-def get_extract_settings(wildcards):
-    # Not token_budget, threads or device: changing them after an out-of-memory must not
-    # redo finished chunks.
-    settings = {key: config.get(key) for key in EXTRACT_KEYS}
-    settings["dtype"] = config["transformers"]["dtype"]
-    settings["precision"] = config["shard"]["precision"]
-    settings["compression_level"] = config["shard"]["compression_level"]
-    return settings
-
-
 def get_extract_mem_mb(wildcards, attempt):
     return SETTINGS.extract.mem_mb * attempt
 
@@ -184,12 +152,3 @@ def get_regenerate_inputs(wildcards):
     inputs = get_model_input(wildcards)
     inputs["sources"] = [src.path for src in SETTINGS.prepare.sources]
     return inputs
-
-
-def get_regenerate_settings(wildcards):
-    # what decides a chunk's text: a change reruns the chunks (params trigger)
-    keys = ("sources", "seed", "prompts_per_chunk", "strict", "model", "tokenizer")
-    keys += ("chat_template", "chat_template_kwargs", "engine")
-    settings = {key: config.get(key) for key in keys}
-    settings["regenerate"] = config["regenerate"]
-    return settings

@@ -18,7 +18,7 @@ rule extract:
         gpu=EXTRACT_GPUS,
     params:
         chunk=lambda wildcards: int(wildcards.chunk),
-        # config values that change a shard's content: a change reruns the chunk (params trigger)
-        capture=get_extract_settings,
+        # the config values that decide a shard: a change reruns the chunk (params trigger)
+        settings=RERUN["extract"],
     script:
         "../scripts/extract.py"

@@ -12,7 +12,6 @@ if SETTINGS.make_tiny_model:
         conda:
             "../../envs/model.yaml"
         params:
-            seed=SETTINGS.prepare.seed,
-            tokenizer=SETTINGS.tiny_model_tokenizer,
+            settings=RERUN["make_tiny_model"],
         script:
             "../scripts/make_tiny_model.py"

@@ -14,6 +14,6 @@ rule prepare:
         tokenizer=TOKENIZER,
         num_chunks=N_CHUNKS,
         sources=PREPARE_SOURCES,
-        settings=get_prepare_settings,
+        settings=RERUN["prepare"],
     script:
         "../scripts/prepare.py"

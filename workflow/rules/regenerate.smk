@@ -21,7 +21,7 @@ rule regenerate_chunk:
         mem_mb=get_extract_mem_mb,
     params:
         chunk=lambda wildcards: int(wildcards.chunk),
-        settings=get_regenerate_settings,
+        settings=RERUN["regenerate_chunk"],
     script:
         "../scripts/regenerate.py"
 

@@ -17,7 +17,7 @@ if SGLANG_LOCAL:
         conda:
             "../../envs/sglang.yaml"
         params:
-            python=SETTINGS.extract.sglang.python,
+            settings=RERUN["build_patched_server"],
             # null python: the job's interpreter, only if it is envs/sglang.yaml's (--sdm conda)
             conda_env=DeploymentMethod.CONDA
             in workflow.deployment_settings.deployment_method,

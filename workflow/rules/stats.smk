@@ -10,7 +10,7 @@ rule stats:
     conda:
         "../../envs/data.yaml"
     params:
-        position_bins=SETTINGS.stats.position_bins,
+        settings=RERUN["stats"],
     script:
         "../scripts/stats.py"
 
@@ -103,6 +103,6 @@ rule seq_length_hist:
     conda:
         "../../envs/data.yaml"
     params:
-        bins=SETTINGS.stats.seq_len_bins,
+        settings=RERUN["seq_length_hist"],
     script:
         "../scripts/seq_length_hist.py"

@@ -11,5 +11,6 @@ rule validate:
     params:
         # the reference's hidden size counts only for a real model (see config/README.md)
         same_model=SETTINGS.validate.same_model,
+        settings=RERUN["validate"],
     script:
         "../scripts/validate.py"

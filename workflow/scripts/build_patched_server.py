@@ -12,6 +12,6 @@ info = build_patched(
     snakemake.output.patched,
     repo=snakemake.params.repo,
     # sglang.python, else this job's interpreter only under --sdm conda (envs/sglang.yaml)
-    python=build_python(snakemake.params.python, snakemake.params.conda_env),
+    python=build_python(snakemake.params.settings["sglang.python"], snakemake.params.conda_env),
 )
 print(info)

@@ -9,7 +9,7 @@ from hsextract.tinymodel import make_tiny_model
 summary = make_tiny_model(
     snakemake.output.model,
     snakemake.input.conversations,
-    seed=int(snakemake.params.seed),
-    tokenizer=snakemake.params.tokenizer,
+    seed=int(snakemake.params.settings["seed"]),
+    tokenizer=snakemake.params.settings["tiny_model_tokenizer"],
 )
 print(f"tiny model written to {snakemake.output.model}: {summary}")

@@ -10,5 +10,5 @@ from hsextract.stats import load_json_files
 plot_seq_length_hist(
     load_json_files(snakemake.input.chunks),
     snakemake.output.plot,
-    bins=int(snakemake.params.bins),
+    bins=int(snakemake.params.settings["stats.seq_len_bins"]),
 )
