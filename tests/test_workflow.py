@@ -554,6 +554,16 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
             if len(wrong) > before:  # which of them
                 for key, value in operational.items():
                     check(name, variant, {key: value}, oracle)
+
+        # a chat template given as a file is an input: an edit of the file reruns prepare, as a changed key does
+        template, config = wd / "config/template.jinja", {"chat_template": "config/template.jinja"}
+        template.write_text(EXAMPLES["chat_template"]["chat_template"])
+        plans.ask({"touch": config})
+        assert plans.plan(config) == {}
+        template.write_text(template.read_text() + "{# edited #}\n")
+        summary = (run_dir(wd) / "prompts/summary.json").stat().st_mtime_ns
+        os.utime(template, ns=(summary + 10**9, summary + 10**9))  # after the run, whatever the clock's resolution
+        assert plans.plan(config) == plans.plan(config, ("prepare",)) != {}
     finally:
         plans.close()
     assert not wrong, "\n".join(wrong)

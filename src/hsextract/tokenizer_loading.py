@@ -206,10 +206,17 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
                 raise ConfigError(f"cannot load a tokenizer from {source}: {type(e).__name__}: {e}") from e
             raise incompatible_code_error(source, code, e) from e
     if chat_template:
-        p = Path(chat_template)
-        tokenizer.chat_template = p.read_text() if len(chat_template) < 4096 and p.is_file() else chat_template
+        path = chat_template_file(chat_template)
+        tokenizer.chat_template = path.read_text() if path else chat_template
     return tokenizer
 
 
-__all__ = ["KEY", "MOVED_IMPORTS", "RemoteCode", "check_tokenizer_source", "incompatible_code_error",
-           "load_tokenizer", "refusal", "remote_tokenizer_code", "unresolved_imports"]
+def chat_template_file(chat_template: str | None) -> Path | None:
+    """The file `chat_template` names, or None when it is the template text itself (or null)."""
+    if chat_template and len(chat_template) < 4096 and Path(chat_template).is_file():
+        return Path(chat_template)
+    return None
+
+
+__all__ = ["KEY", "MOVED_IMPORTS", "RemoteCode", "chat_template_file", "check_tokenizer_source",
+           "incompatible_code_error", "load_tokenizer", "refusal", "remote_tokenizer_code", "unresolved_imports"]

@@ -3,6 +3,7 @@ import re
 from hsextract import chunks, reruns
 from hsextract.config import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
+from hsextract.tokenizer_loading import chat_template_file
 
 # Every value the rule files read, computed once here from the checked settings (the Snakefile's
 # PLAN); rule files only read them, so the order of the includes does not matter.
@@ -82,8 +83,15 @@ def get_model_input(wildcards):
     return {"model": MODEL} if SETTINGS.make_tiny_model else {}
 
 
+def get_template_input(wildcards):
+    """A chat template given as a file: editing it reruns what renders with it (mtime trigger)."""
+    path = chat_template_file(SETTINGS.prepare.chat_template)
+    return {"chat_template": str(path)} if path else {}
+
+
 def get_prepare_inputs(wildcards):
     inputs = get_model_input(wildcards)
+    inputs.update(get_template_input(wildcards))
     inputs["sources"] = [src["path"] for src in PREPARE_SOURCES]
     return inputs
 
@@ -150,5 +158,6 @@ def get_final_outputs():
 # regenerate.enabled (workflow/rules/regenerate.smk)
 def get_regenerate_inputs(wildcards):
     inputs = get_model_input(wildcards)
+    inputs.update(get_template_input(wildcards))
     inputs["sources"] = [src.path for src in SETTINGS.prepare.sources]
     return inputs
