@@ -33,17 +33,62 @@ def real_shard(path: Path, n: int = 3, seq: int = 5, **writer_kw: Any) -> Path:
     return path
 
 
+# (parent, prefix length) of each sample of `family`: a tree whose walks take rows from one, two or three records
+FAMILY = [(-1, 0), (0, 5), (1, 7), (0, 3), (2, 6), (-1, 0)]
+
+
+def family(hidden: int = 16, n: int = 4, seed: int = 0) -> list[tuple[Any, list[Any], Any]]:
+    """Samples whose ids (and rows: the same prefix has the same states) agree with their FAMILY parent's over the
+    prefix, each then going on with ids and rows of its own; full rows, as a flat shard stores them."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    out: list[tuple[Any, list[Any], Any]] = []
+    for k, (parent, prefix) in enumerate(FAMILY):
+        seq = 8 + 2 * k
+        ids = torch.randint(0, 1000, (seq,), generator=g)
+        hs = [(torch.randn(seq, hidden, generator=g) * (j + 1)).to(torch.bfloat16) for j in range(n)]
+        if parent >= 0:
+            ids[:prefix] = out[parent][0][:prefix]
+            for h, ph in zip(hs, out[parent][1], strict=True):
+                h[:prefix] = ph[:prefix]
+        mask = (torch.rand(seq, generator=g) > 0.5).long()
+        mask[-1] = 1
+        out.append((ids, hs, mask))
+    return out
+
+
+def shared_shard(path: Path, samples: list[tuple[Any, list[Any], Any]] | None = None, **writer_kw: Any) -> Path:
+    """A version-2 shard of `family()` (or `samples` of that shape): each sample with its FAMILY reference."""
+    samples = family() if samples is None else samples
+    with ShardWriter(path, shard_metadata(), share_prefixes=True, **writer_kw) as w:
+        for k, ((ids, hs, mask), (parent, prefix)) in enumerate(zip(samples, FAMILY, strict=True)):
+            w.add(ids, [h[prefix:] for h in hs], mask, sample_id=f"s{k}",
+                  parent=None if parent < 0 else parent, prefix_len=prefix)
+    return path
+
+
 class Parts:
     """A shard taken apart: metadata, record payloads and index, reassembled with fresh checksums."""
 
     def __init__(self, path: Path) -> None:
         r = ShardReader(path)
         self.meta: Any = dict(r.metadata)
+        self.version = r.metadata["format_version"]  # header and footer say it
         data = path.read_bytes()
         self.payloads = [data[o + fmt.RECORD.size:o + ln] for o, ln in zip(r.index["offsets"], r.index["record_lens"],
                                                                            strict=True)]
         self.index: Any = {c: list(v) for c, v in r.index.items()}
         r.close()
+
+    def seed(self, k: int) -> int:
+        """Record k's digest seed: its reference as the index states it (0 where there is none, or no valid one)."""
+        try:
+            parent, prefix = self.index["parents"][k], self.index["prefix_lens"][k]
+            ok = type(parent) is int and type(prefix) is int
+            return fmt.reference_seed(parent, prefix) & ((1 << 64) - 1) if ok else 0
+        except (KeyError, IndexError, TypeError):
+            return 0
 
     def meta_bytes(self) -> bytes:
         return self.meta if isinstance(self.meta, bytes) else json.dumps(self.meta, sort_keys=True,
@@ -54,15 +99,16 @@ class Parts:
               records: list[bytes] | None = None, meta_len: int | None = None) -> bytes:
         """The shard's bytes. relocate: rewrite offsets, record_lens, payload_xxh3 to match the records."""
         meta = meta_raw if meta_raw is not None else self.meta_bytes()
-        head = fmt.HEADER.pack(fmt.HEADER_MAGIC, fmt.FORMAT_VERSION, reserved,
+        head = fmt.HEADER.pack(fmt.HEADER_MAGIC, self.version, reserved,
                                len(meta) if meta_len is None else meta_len, fmt.crc32(meta)) + meta
         body = bytearray()
         offsets, lens, digests = [], [], []
         for k, payload in enumerate(self.payloads):
             offsets.append(len(head) + len(body))
-            rec = fmt.pack_record_header(k, len(payload), fmt.payload_hash(payload)) + payload
+            digest = fmt.payload_hash(payload, self.seed(k))
+            rec = fmt.pack_record_header(k, len(payload), digest) + payload
             lens.append(len(rec))
-            digests.append(fmt.payload_hash(payload))
+            digests.append(digest)
             body += rec
         if records is not None:  # raw record bytes instead (records already packed)
             body = bytearray(b"".join(records))
@@ -74,7 +120,7 @@ class Parts:
             index_frame = zstd.ZstdCompressor(level=3, write_checksum=True).compress(raw)
         ix_off = len(head) + len(body)
         count = len(self.payloads) if n is None else n
-        foot = struct.pack("<QQIIHH", ix_off, len(index_frame), fmt.crc32(index_frame), count, fmt.FORMAT_VERSION,
+        foot = struct.pack("<QQIIHH", ix_off, len(index_frame), fmt.crc32(index_frame), count, self.version,
                            footer_reserved)
         foot += struct.pack("<I", fmt.crc32(foot)) + fmt.FOOTER_MAGIC
         return bytes(head) + bytes(body) + index_frame + foot

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import zstandard as zstd
-from hostile import TESTS, Parts, bomb, frame_header_claiming, real_shard, run_limited
+from hostile import TESTS, Parts, bomb, frame_header_claiming, real_shard, run_limited, shared_shard
 
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader, parse
@@ -124,8 +124,33 @@ def seq_claim_frames(p: Parts) -> bytes:
     return p.build()
 
 
+def ids_differ(p: Parts) -> bytes:
+    """Sample 1's input_ids changed at token 2 (inside the 5 tokens it takes from sample 0), re-encoded, every
+    checksum valid: only comparing the ids with the parent's finds it."""
+    frames = split_frames(p.payloads[1])
+    ids = bytearray(zstd.ZstdDecompressor().decompress(frames[0]))
+    ids[16] ^= 1
+    p.payloads[1] = payload_of([zstd.ZstdCompressor().compress(bytes(ids)), *frames[1:]])
+    return p.build()
+
+
+def rebound(p: Parts) -> bytes:
+    """Sample 2's reference changed in the index (parent 0 instead of 1, in range, own rows as stored, index crc
+    valid) around records whose digests were seeded with the old one: the seed binds a record to its reference."""
+    records = [fmt.pack_record_header(k, len(pl), fmt.payload_hash(pl, p.seed(k))) + pl
+               for k, pl in enumerate(p.payloads)]
+    p.index["parents"][2] = 0
+    return p.build(records=records)
+
+
+def as_version_1(p: Parts) -> bytes:
+    """A version-1 header, metadata and footer around the version-2 index (its two reference columns)."""
+    p.version = p.meta["format_version"] = 1
+    return p.build()
+
+
 # only decoding finds these (a frame's bytes, not its header): `validate` reports them, `inspect` does not
-CONTENT_ONLY = {"frame_bomb_undeclared_1MB"}
+CONTENT_ONLY = {"frame_bomb_undeclared_1MB", "ref_ids_differ", "ref_rebound_digest"}
 
 DEEP = b"[" * 200_000 + b"]" * 200_000
 
@@ -227,21 +252,53 @@ CASES: dict[str, tuple[Callable[[Parts], bytes], str]] = {
     "frame_short_for_seq": (seq_claim_frames, "frame 0 declares 40 bytes, its tensor needs 40000"),
 }
 
+# Version 2 (docs/SHARED_PREFIX.md), crafted from a shard of hostile.FAMILY: sample 1 takes 5 rows from sample 0
+# (8 tokens; it has 10), sample 2 takes 7 from sample 1, sample 3 takes 3 from sample 0 (it has 14).
+EARLIER = "is not an earlier sample of this shard"
+SHARED_CASES: dict[str, tuple[Callable[[Parts], bytes], str]] = {
+    "ref_parent_missing": (index_with(parents=lambda v: [v[0], 99, *v[2:]]), f"index parent 99 {EARLIER}"),
+    "ref_parent_itself": (index_with(parents=lambda v: [v[0], 1, *v[2:]]), f"index parent 1 {EARLIER}"),
+    "ref_cycle_1_2": (index_with(parents=lambda v: [v[0], 2, *v[2:]]), f"index parent 2 {EARLIER}"),
+    "ref_parent_minus_2": (index_with(parents=lambda v: [v[0], -2, *v[2:]]), f"index parent -2 {EARLIER}"),
+    "ref_parent_2^40": (index_with(parents=lambda v: [v[0], 1 << 40, *v[2:]]), f"index parent 1099511627776 {EARLIER}"),
+    "ref_into_another_shard": (index_with(parents=lambda v: [v[0], "chunk-00002.hss:0", *v[2:]]),
+                               "non-integer where an integer"),
+    "ref_prefix_float": (index_with(prefix_lens=lambda v: [v[0], 5.0, *v[2:]]), "non-integer where an integer"),
+    "ref_prefix_0": (index_with(prefix_lens=lambda v: [v[0], 0, *v[2:]]), "index prefix length 0 outside [1, 8]"),
+    "ref_prefix_negative": (index_with(prefix_lens=lambda v: [v[0], -3, *v[2:]]), "prefix length -3 outside [1, 8]"),
+    "ref_prefix_past_parent": (index_with(prefix_lens=lambda v: [*v[:3], 9, *v[4:]]),
+                               "index prefix length 9 outside [1, 8] (parent 0 holds 8 tokens, the sample 14"),
+    "ref_prefix_2^40": (index_with(prefix_lens=lambda v: [v[0], 1 << 40, *v[2:]]), "prefix length 1099511627776"),
+    "ref_prefix_without_parent": (index_with(parents=lambda v: [v[0], -1, *v[2:]]),
+                                  "index prefix length 5 without a parent (must be 0)"),
+    "ref_prefix_changed_frames_disagree": (index_with(relocate=True, prefix_lens=lambda v: [v[0], 4, *v[2:]]),
+                                           "frame 2 declares 80 bytes, its tensor needs 96"),
+    "ref_columns_in_version_1": (as_version_1, "index holds ['num_trained', 'offsets', 'parents', 'payload_xxh3', "
+                                               "'prefix_lens',"),
+    "ref_columns_missing_in_version_2": (lambda p: p.build(index_raw=json.dumps(
+        {k: v for k, v in p.index.items() if k not in fmt.REF_COLUMNS}).encode()), "index holds"),
+    "ref_ids_differ": (ids_differ, "input_ids differ from sample 0's at token 2, within the 5 prefix tokens"),
+    "ref_rebound_digest": (rebound, "checksum mismatch"),
+}
+CASES.update(SHARED_CASES)
+
 
 @pytest.fixture(scope="module")
 def crafted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("hostile")
     good = real_shard(folder / "good.hss")
-    paths = {"good": good}
+    good_shared = shared_shard(folder / "good_shared.hss")
+    paths = {"good": good, "good_shared": good_shared}
     for name, (build, _) in CASES.items():
         paths[name] = folder / f"{name}.hss"
-        paths[name].write_bytes(build(Parts(good)))
+        paths[name].write_bytes(build(Parts(good_shared if name in SHARED_CASES else good)))
     return paths
 
 
 def test_the_crafting_itself_round_trips(crafted: dict[str, Path]) -> None:
     """Parts.build without changes gives back the writer's bytes: every case differs only where it says."""
-    assert Parts(crafted["good"]).build() == crafted["good"].read_bytes()
+    for good in ("good", "good_shared"):
+        assert Parts(crafted[good]).build() == crafted[good].read_bytes()
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -261,11 +318,12 @@ def test_memory_stays_bounded_and_inspect_fails_on_every_case(crafted: dict[str,
     it had: a reader that believed any claim above (100 GB, 512 MiB, 1 TiB, 3M tensors) would fail with
     MemoryError, not CorruptShardError."""
     names = sorted(CASES)
-    read = run_limited([(str(crafted[n]), "read") for n in ["good", *names]])
-    insp = run_limited([(str(crafted[n]), "inspect") for n in ["good", *names]])
+    read = run_limited([(str(crafted[n]), "read") for n in ["good", "good_shared", *names]])
+    insp = run_limited([(str(crafted[n]), "inspect") for n in ["good", "good_shared", *names]])
     assert read[0]["ok"] == 3 and insp[0]["ok"]["rc"] == 0
+    assert read[1]["ok"] == 6 and insp[1]["ok"]["rc"] == 0
     peaks = {}
-    for name, r, i in zip(names, read[1:], insp[1:], strict=True):
+    for name, r, i in zip(names, read[2:], insp[2:], strict=True):
         assert r.get("error") == "CorruptShardError", (name, r)
         assert CASES[name][1] in r["message"], (name, r)
         if name in CONTENT_ONLY:
@@ -325,6 +383,30 @@ def test_every_byte_of_header_metadata_record_headers_index_and_footer_is_checke
                 assert type(e.value) is CorruptShardError, (pos, e.value)
             refused[type(e.value).__name__] = refused.get(type(e.value).__name__, 0) + 1
     assert sum(refused.values()) == 2 * len(positions)
+
+
+def test_every_byte_of_a_version_2_index_and_footer_and_its_version_is_checked(tmp_path: Path) -> None:
+    """The references live in the index: each flipped bit of it (and of the footer, and of the header's version)
+    is an error, never a sample assembled from other rows."""
+    good_path = shared_shard(tmp_path / "good.hss")
+    good = good_path.read_bytes()
+    bad = tmp_path / "bad.hss"
+    r = ShardReader(good_path)
+    positions = [8, 9, *range(r._index_offset, len(good))]
+    r.close()
+    for pos in positions:
+        for bit in (0x01, 0x80):
+            data = bytearray(good)
+            data[pos] ^= bit
+            bad.write_bytes(bytes(data))
+            with pytest.raises(ShardError) as e:
+                r = ShardReader(bad)
+                r.check_records()
+                r.verify()
+            if pos in (8, 9):
+                assert type(e.value) is ShardError and "reads versions 1 and 2" in str(e.value)
+            else:
+                assert type(e.value) is CorruptShardError, (pos, e.value)
 
 
 def test_non_regular_files_are_refused_without_blocking(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ def test_round_trip_is_byte_exact_with_special_values(tmp_path, dtype, name):
     assert len(r) == 3 and r.sample_ids == ["s0", "s1", "s2"] and r.seq_lens == [1, 7, 33]
     for k, s in enumerate(samples):
         assert_same(r[k], *s)
-    assert r.metadata["dtype"] == name and r.metadata["format_version"] == fmt.FORMAT_VERSION
+    assert r.metadata["dtype"] == name and r.metadata["format_version"] == fmt.FLAT_VERSION
 
 
 @pytest.mark.parametrize("itemsize", [1, 2, 4])

@@ -1,4 +1,4 @@
-"""Byte layout of a shard, format version 1 (docs/FORMAT.md has the table).
+"""Byte layout of a shard, format versions 1 and 2 (docs/FORMAT.md has the table).
 
     file    := header record* index footer
     header  := "HSXSHARD" u16 version u16 0 u32 meta_len u32 crc32(meta) meta(JSON, UTF-8)
@@ -14,6 +14,12 @@ Every byte of the file is covered by a checksum or must hold an exact value (mag
 zeros): a flipped byte is an error, never data. `parse.py` checks every structure before the reader trusts
 it. Records carry their sample number, so a record served for the wrong
 sample is caught too, and a truncated file can be scanned to name the first damaged sample.
+
+Version 2 (docs/SHARED_PREFIX.md) differs only where a sample has a reference: the index has two more columns,
+`parents` (-1, or an earlier sample of the shard) and `prefix_lens` (k: the leading rows taken from the parent),
+the record's hidden-state frames hold the sample's own rows k..seq-1 (ids and loss mask stay whole), and its
+payload digest is seeded with the reference, so a record is bound to the reference its index entry states. A
+shard without any reference is written as version 1, byte for byte.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ from typing import Any
 
 import xxhash
 
-FORMAT_VERSION = 1
+FLAT_VERSION = 1  # every sample stores all its rows
+FORMAT_VERSION = 2  # the newest: samples may take a prefix of rows from an earlier sample
+READ_VERSIONS = (FLAT_VERSION, FORMAT_VERSION)
 SHARD_SUFFIX = ".hss"
 
 HEADER_MAGIC = b"HSXSHARD"
@@ -38,6 +46,18 @@ FOOTER = struct.Struct("<QQIIHHI8s")  # index_offset, index_len, index_crc, n, v
 FRAME_COUNT = struct.Struct("<I")
 
 INDEX_COLUMNS = ("sample_ids", "offsets", "record_lens", "payload_xxh3", "seq_lens", "num_trained", "raw_bytes")
+REF_COLUMNS = ("parents", "prefix_lens")  # version 2 only
+NO_PARENT = -1
+
+
+def index_columns(version: int) -> tuple[str, ...]:
+    return INDEX_COLUMNS + REF_COLUMNS if version >= 2 else INDEX_COLUMNS
+
+
+def reference_seed(parent: int, prefix_len: int) -> int:
+    """The xxh3 seed of a record's payload: 0 without a reference (version 1's digest), else parent + 1 in the high
+    32 bits and the prefix length (< 2^24) in the low ones."""
+    return 0 if parent < 0 else ((parent + 1) << 32) | prefix_len
 
 
 def crc32(data: bytes | bytearray | memoryview) -> int:
@@ -45,12 +65,13 @@ def crc32(data: bytes | bytearray | memoryview) -> int:
 
 
 def pack_header(metadata: dict[str, Any]) -> bytes:
+    """Header and metadata; the version is the metadata's `format_version`."""
     meta = json.dumps(metadata, sort_keys=True, separators=(",", ":")).encode()
-    return HEADER.pack(HEADER_MAGIC, FORMAT_VERSION, 0, len(meta), crc32(meta)) + meta
+    return HEADER.pack(HEADER_MAGIC, metadata["format_version"], 0, len(meta), crc32(meta)) + meta
 
 
-def payload_hash(data: bytes | bytearray | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
+def payload_hash(data: bytes | bytearray | memoryview, seed: int = 0) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed)
 
 
 def pack_record_header(sample: int, payload_len: int, payload_xxh3: int) -> bytes:
@@ -62,8 +83,8 @@ def pack_frame_table(frame_lens: list[int]) -> bytes:
     return FRAME_COUNT.pack(len(frame_lens)) + struct.pack(f"<{len(frame_lens)}Q", *frame_lens)
 
 
-def pack_footer(index_offset: int, index: bytes, n_samples: int) -> bytes:
-    head = struct.pack("<QQIIHH", index_offset, len(index), crc32(index), n_samples, FORMAT_VERSION, 0)
+def pack_footer(index_offset: int, index: bytes, n_samples: int, version: int = FLAT_VERSION) -> bytes:
+    head = struct.pack("<QQIIHH", index_offset, len(index), crc32(index), n_samples, version, 0)
     return head + struct.pack("<I", crc32(head)) + FOOTER_MAGIC
 
 

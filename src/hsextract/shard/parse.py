@@ -65,16 +65,16 @@ def load_json(raw: bytes, what: str) -> Any:
         raise Malformed(f"{what} is not JSON ({e})") from None
 
 
-def metadata(raw: bytes) -> dict[str, Any]:
-    """The header's metadata, with every key the reader and its callers use checked."""
+def metadata(raw: bytes, version: int = fmt.FLAT_VERSION) -> dict[str, Any]:
+    """The header's metadata, with every key the reader and its callers use checked (`version`: the header's)."""
     meta = load_json(raw, "metadata")
     if not isinstance(meta, dict):
         raise Malformed(f"metadata is a JSON {type(meta).__name__}, not an object")
     missing = [k for k in READ_KEYS if k not in meta]
     if missing:
         raise Malformed(f"metadata lacks {missing}")
-    if meta["format_version"] != fmt.FORMAT_VERSION or not is_int(meta["format_version"]):
-        raise Malformed(f"metadata format_version {meta['format_version']!r}, header says {fmt.FORMAT_VERSION}")
+    if meta["format_version"] != version or not is_int(meta["format_version"]):
+        raise Malformed(f"metadata format_version {meta['format_version']!r}, header says {version}")
     aux = meta["aux_layers"]
     if not (isinstance(aux, list) and len(aux) < MAX_HIDDEN_TENSORS and all(is_int(a) for a in aux)):
         raise Malformed(f"metadata aux_layers must be a list of fewer than {MAX_HIDDEN_TENSORS} integers")
@@ -104,6 +104,12 @@ def frame_count(meta: dict[str, Any]) -> int:
     return 2 + meta["num_hidden_tensors"] * per_hidden
 
 
+def is_hidden(piece: dict[str, Any]) -> bool:
+    """A piece with a row per position (hidden states and their scales): version 2 stores only a sample's own
+    rows of it; ids and loss mask are stored whole."""
+    return piece["name"].startswith("hidden_states.")
+
+
 def min_record_len(meta: dict[str, Any]) -> int:
     return fmt.RECORD.size + fmt.FRAME_COUNT.size + 8 * frame_count(meta)
 
@@ -113,10 +119,11 @@ def raw_bytes(meta: dict[str, Any], seq: int) -> int:
     return 16 * seq + meta["num_hidden_tensors"] * seq * meta["hidden_size"] * ITEMSIZE[meta["dtype"]]
 
 
-def decoded_bytes(meta: dict[str, Any], seq: int) -> int:
-    """Bytes the record's frames decode to (fp8: one byte per value plus a float32 scale per row)."""
+def decoded_bytes(meta: dict[str, Any], seq: int, own: int | None = None) -> int:
+    """Bytes the record's frames decode to (fp8: one byte per value plus a float32 scale per row); `own`: the
+    hidden rows the record holds (seq less the prefix taken from a parent)."""
     per_row = meta["hidden_size"] * ITEMSIZE[meta["stored_dtype"]] + (4 if meta["precision"] == "fp8_e4m3" else 0)
-    return 16 * seq + meta["num_hidden_tensors"] * seq * per_row
+    return 16 * seq + meta["num_hidden_tensors"] * (seq if own is None else own) * per_row
 
 
 def footer(foot: bytes, header_version: int, size: int, data_start: int) -> tuple[int, int, int, int]:
@@ -145,12 +152,16 @@ def index_bytes(ix_raw: bytes) -> bytes:
 
 def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offset: int) -> dict[str, list[Any]]:
     """The index columns, checked: types, ranges, records that tile [data_start, index_offset) exactly,
-    raw sizes from the metadata, decoded sizes within zstd's reach of the stored ones."""
+    raw sizes from the metadata, decoded sizes within zstd's reach of the stored ones; in version 2, every
+    reference points to an earlier sample (so none forms a cycle or leaves the shard) and takes at most the
+    parent's tokens and fewer than its own."""
+    columns = fmt.index_columns(meta["format_version"])
     ix = load_json(raw, "index")
-    if not isinstance(ix, dict) or sorted(ix) != sorted(fmt.INDEX_COLUMNS):
+    if not isinstance(ix, dict) or sorted(ix) != sorted(columns):
         keys = sorted(ix) if isinstance(ix, dict) else type(ix).__name__
-        raise Malformed(f"index holds {keys}, expected the columns {list(fmt.INDEX_COLUMNS)}")
-    for c in fmt.INDEX_COLUMNS:
+        raise Malformed(f"index holds {keys}, expected the columns {list(columns)}")
+    shared = columns != fmt.INDEX_COLUMNS
+    for c in columns:
         if not isinstance(ix[c], list) or len(ix[c]) != n:
             raise Malformed(f"index lists disagree with the footer's {n} samples (column {c})")
     min_rec = min_record_len(meta)
@@ -174,7 +185,8 @@ def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offse
         if raw_b != raw_bytes(meta, seq):
             raise Malformed(f"index raw_bytes {raw_b}, the metadata makes it {raw_bytes(meta, seq)} for "
                             f"{seq} tokens", i)
-        if decoded_bytes(meta, seq) > ZSTD_MAX_RATIO * rlen:
+        own = seq - (reference(ix, i, seq) if shared else 0)
+        if decoded_bytes(meta, seq, own) > ZSTD_MAX_RATIO * rlen:
             raise Malformed(f"index claims {seq} tokens, more than a {rlen}-byte record can hold", i)
         pos += rlen
     if pos != index_offset:
@@ -183,9 +195,30 @@ def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offse
     return ix
 
 
-def frame_sizes(pieces: list[dict[str, Any]], seq: int) -> list[int]:
-    """Decoded size of every frame of a record of `seq` tokens, in payload order."""
-    return [seq * p["width"] * ITEMSIZE[p["dtype"]] // p["planes"] for p in pieces for _ in range(p["planes"])]
+def reference(ix: dict[str, list[Any]], i: int, seq: int) -> int:
+    """Sample i's prefix length, its reference checked (version 2; earlier entries already checked)."""
+    parent, k = ix["parents"][i], ix["prefix_lens"][i]
+    if not (is_int(parent) and is_int(k)):
+        raise Malformed("index entry holds a non-integer where an integer belongs", i)
+    if parent == fmt.NO_PARENT:
+        if k != 0:
+            raise Malformed(f"index prefix length {k} without a parent (must be 0)", i)
+        return 0
+    if not 0 <= parent < i:
+        raise Malformed(f"index parent {parent} is not an earlier sample of this shard (a reference must point "
+                        f"to a sample 0..{i - 1}: never to itself, a later sample or another shard)", i)
+    top = min(ix["seq_lens"][parent], seq - 1)
+    if not 1 <= k <= top:
+        raise Malformed(f"index prefix length {k} outside [1, {top}] (parent {parent} holds "
+                        f"{ix['seq_lens'][parent]} tokens, the sample {seq}, of which it must compute one)", i)
+    return k
+
+
+def frame_sizes(pieces: list[dict[str, Any]], seq: int, own: int | None = None) -> list[int]:
+    """Decoded size of every frame of a record of `seq` tokens, in payload order; `own`: its hidden rows."""
+    rows = [own if own is not None and is_hidden(p) else seq for p in pieces]
+    return [n * p["width"] * ITEMSIZE[p["dtype"]] // p["planes"] for p, n in zip(pieces, rows, strict=True)
+            for _ in range(p["planes"])]
 
 
 def frames(payload: memoryview, sizes: list[int], sample: int) -> list[memoryview]:

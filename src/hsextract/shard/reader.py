@@ -184,10 +184,10 @@ class ShardReader:
         if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
             raise self._corrupt(None, "not an hsextract shard (bad magic at byte 0)")
         _, version, reserved, meta_len, meta_crc = fmt.HEADER.unpack(head)
-        if version != fmt.FORMAT_VERSION:
+        if version not in fmt.READ_VERSIONS:
             raise ShardError(
-                f"{self.path}: shard format version {version}; this hsextract reads version "
-                f"{fmt.FORMAT_VERSION}. Use the hsextract release that wrote it, or re-extract."
+                f"{self.path}: shard format version {version}; this hsextract reads versions "
+                f"{' and '.join(map(str, fmt.READ_VERSIONS))}. Use the hsextract release that wrote it, or re-extract."
             )
         if reserved != 0:
             raise self._corrupt(None, f"header bytes 10-11 (reserved) hold {reserved}, not 0")
@@ -196,7 +196,7 @@ class ShardReader:
         meta_raw = self._pread(meta_len, fmt.HEADER.size)
         if len(meta_raw) != meta_len or fmt.crc32(meta_raw) != meta_crc:
             raise self._corrupt(None, "header metadata checksum mismatch")
-        metadata = parse.metadata(meta_raw)
+        metadata = parse.metadata(meta_raw, version)
         self._data_start = fmt.HEADER.size + meta_len
         if size < self._data_start + fmt.FOOTER.size:
             raise self._truncated(size)
@@ -212,6 +212,9 @@ class ShardReader:
             raise self._corrupt(None, "index checksum mismatch")
         index = parse.index(parse.index_bytes(ix_raw), metadata, n, self._data_start, ix_off)
         self._index_offset = ix_off
+        # (parent, prefix length) per sample; version 1: none has a parent
+        self._parents: list[int] = index.get("parents") or [fmt.NO_PARENT] * n
+        self._prefix_lens: list[int] = index.get("prefix_lens") or [0] * n
         return metadata, index
 
     def _truncated(self, size: int) -> CorruptShardError:
@@ -243,6 +246,21 @@ class ShardReader:
     @property
     def seq_lens(self) -> list[int]:
         return list(self._index["seq_lens"])
+
+    @property
+    def parents(self) -> list[int]:
+        """Per sample the earlier sample it takes its first rows from, or -1 (always -1 in a version-1 shard)."""
+        return list(self._parents)
+
+    @property
+    def prefix_lens(self) -> list[int]:
+        """Per sample the rows it takes from its parent (0 without one)."""
+        return list(self._prefix_lens)
+
+    @property
+    def stored_tokens(self) -> int:
+        """Rows the shard stores (distinct tokens): the samples' tokens less the prefixes they take from parents."""
+        return sum(self._index["seq_lens"]) - sum(self._prefix_lens)
 
     @property
     def index(self) -> dict[str, list[Any]]:
@@ -280,7 +298,8 @@ class ShardReader:
         return rec
 
     def _check_payload(self, i: int, rec: memoryview) -> None:
-        if fmt.payload_hash(rec[fmt.RECORD.size:]) != self._index["payload_xxh3"][i]:
+        seed = fmt.reference_seed(self._parents[i], self._prefix_lens[i])
+        if fmt.payload_hash(rec[fmt.RECORD.size:], seed) != self._index["payload_xxh3"][i]:
             raise self._corrupt(i, "checksum mismatch")
 
     def _check_record_header(self, i: int, rec: bytes | memoryview) -> None:
@@ -292,9 +311,14 @@ class ShardReader:
         if phash != self._index["payload_xxh3"][i]:
             raise self._corrupt(i, "checksum mismatch")
 
+    def _own(self, i: int) -> int:
+        """Hidden rows record i holds."""
+        return self._index["seq_lens"][i] - self._prefix_lens[i]
+
     def _frames(self, i: int, payload: memoryview) -> list[memoryview]:
         try:
-            return parse.frames(payload, parse.frame_sizes(self._pieces, self._index["seq_lens"][i]), i)
+            return parse.frames(payload, parse.frame_sizes(self._pieces, self._index["seq_lens"][i], self._own(i)),
+                                i)
         except parse.Malformed as e:
             raise self._corrupt(i, e.what) from None
 
@@ -317,8 +341,8 @@ class ShardReader:
                 raise self._corrupt(i, f"frame lengths add up to {sum(lens)} bytes, the payload holds "
                                        f"{self._index['record_lens'][i] - table}")
             pos = off + table
-            for k, (ln, size) in enumerate(zip(lens, parse.frame_sizes(self._pieces, self._index["seq_lens"][i]),
-                                               strict=True)):
+            sizes = parse.frame_sizes(self._pieces, self._index["seq_lens"][i], self._own(i))
+            for k, (ln, size) in enumerate(zip(lens, sizes, strict=True)):
                 try:
                     parse.check_frame(self._pread(min(ln, parse.FRAME_HEADER_MAX), pos), k, ln, size, i)
                 except parse.Malformed as e:
@@ -365,11 +389,11 @@ class ShardReader:
         except CorruptShardError:
             self._check_payload(i, rec)  # a damaged payload says so first, as on the serial path
             raise
-        seq = self._index["seq_lens"][i]
+        seq, own = self._index["seq_lens"][i], self._own(i)
         jobs = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
-            futures = [pool.submit(self._decode_unit, i, unit, seq, shared) for unit in jobs[2:]]
+            futures = [pool.submit(self._decode_unit, i, unit, own, shared) for unit in jobs[2:]]
             try:
                 self._check_payload(i, rec)  # a damaged record is reported as such, whatever its frames do
                 head = [self._decode_unit(i, unit, seq, shared) for unit in jobs[:2]]
@@ -377,7 +401,7 @@ class ShardReader:
                 wait(futures)
             tensors = head + [f.result() for f in futures]
         else:
-            tensors = [self._decode_unit(i, unit, seq, shared) for unit in jobs]
+            tensors = [self._decode_unit(i, unit, seq if u < 2 else own, shared) for u, unit in enumerate(jobs)]
         return {"input_ids": tensors[0], "hidden_states": tensors[2:], "loss_mask": tensors[1]}
 
     def _decode_unit(self, i: int, unit: list[tuple[dict[str, Any], list[memoryview]]], seq: int,
@@ -401,10 +425,47 @@ class ShardReader:
         if not -n <= i < n:
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
         i %= n
+        if self._parents[i] == fmt.NO_PARENT:
+            return self._record_sample(i, shared_memory)
+        return self._assemble(i, shared_memory)
+
+    def _record_sample(self, i: int, shared: bool = False) -> Sample:
+        """Record i decoded: the sample's ids and loss mask, and its own hidden rows (all of them without a parent)."""
         if self.decode_threads == 1:
-            return self._decode(i, self._record(i), shared=shared_memory)
+            return self._decode(i, self._record(i), shared=shared)
         rec = self._record(i, _pool("read", self.decode_threads))
-        return self._decode(i, rec, _pool("decode", self.decode_threads), shared_memory)
+        return self._decode(i, rec, _pool("decode", self.decode_threads), shared)
+
+    def _check_prefix_ids(self, i: int, ids: torch.Tensor, j: int, theirs: torch.Tensor, n: int) -> None:
+        """Sample i takes rows below token n from sample j: their ids must agree there."""
+        differ = (ids[:n] != theirs[:n]).nonzero()
+        if differ.numel():
+            raise self._corrupt(i, f"input_ids differ from sample {j}'s at token {int(differ[0])}, within the {n} "
+                                   "prefix tokens whose rows it takes from that sample")
+
+    def _assemble(self, i: int, shared: bool) -> Sample:
+        """Sample i of a version-2 shard: its own rows, then each earlier segment from the ancestor that stores it
+        (docs/SHARED_PREFIX.md, "Reading"). Ancestors are earlier samples, so the walk ends; each one that supplies
+        rows has its ids checked against this sample's over every position below the segment's end."""
+        mine = self._record_sample(i, shared)
+        ids, seq, k = mine["input_ids"], self._index["seq_lens"][i], self._prefix_lens[i]
+        out = []
+        for h in mine["hidden_states"]:
+            t = (_shared_bytes(seq * h.shape[1] * h.element_size()).view(h.dtype).view(seq, h.shape[1]) if shared
+                 else torch.empty((seq, h.shape[1]), dtype=h.dtype))
+            t[k:] = h
+            out.append(t)
+        node, hi = self._parents[i], k
+        while hi > 0:
+            lo = self._prefix_lens[node]
+            if lo < hi:  # rows [lo, hi) are the node's own rows [0, hi - lo)
+                theirs = self._record_sample(node)
+                self._check_prefix_ids(i, ids, node, theirs["input_ids"], hi)
+                for t, h in zip(out, theirs["hidden_states"], strict=True):
+                    t[lo:hi] = h[:hi - lo]
+                hi = lo
+            node = self._parents[node]
+        return {"input_ids": ids, "hidden_states": out, "loss_mask": mine["loss_mask"]}
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
         """All samples in order, read and decoded ahead by a small thread pool."""
@@ -426,6 +487,14 @@ class ShardReader:
         return self.iter_samples()
 
     def verify(self) -> None:
-        """Read and check every sample (raises CorruptShardError at the first bad one)."""
+        """Read and check every sample (raises CorruptShardError at the first bad one): every record once, and every
+        reference's ids against its parent's over the prefix (each assembled row then comes from the same ids)."""
+        ids: dict[int, torch.Tensor] = {}
+        needed = {p for p in self._parents if p != fmt.NO_PARENT}
         for i in range(len(self)):
-            self._decode(i, self._record(i))
+            got = self._decode(i, self._record(i))["input_ids"]
+            p = self._parents[i]
+            if p != fmt.NO_PARENT:
+                self._check_prefix_ids(i, got, p, ids[p], self._prefix_lens[i])
+            if i in needed:
+                ids[i] = got

@@ -72,7 +72,7 @@ def _check_metadata(metadata: dict[str, Any], precision: str) -> dict[str, Any]:
     meta["aux_layers"] = [int(x) for x in metadata["aux_layers"]]
     meta["layer_convention"] = convention
     meta.update(
-        format_version=fmt.FORMAT_VERSION,
+        format_version=fmt.FLAT_VERSION,  # 2 once a sample has a reference (close() rewrites the header)
         precision=precision,
         stored_dtype="float8_e4m3fn" if precision == "fp8_e4m3" else metadata["dtype"],
         num_hidden_tensors=len(meta["aux_layers"]) + 1,
@@ -120,6 +120,10 @@ class ShardWriter:
     the requests. Every `sync_every_mb` MB that thread also starts an fdatasync on another thread: the
     kernel otherwise keeps gigabytes dirty and close()'s fsync writes them all while the run waits.
     0 turns it off. Figures: bench/README.md, "shard background sync" and "SGLang throughput".
+
+    `share_prefixes`: add() may give a sample a reference (`parent`, `prefix_len`): it then stores only its own
+    rows, and the shard becomes format version 2 (docs/SHARED_PREFIX.md). The writer keeps every sample's ids
+    to check each reference. Without a reference in the shard, the bytes are version 1's, as without the flag.
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class ShardWriter:
         precision: str = "bf16",
         sync_every_mb: int = 256,
         write_ahead_mb: int = 256,
+        share_prefixes: bool = False,
     ) -> None:
         self.path = Path(path)
         if not self.path.parent.is_dir():
@@ -161,7 +166,8 @@ class ShardWriter:
         remove_temps(self.path)  # a killed writer's
         fd, self._tmp = create_temp(self.path)
         self._file = os.fdopen(fd, "wb")  # closed in close() or abort()
-        self._index: dict[str, list[Any]] = {c: [] for c in fmt.INDEX_COLUMNS}
+        self._index: dict[str, list[Any]] = {c: [] for c in fmt.index_columns(fmt.FORMAT_VERSION)}
+        self._ids: list[torch.Tensor] | None = [] if share_prefixes else None  # to check references
         self._closed = False
         self.encode_wait_s = self.write_s = self.disk_s = 0.0
         # the writer thread: chunks in file order; _queued bytes handed over and not yet written
@@ -197,19 +203,19 @@ class ShardWriter:
         return frames
 
     @staticmethod
-    def _payload(frames: list[bytes]) -> tuple[list[bytes], int]:
-        """One record's payload, [frame table, frames...], and its xxh3 digest."""
+    def _payload(frames: list[bytes], seed: int = 0) -> tuple[list[bytes], int]:
+        """One record's payload, [frame table, frames...], and its xxh3 digest (seeded with its reference)."""
         table = fmt.pack_frame_table([len(f) for f in frames])
-        hasher = xxhash.xxh3_64(table)
+        hasher = xxhash.xxh3_64(table, seed)
         for f in frames:
             hasher.update(f)
         return [table, *frames], hasher.intdigest()
 
-    def _encode(self, tensors: list[torch.Tensor]) -> tuple[list[bytes], int]:
+    def _encode(self, tensors: list[torch.Tensor], seed: int) -> tuple[list[bytes], int]:
         return self._payload([f for unit, t in zip(self._units, tensors, strict=True)
-                              for f in self._encode_unit(unit, t)])
+                              for f in self._encode_unit(unit, t)], seed)
 
-    def _submit(self, tensors: list[torch.Tensor]) -> Future[tuple[list[bytes], int]]:
+    def _submit(self, tensors: list[torch.Tensor], seed: int) -> Future[tuple[list[bytes], int]]:
         """Encode a record's tensors as separate tasks: the last samples of a shard then take one tensor's
         time, not a whole sample's on one thread, before close() can finish (SGLang throughput at 2048
         tokens, runs on different hosts: waits for encoding 0.1 s per part before, 0.0 s after). The task
@@ -219,7 +225,7 @@ class ShardWriter:
         def unit_task(k: int, unit: list[dict[str, Any]], t: torch.Tensor) -> None:
             try:
                 if record.put(k, self._encode_unit(unit, t)):
-                    record.done.set_result(self._payload(record.frames()))
+                    record.done.set_result(self._payload(record.frames(), seed))
             except BaseException as e:  # noqa: BLE001 - handed to the consumer through the future
                 record.fail(e)
 
@@ -228,8 +234,31 @@ class ShardWriter:
             self._pool.submit(unit_task, k, unit, t)
         return record.done
 
+    def _reference(self, sample: int, ids: torch.Tensor, parent: int | None, prefix_len: int) -> int:
+        """Check a sample's reference; returns its parent index (-1 for none)."""
+        where = f"{self.path}: sample {sample}"
+        if parent is None:
+            if prefix_len != 0:
+                raise ShardError(f"{where}: prefix_len {prefix_len} without a parent; give parent= or prefix_len=0")
+            return fmt.NO_PARENT
+        if self._ids is None:
+            raise ShardError(f"{where}: a reference (parent {parent}) needs ShardWriter(..., share_prefixes=True)")
+        if isinstance(parent, bool) or not isinstance(parent, int) or not 0 <= parent < sample:
+            raise ShardError(f"{where}: parent {parent!r} must be an earlier sample of this shard (0..{sample - 1})")
+        top = min(len(self._ids[parent]), ids.numel() - 1)
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or not 1 <= prefix_len <= top:
+            raise ShardError(f"{where}: prefix_len {prefix_len!r} outside [1, {top}] (parent {parent} holds "
+                             f"{len(self._ids[parent])} tokens, the sample {ids.numel()}, of which it must store one)")
+        differ = (ids[:prefix_len] != self._ids[parent][:prefix_len]).nonzero()
+        if differ.numel():
+            raise ShardError(f"{where}: input_ids differ from parent {parent}'s at token {int(differ[0])}, within "
+                             f"the prefix of {prefix_len} tokens it would take from it")
+        return parent
+
     def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
-                 loss_mask: torch.Tensor) -> list[torch.Tensor]:
+                 loss_mask: torch.Tensor, parent: int | None = None,
+                 prefix_len: int = 0) -> tuple[list[torch.Tensor], int]:
+        """The record's tensors, checked, and the sample's parent (-1 for none)."""
         where = f"{self.path}: sample {sample}"
         if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.numel() == 0:
             raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, "
@@ -243,37 +272,49 @@ class ShardWriter:
             raise ShardError(f"{where}: {len(hidden_states)} hidden-state tensors, expected {n} "
                              f"(aux_layers {self.metadata['aux_layers']} + final)")
         out = [input_ids.to(torch.int64), loss_mask.to(torch.int64)]
+        ref = self._reference(sample, out[0], parent, prefix_len)
+        rows = seq - prefix_len  # the sample's own rows: those its parent does not hold
         for k, h in enumerate(hidden_states):
-            if h.shape != (seq, self._hidden) or h.dtype != self._out_dtype:
+            if h.shape != (rows, self._hidden) or h.dtype != self._out_dtype:
+                own = f" (its own rows: {seq} tokens less the {prefix_len} taken from its parent)" if prefix_len else ""
                 raise ShardError(
                     f"{where}: hidden_states[{k}] is {dtype_name(h.dtype) if h.dtype in DTYPES.values() else h.dtype} "
-                    f"{tuple(h.shape)}, expected {self.metadata['dtype']} ({seq}, {self._hidden})"
+                    f"{tuple(h.shape)}, expected {self.metadata['dtype']} ({rows}, {self._hidden}){own}"
                 )
             out.append(h)
-        return out
+        return out, ref
 
     # -- public API -----------------------------------------------------------------------
     def add(self, input_ids: torch.Tensor, hidden_states: list[torch.Tensor], loss_mask: torch.Tensor,
-            sample_id: str = "") -> None:
+            sample_id: str = "", *, parent: int | None = None, prefix_len: int = 0) -> None:
         """Append one sample. With threads > 1 it is encoded in the background (records still land in
-        call order): do not modify its tensors in place after add() returns."""
+        call order): do not modify its tensors in place after add() returns.
+
+        `parent`, `prefix_len` (a writer with share_prefixes=True): the sample's first `prefix_len` rows are
+        those of earlier sample `parent`, whose ids must agree there; `hidden_states` then holds the rows from
+        position `prefix_len` on only."""
         if self._closed:
             raise ShardError(f"{self.path}: add() after close()")
         sample = len(self._index["sample_ids"])
-        tensors = self._tensors(sample, input_ids, hidden_states, loss_mask)
+        tensors, ref = self._tensors(sample, input_ids, hidden_states, loss_mask, parent, prefix_len)
+        seed = fmt.reference_seed(ref, prefix_len)
         seq = input_ids.numel()
         ix = self._index
+        ix["parents"].append(ref)
+        ix["prefix_lens"].append(prefix_len if ref != fmt.NO_PARENT else 0)
+        if self._ids is not None:
+            self._ids.append(tensors[0])
         ix["sample_ids"].append(str(sample_id))
         ix["seq_lens"].append(seq)
         ix["num_trained"].append(int((tensors[1] != 0).sum()))
         ix["raw_bytes"].append(16 * seq
                                + self.metadata["num_hidden_tensors"] * seq * self._hidden * self._out_dtype.itemsize)
         if self._pool is None:
-            self._write_record(sample, *self._encode(tensors))
+            self._write_record(sample, *self._encode(tensors, seed))
             return
         # Pipelined across samples (up to threads + 1 ahead): a stream of mid-sized samples (the SGLang path,
         # 512-token prompts, 16 MB each) keeps every thread busy, which splitting one sample alone did not.
-        self._pending.append((sample, self._submit(tensors)))
+        self._pending.append((sample, self._submit(tensors, seed)))
         while len(self._pending) > self._depth:
             self._write_oldest()
 
@@ -379,15 +420,26 @@ class ShardWriter:
             raise ShardError(f"{self.path}: close() called twice")
         while self._pending:
             self._write_oldest()
+        # version 2 only where a sample takes rows from another: otherwise the bytes are version 1's
+        version = fmt.FORMAT_VERSION if any(p != fmt.NO_PARENT for p in self._index["parents"]) else fmt.FLAT_VERSION
+        columns = fmt.index_columns(version)
         index = zstd.ZstdCompressor(level=3, write_checksum=True).compress(
-            json.dumps(self._index, separators=(",", ":")).encode()
+            json.dumps({c: self._index[c] for c in columns}, separators=(",", ":")).encode()
         )
         offset = self._pos
         self._write(index)
-        self._write(fmt.pack_footer(offset, index, len(self)))
+        self._write(fmt.pack_footer(offset, index, len(self), version))
         self._stop_writer()
         self._raise_write_error()
         try:
+            if version != self.metadata["format_version"]:
+                # the header went out first, as version 1; the version's digit is all that changes in it
+                old = fmt.pack_header(self.metadata)
+                self.metadata["format_version"] = version
+                head = fmt.pack_header(self.metadata)
+                assert len(head) == len(old)
+                self._file.flush()
+                os.pwrite(self._file.fileno(), head, 0)
             self._file.flush()
             commit(os.dup(self._file.fileno()), self._tmp, self.path)
             self._file.close()
