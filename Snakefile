@@ -50,8 +50,10 @@ from hsextract.config import check as check_config
 # Semantic checks (layer ids vs depth, model, reference sample) before any job: the settings tree
 # (PLAN.settings, what workflow/rules/common.smk computes its values from) and the chunk count.
 PLAN = check_config(config)
-# `capture: eagle3 | dflash | mtp` presets resolve to layer ids here: every rule and script sees the list.
+# `capture: eagle3 | dflash | mtp` presets (and lists in either convention) resolve here to hidden_states
+# ids: every rule and script sees that list (hsextract.layers).
 config["aux_layers"] = PLAN.aux_layers
+config["aux_layers_convention"] = "hidden_states"
 
 
 report: "workflow/report/workflow.rst"

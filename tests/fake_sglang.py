@@ -257,9 +257,9 @@ class FakeServer:
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self.model = model
-        resolved = self._set_up_model(model) if model is not None else [a + 1 for a in aux_layers]
+        resolved = self._set_up_model(model) if model is not None else list(aux_layers)
         if marker:
-            self.dumper.write_marker(resolved)
+            self.dumper.write_marker(resolved)  # SGLang capture index = hidden_states id
         self.httpd = _HTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]

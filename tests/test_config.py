@@ -47,7 +47,8 @@ def cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
             for i in range(10)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
-    c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", aux_layers=[1, 2, 3], prompts_per_chunk=4)
+    c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", capture="custom", aux_layers=[1, 2, 3],
+             aux_layers_convention="hidden_states", prompts_per_chunk=4)
     c["sources"] = [{"path": "conv.jsonl", "format": "messages", "weight": 1.0, "max_records": None}]
     return c
 
@@ -64,10 +65,11 @@ def test_aux_layer_beyond_depth(cfg: dict) -> None:
     with pytest.raises(ConfigError) as e:
         check(cfg)
     assert str(e.value) == (
-        "aux_layers[2]: layer 6 is beyond the model's depth: m/config.json has 6 decoder layers, "
-        "so ids 0..5 are allowed"
+        "aux_layers[2]: hidden_states[6] is beyond the aux layers of m/config.json: it has 6 decoder layers, so "
+        "hidden_states ids 0..5 are allowed (hidden_states[L] is the last layer's output: the final state, "
+        "final_state: pre_norm)"
     )
-    cfg["aux_layers"] = [1, 2, 5]  # the last layer is a legal id
+    cfg["aux_layers"] = [1, 2, 5]  # the last layer's input is a legal id
     assert check(cfg).n_chunks == 3
 
 
@@ -144,7 +146,8 @@ def test_tiny_model_depth_known_before_it_exists(cfg: dict) -> None:
 
     n = TINY_CONFIG["num_hidden_layers"]
     cfg.update(make_tiny_model=True, model="resources/tiny-model", aux_layers=[1, 2, n])
-    with pytest.raises(ConfigError, match=rf"^aux_layers\[2\]: layer {n} is beyond the model's depth: the tiny model"):
+    with pytest.raises(ConfigError, match=rf"^aux_layers\[2\]: hidden_states\[{n}\] is beyond the aux layers of "
+                                          r"the tiny"):
         check(cfg)
     # hidden size is not compared against the Kimi-shaped shipped reference for the tiny model
     cfg.update(aux_layers=[1, 2, n - 1], reference_sample=str(REFERENCE))

@@ -67,7 +67,7 @@ def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None
     assert server.passes < sum(len(p.input_ids) for p in ps) // 64 + 60
     assert sorted(x.name for x in server.dumper.cfg.dump_dir.iterdir()
                   if not x.name.startswith(("plugin-", "stats-"))) == []
-    assert eng.version().startswith("sglang None + hsextract plugin 1 (capture ")
+    assert eng.version().startswith("sglang None + hsextract plugin 2 (capture ")
 
 
 @pytest.mark.parametrize("server", [{"write_delay_s": 0.05}], indirect=True)
@@ -155,7 +155,8 @@ def test_no_plugin_marker_is_a_clear_error(tmp_path: Path) -> None:
 def test_aux_layer_mismatch_with_running_server(server: FakeServer) -> None:
     spec = CaptureSpec(aux_layers=(2, 4, 6), final_state="post_norm")
     eng = SGLangEngine(server.url, spec, server.dumper.cfg.dump_dir)
-    with pytest.raises(EngineError, match=r"captures aux layers \[1, 3, 5\], this run asks for \[2, 4, 6\]"):
+    with pytest.raises(EngineError, match=r"captures aux layers \[1, 3, 5\] \(hidden_states ids\), this run asks for "
+                                          r"hidden_states\[2, 4, 6\] = outputs of decoder layers 1, 3, 5; restart"):
         list(eng.extract(prompts(1)))
 
 
@@ -188,7 +189,7 @@ def test_config_errors(tmp_path: Path) -> None:
         hsrv.ServerConfig(model="/m", aux_layers=(1,), capture="builtin", final_state="both")
     assert hsrv.ServerConfig(model="/m", aux_layers=(), final_state="pre_norm").aux_layers == ()
     assert hsrv.build_env(hsrv.ServerConfig(model="/m", aux_layers=(), final_state="pre_norm"), Path("/d"),
-                          base={})["HSEXTRACT_AUX_LAYERS"] == ""
+                          base={})["HSEXTRACT_AUX_HIDDEN_STATES"] == ""
     with pytest.raises(ConfigError, match="dump_dir is required"):
         SGLangEngine("http://127.0.0.1:1", SPEC)
     with pytest.raises(ConfigError, match="expected http://host:port"):
@@ -221,7 +222,7 @@ def test_server_start_reuse_restart_and_stop(tmp_path: Path) -> None:
         assert str(h.dump_dir).startswith("/dev/shm/") or not Path("/dev/shm").is_dir()
         env = environ_of(h.pid)
         assert env["CUDA_VISIBLE_DEVICES"] == "5" and env["SGLANG_PLUGINS"] == "hsextract"
-        assert env["HSEXTRACT_AUX_LAYERS"] == "1,3,5" and env["HSEXTRACT_DUMP_DIR"] == str(h.dump_dir)
+        assert env["HSEXTRACT_AUX_HIDDEN_STATES"] == "1,3,5" and env["HSEXTRACT_DUMP_DIR"] == str(h.dump_dir)
         assert os.getpgid(h.pid) == h.pid  # its own process group
         assert "--disable-radix-cache" in h.command and h.command[h.command.index("--chunked-prefill-size") + 1] == "32"
         # reuse: same process
@@ -300,7 +301,8 @@ def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Pat
     from hsextract.settings import from_config
     from hsextract.sglang.config import server_config_from
 
-    base = {"model": "/m", "aux_layers": [1, 3], "run_name": "r", "final_state": "post_norm"}
+    base = {"model": "/m", "aux_layers": [1, 3], "aux_layers_convention": "hidden_states", "run_name": "r",
+            "final_state": "post_norm"}
     tail = ["--skip-tokenizer-init", "--enable-return-hidden-states"]
     off = server_config_from(from_config(base).extract, python="/py")
     assert off.prefill_cuda_graph is False
@@ -316,7 +318,8 @@ def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
     assert hsrv.build_command(cfg) == [
         "/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1", "--port",
         "30000", "--tp", "8", "--disable-radix-cache", "--skip-tokenizer-init", "--enable-return-aux-hidden-states",
-        "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "2", "30", "58",
+        # DFLASH names layers by their output: hidden_states[2, 30, 58] are the outputs of 1, 29, 57
+        "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "1", "29", "57",
         "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.8"]
     with pytest.raises(ConfigError, match="2 replicas x tp 8 need 16"):
         hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)), final_state="pre_norm")
@@ -330,7 +333,8 @@ def test_trust_remote_code_reaches_the_server_command() -> None:
     from hsextract.sglang.config import server_config_from
 
     def server(**kw):
-        return server_config_from(from_config({"model": "/m", "aux_layers": [1, 3], "run_name": "r", **kw}).extract,
+        return server_config_from(from_config({"model": "/m", "aux_layers": [1, 3], "aux_layers_convention":
+                                               "hidden_states", "run_name": "r", **kw}).extract,
                                   python="/py")
 
     assert "--trust-remote-code" not in hsrv.build_command(server())

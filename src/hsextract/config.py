@@ -17,6 +17,7 @@ from hsextract import chunks
 from hsextract.capture import resolve_aux_layers
 from hsextract.config_guard import check_bounded, check_remote, check_source_path
 from hsextract.errors import ConfigError
+from hsextract.layers import HIDDEN_STATES
 from hsextract.model_info import ModelShape, read_model_shape, tiny_model_shape
 from hsextract.reference import ReferenceLayout, read_layout
 from hsextract.settings import Settings, from_config
@@ -71,15 +72,17 @@ def check_engine(s: Settings) -> None:
 
 
 def check_layers(s: Settings, shape: ModelShape) -> list[int]:
-    """The run's aux layer ids (preset or explicit list), each checked against the model's depth."""
+    """The run's aux layers as hidden_states ids (preset or explicit list), each checked against the model's depth."""
     # ids >= 0 and unique in an explicit list: the schema's
     layers = resolve_aux_layers(s.config, shape.num_layers)
     for i, layer in enumerate(layers):
         if layer >= shape.num_layers:
+            last = (" (hidden_states[L] is the last layer's output: the final state, final_state: pre_norm)"
+                    if layer == shape.num_layers else "")
             raise ConfigError(
-                f"aux_layers[{i}]: layer {layer} is beyond the model's depth: {shape.source} has "
-                f"{shape.num_layers} decoder layers, so ids 0..{shape.num_layers - 1} are allowed"
-            )
+                f"aux_layers[{i}]: hidden_states[{layer}] is beyond the aux layers of {shape.source}: it has "
+                f"{shape.num_layers} decoder layers, so hidden_states ids 0..{shape.num_layers - 1} are allowed"
+                f"{last}")
     return layers
 
 
@@ -157,7 +160,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     check_engine(s)
     shape = model_shape(s.config)
     aux_layers = check_layers(s, shape)
-    s = from_config({**s.config, "aux_layers": aux_layers})
+    s = from_config({**s.config, "aux_layers": aux_layers, "aux_layers_convention": HIDDEN_STATES})
     check_tokenizer(s)
     ref = read_layout(s.reference_sample)
     check_reference(s, shape, ref)

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hsextract import provenance
+from hsextract import layers, provenance
 from hsextract.errors import ValidationFailure
 from hsextract.redaction import redact_config
 from hsextract.settings import Settings
@@ -22,7 +22,7 @@ MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
 # Shard metadata every shard of one dataset must share.
 SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "engine",
-               "aux_layers", "final_state", "hidden_size", "dtype", "precision", "format_version")
+               "aux_layers", "layer_convention", "final_state", "hidden_size", "dtype", "precision", "format_version")
 
 
 def _rel(path: str | Path, root: Path) -> str:
@@ -57,6 +57,11 @@ def build_manifest(
     totals = {"samples": 0, "tokens": 0, "trained_tokens": 0, "bytes_raw": 0, "bytes_stored": 0}
     for shard, report_path, stats_path in zip(shards, validation, chunk_stats, strict=True):
         meta = ShardReader(shard).metadata
+        if layers.shard_hidden_states(meta) != list(settings.aux_layers):
+            raise ValidationFailure(
+                f"{shard}: holds {layers.describe(layers.shard_hidden_states(meta))}, but this run stores "
+                f"{layers.describe(settings.aux_layers)}; a shard of another run or hsextract release. Delete it "
+                f"and rerun its chunk.")
         if first_meta is None:
             first_meta = meta
         for key in SHARED_KEYS:
@@ -98,6 +103,9 @@ def build_manifest(
         "engine": s.engine,
         "engine_version": meta.get("engine_version"),
         "aux_layers": list(s.aux_layers),
+        "layer_convention": layers.STORED,
+        # what to write in a drafter's (or trainer's) config so that each engine feeds exactly these layers
+        "layers": layers.drafter_config(s.aux_layers, meta.get("num_hidden_layers"), meta.get("architecture")),
         "final_state": s.final_state,
         "hidden_size": meta.get("hidden_size"),
         "dtype": meta.get("dtype"),

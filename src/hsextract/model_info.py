@@ -28,6 +28,8 @@ class ModelShape:
     hidden_size: int
     source: str  # where the shape was read from, for messages
     vocab_size: int | None = None
+    # config.json's architectures[0], of the checkpoint (a wrapper's own class): SGLang's layer-id rule
+    architecture: str | None = None
 
 
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -70,8 +72,10 @@ def _shape(cfg: Any, source: str) -> ModelShape:
     text = text_config(cfg)
     try:
         vocab = text.get("vocab_size", cfg.get("vocab_size"))
+        arch = cfg.get("architectures")
         return ModelShape(int(text["num_hidden_layers"]), int(text["hidden_size"]), source,
-                          int(vocab) if vocab is not None else None)
+                          int(vocab) if vocab is not None else None,
+                          str(arch[0]) if isinstance(arch, list) and arch else None)
     except (KeyError, TypeError, ValueError):
         raise ModelInfoError(
             f"model: {source} has no integer num_hidden_layers/hidden_size; "
@@ -111,7 +115,8 @@ def tiny_model_shape() -> ModelShape:
     from hsextract import tinymodel
 
     cfg = tinymodel.TINY_CONFIG
-    return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), "the tiny model (hsextract.tinymodel)")
+    return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), "the tiny model (hsextract.tinymodel)",
+                      architecture="DeepseekV3ForCausalLM")
 
 
 __all__ = ["ModelInfoError", "ModelShape", "NESTED_KEYS", "local_hidden_size", "read_model_shape", "text_config",

@@ -187,7 +187,10 @@ class Settings:
     trust_remote_code: bool
     engine: str
     capture: str
-    aux_layers: tuple[int, ...]  # resolved: a preset's layers for this model, or the explicit list
+    # resolved hidden_states ids: a preset's layers for this model, or the explicit list; None: a preset whose
+    # model cannot be read (config.check refuses such a config)
+    aux_layers: tuple[int, ...] | None
+    aux_layers_convention: str  # of the resolved ids: always hidden_states (hsextract.layers)
     final_state: str
     reference_sample: str
     export_formats: tuple[str, ...]
@@ -216,6 +219,7 @@ SCHEMA_TO_TREE: dict[str, str] = {
     "engine": "engine",
     "capture": "capture",
     "aux_layers": "aux_layers",
+    "aux_layers_convention": "aux_layers_convention",
     "final_state": "final_state",
     "reference_sample": "reference_sample",
     "export_formats": "export_formats",
@@ -311,13 +315,20 @@ def from_config(config: Mapping[str, Any]) -> Settings:
 
     c = fill_defaults(config)
     digest = config_hash(redact_config(c))  # a secret is no data; its hash would be a trace of it
-    if c["aux_layers"] is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
-        from hsextract.capture import resolve_aux_layers
-        from hsextract.config import model_shape
+    from hsextract.capture import explicit_layers, resolve_aux_layers
 
-        aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
+    given = explicit_layers(c)  # hidden_states ids; a list must say its convention
+    aux: tuple[int, ...] | None = None
+    if given is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
+        from hsextract.config import model_shape
+        from hsextract.model_info import ModelInfoError
+
+        try:
+            aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
+        except ModelInfoError:  # no model to read the depth from: unresolved (config.check says why)
+            aux = None
     else:
-        aux = tuple(int(i) for i in c["aux_layers"])
+        aux = tuple(given)
     prepare = _section(
         PrepareSettings, c,
         sources=tuple(_section(Source, s) for s in c["sources"]),
@@ -337,6 +348,7 @@ def from_config(config: Mapping[str, Any]) -> Settings:
     return _section(
         Settings, c,
         aux_layers=aux,
+        aux_layers_convention="hidden_states",
         export_formats=tuple(c["export_formats"]),
         prepare=prepare,
         extract=extract,

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
 from hsextract.errors import ConfigError, EngineError
+from hsextract.layers import HIDDEN_STATES, UNRECORDED, describe
 from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
 from hsextract.sglang_plugin import dumpcheck, dumpfiles
 from hsextract.sglang_plugin.dumpcheck import verify_dir
@@ -116,10 +117,13 @@ class SGLangEngine(Engine):
                 raise EngineError(f"{e}; restart the server") from None
             if not isinstance(info, dict):
                 raise EngineError(f"plugin marker {markers[0]} is not a JSON object; restart the server")
-            if tuple(info.get("aux_layers", ())) != tuple(self.spec.aux_layers):
+            # an older plugin (PLUGIN_VERSION 1) writes no convention: its ids were layer outputs
+            convention = info.get("layer_convention", UNRECORDED)
+            if convention != HIDDEN_STATES or tuple(info.get("aux_layers", ())) != tuple(self.spec.aux_layers):
                 raise EngineError(
-                    f"the server at {self.url} captures aux layers {info.get('aux_layers')}, this run asks for "
-                    f"{list(self.spec.aux_layers)}; restart the server with this run's aux_layers"
+                    f"the server at {self.url} captures aux layers {info.get('aux_layers')} ({convention} ids), "
+                    f"this run asks for {describe(self.spec.aux_layers)}; restart the server with this run's "
+                    f"aux_layers and this hsextract's plugin"
                 )
             if info.get("final_state", "post_norm") != self.spec.final_state:  # markers before pre_norm: post
                 raise EngineError(

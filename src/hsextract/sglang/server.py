@@ -206,9 +206,10 @@ def build_command(cfg: ServerConfig, replica: int = 0, key_file: str | os.PathLi
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.capture == "builtin":
-        # DFLASH names the always-+1 convention (EAGLE3 takes DeepSeek ids raw); no draft model is loaded
+        # DFLASH names layers by their output (+1 to a capture index; EAGLE3 takes DeepSeek ids raw), so the
+        # hidden_states ids go minus one; no draft model is loaded
         cmd += ["--enable-return-aux-hidden-states", "--speculative-algorithm", "DFLASH",
-                "--return-aux-hidden-state-layer-ids", *map(str, cfg.aux_layers)]
+                "--return-aux-hidden-state-layer-ids", *(str(i - 1) for i in cfg.aux_layers)]
     else:
         cmd += ["--enable-return-hidden-states"]  # prefill CUDA graphs, if on, captured in FULL mode
     if not cfg.prefill_cuda_graph:
@@ -223,6 +224,7 @@ def build_command(cfg: ServerConfig, replica: int = 0, key_file: str | os.PathLi
 def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
               base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
+    env.pop(ps.ENV_EAGLE3_IDS, None)  # the plugin's unchecked diagnostic: only from cfg.env, never inherited
     plugins = [p for p in env.get("SGLANG_PLUGINS", "").split(",") if p.strip()]
     env["SGLANG_PLUGINS"] = ",".join(dict.fromkeys([*plugins, "hsextract"]))
     env[ps.ENV_DUMP_DIR] = str(dump_dir)
