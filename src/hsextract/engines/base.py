@@ -39,15 +39,22 @@ class Prompt:
     index: int  # position in its chunk; engines yield results in this order
     sample_id: str  # stable id from prepare (also the SGLang rid suffix)
     input_ids: list[int]
+    # shared prefixes (docs/SHARED_PREFIX.md): the earlier prompt (its index) whose first `prefix_len` tokens
+    # equal this one's; an engine may then compute only the positions from `prefix_len` on (Captured.start)
+    parent: int = -1
+    prefix_len: int = 0
 
 
 @dataclass
 class Captured:
-    """One sample's captured activations: len(aux_layers)+1 tensors of [seq, hidden], model dtype, CPU."""
+    """One sample's captured activations: len(aux_layers)+1 tensors of [seq - start, hidden], model dtype, CPU."""
 
     index: int
     sample_id: str
     hidden_states: list[torch.Tensor]
+    # the position of the first row: > 0 when the rows before it are the prompt's parent's (Prompt.parent), and
+    # then exactly Prompt.prefix_len
+    start: int = 0
 
 
 class Engine(abc.ABC):

@@ -19,13 +19,21 @@ runs alone. Right padding with an attention mask; position ids count from 0 in e
 so a real token sees exactly what it would see unbatched. Each sample's rows are copied
 back to the CPU, contiguous, in the model dtype; padding rows are never returned.
 
+Shared prefixes (docs/SHARED_PREFIX.md): a prompt with a parent (`Prompt.parent`, `prefix_len` k) runs only its
+tokens k..seq-1, at positions k..seq-1, on the parent's keys and values cut to k (`past_key_values`), and its
+Captured holds those rows only (`start` = k). Parents keep their cache until their last child has run. Family
+members run one at a time; prompts outside any family are batched as above.
+
 Progress: pass `on_sample`, called with each Captured just before it is yielded (the
 caller can also count the yielded samples itself).
 """
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -136,6 +144,9 @@ class TransformersEngine(Engine):
                 "and `.norm` modules; the transformers engine hooks those to capture the last layer's output. "
                 "Use a decoder-only model of the Llama/DeepSeek family."
             )
+        # the forward's cache argument: `cache` from transformers 5.25 on, `past_key_values` before
+        self._cache_kw = "cache" if "cache" in inspect.signature(self._backbone.forward).parameters \
+            else "past_key_values"
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks = [
             layers[self.num_layers - 1].register_forward_hook(self._hook("pre_norm")),
@@ -214,6 +225,17 @@ class TransformersEngine(Engine):
                 f"forward failed on a batch of {len(batch)} samples x {width} tokens ({names}): {e}. "
                 "If it ran out of memory, lower token_budget or max_batch."
             ) from e
+        layers = self._layers(out)
+        results = []
+        for row, p in enumerate(batch):
+            n = lengths[row]
+            # copy=True: a view would keep the whole padded batch alive behind each sample
+            tensors = [t[row, :n].to("cpu", copy=True).contiguous() for t in layers]
+            results.append(Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors))
+        return results
+
+    def _layers(self, out: Any) -> list[torch.Tensor]:
+        """The captured tensors of a forward's output, [batch, tokens, hidden] each, in the spec's order."""
         hs = out.hidden_states
         if hs is None or len(hs) != self.num_layers + 1:
             raise EngineError(
@@ -224,21 +246,104 @@ class TransformersEngine(Engine):
         if pre is None or post is None:
             raise EngineError(f"{self.model_path}: the last-layer/final-norm hooks did not fire during the forward.")
         finals = {"pre_norm": [pre], "post_norm": [post], BOTH: [pre, post]}[self.spec.final_state]
-        layers = [hs[i] for i in self.spec.aux_layers] + finals
         self._captured.clear()
+        return [hs[i] for i in self.spec.aux_layers] + finals
 
-        results = []
-        for row, p in enumerate(batch):
-            n = lengths[row]
-            # copy=True: a view would keep the whole padded batch alive behind each sample
-            tensors = [t[row, :n].to("cpu", copy=True).contiguous() for t in layers]
-            results.append(Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors))
-        return results
+    # ------------------------------------------------------------------ shared prefixes
+    @staticmethod
+    def _check_references(prompts: list[Prompt]) -> Counter[int]:
+        """EngineError unless every reference names an earlier prompt whose ids agree over the prefix; returns
+        how many later prompts use each parent."""
+        seen: dict[int, Prompt] = {}
+        users: Counter[int] = Counter()
+        for p in prompts:
+            if p.parent >= 0 or p.prefix_len:
+                where = f"sample {p.sample_id!r} (index {p.index})"
+                parent = seen.get(p.parent)
+                if parent is None:
+                    raise EngineError(f"{where}: parent {p.parent} is not an earlier prompt of this chunk")
+                top = min(len(parent.input_ids), len(p.input_ids) - 1)
+                if not 1 <= p.prefix_len <= top:
+                    raise EngineError(f"{where}: prefix_len {p.prefix_len} outside [1, {top}] (parent "
+                                      f"{parent.sample_id!r} has {len(parent.input_ids)} tokens, this one "
+                                      f"{len(p.input_ids)})")
+                if p.input_ids[:p.prefix_len] != parent.input_ids[:p.prefix_len]:
+                    raise EngineError(f"{where}: its first {p.prefix_len} token ids differ from its parent "
+                                      f"{parent.sample_id!r}'s; prepare's references are stale: rerun prepare")
+                users[p.parent] += 1
+            seen[p.index] = p
+        return users
+
+    @staticmethod
+    def _prefix_cache(cache: Any, k: int) -> Any:
+        """The parent's cache cut to its first k positions, sharing its tensors (views): the child's forward
+        appends by concatenation, which leaves the parent's tensors as they are for its other children."""
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise EngineError(f"{type(cache).__name__} has no per-layer keys and values (`.layers`): sharing "
+                              "prefixes needs transformers' DynamicCache of transformers 4.56 or later")
+        cut = copy.copy(cache)
+        cut.layers = []
+        for layer in layers:
+            c = copy.copy(layer)
+            c.keys, c.values = layer.keys[..., :k, :], layer.values[..., :k, :]
+            cut.layers.append(c)
+        return cut
+
+    @torch.inference_mode()
+    def _forward_one(self, p: Prompt, cache: Any, keep: bool) -> tuple[Captured, Any]:
+        """One prompt from position `p.prefix_len` on (0 without a cache); returns its Captured and, if `keep`,
+        its cache over all its positions."""
+        k = p.prefix_len if cache is not None else 0
+        n = len(p.input_ids)
+        self._captured.clear()
+        try:
+            out = self._backbone(
+                input_ids=torch.tensor([p.input_ids[k:]], dtype=torch.long, device=self.device),
+                position_ids=torch.arange(k, n, device=self.device)[None],
+                use_cache=keep or cache is not None,
+                output_hidden_states=True,
+                return_dict=True,
+                **{self._cache_kw: cache},
+            )
+        except RuntimeError as e:
+            raise EngineError(f"forward failed on sample {p.sample_id!r} ({n - k} tokens after a prefix of {k}): "
+                              f"{e}. If it ran out of memory, lower token_budget.") from e
+        tensors = [t[0].to("cpu", copy=True).contiguous() for t in self._layers(out)]
+        kept = (out.cache if self._cache_kw == "cache" else out.past_key_values) if keep else None
+        return Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors, start=k), kept
+
+    def _shared(self, prompts: list[Prompt], users: Counter[int]) -> Iterator[Captured]:
+        """Prompts outside any family batched as usual; each family member alone, a child on its parent's cache."""
+        caches: dict[int, Any] = {}
+        plain: list[Prompt] = []
+        for p in prompts:
+            if p.parent < 0 and not users[p.index]:
+                plain.append(p)
+                continue
+            for batch in self._batches(plain):
+                yield from self._forward(batch)
+            plain = []
+            self._check(p)
+            cache = None
+            if p.parent >= 0:
+                cache = self._prefix_cache(caches[p.parent], p.prefix_len)
+                users[p.parent] -= 1
+                if not users[p.parent]:  # its last child: the parent's cache goes
+                    del caches[p.parent]
+            captured, kept = self._forward_one(p, cache, keep=users[p.index] > 0)
+            if kept is not None:
+                caches[p.index] = kept
+            yield captured
+        for batch in self._batches(plain):
+            yield from self._forward(batch)
 
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
-        for batch in self._batches(prompts):
-            for captured in self._forward(batch):
-                if self.on_sample is not None:
-                    self.on_sample(captured)
-                yield captured
+        items = list(prompts)
+        users = self._check_references(items)
+        results = self._shared(items, users) if users else (c for b in self._batches(items) for c in self._forward(b))
+        for captured in results:
+            if self.on_sample is not None:
+                self.on_sample(captured)
+            yield captured
 
