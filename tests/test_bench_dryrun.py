@@ -101,7 +101,7 @@ def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(
         assert x["min_rel_ref_pre_vs_post"] > 0.5  # mk_models' final-norm weight makes the two states differ
     assert "shard_validates" not in res["llama"]["checks"]  # 5 aux layers: the 4-tensor reference does not apply
     md = (out / "fidelity.md").read_text()
-    assert md.count("PASS") == 3 and "### llama: PASS (checks: sample, aux [1, 2, 3, 4, 5])" in md
+    assert md.count("PASS") == 3 and "### llama: PASS (checks: sample, aux [2, 3, 4, 5, 6])" in md
 
 
 def run_fidelity_sglang(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:

@@ -187,8 +187,8 @@ class Settings:
     trust_remote_code: bool
     engine: str
     capture: str
-    # resolved hidden_states ids: a preset's layers for this model, or the explicit list; None: a preset whose
-    # model cannot be read (config.check refuses such a config)
+    # resolved hidden_states ids: a preset's layers for this model, or the explicit list; None: a preset that
+    # cannot resolve (no readable model, too few layers: config.check refuses such a config)
     aux_layers: tuple[int, ...] | None
     aux_layers_convention: str  # of the resolved ids: always hidden_states (hsextract.layers)
     final_state: str
@@ -321,11 +321,9 @@ def from_config(config: Mapping[str, Any]) -> Settings:
     aux: tuple[int, ...] | None = None
     if given is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
         from hsextract.config import model_shape
-        from hsextract.model_info import ModelInfoError
-
         try:
             aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
-        except ModelInfoError:  # no model to read the depth from: unresolved (config.check says why)
+        except ConfigError:  # no model to read the depth from, or too shallow: unresolved (config.check says why)
             aux = None
     else:
         aux = tuple(given)
