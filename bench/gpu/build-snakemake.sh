@@ -29,5 +29,9 @@ python3 -m pip download -q --no-deps $plat -d "$out" \
 # connection_pool 0.0.3 is published as an sdist only (pure Python): built into a wheel here
 python3 -m pip wheel -q --no-deps --no-binary connection_pool -w "$out" connection_pool==0.0.3
 python3 "$here/slim_wheel.py" "$out"/pulp-3.3.2-*.whl '^pulp/solverdir/.*'
+# setuptools (the lock's): rule build_patched_server pip-installs this checkout into the server's Python with
+# --no-build-isolation, and pyproject.toml's `license = "Apache-2.0"` needs setuptools >= 77; run_production.sh
+# puts it on the path only if the image's is older
+python3 -m pip download -q --no-deps $plat -d "$out" setuptools==84.2.1
 ls -l "$out"
 du -cb "$out"/*.whl | tail -n 1
