@@ -4,6 +4,11 @@ Reads a prompts parquet written by prepare, runs an Engine over it, and writes e
 captured sample with its ids and loss mask through ShardWriter (atomic: the shard exists
 whole or not at all). Padding never reaches the shard: engines return each sample sliced
 to its own length, and this module checks that.
+
+Shared prefixes (prepare's `share_prefixes`: the parquet's parent and prefix_len columns): each prompt carries its
+reference to the engine; a sample the engine computed from its prefix on (Captured.start > 0) is stored with that
+reference and its own rows only (shard format version 2, docs/SHARED_PREFIX.md); one it computed whole is stored
+whole.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from hsextract.model_info import read_model_shape
 from hsextract.settings import ExtractSettings
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
+REFERENCE_COLUMNS = ("parent", "prefix_len")  # prepare's, with share_prefixes
 
 
 @dataclass
@@ -36,6 +42,9 @@ class ChunkPrompts:
     sample_ids: list[str]
     input_ids: list[list[int]]
     loss_masks: list[list[int]]
+    # per prompt the earlier prompt it shares a prefix with (-1: none) and that prefix's length; None: no sharing
+    parents: list[int] | None = None
+    prefix_lens: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -44,7 +53,8 @@ class ChunkPrompts:
 def read_prompts(path: str | Path) -> ChunkPrompts:
     """Read a prompts parquet (prepare's output); any unreadable file is a ShardError naming it."""
     try:
-        table = pq.read_table(path, columns=list(PROMPT_COLUMNS))
+        shared = set(REFERENCE_COLUMNS) <= set(pq.read_schema(path).names)
+        table = pq.read_table(path, columns=list(PROMPT_COLUMNS) + (list(REFERENCE_COLUMNS) if shared else []))
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
         raise ShardError(
             f"{path}: cannot read the prompts parquet ({type(e).__name__}: {e}); "
@@ -55,7 +65,10 @@ def read_prompts(path: str | Path) -> ChunkPrompts:
     for i, (a, b) in enumerate(zip(ids, masks, strict=True)):
         if len(a) != len(b):
             raise ShardError(f"{path}: row {i}: input_ids has {len(a)} tokens, loss_mask {len(b)}")
-    return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks)
+    if not shared:
+        return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks)
+    return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks, [int(p) for p in cols["parent"]],
+                        [int(k) for k in cols["prefix_len"]])
 
 
 def capture_spec(settings: ExtractSettings) -> CaptureSpec:
@@ -145,8 +158,10 @@ def extract_chunk(
 
     n_tensors = len(metadata["aux_layers"]) + 1
     hidden_size = int(metadata["hidden_size"])
-    items = [Prompt(index=i, sample_id=s, input_ids=list(ids))
-             for i, (s, ids) in enumerate(zip(prompts.sample_ids, prompts.input_ids, strict=True))]
+    refs = list(zip(prompts.parents, prompts.prefix_lens, strict=True)) if prompts.parents is not None \
+        and prompts.prefix_lens is not None else [(-1, 0)] * len(prompts)
+    items = [Prompt(index=i, sample_id=s, input_ids=list(ids), parent=p, prefix_len=k)
+             for i, (s, ids, (p, k)) in enumerate(zip(prompts.sample_ids, prompts.input_ids, refs, strict=True))]
     n_tokens = sum(len(p.input_ids) for p in items)
     start = time.perf_counter()
     bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr,
@@ -156,7 +171,10 @@ def extract_chunk(
     # `threads` + 1 samples are still encoding or the file's writer thread is 256 MB behind; close writes
     # the last records, the index and the fsync)
     wait_s = add_s = close_s = 0.0
-    with ShardWriter(shard_path, metadata=dict(metadata), level=level, threads=threads, precision=precision) as writer:
+    computed = 0  # rows the engine computed (fewer than the tokens where samples took a prefix from a parent)
+    share = any(p >= 0 for p, _ in refs)
+    with ShardWriter(shard_path, metadata=dict(metadata), level=level, threads=threads, precision=precision,
+                     share_prefixes=share) as writer:
         samples = iter(engine.extract(items))
         while True:
             t = time.perf_counter()
@@ -171,11 +189,15 @@ def extract_chunk(
                 )
             seq = len(prompts.input_ids[written])
             hs = captured.hidden_states
-            if len(hs) != n_tensors or any(tuple(t.shape) != (seq, hidden_size) for t in hs):
+            start = captured.start
+            if start not in (0, items[written].prefix_len):
+                raise EngineError(f"{shard_path}: sample {captured.sample_id}: engine returned rows from position "
+                                  f"{start}, neither 0 nor its prefix length {items[written].prefix_len}")
+            if len(hs) != n_tensors or any(tuple(t.shape) != (seq - start, hidden_size) for t in hs):
                 shapes = [tuple(t.shape) for t in hs]
                 raise EngineError(
                     f"{shard_path}: sample {captured.sample_id}: engine returned tensors {shapes}, expected "
-                    f"{n_tensors} of ({seq}, {hidden_size}); padding must be sliced off per sample"
+                    f"{n_tensors} of ({seq - start}, {hidden_size}); padding must be sliced off per sample"
                 )
             t = time.perf_counter()
             writer.add(
@@ -183,7 +205,10 @@ def extract_chunk(
                 hidden_states=hs,
                 loss_mask=torch.tensor(prompts.loss_masks[written], dtype=torch.int64),
                 sample_id=captured.sample_id,
+                parent=items[written].parent if start else None,
+                prefix_len=start,
             )
+            computed += seq - start
             add_s += time.perf_counter() - t
             written += 1
             bar.update(seq)
@@ -199,6 +224,7 @@ def extract_chunk(
         "samples": written,
         "tokens": n_tokens,
         "trained_tokens": int(sum(sum(m) for m in prompts.loss_masks)),
+        "computed_tokens": computed,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
         "bytes": stored.stored_bytes,

@@ -6,7 +6,9 @@ Outputs in `out_dir`:
                         k // prompts_per_chunk, so the chunk count is known before anything is read:
                         `num_chunks(settings)` = ceil(count_records / prompts_per_chunk) (hsextract.chunks).
                         Columns: sample_id string, input_ids list<int64>, loss_mask list<int8>,
-                        num_tokens int32, num_trained int32, source string.
+                        num_tokens int32, num_trained int32, source string; with `share_prefixes` also parent
+                        int32 (the earlier row of the chunk it shares its longest prefix with, or -1) and
+                        prefix_len int32 (the leading tokens whose rows it takes from it: hsextract.prefix_share).
   token_freq.pt         torch.save({token_id: count}) over trained tokens of kept samples (speculators format).
   summary.json          records read, samples kept (a record split into turns gives several: `split_turns`,
                         sample ids `<id>:t<message index>`), dropped by reason (`not_prefix_stable` among them),
@@ -34,6 +36,7 @@ from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
 from hsextract.errors import ConfigError
 from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.prefix_share import distinct_tokens, find_parents
 from hsextract.progress import bar
 from hsextract.reruns import plain
 from hsextract.settings import PrepareSettings
@@ -49,6 +52,8 @@ SCHEMA = pa.schema([
     ("num_trained", pa.int32()),
     ("source", pa.string()),
 ])
+
+SHARED_SCHEMA = SCHEMA.append(pa.field("parent", pa.int32())).append(pa.field("prefix_len", pa.int32()))
 
 TOO_LONG = "too_long"
 NO_TRAINED_TOKENS = "no_trained_tokens"
@@ -69,9 +74,18 @@ def conversation_hash(conv: Conversation) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]]) -> None:
-    table = pa.Table.from_pylist(rows, schema=SCHEMA) if rows else SCHEMA.empty_table()
+def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]], records: list[int] | None = None) -> int:
+    """Write a chunk's rows; `records` (share_prefixes: the record each row came from) adds each row's parent and
+    prefix length. Returns the chunk's distinct tokens (its tokens less the prefixes taken from parents)."""
+    schema = SCHEMA
+    tokens = sum(r["num_tokens"] for r in rows)
+    if records is not None:
+        refs = find_parents([r["input_ids"] for r in rows], records)
+        rows = [r | {"parent": p, "prefix_len": k} for r, (p, k) in zip(rows, refs, strict=True)]
+        schema, tokens = SHARED_SCHEMA, distinct_tokens([r["num_tokens"] for r in rows], refs)
+    table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
     write_atomic(out_dir / chunk_name(chunk), lambda f: pq.write_table(table, f))
+    return tokens
 
 
 def _new_stats() -> dict[str, Any]:
@@ -111,16 +125,24 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     rows: list[dict[str, Any]] = []
     chunk = 0
 
+    row_records: list[int] = []  # the record (mixture entry) of each row: its turns share a conversation
+
+    def close_chunk() -> None:
+        distinct = _write_chunk(out, chunk, rows, row_records if cfg.share_prefixes else None)
+        entry = {"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
+                 "tokens": sum(r["num_tokens"] for r in rows)}
+        if cfg.share_prefixes:
+            entry["distinct_tokens"] = distinct
+        per_chunk.append(entry)
+
     def drop(st: dict[str, Any], reason: str) -> None:
         st["dropped"][reason] += 1
         total["dropped"][reason] += 1
 
     for k, entry in enumerate(bar(order, desc="prepare", unit="record")):
         while chunks.of_record(k, ppc) > chunk:
-            _write_chunk(out, chunk, rows)
-            per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
-                              "tokens": sum(r["num_tokens"] for r in rows)})
-            rows, chunk = [], chunk + 1
+            close_chunk()
+            rows, row_records, chunk = [], [], chunk + 1
         src = sources[entry.source]
         st = per_source[src.spec.name]
         st["read"] += 1
@@ -161,6 +183,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
             rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
                          "num_trained": n_trained, "source": src.spec.name})
+            row_records.append(k)
             freq.update(t for t, m in zip(ids, mask, strict=True) if m)
             for s in (st, total):
                 s["kept"] += 1
@@ -170,9 +193,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(total["dropped"].items()))
         raise ConfigError(f"prepare kept no sample of the {total['read']} records read (dropped: {reasons}); with "
                           "strict: true it stops at the first of them, saying which record and why")
-    _write_chunk(out, chunk, rows)
-    per_chunk.append({"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
-                      "tokens": sum(r["num_tokens"] for r in rows)})
+    close_chunk()
 
     save_token_freq(dict(freq), out / "token_freq.pt")
     template = tokenizer.chat_template or ""
@@ -182,6 +203,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "prompts_per_chunk": ppc,
         "per_source": {name: _jsonable(s) for name, s in per_source.items()},
         "per_chunk": per_chunk,
+        # share_prefixes: the tokens stored and computed, each shared prefix once (docs/SHARED_PREFIX.md)
+        **({"distinct_tokens": sum(c["distinct_tokens"] for c in per_chunk)} if cfg.share_prefixes else {}),
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
         "masks": dict(sorted(masker.stats.items())),

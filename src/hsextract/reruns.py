@@ -33,21 +33,22 @@ RULES = ("make_tiny_model", "regenerate_chunk", "build_patched_server", "prepare
 # are no rule's param.
 PATHS = ("run_name", "export_formats", "sglang.server_url", "sglang.servers")
 
-_REGENERATE_AND_PREPARE = ("regenerate_chunk", "prepare")
 # the conversations regenerate reads and the template it renders them with decide its text as prepare's do
-_TOKENIZER = ("regenerate_chunk", "prepare", "extract")
+_REGENERATE_AND_PREPARE = ("regenerate_chunk", "prepare")
+# the rules that load the model or its tokenizer
+_MODEL = ("regenerate_chunk", "prepare", "extract")
 
 KEYS: dict[str, tuple[str, ...]] = {
     # the folder of every output but the tiny model's: another name is another run
     "run_name": tuple(rule for rule in RULES if rule != "make_tiny_model"),
     # make_tiny_model builds the model at this path (its output): a new path is a new model
-    "model": _TOKENIZER,
+    "model": _MODEL,
     # the model becomes (or stops being) an input of regenerate, prepare and extract; validate: the reference
     # sample's hidden size counts for a real model only
-    "make_tiny_model": (*_TOKENIZER, "validate"),
+    "make_tiny_model": (*_MODEL, "validate"),
     "tiny_model_tokenizer": ("make_tiny_model",),
-    "tokenizer": _TOKENIZER,
-    "trust_remote_code": _TOKENIZER,  # custom tokenizer code decides the ids
+    "tokenizer": _MODEL,
+    "trust_remote_code": _MODEL,  # custom tokenizer code decides the ids
     "engine": ("regenerate_chunk", "extract"),  # regenerate.engine null: the run's
     "capture": ("extract",),
     "aux_layers": ("extract",),  # resolved: the hidden_states ids stored
@@ -65,6 +66,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "train_on_eot": ("prepare",),
     "train_on_reasoning": ("prepare",),
     "split_turns": ("prepare",),
+    "share_prefixes": ("prepare",),  # the prompts' parent and prefix_len columns; extract follows by its input
     "dedup": ("prepare",),
     "strict": _REGENERATE_AND_PREPARE,  # which malformed records are dropped rather than fatal
     "chat_template": _REGENERATE_AND_PREPARE,

@@ -64,6 +64,7 @@ class PrepareSettings:
     train_on_eot: bool
     train_on_reasoning: bool
     split_turns: str
+    share_prefixes: bool
     dedup: bool
     strict: bool
     chat_template: str | None
@@ -225,7 +226,8 @@ SCHEMA_TO_TREE: dict[str, str] = {
     "export_formats": "export_formats",
     **{key: f"prepare.{key}" for key in (
         "sources", "seed", "prompts_per_chunk", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot",
-        "train_on_reasoning", "split_turns", "dedup", "strict", "chat_template", "chat_template_kwargs")},
+        "train_on_reasoning", "split_turns", "share_prefixes", "dedup", "strict", "chat_template",
+        "chat_template_kwargs")},
     **{f"extract.{key}": f"extract.{key}" for key in ("threads", "mem_mb", "retries")},
     **{f"transformers.{f}": f"extract.transformers.{f}" for f in TransformersSettings.__dataclass_fields__},
     **{f"shard.{f}": f"extract.shard.{f}" for f in ShardSettings.__dataclass_fields__},

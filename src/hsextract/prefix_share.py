@@ -1,0 +1,66 @@
+"""Shared prefixes within a chunk (docs/SHARED_PREFIX.md, "prepare"): for each sample, the earlier sample it shares
+its longest token-identical prefix with, and how many of its leading rows it can take from it.
+
+Candidates come from a dict keyed by a chain of blake2b digests of the ids in blocks of BLOCK tokens (a sample is
+entered under the digest of every whole block of its ids), plus the sample just before it from the same record (its
+previous turn). Each candidate's common prefix is then measured on the ids themselves, so a digest collision can
+only propose a candidate, never make a reference. Time and memory are linear in the chunk's tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+BLOCK = 64
+# Shorter common prefixes are not shared: every sample opens with a few template tokens (`<|im_system|>system
+# <|im_middle|>`), and reading a second record to save them costs more than it saves.
+MIN_PREFIX = 64
+NO_PARENT = -1
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Tokens at the start of a and b that are equal."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def find_parents(ids: Sequence[Sequence[int]], records: Sequence[object] | None = None,
+                 min_prefix: int = MIN_PREFIX) -> list[tuple[int, int]]:
+    """(parent, prefix length) per sample, (-1, 0) where none shares at least `min_prefix` tokens. A parent is an
+    earlier sample; the prefix length k takes at most the parent's tokens and leaves the sample at least one of its
+    own (k <= min(len(parent), len(sample) - 1)); the longest common prefix wins, ties go to the later sample.
+    `records`: per sample, what it was made from (samples of one record are that conversation's turns)."""
+    arrays = [np.asarray(x, dtype=np.int64) for x in ids]
+    latest: dict[bytes, int] = {}  # digest of ids[:BLOCK * b] -> the latest sample that starts so
+    out: list[tuple[int, int]] = []
+    for i, a in enumerate(arrays):
+        digests = []
+        h = hashlib.blake2b(digest_size=16)
+        for end in range(BLOCK, len(a) + 1, BLOCK):
+            h.update(a[end - BLOCK:end].tobytes())
+            digests.append(h.copy().digest())
+        candidates = set()
+        for d in reversed(digests):  # the deepest block another sample shares
+            if d in latest:
+                candidates.add(latest[d])
+                break
+        if records is not None and i > 0 and records[i - 1] == records[i]:
+            candidates.add(i - 1)
+        best, best_k = NO_PARENT, 0
+        for j in sorted(candidates, reverse=True):
+            k = min(common_prefix(a, arrays[j]), len(a) - 1)
+            if k > best_k:
+                best, best_k = j, k
+        out.append((best, best_k) if best_k >= min_prefix else (NO_PARENT, 0))
+        for d in digests:
+            latest[d] = i
+    return out
+
+
+def distinct_tokens(seq_lens: Sequence[int], refs: Sequence[tuple[int, int]]) -> int:
+    """Tokens stored and computed with these references: each sample's, less the prefix it takes from its parent."""
+    return sum(seq_lens) - sum(k for _, k in refs)

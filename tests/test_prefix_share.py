@@ -1,0 +1,160 @@
+"""Shared prefixes end to end on the CPU (docs/SHARED_PREFIX.md): prepare's parents (hsextract.prefix_share), the
+`share_prefixes` key, and extract with the transformers engine writing a version-2 shard whose samples read back as
+the flat run's: reused rows equal to the parent's tensor for tensor, computed rows within the dense bound of an
+independent full forward."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch
+from chatfix import make_tokenizer
+from conftest import shard_metadata
+
+from hsextract.errors import ConfigError
+from hsextract.extract import ChunkPrompts, extract_chunk, read_prompts
+from hsextract.prefix_share import MIN_PREFIX, distinct_tokens, find_parents
+from hsextract.prepare import SCHEMA, SHARED_SCHEMA, run_prepare
+from hsextract.settings import from_config
+from hsextract.shard import ShardReader
+
+CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
+TOL = 1e-2  # tests/test_transformers_suffix.py: measured 0.0 on this model
+
+
+def test_parents_are_the_longest_earlier_prefix_within_the_chunk() -> None:
+    tools = list(range(1000, 1100))  # a 100-token declaration two records open with
+    turn1 = tools + list(range(1, 60))
+    turn2 = turn1[:130] + list(range(200, 250))  # the next turn of the same record: history, then its own
+    other = tools + list(range(300, 340))  # another record, same declaration
+    short = list(range(1000, 1030)) + [5] * 40  # 30 tokens in common only: below MIN_PREFIX
+    dup = list(other)  # a repeat: it must still compute one token of its own
+    tail_ = turn2 + [7]  # extends turn2, and shares 100 tokens with everything else
+    ids = [turn1, turn2, other, short, dup, tail_]
+    refs = find_parents(ids, records=[0, 0, 1, 2, 3, 4])
+    assert refs == [(-1, 0), (0, 130), (1, 100), (-1, 0), (2, len(other) - 1), (1, len(turn2))]
+    assert MIN_PREFIX == 64
+    assert distinct_tokens([len(x) for x in ids], refs) == sum(map(len, ids)) - 130 - 100 - 139 - 180
+    # ties go to the later sample (shorter chains); the previous turn is a candidate below a whole block too
+    assert find_parents([tools, tools + [1], tools + [2]]) == [(-1, 0), (0, 100), (1, 100)]
+    assert find_parents([list(range(70)), list(range(70)) + [9]], records=[0, 0], min_prefix=10) == [(-1, 0),
+                                                                                                     (0, 70)]
+
+
+def _system_conversations(n: int) -> list[dict]:
+    """Multi-turn conversations with reasoning (the Qwen3-style template drops it from history: one sample per
+    turn) that open with one long system prompt."""
+    rules = " ".join(f"rule {k}: answer briefly and check the units." for k in range(12))
+    system = {"role": "system", "content": rules}
+    out = []
+    for c in range(n):
+        msgs = [system]
+        for t in range(3):
+            msgs += [{"role": "user", "content": f"Question {c}.{t}: what is {c} plus {t}?"},
+                     {"role": "assistant", "content": f"It is {c + t}.", "reasoning_content": f"Add {c} and {t}."}]
+        out.append({"messages": msgs})
+    return out
+
+
+def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> None:
+    src = tmp_path / "data.jsonl"
+    src.write_text("".join(json.dumps(c) + "\n" for c in _system_conversations(4)))
+    tok = make_tokenizer("qwen3")
+
+    def prepare(out: str, **kw: object) -> dict:
+        cfg = from_config({"sources": [{"path": str(src), "name": "d"}], "seed": 1, "prompts_per_chunk": 2,
+                           **kw}).prepare
+        return run_prepare(cfg, tok, tmp_path / out, 2)
+
+    flat = prepare("flat")
+    shared = prepare("shared", share_prefixes=True)
+    assert "distinct_tokens" not in flat and all("distinct_tokens" not in c for c in flat["per_chunk"])
+    assert shared["kept"] == flat["kept"] == 12 and shared["tokens"] == flat["tokens"]
+    assert shared["settings"]["share_prefixes"] is True and flat["settings"]["share_prefixes"] is False
+    total = 0
+    for k in range(2):
+        a = pq.read_table(tmp_path / "flat" / f"chunk-{k:05d}.parquet")
+        b = pq.read_table(tmp_path / "shared" / f"chunk-{k:05d}.parquet")
+        assert a.schema.equals(SCHEMA) and b.schema.equals(SHARED_SCHEMA)
+        assert b.select(list(SCHEMA.names)).equals(a)  # the same rows, two more columns
+        rows = b.to_pylist()
+        refs = [(r["parent"], r["prefix_len"]) for r in rows]
+        assert refs == find_parents([r["input_ids"] for r in rows], [r["sample_id"].split(":t")[0] for r in rows])
+        assert refs[0] == (-1, 0) and all(p >= 0 for p, _ in refs[1:])  # one system prompt, then turns
+        for r, (p, k_) in zip(rows, refs, strict=True):
+            if p >= 0:
+                assert k_ >= MIN_PREFIX and r["input_ids"][:k_] == rows[p]["input_ids"][:k_]
+        chunk = read_prompts(tmp_path / "shared" / f"chunk-{k:05d}.parquet")
+        assert list(zip(chunk.parents or [], chunk.prefix_lens or [], strict=True)) == refs
+        assert read_prompts(tmp_path / "flat" / f"chunk-{k:05d}.parquet").parents is None
+        assert shared["per_chunk"][k]["distinct_tokens"] == distinct_tokens([r["num_tokens"] for r in rows], refs)
+        total += shared["per_chunk"][k]["distinct_tokens"]
+    assert shared["distinct_tokens"] == total < 0.6 * shared["tokens"]
+
+
+def test_share_prefixes_is_refused_with_the_sglang_engine() -> None:
+    from hsextract.config import check_engine
+
+    check_engine(from_config({"engine": "sglang"}))
+    with pytest.raises(ConfigError, match=r"^share_prefixes: true works with engine: transformers only for now"):
+        check_engine(from_config({"engine": "sglang", "share_prefixes": True}))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from hsextract.tinymodel import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", CONVERSATIONS, num_hidden_layers=4,
+                           hidden_size=128)
+
+
+def test_extract_stores_and_computes_each_shared_prefix_once(tmp_path: Path, tiny: Path) -> None:
+    """A chunk of per-turn samples and a shared opening, extracted flat and shared: the shared shard is version 2,
+    stores and computes the distinct tokens only, and every sample reads back as the flat one (rows it takes from its
+    parent equal to the parent's, bit for bit; all rows within the bound of the flat run's independent forward)."""
+    from transformers import AutoTokenizer
+
+    from hsextract.engines.base import CaptureSpec
+    from hsextract.engines.transformers_engine import TransformersEngine
+
+    tok = AutoTokenizer.from_pretrained(tiny)
+    convs = [tok.apply_chat_template(json.loads(line)["messages"], return_dict=False)
+             for line in CONVERSATIONS.read_text(encoding="utf-8").splitlines()[:5]]
+    head = convs[0][:90]
+    ids = [head + convs[1][:40], head + convs[1][:40] + convs[2][:50], head + convs[3][:30], convs[4][:70]]
+    ids.append(ids[1] + convs[2][50:90])
+    refs = find_parents(ids, records=[0, 0, 1, 2, 0])
+    assert [p for p, _ in refs] == [-1, 0, 1, -1, 1]
+    masks = [[0] * (len(x) - 5) + [1] * 5 for x in ids]
+    sids = [f"s{k}" for k in range(len(ids))]
+    meta = shard_metadata(hidden_size=128, aux_layers=[1, 3], final_state="post_norm", vocab_size=tok.vocab_size)
+    spec = CaptureSpec((1, 3), "post_norm")
+    out = {}
+    with TransformersEngine(tiny, spec, token_budget=512) as eng:
+        for name, prompts in (("flat", ChunkPrompts(sids, ids, masks)),
+                              ("shared", ChunkPrompts(sids, ids, masks, [p for p, _ in refs], [k for _, k in refs]))):
+            out[name] = extract_chunk(prompts, tmp_path / f"{name}.hss", eng, meta, progress=False)
+    flat, shared = ShardReader(tmp_path / "flat.hss"), ShardReader(tmp_path / "shared.hss")
+    distinct = distinct_tokens([len(x) for x in ids], refs)
+    assert (flat.metadata["format_version"], shared.metadata["format_version"]) == (1, 2)
+    assert out["flat"]["computed_tokens"] == flat.stored_tokens == out["flat"]["tokens"] == sum(map(len, ids))
+    assert out["shared"]["computed_tokens"] == shared.stored_tokens == distinct < 0.6 * sum(map(len, ids))
+    assert out["shared"]["bytes"] < 0.7 * out["flat"]["bytes"]
+    assert (shared.parents, shared.prefix_lens) == ([p for p, _ in refs], [k for _, k in refs])
+    for i, (p, k) in enumerate(refs):
+        a, b = flat[i], shared[i]
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        for j, (ta, tb) in enumerate(zip(a["hidden_states"], b["hidden_states"], strict=True)):
+            assert ta.shape == tb.shape and tb.dtype == torch.bfloat16
+            assert ((ta.float() - tb.float()).norm() / ta.float().norm()).item() <= TOL
+            if p >= 0:  # the reused rows are the parent's stored rows
+                assert torch.equal(tb[:k], shared[p]["hidden_states"][j][:k])
+    shared.verify()
