@@ -13,7 +13,6 @@ from conftest import make_sample, shard_metadata
 
 from hsextract.dataset import open_dataset
 from hsextract.errors import ShardError
-from hsextract.export import export
 from hsextract.inspect_shard import format_info, shard_info
 from hsextract.layers import drafter_config, sglang_eagle3_ids
 from hsextract.shard import ShardReader, ShardWriter

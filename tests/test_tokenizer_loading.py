@@ -68,7 +68,8 @@ def test_parse_time_check_refuses_custom_code(tmp_path: Path, monkeypatch: pytes
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", capture="custom", aux_layers=[1, 2, 3],
-             aux_layers_convention="hidden_states", sources=[{"path": "c.jsonl", "format": "messages"}], trust_remote_code=False)
+             aux_layers_convention="hidden_states", sources=[{"path": "c.jsonl", "format": "messages"}],
+             trust_remote_code=False)
     with pytest.raises(ConfigError,
                        match=r"^trust_remote_code: the tokenizer of m is custom code \(m/tokenizer_config"):
         check(c)

@@ -154,7 +154,8 @@ def test_unknown_key_stops_before_any_job(tmp_path: Path) -> None:
 
 def test_aux_layer_beyond_depth_stops_before_any_job(tmp_path: Path) -> None:
     wd = make_workdir(tmp_path / "d")
-    (wd / "config/deep.yaml").write_text("capture: custom\naux_layers: [1, 5, 10]\naux_layers_convention: hidden_states\n")
+    (wd / "config/deep.yaml").write_text(
+        "capture: custom\naux_layers: [1, 5, 10]\naux_layers_convention: hidden_states\n")
     proc = smk(wd, check=False, configfiles=("config/test.yaml", "config/deep.yaml"))
     assert proc.returncode != 0
     assert (
