@@ -17,7 +17,7 @@ import torch
 
 from hsextract.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE, chat_template_hash
 from hsextract.errors import ConfigError
-from hsextract.tinymodel import SPECIAL_TOKENS, default_aux_layers, main, make_tiny_model
+from hsextract.tinymodel import SPECIAL_TOKENS, main, make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 SMALL = {"num_hidden_layers": 4, "hidden_size": 128}
@@ -151,18 +151,6 @@ def test_chat_template_hash() -> None:
     assert chat_template_hash(KIMI_STYLE_TEMPLATE) == hashlib.sha256(KIMI_STYLE_TEMPLATE.encode()).hexdigest()
     assert chat_template_hash(None) == "none"
     assert chat_template_hash(KIMI_STYLE_TEMPLATE + " ") != chat_template_hash(KIMI_STYLE_TEMPLATE)
-
-
-def test_default_aux_layers() -> None:
-    assert default_aux_layers(10) == [1, 5, 7]
-    assert default_aux_layers(8) == [1, 4, 5]
-    assert default_aux_layers(61) == [1, 30, 58]
-    with pytest.raises(ConfigError) as e:
-        default_aux_layers(4)
-    assert str(e.value) == (
-        "default_aux_layers: num_layers=4; needs at least 5 layers for three distinct aux layers "
-        "(early, middle, third-from-last). Set aux_layers explicitly for smaller models."
-    )
 
 
 def test_unknown_override_is_a_config_error(tmp_path: Path) -> None:

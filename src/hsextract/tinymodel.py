@@ -99,23 +99,6 @@ DEFAULT_INIT_STD = 0.02
 DEFAULT_ROUTER_STD = 0.2
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 aux layer ids for an n-layer model, the tiny counterpart of Kimi's [2, 30, 58] of 61.
-
-    Kimi-K2.5's ids are one early layer (2: just past the dense first layer), the middle
-    (30 = 61 // 2) and the third-from-last (58 = 61 - 3). Scaled down: early = 1 (the first
-    MoE layer of the tiny model, whose first_k_dense_replace is 1; id 2 of a 10-layer model
-    would already be a fifth of the depth), middle = n // 2, late = n - 3. For n = 10:
-    [1, 5, 7]. Needs at least 5 layers so the three ids are distinct and increasing.
-    """
-    if num_layers < 5:
-        raise ConfigError(
-            f"default_aux_layers: num_layers={num_layers}; needs at least 5 layers for three distinct "
-            "aux layers (early, middle, third-from-last). Set aux_layers explicitly for smaller models."
-        )
-    return [1, num_layers // 2, num_layers - 3]
-
-
 def _iter_texts(conversations_path: Path) -> Iterator[str]:
     with open(conversations_path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -283,9 +266,6 @@ def make_tiny_model(
             "init_std": init_std,
             "router_std": router_std,
             "conversations": str(conversations_path),
-            "default_aux_layers": default_aux_layers(config.num_hidden_layers)
-            if config.num_hidden_layers >= 5
-            else None,
         }
         (tmp / "hsextract_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         for f in tmp.iterdir():  # mkdtemp and safetensors write owner-only files
