@@ -51,7 +51,7 @@ if [ -n "${PROD_DRY:-}" ]; then
   copy_checkout "$(cd "$HERE/../.." && pwd)" /tmp/prod-dry-repo
   REPO=/tmp/prod-dry-repo; HERE=$REPO/bench/gpu; OUT=${OUT:-/tmp/prod-dry}; rm -rf "$OUT"; mkdir -p "$OUT"
   PY=${PY:-python3}
-  SGL_SMALL=""; DEVICE=cpu; FID_MAX="--max-samples 16"
+  SGL_SMALL=""; DEVICE=cpu; FID_MAX="--max-samples 4"
   pack_out() { :; }
   export PYTHONPATH=$REPO/src${PYTHONPATH:+:$PYTHONPATH}
   # the server's Python: a venv that sees $PY's packages and installs into itself (build_patched_server),
