@@ -176,6 +176,8 @@ CASES: dict[str, tuple[Callable[[Parts], bytes], str]] = {
     "meta_dtype_unknown": (meta_with(dtype="int8", stored_dtype="int8"), "metadata dtype 'int8'"),
     "meta_precision_unknown": (meta_with(precision="fp4"), "metadata precision 'fp4'"),
     "meta_final_state": (meta_with(final_state="middle"), "metadata final_state 'middle'"),
+    "meta_layer_convention": (meta_with(layer_convention="output"), "metadata layer_convention 'output'"),
+    "meta_layer_convention_null": (meta_with(layer_convention=None), "metadata layer_convention None"),
     "meta_hidden_str": (meta_with(hidden_size="16"), "metadata hidden_size '16'"),
     "meta_hidden_float": (meta_with(hidden_size=16.0), "metadata hidden_size 16.0"),
     "meta_hidden_bool": (meta_with(hidden_size=True), "metadata hidden_size True"),

@@ -18,6 +18,7 @@ from typing import Any
 
 import zstandard as zstd
 
+from hsextract.layers import CONVENTIONS, LAYER_OUTPUT
 from hsextract.shard import format as fmt
 
 # zstd decodes a block to at most 128 KiB and stores the smallest block (RLE) in 4 bytes: no frame of
@@ -91,6 +92,8 @@ def metadata(raw: bytes, version: int = fmt.FLAT_VERSION) -> dict[str, Any]:
     stored = "float8_e4m3fn" if meta["precision"] == "fp8_e4m3" else meta["dtype"]
     if meta["stored_dtype"] != stored:
         raise Malformed(f"metadata stored_dtype {meta['stored_dtype']!r}, precision and dtype make it {stored!r}")
+    if meta.get("layer_convention", LAYER_OUTPUT) not in CONVENTIONS:  # absent: written before it was recorded
+        raise Malformed(f"metadata layer_convention {meta['layer_convention']!r}: one of {list(CONVENTIONS)} or absent")
     if meta["final_state"] not in FINAL_STATES:
         raise Malformed(f"metadata final_state {meta['final_state']!r}: one of {list(FINAL_STATES)}")
     vocab = meta.get("vocab_size")
