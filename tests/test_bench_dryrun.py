@@ -127,8 +127,8 @@ def test_fidelity_sglang_path_plumbing_against_the_fake_server(
     r, out = scenario
     res = json.loads((out / "fidelity-f.json").read_text())
     assert "error" not in res and res.get("shard_error") is None, (res.get("error"), r.stderr[-2000:])
-    assert res["plugin_marker"]["final_state"] == "both" and res["plugin_marker"]["aux_layers"] == [1, 2, 3, 4, 5]
-    assert res["tensors"] == ["aux1", "aux2", "aux3", "aux4", "aux5", "final_pre_norm", "final_post_norm"]
+    assert res["plugin_marker"]["final_state"] == "both" and res["plugin_marker"]["aux_layers"] == [2, 3, 4, 5, 6]
+    assert res["tensors"] == ["aux2", "aux3", "aux4", "aux5", "aux6", "final_pre_norm", "final_post_norm"]
     assert res["checks"]["shard_roundtrip"] is True and res["specforge_final_norm_applied"] is True
     assert res["checks"]["right_layers_within_tol"] is False and r.returncode == 1  # fake states: checks fail
 

@@ -35,7 +35,7 @@ def test_rule_stops_before_installing_into_the_workflow_env(tmp_path: Path) -> N
 
     wd = kimi_workdir(tmp_path / "wd")
     target = "results/kimi-k25/server/patched.json"
-    proc = smk(wd, target, check=False, configfiles=("config/kimi.yaml", "config/test.yaml"))
+    proc = smk(wd, target, "--resources", "gpu=8", check=False, configfiles=("config/kimi.yaml", "config/test.yaml"))
     assert proc.returncode != 0
     log = (wd / "logs/kimi-k25/server/build_patched_server.log").read_text()
     assert MESSAGE in log

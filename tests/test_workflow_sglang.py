@@ -44,7 +44,7 @@ def test_kimi_dry_run_builds_the_server_once_and_extracts_every_chunk(tmp_path: 
     (wd / "config/local.yaml").write_text(
         "model: kimi-config\nsources:\n  - {path: data/conversations.jsonl, format: messages}\nprompts_per_chunk: 100\n"
     )
-    out = smk(wd, "-n", configfiles=("config/kimi.yaml", "config/local.yaml")).stdout
+    out = smk(wd, "-n", "--resources", "gpu=8", configfiles=("config/kimi.yaml", "config/local.yaml")).stdout
     n = math.ceil(sum(1 for _ in open(wd / "data/conversations.jsonl")) / 100)
     counts = job_counts(out)
     assert counts["build_patched_server"] == 1 and counts["extract"] == n == 3
@@ -61,7 +61,8 @@ def test_kimi_dry_run_builds_the_server_once_and_extracts_every_chunk(tmp_path: 
 
     # server_url without dump_dir stops at parse time and says what to set
     (wd / "config/nodump.yaml").write_text("sglang: {server_url: 'http://10.0.0.5:30000'}\n")
-    proc = smk(wd, "-n", check=False, configfiles=("config/kimi.yaml", "config/local.yaml", "config/nodump.yaml"))
+    proc = smk(wd, "-n", "--resources", "gpu=8", check=False,
+               configfiles=("config/kimi.yaml", "config/local.yaml", "config/nodump.yaml"))
     assert proc.returncode != 0
     assert "sglang.dump_dir is required with sglang.server_url/servers" in proc.stdout + proc.stderr
 
