@@ -2,7 +2,7 @@
 # One device call (~4 min): SGLang's own EAGLE-3 capture, set up with the drafter-config ids hsextract exports,
 # against the layers hsextract stores (eagle3_ids.py's docstring says what is checked), for the routing-fixed small
 # DeepseekV3 (SGLang's raw-ids rule) and the tiny Llama (+1 rule).
-#   run(command="bash bench/gpu/run_eagle3_ids.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
+#   bash bench/gpu/run_eagle3_ids.sh   (with .whl/one, .whl/extra beside the checkout)
 # Results: $OUT/eagle3-<name>.{json,md}, $OUT/eagle3.md, server logs, run.log (packed into $OUT/all.tgz on exit).
 set -euo pipefail
 source "$(dirname "$0")/setup.sh"

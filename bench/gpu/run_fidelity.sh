@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (< 9 min): the patched SGLang 0.5.16 server with this project's plugin against the transformers
 # engine on the same GPU, every final state checked directly (fidelity.py's docstring says what is checked).
-#   run(command="bash bench/gpu/run_fidelity.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
+#   bash bench/gpu/run_fidelity.sh   (with .whl/one, .whl/extra beside the checkout)
 # Results: $OUT/fidelity-<name>.{json,md}, $OUT/fidelity.md (all models), server logs, run.log (packed into
 # $OUT/all.tgz on exit, summaries beside it).
 # MODELS (name:aux, aux = comma-separated ids or a capture preset): by default the small DeepseekV3 with the

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 34, one device call (< 10 min, one GPU): the README's production command, literally, on a miniature
 # Kimi-K2.5 checkpoint, and the embedded default with engine: sglang.
-#   run(command="bash bench/gpu/run_production.sh", carry=[".whl/one", ".whl/extra", ".whl/smk"], timeout_s=600)
+#   bash bench/gpu/run_production.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #

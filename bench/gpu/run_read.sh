@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (~5 min, CPU and disk only): bench/read.py on the GPU host, a trainer-class machine
 # (16 cores, a real disk), where DataLoader workers and decode threads have cores of their own.
-#   run(command="bash bench/gpu/run_read.sh", carry=[".whl/extra", ".whl/read"], timeout_s=600)
+#   bash bench/gpu/run_read.sh   (with .whl/extra, .whl/read beside the checkout)
 # .whl/extra and .whl/read (pyarrow): bench/gpu/build-extra.sh; installed under /tmp only if the image lacks
 # them. Extra arguments go to bench/read.py (default: --gb 2.5 --workers 1 2 4 --decode-threads 4).
 set -euo pipefail

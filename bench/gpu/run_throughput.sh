@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (< 9 min): bench/sglang_throughput.py on the Llama-3-8B shape (dummy weights).
-#   run(command="bash bench/gpu/run_throughput.sh", carry=[".whl/one", ".whl/extra"], timeout_s=600)
+#   bash bench/gpu/run_throughput.sh   (with .whl/one, .whl/extra beside the checkout)
 # The python part has a 430 s budget (BUDGET_S; parts that do not fit are skipped and recorded) and a hard
 # timeout 40 s later; throughput.json is rewritten after every part. DD_GB: size of the disk probe (2). Extra arguments go to the script, e.g.
 #   bash bench/gpu/run_throughput.sh --parts b,a --lens 512

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 9, one device call (< 9 min) on nvidia-h200-x2: capture under TP=2 (and DP attention) equals TP=1.
-#   run(command="bash bench/gpu/run_tp.sh", kind="nvidia-h200-x2", carry=[".whl/one", ".whl/extra"], timeout_s=600)
+#   bash bench/gpu/run_tp.sh   (with .whl/one, .whl/extra beside the checkout; on a 2-GPU host)
 # Smoke test of the TP=1 half on the single-GPU kind (both TP=1 servers on GPU 0, no TP=2):
-#   run(command="TP_ONLY1=1 bash bench/gpu/run_tp.sh", kind="nvidia-h200", carry=[".whl/one", ".whl/extra"], timeout_s=600)
+#   TP_ONLY1=1 bash bench/gpu/run_tp.sh   (with .whl/one, .whl/extra beside the checkout; on one GPU)
 # Models (mk_models.py): small DeepseekV3 (MLA + MoE, 8 layers, aux 2,4,6 -> capture 3,5,7, all MoE layers
 # behind TP all-reduces) and tiny Llama (aux 1,3,5). Phases, each run under its own `timeout`, skipped when
 # the budget (BUDGET_S after set-up, default 450 s) cannot hold it:
