@@ -16,29 +16,18 @@ by 20x or more, and a suffix run without the parent's keys and values fails it t
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
 import torch
+
+# the 4-layer, hidden-128 tiny model, its bound and the relative error of tests/test_transformers_engine.py
+from test_transformers_engine import CONVERSATIONS, NUM_LAYERS, TOL, WRONG_LAYER_MARGIN, rel
 
 from hsextract.engines.base import BOTH, CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
 from hsextract.errors import EngineError
 from hsextract.tinymodel import make_tiny_model
-
-CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
-NUM_LAYERS = 4
-TOL = 1e-2
-WRONG_LAYER_MARGIN = 20
-
-
-def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 @pytest.fixture(scope="module")
