@@ -129,9 +129,32 @@ def _isolated_python(tmp_path: Path) -> str:
     return str(w)
 
 
-def test_plugin_source_hash_covers_every_module_of_the_package(tmp_path):
-    copy = tmp_path / "sglang_plugin"
-    shutil.copytree(sconf.plugin_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
-    assert sconf.plugin_source_hash(copy) == sconf.plugin_source_hash()
-    (copy / "dumpfiles.py").write_text((copy / "dumpfiles.py").read_text() + "\n")
-    assert sconf.plugin_source_hash(copy) != sconf.plugin_source_hash()
+def test_plugin_source_hash_covers_every_module_the_server_imports(tmp_path):
+    src = sconf.plugin_dir().parent
+    copy = tmp_path / "hsextract"
+    shutil.copytree(sconf.plugin_dir(), copy / "sglang_plugin", ignore=shutil.ignore_patterns("__pycache__"))
+    for m in ("__init__.py", *sconf.SERVER_MODULES):
+        shutil.copy(src / m, copy / m)
+    plugin = copy / "sglang_plugin"
+    assert sconf.plugin_source_hash(plugin) == sconf.plugin_source_hash()
+    for changed in (plugin / "dumpfiles.py", copy / "atomic.py", copy / "__init__.py"):
+        original = changed.read_bytes()
+        changed.write_bytes(original + b"\n")
+        assert sconf.plugin_source_hash(plugin) != sconf.plugin_source_hash(), changed
+        changed.write_bytes(original)
+    assert sconf.plugin_source_hash(plugin) == sconf.plugin_source_hash()
+
+
+def test_server_modules_are_what_importing_the_plugin_imports():
+    """A fresh interpreter that imports the plugin's entry module (as the SGLang server does) loads exactly
+    the plugin package, hsextract's __init__ and SERVER_MODULES from hsextract; none of them imports
+    the settings, schema or tokenizer stack."""
+    import subprocess
+
+    code = ("import sys, hsextract.sglang_plugin.plugin; "
+            "print(' '.join(sorted(getattr(m, '__file__', '') or '' for n, m in sys.modules.items() "
+            "if n.split('.')[0] == 'hsextract')))")
+    env = {**os.environ, "PYTHONPATH": str(sconf.plugin_dir().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    loaded = sorted(Path(f) for f in proc.stdout.split())
+    assert loaded == sorted(sconf.server_source_files())

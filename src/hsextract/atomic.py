@@ -1,16 +1,138 @@
-"""Atomic file writes for the whole package; the implementation and its guarantee are in
-`hsextract.sglang_plugin.atomic` (there because the SGLang server process imports only the plugin tree)."""
+"""Atomic file writes: the one implementation hsextract uses for every file it replaces whole.
 
-from hsextract.sglang_plugin.atomic import (
-    atomic_file,
-    commit,
-    create_temp,
-    fsync_dir,
-    remove_temps,
-    write_atomic,
-    write_bytes_atomic,
-    write_json_atomic,
-)
+Guarantee: a reader of `path` sees the previous file or the complete new one, never a part, and no other
+file is touched. How: a temporary file in the same directory, named `.<name>.<16 hex>.tmp` and created
+with O_CREAT|O_EXCL|O_NOFOLLOW (a planted file or symlink under that name is an error, never followed or
+overwritten); the data written and fsync'ed; renamed onto `path`; the directory fsync'ed, so after a crash
+the name points to the whole new file or to the old one. On failure the temporary file is removed.
 
-__all__ = ["atomic_file", "commit", "create_temp", "fsync_dir", "remove_temps", "write_atomic", "write_bytes_atomic",
-           "write_json_atomic"]
+`durable=False` skips the two fsyncs and keeps the rest: for the SGLang plugin's dump files, which live
+for seconds, are read by the client on the same host, and whose loss a crash makes moot (the request is
+retried), while an fsync per piece would stall the server's writer threads.
+
+Standard library only: the SGLang server process imports it (through the plugin's writer and dump files),
+beside the plugin package and the other leaves listed in `hsextract.sglang.config.SERVER_MODULES`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+Buffer = bytes | bytearray | memoryview
+TEMP_SUFFIX = ".tmp"
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def temp_name(path: Path) -> Path:
+    """`.<name>.<16 hex>.tmp` beside `path`: hidden, unpredictable, recognisable as ours for clean-up."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+
+
+def create_temp(path: str | os.PathLike[str], mode: int = 0o666) -> tuple[int, Path]:
+    """A new, empty temporary file beside `path` (O_EXCL|O_NOFOLLOW): (fd, its path). `mode` is
+    masked by the umask, as for open()."""
+    path = Path(path)
+    for _ in range(8):
+        tmp = temp_name(path)
+        try:
+            return os.open(tmp, _FLAGS, mode), tmp
+        except FileExistsError:  # 64 random bits taken: someone planted it, or a 2^-64 chance
+            continue
+    raise FileExistsError(f"{path.parent}: eight fresh temporary names for {path.name} all existed")
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(fd: int, tmp: Path, path: str | os.PathLike[str], durable: bool = True) -> None:
+    """Finish a file made by create_temp: fsync it (durable), close it, rename it onto `path`, fsync the
+    directory (durable). Removes `tmp` if any step fails."""
+    try:
+        try:
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_dir(Path(path).parent)
+
+
+def _writev_all(fd: int, chunks: Sequence[Buffer]) -> None:
+    views = [v for v in (memoryview(c).cast("B") for c in chunks) if len(v)]
+    while views:
+        n = os.writev(fd, views[:1024])  # IOV_MAX is 1024 on Linux
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+def write_bytes_atomic(path: str | os.PathLike[str], data: Buffer | Sequence[Buffer], *, durable: bool = True,
+                       mode: int = 0o666) -> None:
+    """Write `data` (one buffer, or several written back to back with writev) to `path` atomically."""
+    chunks = [data] if isinstance(data, (bytes, bytearray, memoryview)) else list(data)
+    fd, tmp = create_temp(path, mode)
+    try:
+        _writev_all(fd, chunks)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    commit(fd, tmp, path, durable)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[IO[bytes]]:
+    """`with atomic_file(p) as f: f.write(...)`: the file appears at `p` whole when the block ends, and
+    not at all if it raises."""
+    fd, tmp = create_temp(path)
+    f = os.fdopen(fd, "wb", closefd=False)
+    try:
+        yield f
+        f.flush()
+    except BaseException:
+        f.close()
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    f.close()
+    commit(fd, tmp, path, durable)
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any], *, durable: bool = True) -> None:
+    """Call write(f) on a binary file that becomes `path` atomically (parent folders are created)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, durable=durable) as f:
+        write(f)
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1,
+                      durable: bool = True) -> None:
+    """JSON of `obj` (and a newline) written atomically; parent folders are created."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(path, (json.dumps(obj, indent=indent) + "\n").encode(), durable=durable)
+
+
+def remove_temps(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files that killed writers of `path` left behind (never `path` itself)."""
+    path = Path(path)
+    stale = list(path.parent.glob(f".{path.name}.*{TEMP_SUFFIX}"))  # unlink removes a symlink, not its target
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale

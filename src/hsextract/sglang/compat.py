@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from hsextract.sglang_plugin.atomic import write_bytes_atomic
+from hsextract.atomic import write_bytes_atomic
 from hsextract.sglang_plugin.plugin import (
     TARGET_FORWARD,
     TARGET_INIT_BACKENDS,

@@ -9,9 +9,10 @@ Three ways to reach a server, chosen by the `sglang:` section:
 External servers write dump files to `dump_dir`, which must be visible on this machine.
 
 `build_patched` is the body of rule build_patched_server: install hsextract into the server's Python (the
-server process imports only its `sglang_plugin` package, found through the `sglang.srt.plugins` entry
-point), check that the installed plugin is this checkout's and that Python's SGLang has everything the
-plugin uses, and describe the result in patched.json (`plugin_dir`: where the server imports it from).
+server process imports its `sglang_plugin` package, found through the `sglang.srt.plugins` entry point,
+and the few standard-library-only modules of `SERVER_MODULES` that the plugin imports), check that what
+the server will import is this checkout's and that Python's SGLang has everything the plugin uses, and
+describe the result in patched.json (`plugin_dir`: where the server imports the plugin from).
 """
 
 from __future__ import annotations
@@ -24,12 +25,15 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import __version__
+from hsextract.atomic import write_bytes_atomic
 from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
 from hsextract.settings import ExtractSettings
-from hsextract.sglang_plugin.atomic import write_bytes_atomic
 
 PLUGIN_PACKAGE = "hsextract.sglang_plugin"  # the package the server process imports (entry point `hsextract`)
+# the modules of hsextract outside the plugin package that the server process imports (beside the package's
+# own __init__): tests/test_sglang_api.py checks this list against a fresh interpreter's sys.modules
+SERVER_MODULES = ("atomic.py", "capture.py", "errors.py", "layers.py")
 
 
 def external_urls(settings: ExtractSettings) -> list[str]:
@@ -169,11 +173,18 @@ def installed_plugin_dir(python: str) -> Path:
     return Path(where).resolve()
 
 
-def plugin_source_hash(package_dir: str | Path | None = None) -> str:
-    """sha256 over the plugin package's source files (relative path + bytes, sorted): what the server runs."""
+def server_source_files(package_dir: str | Path | None = None) -> list[Path]:
+    """Every source file the server process imports from hsextract: the plugin package `package_dir`
+    (default this checkout's), the hsextract package's `__init__.py` and `SERVER_MODULES` beside it."""
     base = Path(package_dir) if package_dir else plugin_dir()
+    return [base.parent / m for m in ("__init__.py", *SERVER_MODULES)] + sorted(base.rglob("*.py"))
+
+
+def plugin_source_hash(package_dir: str | Path | None = None) -> str:
+    """sha256 over server_source_files (path relative to the hsextract package + bytes): what the server runs."""
+    base = (Path(package_dir) if package_dir else plugin_dir()).parent
     h = hashlib.sha256()
-    for f in sorted(base.rglob("*.py")):
+    for f in server_source_files(package_dir):
         h.update(f.relative_to(base).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -205,8 +216,9 @@ def build_patched(
                               f"{proc.stderr.strip()[-800:]}")
     installed = installed_plugin_dir(py)
     if plugin_source_hash(installed) != plugin_source_hash():
-        raise EngineError(f"{py} imports the hsextract plugin from {installed}, which differs from this "
-                          f"checkout's {plugin_dir()}: reinstall (rule build_patched_server with install on)")
+        raise EngineError(f"{py} imports the hsextract plugin from {installed}, which (or a module of hsextract it "
+                          f"imports) differs from this checkout's {plugin_dir()}: reinstall (rule "
+                          "build_patched_server with install on)")
     report = check_installed(py).summary()
     print(json.dumps(report, indent=1), flush=True)
     cfg = server_config_from(settings, root, python=py)

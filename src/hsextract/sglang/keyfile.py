@@ -22,8 +22,8 @@ import secrets
 import stat
 from pathlib import Path
 
+from hsextract.atomic import write_bytes_atomic
 from hsextract.errors import EngineError
-from hsextract.sglang_plugin.atomic import write_bytes_atomic
 
 KEY_DIR = "private"
 FILE_KEY = "api-key"  # the key's name in SGLang's --config file (its flag without the dashes)

@@ -42,6 +42,7 @@ from pathlib import Path
 import filelock
 import psutil
 
+from hsextract.atomic import write_bytes_atomic
 from hsextract.config_guard import is_loopback
 from hsextract.errors import ConfigError, EngineError
 from hsextract.redaction import redact_command, redact_text
@@ -49,7 +50,6 @@ from hsextract.sglang import keyfile
 from hsextract.sglang.api import health
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin import settings as ps
-from hsextract.sglang_plugin.atomic import write_bytes_atomic
 from hsextract.sglang_plugin.dumpcheck import DumpDirError, private_dir, verify_dir
 
 DUMP_DIR_PREFIX = "hsx-"

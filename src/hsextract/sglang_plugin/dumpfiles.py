@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hsextract.atomic import write_bytes_atomic
 from hsextract.errors import EngineError
 from hsextract.sglang_plugin import dumpcheck
-from hsextract.sglang_plugin.atomic import write_bytes_atomic
 from hsextract.sglang_plugin.dumpcheck import FORMAT, MAGIC
 
 PIECE_SUFFIX = ".piece"

@@ -71,9 +71,9 @@ from typing import Any
 
 import torch
 
+from hsextract.atomic import write_json_atomic
 from hsextract.layers import HIDDEN_STATES, sglang_eagle3_ids
 from hsextract.sglang_plugin import dumpfiles
-from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the plugin's public names
     DEFAULT_RID_PREFIX,
     DEFAULT_WRITER_THREADS,

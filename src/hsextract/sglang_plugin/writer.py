@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
+from hsextract.atomic import write_json_atomic
 from hsextract.sglang_plugin import dumpfiles
-from hsextract.sglang_plugin.atomic import write_json_atomic
 from hsextract.sglang_plugin.slicing import PieceSlice
 from hsextract.sglang_plugin.staging import ALIGN, Region, StagingRing
 
