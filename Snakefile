@@ -69,7 +69,7 @@ if SETTINGS.regenerate.enabled:
     include: "workflow/rules/regenerate.smk"
 
 
-if SETTINGS.engine == "sglang":
+if SETTINGS.extract.engine == "sglang":
 
     include: "workflow/rules/server.smk"
 

@@ -148,7 +148,7 @@ def test_a_layer_output_list_is_stored_as_hidden_states(cfg: dict, tmp_path: Pat
     write_reference(tmp_path / "ref.pt")
     cfg.update(capture="custom", aux_layers=[1, 5, 7], aux_layers_convention="layer_output")
     plan = check(cfg)
-    assert plan.aux_layers == [2, 6, 8] and plan.settings.aux_layers == (2, 6, 8)
+    assert plan.aux_layers == [2, 6, 8] and plan.settings.extract.aux_layers == (2, 6, 8)
     cfg.update(aux_layers=[1, 5, 12], aux_layers_convention="hidden_states")  # 12 layers: 0..11
     with pytest.raises(ConfigError) as e:
         check(cfg)
@@ -163,6 +163,6 @@ def test_settings_resolve_a_preset_from_the_models_depth(cfg: dict, tmp_path: Pa
 
     cfg.update(capture="dflash", aux_layers=None)
     s = from_config(cfg)
-    assert s.capture == "dflash" and s.aux_layers == s.extract.aux_layers == (2, 4, 6, 8, 10)
+    assert s.capture == "dflash" and s.extract.aux_layers == (2, 4, 6, 8, 10)
     custom = {**cfg, "capture": "custom", "aux_layers": [4, 2], "aux_layers_convention": "hidden_states"}
-    assert from_config(custom).aux_layers == (4, 2)
+    assert from_config(custom).extract.aux_layers == (4, 2)

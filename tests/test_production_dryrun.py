@@ -198,7 +198,7 @@ def test_a_misspelt_key_is_one_line_with_the_closest_key(scenario: Proc) -> None
 def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
-    from hsextract.config import read_model_shape
+    from hsextract.model_info import read_model_shape
 
     fixture = ROOT / "tests/fixtures/kimi-k25-config"
     local = read_model_shape(str(fixture))

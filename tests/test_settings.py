@@ -15,13 +15,9 @@ from hsextract.errors import ConfigError
 from hsextract.provenance import config_hash
 
 ROOT = Path(__file__).resolve().parents[1]
-# tree leaves that are no schema key of their own: copies of run-wide keys a stage needs, and derived values
-DERIVED = {
-    "config", "config_hash", "extract.config_hash", "validate.same_model", "validate.reference_sample",
-    "prepare.trust_remote_code",
-    *(f"extract.{k}" for k in ("run_name", "model", "tokenizer", "engine", "aux_layers", "final_state",
-                                "trust_remote_code")),
-}
+# tree leaves that are no schema key of their own: derived values, and the one copy of a key in a second
+# section (prepare loads the tokenizer too)
+DERIVED = {"config", "extract.config_hash", "validate.same_model", "prepare.trust_remote_code"}
 
 
 def schema_leaves(props: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -74,7 +70,7 @@ def test_every_schema_key_has_one_field_and_every_field_a_key() -> None:
 def test_defaults_are_the_schemas() -> None:
     # the eagle3 preset (the default) needs the model's depth: the tiny model's, known before it is built;
     # without a readable model it stays unresolved
-    assert st.from_config({}).aux_layers is None
+    assert st.from_config({}).extract.aux_layers is None
     s = st.from_config({"make_tiny_model": True})
     leaves = schema_leaves(st.schema()["properties"])
     item = {k: v["default"] for k, v in leaves["sources"]["items"]["properties"].items() if "default" in v}

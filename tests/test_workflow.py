@@ -600,7 +600,7 @@ def test_dataset_json_records_the_effective_values(full_run: Path, monkeypatch: 
     for key, rules in reruns.KEYS.items():
         if rules and key in SCHEMA_TO_TREE:  # a key the tree lacks is recorded as the Snakefile resolved it
             assert reruns.plain(dotted_get(recorded, key)) == reruns.value(settings, key), key
-    assert recorded["aux_layers"] == manifest["aux_layers"] == list(settings.aux_layers)
+    assert recorded["aux_layers"] == manifest["aux_layers"] == list(settings.extract.aux_layers)
     prepared = manifest["provenance"]["prepare"]["settings"]
     assert prepared == {k: v for k, v in reruns.plain(settings.prepare).items() if k != "chat_template"}
     assert prepared["chat_template_kwargs"] == {} and prepared["trust_remote_code"] is True

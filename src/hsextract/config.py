@@ -18,7 +18,7 @@ from hsextract.capture import resolve_aux_layers
 from hsextract.config_guard import check_bounded, check_remote, check_source_path
 from hsextract.errors import ConfigError
 from hsextract.layers import HIDDEN_STATES
-from hsextract.model_info import ModelShape, read_model_shape, tiny_model_shape
+from hsextract.model_info import ModelShape, model_shape
 from hsextract.reference import ReferenceLayout, read_layout
 from hsextract.settings import Settings, from_config
 
@@ -38,11 +38,11 @@ class Plan:
 def check_tiny_model_path(s: Settings) -> None:
     if not s.make_tiny_model:
         return
-    model = Path(s.model)
+    model = Path(s.extract.model)
     if model.is_absolute() or not model.parts or model.parts[0] != "resources" or ".." in model.parts:
         raise ConfigError(
             f"make_tiny_model: true builds a random-weight model at `model`, so model must be a "
-            f"relative path under resources/ (got {s.model!r}); for a real model set "
+            f"relative path under resources/ (got {s.extract.model!r}); for a real model set "
             f"make_tiny_model: false"
         )
     if tiny_model_corpus(s) is None:
@@ -58,7 +58,7 @@ def tiny_model_corpus(s: Settings) -> str | None:
 
 
 def check_engine(s: Settings) -> None:
-    if s.engine == "sglang":
+    if s.extract.engine == "sglang":
         try:
             import hsextract.sglang.client  # noqa: F401 - importable is what is checked
         except ImportError as e:
@@ -93,11 +93,11 @@ def check_layers(s: Settings, shape: ModelShape) -> list[int]:
 
 
 def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> None:
-    aux = list(s.aux_layers or ())
+    aux = list(s.extract.aux_layers or ())
     want = len(aux) + 1
     if ref.num_tensors != want:
         raise ConfigError(
-            f"reference_sample: {s.reference_sample} holds {ref.num_tensors} hidden-state "
+            f"reference_sample: {s.validate.reference_sample} holds {ref.num_tensors} hidden-state "
             f"tensors, but aux_layers {aux} (capture: {s.capture}) has {len(aux)} layers, "
             f"so shards hold {want} (aux layers + final state); use a reference sample with {want} tensors "
             f"or change aux_layers"
@@ -107,8 +107,8 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
     # from a dataset of the same model.
     if s.validate.same_model and ref.hidden_size != shape.hidden_size:
         raise ConfigError(
-            f"reference_sample: {s.reference_sample} has hidden size {ref.hidden_size}, but "
-            f"model {s.model} has hidden size {shape.hidden_size}; point reference_sample at "
+            f"reference_sample: {s.validate.reference_sample} has hidden size {ref.hidden_size}, but "
+            f"model {s.extract.model} has hidden size {shape.hidden_size}; point reference_sample at "
             f"a sample of a dataset of this model"
         )
 
@@ -117,24 +117,16 @@ def check_tokenizer(s: Settings) -> None:
     """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
     from hsextract.tokenizer_loading import KEY, check_tokenizer_source
 
-    source = s.tokenizer_dir
-    built_here = s.make_tiny_model and not s.tokenizer
-    if built_here and s.tiny_model_tokenizer == "kimi" and not s.trust_remote_code:
+    source = s.extract.tokenizer_dir
+    built_here = s.make_tiny_model and not s.extract.tokenizer
+    if built_here and s.tiny_model_tokenizer == "kimi" and not s.extract.trust_remote_code:
         raise ConfigError(
             f"{KEY}: make_tiny_model builds {source} with tiny_model_tokenizer: kimi, a tokenizer that is custom "
             f"code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as Kimi-K2.5's is), "
             f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
             f"tiny_model_tokenizer: fast")
     if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
-        check_tokenizer_source(source, s.trust_remote_code)
-
-
-def model_shape(config: Mapping[str, Any]) -> ModelShape:
-    """The run's model shape: the tiny model's before the workflow has built it, else its config.json."""
-    model = str(config["model"])
-    if config.get("make_tiny_model") and not Path(model, "config.json").is_file():
-        return tiny_model_shape()
-    return read_model_shape(model)
+        check_tokenizer_source(source, s.extract.trust_remote_code)
 
 
 def count_records(s: Settings) -> int:
@@ -168,7 +160,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     aux_layers = check_layers(s, shape)
     s = from_config({**s.config, "aux_layers": aux_layers, "aux_layers_convention": HIDDEN_STATES})
     check_tokenizer(s)
-    ref = read_layout(s.reference_sample)
+    ref = read_layout(s.validate.reference_sample)
     check_reference(s, shape, ref)
     n_records = count_records(s)
     return Plan(settings=s, n_records=n_records, n_chunks=chunks.count(n_records, s.prepare.prompts_per_chunk),

@@ -57,11 +57,11 @@ def build_manifest(
     totals = {"samples": 0, "tokens": 0, "trained_tokens": 0, "bytes_raw": 0, "bytes_stored": 0}
     for shard, report_path, stats_path in zip(shards, validation, chunk_stats, strict=True):
         meta = ShardReader(shard).metadata
-        if layers.shard_hidden_states(meta) != list(settings.aux_layers):
+        if layers.shard_hidden_states(meta) != list(settings.extract.aux_layers):
             raise ValidationFailure(
                 f"{shard}: holds {layers.describe(layers.shard_hidden_states(meta))}, but this run stores "
-                f"{layers.describe(settings.aux_layers)}; a shard of another run or hsextract release. Delete it "
-                f"and rerun its chunk.")
+                f"{layers.describe(settings.extract.aux_layers)}; a shard of another run or hsextract release. "
+                f"Delete it and rerun its chunk.")
         if first_meta is None:
             first_meta = meta
         for key in SHARED_KEYS:
@@ -97,16 +97,16 @@ def build_manifest(
     return {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
-        "run_name": s.run_name,
+        "run_name": s.extract.run_name,
         "layout": "speculators-v1",  # what a sample reads back as
-        "model": s.model,
-        "engine": s.engine,
+        "model": s.extract.model,
+        "engine": s.extract.engine,
         "engine_version": meta.get("engine_version"),
-        "aux_layers": list(s.aux_layers),
+        "aux_layers": list(s.extract.aux_layers),
         "layer_convention": layers.STORED,
         # what to write in a drafter's (or trainer's) config so that each engine feeds exactly these layers
-        "layers": layers.drafter_config(s.aux_layers, meta.get("num_hidden_layers"), meta.get("architecture")),
-        "final_state": s.final_state,
+        "layers": layers.drafter_config(s.extract.aux_layers, meta.get("num_hidden_layers"), meta.get("architecture")),
+        "final_state": s.extract.final_state,
         "hidden_size": meta.get("hidden_size"),
         "dtype": meta.get("dtype"),
         "precision": meta.get("precision"),
@@ -125,8 +125,8 @@ def build_manifest(
             "versions": provenance.versions(),
             "lock": dict(lock) if lock else None,
             "config_hash": s.config_hash,
-            "model_hash": meta.get("model_hash") or provenance.model_hash(s.model),
-            "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.tokenizer_dir),
+            "model_hash": meta.get("model_hash") or provenance.model_hash(s.extract.model),
+            "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.extract.tokenizer_dir),
             "chat_template_hash": meta.get("chat_template_hash"),
             "prepare": {k: v for k, v in prep.items() if k != "dropped"},
             "config": redact_config(s.config),  # dataset.json is shared with the data: no secret in it

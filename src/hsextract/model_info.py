@@ -1,13 +1,14 @@
 """What hsextract reads from a model's config.json: depth, hidden size and vocabulary size.
 
-One lookup of the language model's settings (`text_config`) for every caller: the config checks,
-the extract job's shard metadata and the capacity planner. Failures are ModelInfoError (a
-ConfigError: the `model` key points at something that cannot be read).
+One lookup of the language model's settings (`text_config`) for every caller: the settings tree (a
+preset's layers need the depth), the config checks, the extract job's shard metadata and the capacity
+planner. Failures are ModelInfoError (a ConfigError: the `model` key points at something that cannot be read).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,14 @@ def local_hidden_size(model: str) -> int | None:
     return hidden
 
 
+def model_shape(config: Mapping[str, Any]) -> ModelShape:
+    """The run's model shape: the tiny model's before the workflow has built it, else its config.json."""
+    model = str(config["model"])
+    if config.get("make_tiny_model") and not Path(model, "config.json").is_file():
+        return tiny_model_shape()
+    return read_model_shape(model)
+
+
 def tiny_model_shape() -> ModelShape:
     """Shape of the workflow's tiny model, known before rule make_tiny_model builds it."""
     from hsextract import tinymodel
@@ -119,5 +128,5 @@ def tiny_model_shape() -> ModelShape:
                       architecture="DeepseekV3ForCausalLM")
 
 
-__all__ = ["ModelInfoError", "ModelShape", "NESTED_KEYS", "local_hidden_size", "read_model_shape", "text_config",
-           "tiny_model_shape"]
+__all__ = ["ModelInfoError", "ModelShape", "NESTED_KEYS", "local_hidden_size", "model_shape", "read_model_shape",
+           "text_config", "tiny_model_shape"]

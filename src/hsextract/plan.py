@@ -52,7 +52,7 @@ def _tokens_per_record(summary_path: str) -> float:
 
 
 def _default_gpus_per_node(s: Settings) -> int | None:
-    if s.engine == "sglang":
+    if s.extract.engine == "sglang":
         return s.extract.sglang.tp * s.extract.sglang.replicas
     return None if s.extract.transformers.device == "cpu" else 1
 
@@ -90,7 +90,7 @@ def plan(
         per_record, token_source = _tokens_per_record(str(prepare_summary)), f"measured: {prepare_summary}"
     if chunks_per_job <= 0:
         raise ConfigError(f"--chunks-per-job: {chunks_per_job} is not allowed; it must be >= 1")
-    model = settings.model
+    model = settings.extract.model
     if hidden_size is None:
         try:
             hidden_size = local_hidden_size(model)
@@ -110,7 +110,7 @@ def plan(
     if gpus_per_node is not None and gpus_per_node <= 0:
         raise ConfigError(f"--gpus-per-node: {gpus_per_node} is not allowed; it must be >= 1")
 
-    n_tensors = len(settings.aux_layers) + 1
+    n_tensors = len(settings.extract.aux_layers) + 1
     precision = settings.extract.shard.precision
     tokens = round(samples * per_record)
     raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * BF16_BYTES
@@ -127,7 +127,7 @@ def plan(
     jobs = math.ceil(chunks / cpj)
 
     # extract jobs a node runs at once: one per local SGLang replica (each its own client and shard writer)
-    jobs_per_node = settings.extract.sglang.replicas if settings.engine == "sglang" else 1
+    jobs_per_node = settings.extract.sglang.replicas if settings.extract.engine == "sglang" else 1
     ceiling = WRITER_CEILING_RAW_BPS * jobs_per_node if precision == "bf16" else None
     bound = effective = disk_bps = None
     node_hours = gpu_hours = wall_hours = None

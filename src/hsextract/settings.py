@@ -29,8 +29,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from hsextract.capture import explicit_layers, resolve_aux_layers
 from hsextract.config_guard import check_bounded
 from hsextract.errors import ConfigError
+from hsextract.model_info import model_shape
+from hsextract.provenance import config_hash
 from hsextract.redaction import redact_config, redact_text, secret_values
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
@@ -121,11 +124,13 @@ class ExtractSettings:
     run_name: str
     model: str
     tokenizer: str | None
-    trust_remote_code: bool  # the sglang server runs the checkpoint's code (--trust-remote-code)
-    engine: str
-    aux_layers: tuple[int, ...] | None  # None: a `capture` preset not yet resolved (config.check resolves it)
-    final_state: str
+    # the tokenizer's and the sglang server's (--trust-remote-code): the checkpoint's own code may run
     trust_remote_code: bool
+    engine: str
+    # resolved hidden_states ids: a preset's layers for this model, or the explicit list; None: a preset that
+    # cannot resolve (no readable model, too few layers: config.check refuses such a config)
+    aux_layers: tuple[int, ...] | None
+    final_state: str
     config_hash: str
     # the `extract:` job keys
     threads: int
@@ -180,50 +185,36 @@ class RegenerateSettings:
 
 @dataclass(frozen=True)
 class Settings:
-    run_name: str
-    model: str
+    """The sections, and the few keys that belong to none of them. A run-wide key lives in the section of
+    the stage that records it (run_name, model, tokenizer, engine, aux_layers, final_state: extract;
+    reference_sample: validate), never twice; SCHEMA_TO_TREE says where each key is."""
+
     make_tiny_model: bool
     tiny_model_tokenizer: str
-    tokenizer: str | None
-    trust_remote_code: bool
-    engine: str
     capture: str
-    # resolved hidden_states ids: a preset's layers for this model, or the explicit list; None: a preset that
-    # cannot resolve (no readable model, too few layers: config.check refuses such a config)
-    aux_layers: tuple[int, ...] | None
-    aux_layers_convention: str  # of the resolved ids: always hidden_states (hsextract.layers)
-    final_state: str
-    reference_sample: str
+    aux_layers_convention: str  # of the resolved ids (extract.aux_layers): always hidden_states (hsextract.layers)
     export_formats: tuple[str, ...]
     prepare: PrepareSettings
     extract: ExtractSettings
     validate: ValidateSettings
     stats: StatsSettings
     regenerate: RegenerateSettings
-    config_hash: str
     config: Mapping[str, Any]  # the filled config (read-only view)
 
     @property
-    def tokenizer_dir(self) -> str:
-        return self.tokenizer or self.model
+    def config_hash(self) -> str:
+        """The hash every shard and dataset.json record (of the filled config, secrets redacted)."""
+        return self.extract.config_hash
 
 
 # Where each schema key lives in the tree (dotted schema key -> dotted attribute path); every
 # leaf key of the schema is listed, and tests/test_settings.py checks both directions.
 SCHEMA_TO_TREE: dict[str, str] = {
-    "run_name": "run_name",
-    "model": "model",
-    "make_tiny_model": "make_tiny_model",
-    "tiny_model_tokenizer": "tiny_model_tokenizer",
-    "tokenizer": "tokenizer",
-    "trust_remote_code": "trust_remote_code",
-    "engine": "engine",
-    "capture": "capture",
-    "aux_layers": "aux_layers",
-    "aux_layers_convention": "aux_layers_convention",
-    "final_state": "final_state",
-    "reference_sample": "reference_sample",
-    "export_formats": "export_formats",
+    **{key: f"extract.{key}" for key in (
+        "run_name", "model", "tokenizer", "trust_remote_code", "engine", "aux_layers", "final_state")},
+    **{key: key for key in ("make_tiny_model", "tiny_model_tokenizer", "capture", "aux_layers_convention",
+                            "export_formats")},
+    "reference_sample": "validate.reference_sample",
     **{key: f"prepare.{key}" for key in (
         "sources", "seed", "prompts_per_chunk", "max_seq_len", "truncate", "min_trained_tokens", "train_on_eot",
         "train_on_reasoning", "split_turns", "share_prefixes", "dedup", "strict", "chat_template",
@@ -313,16 +304,11 @@ def _section(cls: type, values: Mapping[str, Any], **override: Any) -> Any:
 
 def from_config(config: Mapping[str, Any]) -> Settings:
     """The settings tree of a workflow config (missing keys take the schema's defaults)."""
-    from hsextract.provenance import config_hash
-
     c = fill_defaults(config)
     digest = config_hash(redact_config(c))  # a secret is no data; its hash would be a trace of it
-    from hsextract.capture import explicit_layers, resolve_aux_layers
-
     given = explicit_layers(c)  # hidden_states ids; a list must say its convention
     aux: tuple[int, ...] | None = None
     if given is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
-        from hsextract.config import model_shape
         try:
             aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
         except ConfigError:  # no model to read the depth from, or too shallow: unresolved (config.check says why)
@@ -347,7 +333,6 @@ def from_config(config: Mapping[str, Any]) -> Settings:
     rg = c["regenerate"]
     return _section(
         Settings, c,
-        aux_layers=aux,
         aux_layers_convention="hidden_states",
         export_formats=tuple(c["export_formats"]),
         prepare=prepare,
@@ -355,7 +340,6 @@ def from_config(config: Mapping[str, Any]) -> Settings:
         validate=ValidateSettings(reference_sample=c["reference_sample"], same_model=not c["make_tiny_model"]),
         stats=_section(StatsSettings, c["stats"]),
         regenerate=_section(RegenerateSettings, rg, stop_token_ids=_tuple(rg["stop_token_ids"])),
-        config_hash=digest,
         config=MappingProxyType(c),
     )
 

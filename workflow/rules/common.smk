@@ -8,11 +8,11 @@ from hsextract.tokenizer_loading import chat_template_file
 # Every value the rule files read, computed once here from the checked settings (the Snakefile's
 # PLAN); rule files only read them, so the order of the includes does not matter.
 SETTINGS = PLAN.settings
-RUN = SETTINGS.run_name
+RUN = SETTINGS.extract.run_name
 N_CHUNKS = PLAN.n_chunks
 CHUNKS = chunks.labels(N_CHUNKS)
-MODEL = SETTINGS.model
-TOKENIZER = SETTINGS.tokenizer_dir
+MODEL = SETTINGS.extract.model
+TOKENIZER = SETTINGS.extract.tokenizer_dir
 # `params: settings=RERUN[name]` of the rules that config keys decide, the effective values of those keys
 # (hsextract.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
 # trigger); operational keys (threads, memory, devices, token budget, servers) are in none and rerun nothing.
@@ -36,7 +36,7 @@ else:
 # nothing built or started; local ones are started by the extraction jobs, which take the build
 # marker of rule build_patched_server as an ancient() input (a rebuilt marker does not redo
 # finished chunks); onstart kills a server left by a crashed run, onsuccess/onerror stop ours.
-SGLANG = SETTINGS.engine == "sglang"
+SGLANG = SETTINGS.extract.engine == "sglang"
 if SGLANG:
     from hsextract.sglang import config as sglang_config
 

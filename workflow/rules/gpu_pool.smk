@@ -14,7 +14,7 @@ if workflow.is_main_process and gpu_pool.plans_jobs(sys.argv):
             f"engine sglang: sglang.tp {SETTINGS.extract.sglang.tp} x sglang.replicas "
             f"{SETTINGS.extract.sglang.replicas}, local servers"
             if SGLANG_LOCAL
-            else f"engine {SETTINGS.engine}"
+            else f"engine {SETTINGS.extract.engine}"
         ),
     )
     if _GPU_POOL.lifted:

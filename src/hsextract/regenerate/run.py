@@ -23,9 +23,9 @@ from hsextract.settings import RegenerateSettings, Settings
 
 def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any,
                    stop_ids: Sequence[int]) -> Generator:
-    """The generator `regen` asks for: `regenerate.engine`, or else the run's `engine`, loading `settings.model`
+    """The generator `regen` asks for: `regenerate.engine`, or else the run's `engine`, loading `settings.extract.model`
     (transformers) or talking to `regenerate.server_url` (sglang)."""
-    if (regen.engine or settings.engine) == "sglang":
+    if (regen.engine or settings.extract.engine) == "sglang":
         if not regen.server_url:
             raise ConfigError("config key `regenerate.server_url` must be set (http://host:port of the SGLang "
                               "server) when regeneration runs on the sglang engine")
@@ -39,9 +39,9 @@ def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any
     device = resolve_device(regen.device)
     dtype: Any = "auto" if regen.dtype == "auto" else getattr(torch, regen.dtype)  # the schema's enum: torch dtypes
     try:
-        model = load_causal_lm(settings.model, dtype).to(device).eval()  # a wrapper's (Kimi-K2.5's) text model
+        model = load_causal_lm(settings.extract.model, dtype).to(device).eval()  # a wrapper's (Kimi-K2.5's) text model
     except (OSError, ValueError) as e:
-        raise ConfigError(f"config key `model`: cannot load {settings.model} for regeneration: {e}") from e
+        raise ConfigError(f"config key `model`: cannot load {settings.extract.model} for regeneration: {e}") from e
     return TransformersGenerator(model, regen, stop_ids, pad_token_id=tokenizer.pad_token_id)
 
 
@@ -62,8 +62,8 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
     if not 0 <= chunk_index < total:
         raise ConfigError(f"regenerate: chunk {chunk_index} does not exist: the sources hold {len(order)} records "
                           f"= {total} chunks of {ppc}")
-    tok = load_tokenizer(tokenizer if tokenizer is not None else settings.tokenizer_dir, prep.chat_template,
-                         trust_remote_code=settings.trust_remote_code)
+    tok = load_tokenizer(tokenizer if tokenizer is not None else settings.extract.tokenizer_dir, prep.chat_template,
+                         trust_remote_code=settings.extract.trust_remote_code)
     regen = settings.regenerate
     if regen.stop_token_ids is None:
         regen = replace(regen, stop_token_ids=tuple(end_of_turn_ids(tok, kwargs)))
