@@ -17,6 +17,7 @@ from hsextract.conversations import (
     mixture,
     normalize_record,
     open_sources,
+    parse_sources,
 )
 from hsextract.errors import ConfigError, HsxError
 
@@ -181,6 +182,23 @@ def test_mixture_reproducible_with_weights_and_caps(tmp_path):
     b_ids = [i for i in ids1 if i.startswith("b:")]
     assert sorted(i for i in b_ids if "#" not in i) == ["b:0", "b:1", "b:2", "b:3"]  # one whole pass
     assert len([i for i in b_ids if i.endswith("#1")]) == 2  # then a seeded subset of 2
+
+
+def test_a_source_is_the_settings_source_named_and_the_same_from_settings_or_a_mapping(tmp_path):
+    """One type for a source: parse_sources takes the settings' Sources (or config mappings, or paths) and gives
+    settings.Source back, the name filled from the file name, a repeated name with its index."""
+    from hsextract.settings import Source, from_config
+
+    a = _jsonl(tmp_path / "a.part.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
+    entries = [{"path": str(a), "weight": 2.0}, {"path": str(a), "max_records": 1}, {"path": str(a), "name": "z"}]
+    want = [Source(path=str(a), format="auto", weight=2.0, max_records=None, name="a", split=None),
+            Source(path=str(a), format="auto", weight=1.0, max_records=1, name="a1", split=None),
+            Source(path=str(a), format="auto", weight=1.0, max_records=None, name="z", split=None)]
+    assert parse_sources(from_config({"sources": entries}).prepare.sources) == want
+    assert parse_sources(entries) == want
+    assert parse_sources([a]) == [Source(path=str(a), format="auto", weight=1.0, max_records=None, name="a",
+                                         split=None)]
+    assert [o.spec for o in open_sources(want)] == want
 
 
 def test_bad_source_config():

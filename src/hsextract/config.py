@@ -135,7 +135,7 @@ def count_records(s: Settings) -> int:
     for i, src in enumerate(s.prepare.sources):
         check_source_path(f"sources[{i}].path", src.path)
     try:
-        n_records = int(count(s.prepare.source_dicts()))
+        n_records = int(count(s.prepare.sources))
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - a reader error means the source is unusable

@@ -47,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hsextract.errors import ConfigError
+from hsextract.settings import Source
 
 ROLES = ("system", "user", "assistant", "tool")
 FORMATS = ("auto", "messages", "sharegpt", "ultrachat", "hf_disk")
@@ -99,16 +100,6 @@ class Conversation:
 
 
 @dataclass(frozen=True)
-class SourceSpec:
-    path: Path
-    format: str = "auto"
-    weight: float = 1.0
-    max_records: int | None = None
-    name: str = ""
-    split: str | None = None
-
-
-@dataclass(frozen=True)
 class MixtureEntry:
     """One input record in mixture order."""
 
@@ -118,15 +109,22 @@ class MixtureEntry:
     sample_id: str
 
 
-def parse_sources(sources: Any) -> list[SourceSpec]:
-    """Validate the `sources` config list; ConfigError names the key that is wrong."""
+SourceEntry = Source | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
+    """The `sources` list checked (paths exist; a mapping's keys and values, as the schema would) and each
+    source named (`name`, else its file name's stem; a repeated name gets its index appended); ConfigError
+    names the key that is wrong. Entries: the settings' Sources, config mappings, or bare paths."""
     if not isinstance(sources, Sequence) or isinstance(sources, (str, bytes)) or not sources:
         raise ConfigError("config key `sources` must be a non-empty list of {path, format, weight, max_records}")
-    specs: list[SourceSpec] = []
+    specs: list[Source] = []
     names: set[str] = set()
     for i, s in enumerate(sources):
         key = f"sources[{i}]"
-        if isinstance(s, (str, os.PathLike)):
+        if isinstance(s, Source):
+            s = s.as_dict()
+        elif isinstance(s, (str, os.PathLike)):
             s = {"path": s}
         if not isinstance(s, Mapping) or "path" not in s:
             raise ConfigError(f"config key `{key}` must be a mapping with at least `path`")
@@ -150,8 +148,8 @@ def parse_sources(sources: Any) -> list[SourceSpec]:
         if name in names:
             name = f"{name}{i}"
         names.add(name)
-        specs.append(SourceSpec(path=path, format=fmt, weight=float(weight), max_records=cap, name=name,
-                                split=s.get("split")))
+        specs.append(Source(path=str(path), format=fmt, weight=float(weight), max_records=cap, name=name,
+                            split=s.get("split")))
     return specs
 
 
@@ -319,8 +317,8 @@ def _hf_disk_reader(path: Path, split: str | None) -> _Reader:
     return _DatasetReader(ds_dir, datasets.load_from_disk(str(ds_dir)))
 
 
-def _open_reader(spec: SourceSpec) -> _Reader:
-    p = spec.path
+def _open_reader(spec: Source) -> _Reader:
+    p = Path(spec.path)
     if p.is_dir() or spec.format == "hf_disk":
         return _hf_disk_reader(p, spec.split)
     if p.suffix == ".parquet":
@@ -528,8 +526,10 @@ def decode_raw(raw: Any) -> Any:
 
 
 @dataclass
-class Source:
-    spec: SourceSpec
+class OpenSource:
+    """A source (its name resolved by parse_sources) and the reader of its records."""
+
+    spec: Source
     reader: _Reader = field(repr=False)
 
     def __len__(self) -> int:
@@ -544,11 +544,11 @@ class Source:
             raise MalformedRecordError(location, b.reason, b.detail) from None
 
 
-def open_sources(sources_config: Any) -> list[Source]:
-    return [Source(spec, _open_reader(spec)) for spec in parse_sources(sources_config)]
+def open_sources(sources: Sequence[SourceEntry]) -> list[OpenSource]:
+    return [OpenSource(spec, _open_reader(spec)) for spec in parse_sources(sources)]
 
 
-def source_contribution(n: int, spec: SourceSpec) -> int:
+def source_contribution(n: int, spec: Source) -> int:
     k = int(math.floor(spec.weight * n + 0.5))
     return k if spec.max_records is None else min(k, spec.max_records)
 
@@ -566,7 +566,7 @@ def _pick(n: int, k: int, rng: np.random.Generator) -> list[tuple[int, int]]:
     return out
 
 
-def mixture(sources: Sequence[Source], seed: int) -> list[MixtureEntry]:
+def mixture(sources: Sequence[OpenSource], seed: int) -> list[MixtureEntry]:
     """All selected records of all sources, shuffled together; reproducible from `seed`."""
     rng = np.random.default_rng(seed)
     entries: list[MixtureEntry] = []
@@ -579,23 +579,23 @@ def mixture(sources: Sequence[Source], seed: int) -> list[MixtureEntry]:
     return [entries[int(j)] for j in order]
 
 
-def count_records(sources_config: Any) -> int:
+def count_records(sources: Sequence[SourceEntry]) -> int:
     """Number of input records the mixture holds (caps and weights applied), without parsing JSONL/parquet
     content. This is what chunks are cut over: ceil(count_records / prompts_per_chunk) chunks."""
     total = 0
-    for spec in parse_sources(sources_config):
+    for spec in parse_sources(sources):
         total += source_contribution(len(_open_reader(spec)), spec)
     return total
 
 
-def iter_conversations(sources_config: Any, seed: int = 0, strict: bool = True,
+def iter_conversations(sources: Sequence[SourceEntry], seed: int = 0, strict: bool = True,
                        counts: dict[str, int] | None = None) -> Iterator[tuple[MixtureEntry, Conversation | None]]:
     """Mixture-ordered (entry, conversation). Malformed: strict raises MalformedRecordError; lenient yields
     (entry, None) and adds 1 to `counts[reason]`."""
-    sources = open_sources(sources_config)
-    for entry in mixture(sources, seed):
+    opened = open_sources(sources)
+    for entry in mixture(opened, seed):
         try:
-            _, conv = sources[entry.source].read(entry.index)
+            _, conv = opened[entry.source].read(entry.index)
         except MalformedRecordError as e:
             if strict:
                 raise
@@ -607,6 +607,6 @@ def iter_conversations(sources_config: Any, seed: int = 0, strict: bool = True,
 
 
 __all__ = [
-    "Conversation", "MalformedRecordError", "MixtureEntry", "Source", "SourceSpec", "MALFORMED_REASONS", "ROLES",
+    "Conversation", "MalformedRecordError", "MixtureEntry", "OpenSource", "SourceEntry", "MALFORMED_REASONS", "ROLES",
     "as_openai", "count_records", "iter_conversations", "mixture", "normalize_record", "open_sources", "parse_sources",
 ]

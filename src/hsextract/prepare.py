@@ -66,7 +66,7 @@ def chunk_name(chunk: int) -> str:
 
 def num_chunks(settings: PrepareSettings) -> int:
     """Chunk count from the settings alone (cheap: counts records, parses nothing): what Snakemake needs."""
-    return chunks.count(count_records(settings.source_dicts()), settings.prompts_per_chunk)
+    return chunks.count(count_records(settings.sources), settings.prompts_per_chunk)
 
 
 def conversation_hash(conv: Conversation) -> str:
@@ -100,7 +100,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     the sources changed since, and is an error. `tokenizer_path` may also be a tokenizer object.
     """
     cfg = settings
-    sources = open_sources(cfg.source_dicts())
+    sources = open_sources(cfg.sources)
     order = mixture(sources, cfg.seed)
     ppc = cfg.prompts_per_chunk
     expected = chunks.count(len(order), ppc)

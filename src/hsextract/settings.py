@@ -41,7 +41,8 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "co
 
 @dataclass(frozen=True)
 class Source:
-    """One entry of `sources`."""
+    """One entry of `sources`, and the one type of a source: hsextract.conversations reads these (its
+    parse_sources checks the path and fills `name`)."""
 
     path: str
     format: str
@@ -51,7 +52,7 @@ class Source:
     split: str | None
 
     def as_dict(self) -> dict[str, Any]:
-        """The entry as a config mapping (what hsextract.conversations reads)."""
+        """The entry as a config mapping (the workflow's params, a config built from them)."""
         return {"path": self.path, "format": self.format, "weight": self.weight,
                 "max_records": self.max_records, "name": self.name, "split": self.split}
 

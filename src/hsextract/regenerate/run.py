@@ -56,7 +56,7 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
     prep = settings.prepare
     ppc = prep.prompts_per_chunk
     kwargs = dict(prep.chat_template_kwargs)
-    sources = open_sources(prep.source_dicts())
+    sources = open_sources(prep.sources)
     order = mixture(sources, prep.seed)
     total = chunks.count(len(order), ppc)
     if not 0 <= chunk_index < total:
