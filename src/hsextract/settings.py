@@ -36,7 +36,9 @@ from hsextract.model_info import model_shape
 from hsextract.provenance import config_hash
 from hsextract.redaction import redact_config, redact_text, secret_values
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
+# package data: in a checkout a symlink to workflow/schemas/config.schema.yaml (the one file; Snakemake validates
+# against it), in a built wheel a copy of it, so an installed hsextract builds Settings without the checkout
+SCHEMA_PATH = Path(__file__).resolve().parent / "resources" / "config.schema.yaml"
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,8 @@ def schema() -> dict[str, Any]:
         return yaml.safe_load(SCHEMA_PATH.read_text())
     except OSError as e:
         raise ConfigError(
-            f"cannot read the config schema {SCHEMA_PATH} ({e}); hsextract reads it from the checkout "
-            f"(src/ next to workflow/): run from a checkout or an editable install"
+            f"cannot read the config schema {SCHEMA_PATH} ({e}), hsextract's package data (in a checkout a "
+            f"symlink to workflow/schemas/config.schema.yaml): reinstall hsextract, or restore that file"
         ) from None
 
 
