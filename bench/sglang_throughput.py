@@ -263,7 +263,7 @@ class Bench:
         try:
             r = fn()
             r["cpu"] = cpu_use(cpu0, procs)
-        except Exception as e:  # record, keep going
+        except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
             tb = traceback.format_exc()
             self.res["errors"].setdefault(key, {})[str(L)] = f"{type(e).__name__}: {e}"
             (self.out / f"error-{key}-{L}.txt").write_text(tb)
@@ -503,7 +503,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
             name = f"{key('b0_capture_no_shards', cc, a)}#2"
             for L in sets:
                 bench.part(name, L, partial(b0, L, sets[L], cc, name), need_s=40)
-    except Exception as e:  # server start-up
+    except Exception as e:  # noqa: BLE001 - the capture server did not start: recorded, the rest runs
         bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
         (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
         log(f"FAIL capture server: {type(e).__name__}: {str(e)[:800]}")
@@ -550,7 +550,7 @@ def plain_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt
     try:
         pa = start_plain(sys.executable, a.server_module, a.model, a.port, sgl, bench.out / "server-plain.log",
                          timeout_s=max(30.0, min(300.0, bench.left() - 60)))
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the plain server did not start: recorded, saved
         bench.res["errors"].setdefault("plain_server", {})["-"] = f"{type(e).__name__}: {e}"
         log(f"FAIL plain server: {e}")
         bench.save()

@@ -115,7 +115,7 @@ def main() -> None:
                     out = planner.touch(request["touch"])
                 else:
                     out = planner.plan(request["plan"], request.get("forcerun"))
-        except (Exception, SystemExit) as e:  # answered: the test names the request
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - answered: the test names the request
             out = {"error": "".join(traceback.format_exception_only(e)).strip()[-3000:]}
         answers.write(json.dumps(out) + "\n")
         answers.flush()

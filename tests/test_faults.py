@@ -589,7 +589,7 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(
         if attempt:
             _wf().smk(wd, "--unlock")
         t0 = time.time()
-        logf = open(wd / f"attempt-{attempt}.log", "w")  # noqa: SIM115 - closed once the killed run is waited on
+        logf = open(wd / f"attempt-{attempt}.log", "w")  # closed once the killed run is waited on
         # one job at a time, so that a kill after a finished chunk lands inside the next one
         proc = subprocess.Popen(smk_argv(*SHARDS, "--rerun-incomplete", cores=1), cwd=wd, env=smk_env(), stdout=logf,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -493,7 +493,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     """/generate: output_ids = a deterministic function of input_ids and the seed, then the first stop id.
     Modes (server.mode): "ok", "trim" (stop token left out, reported in finish_reason), "flaky" (one 503)."""
 
-    def do_POST(self):  # noqa: N802 - the name BaseHTTPRequestHandler dispatches POST to
+    def do_POST(self):  # the name BaseHTTPRequestHandler dispatches POST to
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         with srv.lock:

@@ -33,7 +33,7 @@ from hsextract.layers import describe, sglang_eagle3_ids
 from hsextract.sglang_plugin.settings import ENV_EAGLE3_IDS
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity import make_prompts  # noqa: E402 - this folder's script
+from fidelity import make_prompts  # this folder's script
 
 
 def reference(model: str, prompts: list, ids: list[int], out: Path, name: str) -> list[dict[int, torch.Tensor]]:

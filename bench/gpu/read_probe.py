@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
-from pagecache import drop_method, evict  # noqa: E402
+from pagecache import drop_method, evict
 
 ALIGN = 4096
 PATTERNS = ("files", "slices", "slices+seq", "slices+fd", "whole", "chunks", "direct")

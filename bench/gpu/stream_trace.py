@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/
-from pagecache import drop_method, evict  # noqa: E402
-from read import sample_lengths, write_shards  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+from pagecache import drop_method, evict
+from read import sample_lengths, write_shards
+from torch.utils.data import DataLoader
 
-from hsextract.dataset import SampleStream, open_dataset  # noqa: E402
-from hsextract.shard.reader import ShardReader  # noqa: E402
+from hsextract.dataset import SampleStream, open_dataset
+from hsextract.shard.reader import ShardReader
 
 EVENTS: list[tuple[str, int, float, float]] = []  # (what, worker pid, start, end), this process
 

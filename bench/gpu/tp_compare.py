@@ -103,7 +103,7 @@ def capture(a: argparse.Namespace) -> int:
         res["markers"], res["stats"] = markers, {str(k): v for k, v in stats.items()}
         res["writers"] = check_writers(markers, stats, expected_requests=expected, ranks=a.tp, dp_groups=a.dp)
         res["pass"] = res["writers"]["pass"]
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any failure is the result, written with its stage
         res["error"] = f"{stage}: {type(e).__name__}: {e}"
         res["traceback"] = traceback.format_exc()
         res["pass"] = False
@@ -113,7 +113,7 @@ def capture(a: argparse.Namespace) -> int:
             try:
                 res["markers"], st = read_dump_dir(h.dump_dir)
                 res["stats"] = {str(k): v for k, v in st.items()}
-            except Exception:
+            except Exception:  # noqa: BLE001 - best effort: the error above is the result
                 pass
         stop_servers(a.state, grace_s=10)
     (runs / f"{a.name}.json").write_text(json.dumps(res, indent=1, default=str))

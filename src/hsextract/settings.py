@@ -16,8 +16,8 @@ The tree is grouped by stage, so each stage function takes its own section:
 
 Each key has one place (SCHEMA_TO_TREE): the top level holds only the keys of no section (make_tiny_model,
 tiny_model_tokenizer, capture, export_formats); prepare's copy of `trust_remote_code` (it loads the
-tokenizer too) is the one exception. `Settings.config` keeps the filled config itself (read-only), which dataset.json records and
-`config_hash` hashes.
+tokenizer too) is the one exception. `Settings.config` keeps the filled config itself (read-only), which
+dataset.json records and `config_hash` hashes.
 """
 
 from __future__ import annotations

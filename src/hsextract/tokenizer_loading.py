@@ -198,7 +198,7 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        except Exception as e:  # noqa: BLE001 - custom code fails in any way (ImportError, AttributeError, ...)
+        except Exception as e:  # custom code fails in any way (ImportError, AttributeError, ...); re-raised
             if not trust_remote_code and KEY in str(e):  # a hub id whose config was not in the local cache
                 raise refusal(source, remote_tokenizer_code(source)) from None
             code = code or (remote_tokenizer_code(source) if trust_remote_code else None)

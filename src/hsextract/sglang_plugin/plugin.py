@@ -397,12 +397,12 @@ def _attn_tp_rank() -> int:
         from sglang.srt.runtime_context import get_parallel
 
         return int(get_parallel().attn_tp_rank)
-    except Exception:  # older layouts
+    except Exception:  # noqa: BLE001 - older layouts (no module, no attribute, not initialised)
         try:
             from sglang.srt.layers.dp_attention import get_attention_tp_rank
 
             return int(get_attention_tp_rank())
-        except Exception:
+        except Exception:  # noqa: BLE001 - neither layout: a single rank, said in the log
             log.warning("hsextract: cannot read the attention-TP rank; assuming a single rank")
             return 0
 

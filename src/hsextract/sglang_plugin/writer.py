@@ -244,7 +244,7 @@ class DumpWriter:
                 log.exception("hsextract: writing %s [%d,%d) failed", job.rid, job.start, job.end)
                 try:
                     dumpfiles.write_err(self.dump_dir, job.rid, f"writing piece [{job.start},{job.end}) failed: {e}")
-                except Exception:
+                except Exception:  # noqa: BLE001 - the failure is logged above; the client times out
                     pass
             finally:
                 if job.region is not None:
