@@ -17,9 +17,9 @@ from hsextract.conversations import (
     mixture,
     normalize_record,
     open_sources,
-    parse_sources,
 )
 from hsextract.errors import ConfigError, HsxError
+from hsextract.sources import parse_sources
 
 EXPECTED = [
     {"role": "system", "content": "Be brief."},

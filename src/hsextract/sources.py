@@ -1,0 +1,278 @@
+"""The sources of a run: the `sources` list checked and named, a reader of raw records for each file format,
+and what makes a record malformed (hsextract.conversations turns the raw records into conversations).
+
+Files: JSONL (one record a line), a JSON list, parquet, Arrow stream files, and `datasets.save_to_disk`
+directories (`hf_disk`: a Dataset, or a DatasetDict with `split:`), read with `datasets.load_from_disk` where
+`datasets` is installed, else from its Arrow files with pyarrow (the same rows: both convert them with
+pyarrow's to_pylist). A reader's `len()` is cheap (no parsing of JSONL or parquet content), so counting the
+records of a run is.
+
+Locations in errors: `file:LINE` (1-based line) for JSONL, `file:record N` (1-based) otherwise; for hf_disk
+`dir:record N` over the whole dataset (its split's directory for a DatasetDict), so `ds[N - 1]` is the record.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from hsextract.errors import ConfigError
+from hsextract.settings import Source
+
+FORMATS = ("auto", "messages", "sharegpt", "ultrachat", "hf_disk")
+
+# Malformed-record reasons (summary counters use these names).
+BAD_JSON = "bad_json"
+NON_UTF8 = "non_utf8"
+WRONG_TYPE = "wrong_type"
+MISSING_MESSAGES = "missing_messages"
+MISSING_ROLE = "missing_role"
+UNKNOWN_ROLE = "unknown_role"
+EMPTY_CONTENT = "empty_content"
+MALFORMED_REASONS = (BAD_JSON, NON_UTF8, WRONG_TYPE, MISSING_MESSAGES, MISSING_ROLE, UNKNOWN_ROLE, EMPTY_CONTENT)
+
+
+class MalformedRecordError(ConfigError):
+    """An input record cannot be read as a conversation (strict mode). Names file, line/record and reason."""
+
+    def __init__(self, location: str, reason: str, detail: str) -> None:
+        super().__init__(
+            f"{location}: malformed record ({reason}): {detail}. Fix or remove this record, or set "
+            f"`strict: false` to skip malformed records (they are counted per reason in summary.json)."
+        )
+        self.location = location
+        self.reason = reason
+        self.detail = detail
+
+
+SourceEntry = Source | Mapping[str, Any] | str | os.PathLike[str]
+
+
+def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
+    """The `sources` list checked (paths exist; a mapping's keys and values, as the schema would) and each
+    source named (`name`, else its file name's stem; a repeated name gets its index appended); ConfigError
+    names the key that is wrong. Entries: the settings' Sources, config mappings, or bare paths."""
+    if not isinstance(sources, Sequence) or isinstance(sources, (str, bytes)) or not sources:
+        raise ConfigError("config key `sources` must be a non-empty list of {path, format, weight, max_records}")
+    specs: list[Source] = []
+    names: set[str] = set()
+    for i, s in enumerate(sources):
+        key = f"sources[{i}]"
+        if isinstance(s, Source):
+            s = s.as_dict()
+        elif isinstance(s, (str, os.PathLike)):
+            s = {"path": s}
+        if not isinstance(s, Mapping) or "path" not in s:
+            raise ConfigError(f"config key `{key}` must be a mapping with at least `path`")
+        unknown = set(s) - {"path", "format", "weight", "max_records", "name", "split"}
+        if unknown:
+            raise ConfigError(f"config key `{key}` has unknown keys {sorted(unknown)}; allowed: path, format, "
+                              f"weight, max_records, name, split")
+        path = Path(s["path"])
+        if not path.exists():
+            raise ConfigError(f"config key `{key}.path`: {path} does not exist (local paths only)")
+        fmt = s.get("format", "auto") or "auto"
+        if fmt not in FORMATS:
+            raise ConfigError(f"config key `{key}.format` is {fmt!r}; allowed: {', '.join(FORMATS)}")
+        weight = s.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            raise ConfigError(f"config key `{key}.weight` must be a number >= 0, got {weight!r}")
+        cap = s.get("max_records")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ConfigError(f"config key `{key}.max_records` must be an integer >= 0 or null, got {cap!r}")
+        name = str(s.get("name") or path.name.split(".")[0] or f"source{i}")
+        if name in names:
+            name = f"{name}{i}"
+        names.add(name)
+        specs.append(Source(path=str(path), format=fmt, weight=float(weight), max_records=cap, name=name,
+                            split=s.get("split")))
+    return specs
+
+
+class Reader:
+    """Raw records of one file: `len()` is cheap, `raw(i)` returns (location, bytes | dict)."""
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        raise NotImplementedError
+
+
+class _JsonlReader(Reader):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offsets: list[tuple[int, int, int]] | None = None  # (line number, start, end)
+        self._count: int | None = None
+
+    def _index(self) -> list[tuple[int, int, int]]:
+        if self._offsets is None:
+            offsets = []
+            with open(self.path, "rb") as f:
+                pos = 0
+                for lineno, line in enumerate(f, start=1):
+                    if line.strip():
+                        offsets.append((lineno, pos, pos + len(line)))
+                    pos += len(line)
+            self._offsets = offsets
+        return self._offsets
+
+    def __len__(self) -> int:
+        if self._offsets is not None:
+            return len(self._offsets)
+        if self._count is None:
+            # Blank lines are not records; counting them needs a scan but no JSON parsing.
+            with open(self.path, "rb") as f:
+                self._count = sum(1 for line in f if line.strip())
+        return self._count
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        lineno, start, end = self._index()[i]
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f"{self.path}:{lineno}", f.read(end - start)
+
+
+class _JsonListReader(Reader):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            data = json.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise MalformedRecordError(f"{path}", NON_UTF8, f"the file is not UTF-8 ({e})") from None
+        except json.JSONDecodeError as e:
+            raise MalformedRecordError(f"{path}:{e.lineno}", BAD_JSON, f"the JSON list does not parse: {e.msg}") \
+                from None
+        if not isinstance(data, list):
+            raise ConfigError(f"{path}: a .json source must hold a list of records, got {type(data).__name__}")
+        self.records = data
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        return f"{self.path}:record {i + 1}", self.records[i]
+
+
+class _TableReader(Reader):
+    """Parquet file or Arrow stream files (HF save_to_disk); columnar, rows converted on access. Locations
+    name each file, or `label` with the record's index over all files."""
+
+    def __init__(self, path: Path, tables: Sequence[tuple[Path, Any]], label: Path | None = None) -> None:
+        self.path = path
+        self._label = label
+        self._tables = list(tables)  # (file, loader returning a pa.Table) loaded lazily
+        self._loaded: list[pa.Table | None] = [None] * len(self._tables)
+        self._counts = [self._count(p) for p, _ in self._tables]
+        self._starts = np.cumsum([0] + self._counts)
+
+    @staticmethod
+    def _count(p: Path) -> int:
+        if p.suffix == ".parquet":
+            return pq.ParquetFile(p).metadata.num_rows
+        with pa.memory_map(str(p)) as src:
+            try:
+                reader = pa.ipc.open_stream(src)
+            except pa.ArrowInvalid:
+                return pa.ipc.open_file(src).read_all().num_rows
+            return sum(b.num_rows for b in reader)
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        t = int(np.searchsorted(self._starts, i, side="right") - 1)
+        if self._loaded[t] is None:
+            self._loaded[t] = self._tables[t][1]()
+        row = self._loaded[t].slice(i - int(self._starts[t]), 1).to_pylist()[0]
+        if self._label is not None:
+            return f"{self._label}:record {i + 1}", row
+        return f"{self._tables[t][0]}:record {i - int(self._starts[t]) + 1}", row
+
+
+class _DatasetReader(Reader):
+    """A `datasets.Dataset` (memory-mapped by `load_from_disk`); rows as pyarrow's to_pylist gives them, as
+    the pyarrow reader does (no decoding by the dataset's features)."""
+
+    def __init__(self, label: Path, ds: Any) -> None:
+        self.path = label
+        self._ds = ds.with_format("arrow")
+
+    def __len__(self) -> int:
+        return len(self._ds)
+
+    def raw(self, i: int) -> tuple[str, Any]:
+        return f"{self.path}:record {i + 1}", self._ds[i].to_pylist()[0]
+
+
+def _read_arrow(p: Path) -> pa.Table:
+    with pa.memory_map(str(p)) as src:
+        try:
+            return pa.ipc.open_stream(src).read_all()
+        except pa.ArrowInvalid:
+            return pa.ipc.open_file(src).read_all()
+
+
+def _hf_disk_dir(path: Path, split: str | None) -> Path:
+    """The Dataset directory of a `save_to_disk` directory: itself, or its split's for a DatasetDict (one
+    Dataset directory per split: loading only that one leaves the other splits unread)."""
+    if (path / "dataset_dict.json").exists():
+        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        if split is None:
+            if len(splits) != 1:
+                raise ConfigError(f"{path} is a DatasetDict with splits {splits}: set `split:` on this source")
+            split = splits[0]
+        if split not in splits:
+            raise ConfigError(f"{path}: split {split!r} not in {splits}")
+        path = path / split
+    if not (path / "state.json").exists():
+        raise ConfigError(f"{path}: not a `datasets.save_to_disk` directory (no state.json or dataset_dict.json)")
+    return path
+
+
+def _hf_disk_files(path: Path) -> list[Path]:
+    """Arrow files of one Dataset directory of `save_to_disk`, in order (state.json `_data_files`)."""
+    files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise ConfigError(f"{path}: state.json lists Arrow files that are missing: {missing}")
+    return files
+
+
+def _hf_disk_reader(path: Path, split: str | None) -> Reader:
+    """`datasets.load_from_disk` where `datasets` is installed, else pyarrow on the Arrow files."""
+    ds_dir = _hf_disk_dir(path, split)
+    files = _hf_disk_files(ds_dir)  # checked here for both readers: one error message for a missing file
+    try:
+        import datasets
+    except ImportError:
+        return _TableReader(path, [(f, (lambda f=f: _read_arrow(f))) for f in files], label=ds_dir)
+    return _DatasetReader(ds_dir, datasets.load_from_disk(str(ds_dir)))
+
+
+def open_reader(spec: Source) -> Reader:
+    """The reader of a source's file (or save_to_disk directory), by its format and suffix."""
+    p = Path(spec.path)
+    if p.is_dir() or spec.format == "hf_disk":
+        return _hf_disk_reader(p, spec.split)
+    if p.suffix == ".parquet":
+        return _TableReader(p, [(p, lambda: pq.read_table(p))])
+    if p.suffix == ".arrow":
+        return _TableReader(p, [(p, lambda: _read_arrow(p))])
+    with open(p, "rb") as f:
+        head = f.read(4096).lstrip()
+    if p.suffix == ".json" and head.startswith(b"["):
+        return _JsonListReader(p)
+    return _JsonlReader(p)
+
+
+__all__ = ["FORMATS", "MALFORMED_REASONS", "MalformedRecordError", "Reader", "SourceEntry", "open_reader",
+           "parse_sources"]
