@@ -1,5 +1,9 @@
 """Fidelity statistics: captured hidden states against a reference capture of the same weights and ids.
 
+Length: the error measures, the pass rules that use them, the comparison of two runs' saved captures and
+their verdict table are one module so that the rule a benchmark reports and the rule the tests check are the
+same code; nothing outside the benchmarks and their tests imports it.
+
 Used by the GPU benchmarks (bench/gpu/fidelity.py: the SGLang engine against the transformers engine;
 bench/gpu/tp_compare.py: TP=2 and DP attention against TP=1) and tested on synthetic tensors in
 tests/test_fidelity.py. The figures they produced are in bench/README.md.

@@ -1,5 +1,10 @@
 """Lifecycle of the patched SGLang server(s): start-or-reuse from extraction jobs, stop from onsuccess/onerror.
 
+Length: the command and environment a server is launched with, and the start, reuse and stop that read
+them back (the state file, the process group, the dump directory, the lock), are one module because reuse
+is decided by comparing what runs with what would be launched; the key file and log scrubbing, which stand
+alone, are keyfile.py and logscrub.py.
+
 Start-or-reuse, not a Snakemake service job: each extraction job calls `ensure_server(state_dir, cfg, replica)`,
 which takes a file lock (filelock) on `state_dir/replica-<r>.lock`, reuses the server named by
 `replica-<r>.json` if its process is alive, answers GET /health and its plugin marker is in place, and

@@ -1,4 +1,10 @@
-"""Shard reader: random access through the index, checked at every step, fork-safe."""
+"""Shard reader: random access through the index, checked at every step, fork-safe.
+
+Length: one class, ShardReader, because every read path (a sample, a prefix-shared sample assembled from its
+parent, prefetch, the parallel read of a large record, verify) goes through the same per-process state: the
+file handle reopened after a fork, the parsed index, the thread pools and the per-thread buffers. The byte
+layout is in format.py, footer and index parsing in parse.py, the tensor codecs in codec.py.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Streaming, atomic shard writer: one record per sample, index and footer at close."""
+"""Streaming, atomic shard writer: one record per sample, index and footer at close.
+
+Length: one class, ShardWriter, because encoding (on a thread pool), ordered writing (a writer thread),
+background syncs, prefix references and the atomic close or abort all share the temp file, the pending
+records and the first error, which any of them may raise in the caller. The byte layout is in format.py,
+the tensor codecs in codec.py.
+"""
 
 from __future__ import annotations
 
