@@ -43,7 +43,7 @@ import json
 import re
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from hsextract.conversations import as_openai
 from hsextract.errors import ConfigError
+from hsextract.template_kwargs import check_kwargs
 
 # Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
 # differ in their first and last UTF-8 byte (EE.. vs EF..; ..80 vs ..81), so their first and last tokens differ
@@ -214,6 +215,7 @@ class TemplateRenderer:
         self.kwargs = dict(chat_template_kwargs or {})
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
+        self.variables = check_kwargs(template, self.kwargs, self._probe_renderings)  # a key it never reads: error
         self._ids: dict[str, list[int]] = {}
         self._facts: TemplateFacts | None = None
         self._special: frozenset[int] | None = None
@@ -244,10 +246,11 @@ class TemplateRenderer:
             del out["content"]
         return out
 
-    def _apply(self, msgs: list[dict[str, Any]], tools: Any, gen: bool) -> str:
+    def _apply(self, msgs: list[dict[str, Any]], tools: Any, gen: bool, kwargs: Mapping[str, Any] | None = None
+               ) -> str:
         with _clock_at(self._clock) if self._clock else contextlib.nullcontext():
             out = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
-                                                     **self.kwargs)
+                                                     **(self.kwargs if kwargs is None else kwargs))
         if not isinstance(out, str):
             raise TemplateError(f"apply_chat_template returned {type(out).__name__}, expected a string")
         return out
@@ -260,6 +263,25 @@ class TemplateRenderer:
             if alt == [self._prepare(m, False) for m in messages]:
                 raise
             return self._apply(alt, tools, add_generation_prompt)
+
+    def _probe_renderings(self, kwargs: Mapping[str, Any]) -> list[str]:
+        """A few conversations (a prompt, a reasoning turn, a tool call and its result) rendered under `kwargs`,
+        each as its text or its error: where a template's variables cannot all be listed, a kwarg that changes
+        none of these is taken as unread (`template_kwargs.check_kwargs`)."""
+        user = {"role": "user", "content": "hi"}
+        call = {"type": "function", "id": "call00001", "function": {"name": "f", "arguments": {"x": "1"}}}
+        convs = [([user], True),
+                 ([user, {"role": "assistant", "content": "a", "reasoning_content": "r"}], False),
+                 ([{"role": "system", "content": "s"}, user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "content": "t", "tool_call_id": "call00001", "name": "f"},
+                   {"role": "assistant", "content": "a", "reasoning_content": "r"}, user], True)]
+        out = []
+        for msgs, gen in convs:
+            try:
+                out.append(self._apply([self._prepare(m, False) for m in msgs], None, gen, kwargs))
+            except Exception as e:  # noqa: BLE001 - a kwarg that changes the template's refusal is read too
+                out.append(f"{type(e).__name__}: {e}")
+        return out
 
     # ------------------------------------------------------------------------------------------ tokens
 
