@@ -405,6 +405,38 @@ def test_tool_call_arguments_as_a_json_string_render_as_the_object(family):
         assert "city=Paris" in tok.decode(ids)
 
 
+CONCATENATING_TEMPLATE = (  # joins a call's arguments to text as a string, as some templates do
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}{%- for c in m.tool_calls or [] -%}\n"
+    "<tool_call>{{ '{\"name\": \"' + c.function.name + '\", \"arguments\": ' + c.function.arguments + '}' }}"
+    "</tool_call>{%- endfor -%}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+STRING_ARGUMENTS = (
+    "the chat template fails on tool-call arguments given as an object (TypeError: can only concatenate str (not "
+    "\"dict\") to str, at template line 3: `<tool_call>{{ '{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
+    "c.function.arguments + '}' }}</tool_call>{%- endfor -%}<|im_end|>`) and renders them given as a JSON string: it "
+    "joins them to text as a string. SGLang passes a history tool call's arguments to the template as the object "
+    "(serving_chat.normalize_assistant_tool_call_arguments parses a JSON string), as hsextract does, so the server "
+    "fails on this conversation as well: set a `chat_template` that serialises them (`arguments | tojson`, or "
+    "`arguments if arguments is string else arguments | tojson`)")
+
+
+@pytest.mark.parametrize("args", ['{"city": "Paris"}', {"city": "Paris"}])
+def test_a_template_that_joins_tool_call_arguments_as_a_string_is_refused_saying_why(args):
+    """Arguments reach the template as an object (as SGLang passes them): a template that concatenates them
+    fails, in Jinja's words; the error gives the template's words and line, the cause and what to do. A
+    conversation without tool calls is unaffected."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = CONCATENATING_TEMPLATE
+    conv = Conversation([U("What is the weather in Paris?"), A("", None, [("get_weather", args)]),
+                         {"role": "tool", "content": "21"}, A("Sunny.")])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(tok).encode(conv)
+    assert (str(e.value), e.value.reason) == (STRING_ARGUMENTS, "tool_arguments_as_string")
+    assert isinstance(e.value.__cause__, TypeError)
+    (s,) = ChatMasker(tok).encode(CONVS["single"])
+    assert trained_segments(s, tok) == ["\nHow are you today?<|im_end|>"]  # (its prompt strips the newline)
+
+
 PARTS_TEMPLATE = (  # iterates content parts, trimming each: the list and the joined text render differently
     "{%- for m in messages -%}<|im_start|>{{ m['role'] }}:"
     "{%- if m['content'] is string -%}{{ m['content'] }}"

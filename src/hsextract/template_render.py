@@ -65,6 +65,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 TEMPLATE_ERROR = "template_error"  # the reason a conversation is dropped under when nothing names another
+TOOL_ARGUMENTS_AS_STRING = "tool_arguments_as_string"  # a template that joins tool-call arguments as text
 
 
 class TemplateError(ConfigError):
@@ -183,6 +184,30 @@ def _object_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
+def _string_arguments(m: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' object arguments written as JSON strings (the OpenAI format)."""
+    calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+    if not calls:
+        return m
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        out.append({**c, "function": {**fn, "arguments": json.dumps(args, ensure_ascii=False)}}
+                   if isinstance(fn, dict) and isinstance(args, dict) else c)
+    return {**m, "tool_calls": out}
+
+
+def _template_words(e: BaseException, template: str) -> str:
+    """The error raised inside the template, with the template's line it was raised at."""
+    lines = template.splitlines()
+    at = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>" and f.lineno]
+    if not at or at[-1] > len(lines):
+        return f"{type(e).__name__}: {e}"
+    line = lines[at[-1] - 1].strip()
+    return f"{type(e).__name__}: {e}, at template line {at[-1]}: `{line[:200]}{' ...' if len(line) > 200 else ''}`"
+
+
 @dataclass
 class TemplateFacts:
     """What the probe learned about a template (see the module docstring)."""
@@ -258,11 +283,36 @@ class TemplateRenderer:
     def render(self, messages: list[dict[str, Any]], tools: Any = None, add_generation_prompt: bool = False) -> str:
         try:
             return self._apply([self._prepare(m, False) for m in messages], tools, add_generation_prompt)
-        except Exception:
+        except Exception as e:
             alt = [self._prepare(m, True) for m in messages]
             if alt == [self._prepare(m, False) for m in messages]:
+                self._refuse_string_arguments(e, alt, tools, add_generation_prompt)
                 raise
-            return self._apply(alt, tools, add_generation_prompt)
+            try:
+                return self._apply(alt, tools, add_generation_prompt)
+            except Exception as again:
+                self._refuse_string_arguments(again, alt, tools, add_generation_prompt)
+                raise
+
+    def _refuse_string_arguments(self, e: Exception, msgs: list[dict[str, Any]], tools: Any, gen: bool) -> None:
+        """A template that fails on tool-call arguments given as an object, and renders them as a JSON string, joins
+        them as a string: SGLang passes them as the object (`serving_chat.normalize_assistant_tool_call_arguments`
+        parses the string), as `_prepare` does, so the server fails on this conversation too. Raises a
+        TemplateError saying so, with the template's own words; returns when that is not the cause."""
+        as_text = [_string_arguments(m) for m in msgs]
+        if as_text == msgs:
+            return
+        try:
+            self._apply(as_text, tools, gen)
+        except Exception:  # noqa: BLE001 - it fails with string arguments too: another cause, its own error
+            return
+        raise TemplateError(
+            f"the chat template fails on tool-call arguments given as an object ({_template_words(e, self.template)}) "
+            f"and renders them given as a JSON string: it joins them to text as a string. SGLang passes a history "
+            f"tool call's arguments to the template as the object (serving_chat.normalize_assistant_tool_call_"
+            f"arguments parses a JSON string), as hsextract does, so the server fails on this conversation as well: "
+            f"set a `chat_template` that serialises them (`arguments | tojson`, or `arguments if arguments is string "
+            f"else arguments | tojson`)", reason=TOOL_ARGUMENTS_AS_STRING) from e
 
     def _probe_renderings(self, kwargs: Mapping[str, Any]) -> list[str]:
         """A few conversations (a prompt, a reasoning turn, a tool call and its result) rendered under `kwargs`,
@@ -450,5 +500,6 @@ class TemplateRenderer:
         return ()
 
 
-__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TEMPLATE_ERROR", "TemplateError", "TemplateFacts",
-           "TemplateRenderer", "common_prefix", "content_format", "common_suffix", "failure", "is_prefix"]
+__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TemplateError",
+           "TemplateFacts", "TemplateRenderer", "common_prefix", "content_format", "common_suffix", "failure",
+           "is_prefix"]
