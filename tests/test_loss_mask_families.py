@@ -283,6 +283,44 @@ def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():
     assert m.stats["turns_history_fallback"] == 1
 
 
+def test_harmony_call_after_the_turns_reasoning_trains_the_call_messages_header():
+    """A harmony turn of reasoning then a tool call: after its analysis message the model writes the call's
+    message itself, header included (`<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>`):
+    trained, whatever `train_on_reasoning` says, token by token after the prompt. Unsplit (`never`), the full
+    rendering drops the analysis of calls followed by a final answer, and each call is located there, after the
+    tool result before it (not in a later turn), trained as rendered."""
+    tok = make_tokenizer("harmony")
+    conv = Conversation([U("Weather?"), A("", "Let me think.", [("get_weather", {"city": "Paris"})]),
+                         {"role": "tool", "content": "21", "tool_call_id": "c1"},
+                         A("", "Now the time.", [("get_time", {})]),
+                         {"role": "tool", "content": "noon", "tool_call_id": "c2"}, A("Sunny.", "Done.")])
+    call = [("header", "<|start|>assistant"),
+            ("body", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'),
+            ("eot", "<|call|>")]
+    second = [("header", "<|start|>assistant"),
+              ("body", " to=functions.get_time<|channel|>commentary json<|message|>{}"), ("eot", "<|call|>")]
+    final = [("header", "<|start|>assistant<|channel|>final<|message|>"), ("body", "Sunny."), ("eot", "<|return|>")]
+    for flags, kind in (({}, "reasoning"), ({"train_on_reasoning": False}, "untrained")):
+        m = ChatMasker(tok, **flags)
+        samples = m.encode(conv)
+        assert [s.turn for s in samples] == [1, 3, 5]
+        for s, analysis, rest in zip(samples, ("Let me think.", "Now the time.", "Done."), (call, second, final),
+                                     strict=True):
+            (sp,) = s.spans
+            prompt = m.renderer.render_ids(conv.messages[:s.turn], add_generation_prompt=True)
+            labels = [(k, tok.decode(s.input_ids[a:b])) for a, b, k in sp.labels(m.train_on_reasoning, True)]
+            assert s.input_ids[:sp.prompt_end] == prompt and sp.end == len(s.input_ids)
+            assert labels == [(kind, f"<|channel|>analysis<|message|>{analysis}<|end|>"), *rest]
+            first = sp.prompt_end if kind == "reasoning" else sp.header_start  # the call's header on: trained
+            assert s.loss_mask == [0] * first + [1] * (len(s.input_ids) - first)
+        never = ChatMasker(tok, split_turns="never", **flags)
+        (s,) = never.encode(conv)
+        assert [[(k, tok.decode(s.input_ids[a:b])) for a, b, k in sp.labels(never.train_on_reasoning, True)]
+                for sp in s.spans] == [call[1:], second[1:], [(kind, "<|channel|>analysis<|message|>Done.<|end|>"),
+                                                               *final]]
+        assert never.stats["turns_unlocated"] == 0 and never.stats["turns_history_fallback"] == 3
+
+
 def test_piecewise_tokenization_is_checked_against_whole_tokenization():
     from chatfix import TEMPLATES, _tokenizer_object
     from tokenizers import AddedToken, Tokenizer

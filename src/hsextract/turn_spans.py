@@ -161,8 +161,17 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     if xc is not None and xc != x:
         c = common_prefix(x, xc)
         ends.append(len(x) - common_suffix(x, xc, len(x) - c))
+    def start_of_next() -> int:
+        """Where message j + 1's own text starts in x (len(x) when it cannot be told): the turn starts before."""
+        if j + 1 >= len(msgs) or not isinstance(msgs[j + 1].get("content"), str):
+            return len(x)
+        xs = variant(_content_sentinel(msgs[j + 1]), j + 1)
+        return len(x) if xs is None or xs == x else common_prefix(x, xs)
+
     if p is None:
-        limit = c if c is not None else len(x)
+        # before the turn's content, its rendered reasoning and the next message: a turn whose content cannot be
+        # varied (harmony refuses content beside reasoning in a call) is not looked for in a later turn
+        limit = c if c is not None else start_of_next()
         if xn is not None and xn != x:
             limit = min(limit, common_prefix(x, xn))
         p = _last_occurrence(x, gen, lo, limit) if gen else \
