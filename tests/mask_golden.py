@@ -766,7 +766,7 @@ EXPECTED = {
     },
     'glm47': {
         ('default', 'single'): [
-            '[gMASK]<sop><|user|>Hello there!<|assistant|><think></think>⟦How are y'
+            '[gMASK]<sop><|user|>Hello there!<|assistant|><think>⟦</think>How are y'
             'ou today?⟧',
         ],
         ('default', 'system'): [
@@ -792,7 +792,7 @@ EXPECTED = {
             '[gMASK]<sop><|user|>Hello there!<|assistant|><think>⟦Nothing to say.</'
             'think><|user|>⟧',
             '[gMASK]<sop><|user|>Hello there!<|assistant|></think><|user|>What is t'
-            'wo plus two?<|assistant|><think></think>⟦Four.⟧',
+            'wo plus two?<|assistant|><think>⟦</think>Four.⟧',
         ],
         ('default', 'unicode'): [
             '[gMASK]<sop><|user|>Ça va? 日本語<|assistant|><think>⟦Répondre poliment.<'

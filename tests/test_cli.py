@@ -119,6 +119,8 @@ def test_masks_explain_marks_trained_spans(tmp_path, capsys):
     conv.write_text(json.dumps({"messages": msgs}) + "\n")
     assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model"), "--no-train-on-eot"]) == 0
     assert capsys.readouterr().out.splitlines() == [
+        "== the chat template reads `enable_thinking` besides the variables every rendering passes; "
+        "chat_template_kwargs: {}",
         f"== {conv}:1: 27 tokens, 6 trained",
         "<|im_start|>user", "Hello there!<|im_end|>", "<|im_start|>assistant", "<think>", "", "</think>", "",
         "⟦How are you today?⟧<|im_end|>", "",
@@ -128,6 +130,7 @@ def test_masks_explain_marks_trained_spans(tmp_path, capsys):
     assert "--chat-template-kwargs must be a JSON object" in capsys.readouterr().err
     # A slow tokenizer (no offset mappings) explains the same way.
     assert explain(conv, ChatMasker(make_slow_tokenizer("kimi_k25"))).splitlines() == [
+        "== the chat template reads `thinking` besides the variables every rendering passes; chat_template_kwargs: {}",
         f"== {conv}:1: 60 tokens, 7 trained",
         "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
         "<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
@@ -147,7 +150,7 @@ def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys)
     tool = [*hello, {"role": "tool", "content": "21"}]
     conv.write_text("\n".join([json.dumps({"messages": tool}), "{not json", json.dumps({"messages": hello})]) + "\n")
     assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "gemma")]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()[1:]
     assert out[0] == (f"== {conv}:1: refused (template_error): the chat template refused it: Conversation roles "
                       "must alternate user/assistant/user/assistant/...")
     assert out[1].startswith(f"== refused: {conv}:2: malformed record (bad_json): ")
@@ -155,11 +158,32 @@ def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys)
                        "<start_of_turn>model", "⟦How are you today?<end_of_turn>⟧"]
     assert out[-1].endswith(", refused template_error 1") and out[-1].count("refused") == 2
     assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "r1")]) == 0
-    out = capsys.readouterr().out.splitlines()
+    out = capsys.readouterr().out.splitlines()[1:]
     assert out[2] == (f"== {conv}:3: refused (not_prefix_stable): assistant turn 1: the generation prompt opens a "
                       "reasoning block ('<think>') that the template never renders for an assistant turn, and this "
                       "turn has no reasoning to fill it: give it `reasoning_content`, or its raw text with "
                       "'</think>' in `content` (or regenerate the responses with this model)")
+
+
+def test_masks_explain_names_the_variables_the_template_reads_and_refuses_a_key_it_never_reads(tmp_path, capsys):
+    """Kimi-K2.5's template reads `thinking`: `masks --explain` says so first; `enable_thinking` (Qwen's name)
+    would change nothing, silently, and is refused naming the key and what the template reads."""
+    from chatfix import make_tokenizer
+
+    make_tokenizer("kimi_k25").save_pretrained(tmp_path / "model")
+    conv = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "How are you today?"}]
+    conv.write_text(json.dumps({"messages": msgs}) + "\n")
+    args = ["masks", "--explain", str(conv), "--model", str(tmp_path / "model"), "--chat-template-kwargs"]
+    assert main([*args, '{"thinking": false}']) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        '== the chat template reads `thinking` besides the variables every rendering passes; chat_template_kwargs: '
+        '{"thinking": false}')
+    assert main([*args, '{"enable_thinking": false}']) == 2
+    assert capsys.readouterr().err == (
+        "hsextract masks: error: chat_template_kwargs: the chat template never reads `enable_thinking`, so it changes "
+        "nothing (the data would be rendered as without it); the template reads `thinking` besides the variables "
+        "every rendering passes. Use that name, or remove the key\n")
 
 
 def test_masks_explain_color_marks_reasoning_blue(tmp_path, capsys):

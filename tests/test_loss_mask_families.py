@@ -185,12 +185,36 @@ def test_thinking_switches():
     assert marked(s, tok) == ("<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>Hello there!<｜Assistant｜>"
                               "<think>⟦The user greets.</think>How are you today?<｜end▁of▁sentence｜>⟧")
     assert m.stats["reasoning_inserted"] == 1
-    # a turn without reasoning: the empty block the template renders for it (`</think>` + content), the closer
-    # untrained filler, as Kimi's `<think></think>`
+    # a turn without reasoning: the template renders it `</think>` + content; after the prompt's `<think>` the model
+    # wrote that closer itself, trained as the (empty) reasoning block it ends
     (s,) = m.encode(CONVS["single"])
-    assert marked(s, tok) == ("<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜><think></think>"
-                              "⟦How are you today?<｜end▁of▁sentence｜>⟧")
+    assert marked(s, tok) == ("<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜><think>"
+                              "⟦</think>How are you today?<｜end▁of▁sentence｜>⟧")
     assert m.stats["reasoning_inserted"] == 1
+
+
+@pytest.mark.parametrize("family,kwargs,stops", [
+    ("deepseek_v31", {"thinking": True}, ["<｜end▁of▁sentence｜>"] * 2),
+    ("glm47", {}, ["<|user|>", None])])  # GLM writes no stop token: the next header, none after the last turn
+def test_a_closer_the_model_wrote_after_the_prompts_opener_is_trained_in_every_split_mode(family, kwargs, stops):
+    """The generation prompt opens `<think>` and the template renders a turn without reasoning as `</think>` +
+    content (DeepSeek-V3.1 with `thinking: true`, GLM-4.7): the model wrote that `</think>`, so it is trained as
+    the reasoning block it ends (with `train_on_reasoning`; untrained without), whether each turn is its own
+    sample (`auto`, `always`) or located in the whole rendering (`never`): the same kinds on the same tokens."""
+    tok = make_tokenizer(family)
+    conv = Conversation([U("Hello there!"), A("How are you today?"), U("What is two plus two?"), A("Four.")])
+    for flags, closer in (({}, "reasoning"), ({"train_on_reasoning": False}, "untrained")):
+        turns = [[(closer, "</think>"), ("body", body)] + ([("eot", stop)] if stop else [])
+                 for body, stop in zip(("How are you today?", "Four."), stops, strict=True)]
+        for split, per_sample in (("auto", [[0], [1]]), ("always", [[0], [1]]), ("never", [[0, 1]])):
+            m = ChatMasker(tok, chat_template_kwargs=kwargs, split_turns=split, **flags)
+            samples = m.encode(conv)
+            got = [[(k, tok.decode(s.input_ids[a:b])) for sp in s.spans for a, b, k in
+                    sp.labels(m.train_on_reasoning, True)] for s in samples]
+            assert got == [sum((turns[t] for t in ts), []) for ts in per_sample], (split, flags)
+            for s in samples:
+                assert trained_segments(s, tok) == ["".join(text for k, text in turn if k != "untrained")
+                                                    for turn in (turns[t.index // 2] for t in s.spans)]
 
 
 def test_prompt_that_closes_a_block_it_never_opened():
@@ -259,6 +283,44 @@ def test_harmony_history_rewrite_is_split_and_never_mode_falls_back():
     assert m.stats["turns_history_fallback"] == 1
 
 
+def test_harmony_call_after_the_turns_reasoning_trains_the_call_messages_header():
+    """A harmony turn of reasoning then a tool call: after its analysis message the model writes the call's
+    message itself, header included (`<|start|>assistant to=functions.NAME<|channel|>commentary json<|message|>`):
+    trained, whatever `train_on_reasoning` says, token by token after the prompt. Unsplit (`never`), the full
+    rendering drops the analysis of calls followed by a final answer, and each call is located there, after the
+    tool result before it (not in a later turn), trained as rendered."""
+    tok = make_tokenizer("harmony")
+    conv = Conversation([U("Weather?"), A("", "Let me think.", [("get_weather", {"city": "Paris"})]),
+                         {"role": "tool", "content": "21", "tool_call_id": "c1"},
+                         A("", "Now the time.", [("get_time", {})]),
+                         {"role": "tool", "content": "noon", "tool_call_id": "c2"}, A("Sunny.", "Done.")])
+    call = [("header", "<|start|>assistant"),
+            ("body", ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}'),
+            ("eot", "<|call|>")]
+    second = [("header", "<|start|>assistant"),
+              ("body", " to=functions.get_time<|channel|>commentary json<|message|>{}"), ("eot", "<|call|>")]
+    final = [("header", "<|start|>assistant<|channel|>final<|message|>"), ("body", "Sunny."), ("eot", "<|return|>")]
+    for flags, kind in (({}, "reasoning"), ({"train_on_reasoning": False}, "untrained")):
+        m = ChatMasker(tok, **flags)
+        samples = m.encode(conv)
+        assert [s.turn for s in samples] == [1, 3, 5]
+        for s, analysis, rest in zip(samples, ("Let me think.", "Now the time.", "Done."), (call, second, final),
+                                     strict=True):
+            (sp,) = s.spans
+            prompt = m.renderer.render_ids(conv.messages[:s.turn], add_generation_prompt=True)
+            labels = [(k, tok.decode(s.input_ids[a:b])) for a, b, k in sp.labels(m.train_on_reasoning, True)]
+            assert s.input_ids[:sp.prompt_end] == prompt and sp.end == len(s.input_ids)
+            assert labels == [(kind, f"<|channel|>analysis<|message|>{analysis}<|end|>"), *rest]
+            first = sp.prompt_end if kind == "reasoning" else sp.header_start  # the call's header on: trained
+            assert s.loss_mask == [0] * first + [1] * (len(s.input_ids) - first)
+        never = ChatMasker(tok, split_turns="never", **flags)
+        (s,) = never.encode(conv)
+        assert [[(k, tok.decode(s.input_ids[a:b])) for a, b, k in sp.labels(never.train_on_reasoning, True)]
+                for sp in s.spans] == [call[1:], second[1:], [(kind, "<|channel|>analysis<|message|>Done.<|end|>"),
+                                                               *final]]
+        assert never.stats["turns_unlocated"] == 0 and never.stats["turns_history_fallback"] == 3
+
+
 def test_piecewise_tokenization_is_checked_against_whole_tokenization():
     from chatfix import TEMPLATES, _tokenizer_object
     from tokenizers import AddedToken, Tokenizer
@@ -315,14 +377,16 @@ def test_template_without_a_stop_token_trains_the_next_header_the_model_stops_wi
     assert facts.next_stops == (("user", ids("<|user|>")), ("tool", ids("<|observation|>")))
     assert facts.stop_ids == {ids("<|endoftext|>"), ids("<|user|>"), ids("<|observation|>")}
     nl = "\n" if family == "glm45" else ""
-    # (without reasoning, the empty think block the template writes before the turn's text is filler)
+    # without reasoning, GLM-4.5 writes an empty think block before the turn's text (filler, untrained); GLM-4.7
+    # writes `</think>` after the prompt's `<think>`: the model's closer, trained as reasoning
+    c = "</think>" if family == "glm47" else ""
     calls = (f"<tool_call>get_weather{nl}<arg_key>city</arg_key>{nl}<arg_value>Paris</arg_value>{nl}<arg_key>days"
              f"</arg_key>{nl}<arg_value>2</arg_value>{nl}</tool_call>{nl}<tool_call>get_time{nl}</tool_call>")
     conv = Conversation([U("What is the weather in Paris?"),
                          A("", None, [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]),
                          {"role": "tool", "content": "21"}, {"role": "tool", "content": "noon"},
                          A("Sunny at noon."), U("Thanks!"), A("You are welcome.")])
-    turns = [[calls + "<|observation|>"], ["Sunny at noon.<|user|>"], ["You are welcome."]]
+    turns = [[c + calls + "<|observation|>"], [c + "Sunny at noon.<|user|>"], [c + "You are welcome."]]
     # GLM-4.7's prompt ends with `<think>`, its history renders a turn without reasoning `</think>` + text: each
     # turn's prompt is in no later rendering, so `auto` splits
     splits = ("always", "auto") if family == "glm47" else ("always",)
@@ -330,7 +394,7 @@ def test_template_without_a_stop_token_trains_the_next_header_the_model_stops_wi
         got = [trained_segments(s, tok) for s in ChatMasker(tok, split_turns=split).encode(conv)]
         assert got == (turns if split in splits else [sum(turns, [])]), (family, split)
     got = [trained_segments(s, tok) for s in ChatMasker(tok, train_on_eot=False).encode(conv)]
-    assert sum(got, []) == [calls, "Sunny at noon.", "You are welcome."]
+    assert sum(got, []) == [c + calls, c + "Sunny at noon.", c + "You are welcome."]
     # A split turn's own sample ends with the header the model wrote after it; the last turn's has none.
     samples = ChatMasker(tok, split_turns="always").encode(conv)
     assert [tok.convert_ids_to_tokens(s.input_ids[-1]) for s in samples[:2]] == ["<|observation|>", "<|user|>"]
@@ -403,6 +467,38 @@ def test_tool_call_arguments_as_a_json_string_render_as_the_object(family):
     if family == "qwen3":  # renders a string argument as it is
         (ids, _), *_ = sample("city=Paris")
         assert "city=Paris" in tok.decode(ids)
+
+
+CONCATENATING_TEMPLATE = (  # joins a call's arguments to text as a string, as some templates do
+    "{%- for m in messages -%}<|im_start|>{{ m.role }}\n{{ m.content }}{%- for c in m.tool_calls or [] -%}\n"
+    "<tool_call>{{ '{\"name\": \"' + c.function.name + '\", \"arguments\": ' + c.function.arguments + '}' }}"
+    "</tool_call>{%- endfor -%}<|im_end|>\n{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+STRING_ARGUMENTS = (
+    "the chat template fails on tool-call arguments given as an object (TypeError: can only concatenate str (not "
+    "\"dict\") to str, at template line 3: `<tool_call>{{ '{\"name\": \"' + c.function.name + '\", \"arguments\": ' + "
+    "c.function.arguments + '}' }}</tool_call>{%- endfor -%}<|im_end|>`) and renders them given as a JSON string: it "
+    "joins them to text as a string. SGLang passes a history tool call's arguments to the template as the object "
+    "(serving_chat.normalize_assistant_tool_call_arguments parses a JSON string), as hsextract does, so the server "
+    "fails on this conversation as well: set a `chat_template` that serialises them (`arguments | tojson`, or "
+    "`arguments if arguments is string else arguments | tojson`)")
+
+
+@pytest.mark.parametrize("args", ['{"city": "Paris"}', {"city": "Paris"}])
+def test_a_template_that_joins_tool_call_arguments_as_a_string_is_refused_saying_why(args):
+    """Arguments reach the template as an object (as SGLang passes them): a template that concatenates them
+    fails, in Jinja's words; the error gives the template's words and line, the cause and what to do. A
+    conversation without tool calls is unaffected."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = CONCATENATING_TEMPLATE
+    conv = Conversation([U("What is the weather in Paris?"), A("", None, [("get_weather", args)]),
+                         {"role": "tool", "content": "21"}, A("Sunny.")])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(tok).encode(conv)
+    assert (str(e.value), e.value.reason) == (STRING_ARGUMENTS, "tool_arguments_as_string")
+    assert isinstance(e.value.__cause__, TypeError)
+    (s,) = ChatMasker(tok).encode(CONVS["single"])
+    assert trained_segments(s, tok) == ["\nHow are you today?<|im_end|>"]  # (its prompt strips the newline)
 
 
 PARTS_TEMPLATE = (  # iterates content parts, trimming each: the list and the joined text render differently
@@ -524,7 +620,8 @@ def test_tool_calls_rendered_after_the_stop_token_are_refused():
 
 def test_prompt_opener_with_whitespace_a_turn_without_reasoning_renders_closed():
     """Nemotron-3's prompt ends `<think>\\n`; a turn without reasoning is rendered `<think></think>` + content:
-    that turn is the prompt's open block closed at once (`</think>`, untrained filler) and the content."""
+    that turn is the prompt's open block closed at once (`</think>`, the model's: trained as reasoning) and the
+    content, in its own sample as in the whole rendering."""
     tok = make_tokenizer("qwen3")
     tok.chat_template = (
         "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}{%- if m['role'] == 'assistant' -%}"
@@ -532,8 +629,11 @@ def test_prompt_opener_with_whitespace_a_turn_without_reasoning_renders_closed()
         "{%- else -%}<think></think>{%- endif -%}{%- endif -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
         "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n<think>\\n' }}{%- endif -%}")
     (s,) = ChatMasker(tok).encode(CONVS["single"])
-    assert marked(s, tok) == ("<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n</think>"
-                              "⟦How are you today?<|im_end|>⟧")
+    assert marked(s, tok) == ("<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>\n"
+                              "⟦</think>How are you today?<|im_end|>⟧")
+    (s,) = ChatMasker(tok, split_turns="never").encode(CONVS["single"])  # the rendering's <think> is the prompt's
+    assert marked(s, tok) == ("<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n<think>"
+                              "⟦</think>How are you today?<|im_end|>⟧\n")
     (s,) = ChatMasker(tok).encode(CONVS["system"])  # with reasoning: as rendered
     assert trained_segments(s, tok) == ["The user greets.\n</think>\nHow are you today?<|im_end|>"]
 

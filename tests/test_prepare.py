@@ -194,6 +194,24 @@ def test_an_error_inside_the_chat_template_is_named_as_the_templates(tmp_path):
                             "name, a tool call's id) or hold another type")
 
 
+def test_a_template_joining_tool_call_arguments_as_a_string_is_named_and_counted(tmp_path):
+    from test_loss_mask_families import CONCATENATING_TEMPLATE, STRING_ARGUMENTS
+
+    call = {"messages": [{"role": "user", "content": "What is the weather in Paris?"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"id": "c1", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                         {"role": "tool", "content": "21", "tool_call_id": "c1"},
+                         {"role": "assistant", "content": "Sunny."}]}
+    src = _write(tmp_path, [call, _multi(reasoning=False)])
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = CONCATENATING_TEMPLATE
+    with pytest.raises(ConfigError) as e:
+        run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "strict", 1)
+    assert str(e.value) == f"{src}:1: {STRING_ARGUMENTS}"
+    summary = run_prepare(_cfg(src, prompts_per_chunk=4, strict=False), tok, tmp_path / "out", 1)
+    assert summary["dropped"] == {"tool_arguments_as_string": 1} and summary["kept"] == 1
+
+
 def test_every_record_dropped_is_an_error(tmp_path):
     src = _write(tmp_path, [_multi(), _multi()])
     kw = {"prompts_per_chunk": 4, "chat_template_kwargs": {"enable_thinking": False}, "strict": False}

@@ -129,6 +129,27 @@ def check_tokenizer(s: Settings) -> None:
         check_tokenizer_source(source, s.extract.trust_remote_code)
 
 
+def check_template_kwargs(s: Settings) -> None:
+    """A `chat_template_kwargs` key the chat template never reads, refused before any job runs, where the
+    template can be read without loading the tokenizer: `chat_template`, the tiny model's (as the workflow
+    builds it), or the tokenizer directory's files. prepare checks again with the template it renders with."""
+    from hsextract.template_kwargs import check_kwargs, stored_template
+
+    kwargs = s.prepare.chat_template_kwargs
+    if not kwargs:
+        return
+    if not s.prepare.chat_template and s.make_tiny_model and not s.extract.tokenizer:
+        from hsextract.chat_template import KIMI_STYLE_TEMPLATE
+        from hsextract.kimi_tokenizer import chat_template
+
+        template: str | None = chat_template() if s.tiny_model_tokenizer == "kimi" else KIMI_STYLE_TEMPLATE
+    else:
+        template = stored_template(s.extract.tokenizer_dir, s.prepare.chat_template)
+    if template:
+        check_kwargs(template, kwargs)
+
+
+
 def count_records(s: Settings) -> int:
     from hsextract.conversations import count_records as count
 
@@ -160,6 +181,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     aux_layers = check_layers(s, shape)
     s = from_config({**s.config, "aux_layers": aux_layers, "aux_layers_convention": HIDDEN_STATES})
     check_tokenizer(s)
+    check_template_kwargs(s)
     ref = read_layout(s.validate.reference_sample)
     check_reference(s, shape, ref)
     n_records = count_records(s)

@@ -6,7 +6,9 @@ tool-call markup, headers it writes itself, reasoning per `train_on_reasoning`, 
 `train_on_eot`); never the generation prompt, never template text after the stop token, never a token of
 another message (but for a template that writes no stop token, GLM's: the next message's header the model
 wrote to stop, `<|user|>` or `<|observation|>`, is the turn's stop token). Filler a template writes for a
-turn whose reasoning it does not render (an empty `<think></think>`) was not generated: not trained.
+turn whose reasoning it does not render (an empty `<think></think>`) was not generated: not trained; but the
+closer of a block the generation prompt opened, where the turn's rendering starts with it (DeepSeek-V3.1
+`thinking: true`, GLM-4.7), the model wrote: trained as reasoning, in every `split_turns` mode.
 
 Turn boundaries are found on token ids, never on character offsets, so slow tokenizers (tiktoken,
 sentencepiece, custom code) work as fast ones do. For assistant turn j:
@@ -265,8 +267,10 @@ class ChatMasker:
         answer are the turn as the template renders it. A template that never writes the closer gets it as those
         models write it: reasoning, newline, closer, blank line (unless the data's own text says otherwise).
         A turn without reasoning is the closer and the answer where the template renders such a turn so
-        (GLM-4.7: `</think>` right after the header), the closer untrained as the filler it then is; where it
-        does not (R1, QwQ), nothing tells what the model wrote: refused.
+        (GLM-4.7: `</think>` right after the header): the model wrote that closer after the prompt's opener, so
+        it is trained as the reasoning block it ends (`closes_prompt_block`; `encode` does the same where
+        `split_turns: never` locates the turn in the whole rendering); where it does not (R1, QwQ), nothing
+        tells what the model wrote: refused.
         `gen`: the generation prompt (`_generation_prompt`). None when the turn is not such a case."""
         rd, m = self.renderer, conv.messages[j]
         opened = self._reasoning_opener(p, e, gen)
@@ -283,13 +287,13 @@ class ChatMasker:
                 reasoning = reasoning.lstrip()[len(tag[1]):].removeprefix(tag[3])
         held = p[len(p) - len(gen):k]  # the part of the generation prompt the turn rendered last has
         sp = find_turn(rd, conv.messages[:j + 1], conv.tools, j, e, None, held, last=True, prompt=p[:k])
+        sp = None if sp is None else self._after_prompt_opener(sp, e, p[k])
         region = [] if sp is None else e[sp.prompt_end:sp.content_start]
-        if region[:1] == p[k:k + 1]:  # the rendering's own opener: the prompt holds it
-            region = region[1:]
         writes_closer = closer in self.renderer.text(region)
-        if reasoning is None and writes_closer:  # an empty reasoning block, as the template renders one
+        if reasoning is None and writes_closer:  # the model closed the prompt's block at once: its own closer
             ids, span = self._put_back(p, region, e, sp)
-            return ids, replace(span, reasoning_rendered=False, reasoning_inserted=False, filler_trained=False)
+            return ids, replace(span, reasoning_rendered=False, reasoning_inserted=False, filler_trained=False,
+                                closes_prompt_block=True)
         if reasoning is None:
             raise TemplateError(
                 f"assistant turn {j}: the generation prompt opens a reasoning block ({tag[1]!r}) that the template "
@@ -307,6 +311,17 @@ class ChatMasker:
         if answer.startswith(gap):  # the template keeps the blank line the model wrote (R1), or there is none
             gap = ""
         return self._put_back(p, rd.ids(reasoning + closer + gap), e, sp)
+
+    @staticmethod
+    def _after_prompt_opener(sp: TurnSpan, x: list[int], opener: int) -> TurnSpan:
+        """sp, found in x after the part of the generation prompt x holds, starting after the reasoning opener the
+        prompt ends with where x writes it there too (Nemotron-3: the prompt's `<think>\n`, the rendering's
+        `<think></think>`): the prompt holds it, the model did not write it."""
+        if x[sp.prompt_end:sp.prompt_end + 1] != [opener] or sp.reasoning_rendered:
+            return sp
+        at = sp.prompt_end + 1
+        return replace(sp, prompt_end=at, header_start=max(sp.header_start, at),
+                       content_start=max(sp.content_start, at))
 
     def _refuse_stop_tokens_inside(self, msgs: list[dict[str, Any]]) -> None:
         """An assistant turn whose own text holds a token that ends a turn (`<|im_end|>`, GLM's `<|user|>`, eos)
@@ -398,9 +413,14 @@ class ChatMasker:
                         got = replace(got, prompt_end=c, header_start=max(got.header_start, c),
                                       content_start=max(got.content_start, c))
                 if got is None and (opened := self._reasoning_opener(p, r, gen)) is not None:
-                    # the prompt opens reasoning no rendering has (R1, QwQ): the turn follows what R holds of it
+                    # the prompt opens reasoning no rendering has (R1, QwQ): the turn follows what R holds of it;
+                    # a closer R writes there is the model's, trained as in the turn's own sample
                     k = opened[1]
                     got = find_turn(rd, msgs, tools, j, r, None, p[len(p) - len(gen):k], lo, prompt=p[:k])
+                    got = None if got is None else self._after_prompt_opener(got, r, p[k])
+                    if got is not None and not got.reasoning_rendered and \
+                            f"</{opened[0][2]}>" in rd.text(r[got.prompt_end:got.header_start]):
+                        got = replace(got, closes_prompt_block=True)
                 if got is None:
                     self.stats["turns_unlocated"] += 1
                     continue

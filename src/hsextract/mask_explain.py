@@ -3,11 +3,13 @@
 Each sample is printed as its decoded tokens with every run of trained tokens between ⟦ and ⟧ (with
 `--color`, in colour instead: reasoning blue, eot yellow, the rest green). Nothing is tokenized back: the
 marks sit exactly on token boundaries, as the mask does. A record prepare would drop is shown with its reason
-and the error's words, and the next one is explained.
+and the error's words, and the next one is explained. The first line names the variables the template reads
+that `chat_template_kwargs` can set (`template_kwargs`), and the kwargs given.
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -57,7 +59,9 @@ def explain(path: str | Path, masker: ChatMasker, color: bool = False) -> str:
     """Every conversation of a file prepare reads (JSONL, JSON, parquet; any record format), explained."""
     (src,) = open_sources([{"path": str(path), "format": "auto", "weight": 1.0, "max_records": None, "name": None,
                             "split": None}])
-    lines: list[str] = []
+    rd = masker.renderer  # first, what the template reads that chat_template_kwargs can set (a key it does not
+    # read is refused when the masker is made)
+    lines = [f"== the chat template {rd.variables.describe()}; chat_template_kwargs: {json.dumps(rd.kwargs)}"]
     refused: Counter[str] = Counter()
     for i in range(len(src)):
         try:

@@ -43,7 +43,7 @@ import json
 import re
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from hsextract.conversations import as_openai
 from hsextract.errors import ConfigError
+from hsextract.template_kwargs import check_kwargs
 
 # Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
 # differ in their first and last UTF-8 byte (EE.. vs EF..; ..80 vs ..81), so their first and last tokens differ
@@ -64,6 +65,7 @@ REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 TEMPLATE_ERROR = "template_error"  # the reason a conversation is dropped under when nothing names another
+TOOL_ARGUMENTS_AS_STRING = "tool_arguments_as_string"  # a template that joins tool-call arguments as text
 
 
 class TemplateError(ConfigError):
@@ -182,6 +184,30 @@ def _object_arguments(call: Any) -> Any:
     return {**call, "function": {**fn, "arguments": args}} if isinstance(args, dict) else call
 
 
+def _string_arguments(m: dict[str, Any]) -> dict[str, Any]:
+    """The message with its tool calls' object arguments written as JSON strings (the OpenAI format)."""
+    calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+    if not calls:
+        return m
+    out = []
+    for c in calls:
+        fn = c.get("function") if isinstance(c, dict) else None
+        args = fn.get("arguments") if isinstance(fn, dict) else None
+        out.append({**c, "function": {**fn, "arguments": json.dumps(args, ensure_ascii=False)}}
+                   if isinstance(fn, dict) and isinstance(args, dict) else c)
+    return {**m, "tool_calls": out}
+
+
+def _template_words(e: BaseException, template: str) -> str:
+    """The error raised inside the template, with the template's line it was raised at."""
+    lines = template.splitlines()
+    at = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == "<template>" and f.lineno]
+    if not at or at[-1] > len(lines):
+        return f"{type(e).__name__}: {e}"
+    line = lines[at[-1] - 1].strip()
+    return f"{type(e).__name__}: {e}, at template line {at[-1]}: `{line[:200]}{' ...' if len(line) > 200 else ''}`"
+
+
 @dataclass
 class TemplateFacts:
     """What the probe learned about a template (see the module docstring)."""
@@ -214,6 +240,7 @@ class TemplateRenderer:
         self.kwargs = dict(chat_template_kwargs or {})
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
+        self.variables = check_kwargs(template, self.kwargs, self._probe_renderings)  # a key it never reads: error
         self._ids: dict[str, list[int]] = {}
         self._facts: TemplateFacts | None = None
         self._special: frozenset[int] | None = None
@@ -244,10 +271,11 @@ class TemplateRenderer:
             del out["content"]
         return out
 
-    def _apply(self, msgs: list[dict[str, Any]], tools: Any, gen: bool) -> str:
+    def _apply(self, msgs: list[dict[str, Any]], tools: Any, gen: bool, kwargs: Mapping[str, Any] | None = None
+               ) -> str:
         with _clock_at(self._clock) if self._clock else contextlib.nullcontext():
             out = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
-                                                     **self.kwargs)
+                                                     **(self.kwargs if kwargs is None else kwargs))
         if not isinstance(out, str):
             raise TemplateError(f"apply_chat_template returned {type(out).__name__}, expected a string")
         return out
@@ -255,11 +283,55 @@ class TemplateRenderer:
     def render(self, messages: list[dict[str, Any]], tools: Any = None, add_generation_prompt: bool = False) -> str:
         try:
             return self._apply([self._prepare(m, False) for m in messages], tools, add_generation_prompt)
-        except Exception:
+        except Exception as e:
             alt = [self._prepare(m, True) for m in messages]
             if alt == [self._prepare(m, False) for m in messages]:
+                self._refuse_string_arguments(e, alt, tools, add_generation_prompt)
                 raise
-            return self._apply(alt, tools, add_generation_prompt)
+            try:
+                return self._apply(alt, tools, add_generation_prompt)
+            except Exception as again:
+                self._refuse_string_arguments(again, alt, tools, add_generation_prompt)
+                raise
+
+    def _refuse_string_arguments(self, e: Exception, msgs: list[dict[str, Any]], tools: Any, gen: bool) -> None:
+        """A template that fails on tool-call arguments given as an object, and renders them as a JSON string, joins
+        them as a string: SGLang passes them as the object (`serving_chat.normalize_assistant_tool_call_arguments`
+        parses the string), as `_prepare` does, so the server fails on this conversation too. Raises a
+        TemplateError saying so, with the template's own words; returns when that is not the cause."""
+        as_text = [_string_arguments(m) for m in msgs]
+        if as_text == msgs:
+            return
+        try:
+            self._apply(as_text, tools, gen)
+        except Exception:  # noqa: BLE001 - it fails with string arguments too: another cause, its own error
+            return
+        raise TemplateError(
+            f"the chat template fails on tool-call arguments given as an object ({_template_words(e, self.template)}) "
+            f"and renders them given as a JSON string: it joins them to text as a string. SGLang passes a history "
+            f"tool call's arguments to the template as the object (serving_chat.normalize_assistant_tool_call_"
+            f"arguments parses a JSON string), as hsextract does, so the server fails on this conversation as well: "
+            f"set a `chat_template` that serialises them (`arguments | tojson`, or `arguments if arguments is string "
+            f"else arguments | tojson`)", reason=TOOL_ARGUMENTS_AS_STRING) from e
+
+    def _probe_renderings(self, kwargs: Mapping[str, Any]) -> list[str]:
+        """A few conversations (a prompt, a reasoning turn, a tool call and its result) rendered under `kwargs`,
+        each as its text or its error: where a template's variables cannot all be listed, a kwarg that changes
+        none of these is taken as unread (`template_kwargs.check_kwargs`)."""
+        user = {"role": "user", "content": "hi"}
+        call = {"type": "function", "id": "call00001", "function": {"name": "f", "arguments": {"x": "1"}}}
+        convs = [([user], True),
+                 ([user, {"role": "assistant", "content": "a", "reasoning_content": "r"}], False),
+                 ([{"role": "system", "content": "s"}, user, {"role": "assistant", "content": "", "tool_calls": [call]},
+                   {"role": "tool", "content": "t", "tool_call_id": "call00001", "name": "f"},
+                   {"role": "assistant", "content": "a", "reasoning_content": "r"}, user], True)]
+        out = []
+        for msgs, gen in convs:
+            try:
+                out.append(self._apply([self._prepare(m, False) for m in msgs], None, gen, kwargs))
+            except Exception as e:  # noqa: BLE001 - a kwarg that changes the template's refusal is read too
+                out.append(f"{type(e).__name__}: {e}")
+        return out
 
     # ------------------------------------------------------------------------------------------ tokens
 
@@ -428,5 +500,6 @@ class TemplateRenderer:
         return ()
 
 
-__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TEMPLATE_ERROR", "TemplateError", "TemplateFacts",
-           "TemplateRenderer", "common_prefix", "content_format", "common_suffix", "failure", "is_prefix"]
+__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TemplateError",
+           "TemplateFacts", "TemplateRenderer", "common_prefix", "content_format", "common_suffix", "failure",
+           "is_prefix"]

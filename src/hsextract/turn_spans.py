@@ -4,8 +4,9 @@ A *frame* is a message list M rendered to ids X, with the assistant turn at inde
 the ids of render(M[:j], add_generation_prompt=True), which must be a prefix of X (checked by the caller):
 X[:p] is what the server saw before it generated the turn. Within X the turn is split as:
 
-    X[p:hdr]      reasoning block (delimiters included) when the template renders the turn's reasoning,
-                  else filler the template writes before the content (see `filler_trained`)
+    X[p:hdr]      reasoning block (delimiters included) when the template renders the turn's reasoning, or
+                  the closer of the block the generation prompt opened (`closes_prompt_block`), else filler
+                  the template writes before the content (see `filler_trained`)
     X[hdr:c]      content header the model writes after its reasoning (harmony: `<|start|>assistant
                   <|channel|>final<|message|>`), empty for think-tag templates
     X[c:stop]     the message: content, tool-call markup, and any closers before the stop token
@@ -41,11 +42,15 @@ class TurnSpan:
     reasoning_rendered: bool
     filler_trained: bool  # X[p:hdr] when no reasoning is rendered: text the model writes itself
     reasoning_inserted: bool = False  # X[p:hdr] is reasoning no rendering has, put back (ChatMasker)
+    # X[p:hdr] closes the reasoning block the generation prompt opened, with no reasoning before it in the frame
+    # (DeepSeek-V3.1 `thinking: true`, GLM-4.7: `</think>` + content after a prompt ending `<think>`): the model
+    # wrote that closer, so it is trained as the reasoning block it ends (ChatMasker)
+    closes_prompt_block: bool = False
 
     def labels(self, train_on_reasoning: bool, train_on_eot: bool) -> list[tuple[int, int, str]]:
         """[(start, end, kind)] of the turn's tokens; kind is reasoning, header, body, eot or untrained."""
         out: list[tuple[int, int, str]] = []
-        if self.reasoning_rendered:
+        if self.reasoning_rendered or self.closes_prompt_block:
             out.append((self.prompt_end, self.header_start, "reasoning" if train_on_reasoning else "untrained"))
         else:
             out.append((self.prompt_end, self.header_start, "header" if self.filler_trained else "untrained"))
@@ -156,8 +161,17 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     if xc is not None and xc != x:
         c = common_prefix(x, xc)
         ends.append(len(x) - common_suffix(x, xc, len(x) - c))
+    def start_of_next() -> int:
+        """Where message j + 1's own text starts in x (len(x) when it cannot be told): the turn starts before."""
+        if j + 1 >= len(msgs) or not isinstance(msgs[j + 1].get("content"), str):
+            return len(x)
+        xs = variant(_content_sentinel(msgs[j + 1]), j + 1)
+        return len(x) if xs is None or xs == x else common_prefix(x, xs)
+
     if p is None:
-        limit = c if c is not None else len(x)
+        # before the turn's content, its rendered reasoning and the next message: a turn whose content cannot be
+        # varied (harmony refuses content beside reasoning in a call) is not looked for in a later turn
+        limit = c if c is not None else start_of_next()
         if xn is not None and xn != x:
             limit = min(limit, common_prefix(x, xn))
         p = _last_occurrence(x, gen, lo, limit) if gen else \

@@ -1,0 +1,121 @@
+"""Which variables a chat template reads, and the check that every `chat_template_kwargs` key is one of them.
+
+A key the template never reads changes nothing, silently: Kimi-K2.5's template reads `thinking`, so
+`enable_thinking: false` (Qwen's name) leaves the data thinking-on while the config says off. The variables
+are jinja2's `meta.find_undeclared_variables` of the template parsed in the environment transformers renders
+with: every name the template reads from its context (a name it sets before reading is its own). Jinja has no
+other way to read the context (no `locals()`, no context object), so that set is complete, unless the template
+pulls in other templates (`include`, `import`, `extends`): those have no loader in transformers, so they cannot
+be read here; the check then renders probe conversations with and without the key instead.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2 import meta, nodes
+
+from hsextract.errors import ConfigError
+
+KEY = "chat_template_kwargs"
+# What every rendering passes a template besides chat_template_kwargs (transformers' apply_chat_template:
+# the conversation, its flags and the tokenizer's special tokens); a key naming one of these is read anyway.
+SERVER_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
+    "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens"})
+
+
+@dataclass(frozen=True)
+class TemplateVariables:
+    """The names a template reads from its context (`names`), those it also sets somewhere itself (`assigned`:
+    read from the context only on paths that do not set them, as Qwen's `content`); `complete` false when it
+    pulls in templates not read here."""
+
+    names: frozenset[str]
+    assigned: frozenset[str]
+    complete: bool
+
+    @property
+    def kwargs(self) -> tuple[str, ...]:
+        """The names only a `chat_template_kwargs` key can set: read, never set by the template or the server."""
+        return tuple(sorted(self.names - self.assigned - SERVER_VARIABLES))
+
+    def describe(self) -> str:
+        """What the template reads that kwargs can set, in words: "reads `thinking` besides ..." (`masks --explain`
+        and the error below)."""
+        own = "" if self.complete else " (in its own text; it includes other templates, not read here)"
+        if not self.kwargs:
+            return f"reads no variable{own} besides those every rendering passes (the conversation, " \
+                   f"its flags, the special tokens)"
+        names = [f"`{n}`" for n in self.kwargs]
+        listed = names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+        return f"reads {listed}{own} besides the variables every rendering passes"
+
+
+def template_variables(template: str) -> TemplateVariables:
+    """The variables `template` reads (see the module docstring); none, incomplete, if it does not parse."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:  # the environment apply_chat_template renders with (it knows `{% generation %}`)
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except jinja2.TemplateError:
+        return TemplateVariables(frozenset(), frozenset(), False)
+    names = frozenset(meta.find_undeclared_variables(tree))
+    assigned = frozenset(n.name for n in tree.find_all(nodes.Name) if n.ctx in ("store", "param")) | frozenset(
+        m.name for m in tree.find_all(nodes.Macro))
+    return TemplateVariables(names, assigned, not any(True for _ in meta.find_referenced_templates(tree)))
+
+
+def check_kwargs(template: str, kwargs: Mapping[str, Any],
+                 renders: Callable[[Mapping[str, Any]], object] | None = None) -> TemplateVariables:
+    """Refuse a `chat_template_kwargs` key the template never reads (ConfigError naming it and the variables
+    the template reads). Where the template's variables cannot all be listed, a key is refused when `renders`
+    (the probe renderings under given kwargs) are the same with and without it; without `renders`, it passes."""
+    found = template_variables(template)
+    unread = [k for k in kwargs if k not in found.names]
+    if not found.complete:
+        if renders is None:
+            return found
+        base = renders(kwargs)
+        unread = [k for k in unread if renders({q: v for q, v in kwargs.items() if q != k}) == base]
+    if not unread:
+        return found
+    keys = " or ".join(f"`{k}`" for k in unread)
+    it = "it changes" if len(unread) == 1 else "they change"
+    why = (f"never reads {keys}" if found.complete else
+           f"includes other templates (not read here), and {keys} changes none of the probe renderings (a "
+           f"prompt, a turn with reasoning, a tool call and its result)")
+    fix = ("Use that name, or remove the key" if len(found.kwargs) == 1 else
+           "Use one of those names, or remove the key" if found.kwargs else "Remove the key")
+    raise ConfigError(f"{KEY}: the chat template {why}, so {it} nothing (the data would be rendered as without "
+                      f"{'it' if len(unread) == 1 else 'them'}); the template {found.describe()}. {fix}")
+
+
+def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None) -> str | None:
+    """The chat template a tokenizer directory holds (chat_template.jinja, else tokenizer_config.json's; of named
+    templates the `default` one), or `chat_template` (a file or the text) when set; None when there is none
+    to read without loading the tokenizer."""
+    from hsextract.tokenizer_loading import chat_template_file
+
+    if chat_template:
+        path = chat_template_file(chat_template)
+        return path.read_text() if path else chat_template
+    root = Path(tokenizer_dir)
+    if (root / "chat_template.jinja").is_file():
+        return (root / "chat_template.jinja").read_text()
+    try:
+        template = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(template, list):  # named templates: the default one renders chats
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+__all__ = ["KEY", "SERVER_VARIABLES", "TemplateVariables", "check_kwargs", "stored_template", "template_variables"]

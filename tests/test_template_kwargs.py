@@ -1,0 +1,116 @@
+"""A `chat_template_kwargs` key the chat template never reads is an error (hsextract.template_kwargs): at config
+check, and where the masker is made (prepare, regenerate, `masks --explain`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from chatfix import make_tokenizer
+from test_config import ROOT, write_model, write_reference
+
+from hsextract.config import check
+from hsextract.errors import ConfigError
+from hsextract.loss_mask import ChatMasker
+from hsextract.template_kwargs import check_kwargs, template_variables
+
+KIMI_ENABLE_THINKING = (
+    "chat_template_kwargs: the chat template never reads `enable_thinking`, so it changes nothing (the data would be "
+    "rendered as without it); the template reads `thinking` besides the variables every rendering passes. Use that "
+    "name, or remove the key")
+
+
+def test_a_key_the_template_never_reads_is_refused_naming_what_it_reads():
+    with pytest.raises(ConfigError) as e:
+        ChatMasker(make_tokenizer("kimi_k25"), chat_template_kwargs={"enable_thinking": False})
+    assert str(e.value) == KIMI_ENABLE_THINKING
+    with pytest.raises(ConfigError) as e:
+        ChatMasker(make_tokenizer("llama3"), chat_template_kwargs={"enable_thinking": False, "x": 1})
+    assert str(e.value) == (
+        "chat_template_kwargs: the chat template never reads `enable_thinking` or `x`, so they change nothing (the "
+        "data would be rendered as without them); the template reads no variable besides those every rendering "
+        "passes (the conversation, its flags, the special tokens). Remove the key")
+    with pytest.raises(ConfigError) as e:
+        ChatMasker(make_tokenizer("glm47"), chat_template_kwargs={"thinking": True, "clear_thinking": False})
+    assert str(e.value) == (
+        "chat_template_kwargs: the chat template never reads `thinking`, so it changes nothing (the data would be "
+        "rendered as without it); the template reads `clear_thinking` and `enable_thinking` besides the variables "
+        "every rendering passes. Use one of those names, or remove the key")
+
+
+@pytest.mark.parametrize("family,kwargs", [
+    ("kimi_k25", {"thinking": False}), ("deepseek_v31", {"thinking": True}), ("qwen3", {"enable_thinking": False}),
+    ("gemma4", {"enable_thinking": True}), ("glm45", {"enable_thinking": False}),
+    ("glm47", {"enable_thinking": False, "clear_thinking": False}), ("harmony", {"reasoning_effort": "high"}),
+    ("llama3", {"bos_token": "<|begin_of_text|>"})])  # a variable the server passes, read: no error
+def test_keys_the_template_reads_pass(family, kwargs):
+    assert ChatMasker(make_tokenizer(family), chat_template_kwargs=kwargs).renderer.kwargs == kwargs
+
+
+def test_variables_set_by_the_template_itself_are_not_listed_as_kwargs():
+    """Qwen3's template sets `content` and `reasoning_content` in its loop (read from the context only where it
+    has not set them): a key of that name is read, so not refused, but only `enable_thinking` is listed."""
+    found = template_variables(make_tokenizer("qwen3").chat_template)
+    assert {"content", "reasoning_content", "enable_thinking"} <= found.names and found.complete
+    assert found.kwargs == ("enable_thinking",)
+    masker = ChatMasker(make_tokenizer("qwen3"), chat_template_kwargs={"content": "x"})
+    assert masker.renderer.kwargs == {"content": "x"}
+
+
+def test_a_template_that_includes_others_is_checked_by_rendering_with_and_without_the_key():
+    """`include` has no loader in transformers, so the variables of an included template cannot be listed: a key
+    is refused only where the probe renderings are the same with and without it; without renderings (config
+    check), it passes."""
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = "{%- if false -%}{% include 'extra.jinja' %}{%- endif -%}" + tok.chat_template
+    assert not template_variables(tok.chat_template).complete
+    assert ChatMasker(tok, chat_template_kwargs={"enable_thinking": False}).renderer.kwargs == {
+        "enable_thinking": False}
+    with pytest.raises(ConfigError) as e:
+        ChatMasker(tok, chat_template_kwargs={"enable_thinking": False, "thinking": False})
+    assert str(e.value) == (
+        "chat_template_kwargs: the chat template includes other templates (not read here), and `thinking` changes "
+        "none of the probe renderings (a prompt, a turn with reasoning, a tool call and its result), so it changes "
+        "nothing (the data would be rendered as without it); the template reads `enable_thinking` (in its own text; "
+        "it includes other templates, not read here) besides the variables every rendering passes. Use that name, "
+        "or remove the key")
+    assert not check_kwargs(tok.chat_template, {"thinking": False}).complete  # no renderings: passes
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+    monkeypatch.chdir(tmp_path)
+    write_model(tmp_path / "m")
+    write_reference(tmp_path / "ref.pt")
+    (tmp_path / "conv.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                                  {"role": "assistant", "content": "a"}]}) + "\n")
+    c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", capture="custom", aux_layers=[1, 2, 3],
+             aux_layers_convention="hidden_states", trust_remote_code=False)
+    c["sources"] = [{"path": "conv.jsonl", "format": "messages", "weight": 1.0, "max_records": None}]
+    return c
+
+
+def test_config_check_refuses_a_key_the_template_never_reads(cfg: dict, tmp_path: Path):
+    """Before any job runs: the template of the tokenizer directory (tokenizer_config.json or chat_template.jinja),
+    or `chat_template`, or the tiny model's as the workflow builds it."""
+    make_tokenizer("kimi_k25").save_pretrained(tmp_path / "m")
+    cfg["chat_template_kwargs"] = {"enable_thinking": False}
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert str(e.value) == KIMI_ENABLE_THINKING
+    cfg["chat_template_kwargs"] = {"thinking": False}
+    assert check(cfg).settings.prepare.chat_template_kwargs == {"thinking": False}
+    cfg["chat_template"] = (tmp_path / "qwen.jinja").as_posix()
+    (tmp_path / "qwen.jinja").write_text(make_tokenizer("qwen3").chat_template)
+    with pytest.raises(ConfigError, match="never reads `thinking`.* reads `enable_thinking` besides"):
+        check(cfg)
+    # the default run: the tiny model's Kimi-K2.5-shaped template, read before the workflow builds it
+    default = {**cfg, "model": "resources/tiny-model", "make_tiny_model": True, "trust_remote_code": True,
+               "chat_template": None, "chat_template_kwargs": {"enable_thinking": False}}
+    with pytest.raises(ConfigError) as e:
+        check(default)
+    assert str(e.value) == KIMI_ENABLE_THINKING
+    assert check({**default, "chat_template_kwargs": {"thinking": True}}).n_chunks == 1
