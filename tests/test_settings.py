@@ -20,7 +20,7 @@ DERIVED = {
     "config", "config_hash", "extract.config_hash", "validate.same_model", "validate.reference_sample",
     "prepare.trust_remote_code",
     *(f"extract.{k}" for k in ("run_name", "model", "tokenizer", "engine", "aux_layers", "final_state",
-                                "trust_remote_code")),
+                                "trust_remote_code", "share_prefixes")),
 }
 
 

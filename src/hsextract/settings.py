@@ -109,6 +109,7 @@ class SGLangSettings:
     staging_mb: int
     writer_threads: int
     prefill_cuda_graph: bool
+    share_prefixes_untested_on_gpu: bool  # opt-in: share_prefixes with engine sglang (not yet run on a GPU)
     startup_timeout_s: float
     server_url: str | None
     servers: tuple[str, ...]
@@ -126,6 +127,7 @@ class ExtractSettings:
     aux_layers: tuple[int, ...] | None  # None: a `capture` preset not yet resolved (config.check resolves it)
     final_state: str
     trust_remote_code: bool
+    share_prefixes: bool  # prepare's: the sglang server keeps its radix cache on, the client sends parents first
     config_hash: str
     # the `extract:` job keys
     threads: int

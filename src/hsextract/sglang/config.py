@@ -108,6 +108,7 @@ def server_config_from(settings: ExtractSettings, root: str | Path = ".", python
         writer_threads=s.writer_threads,
         prefill_cuda_graph=s.prefill_cuda_graph,
         trust_remote_code=settings.trust_remote_code,
+        share_prefixes=settings.share_prefixes,
     )
 
 
@@ -138,6 +139,7 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
         run_name=settings.run_name,
         chunk=chunk,
         api_key=s.api_key if urls else None,
+        share_prefixes=settings.share_prefixes,
     )
 
 
@@ -221,6 +223,11 @@ def build_patched(
             f"sglang.capture: {cfg.capture!r} is not available in SGLang {report['sglang_version']} "
             f"(available: {report['capture_sources']}); set sglang.capture accordingly"
         )
+    mode = "shared" if cfg.share_prefixes else "flat"
+    if mode not in report["prefix_modes"]:
+        problems = "\n".join(p["text"] for p in report["problems"] if p["needed_for"] == mode)
+        raise EngineError(f"share_prefixes: {str(cfg.share_prefixes).lower()} needs what the SGLang of {py} "
+                          f"({report['sglang_version']}) lacks:\n{problems}")
     info = {
         "python": py,
         "sglang_version": report["sglang_version"],
