@@ -236,6 +236,7 @@ def build_patched(
         "plugin_sha256": plugin_source_hash(installed),
         "capture": cfg.capture,
         "capture_sources": report["capture_sources"],
+        "share_prefixes": cfg.share_prefixes,  # the radix cache on (docs/SHARED_PREFIX.md section 5)
         # the key file each replica's command names (made when the server starts), never the key
         "launch": [redact(build_command(cfg, r, key_path(state_dir(settings, root), r))) for r in range(cfg.replicas)],
     }
