@@ -245,7 +245,7 @@ class FakeServer:
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
                  hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
-                 gather: int = 0, final_state: str = "post_norm", api_key: str | None = None,
+                 gather: int = 0, gather_after: int = 0, final_state: str = "post_norm", api_key: str | None = None,
                  model: torch.nn.Module | None = None, radix: bool = False, shared_prefix: bool | None = None,
                  abort_after_first_pass: tuple[str, ...] = (), misplace_rows: bool = False) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), final_state=final_state,
@@ -263,6 +263,8 @@ class FakeServer:
         # the first pass waits for `gather` requests (5 s at most) and takes them in rid order: a test whose
         # outcome depends on which requests share that pass gets the same pass on a loaded machine
         self.gather = gather
+        self.gather_after = gather_after  # the gathering pass is the first once this many requests are finished
+        self.finished = 0
         self.api_key = api_key
         self.radix = radix
         self.cache: dict[str | None, list[list[int]]] = {}  # extra_key -> the id prefixes computed under it
@@ -335,7 +337,7 @@ class FakeServer:
             with self._cv:
                 while not self._queue and not self._stop.is_set():
                     self._cv.wait(0.1)
-                if gather:
+                if gather and self.finished >= self.gather_after:
                     self._cv.wait_for(lambda n=gather: len(self._queue) >= n or self._stop.is_set(), timeout=5.0)
                     self._queue.sort(key=lambda r: r.rid)
                     gather = 0
@@ -360,6 +362,7 @@ class FakeServer:
                         self.cache.setdefault(r.extra_key, []).append(list(r.origin_input_ids[:r.progress]))
                     if r.progress == len(r.origin_input_ids):
                         self._queue.remove(r)
+                        self.finished += 1
                         r.done.set()
                     elif (pre == r.cached and self.abort_after_first_pass
                           and r.rid.endswith(self.abort_after_first_pass)):

@@ -18,6 +18,7 @@ from fake_sglang import HIDDEN, FakeServer, expected_states
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
 from hsextract.extract import ChunkPrompts, extract_chunk
+from hsextract.prefix_share import find_parents
 from hsextract.sglang import server as hsrv
 from hsextract.sglang.client import SGLangEngine
 from hsextract.shard import ShardReader
@@ -514,24 +515,34 @@ def test_the_server_mode_must_match_the_run(tmp_path: Path) -> None:
 
 
 def test_families_interleave_to_fill_the_slots(tmp_path: Path) -> None:
-    """Eight 5-turn families, each family's turns together in chunk order: the client sends from every family's
-    ready frontier, so 4 requests reach the server at once (the first pass waits for 4: sending in chunk order
-    within a reorder window of 2 x concurrency would offer at most 2 ready prompts)."""
+    """Eight 5-turn conversations opening with one 70-token declaration, each one's turns together in chunk order,
+    references from prepare's find_parents: a conversation's first turn has the previous conversation's last turn
+    as parent (ties go to the later sample), but needs only the declaration's rows, which the chunk's first sample
+    computed. The client sends each prompt once that source is captured and fills the slots from every family's
+    frontier, so 4 requests reach the server at once (the pass after the first sample's waits for 4; waiting for
+    the parents would run the conversations one after another, and sending in chunk order within a reorder window
+    of 2 x concurrency would offer at most 3)."""
     g = torch.Generator().manual_seed(9)
-    ids, parents, lens = [], [], []
-    for _ in range(8):
-        turn = torch.randint(0, 5000, (40,), generator=g).tolist()
-        for t in range(5):
-            parents.append(len(ids) - 1 if t else -1)
-            lens.append(len(ids[-1]) if t else 0)  # the whole previous turn
+    decl = torch.randint(0, 5000, (70,), generator=g).tolist()
+    ids, records = [], []
+    for c in range(8):
+        turn = decl + torch.randint(0, 5000, (10,), generator=g).tolist()
+        for _ in range(5):
             ids.append(turn)
+            records.append(c)
             turn = turn + torch.randint(0, 5000, (30,), generator=g).tolist()
-    chunk = ChunkPrompts([f"s{k:02d}" for k in range(40)], ids, [[1] * len(x) for x in ids], parents, lens)
-    srv = FakeServer(tmp_path, AUX, radix=True, gather=4).start()
+    refs = find_parents(ids, records)
+    assert refs[5] == (4, 70) and refs[1] == (0, 80)  # conversation 1's first turn: conversation 0's last turn
+    chunk = ChunkPrompts([f"s{k:02d}" for k in range(40)], ids, [[1] * len(x) for x in ids], [p for p, _ in refs],
+                         [k for _, k in refs])
+    srv = FakeServer(tmp_path, AUX, radix=True, gather=4, gather_after=1).start()
     try:
         out = run_chunk(srv, chunk, tmp_path / "shared.hss", share=True, concurrency=4)
     finally:
         srv.stop()
     assert srv.max_inflight == 4
-    assert out["computed_tokens"] == srv.prefill_tokens == 8 * (40 + 4 * 30)
+    assert out["computed_tokens"] == srv.prefill_tokens == 70 + 8 * (10 + 4 * 30) == sum(map(len, ids)) - sum(
+        k for _, k in refs)
     assert wrong_samples(tmp_path / "shared.hss", chunk) == []
+    r = ShardReader(tmp_path / "shared.hss")
+    assert (r.parents, r.prefix_lens) == ([p for p, _ in refs], [k for _, k in refs])

@@ -8,8 +8,9 @@ window. A failed request is retried with exponential backoff (`api.retrying`); a
 or as soon as the server fails its health check, the chunk fails with an EngineError saying which.
 
 Shared prefixes (`share_prefixes`, docs/SHARED_PREFIX.md section 5; the server runs with its radix cache on and
-HSEXTRACT_SHARED_PREFIX=1): a prompt with a parent is sent only once its parent's dump is collected, so the
-parent's keys and values are in SGLang's prefix cache and the request computes only from its cache hit m on.
+HSEXTRACT_SHARED_PREFIX=1): a prompt with a parent is sent only once the dump of its source (the parent, or the
+ancestor whose request computed the shared prefix's last token: `_Admission`) is collected, so the prefix's keys
+and values are in SGLang's prefix cache and the request computes only from its cache hit m on.
 The slots are filled from every family's ready prompts in chunk order (`_Admission`). Each request carries a
 cache key (`extra_key`: SGLang 0.5.16's GenerateReqInput field, sglang/srt/managers/io_struct.py:271, which
 namespaces the radix tree, mem_cache/radix_cache.py:356-367) unique to this extract() call and to the
@@ -283,8 +284,8 @@ class SGLangEngine(Engine):
                 for k in plan.admit(len(running)):
                     p = items[k]
                     key = None
-                    if self.share_prefixes:  # a root starts its family's namespace, a child takes its parent's
-                        key = f"{base}-f{p.index}" if p.parent < 0 else keys[plan.parent_pos[k]]
+                    if self.share_prefixes:  # a root starts its family's namespace, a child takes its source's
+                        key = f"{base}-f{p.index}" if p.parent < 0 else keys[plan.source[k]]
                     running[pool.submit(self._one, p, stop, base, key)] = k
                 if plan.head in finished:  # in input order; a failure is raised when its turn comes
                     res, _ = finished.pop(plan.head).result()
@@ -316,25 +317,40 @@ class _Admission:
     """Which prompts may be sent, in which order, while results go out in input order.
 
     Flat: in input order, at most `window` prompts sent and not yet yielded (a bounded reorder buffer, as
-    many samples in memory). Shared prefixes: a prompt becomes ready when its parent is captured; the lowest
-    ready position goes first (so every family's frontier fills the slots), at most `window` requests at
-    once, and the rows held (sent or collected, not yet yielded: seq - prefix_len each) at most `window` x the
-    mean prompt length, the memory the flat window holds. The first unyielded prompt is always admitted: its
-    parent, earlier, has been yielded, so the chunk always makes progress."""
+    many samples in memory). Shared prefixes: a prompt becomes ready when its *source* is captured: the nearest
+    ancestor (its parent, or above) whose own rows hold position prefix_len - 1, so whose request put the whole
+    prefix in the cache. Not the parent itself: prepare's parent of a conversation's first turn is the latest
+    sample with the same tool declaration, the previous conversation's last turn, and waiting for it would run
+    the conversations one after another. A hit m <= prefix_len still holds (docs/SHARED_PREFIX.md 5.5, with the
+    source for the parent: a sample sharing more than prefix_len tokens with the prompt comes later in the chunk,
+    and so does every node between it and its own source, which therefore shares as many: by induction none runs
+    before the prompt is captured). The lowest ready position goes first (so
+    every family's frontier fills the slots), at most `window` requests at once, and the rows held (sent or
+    collected, not yet yielded: seq - prefix_len each) at most `window` x the mean prompt length, the memory the
+    flat window holds. The first unyielded prompt is always admitted: its source, earlier, has been yielded, so
+    the chunk always makes progress."""
 
     def __init__(self, items: Sequence[Prompt], shared: bool, window: int) -> None:
         self.window, self.shared, self.head = window, shared, 0
         pos = {p.index: k for k, p in enumerate(items)}
-        self.parent_pos = [pos[p.parent] if shared and p.parent >= 0 else -1 for p in items]
+        parent = [pos[p.parent] if shared and p.parent >= 0 else -1 for p in items]
+        start = [p.prefix_len if pp >= 0 else 0 for p, pp in zip(items, parent, strict=True)]
+        # source[k]: the nearest ancestor whose first own row is below prefix_len; it is also the nearest ancestor
+        # with a smaller start, so the walk jumps from source to source (linear overall)
+        self.source = [-1] * len(items)
+        for k, pp in enumerate(parent):
+            x = pp
+            while x >= 0 and start[x] >= start[k]:
+                x = self.source[x]
+            self.source[k] = x
         self.children: dict[int, list[int]] = {}
         self.ready: list[int] = []
-        for k, parent in enumerate(self.parent_pos):
-            if parent >= 0:
-                self.children.setdefault(parent, []).append(k)
+        for k, src in enumerate(self.source):
+            if src >= 0:
+                self.children.setdefault(src, []).append(k)
             else:
                 self.ready.append(k)  # ascending: already a heap
-        self.cost = [len(p.input_ids) - (p.prefix_len if pp >= 0 else 0) for p, pp in zip(items, self.parent_pos,
-                                                                                          strict=True)]
+        self.cost = [len(p.input_ids) - s for p, s in zip(items, start, strict=True)]
         total = sum(len(p.input_ids) for p in items)
         self.budget = window * -(-total // max(1, len(items))) if shared else None
         self.held = self.held_rows = 0  # admitted and not yet yielded: prompts, rows
@@ -357,7 +373,7 @@ class _Admission:
             yield k
 
     def captured(self, k: int) -> None:
-        """Prompt k's rows are in: its children may go."""
+        """Prompt k's rows are in: the prompts it is the source of may go."""
         for c in self.children.pop(k, ()):
             heapq.heappush(self.ready, c)
 
