@@ -270,6 +270,7 @@ class FakeServer:
         self.cache: dict[str | None, list[list[int]]] = {}  # extra_key -> the id prefixes computed under it
         self.abort_after_first_pass, self.misplace_rows = tuple(abort_after_first_pass), misplace_rows
         self.prefill_tokens = 0  # rows computed, over all passes (SGLang's #new-token)
+        self.log_passes = False  # print SGLang's prefill log line per pass (the server process: bench dry runs)
         self.extra_keys: list[str | None] = []  # every request's extra_key, in arrival order
         self.refused = 0  # requests answered 401 (no or a wrong key)
         self.n_requests = 0
@@ -354,6 +355,11 @@ class FakeServer:
                     parts.append((r, r.progress, ext))
                     budget -= ext
             self._run_pass(parts)
+            if self.log_passes:  # as SGLang 0.5.16's metrics_reporter.py:557-561 (the fields a bench parses)
+                new = [(r, ext) for r, pre, ext in parts if pre == r.cached]
+                print(f"Prefill batch, #new-seq: {len(new)}, #new-token: {sum(e for _, _, e in parts)}, "
+                      f"#cached-token: {sum(r.cached for r, _ in new)}, #running-req: 0, #queue-req: "
+                      f"{len(self._queue) - len(parts)}, ", flush=True)
             with self._cv:
                 for r, pre, ext in parts:
                     r.progress = pre + ext
@@ -538,6 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                      staging_bytes=min(cfg.staging_bytes, 1 << 30), final_state=cfg.final_state,
                      api_key=a.api_key, model=sglang_model_for(a.model_path) if a.model_path else None,
                      radix=not a.disable_radix_cache, shared_prefix=cfg.shared_prefix)
+    srv.log_passes = True
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:
