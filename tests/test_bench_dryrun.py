@@ -228,7 +228,8 @@ def test_shared_prefix_bench_plumbing_against_the_fake_server(
     assert (ch["samples"], ch["tokens"], ch["distinct_tokens"], ch["proposed_references"]) == (12, 4800, 3200, 11)
     assert runs["flat"]["computed_tokens"] == runs["flat"]["server_new_tokens"] == 4800
     assert runs["shared"]["computed_tokens"] == runs["shared"]["server_new_tokens"] == 3200
-    assert "--disable-radix-cache" in runs["flat"]["command"] and "--disable-radix-cache" not in runs["shared"]["command"]
+    assert "--disable-radix-cache" in runs["flat"]["command"]
+    assert "--disable-radix-cache" not in runs["shared"]["command"]
     cmp = res["shared_vs_flat"]
     assert cmp["format_versions"] == [1, 2] and cmp["stored_references"] == 11 and cmp["bitwise_equal_samples"] == 12
     assert {k: v for k, v in res["checks"].items() if not v} == {"flat_within_tol_of_reference": False,

@@ -223,8 +223,8 @@ def verdict(res: dict, tol_share: float = 0.10) -> dict:
 def markdown(res: dict) -> str:
     ch = res["chunk"]
     lines = [f"### {res['model']}: {'PASS' if res.get('pass') else 'FAIL'}", "",
-             f"{ch['samples']} samples ({ch['conversations']} conversations x {ch['turns']} turns, a {ch['decl']}-token "
-             f"declaration), {ch['tokens']} materialized tokens, {ch['distinct_tokens']} distinct "
+             f"{ch['samples']} samples ({ch['conversations']} conversations x {ch['turns']} turns, a "
+             f"{ch['decl']}-token declaration), {ch['tokens']} materialized tokens, {ch['distinct_tokens']} distinct "
              f"({ch['tokens'] / max(1, ch['distinct_tokens']):.2f}x); aux {res['aux_layers']}, pre_norm, "
              f"concurrency {res['concurrency']}", "",
              "| run | computed tokens (dumped) | server #new-token | #cached-token | prefill batches | wall s | "
@@ -261,7 +261,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=30200)
     ap.add_argument("--convs", type=int, default=24)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--decl", type=int, default=512, help="tokens of the tool declaration every conversation opens with")
+    ap.add_argument("--decl", type=int, default=512, help="tokens of the declaration every conversation opens with")
     ap.add_argument("--user", type=int, default=40)
     ap.add_argument("--reason", type=int, default=120)
     ap.add_argument("--answer", type=int, default=60)
