@@ -217,7 +217,8 @@ class SGLangEngine(Engine):
                          "may come from anywhere; use an SGLang whose /generate takes extra_key (0.5.16 to 0.5.23)")
         return got, fresh
 
-    def _one(self, p: Prompt, stop: threading.Event, base: str, cache_key: str | None = None) -> tuple[Captured, str]:
+    def _one(self, p: Prompt, stop: threading.Event, base: str,
+             cache_key: str | None = None) -> tuple[Captured, str | None]:
         """The prompt's Captured and the cache key its rows were computed under (None outside shared mode)."""
         ids = [int(x) for x in p.input_ids]
         where = f"sample {p.sample_id!r} (index {p.index})"
@@ -324,11 +325,11 @@ class _Admission:
     the conversations one after another. A hit m <= prefix_len still holds (docs/SHARED_PREFIX.md 5.5, with the
     source for the parent: a sample sharing more than prefix_len tokens with the prompt comes later in the chunk,
     and so does every node between it and its own source, which therefore shares as many: by induction none runs
-    before the prompt is captured). The lowest ready position goes first (so
-    every family's frontier fills the slots), at most `window` requests at once, and the rows held (sent or
-    collected, not yet yielded: seq - prefix_len each) at most `window` x the mean prompt length, the memory the
-    flat window holds. The first unyielded prompt is always admitted: its source, earlier, has been yielded, so
-    the chunk always makes progress."""
+    before the prompt is captured). The lowest ready position goes first (so every family's frontier fills the
+    slots), at most `window` requests at once, and the rows held (sent or collected, not yet yielded: seq -
+    prefix_len each) at most `window` x the mean prompt length, the memory the flat window holds. The first
+    unyielded prompt is always admitted: its source, earlier, has been yielded, so the chunk always makes
+    progress."""
 
     def __init__(self, items: Sequence[Prompt], shared: bool, window: int) -> None:
         self.window, self.shared, self.head = window, shared, 0
