@@ -298,18 +298,19 @@ class TimedEngine(SGLangEngine):
         self.timeline: list[dict] | None = None
         self._current = threading.local()
 
-    def _one(self, p: Prompt, stop: threading.Event, base: str) -> Captured:
+    def _one(self, p: Prompt, stop: threading.Event, base: str,
+             cache_key: str | None = None) -> tuple[Captured, str | None]:
         row = {"index": p.index, "tokens": len(p.input_ids), "queued": time.time()}
         self._current.row = row
-        res = super()._one(p, stop, base)
+        res = super()._one(p, stop, base, cache_key)
         if self.timeline is not None:
             self.timeline.append(row)
         return res
 
-    def _generate(self, rid: str, ids: list[int]) -> dict:
+    def _generate(self, rid: str, ids: list[int], cache_key: str | None = None) -> dict:
         row = self._current.row
         row["sent"] = time.time()
-        out = super()._generate(rid, ids)
+        out = super()._generate(rid, ids, cache_key)
         row["answered"] = time.time()
         return out
 

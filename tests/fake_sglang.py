@@ -5,6 +5,15 @@ tokens across queued requests, so prompts are split into pieces and passes mix r
 pass's hidden-state rows from a deterministic function of (token id, position, column) plus padding
 rows, and hands them to `hsextract.sglang_plugin.plugin.Dumper.on_extend` exactly as the hook does.
 
+The radix cache (`radix=True`, or the command line without --disable-radix-cache, as SGLang's default): per
+`extra_key` (the request's cache namespace), the id prefixes its requests have computed, each pass's progress
+included (SGLang inserts a chunked request's progress, cache_unfinished_req); a request's first pass starts at its
+longest match, capped at n - 1 (schedule_batch.py:1296-1301 in 0.5.16), and rows are emitted only from there, at
+their positions. `prefill_tokens` counts the rows computed (SGLang's #new-token). `abort_after_first_pass` (rid
+suffixes): such a request is answered 500 after its first pass, its progress left in the cache (a retry hitting
+its own partial pass); `misplace_rows`: the rows of a pass that starts past position 0 (after a cache hit or an
+earlier chunk) emitted as if from position 0 (a wrong offset).
+
 Failure injection (command line, or FakeServer kwargs): --fail-first N (HTTP 500), --hang-first N
 (never answer), --skip-dump-first N (answer 200, dump nothing), --die-after N (exit the process /
 close the socket on request N+1), --wrong-prompt-tokens, --no-marker (plugin not active), --crash-at-start
@@ -63,7 +72,15 @@ class _Req:
     rid: str
     origin_input_ids: list[int]
     done: threading.Event = field(default_factory=threading.Event)
-    progress: int = 0
+    progress: int | None = None  # None until its first pass: then its prefix-cache hit
+    extra_key: str | None = None
+    cached: int = 0
+    aborted: bool = False
+
+
+def lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class _Mode:
@@ -228,10 +245,12 @@ class FakeServer:
                  skip_dump_first: int = 0, die_after: int | None = None, wrong_prompt_tokens: bool = False,
                  marker: bool = True, exit_on_die: bool = False, pass_delay_s: float = 0.002,
                  hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
-                 gather: int = 0, final_state: str = "post_norm", api_key: str | None = None,
-                 model: torch.nn.Module | None = None) -> None:
+                 gather: int = 0, gather_after: int = 0, final_state: str = "post_norm", api_key: str | None = None,
+                 model: torch.nn.Module | None = None, radix: bool = False, shared_prefix: bool | None = None,
+                 abort_after_first_pass: tuple[str, ...] = (), misplace_rows: bool = False) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), final_state=final_state,
-                               staging_bytes=staging_bytes)
+                               staging_bytes=staging_bytes,
+                               shared_prefix=radix if shared_prefix is None else shared_prefix)
         self.dumper = plg.Dumper(cfg, pin=False, write_delay_s=write_delay_s)
         self.dumper._is_writer_rank = True
         self.dumper.mode = "builtin" if builtin else "plugin"
@@ -244,7 +263,15 @@ class FakeServer:
         # the first pass waits for `gather` requests (5 s at most) and takes them in rid order: a test whose
         # outcome depends on which requests share that pass gets the same pass on a loaded machine
         self.gather = gather
+        self.gather_after = gather_after  # the gathering pass is the first once this many requests are finished
+        self.finished = 0
         self.api_key = api_key
+        self.radix = radix
+        self.cache: dict[str | None, list[list[int]]] = {}  # extra_key -> the id prefixes computed under it
+        self.abort_after_first_pass, self.misplace_rows = tuple(abort_after_first_pass), misplace_rows
+        self.prefill_tokens = 0  # rows computed, over all passes (SGLang's #new-token)
+        self.log_passes = False  # print SGLang's prefill log line per pass (the server process: bench dry runs)
+        self.extra_keys: list[str | None] = []  # every request's extra_key, in arrival order
         self.refused = 0  # requests answered 401 (no or a wrong key)
         self.n_requests = 0
         self.rids: list[str] = []  # every rid /generate received, in arrival order
@@ -311,7 +338,7 @@ class FakeServer:
             with self._cv:
                 while not self._queue and not self._stop.is_set():
                     self._cv.wait(0.1)
-                if gather:
+                if gather and self.finished >= self.gather_after:
                     self._cv.wait_for(lambda n=gather: len(self._queue) >= n or self._stop.is_set(), timeout=5.0)
                     self._queue.sort(key=lambda r: r.rid)
                     gather = 0
@@ -322,20 +349,44 @@ class FakeServer:
                 for r in list(self._queue):
                     if budget <= 0:
                         break
+                    if r.progress is None:  # scheduled for the first time: its prefix-cache hit
+                        r.progress = r.cached = self._match(r)
                     ext = min(budget, len(r.origin_input_ids) - r.progress)
                     parts.append((r, r.progress, ext))
                     budget -= ext
             self._run_pass(parts)
+            if self.log_passes:  # as SGLang 0.5.16's metrics_reporter.py:557-561 (the fields a bench parses)
+                new = [(r, ext) for r, pre, ext in parts if pre == r.cached]
+                print(f"Prefill batch, #new-seq: {len(new)}, #new-token: {sum(e for _, _, e in parts)}, "
+                      f"#cached-token: {sum(r.cached for r, _ in new)}, #running-req: 0, #queue-req: "
+                      f"{len(self._queue) - len(parts)}, ", flush=True)
             with self._cv:
                 for r, pre, ext in parts:
                     r.progress = pre + ext
+                    self.prefill_tokens += ext
+                    if self.radix:
+                        self.cache.setdefault(r.extra_key, []).append(list(r.origin_input_ids[:r.progress]))
                     if r.progress == len(r.origin_input_ids):
+                        self._queue.remove(r)
+                        self.finished += 1
+                        r.done.set()
+                    elif (pre == r.cached and self.abort_after_first_pass
+                          and r.rid.endswith(self.abort_after_first_pass)):
+                        r.aborted = True  # its first pass stays in the cache
                         self._queue.remove(r)
                         r.done.set()
 
+    def _match(self, r: _Req) -> int:
+        """The longest cached prefix under the request's extra_key, at most n - 1 (SGLang computes >= 1 token)."""
+        if not self.radix:
+            return 0
+        best = max((lcp(c, r.origin_input_ids) for c in self.cache.get(r.extra_key, ())), default=0)
+        return min(best, len(r.origin_input_ids) - 1)
+
     def _run_pass(self, parts: list) -> None:
-        rows = [torch.cat(expected_states(r.origin_input_ids[: pre + ext], self.k1, self.hidden), dim=1)[pre:]
-                for r, pre, ext in parts]
+        rows = [torch.cat(expected_states(r.origin_input_ids[pre: pre + ext] if self.misplace_rows else
+                                          r.origin_input_ids[: pre + ext], self.k1, self.hidden), dim=1)[
+                    0 if self.misplace_rows else pre:] for r, pre, ext in parts]
         rows.append(torch.full((3, self.k1 * self.hidden), -77.0, dtype=torch.bfloat16))  # graph padding
         hs = torch.cat(rows)
         if self.model is not None:
@@ -412,7 +463,9 @@ class FakeServer:
                     srv._stop.wait(3600)
                     return
                 ids = req["input_ids"]
-                r = _Req(req.get("rid") or f"plain-{k}", ids)  # no rid: like SGLang's random hex ones
+                r = _Req(req.get("rid") or f"plain-{k}", ids, extra_key=req.get("extra_key"))  # no rid: random hex
+                with srv._lock:
+                    srv.extra_keys.append(r.extra_key)
                 r.skip = k <= srv.fail_first + srv.hang_first + srv.skip_first
                 with srv._cv:
                     srv._queue.append(r)
@@ -428,9 +481,11 @@ class FakeServer:
                         return
                 with srv._lock:
                     srv.inflight -= 1
+                if r.aborted:
+                    return self._send(500, {"error": "injected abort after the first pass"})
                 n_ids = len(ids) + (1 if srv.wrong else 0)
                 self._send(200, {"output_ids": [], "meta_info": {"id": r.rid, "prompt_tokens": n_ids,
-                                                                  "completion_tokens": 0}})
+                                                                  "completion_tokens": 0, "cached_tokens": r.cached}})
 
         return H
 
@@ -459,6 +514,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=30000)
     ap.add_argument("--chunked-prefill-size", type=int, default=64)
     ap.add_argument("--enable-return-aux-hidden-states", action="store_true")
+    ap.add_argument("--disable-radix-cache", action="store_true")
     ap.add_argument("--fail-first", type=int, default=0)
     ap.add_argument("--hang-first", type=int, default=0)
     ap.add_argument("--skip-dump-first", type=int, default=0)
@@ -486,7 +542,9 @@ def main(argv: list[str] | None = None) -> None:
                      skip_dump_first=a.skip_dump_first, die_after=a.die_after,
                      wrong_prompt_tokens=a.wrong_prompt_tokens, marker=marker, exit_on_die=True, hidden=hidden,
                      staging_bytes=min(cfg.staging_bytes, 1 << 30), final_state=cfg.final_state,
-                     api_key=a.api_key, model=sglang_model_for(a.model_path) if a.model_path else None)
+                     api_key=a.api_key, model=sglang_model_for(a.model_path) if a.model_path else None,
+                     radix=not a.disable_radix_cache, shared_prefix=cfg.shared_prefix)
+    srv.log_passes = True
     print(f"fake sglang serving on {srv.url}, pid {os.getpid()}", flush=True)
     srv.start()
     try:

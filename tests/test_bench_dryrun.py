@@ -201,7 +201,44 @@ def test_read_bench_dry_run_reads_the_chosen_stores_only(
 
 # each test's bench run, all started in the background by the first of them (conftest.scenarios_started), the
 # longest first: two at a time, they overlap
+def run_shared_prefix_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    models, out = tmp_path / "models", tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", HSX_DEVICE="cpu")
+    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "mk_models.py"), str(models), "--only", "llama"],
+                   env=env, capture_output=True, text=True, timeout=600, check=True)
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu" / "shared_prefix.py"), "--model", str(models / "llama"), "--name",
+         "sp", "--state", str(tmp_path / "state"), "--out", str(out), "--server-module", "fake_sglang", "--convs", "4",
+         "--turns", "3", "--decl", "80", "--concurrency", "4", "--reference", "2", "--startup-timeout", "120",
+         "--port", str(listen_port(2))],
+        env=env, capture_output=True, text=True, timeout=900, check=False)
+    return r, out
+
+
+def test_shared_prefix_bench_plumbing_against_the_fake_server(
+    scenario: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """bench/gpu/shared_prefix.py against tests/fake_sglang.py (its radix per cache key, the real plugin code): a
+    flat and a shared server, the chunk through both, prefill tokens from the dumps and from the servers' log lines,
+    the shards compared. The fake's states are no model's, so the reference check fails, as it must."""
+    r, out = scenario
+    res = json.loads((out / "shared-prefix-sp.json").read_text())
+    assert "error" not in res, res.get("error")
+    ch, runs = res["chunk"], res["runs"]
+    assert (ch["samples"], ch["tokens"], ch["distinct_tokens"], ch["proposed_references"]) == (12, 4800, 3200, 11)
+    assert runs["flat"]["computed_tokens"] == runs["flat"]["server_new_tokens"] == 4800
+    assert runs["shared"]["computed_tokens"] == runs["shared"]["server_new_tokens"] == 3200
+    assert "--disable-radix-cache" in runs["flat"]["command"]
+    assert "--disable-radix-cache" not in runs["shared"]["command"]
+    cmp = res["shared_vs_flat"]
+    assert cmp["format_versions"] == [1, 2] and cmp["stored_references"] == 11 and cmp["bitwise_equal_samples"] == 12
+    assert {k: v for k, v in res["checks"].items() if not v} == {"flat_within_tol_of_reference": False,
+                                                                  "shared_within_tol_of_reference": False}
+    assert r.returncode == 1 and "### sp: FAIL" in (out / "shared-prefix-sp.md").read_text()
+
+
 SCENARIOS = {
+    "test_shared_prefix_bench_plumbing_against_the_fake_server": run_shared_prefix_bench,
     "test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin": run_fidelity_script,
     "test_throughput_bench_dry_run_fills_every_part": run_throughput_bench,
     "test_fidelity_sglang_path_plumbing_against_the_fake_server": run_fidelity_sglang,

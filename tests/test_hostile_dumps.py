@@ -133,6 +133,15 @@ MARKERS = {
     "dtype_unknown": (marker_bytes(dtype="int8"), "the .done marker's dtype 'int8'"),
     "width_zero": (marker_bytes(width=0), "width 0"),
     "width_huge": (marker_bytes(width=1 << 40), "width 1099511627776"),
+    # shared prefixes: the pieces tile [start, n_tokens), 0 <= start < n_tokens
+    "start_negative": (marker_bytes(start=-1, pieces=[[-1, 10]]), "the .done marker's start -1 is outside [0, 9]"),
+    "start_at_the_end": (marker_bytes(start=10, pieces=[[10, 10]]), "the .done marker's start 10 is outside [0, 9]"),
+    "start_str": (marker_bytes(start="4", pieces=[[4, 10]]), "the .done marker's start '4' is outside [0, 9]"),
+    "start_float": (marker_bytes(start=4.0, pieces=[[4, 10]]), "the .done marker's start 4.0 is outside [0, 9]"),
+    "start_after_first_piece": (marker_bytes(start=4), "pieces do not tile the prompt: [0,4) where token 4"),
+    "start_before_first_piece": (marker_bytes(start=2, pieces=[[4, 10]]), "pieces do not tile the prompt: [4,10) "
+                                                                          "where token 2"),
+    "start_short": (marker_bytes(start=4, pieces=[[4, 9]]), "pieces cover tokens [4,9) of 10"),
 }
 
 
@@ -146,6 +155,9 @@ def test_lying_markers_are_refused(name: str) -> None:
 
 def test_a_true_marker_passes() -> None:
     assert dumpcheck.marker(marker_bytes(), RID, 10)["pieces"] == [[0, 4], [4, 10]]
+    assert dumpcheck.marker(marker_bytes(), RID, 10)["start"] == 0  # a marker of an older plugin: from 0
+    shared = dumpcheck.marker(marker_bytes(start=4, pieces=[[4, 6], [6, 10]]), RID, 10)
+    assert (shared["start"], shared["pieces"]) == (4, [[4, 6], [6, 10]])
 
 
 # --- pieces --------------------------------------------------------------------------------------------

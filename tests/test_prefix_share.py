@@ -100,12 +100,25 @@ def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> Non
     assert shared["distinct_tokens"] == total < 0.6 * shared["tokens"]
 
 
-def test_share_prefixes_is_refused_with_the_sglang_engine() -> None:
+def test_share_prefixes_is_refused_with_the_sglang_engine_unless_opted_in() -> None:
+    """Default only what has run: the SGLang path has run on the fake server only, so it needs the opt-in key."""
     from hsextract.config import check_engine
 
     check_engine(from_config({"engine": "sglang"}))
-    with pytest.raises(ConfigError, match=r"^share_prefixes: true works with engine: transformers only for now"):
+    with pytest.raises(ConfigError) as e:
         check_engine(from_config({"engine": "sglang", "share_prefixes": True}))
+    assert str(e.value) == (
+        "share_prefixes: true works with engine: transformers only for now; the SGLang path (radix cache on, each "
+        "sample sent once its parent is captured, rows from SGLang's prefix length on: docs/SHARED_PREFIX.md) has "
+        "not run on a GPU yet. Set share_prefixes: false for engine: sglang, or opt in to the untested path with "
+        "sglang.share_prefixes_untested_on_gpu: true")
+    opted = from_config({"engine": "sglang", "share_prefixes": True,
+                         "sglang": {"share_prefixes_untested_on_gpu": True}})
+    check_engine(opted)
+    assert opted.extract.share_prefixes is True and from_config({}).extract.share_prefixes is False
+    from hsextract.sglang.config import server_config_from
+
+    assert server_config_from(opted.extract, python="python3").share_prefixes is True
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,8 @@ OVERRIDES = {
     "--speculative-algorithm": "set `sglang.capture`",
     "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
     "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
-    "--disable-radix-cache": "the capture needs it; remove it",
+    "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
+                             "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
     "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
     "--ssl-keyfile-password": "a password on the command line is visible to every local user (ps); remove it",
@@ -174,6 +175,18 @@ def test_the_launcher_refuses_a_remote_host_without_a_key() -> None:
     assert KEY not in repr(keyed) and KEY not in " ".join(hsrv.build_command(keyed, 0, "/k.yaml"))
     local = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm")
     assert "--config" not in hsrv.build_command(local)  # a bare loopback server (tests, benches): allowed
+
+
+def test_share_prefixes_keeps_the_radix_cache_on_and_tells_the_plugin() -> None:
+    """docs/SHARED_PREFIX.md 5.1: with share_prefixes the launch leaves out --disable-radix-cache and sets
+    HSEXTRACT_SHARED_PREFIX=1; the flag is part of the server's identity, so a flat run never reuses its server."""
+    flat = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm")
+    shared = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", share_prefixes=True)
+    a, b = hsrv.build_command(flat), hsrv.build_command(shared)
+    assert "--disable-radix-cache" in a and [x for x in a if x != "--disable-radix-cache"] == b
+    assert hsrv.build_env(flat, Path("/d"), base={})["HSEXTRACT_SHARED_PREFIX"] == "0"
+    assert hsrv.build_env(shared, Path("/d"), base={})["HSEXTRACT_SHARED_PREFIX"] == "1"
+    assert hsrv.config_hash(flat, 0) != hsrv.config_hash(shared, 0)
 
 
 # ---- the key file and the log filter ----------------------------------------------------------------
@@ -332,7 +345,8 @@ def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     class Report:
         def summary(self) -> dict:
-            return {"ok": True, "sglang_version": "0.5.16", "capture_sources": ["plugin"], "problems": []}
+            return {"ok": True, "sglang_version": "0.5.16", "capture_sources": ["plugin"],
+                    "prefix_modes": ["flat", "shared"], "problems": []}
 
     monkeypatch.setattr(compat, "check_installed", lambda py: Report())
     monkeypatch.chdir(tmp_path)

@@ -15,9 +15,10 @@ from hsextract.errors import ConfigError
 from hsextract.provenance import config_hash
 
 ROOT = Path(__file__).resolve().parents[1]
-# tree leaves that are no schema key of their own: derived values, and the one copy of a key in a second
-# section (prepare loads the tokenizer too)
-DERIVED = {"config", "extract.config_hash", "validate.same_model", "prepare.trust_remote_code"}
+# tree leaves that are no schema key of their own: derived values, and the copies of a key in a second
+# section (prepare loads the tokenizer too; the sglang client and server follow prepare's share_prefixes)
+DERIVED = {"config", "extract.config_hash", "validate.same_model", "prepare.trust_remote_code",
+           "extract.share_prefixes"}
 
 
 def schema_leaves(props: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -12,13 +12,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang, imported next, lives here
-from conftest import listen_port
+from conftest import listen_port, shard_metadata
 from fake_sglang import HIDDEN, FakeServer, expected_states
 
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
+from hsextract.extract import ChunkPrompts, extract_chunk
+from hsextract.prefix_share import find_parents
 from hsextract.sglang import server as hsrv
 from hsextract.sglang.client import SGLangEngine
+from hsextract.shard import ShardReader
 
 AUX = (1, 3, 5)
 SPEC = CaptureSpec(aux_layers=AUX, final_state="post_norm")
@@ -359,3 +362,187 @@ def test_final_state_is_always_chosen() -> None:
         CaptureSpec(aux_layers=AUX)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="final_state"):
         hsrv.ServerConfig(model="/m", aux_layers=AUX)  # type: ignore[call-arg]
+
+
+# ---- shared prefixes (docs/SHARED_PREFIX.md section 5): radix cache on, parents first ---------------------------
+def family_chunk(seed: int = 21) -> ChunkPrompts:
+    """Three families in interleaved chunk order: a (root) -> b -> c, a -> d; e -> f, e sharing its first 5 tokens
+    (a template opening, below any reference) with a; g alone."""
+    g = torch.Generator().manual_seed(seed)
+
+    def new(n: int) -> list[int]:
+        return torch.randint(0, 5000, (n,), generator=g).tolist()
+
+    a = new(150)
+    b = a[:100] + new(80)
+    c = b[:170] + new(50)
+    d = a[:120] + new(30)
+    e = a[:5] + new(85)
+    f = e[:80] + new(40)
+    gg = new(60)
+    ids = [a, e, b, gg, f, d, c]
+    refs = [(-1, 0), (-1, 0), (0, 100), (-1, 0), (1, 80), (0, 120), (2, 170)]
+    return ChunkPrompts([f"s{k}" for k in range(len(ids))], ids, [[1] * len(x) for x in ids],
+                        [p for p, _ in refs], [k for _, k in refs])
+
+
+def run_chunk(srv: FakeServer, chunk: ChunkPrompts, path: Path, share: bool, **kw) -> dict:
+    kw = {"concurrency": 4, "retries": 1, "backoff_s": 0.01, "timeout_s": 10.0, **kw}
+    eng = SGLangEngine(srv.url, SPEC, srv.dumper.cfg.dump_dir, share_prefixes=share, **kw)
+    meta = shard_metadata(engine="sglang", aux_layers=list(AUX), hidden_size=HIDDEN, final_state="post_norm")
+    return extract_chunk(chunk if share else ChunkPrompts(chunk.sample_ids, chunk.input_ids, chunk.loss_masks),
+                         path, eng, meta, progress=False)
+
+
+def wrong_samples(path: Path, chunk: ChunkPrompts) -> list[str]:
+    """The samples of a shard whose assembled rows are not the fake model's states at their positions."""
+    r = ShardReader(path)
+    bad = []
+    for i, ids in enumerate(chunk.input_ids):
+        s = r[i]
+        want = expected_states(ids, len(AUX) + 1)
+        if s["input_ids"].tolist() != ids or not all(torch.equal(x, y) for x, y in zip(s["hidden_states"], want,
+                                                                                          strict=True)):
+            bad.append(r.sample_ids[i])
+    return bad
+
+
+def test_shared_prefixes_compute_each_prefix_once_and_read_back_as_the_flat_run(tmp_path: Path) -> None:
+    """The same chunk through a flat server and through one with its radix cache on: the shared shard stores and
+    the server computes the distinct tokens only (prefill counted pass by pass), every sample reads back byte-equal
+    to the flat run's, children are sent after their parents, and each family has its own cache key (e's 5 tokens
+    in common with a are not a hit)."""
+    chunk = family_chunk()
+    refs = list(zip(chunk.parents or [], chunk.prefix_lens or [], strict=True))
+    (tmp_path / "f").mkdir(mode=0o700)
+    (tmp_path / "s").mkdir(mode=0o700)
+    flat_srv = FakeServer(tmp_path / "f", AUX).start()
+    shared_srv = FakeServer(tmp_path / "s", AUX, radix=True).start()
+    try:
+        flat = run_chunk(flat_srv, chunk, tmp_path / "flat.hss", share=False)
+        shared = run_chunk(shared_srv, chunk, tmp_path / "shared.hss", share=True)
+    finally:
+        flat_srv.stop()
+        shared_srv.stop()
+    tokens = sum(map(len, chunk.input_ids))
+    distinct = tokens - sum(k for _, k in refs)
+    assert flat_srv.prefill_tokens == flat["computed_tokens"] == flat["tokens"] == tokens == 970
+    assert shared_srv.prefill_tokens == shared["computed_tokens"] == distinct == 970 - 470
+    fr, sr = ShardReader(tmp_path / "flat.hss"), ShardReader(tmp_path / "shared.hss")
+    assert (fr.metadata["format_version"], sr.metadata["format_version"]) == (1, 2)
+    assert (sr.parents, sr.prefix_lens) == ([p for p, _ in refs], [k for _, k in refs])
+    assert sr.stored_tokens == distinct
+    for i in range(len(chunk.input_ids)):
+        a, b = fr[i], sr[i]
+        assert a.keys() == b.keys()
+        for key in ("input_ids", "loss_mask"):
+            assert torch.equal(a[key], b[key])
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a["hidden_states"], b["hidden_states"],
+                                                                          strict=True))
+    assert wrong_samples(tmp_path / "shared.hss", chunk) == []
+    sent = [r.rsplit("-i", 1)[1].split("-")[0] for r in shared_srv.rids]
+    assert sorted(sent) == [str(i) for i in range(7)]  # one request each: no fallback
+    for i, (p, _) in enumerate(refs):
+        if p >= 0:
+            assert sent.index(str(p)) < sent.index(str(i)), f"sample {i} was sent before its parent {p}"
+    fam = {str(i): sent_key for i, sent_key in zip(sent, shared_srv.extra_keys, strict=True)}
+    assert fam["0"] == fam["2"] == fam["5"] == fam["6"] != fam["1"] == fam["4"] != fam["3"] != fam["0"]
+    assert all(k.endswith(f"-f{root}") for k, root in ((fam["0"], 0), (fam["1"], 1), (fam["3"], 3)))
+    assert flat_srv.extra_keys == [None] * 7  # a flat run's requests carry no cache key
+    assert sorted(x.name for x in (tmp_path / "s").iterdir() if not x.name.startswith(("plugin-", "stats-"))) == []
+
+
+def test_a_misplaced_row_fails_the_comparison(tmp_path: Path) -> None:
+    """The check above can fail: a server that emits the rows after a cache hit as if they started at position 0
+    (one pass per prompt, so only the hits are misplaced) gives exactly the children wrong rows."""
+    chunk = family_chunk()
+    srv = FakeServer(tmp_path, AUX, radix=True, misplace_rows=True, chunk=4096).start()
+    try:
+        run_chunk(srv, chunk, tmp_path / "shared.hss", share=True)
+    finally:
+        srv.stop()
+    assert wrong_samples(tmp_path / "shared.hss", chunk) == ["s2", "s4", "s5", "s6"]
+
+
+def test_a_retry_that_hits_its_own_partial_pass_is_computed_again_under_a_fresh_key(tmp_path: Path) -> None:
+    """b (prefix 20 of a) is aborted after its first pass [20, 52): its retry hits that pass (52 > 20), so it is
+    sent again under a fresh cache key and computed whole (the retry's rows from 52 are dropped), stored as a root;
+    its child c then takes its 120 rows from b under b's new key. Rows byte-equal to the fake model's; prefill
+    counted, the aborted pass included."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randint(0, 5000, (100,), generator=g).tolist()
+    b = a[:20] + torch.randint(0, 5000, (130,), generator=g).tolist()
+    c = b[:120] + torch.randint(0, 5000, (40,), generator=g).tolist()
+    chunk = ChunkPrompts(["a", "b", "c"], [a, b, c], [[1] * len(x) for x in (a, b, c)], [-1, 0, 1], [0, 20, 120])
+    srv = FakeServer(tmp_path, AUX, radix=True, chunk=32, abort_after_first_pass=("-i1-a0",)).start()
+    try:
+        out = run_chunk(srv, chunk, tmp_path / "shared.hss", share=True)
+    finally:
+        srv.stop()
+    r = ShardReader(tmp_path / "shared.hss")
+    assert (r.parents, r.prefix_lens) == ([-1, -1, 1], [0, 0, 120])
+    assert wrong_samples(tmp_path / "shared.hss", chunk) == []
+    assert out["computed_tokens"] == 100 + 150 + 40
+    assert srv.prefill_tokens == 100 + 32 + (150 - 52) + 150 + 40  # a, b's aborted pass, its retry from 52, b, c
+    tails = [x.rsplit("-i", 1)[1] for x in srv.rids]
+    assert tails == ["0-a0", "1-a0", "1-a1", "1-a1-full", "2-a0"]
+    keys = srv.extra_keys
+    assert keys[0] == keys[1] == keys[2] != keys[3] == keys[4] == srv.rids[3]
+
+
+def test_the_server_mode_must_match_the_run(tmp_path: Path) -> None:
+    """A flat run on a server whose radix cache is on (it would skip rows) and a shared run on a flat server (it
+    would compute every row) are both refused before any request."""
+    (tmp_path / "f").mkdir(mode=0o700)
+    (tmp_path / "s").mkdir(mode=0o700)
+    flat_srv = FakeServer(tmp_path / "f", AUX).start()
+    shared_srv = FakeServer(tmp_path / "s", AUX, radix=True).start()
+    try:
+        with pytest.raises(EngineError) as e:
+            list(engine(shared_srv).extract(prompts(2)))
+        assert str(e.value) == (f"the server at {shared_srv.url} runs with shared prefixes on (HSEXTRACT_SHARED_PREFIX"
+                                "=1), this run needs them off (share_prefixes: false; a server started with "
+                                "--disable-radix-cache); restart the server with this run's settings")
+        with pytest.raises(EngineError) as e:
+            list(engine(flat_srv, share_prefixes=True).extract(prompts(2)))
+        assert str(e.value) == (f"the server at {flat_srv.url} runs with shared prefixes off, this run needs them on "
+                                "(share_prefixes: true; a server started with HSEXTRACT_SHARED_PREFIX=1 and without "
+                                "--disable-radix-cache); restart the server with this run's settings")
+        assert flat_srv.n_requests == shared_srv.n_requests == 0
+    finally:
+        flat_srv.stop()
+        shared_srv.stop()
+
+
+def test_families_interleave_to_fill_the_slots(tmp_path: Path) -> None:
+    """Eight 5-turn conversations opening with one 70-token declaration, each one's turns together in chunk order,
+    references from prepare's find_parents: a conversation's first turn has the previous conversation's last turn
+    as parent (ties go to the later sample), but needs only the declaration's rows, which the chunk's first sample
+    computed. The client sends each prompt once that source is captured and fills the slots from every family's
+    frontier, so 4 requests reach the server at once (the pass after the first sample's waits for 4; waiting for
+    the parents would run the conversations one after another, and sending in chunk order within a reorder window
+    of 2 x concurrency would offer at most 3)."""
+    g = torch.Generator().manual_seed(9)
+    decl = torch.randint(0, 5000, (70,), generator=g).tolist()
+    ids, records = [], []
+    for c in range(8):
+        turn = decl + torch.randint(0, 5000, (10,), generator=g).tolist()
+        for _ in range(5):
+            ids.append(turn)
+            records.append(c)
+            turn = turn + torch.randint(0, 5000, (30,), generator=g).tolist()
+    refs = find_parents(ids, records)
+    assert refs[5] == (4, 70) and refs[1] == (0, 80)  # conversation 1's first turn: conversation 0's last turn
+    chunk = ChunkPrompts([f"s{k:02d}" for k in range(40)], ids, [[1] * len(x) for x in ids], [p for p, _ in refs],
+                         [k for _, k in refs])
+    srv = FakeServer(tmp_path, AUX, radix=True, gather=4, gather_after=1).start()
+    try:
+        out = run_chunk(srv, chunk, tmp_path / "shared.hss", share=True, concurrency=4)
+    finally:
+        srv.stop()
+    assert srv.max_inflight == 4
+    assert out["computed_tokens"] == srv.prefill_tokens == 70 + 8 * (10 + 4 * 30) == sum(map(len, ids)) - sum(
+        k for _, k in refs)
+    assert wrong_samples(tmp_path / "shared.hss", chunk) == []
+    r = ShardReader(tmp_path / "shared.hss")
+    assert (r.parents, r.prefix_lens) == ([p for p, _ in refs], [k for _, k in refs])

@@ -57,6 +57,7 @@ def test_wheel_passes_every_check(wheel: tuple[str, Path]) -> None:
     assert rep.checked == len(sc.REQUIREMENTS)
     assert [p for p in rep.problems if p.needed_for != "builtin"] == []
     assert rep.models == ["llama", "deepseek"]
+    assert rep.prefix_modes == ["flat", "shared"]
     assert rep.ok
     if version == "0.5.16":  # no --enable-return-aux-hidden-states yet: the plugin sets capture up itself
         assert rep.capture_sources == ["plugin"]
@@ -121,6 +122,24 @@ def test_missing_hook_target_and_renamed_member(tmp_path: Path) -> None:
     assert any(t.startswith("sglang/srt/managers/schedule_batch.py:") and "no member 'extend_lens'" in t
                for t in texts)
     assert not rep.ok
+
+
+def test_the_shared_prefix_requirements_are_their_own_mode(tmp_path: Path) -> None:
+    """share_prefixes needs /generate's extra_key carried to the radix key; without it the release still serves
+    flat runs (and without --disable-radix-cache it serves shared runs only)."""
+    _extract_needed(_wheel("0.5.16"), tmp_path)
+    io = tmp_path / "sglang/srt/managers/io_struct.py"
+    src = io.read_text()
+    line = next(i for i, s in enumerate(src.splitlines(), 1) if s.startswith("class GenerateReqInput"))
+    io.write_text(re.sub(r"\bextra_key\b", "cache_tag", src))  # an upstream rename
+    rep = sc.check_directory(tmp_path)
+    assert [str(p) for p in rep.problems if p.needed_for == "shared"] == [
+        f"sglang/srt/managers/io_struct.py:{line}: class GenerateReqInput has no member 'extra_key' (each request's "
+        "prefix-cache namespace) [shared]"]
+    assert rep.prefix_modes == ["flat"] and rep.ok and rep.summary()["prefix_modes"] == ["flat"]
+    args = tmp_path / "sglang/srt/server_args.py"
+    args.write_text(re.sub(r"\bdisable_radix_cache\b", "no_radix", args.read_text()))
+    assert sc.check_directory(tmp_path).prefix_modes == []
 
 
 def test_unparsable_file_is_a_problem_not_a_crash(tmp_path: Path) -> None:

@@ -78,8 +78,10 @@ def run_pass(dumper: plg.Dumper, parts: list, pad: int = 0, builtin: bool = Fals
     dumper.on_extend(batch, lo)
 
 
-def make_dumper(tmp_path: Path, staging_bytes: int = 1 << 20, delay: float = 0.0) -> plg.Dumper:
-    cfg = plg.PluginConfig(dump_dir=tmp_path, aux_layers=AUX, staging_bytes=staging_bytes)
+def make_dumper(tmp_path: Path, staging_bytes: int = 1 << 20, delay: float = 0.0,
+                shared_prefix: bool = False) -> plg.Dumper:
+    cfg = plg.PluginConfig(dump_dir=tmp_path, aux_layers=AUX, staging_bytes=staging_bytes,
+                           shared_prefix=shared_prefix)
     d = plg.Dumper(cfg, pin=False, write_delay_s=delay)
     d._is_writer_rank = True
     return d
@@ -241,6 +243,43 @@ def test_prefix_cache_hit_gives_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match=r"tokens \[0,16\) were never computed .*--disable-radix-cache"):
         collect(tmp_path, r)
     assert dump_files(tmp_path) == []
+
+
+def test_shared_prefix_mode_dumps_from_the_cache_hit_and_says_where(tmp_path: Path) -> None:
+    """HSEXTRACT_SHARED_PREFIX=1 (radix cache on): a chain that starts at the cache hit m is complete, its marker
+    records start m, and the client gets the rows [m, n) at their positions, chunked or not; the same chain in flat
+    mode stays the error above, and a flat client refuses a marker with start > 0. A gap after the start is an
+    error in both modes."""
+    d = make_dumper(tmp_path, shared_prefix=True)
+    one, two, gap = Req("hsx-hit1", ids(40, 6)), Req("hsx-hit2", ids(90, 7)), Req("hsx-gap", ids(60, 8))
+    run_pass(d, [(one, 16, 24), (two, 30, 20)])
+    run_pass(d, [(two, 50, 40), (gap, 10, 20)])
+    run_pass(d, [(gap, 40, 20)])  # rows [30, 40) never computed
+    d.writer.flush()
+    assert json.loads((tmp_path / dumpfiles.done_name(two.rid)).read_text())["start"] == 30
+    for r, m in ((one, 16), (two, 30)):
+        got = dumpfiles.collect(tmp_path, r.rid, r.origin_input_ids, K + 1, 5.0, allow_start=True)
+        ref = full_states(r.origin_input_ids)
+        assert got.start == m and len(got.hidden_states) == K + 1
+        for i, t in enumerate(got.hidden_states):
+            assert torch.equal(t, ref[m:, i * H:(i + 1) * H]), f"tensor {i} of {r.rid}"
+    with pytest.raises(EngineError, match=r"^request hsx-gap: the server-side dumper reported: rows for tokens "
+                                          r"\[30,40\) were never computed; pieces \[\(10, 30\), \(40, 60\)\]$"):
+        collect(tmp_path, gap)
+    (tmp_path / "flat").mkdir()
+    flat = make_dumper(tmp_path / "flat")
+    r = Req("hsx-flat", ids(40, 9))
+    run_pass(flat, [(r, 16, 24)])
+    run_pass(d, [(Req("hsx-m", r.origin_input_ids), 16, 24)])
+    flat.writer.flush()
+    d.writer.flush()
+    with pytest.raises(EngineError, match=r"tokens \[0,16\) were never computed .*--disable-radix-cache"):
+        collect(tmp_path / "flat", r)
+    with pytest.raises(dumpfiles.DumpError) as e:
+        dumpfiles.collect(tmp_path, "hsx-m", r.origin_input_ids, K + 1, 5.0)
+    assert str(e.value) == ("request hsx-m: the server computed tokens [16,40) only (a prefix-cache hit): a run "
+                            "without share_prefixes needs a server with --disable-radix-cache")
+    assert dump_files(tmp_path / "flat") == []
 
 
 def test_missing_capture_becomes_err_marker_not_crash(tmp_path: Path) -> None:
@@ -514,6 +553,12 @@ def test_plugin_config_from_env(tmp_path: Path) -> None:
     with pytest.raises(plg.PluginConfigError, match=r"HSEXTRACT_FINAL_STATE='normed': use pre_norm or post_norm"):
         plg.PluginConfig.from_env({"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1",
                                    "HSEXTRACT_FINAL_STATE": "normed"})
+    assert cfg.shared_prefix is False
+    env = {"HSEXTRACT_DUMP_DIR": str(tmp_path), "HSEXTRACT_AUX_HIDDEN_STATES": "1"}
+    assert plg.PluginConfig.from_env({**env, "HSEXTRACT_SHARED_PREFIX": "1"}).shared_prefix is True
+    assert plg.PluginConfig.from_env({**env, "HSEXTRACT_SHARED_PREFIX": "0"}).shared_prefix is False
+    with pytest.raises(plg.PluginConfigError, match=r"^HSEXTRACT_SHARED_PREFIX='yes': expected 1 \(radix cache on"):
+        plg.PluginConfig.from_env({**env, "HSEXTRACT_SHARED_PREFIX": "yes"})
 
 
 class _CHM:

@@ -178,6 +178,42 @@ def test_whole_run_against_a_fake_sglang_server(scenario: WholeRun) -> None:
     assert not list(dump.glob("*.piece")) and not list(dump.glob("*.done"))  # the client cleaned up
 
 
+def test_share_prefixes_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
+    """share_prefixes with engine: sglang (opted in) through the workflow, against a fake server with its radix
+    cache on: records opening with one long system prompt share it within their chunk; the server computes the
+    distinct tokens only, the version-2 shards read back value for value, and the dataset validates."""
+    dump = tmp_path / "dump"
+    dump.mkdir(mode=0o700)
+    wd = sg_workdir(tmp_path, "", records=12, per_chunk=6)
+    system = {"role": "system", "content": " ".join(f"Rule {k}: answer briefly and check the units." for k in range(6))}
+    with open(wd / "data/conversations.jsonl", "w") as f:
+        for c in range(12):
+            f.write(json.dumps({"messages": [system, {"role": "user", "content": f"What is {c} plus {c}?"},
+                                             {"role": "assistant", "content": f"It is {2 * c}."}]}) + "\n")
+    srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm", radix=True).start()
+    try:
+        with open(wd / "config/sg.yaml", "a") as f:
+            f.write(f"share_prefixes: true\nsglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
+                    "timeout_s: 30, retries: 1, share_prefixes_untested_on_gpu: true}\n")
+        smk(wd, configfiles=("config/sg.yaml",))
+    finally:
+        srv.stop()
+    run = wd / "results/sg-test"
+    assert json.loads((run / "dataset.json").read_text())["all_valid"] is True
+    tokens = stored = refs = 0
+    for path in find_shards(run):
+        r = ShardReader(path)
+        refs += sum(p >= 0 for p in r.parents)
+        stored += r.stored_tokens
+        for k in range(len(r)):
+            s = r[k]
+            tokens += len(s["input_ids"])
+            want = expected_states(s["input_ids"].tolist(), len(AUX) + 1)
+            assert all(torch.equal(a, b) for a, b in zip(s["hidden_states"], want, strict=True))
+    assert refs == 10  # two chunks of six records: each chunk's first one is the root
+    assert srv.prefill_tokens == stored < 0.7 * tokens
+
+
 def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_path: Path) -> None:
     """Issue 36, through the workflow: the extraction jobs start the (fake) server themselves, with the
     configured key in a 0600 file (SGLang's --config), never on its command line; a request without the key is

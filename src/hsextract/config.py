@@ -69,11 +69,13 @@ def check_engine(s: Settings) -> None:
         from hsextract.sglang.server import check_launch_args
 
         check_launch_args(s.extract.sglang.launch_args)  # the launcher owns --host, --port, --api-key, ...
-        if s.prepare.share_prefixes:  # default only what has run
+        # default only what has run: the SGLang path of share_prefixes is opt-in until a GPU run
+        if s.prepare.share_prefixes and not s.extract.sglang.share_prefixes_untested_on_gpu:
             raise ConfigError(
                 "share_prefixes: true works with engine: transformers only for now; the SGLang path (radix cache "
                 "on, each sample sent once its parent is captured, rows from SGLang's prefix length on: "
-                "docs/SHARED_PREFIX.md) has not run on a GPU yet. Set share_prefixes: false for engine: sglang"
+                "docs/SHARED_PREFIX.md) has not run on a GPU yet. Set share_prefixes: false for engine: sglang, or "
+                "opt in to the untested path with sglang.share_prefixes_untested_on_gpu: true"
             )
 
 

@@ -6,8 +6,9 @@ whole or not at all). Padding never reaches the shard: engines return each sampl
 to its own length, and this module checks that.
 
 Shared prefixes (prepare's `share_prefixes`: the parquet's parent and prefix_len columns): each prompt carries its
-reference to the engine; a sample the engine computed from its prefix on (Captured.start > 0) is stored with that
-reference and its own rows only (shard format version 2, docs/SHARED_PREFIX.md); one it computed whole is stored
+reference to the engine; a sample the engine computed from position m on (Captured.start = m, 0 < m <= its prefix
+length: the transformers engine's m is the prefix length, SGLang's its radix-cache hit) is stored with the reference
+(parent, m) and its own rows only (shard format version 2, docs/SHARED_PREFIX.md); one it computed whole is stored
 whole.
 """
 
@@ -190,9 +191,9 @@ def extract_chunk(
             seq = len(prompts.input_ids[written])
             hs = captured.hidden_states
             start = captured.start
-            if start not in (0, items[written].prefix_len):
+            if not 0 <= start <= items[written].prefix_len:  # SGLang's cache hit may stop short of the prefix
                 raise EngineError(f"{shard_path}: sample {captured.sample_id}: engine returned rows from position "
-                                  f"{start}, neither 0 nor its prefix length {items[written].prefix_len}")
+                                  f"{start}, outside [0, its prefix length {items[written].prefix_len}]")
             if len(hs) != n_tensors or any(tuple(t.shape) != (seq - start, hidden_size) for t in hs):
                 shapes = [tuple(t.shape) for t in hs]
                 raise EngineError(

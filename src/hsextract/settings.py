@@ -117,6 +117,7 @@ class SGLangSettings:
     staging_mb: int
     writer_threads: int
     prefill_cuda_graph: bool
+    share_prefixes_untested_on_gpu: bool  # opt-in: share_prefixes with engine sglang (not yet run on a GPU)
     startup_timeout_s: float
     server_url: str | None
     servers: tuple[str, ...]
@@ -136,6 +137,7 @@ class ExtractSettings:
     # cannot resolve (no readable model, too few layers: config.check refuses such a config)
     aux_layers: tuple[int, ...] | None
     final_state: str
+    share_prefixes: bool  # prepare's: the sglang server keeps its radix cache on, the client sends parents first
     config_hash: str
     # the `extract:` job keys
     threads: int

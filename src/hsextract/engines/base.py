@@ -9,11 +9,14 @@ tensor is the last decoder layer's output, after the final norm (`post_norm`) or
 from __future__ import annotations
 
 import abc
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
+
+from hsextract.errors import EngineError
 
 FinalState = Literal["post_norm", "pre_norm", "both"]
 # "both": the pre-norm then the post-norm state of the same forward (len(aux_layers) + 2 tensors). A
@@ -53,8 +56,32 @@ class Captured:
     sample_id: str
     hidden_states: list[torch.Tensor]
     # the position of the first row: > 0 when the rows before it are the prompt's parent's (Prompt.parent), and
-    # then exactly Prompt.prefix_len
+    # then at most Prompt.prefix_len (the transformers engine: exactly; SGLang: its radix-cache hit)
     start: int = 0
+
+
+def check_references(prompts: Sequence[Prompt]) -> Counter[int]:
+    """EngineError unless every reference names an earlier prompt whose ids agree over the prefix; returns
+    how many later prompts use each parent (by its index)."""
+    seen: dict[int, Prompt] = {}
+    users: Counter[int] = Counter()
+    for p in prompts:
+        if p.parent >= 0 or p.prefix_len:
+            where = f"sample {p.sample_id!r} (index {p.index})"
+            parent = seen.get(p.parent)
+            if parent is None:
+                raise EngineError(f"{where}: parent {p.parent} is not an earlier prompt of this chunk")
+            top = min(len(parent.input_ids), len(p.input_ids) - 1)
+            if not 1 <= p.prefix_len <= top:
+                raise EngineError(f"{where}: prefix_len {p.prefix_len} outside [1, {top}] (parent "
+                                  f"{parent.sample_id!r} has {len(parent.input_ids)} tokens, this one "
+                                  f"{len(p.input_ids)})")
+            if p.input_ids[:p.prefix_len] != parent.input_ids[:p.prefix_len]:
+                raise EngineError(f"{where}: its first {p.prefix_len} token ids differ from its parent "
+                                  f"{parent.sample_id!r}'s; prepare's references are stale: rerun prepare")
+            users[p.parent] += 1
+        seen[p.index] = p
+    return users
 
 
 class Engine(abc.ABC):

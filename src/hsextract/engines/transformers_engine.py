@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from hsextract.capture import MAX_AUX_LAYERS
-from hsextract.engines.base import BOTH, Captured, CaptureSpec, Engine, Prompt
+from hsextract.engines.base import BOTH, Captured, CaptureSpec, Engine, Prompt, check_references
 from hsextract.errors import ConfigError, EngineError
 
 
@@ -251,30 +251,6 @@ class TransformersEngine(Engine):
 
     # ------------------------------------------------------------------ shared prefixes
     @staticmethod
-    def _check_references(prompts: list[Prompt]) -> Counter[int]:
-        """EngineError unless every reference names an earlier prompt whose ids agree over the prefix; returns
-        how many later prompts use each parent."""
-        seen: dict[int, Prompt] = {}
-        users: Counter[int] = Counter()
-        for p in prompts:
-            if p.parent >= 0 or p.prefix_len:
-                where = f"sample {p.sample_id!r} (index {p.index})"
-                parent = seen.get(p.parent)
-                if parent is None:
-                    raise EngineError(f"{where}: parent {p.parent} is not an earlier prompt of this chunk")
-                top = min(len(parent.input_ids), len(p.input_ids) - 1)
-                if not 1 <= p.prefix_len <= top:
-                    raise EngineError(f"{where}: prefix_len {p.prefix_len} outside [1, {top}] (parent "
-                                      f"{parent.sample_id!r} has {len(parent.input_ids)} tokens, this one "
-                                      f"{len(p.input_ids)})")
-                if p.input_ids[:p.prefix_len] != parent.input_ids[:p.prefix_len]:
-                    raise EngineError(f"{where}: its first {p.prefix_len} token ids differ from its parent "
-                                      f"{parent.sample_id!r}'s; prepare's references are stale: rerun prepare")
-                users[p.parent] += 1
-            seen[p.index] = p
-        return users
-
-    @staticmethod
     def _prefix_cache(cache: Any, k: int) -> Any:
         """The parent's cache cut to its first k positions, sharing its tensors (views): the child's forward
         appends by concatenation, which leaves the parent's tensors as they are for its other children."""
@@ -340,7 +316,7 @@ class TransformersEngine(Engine):
 
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         items = list(prompts)
-        users = self._check_references(items)
+        users = check_references(items)
         results = self._shared(items, users) if users else (c for b in self._batches(items) for c in self._forward(b))
         for captured in results:
             if self.on_sample is not None:

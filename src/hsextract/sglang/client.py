@@ -6,22 +6,35 @@ the `.done` marker, checks the ids, assembles the pieces and deletes the files. 
 `concurrency` threads (`sglang.api`); results come back in input order through a bounded reorder
 window. A failed request is retried with exponential backoff (`api.retrying`); after `retries` retries,
 or as soon as the server fails its health check, the chunk fails with an EngineError saying which.
+
+Shared prefixes (`share_prefixes`, docs/SHARED_PREFIX.md section 5; the server runs with its radix cache on and
+HSEXTRACT_SHARED_PREFIX=1): a prompt with a parent is sent only once the dump of its source (the parent, or the
+ancestor whose request computed the shared prefix's last token: `_Admission`) is collected, so the prefix's keys
+and values are in SGLang's prefix cache and the request computes only from its cache hit m on.
+The slots are filled from every family's ready prompts in chunk order (`_Admission`). Each request carries a
+cache key (`extra_key`: SGLang 0.5.16's GenerateReqInput field, sglang/srt/managers/io_struct.py:271, which
+namespaces the radix tree, mem_cache/radix_cache.py:356-367) unique to this extract() call and to the
+prompt's family: a hit then comes only from this attempt's own requests of the family, never from another
+chunk, an earlier run or the common template opening of an unrelated sample. The rows [m, n) are stored
+with the reference (parent, m) when 0 < m <= prefix_len, as a root when m = 0; m > prefix_len (a retry that
+matches its own partial pass) sends the prompt again under a fresh key, computed in full, and its
+descendants then use that key.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import re
 import secrets
 import sys
 import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt
+from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt, check_references
 from hsextract.errors import ConfigError, EngineError
 from hsextract.layers import HIDDEN_STATES, UNRECORDED, describe
 from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
@@ -61,6 +74,7 @@ class SGLangEngine(Engine):
         health_timeout_s: float = 10.0,
         progress: Callable[[int], Any] | None = None,
         api_key: str | None = None,
+        share_prefixes: bool = False,
     ) -> None:
         if isinstance(server, str):
             url = server
@@ -88,6 +102,9 @@ class SGLangEngine(Engine):
         self.max_new_tokens = max_new_tokens
         self.health_timeout_s = health_timeout_s
         self.progress = progress
+        # the prompts' references are used (parent first, rows from the radix-cache hit); the server must run in
+        # shared-prefix mode (its marker says so), and a flat run's server must not
+        self.share_prefixes = share_prefixes
         safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:60] or "run"
         # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
         # also when extract() runs twice on one engine with the same prompt indices (a warm-up, then the
@@ -130,6 +147,13 @@ class SGLangEngine(Engine):
                     f"the server at {self.url} captures final_state {info.get('final_state', 'post_norm')}, this "
                     f"run asks for {self.spec.final_state}; restart the server with this run's final_state"
                 )
+            if bool(info.get("shared_prefix", False)) != self.share_prefixes:
+                have = "on (HSEXTRACT_SHARED_PREFIX=1)" if info.get("shared_prefix") else "off"
+                want = ("on (share_prefixes: true; a server started with HSEXTRACT_SHARED_PREFIX=1 and without "
+                        "--disable-radix-cache)" if self.share_prefixes else
+                        "off (share_prefixes: false; a server started with --disable-radix-cache)")
+                raise EngineError(f"the server at {self.url} runs with shared prefixes {have}, this run needs them "
+                                  f"{want}; restart the server with this run's settings")
             self._marker = info
         return self._marker
 
@@ -139,13 +163,16 @@ class SGLangEngine(Engine):
                 f"(capture {info.get('capture')})")
 
     # ---- HTTP -----------------------------------------------------------------------------------------
-    def _generate(self, rid: str, ids: list[int]) -> dict:
+    def _generate(self, rid: str, ids: list[int], cache_key: str | None = None) -> dict:
+        payload: dict[str, Any] = {
+            "rid": rid,
+            "input_ids": ids,
+            "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0},
+        }
+        if cache_key is not None:  # the radix namespace of this request (module docstring)
+            payload["extra_key"] = cache_key
         try:
-            out = self.api.generate({
-                "rid": rid,
-                "input_ids": ids,
-                "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0},
-            })
+            out = self.api.generate(payload)
         except RequestRefused as e:
             raise _Fatal(str(e)) from e
         got = (out.get("meta_info") or {}).get("prompt_tokens")
@@ -156,23 +183,43 @@ class SGLangEngine(Engine):
     def _collect(self, rid: str, ids: list[int], stop: threading.Event) -> dumpfiles.Collected:
         """The request's dump files, read and removed (waits for the plugin's `.done` marker)."""
         return dumpfiles.collect(self.dump_dir, rid, ids, self.spec.num_tensors, self.timeout_s,
-                                 should_stop=stop.is_set)
+                                 should_stop=stop.is_set, allow_start=self.share_prefixes)
 
     def health(self) -> str | None:
         """None when GET /health answers 200, else why not."""
         return self.api.health(self.health_timeout_s)
 
     # ---- one prompt -----------------------------------------------------------------------------------
-    def _attempt(self, p: Prompt, ids: list[int], rid: str, stop: threading.Event) -> Captured:
+    def _attempt(self, p: Prompt, ids: list[int], rid: str, stop: threading.Event,
+                 cache_key: str | None = None) -> Captured:
         with self._http_slots:
-            self._generate(rid, ids)
-        hs = self._collect(rid, ids, stop).hidden_states
+            self._generate(rid, ids, cache_key)
+        got = self._collect(rid, ids, stop)
+        hs = got.hidden_states
         expected_h = (self._marker or {}).get("hidden_size")
         if expected_h and hs[0].shape[1] != expected_h:
             raise _Fatal(f"dumped hidden size {hs[0].shape[1]}, the model's is {expected_h}")
-        return Captured(index=p.index, sample_id=p.sample_id, hidden_states=hs)
+        return Captured(index=p.index, sample_id=p.sample_id, hidden_states=hs, start=got.start)
 
-    def _one(self, p: Prompt, stop: threading.Event, base: str) -> Captured:
+    def _shared_attempt(self, p: Prompt, ids: list[int], rid: str, stop: threading.Event,
+                        cache_key: str) -> tuple[Captured, str]:
+        """One attempt in shared-prefix mode: the rows from the cache hit m on if m <= prefix_len, else (a hit
+        on this prompt's own partial pass of an earlier attempt) the whole prompt again under a fresh cache key;
+        returns the result and the key its rows were computed under (its children's)."""
+        got = self._attempt(p, ids, rid, stop, cache_key)
+        if got.start <= p.prefix_len:
+            return got, cache_key
+        fresh = f"{rid}-full"
+        got = self._attempt(p, ids, fresh, stop, fresh)
+        if got.start:
+            raise _Fatal(f"the server matched {got.start} cached tokens of a request under the fresh cache key "
+                         f"{fresh!r}: it does not keep its prefix cache apart by extra_key, so the rows it skips "
+                         "may come from anywhere; use an SGLang whose /generate takes extra_key (0.5.16 to 0.5.23)")
+        return got, fresh
+
+    def _one(self, p: Prompt, stop: threading.Event, base: str,
+             cache_key: str | None = None) -> tuple[Captured, str | None]:
+        """The prompt's Captured and the cache key its rows were computed under (None outside shared mode)."""
         ids = [int(x) for x in p.input_ids]
         where = f"sample {p.sample_id!r} (index {p.index})"
         cancelled = f"{where}: cancelled because another sample of the chunk failed"
@@ -184,13 +231,15 @@ class SGLangEngine(Engine):
                     n = attempt.retry_state.attempt_number - 1
                     rid = f"{base}-i{p.index}-a{n}"
                     try:
-                        return self._attempt(p, ids, rid, stop)
+                        if cache_key is None:
+                            return self._attempt(p, ids, rid, stop), cache_key
+                        return self._shared_attempt(p, ids, rid, stop, cache_key)
                     except _Fatal as e:
-                        dumpfiles.remove_rid(self.dump_dir, rid)
+                        self._remove(rid)
                         raise EngineError(f"{where}: {e} (server {self.url}); the chunk fails, no shard is "
                                           "written") from e
                     except RETRYABLE as e:
-                        dumpfiles.remove_rid(self.dump_dir, rid)
+                        self._remove(rid)
                         if stop.is_set():
                             raise EngineError(cancelled) from e
                         down = self.health()
@@ -208,39 +257,128 @@ class SGLangEngine(Engine):
             ) from last
         raise AssertionError("unreachable: retrying() returns or raises")
 
+    def _remove(self, rid: str) -> None:
+        """Delete the dump files of an attempt and of its fresh-key resend."""
+        dumpfiles.remove_rid(self.dump_dir, rid)
+        dumpfiles.remove_rid(self.dump_dir, f"{rid}-full")
+
     # ---- many prompts ---------------------------------------------------------------------------------
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         self.plugin_info()
         base = f"{self._rid_base}-x{next(self._calls)}"
+        items = list(prompts)
+        if self.share_prefixes:
+            check_references(items)
+        plan = _Admission(items, self.share_prefixes, 2 * self.concurrency)
+        keys: dict[int, str | None] = {}  # position -> the cache key its rows were computed under
         stop = threading.Event()
-        window = 2 * self.concurrency  # bounded reorder buffer: at most this many samples in memory
-        pending: deque[Future[Captured]] = deque()
-        it = iter(prompts)
-        pool = ThreadPoolExecutor(max_workers=window, thread_name_prefix="hsx-sglang")
+        running: dict[Future[tuple[Captured, str | None]], int] = {}
+        finished: dict[int, Future[tuple[Captured, str | None]]] = {}
+        # one thread more than the window: the first unyielded prompt is admitted even when the window is busy
+        pool = ThreadPoolExecutor(max_workers=plan.window + 1, thread_name_prefix="hsx-sglang")
         # Dozens of threads each take the GIL back after every blocking call (socket, file, zstd); at the
         # default 5 ms switch interval those hand-overs, not the work, bound the client.
         switch = sys.getswitchinterval()
         sys.setswitchinterval(min(switch, 0.0005))
         try:
-            exhausted = False
-            while True:
-                while not exhausted and len(pending) < window:
-                    p = next(it, None)
-                    if p is None:
-                        exhausted = True
-                        break
-                    pending.append(pool.submit(self._one, p, stop, base))
-                if not pending:
-                    break
-                res = pending.popleft().result()
-                if self.progress is not None:
-                    self.progress(1)
-                yield res
+            while plan.head < len(items):
+                for k in plan.admit(len(running)):
+                    p = items[k]
+                    key = None
+                    if self.share_prefixes:  # a root starts its family's namespace, a child takes its source's
+                        key = f"{base}-f{p.index}" if p.parent < 0 else keys[plan.source[k]]
+                    running[pool.submit(self._one, p, stop, base, key)] = k
+                if plan.head in finished:  # in input order; a failure is raised when its turn comes
+                    res, _ = finished.pop(plan.head).result()
+                    plan.yielded()
+                    if self.progress is not None:
+                        self.progress(1)
+                    yield res
+                    continue
+                if not running:  # the head is always admissible (_Admission): something must be in flight
+                    raise AssertionError(f"sglang client: nothing in flight at sample {plan.head}")
+                done, _ = wait(running, return_when=FIRST_COMPLETED)
+                for f in done:
+                    k = running.pop(f)
+                    finished[k] = f
+                    if f.exception() is None:
+                        keys[k] = f.result()[1]
+                        plan.captured(k)
         except BaseException:
             stop.set()
-            for f in pending:
+            for f in running:
                 f.cancel()
             raise
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             sys.setswitchinterval(switch)
+
+
+class _Admission:
+    """Which prompts may be sent, in which order, while results go out in input order.
+
+    Flat: in input order, at most `window` prompts sent and not yet yielded (a bounded reorder buffer, as
+    many samples in memory). Shared prefixes: a prompt becomes ready when its *source* is captured: the nearest
+    ancestor (its parent, or above) whose own rows hold position prefix_len - 1, so whose request put the whole
+    prefix in the cache. Not the parent itself: prepare's parent of a conversation's first turn is the latest
+    sample with the same tool declaration, the previous conversation's last turn, and waiting for it would run
+    the conversations one after another. A hit m <= prefix_len still holds (docs/SHARED_PREFIX.md 5.5, with the
+    source for the parent: a sample sharing more than prefix_len tokens with the prompt comes later in the chunk,
+    and so does every node between it and its own source, which therefore shares as many: by induction none runs
+    before the prompt is captured). The lowest ready position goes first (so every family's frontier fills the
+    slots), at most `window` requests at once, and the rows held (sent or collected, not yet yielded: seq -
+    prefix_len each) at most `window` x the mean prompt length, the memory the flat window holds. The first
+    unyielded prompt is always admitted: its source, earlier, has been yielded, so the chunk always makes
+    progress."""
+
+    def __init__(self, items: Sequence[Prompt], shared: bool, window: int) -> None:
+        self.window, self.shared, self.head = window, shared, 0
+        pos = {p.index: k for k, p in enumerate(items)}
+        parent = [pos[p.parent] if shared and p.parent >= 0 else -1 for p in items]
+        start = [p.prefix_len if pp >= 0 else 0 for p, pp in zip(items, parent, strict=True)]
+        # source[k]: the nearest ancestor whose first own row is below prefix_len; it is also the nearest ancestor
+        # with a smaller start, so the walk jumps from source to source (linear overall)
+        self.source = [-1] * len(items)
+        for k, pp in enumerate(parent):
+            x = pp
+            while x >= 0 and start[x] >= start[k]:
+                x = self.source[x]
+            self.source[k] = x
+        self.children: dict[int, list[int]] = {}
+        self.ready: list[int] = []
+        for k, src in enumerate(self.source):
+            if src >= 0:
+                self.children.setdefault(src, []).append(k)
+            else:
+                self.ready.append(k)  # ascending: already a heap
+        self.cost = [len(p.input_ids) - s for p, s in zip(items, start, strict=True)]
+        total = sum(len(p.input_ids) for p in items)
+        self.budget = window * -(-total // max(1, len(items))) if shared else None
+        self.held = self.held_rows = 0  # admitted and not yet yielded: prompts, rows
+        self.admitted = [False] * len(items)
+
+    def admit(self, running: int) -> Iterator[int]:
+        """The positions to send now, given `running` requests in flight."""
+        while self.ready:
+            k = self.ready[0]
+            if k != self.head:
+                if self.budget is None and self.held >= self.window:
+                    return
+                if self.budget is not None and (running >= self.window or self.held_rows + self.cost[k] > self.budget):
+                    return
+            heapq.heappop(self.ready)
+            self.admitted[k] = True
+            self.held += 1
+            self.held_rows += self.cost[k]
+            running += 1
+            yield k
+
+    def captured(self, k: int) -> None:
+        """Prompt k's rows are in: the prompts it is the source of may go."""
+        for c in self.children.pop(k, ()):
+            heapq.heappush(self.ready, c)
+
+    def yielded(self) -> None:
+        self.held -= 1
+        self.held_rows -= self.cost[self.head]
+        self.head += 1

@@ -44,7 +44,8 @@ RAN_ON_GPU: dict[str, str] = {
 }
 
 # needed_for: "all" (any use), "plugin" (capture set up by the plugin: 0.5.16), "builtin"
-# (--enable-return-aux-hidden-states: 0.5.2x), "llama" / "deepseek" (that model family).
+# (--enable-return-aux-hidden-states: 0.5.2x), "llama" / "deepseek" (that model family), "flat" / "shared"
+# (share_prefixes off: the radix cache disabled; on: the radix cache namespaced by each request's extra_key).
 @dataclass(frozen=True)
 class Requirement:
     module: str  # dotted module
@@ -116,7 +117,8 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("sglang.srt.runtime_context", "get_parallel", "function", "the writer rank"),
     Requirement("sglang.srt.runtime_context", "", "string", "the writer rank", value="attn_tp_rank"),
     # server flags the launcher passes
-    Requirement("", "disable_radix_cache", "server_arg", "every row computed (no prefix-cache hits)"),
+    Requirement("", "disable_radix_cache", "server_arg", "every row computed (no prefix-cache hits)",
+                needed_for="flat"),
     Requirement("", "chunked_prefill_size", "server_arg", "prefill chunking"),
     Requirement("", "skip_tokenizer_init", "server_arg", "token-id requests"),
     Requirement("", "enable_return_hidden_states", "server_arg", "prefill CUDA graphs in FULL mode",
@@ -136,6 +138,13 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     Requirement("sglang.srt.managers.io_struct", "GenerateReqInput.rid", "member", "request id"),
     Requirement("sglang.srt.managers.io_struct", "GenerateReqInput.input_ids", "member", "token-id prompts"),
     Requirement("sglang.srt.managers.io_struct", "GenerateReqInput.sampling_params", "member", "max_new_tokens"),
+    # share_prefixes: each request's radix namespace (its family within one chunk attempt), carried from the
+    # HTTP request to the scheduler's Req and into every radix key
+    Requirement("sglang.srt.managers.io_struct", "GenerateReqInput.extra_key", "member",
+                "each request's prefix-cache namespace", needed_for="shared"),
+    Requirement(_SB, "Req.extra_key", "member", "each request's prefix-cache namespace", needed_for="shared"),
+    Requirement("sglang.srt.mem_cache.radix_cache", "RadixKey.extra_key", "member",
+                "radix matches only within one namespace", needed_for="shared"),
     Requirement("sglang.srt.sampling.sampling_params", "SamplingParams.max_new_tokens", "member",
                 "max_new_tokens 0"),
     Requirement("sglang.srt.entrypoints.http_server", "", "string", "POST /generate", value="/generate"),
@@ -192,6 +201,11 @@ class CompatReport:
         return [g for g in ("llama", "deepseek") if self._ok(g)]
 
     @property
+    def prefix_modes(self) -> list[str]:
+        """share_prefixes off ("flat") and on ("shared"): the ones this release supports."""
+        return [g for g in ("flat", "shared") if self._ok(g)]
+
+    @property
     def ok(self) -> bool:
         return self.in_range and self._ok("all") and bool(self.capture_sources)
 
@@ -214,6 +228,7 @@ class CompatReport:
                          "checked_statically_only": [r for r in RELEASES_CHECKED if r not in RAN_ON_GPU]},
             "capture_sources": self.capture_sources,
             "models": self.models,
+            "prefix_modes": self.prefix_modes,
             "checked": self.checked,
             "ok": self.ok,
             "problems": [asdict(p) | {"text": str(p)} for p in self.problems],

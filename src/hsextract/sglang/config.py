@@ -112,6 +112,7 @@ def server_config_from(settings: ExtractSettings, root: str | Path = ".", python
         writer_threads=s.writer_threads,
         prefill_cuda_graph=s.prefill_cuda_graph,
         trust_remote_code=settings.trust_remote_code,
+        share_prefixes=settings.share_prefixes,
     )
 
 
@@ -142,6 +143,7 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
         run_name=settings.run_name,
         chunk=chunk,
         api_key=s.api_key if urls else None,
+        share_prefixes=settings.share_prefixes,
     )
 
 
@@ -233,6 +235,11 @@ def build_patched(
             f"sglang.capture: {cfg.capture!r} is not available in SGLang {report['sglang_version']} "
             f"(available: {report['capture_sources']}); set sglang.capture accordingly"
         )
+    mode = "shared" if cfg.share_prefixes else "flat"
+    if mode not in report["prefix_modes"]:
+        problems = "\n".join(p["text"] for p in report["problems"] if p["needed_for"] == mode)
+        raise EngineError(f"share_prefixes: {str(cfg.share_prefixes).lower()} needs what the SGLang of {py} "
+                          f"({report['sglang_version']}) lacks:\n{problems}")
     info = {
         "python": py,
         "sglang_version": report["sglang_version"],
@@ -241,6 +248,7 @@ def build_patched(
         "plugin_sha256": plugin_source_hash(installed),
         "capture": cfg.capture,
         "capture_sources": report["capture_sources"],
+        "share_prefixes": cfg.share_prefixes,  # the radix cache on (docs/SHARED_PREFIX.md section 5)
         # the key file each replica's command names (made when the server starts), never the key
         "launch": [redact(build_command(cfg, r, key_path(state_dir(settings, root), r))) for r in range(cfg.replicas)],
     }

@@ -88,6 +88,9 @@ class ServerConfig:
     prefill_cuda_graph: bool = False
     # config `trust_remote_code`: the checkpoint's own code may run (Kimi-K2.5's config, model and tokenizer)
     trust_remote_code: bool = False
+    # config `share_prefixes` (docs/SHARED_PREFIX.md): the radix cache stays on and the plugin dumps each request
+    # from its cache hit (HSEXTRACT_SHARED_PREFIX=1); off: --disable-radix-cache, every row computed
+    share_prefixes: bool = False
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -172,7 +175,8 @@ LAUNCHER_FLAGS: dict[str, str] = {
     "--speculative-algorithm": "set `sglang.capture`",
     "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
     "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
-    "--disable-radix-cache": "the capture needs it; remove it",
+    "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
+                             "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
     # secrets: a command line is readable by every local user
     "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
@@ -207,7 +211,10 @@ def build_command(cfg: ServerConfig, replica: int = 0, key_file: str | os.PathLi
             "its command line"
         )
     cmd = [cfg.python, "-m", cfg.module, "--model-path", cfg.model, "--host", cfg.host,
-           "--port", str(cfg.port + replica), "--tp", str(cfg.tp), "--disable-radix-cache", "--skip-tokenizer-init"]
+           "--port", str(cfg.port + replica), "--tp", str(cfg.tp)]
+    if not cfg.share_prefixes:  # a prefix-cache hit would skip rows the flat layout stores
+        cmd += ["--disable-radix-cache"]
+    cmd += ["--skip-tokenizer-init"]
     if cfg.chunked_prefill_size is not None:
         cmd += ["--chunked-prefill-size", str(cfg.chunked_prefill_size)]
     if cfg.capture == "builtin":
@@ -237,6 +244,7 @@ def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
     env[ps.ENV_FINAL_STATE] = cfg.final_state
     env[ps.ENV_STAGING_MB] = str(cfg.staging_mb)
     env[ps.ENV_WRITER_THREADS] = str(cfg.writer_threads)
+    env[ps.ENV_SHARED_PREFIX] = "1" if cfg.share_prefixes else "0"
     if cfg.gpus is not None or cfg.replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_set(cfg, replica)))
     env.update(cfg.env)

@@ -108,7 +108,8 @@ def is_int(v: Any) -> bool:
 
 
 def marker(raw: bytes, rid: str, n_tokens: int) -> dict[str, Any]:
-    """A `.done` marker, checked: this rid, this prompt length, pieces that tile [0, n_tokens) exactly."""
+    """A `.done` marker, checked: this rid, this prompt length, a start 0 <= start < n_tokens (0 when absent: a
+    marker of a plugin before shared prefixes), pieces that tile [start, n_tokens) exactly."""
     info = load_json(raw, "the .done marker")
     if not isinstance(info, dict):
         raise Refused(f"the .done marker is a JSON {type(info).__name__}, not an object")
@@ -117,17 +118,21 @@ def marker(raw: bytes, rid: str, n_tokens: int) -> dict[str, Any]:
     if not is_int(info.get("n_tokens")) or info["n_tokens"] != n_tokens:
         raise Refused(f"the server dumped {info.get('n_tokens')!r} tokens, the prompt has {n_tokens}; a rid was "
                       "reused or the server tokenized differently")
+    start = info.setdefault("start", 0)
+    if not is_int(start) or not 0 <= start < n_tokens:
+        raise Refused(f"the .done marker's start {start!r} is outside [0, {n_tokens - 1}] (the first computed row of "
+                      f"a {n_tokens}-token prompt)")
     pieces = info.get("pieces")
     if not (isinstance(pieces, list) and 0 < len(pieces) <= n_tokens
             and all(isinstance(p, list) and len(p) == 2 and all(is_int(x) for x in p) for p in pieces)):
         raise Refused(f"the .done marker's pieces are not a list of [start, end] integer pairs: {str(pieces)[:200]}")
-    pos = 0
-    for start, end in pieces:
-        if start != pos or end <= start:
-            raise Refused(f"pieces do not tile the prompt: [{start},{end}) where token {pos} comes next")
-        pos = end
+    pos = start
+    for a, b in pieces:
+        if a != pos or b <= a:
+            raise Refused(f"pieces do not tile the prompt: [{a},{b}) where token {pos} comes next")
+        pos = b
     if pos != n_tokens:
-        raise Refused(f"pieces cover tokens [0,{pos}) of {n_tokens}")
+        raise Refused(f"pieces cover tokens [{start},{pos}) of {n_tokens}")
     if not isinstance(info.get("ids_sha256"), str):
         raise Refused("the .done marker has no ids_sha256")
     if info.get("dtype") not in DTYPE_SIZES or not (is_int(info.get("width")) and 0 < info["width"] <= MAX_WIDTH):

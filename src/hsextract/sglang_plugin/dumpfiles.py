@@ -21,8 +21,10 @@ Piece file, format 1 (little endian):
 The blocks of one piece, concatenated along columns, give [rows, num_tensors * hidden] in layer order
 (aux layers, then the final state). No pickle: tensors are raw bytes, the header is JSON.
 
-`.done` marker, JSON: {"format", "rid", "n_tokens", "pieces": [[start, end], ...], "ids_sha256", "dtype",
-"width"}, plus diagnostics a reader may ignore: "staged_at" and "written_at" (wall clock when the last
+`.done` marker, JSON: {"format", "rid", "n_tokens", "start", "pieces": [[start, end], ...], "ids_sha256", "dtype",
+"width"}: the pieces tile [start, n_tokens); start is 0 unless the server runs with its radix cache on
+(HSEXTRACT_SHARED_PREFIX, docs/SHARED_PREFIX.md), where it is the request's prefix-cache hit (absent in markers
+of older plugins: 0). Plus diagnostics a reader may ignore: "staged_at" and "written_at" (wall clock when the last
 piece was staged in the forward hook and when the marker was written) and "lane" (the writer thread).
 """
 
@@ -218,9 +220,10 @@ def writer_stats_summary(dump_dir: Path) -> str:
 @dataclass(frozen=True)
 class Collected:
     rid: str
-    hidden_states: list[torch.Tensor]  # num_tensors x [n_tokens, hidden]
+    hidden_states: list[torch.Tensor]  # num_tensors x [n_tokens - start, hidden]: the rows of positions start..
     pieces: int
     marker: dict  # the `.done` marker's contents (pieces, digests, the writer's timestamps)
+    start: int = 0  # the first row's position (> 0 only after a prefix-cache hit, with allow_start)
 
 
 def collect(
@@ -233,10 +236,13 @@ def collect(
     poll_s: float = 0.002,
     should_stop: Callable[[], bool] | None = None,
     remove: bool = True,
+    allow_start: bool = False,
 ) -> Collected:
     """Wait for `rid`'s `.done` (or `.err`), check it is this prompt, assemble the pieces, delete the files.
 
-    Raises DumpTimeout after `timeout_s`, DumpError for a plugin-side error or inconsistent files.
+    `allow_start`: the rows may begin after position 0 (a prefix-cache hit of a server in shared-prefix mode);
+    without it such a dump is a DumpError. Raises DumpTimeout after `timeout_s`, DumpError for a plugin-side
+    error or inconsistent files.
     """
     dump_dir = Path(dump_dir)
     done, err = dump_dir / done_name(rid), dump_dir / err_name(rid)
@@ -269,6 +275,9 @@ def collect(
         raise DumpError(f"request {rid}: {e}") from None
     if info["ids_sha256"] != ids_digest(input_ids):
         raise DumpError(f"request {rid}: the token ids the server saw differ from the prompt's (sha256 mismatch)")
+    if info["start"] and not allow_start:
+        raise DumpError(f"request {rid}: the server computed tokens [{info['start']},{n}) only (a prefix-cache hit): "
+                        "a run without share_prefixes needs a server with --disable-radix-cache")
     blocks_per_piece: list[list[torch.Tensor]] = []
     for start, end in info["pieces"]:
         limit = dumpcheck.max_piece_bytes(end - start, info["width"], info["dtype"])
@@ -279,7 +288,7 @@ def collect(
         for start, end in info["pieces"]:
             (dump_dir / piece_name(rid, start, end)).unlink(missing_ok=True)
         done.unlink(missing_ok=True)
-    return Collected(rid=rid, hidden_states=hidden, pieces=len(info["pieces"]), marker=info)
+    return Collected(rid=rid, hidden_states=hidden, pieces=len(info["pieces"]), marker=info, start=info["start"])
 
 
 def _assemble(rid: str, blocks_per_piece: list[list[torch.Tensor]], num_tensors: int) -> list[torch.Tensor]:

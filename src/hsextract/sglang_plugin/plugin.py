@@ -17,6 +17,9 @@ Environment (set by `hsextract.sglang.server`):
                             skips SGLang's own warmup (random hex rid) and health checks (HEALTH_CHECK_*)
     HSEXTRACT_COPY_STREAM   1 (default): device-to-host copies on a side stream, beside the next forward;
                             0: on the forward's stream (saves one device copy of each batch's rows)
+    HSEXTRACT_SHARED_PREFIX 1: the server runs with its radix cache on (share_prefixes): a request's rows start
+                            at its prefix-cache hit m (SGLang's extend prefix length), recorded as "start" in its
+                            `.done` marker; unset or 0: a chain that does not start at 0 is an error
     HSEXTRACT_EAGLE3_IDS    diagnostic (bench/gpu/eagle3_ids.py): set the capture with the model's own
                             set_eagle3_layers_to_capture(ids), as SGLang's EAGLE-3 worker does for a drafter
                             config's ids, and dump what it resolves without checking it
@@ -83,6 +86,7 @@ from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the 
     ENV_EAGLE3_IDS,
     ENV_FINAL_STATE,
     ENV_RID_PREFIX,
+    ENV_SHARED_PREFIX,
     ENV_STAGING_MB,
     ENV_WRITER_THREADS,
     FINAL_STATES,
@@ -129,6 +133,7 @@ class Dumper:
             self._writer = DumpWriter(
                 self.cfg.dump_dir, StagingRing(self.cfg.staging_bytes, pin=self._pin),
                 threads=self.cfg.writer_threads, write_delay_s=self._delay, copy_stream=self.cfg.copy_stream,
+                shared_prefix=self.cfg.shared_prefix,
                 extra_stats=lambda: {"duplicates_skipped": self.duplicates_skipped},
             )
         return self._writer
@@ -313,6 +318,7 @@ class Dumper:
             "layers_to_capture": resolved,
             "eagle3_ids": None if self.cfg.eagle3_ids is None else list(self.cfg.eagle3_ids),
             "final_state": self.cfg.final_state,
+            "shared_prefix": self.cfg.shared_prefix,  # radix cache on: rows from each request's cache hit
             "final_norm_module": self.norm_module,
             "hidden_size": self.hidden_size,
             "pid": os.getpid(),

@@ -25,6 +25,9 @@ ENV_STAGING_MB = "HSEXTRACT_STAGING_MB"
 ENV_RID_PREFIX = "HSEXTRACT_RID_PREFIX"
 ENV_WRITER_THREADS = "HSEXTRACT_WRITER_THREADS"
 ENV_COPY_STREAM = "HSEXTRACT_COPY_STREAM"
+# 1: the server runs with its radix cache on (share_prefixes, docs/SHARED_PREFIX.md): a request's rows may start
+# at its prefix-cache hit, and its `.done` marker says where ("start"); unset or 0: every row from 0, as before
+ENV_SHARED_PREFIX = "HSEXTRACT_SHARED_PREFIX"
 DEFAULT_WRITER_THREADS = 4
 # The plugin dumps only requests whose rid starts with this (default of HSEXTRACT_RID_PREFIX); the capture
 # client names its rids with it, and any other request to the server (regenerate's) must not.
@@ -46,6 +49,7 @@ class PluginConfig:
     writer_threads: int = DEFAULT_WRITER_THREADS
     copy_stream: bool = True
     eagle3_ids: tuple[int, ...] | None = None  # ENV_EAGLE3_IDS (diagnostic)
+    shared_prefix: bool = False  # ENV_SHARED_PREFIX
 
     @property
     def expected_capture(self) -> list[int]:
@@ -99,5 +103,9 @@ class PluginConfig:
             raise PluginConfigError(f"{ENV_EAGLE3_IDS}={raw_e3!r}: expected comma-separated integers") from e
         if eagle3 is not None and len(eagle3) != len(aux):
             raise PluginConfigError(f"{ENV_EAGLE3_IDS}={raw_e3!r}: one id per aux layer ({len(aux)})")
+        shared = env.get(ENV_SHARED_PREFIX, "0")
+        if shared not in ("0", "1"):
+            raise PluginConfigError(f"{ENV_SHARED_PREFIX}={shared!r}: expected 1 (radix cache on, rows from each "
+                                    "request's prefix-cache hit) or 0")
         return cls(dump_dir, aux, final, staging, env.get(ENV_RID_PREFIX, DEFAULT_RID_PREFIX), threads,
-                   copy_stream == "1", eagle3)
+                   copy_stream == "1", eagle3, shared == "1")

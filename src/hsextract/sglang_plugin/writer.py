@@ -12,7 +12,9 @@ When the clone does not fit in device memory the batch falls back to copies on t
 
 A writer thread waits for the event, writes the piece file, frees the staging region, and when a
 request's last piece is in, writes its `.done` marker listing the pieces (or `.err` when they do not
-cover the prompt).
+cover the prompt). With `shared_prefix` (the server's radix cache on, docs/SHARED_PREFIX.md) the pieces cover
+[start, n_tokens) instead, start being the request's prefix-cache hit (SGLang's extend prefix length: the
+first piece's start), which the marker records; without it a chain that does not start at 0 is an error.
 
 Threads: `threads` writers, each with its own FIFO queue. Every job of one rid goes to the same thread
 (crc32 of the rid mod `threads`), so a request's pieces are written in the order they were computed,
@@ -97,6 +99,7 @@ class DumpWriter:
         write_delay_s: float = 0.0,  # tests: a slow disk
         extra_stats: Callable[[], dict] | None = None,  # counters kept elsewhere (scheduler side)
         copy_stream: bool = True,  # CUDA: device-to-host copies beside the next forward (module docstring)
+        shared_prefix: bool = False,  # a chain may start at its prefix-cache hit (module docstring)
     ) -> None:
         if threads < 1:
             raise ValueError(f"writer threads must be >= 1, got {threads}")
@@ -116,6 +119,7 @@ class DumpWriter:
         self._last_stats = time.monotonic()
         self._dirty = True
         self._use_copy_stream = copy_stream
+        self.shared_prefix = shared_prefix
         self._copy_stream: Any = None  # created on the first CUDA batch, on that batch's device
         self.copy_fallbacks = 0  # batches copied on the forward's stream: their clone did not fit
         per_lane = max(1, -(-remember_completed // threads))
@@ -325,7 +329,9 @@ class DumpWriter:
             self._complete(lane, job, keep)
 
     def _complete(self, lane: _Lane, job: _Job, chain: list[tuple[int, int]]) -> None:
-        pos = 0
+        # the rows before a radix-cache hit were never computed for this request: its first piece starts there
+        start = chain[0][0] if self.shared_prefix and chain else 0
+        pos = start
         for s, e in chain:
             if s != pos:
                 break
@@ -334,11 +340,11 @@ class DumpWriter:
         if pos != job.n_tokens:
             with self._lock:
                 self.stats.requests_failed += 1
+            hint = "" if self.shared_prefix else " (prefix cache hit? launch the server with --disable-radix-cache)"
             dumpfiles.write_err(
                 self.dump_dir,
                 job.rid,
-                f"rows for tokens [{pos},{chain[-1][0] if chain else 0}) were never computed "
-                f"(prefix cache hit? launch the server with --disable-radix-cache); pieces {chain}",
+                f"rows for tokens [{pos},{chain[-1][0] if chain else 0}) were never computed{hint}; pieces {chain}",
             )
             for s, e in chain:
                 (self.dump_dir / dumpfiles.piece_name(job.rid, s, e)).unlink(missing_ok=True)
@@ -349,6 +355,7 @@ class DumpWriter:
             job.rid,
             {
                 "n_tokens": job.n_tokens,
+                "start": start,  # the first row's position: > 0 only after a radix-cache hit (shared_prefix)
                 "pieces": [list(c) for c in chain],
                 "ids_sha256": dumpfiles.ids_digest(job.ids),
                 "dtype": blk[0].dtype if blk else None,
