@@ -6,7 +6,7 @@ import pytest
 from chatfix import SYS, A, U, make_tokenizer, trained_segments
 
 from hsextract.conversations import Conversation
-from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.masks.masker import ChatMasker, TemplateError
 
 TOOL_CONV = Conversation([
     SYS, U("Hello there!"), A("How are you today?", "The user asks."),

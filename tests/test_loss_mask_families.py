@@ -11,10 +11,10 @@ from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained
 from mask_golden import EXPECTED
 
 from hsextract.conversations import Conversation, normalize_record
-from hsextract.loss_mask import ChatMasker, TemplateError
-from hsextract.mask_explain import marked
-from hsextract.template_render import SENT, common_prefix, common_suffix, content_format
-from hsextract.turn_spans import find_turn
+from hsextract.masks.explain import marked
+from hsextract.masks.masker import ChatMasker, TemplateError
+from hsextract.masks.rendering import SENT, common_prefix, common_suffix, content_format
+from hsextract.masks.turns import find_turn
 
 CONVS = {
     "single": Conversation([U("Hello there!"), A("How are you today?")]),

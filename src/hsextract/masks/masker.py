@@ -56,8 +56,8 @@ from typing import Any
 
 from hsextract.conversations import Conversation
 from hsextract.errors import ConfigError
-from hsextract.template_render import TemplateError, TemplateRenderer, common_prefix, is_prefix
-from hsextract.turn_spans import TurnSpan, find_turn, shifted
+from hsextract.masks.rendering import TemplateError, TemplateRenderer, common_prefix, is_prefix
+from hsextract.masks.turns import TurnSpan, find_turn, shifted
 
 SPLIT_MODES = ("auto", "never", "always")
 NOT_PREFIX_STABLE = "not_prefix_stable"

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hsextract.template_render import SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix, common_suffix
+from hsextract.masks.rendering import SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix, common_suffix
 
 TOOL_CALLS_AFTER_STOP = "tool_calls_after_stop"
 

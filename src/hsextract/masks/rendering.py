@@ -54,7 +54,7 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from hsextract.conversations import as_openai
 from hsextract.errors import ConfigError
-from hsextract.template_kwargs import check_kwargs
+from hsextract.masks.kwargs import check_kwargs
 
 # Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
 # differ in their first and last UTF-8 byte (EE.. vs EF..; ..80 vs ..81), so their first and last tokens differ

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.conversations import MalformedRecordError, open_sources
-from hsextract.loss_mask import ChatMasker, MaskedSample
-from hsextract.template_render import TEMPLATE_ERROR, failure
+from hsextract.masks.masker import ChatMasker, MaskedSample
+from hsextract.masks.rendering import TEMPLATE_ERROR, failure
 
 OPEN, CLOSE = "⟦", "⟧"
 _COLORS = {"reasoning": "\x1b[34m", "eot": "\x1b[33m", "header": "\x1b[32m", "body": "\x1b[32m"}

@@ -1,0 +1,1 @@
+"""Loss masks from the chat template (placeholder docstring, replaced below)."""
