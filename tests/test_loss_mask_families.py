@@ -12,9 +12,12 @@ from mask_golden import EXPECTED
 
 from hsextract.conversations import Conversation, normalize_record
 from hsextract.masks.explain import marked
-from hsextract.masks.masker import ChatMasker, TemplateError
-from hsextract.masks.rendering import SENT, common_prefix, common_suffix, content_format
-from hsextract.masks.turns import find_turn
+from hsextract.masks.ids import common_prefix, common_suffix
+from hsextract.masks.masker import ChatMasker
+from hsextract.masks.probe import SENT
+from hsextract.masks.refusals import TemplateError
+from hsextract.masks.rendering import content_format
+from hsextract.masks.turns import Frame, find_turn
 
 CONVS = {
     "single": Conversation([U("Hello there!"), A("How are you today?")]),
@@ -112,7 +115,7 @@ def test_sentinels_change_nothing_outside_their_turn(family):
             p = m.renderer.render_ids(frame[:j], add_generation_prompt=True)
             if x[:len(p)] != p:
                 continue  # history rewritten before the turn: covered by the exact masks
-            sp = find_turn(m.renderer, frame, None, j, x, len(p))
+            sp = find_turn(m.renderer, Frame(frame, None, j, x), len(p))
             renders = []
             for sent in SENT:
                 try:

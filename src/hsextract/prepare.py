@@ -35,8 +35,8 @@ from hsextract import chunks
 from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
 from hsextract.errors import ConfigError
-from hsextract.masks.masker import ChatMasker, TemplateError
-from hsextract.masks.rendering import TEMPLATE_ERROR, failure
+from hsextract.masks.masker import ChatMasker
+from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
 from hsextract.prefix_share import distinct_tokens, find_parents
 from hsextract.progress import bar
 from hsextract.reruns import plain

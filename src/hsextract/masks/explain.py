@@ -16,7 +16,7 @@ from typing import Any
 
 from hsextract.conversations import MalformedRecordError, open_sources
 from hsextract.masks.masker import ChatMasker, MaskedSample
-from hsextract.masks.rendering import TEMPLATE_ERROR, failure
+from hsextract.masks.refusals import TEMPLATE_ERROR, failure
 
 OPEN, CLOSE = "⟦", "⟧"
 _COLORS = {"reasoning": "\x1b[34m", "eot": "\x1b[33m", "header": "\x1b[32m", "body": "\x1b[32m"}
