@@ -4,7 +4,7 @@ Each sample is printed as its decoded tokens with every run of trained tokens be
 `--color`, in colour instead: reasoning blue, eot yellow, the rest green). Nothing is tokenized back: the
 marks sit exactly on token boundaries, as the mask does. A record prepare would drop is shown with its reason
 and the error's words, and the next one is explained. The first line names the variables the template reads
-that `chat_template_kwargs` can set (`template_kwargs`), and the kwargs given.
+that `chat_template_kwargs` can set (kwargs.py), and the kwargs given.
 """
 
 from __future__ import annotations
