@@ -71,6 +71,8 @@ class Found:
 
 
 class Locator:
+    """One case of where a turn starts after the prompt the server saw (see the module docstring)."""
+
     name: ClassVar[str]
     counted: ClassVar[str | None] = None  # the masker's counter of turns it finds in their own frame
 
