@@ -1,5 +1,5 @@
 """Expected samples of tests/test_loss_mask_families.py: each conversation's samples as text, every run of trained
-tokens between ⟦ and ⟧ (`hsextract.mask_explain.marked`). Keyed by template family, then (flags, conversation):
+tokens between ⟦ and ⟧ (`hsextract.masks.explain.marked`). Keyed by template family, then (flags, conversation):
 flags `default` is train_on_eot and train_on_reasoning true, `neither` both false. Checked by eye against the
 rule in config/README.md ("Loss masks"); a sample per list entry (several when the conversation is split).
 """

@@ -110,8 +110,8 @@ def test_console_entry_runs_as_module(shard):
 def test_masks_explain_marks_trained_spans(tmp_path, capsys):
     from chatfix import make_slow_tokenizer, make_tokenizer
 
-    from hsextract.loss_mask import ChatMasker
-    from hsextract.mask_explain import explain
+    from hsextract.masks.explain import explain
+    from hsextract.masks.masker import ChatMasker
 
     make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
     conv = tmp_path / "conv.jsonl"

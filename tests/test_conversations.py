@@ -60,7 +60,7 @@ def test_formats_normalize_to_the_same_conversation(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps([SHAREGPT]))
     c = _read_all([{"path": tmp_path / "c.json", "format": "sharegpt"}])
     assert b[0].messages == EXPECTED and c[0].messages == EXPECTED
-    # content given as parts keeps them beside their text (template_render passes them as SGLang does)
+    # content given as parts keeps them beside their text (masks.rendering passes them as SGLang does)
     assert a[0].messages == [EXPECTED[0], {**EXPECTED[1], "content_parts": ["Hi"]}, *EXPECTED[2:]]
 
 

@@ -6,7 +6,8 @@ import pytest
 from chatfix import SYS, A, U, make_tokenizer, trained_segments
 
 from hsextract.conversations import Conversation
-from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.masks.masker import ChatMasker
+from hsextract.masks.refusals import TemplateError
 
 TOOL_CONV = Conversation([
     SYS, U("Hello there!"), A("How are you today?", "The user asks."),

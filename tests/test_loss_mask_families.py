@@ -11,10 +11,14 @@ from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained
 from mask_golden import EXPECTED
 
 from hsextract.conversations import Conversation, normalize_record
-from hsextract.loss_mask import ChatMasker, TemplateError
-from hsextract.mask_explain import marked
-from hsextract.template_render import SENT, common_prefix, common_suffix, content_format
-from hsextract.turn_spans import find_turn
+from hsextract.masks.explain import marked
+from hsextract.masks.ids import common_prefix, common_suffix
+from hsextract.masks.locators import LOCATORS
+from hsextract.masks.masker import ChatMasker
+from hsextract.masks.probe import SENT
+from hsextract.masks.refusals import TemplateError
+from hsextract.masks.rendering import content_format
+from hsextract.masks.turns import Frame, find_turn
 
 CONVS = {
     "single": Conversation([U("Hello there!"), A("How are you today?")]),
@@ -112,7 +116,7 @@ def test_sentinels_change_nothing_outside_their_turn(family):
             p = m.renderer.render_ids(frame[:j], add_generation_prompt=True)
             if x[:len(p)] != p:
                 continue  # history rewritten before the turn: covered by the exact masks
-            sp = find_turn(m.renderer, frame, None, j, x, len(p))
+            sp = find_turn(m.renderer, Frame(frame, None, j, x), len(p))
             renders = []
             for sent in SENT:
                 try:
@@ -671,3 +675,52 @@ def test_a_reasoning_block_the_template_leaves_open_is_refused():
         assert e.value.reason == "reasoning_left_open"
     (s,) = ChatMasker(tok).encode(Conversation([U("Hello there!"), A("The user greets.\n</think>\n\nHi.")]))
     assert trained_segments(s, tok) == ["The user greets.\n</think>\n\nHi.<|im_end|>"]
+
+
+def test_the_locator_chain_finds_each_familys_turns_by_its_own_case(monkeypatch):
+    """Each locator of the chain is the one that finds some fixture family's turns, in a turn's own sample and in
+    the whole rendering alike (the same locator: one chain for both paths); no case of it is dead code. A family
+    that moves to another locator, or a new locator that takes turns from one, shows here."""
+    used: dict[tuple[str, str], set[str]] = {}
+    refused: set[tuple[str, str, str]] = set()
+    now = [""]
+
+    def spy(real, path):
+        def located(self, rd, turn, frame, found):
+            out = real(self, rd, turn, frame, found)
+            if out is not None:
+                used.setdefault((self.name, path), set()).add(now[0])
+            return out
+        return located
+
+    for loc in LOCATORS:
+        for path in ("own_sample", "in_rendering"):
+            monkeypatch.setattr(type(loc), path, spy(getattr(type(loc), path), path))
+    cases = [(f, {}) for f in FAMILIES] + [("kimi_k25", {"thinking": False}), ("deepseek_v31", {"thinking": True}),
+                                           ("gemma4", {"enable_thinking": True}), ("qwen3", {"enable_thinking": False})]
+    for family, kwargs in cases:
+        now[0] = family + "".join(f" {k}={v}" for k, v in kwargs.items())
+        for split in ("auto", "never"):
+            for name, conv in CONVS.items():
+                try:
+                    ChatMasker(make_tokenizer(family), chat_template_kwargs=kwargs, split_turns=split).encode(conv)
+                except Exception as e:  # noqa: BLE001 - a template's own raise_exception (Gemma: no tool role) or ours
+                    refused.add((now[0], name, getattr(e, "reason", type(e).__name__)))
+    rewritten = {"harmony", "kimi_k25", "mistral"}
+    opened = {"deepseek_r1", "deepseek_v31 thinking=True", "glm47", "qwq"}
+    # REFUSED's conversations, and thinking off with reasoning in the data
+    unstable = [("deepseek_r1", "empty"), ("deepseek_r1", "single"), ("qwq", "empty"), ("qwq", "single"),
+                ("gemma4", "tool"), ("kimi_k25 thinking=False", "tool")] + [
+        ("qwen3 enable_thinking=False", name) for name in ("empty", "multi", "system", "tool", "unicode")]
+    assert refused == {(f, name, "not_prefix_stable") for f, name in unstable} | {
+        (f, "tool", "tool_calls_not_rendered") for f in ("gemma3", "phi3")}
+    assert [loc.name for loc in LOCATORS] == ["prefix", "rewritten_history", "closed_block", "opened_block"]
+    assert used == {
+        ("prefix", "own_sample"): {"deepseek_r1", "deepseek_v31", "deepseek_v31 thinking=True", "gemma3",
+                                   "gemma4 enable_thinking=True", "glm45", "glm47", "harmony", "kimi_k25",
+                                   "kimi_k25 thinking=False", "llama3", "mistral", "phi3", "qwen3",
+                                   "qwen3 enable_thinking=False"},
+        ("prefix", "in_rendering"): {"glm45", "harmony", "kimi_k25", "qwen3"},
+        ("rewritten_history", "own_sample"): rewritten, ("rewritten_history", "in_rendering"): rewritten,
+        ("closed_block", "own_sample"): {"gemma4"}, ("closed_block", "in_rendering"): {"gemma4"},
+        ("opened_block", "own_sample"): opened, ("opened_block", "in_rendering"): opened}

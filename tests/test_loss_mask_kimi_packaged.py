@@ -10,8 +10,8 @@ pytest.importorskip("tiktoken")
 from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: F401 - module fixtures reused
 
 from hsextract.conversations import Conversation
-from hsextract.loss_mask import ChatMasker
-from hsextract.mask_explain import marked
+from hsextract.masks.explain import marked
+from hsextract.masks.masker import ChatMasker
 
 DONE = Conversation([*CONV, {"role": "assistant", "content": "21 C in Rome.", "reasoning_content": "Report."}])
 

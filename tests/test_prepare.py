@@ -10,7 +10,7 @@ from chatfix import make_tokenizer
 
 from hsextract.conversations import Conversation, MalformedRecordError
 from hsextract.errors import ConfigError
-from hsextract.loss_mask import ChatMasker
+from hsextract.masks.masker import ChatMasker
 from hsextract.prepare import SCHEMA, num_chunks, run_prepare
 from hsextract.settings import from_config
 from hsextract.vocab import load_token_freq, token_freq_from_prompts

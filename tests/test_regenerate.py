@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from hsextract.conversations import Conversation
 from hsextract.engines.transformers_generate import TransformersGenerator
 from hsextract.errors import ConfigError, EngineError
-from hsextract.loss_mask import ChatMasker
+from hsextract.masks.masker import ChatMasker
 from hsextract.prepare import num_chunks, run_prepare
 from hsextract.regenerate import (
     RegenStats,

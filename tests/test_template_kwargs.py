@@ -1,4 +1,4 @@
-"""A `chat_template_kwargs` key the chat template never reads is an error (hsextract.template_kwargs): at config
+"""A `chat_template_kwargs` key the chat template never reads is an error (hsextract.masks.kwargs): at config
 check, and where the masker is made (prepare, regenerate, `masks --explain`)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from test_config import ROOT, write_model, write_reference
 
 from hsextract.config import check
 from hsextract.errors import ConfigError
-from hsextract.loss_mask import ChatMasker
-from hsextract.template_kwargs import check_kwargs, template_variables
+from hsextract.masks.kwargs import check_kwargs, template_variables
+from hsextract.masks.masker import ChatMasker
 
 KIMI_ENABLE_THINKING = (
     "chat_template_kwargs: the chat template never reads `enable_thinking`, so it changes nothing (the data would be "

@@ -34,7 +34,7 @@ from test_workflow import (
 
 from hsextract import layers
 from hsextract.errors import ConfigError
-from hsextract.loss_mask import ChatMasker
+from hsextract.masks.masker import ChatMasker
 from hsextract.shard import ShardReader
 from hsextract.tinymodel import make_tiny_model
 

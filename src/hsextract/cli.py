@@ -193,8 +193,8 @@ def _add_masks(sub: argparse._SubParsersAction) -> None:
 
 def cmd_masks(args: argparse.Namespace) -> int:
     from hsextract.errors import ConfigError
-    from hsextract.loss_mask import ChatMasker
-    from hsextract.mask_explain import explain
+    from hsextract.masks.explain import explain
+    from hsextract.masks.masker import ChatMasker
     from hsextract.tokenizer_loading import load_tokenizer
 
     try:

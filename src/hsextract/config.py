@@ -135,7 +135,7 @@ def check_template_kwargs(s: Settings) -> None:
     """A `chat_template_kwargs` key the chat template never reads, refused before any job runs, where the
     template can be read without loading the tokenizer: `chat_template`, the tiny model's (as the workflow
     builds it), or the tokenizer directory's files. prepare checks again with the template it renders with."""
-    from hsextract.template_kwargs import check_kwargs, stored_template
+    from hsextract.masks.kwargs import check_kwargs, stored_template
 
     kwargs = s.prepare.chat_template_kwargs
     if not kwargs:

@@ -6,7 +6,7 @@ Normalized conversation: a list of messages, each a dict with
   content: str                      (may be "" only for an assistant turn that has tool_calls)
   content_parts: list[str]          (only where the record gave content as a list of text parts: their texts;
                                      `content` is then they joined with a space, the text SGLang renders for a
-                                     template that takes a string; see `template_render.content_format`)
+                                     template that takes a string; see `masks.rendering.content_format`)
   reasoning_content: str            (assistant only, optional; from `reasoning_content`, `thinking` or `reasoning`,
                                      else from `thinking` content parts, as Mistral writes reasoning)
   tool_calls: list[{"type": "function", "function": {"name": str, "arguments": str | dict}, "id"?: str}]

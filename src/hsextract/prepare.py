@@ -35,12 +35,12 @@ from hsextract import chunks
 from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
 from hsextract.errors import ConfigError
-from hsextract.loss_mask import ChatMasker, TemplateError
+from hsextract.masks.masker import ChatMasker
+from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
 from hsextract.prefix_share import distinct_tokens, find_parents
 from hsextract.progress import bar
 from hsextract.reruns import plain
 from hsextract.settings import PrepareSettings
-from hsextract.template_render import TEMPLATE_ERROR, failure
 from hsextract.tokenizer_loading import load_tokenizer
 from hsextract.vocab import save_token_freq, token_freq
 

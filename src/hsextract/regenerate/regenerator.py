@@ -12,7 +12,7 @@ from typing import Any
 from hsextract.conversations import Conversation
 from hsextract.engines.base import Generator
 from hsextract.errors import EngineError
-from hsextract.loss_mask import ChatMasker
+from hsextract.masks.masker import ChatMasker
 from hsextract.regenerate.template import end_of_turn_ids, split_candidates
 from hsextract.settings import RegenerateSettings
 

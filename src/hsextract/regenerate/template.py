@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from hsextract.errors import ConfigError
-from hsextract.loss_mask import ChatMasker
+from hsextract.masks.masker import ChatMasker
 from hsextract.settings import RegenerateSettings
 
 

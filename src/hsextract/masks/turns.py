@@ -1,8 +1,9 @@
 """Where one assistant turn lies in a rendering, on token ids (no character offsets: any tokenizer works).
 
-A *frame* is a message list M rendered to ids X, with the assistant turn at index j and `p` = the length of
-the ids of render(M[:j], add_generation_prompt=True), which must be a prefix of X (checked by the caller):
-X[:p] is what the server saw before it generated the turn. Within X the turn is split as:
+A *frame* (`Frame`) is a message list M rendered to ids X, with the assistant turn at index j. The turn starts
+where the prompt the server saw before it ends: at a known token p when render(M[:j], add_generation_prompt=True)
+is a prefix of X, else after that prompt's end found in X (`After`, for a frame whose history the template
+rewrote). Within X the turn is split as (`TurnSpan`):
 
     X[p:hdr]      reasoning block (delimiters included) when the template renders the turn's reasoning, or
                   the closer of the block the generation prompt opened (`closes_prompt_block`), else filler
@@ -24,9 +25,36 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from hsextract.template_render import SENT, TemplateError, TemplateFacts, TemplateRenderer, common_prefix, common_suffix
+from hsextract.masks.ids import after_longest_suffix, common_prefix, common_suffix, last_occurrence
+from hsextract.masks.probe import SENT, TemplateFacts
+from hsextract.masks.refusals import TOOL_CALLS_AFTER_STOP, TemplateError
+from hsextract.masks.rendering import TemplateRenderer
 
-TOOL_CALLS_AFTER_STOP = "tool_calls_after_stop"
+
+@dataclass(frozen=True)
+class Frame:
+    """A message list rendered to ids, and the assistant turn in it that is looked for."""
+
+    messages: list[dict[str, Any]]
+    tools: Any
+    index: int  # message index of the turn
+    ids: list[int]
+    last: bool = False  # the turn is the frame's last message (the frame of a turn's own sample)
+    lo: int = 0  # the turn is not looked for before this token (the end of the turn found before it)
+
+    @property
+    def message(self) -> dict[str, Any]:
+        return self.messages[self.index]
+
+
+@dataclass(frozen=True)
+class After:
+    """Where a turn starts in a frame whose history differs from the prompt the server saw (`prompt`): after the
+    last occurrence of the generation prompt `generation`, or, for a template without one, after the longest
+    tail of `prompt` found there; before the turn's content, its rendered reasoning and the next message."""
+
+    generation: list[int]
+    prompt: list[int]
 
 
 @dataclass(frozen=True)
@@ -41,10 +69,10 @@ class TurnSpan:
     end: int  # one past the last generated token (stop + 1, or the end of the message text)
     reasoning_rendered: bool
     filler_trained: bool  # X[p:hdr] when no reasoning is rendered: text the model writes itself
-    reasoning_inserted: bool = False  # X[p:hdr] is reasoning no rendering has, put back (ChatMasker)
+    reasoning_inserted: bool = False  # X[p:hdr] is reasoning no rendering has, put back (TurnSample.put_back)
     # X[p:hdr] closes the reasoning block the generation prompt opened, with no reasoning before it in the frame
     # (DeepSeek-V3.1 `thinking: true`, GLM-4.7: `</think>` + content after a prompt ending `<think>`): the model
-    # wrote that closer, so it is trained as the reasoning block it ends (ChatMasker)
+    # wrote that closer, so it is trained as the reasoning block it ends (reasoning.py)
     closes_prompt_block: bool = False
 
     def labels(self, train_on_reasoning: bool, train_on_eot: bool) -> list[tuple[int, int, str]]:
@@ -61,6 +89,47 @@ class TurnSpan:
             out.append((self.stop, self.stop + 1, "eot" if train_on_eot else "untrained"))
         return [(a, b, k) for a, b, k in out if b > a]
 
+    def shifted(self, by: int) -> TurnSpan:
+        """The same turn in ids with `by` more tokens before it."""
+        return replace(self, prompt_end=self.prompt_end + by, header_start=self.header_start + by,
+                       content_start=self.content_start + by, stop=None if self.stop is None else self.stop + by,
+                       end=self.end + by)
+
+    def starting_at(self, at: int) -> TurnSpan:
+        """The turn starting at token `at`, after tokens of the frame it began with that the prompt holds."""
+        return replace(self, prompt_end=at, header_start=max(self.header_start, at),
+                       content_start=max(self.content_start, at))
+
+    def stopped_by_next(self) -> TurnSpan:
+        """The turn of a template that writes no stop token, ended by the token after it: the next message's
+        header, which the model wrote to stop (GLM-4.5)."""
+        return replace(self, stop=self.end, end=self.end + 1)
+
+
+@dataclass(frozen=True)
+class TurnSample:
+    """A turn's own sample (`split_turns`): the prompt the server saw, then the turn; `span` its positions."""
+
+    ids: list[int]
+    span: TurnSpan
+
+    @classmethod
+    def cut(cls, prompt: list[int], x: list[int], span: TurnSpan) -> TurnSample:
+        """The server's prompt, then the turn as the frame x renders it (span in x)."""
+        return cls(prompt + x[span.prompt_end:span.end], span.shifted(len(prompt) - span.prompt_end))
+
+    @classmethod
+    def put_back(cls, prompt: list[int], block: list[int], x: list[int], span: TurnSpan, inserted: bool = True,
+                 **flags: bool) -> TurnSample:
+        """The server's prompt, the turn's reasoning `block` the frame x does not render (`inserted`; or the
+        block's markup, or nothing), then the turn as rendered in x from its content on (span in x)."""
+        body = x[span.content_start:span.end]
+        start = len(prompt) + len(block)
+        stop = None if span.stop is None else start + span.stop - span.content_start
+        return cls(prompt + block + body, replace(
+            span, prompt_end=len(prompt), header_start=start, content_start=start, stop=stop, end=start + len(body),
+            reasoning_rendered=inserted, reasoning_inserted=inserted, **flags))
+
 
 def _names_calls(renderer: TemplateRenderer, ids: list[int], calls: list[dict[str, Any]]) -> bool:
     """Whether the text of `ids` names every tool call's function (it holds the calls' markup)."""
@@ -72,7 +141,11 @@ def _content_sentinel(m: dict[str, Any]) -> dict[str, Any]:
     return {**m, "content": SENT[0] if m.get("content") != SENT[0] else SENT[1]}
 
 
-def _header_len(region: list[int], facts: TemplateFacts, special: set[int]) -> int:
+def _without(m: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in m.items() if k != key}
+
+
+def _header_len(region: list[int], facts: TemplateFacts, special: frozenset[int]) -> int:
     """Length of the content header that ends a rendered reasoning block (0 for think-tag templates)."""
     if not facts.content_header:
         return 0
@@ -85,72 +158,54 @@ def _header_len(region: list[int], facts: TemplateFacts, special: set[int]) -> i
     return 0
 
 
-def shifted(sp: TurnSpan, by: int) -> TurnSpan:
-    return replace(sp, prompt_end=sp.prompt_end + by, header_start=sp.header_start + by,
-                   content_start=sp.content_start + by, stop=None if sp.stop is None else sp.stop + by,
-                   end=sp.end + by)
+class _Variants:
+    """The frame rendered with one message replaced (None where the template refuses that variant)."""
 
+    def __init__(self, renderer: TemplateRenderer, frame: Frame) -> None:
+        self.renderer, self.frame = renderer, frame
 
-def _last_occurrence(x: list[int], g: list[int], lo: int, hi: int) -> int | None:
-    """End of the last occurrence of g in x[lo:hi], or None."""
-    n = len(g)
-    for k in range(hi, lo + n - 1, -1):
-        if x[k - n:k] == g:
-            return k
-    return None
-
-
-def _after_longest_suffix(x: list[int], prompt: list[int], lo: int, hi: int) -> int | None:
-    """End of the longest suffix of `prompt` found in x[lo:hi] (the last such place on a tie), or None."""
-    best, at = 0, None
-    for k in range(lo + 1, hi + 1):
-        n = 0
-        while n < len(prompt) and k - n > lo and x[k - 1 - n] == prompt[-1 - n]:
-            n += 1
-        if n and n >= best:
-            best, at = n, k
-    return at
-
-
-def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any, j: int, x: list[int],
-              p: int | None, gen: list[int] | None = None, lo: int = 0, last: bool = False,
-              prompt: list[int] | None = None) -> TurnSpan | None:
-    """The span of assistant turn j in the frame `msgs` rendered to ids `x` (see the module docstring).
-
-    `p` None: the frame's history differs from the prompt the server saw, `prompt` (a template that rewrites
-    earlier turns, or puts the system prompt in the last user message as Mistral's do); the turn then starts,
-    in x[lo:] before the turn's content, after the last occurrence of the generation prompt `gen`, or, for a
-    template without one, after the longest suffix of `prompt` found there. None when it is not found.
-    `last`: turn j is the frame's last message."""
-    facts = renderer.facts()
-    m = msgs[j]
-
-    def variant(new: dict[str, Any], at: int = j) -> list[int] | None:
-        alt = list(msgs)
-        alt[at] = new
+    def of(self, new: dict[str, Any], at: int | None = None) -> list[int] | None:
+        msgs = list(self.frame.messages)
+        msgs[self.frame.index if at is None else at] = new
         try:
-            return renderer.render_ids(alt, tools)
+            return self.renderer.render_ids(msgs, self.frame.tools)
         except Exception:  # noqa: BLE001 - a template that refuses the variant (e.g. content with thinking)
             return None
 
-    def end_of_previous() -> int:
-        """One past the last token of message j - 1's own text in x (0 when it cannot be told)."""
-        if j == 0 or not isinstance(msgs[j - 1].get("content"), str):
+    def end_of_previous(self) -> int:
+        """One past the last token of message j - 1's own text in the frame (0 when it cannot be told)."""
+        j, x = self.frame.index, self.frame.ids
+        if j == 0 or not isinstance(self.frame.messages[j - 1].get("content"), str):
             return 0
-        xs = variant(_content_sentinel(msgs[j - 1]), j - 1)
+        xs = self.of(_content_sentinel(self.frame.messages[j - 1]), j - 1)
         return 0 if xs is None or xs == x else len(x) - common_suffix(x, xs)
 
-    if last and p is not None and not facts.renders_reasoning and not m.get("reasoning_content") and \
-            not m.get("tool_calls"):
+    def start_of_next(self) -> int:
+        """Where message j + 1's own text starts in the frame (its length when it cannot be told)."""
+        j, x, msgs = self.frame.index, self.frame.ids, self.frame.messages
+        if j + 1 >= len(msgs) or not isinstance(msgs[j + 1].get("content"), str):
+            return len(x)
+        xs = self.of(_content_sentinel(msgs[j + 1]), j + 1)
+        return len(x) if xs is None or xs == x else common_prefix(x, xs)
+
+
+def find_turn(renderer: TemplateRenderer, frame: Frame, start: int | After) -> TurnSpan | None:
+    """The span of the frame's turn (see the module docstring), starting at token `start`, or found `After` the
+    prompt's end; None when it is not found there (only with `After`)."""
+    facts = renderer.facts()
+    x, j, m = frame.ids, frame.index, frame.message
+    if frame.last and isinstance(start, int) and not facts.renders_reasoning and not m.get("reasoning_content") \
+            and not m.get("tool_calls"):
         # A template without reasoning, the turn rendered last: it ends with the stop token and the fixed text
         # the probe saw after it; everything from the generation prompt on is the turn's own text. (The first
         # such token: the text after a Phi-3 turn's `<|end|>` holds eos, a stop token as well.) Not for a turn
         # with calls, which a template may render after the stop (checked below).
-        for i in range(p, len(x)):
+        for i in range(start, len(x)):
             if x[i] in facts.stop_ids and tuple(x[i + 1:]) in facts.after_stop:
-                return TurnSpan(j, p, p, p, i, i + 1, False, True)
-    xc = variant(_content_sentinel(m))
-    xn = variant({k: v for k, v in m.items() if k != "reasoning_content"}) if m.get("reasoning_content") else None
+                return TurnSpan(j, start, start, start, i, i + 1, False, True)
+    variants = _Variants(renderer, frame)
+    xc = variants.of(_content_sentinel(m))
+    xn = variants.of(_without(m, "reasoning_content")) if m.get("reasoning_content") else None
     reasoning_rendered = xn is not None and xn != x
     if m.get("reasoning_content") and xn is None:
         raise TemplateError(f"assistant turn {j}: the template refuses the turn without its reasoning, so the "
@@ -161,23 +216,20 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     if xc is not None and xc != x:
         c = common_prefix(x, xc)
         ends.append(len(x) - common_suffix(x, xc, len(x) - c))
-    def start_of_next() -> int:
-        """Where message j + 1's own text starts in x (len(x) when it cannot be told): the turn starts before."""
-        if j + 1 >= len(msgs) or not isinstance(msgs[j + 1].get("content"), str):
-            return len(x)
-        xs = variant(_content_sentinel(msgs[j + 1]), j + 1)
-        return len(x) if xs is None or xs == x else common_prefix(x, xs)
-
-    if p is None:
+    if isinstance(start, int):
+        p = start
+    else:
         # before the turn's content, its rendered reasoning and the next message: a turn whose content cannot be
         # varied (harmony refuses content beside reasoning in a call) is not looked for in a later turn
-        limit = c if c is not None else start_of_next()
-        if xn is not None and xn != x:
+        limit = c if c is not None else variants.start_of_next()
+        if reasoning_rendered:
+            assert xn is not None
             limit = min(limit, common_prefix(x, xn))
-        p = _last_occurrence(x, gen, lo, limit) if gen else \
-            _after_longest_suffix(x, prompt, lo, limit) if prompt else None
-        if p is None or p < end_of_previous():  # found inside the context (a short tail matched early)
+        found = last_occurrence(x, start.generation, frame.lo, limit) if start.generation else \
+            after_longest_suffix(x, start.prompt, frame.lo, limit) if start.prompt else None
+        if found is None or found < variants.end_of_previous():  # inside the context (a short tail matched early)
             return None
+        p = found
     if reasoning_rendered:
         assert xn is not None
         tail = common_suffix(x, xn, min(len(x), len(xn)) - p)
@@ -187,7 +239,7 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     if c is None:  # the template does not render the content (Llama renders tool calls instead)
         c = p
     c = max(c, p)
-    xt = variant({k: v for k, v in m.items() if k != "tool_calls"}) if m.get("tool_calls") else None
+    xt = variants.of(_without(m, "tool_calls")) if m.get("tool_calls") else None
     if xt is not None and xt != x:
         # Tool calls rendered before the content (Gemma-4): the message starts with them, after any reasoning.
         calls = max(common_prefix(x, xt), len(x) - common_suffix(x, xn) if reasoning_rendered and xn else p)
@@ -202,15 +254,14 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
         stop = d if d < len(x) and x[d] in facts.stop_ids else None
     end = stop + 1 if stop is not None else d
     c = min(c, end if stop is None else stop)
-    if last and stop is not None and xt is not None and xt != x and len(x) - common_suffix(x, xt) > end:
+    if frame.last and stop is not None and xt is not None and xt != x and len(x) - common_suffix(x, xt) > end:
         raise TemplateError(
             f"assistant turn {j}: the chat template renders its tool calls after the turn's stop token, as a "
             f"message of their own, so its sample would train a turn without them: set a `chat_template` that "
             f"renders tool calls in the assistant turn, or leave conversations with tool calls out",
             reason=TOOL_CALLS_AFTER_STOP)
-    special = renderer.special_ids()
     if reasoning_rendered:
-        hdr = c - _header_len(x[p:c], facts, special)
+        hdr = c - _header_len(x[p:c], facts, renderer.special_ids())
         filler = False
     else:
         hdr = c
@@ -220,4 +271,4 @@ def find_turn(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any
     return TurnSpan(j, p, hdr, c, stop, end, reasoning_rendered, filler)
 
 
-__all__ = ["TOOL_CALLS_AFTER_STOP", "TurnSpan", "find_turn", "shifted"]
+__all__ = ["After", "Frame", "TurnSample", "TurnSpan", "find_turn"]

@@ -1,4 +1,4 @@
-"""Rendering conversations with a tokenizer's chat template, and what the template itself tells about turns.
+"""Rendering conversations with a tokenizer's chat template, to text and to token ids.
 
 `TemplateRenderer` renders message lists to text and token ids (any tokenizer: fast, slow, tiktoken or
 sentencepiece based; no offset mappings are used). It passes each message the way the template reads it:
@@ -18,21 +18,7 @@ sentencepiece based; no offset mappings are used). It passes each message the wa
 - one time to a template that writes the date or the time (`strftime_now`): the moment the renderer was
   made (`_clock_at`).
 
-Once per template (`probe()`), a two-message conversation with private-use sentinels shows:
-- `stop_ids`: tokens that end a turn: the tokenizer's eos ids and the special token the template writes after
-  the message (the first after a plain turn, the last after a tool-call turn), and `after_stop`, the text that
-  follows it there (Phi-3: `\n` + eos);
-- `writes_stop`: whether the template writes a special token after a plain turn at all. GLM-4.5's does not:
-  the model stops by writing the next message's header (`<|user|>`, `<|observation|>`, stop ids in its
-  generation config), so the special token closing a tool call (`</tool_call>`) is markup, not a stop, and
-  `next_stops` holds, per role of the next message, the header token that ends the turn before it;
-- `content_header`: text the template writes between a reasoning block and the content that the model
-  writes itself (harmony's `<|start|>assistant<|channel|>final<|message|>`), empty for think-tag templates;
-- `renders_reasoning`: whether any probe renders reasoning at all;
-- `reasoning_slot`: (opener, closer) around reasoning, when both are special tokens and a turn without
-  reasoning keeps exactly them (Kimi: `<think>` ending the generation prompt, `</think>`);
-- `renders_tool_results`: false when a tool message's content is nowhere in the rendering (Phi-3 drops
-  the `tool` role); true when it is, or when the template refuses the probe (its own error comes first).
+What the template tells about turns is learned once per template: `facts()` (probe.py).
 """
 
 from __future__ import annotations
@@ -44,7 +30,6 @@ import re
 import threading
 import traceback
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import jinja2
@@ -54,63 +39,11 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 
 from hsextract.conversations import as_openai
 from hsextract.errors import ConfigError
-from hsextract.template_kwargs import check_kwargs
+from hsextract.masks.kwargs import check_kwargs
+from hsextract.masks.probe import TemplateFacts, probe
+from hsextract.masks.refusals import TOOL_ARGUMENTS_AS_STRING, TemplateError
 
-# Private-use characters: never in templates, never equal to real text at a diff boundary. The two of a pair
-# differ in their first and last UTF-8 byte (EE.. vs EF..; ..80 vs ..81), so their first and last tokens differ
-# under any byte-level tokenizer and a token-level common prefix or suffix stops exactly at the sentinel.
-SENT = ("\ue000\ue000", "\uf001\uf001")
-SENT_REASONING = ("\ue002\ue002", "\uf003\uf003")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-TEMPLATE_ERROR = "template_error"  # the reason a conversation is dropped under when nothing names another
-TOOL_ARGUMENTS_AS_STRING = "tool_arguments_as_string"  # a template that joins tool-call arguments as text
-
-
-class TemplateError(ConfigError):
-    """The chat template cannot give a consistent mask for a conversation (names the turn and the text).
-
-    `reason` is the counter name prepare drops the conversation under when `strict` is false."""
-
-    def __init__(self, message: str, reason: str = TEMPLATE_ERROR) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-def failure(e: BaseException) -> str:
-    """What went wrong in encoding one conversation, said so that its source is plain: our TemplateError as it
-    is; an error raised inside the chat template (a `raise_exception`, or a field it reads that the record lacks)
-    named as the template's; anything else as raised."""
-    if isinstance(e, TemplateError):
-        return str(e)
-    if type(e) is jinja2.exceptions.TemplateError:  # the template's raise_exception: its own words
-        return f"the chat template refused it: {e}"
-    frames = traceback.extract_tb(e.__traceback__)
-    if isinstance(e, jinja2.exceptions.TemplateError) or any(f.filename == "<template>" for f in frames):
-        return (f"the chat template failed on it ({type(e).__name__}: {e}); a field it reads may be missing from "
-                "the record (a tool message's name, a tool call's id) or hold another type")
-    return f"{type(e).__name__}: {e}"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def common_suffix(a: list[int], b: list[int], limit: int | None = None) -> int:
-    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
-    i = 0
-    while i < n and a[-1 - i] == b[-1 - i]:
-        i += 1
-    return i
-
-
-def is_prefix(p: list[int], x: list[int]) -> bool:
-    return len(p) <= len(x) and x[:len(p)] == p
 
 
 def _reads_field(template: str, name: str) -> bool:
@@ -208,22 +141,6 @@ def _template_words(e: BaseException, template: str) -> str:
     return f"{type(e).__name__}: {e}, at template line {at[-1]}: `{line[:200]}{' ...' if len(line) > 200 else ''}`"
 
 
-@dataclass
-class TemplateFacts:
-    """What the probe learned about a template (see the module docstring)."""
-
-    stop_ids: frozenset[int]
-    content_header: tuple[int, ...] = ()
-    renders_reasoning: bool = False
-    generation_prompt: tuple[int, ...] = ()
-    notes: list[str] = field(default_factory=list)
-    after_stop: frozenset[tuple[int, ...]] = frozenset()  # what a last turn's stop token is followed by
-    reasoning_slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None  # (opener, closer) of reasoning
-    writes_stop: bool = True
-    next_stops: tuple[tuple[str, int], ...] = ()  # (role of the next message, its header's stop token)
-    renders_tool_results: bool = True
-
-
 class TemplateRenderer:
     """Renders with one tokenizer, template and `chat_template_kwargs`; caches token ids per text."""
 
@@ -244,7 +161,7 @@ class TemplateRenderer:
         self._ids: dict[str, list[int]] = {}
         self._facts: TemplateFacts | None = None
         self._special: frozenset[int] | None = None
-        self._slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._stop_texts: list[str] | None = None
         self.notes: list[str] = []
         added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
         self.added = added  # text of each added token -> its id (the tokenizer splits these out of any text)
@@ -317,7 +234,7 @@ class TemplateRenderer:
     def _probe_renderings(self, kwargs: Mapping[str, Any]) -> list[str]:
         """A few conversations (a prompt, a reasoning turn, a tool call and its result) rendered under `kwargs`,
         each as its text or its error: where a template's variables cannot all be listed, a kwarg that changes
-        none of these is taken as unread (`template_kwargs.check_kwargs`)."""
+        none of these is taken as unread (`kwargs.check_kwargs`)."""
         user = {"role": "user", "content": "hi"}
         call = {"type": "function", "id": "call00001", "function": {"name": "f", "arguments": {"x": "1"}}}
         convs = [([user], True),
@@ -377,7 +294,7 @@ class TemplateRenderer:
                    ) -> list[int]:
         return self.ids(self.render(messages, tools, add_generation_prompt))
 
-    # ------------------------------------------------------------------------------------------- probe
+    # ------------------------------------------------------------------------------------------- facts
 
     def special_ids(self) -> frozenset[int]:
         """The tokenizer's special and added token ids (fixed per tokenizer: found once, asked for per turn)."""
@@ -389,117 +306,15 @@ class TemplateRenderer:
 
     def facts(self) -> TemplateFacts:
         if self._facts is None:
-            self._facts = self._probe()
+            self._facts = probe(self)
         return self._facts
 
-    def _probe(self) -> TemplateFacts:
-        special = self.special_ids()
-        eos = self.tokenizer.eos_token_id
-        stop = {t for t in (eos if isinstance(eos, list) else [eos]) if t is not None}
-        user = [{"role": "user", "content": "hi"}]
-        notes: list[str] = []
-        try:
-            p = self.render_ids(user, None, True)
-        except Exception as e:  # noqa: BLE001 - a template that cannot render a lone user turn has no probe
-            return TemplateFacts(frozenset(stop), notes=[f"probe failed: {e}"])
-        b = self.render_ids(user)
-        gen = tuple(p[len(b):]) if is_prefix(b, p) else ()
-        header: tuple[int, ...] = ()
-        renders_reasoning = False
-        after: set[tuple[int, ...]] = set()
-        slot: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        self._slot = None
-        variants = [{"content": SENT[0]},
-                    {"content": SENT[0], "tool_calls": [{"type": "function", "function": {
-                        "name": "f", "arguments": {"x": SENT[0]}}}]}]
-        writes_stop = True
-        next_stops: list[tuple[str, int]] = []
-        for v in variants:
-            try:
-                turn = [self.render_ids(user + [{"role": "assistant", **v, "content": s}]) for s in SENT]
-            except Exception as e:  # noqa: BLE001 - e.g. a template without tool calls
-                notes.append(f"probe {sorted(v)} failed: {e}")
-                continue
-            tail = turn[0][len(turn[0]) - common_suffix(turn[0], turn[1]):]
-            at = [k for k, t in enumerate(tail) if t in special]
-            if "tool_calls" not in v and turn[0] != turn[1]:  # (equal: the tokenizer cannot show the sentinels)
-                writes_stop = bool(at)
-            if at and writes_stop:
-                # a plain turn's stop is the first special token after it (Phi-3 appends eos after its `<|end|>`);
-                # a tool call's own markup closes before the stop, the last one (DeepSeek's calls end)
-                k = at[-1] if "tool_calls" in v else at[0]
-                stop.add(tail[k])
-                after.add(tuple(tail[k + 1:]))
-            if "tool_calls" not in v:  # a turn in history: its stop token is the first special one after it
-                nexts = [("user", user)] + ([] if writes_stop else [("tool", [{"role": "tool", "content": "r"}])])
-                for role, nxt in nexts:
-                    try:
-                        hist = [self.render_ids(user + [{"role": "assistant", "content": s}] + nxt) for s in SENT]
-                    except Exception as e:  # noqa: BLE001 - templates that require alternation end here
-                        notes.append(f"history probe ({role}) failed: {e}")
-                        continue
-                    if writes_stop:
-                        first = [t for t in hist[0][common_prefix(hist[0], hist[1]):] if t in special]
-                        stop.update(first[:1])
-                        continue
-                    # no stop written: the next message's header, right after the turn, is what ends it
-                    after_turn = hist[0][len(hist[0]) - common_suffix(hist[0], hist[1]):]
-                    if after_turn[:1] and after_turn[0] in special:
-                        stop.add(after_turn[0])
-                        next_stops.append((role, after_turn[0]))
-            h = self._probe_header(user, v, p, gen)
-            slot = slot or self._slot
-            if h is not None:
-                renders_reasoning = True
-                header = header or h
-        return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot,
-                             writes_stop, tuple(next_stops), self._renders_tool_results(user))
-
-    def _renders_tool_results(self, user: list[dict[str, Any]]) -> bool:
-        call = {"type": "function", "id": "call00001", "function": {"name": "f", "arguments": {"x": "1"}}}
-        msgs = user + [{"role": "assistant", "content": "", "tool_calls": [call]},
-                       {"role": "tool", "content": SENT[0], "tool_call_id": "call00001", "name": "f"}]
-        try:
-            return SENT[0] in self.render(msgs, None, True)
-        except Exception:  # noqa: BLE001 - the template refuses tool messages, in its own words, when they come
-            return True
-
-    def _probe_header(self, user: list[dict[str, Any]], v: dict[str, Any], p: list[int], gen: tuple[int, ...]
-                      ) -> tuple[int, ...] | None:
-        """The content header of a reasoning turn (see module docstring); None if reasoning is not rendered."""
-        def turn(content: str, reasoning: str | None) -> list[int]:
-            m = {"role": "assistant", **v, "content": content}
-            if reasoning is not None:
-                m["reasoning_content"] = reasoning
-            return self.render_ids(user + [m])
-
-        try:
-            plain = [turn(s, None) for s in SENT]
-            with_r = [turn(SENT[0], r) for r in SENT_REASONING] + [turn(SENT[1], SENT_REASONING[0])]
-        except Exception:  # noqa: BLE001 - the template refuses reasoning here
-            return None
-        if with_r[0] == plain[0] or not is_prefix(p, with_r[0]):
-            return None
-        if not is_prefix(p, plain[0]):  # rendered, but a turn without it drops the prompt's opener (GLM-4.7)
-            return ()
-        r_end = len(with_r[0]) - common_suffix(with_r[0], with_r[1])
-        closer = with_r[0][r_end:common_prefix(with_r[0], with_r[2])]
-        f0 = plain[0][len(p):common_prefix(plain[0], plain[1])]
-        special = self.special_ids()
-        opener = with_r[0][len(p):common_prefix(with_r[0], with_r[1])]
-        # Reasoning between special tokens, and a turn without it that keeps only their markup (Kimi:
-        # `<think>` in the prompt, `</think>` after): the reasoning of a turn the template never renders with
-        # its reasoning can be put back there (`reasoning_slot`).
-        before = (list(p) + opener)[-1:]
-        if f0 == opener + closer and closer and closer[0] in special and before and before[0] in special:
-            self._slot = (tuple(opener), tuple(closer))
-        for h in (list(gen) + f0, f0):
-            if h and len(closer) > len(h) and closer[len(closer) - len(h):] == h \
-                    and closer[len(closer) - len(h) - 1] in special:
-                return tuple(h)
-        return ()
+    def stop_texts(self) -> list[str]:
+        """The template's stop tokens (`facts().stop_ids`) as the text they are written (once per renderer)."""
+        if self._stop_texts is None:
+            stop_ids = self.facts().stop_ids
+            self._stop_texts = [t for t, i in self.added.items() if i in stop_ids]
+        return self._stop_texts
 
 
-__all__ = ["REASONING_FIELDS", "SENT", "SENT_REASONING", "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TemplateError",
-           "TemplateFacts", "TemplateRenderer", "common_prefix", "content_format", "common_suffix", "failure",
-           "is_prefix"]
+__all__ = ["REASONING_FIELDS", "TemplateRenderer", "content_format"]

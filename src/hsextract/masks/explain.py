@@ -4,7 +4,7 @@ Each sample is printed as its decoded tokens with every run of trained tokens be
 `--color`, in colour instead: reasoning blue, eot yellow, the rest green). Nothing is tokenized back: the
 marks sit exactly on token boundaries, as the mask does. A record prepare would drop is shown with its reason
 and the error's words, and the next one is explained. The first line names the variables the template reads
-that `chat_template_kwargs` can set (`template_kwargs`), and the kwargs given.
+that `chat_template_kwargs` can set (kwargs.py), and the kwargs given.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from hsextract.conversations import MalformedRecordError, open_sources
-from hsextract.loss_mask import ChatMasker, MaskedSample
-from hsextract.template_render import TEMPLATE_ERROR, failure
+from hsextract.masks.masker import ChatMasker, MaskedSample
+from hsextract.masks.refusals import TEMPLATE_ERROR, failure
 
 OPEN, CLOSE = "⟦", "⟧"
 _COLORS = {"reasoning": "\x1b[34m", "eot": "\x1b[33m", "header": "\x1b[32m", "body": "\x1b[32m"}

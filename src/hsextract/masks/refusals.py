@@ -1,0 +1,140 @@
+"""Why a conversation gets no mask: `TemplateError`, the reason codes prepare drops conversations under (its
+`dropped` counters, `strict: false`), and the checks on a whole conversation made before any turn is located.
+
+Reason codes, each raised where its case is told apart:
+
+    template_error             anything not named otherwise (the template's own `raise_exception` among them)
+    not_prefix_stable          the template cannot render the prompt the server saw before a turn (locators)
+    stop_token_in_turn         a turn's own text holds a token that ends a turn (below)
+    tool_calls_not_rendered    a tool-call turn rendered as if it had no calls (below)
+    tool_results_not_rendered  the template drops tool messages (below)
+    tool_calls_after_stop      the calls rendered after the turn's stop token, as a message of their own (turns)
+    tool_arguments_as_string   the template joins tool-call arguments to text as a string (rendering)
+    reasoning_left_open        the prompt opens a reasoning block the turn never closes (reasoning)
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+
+from hsextract.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hsextract.masks.rendering import TemplateRenderer
+
+TEMPLATE_ERROR = "template_error"
+NOT_PREFIX_STABLE = "not_prefix_stable"
+STOP_TOKEN_IN_TURN = "stop_token_in_turn"
+TOOL_CALLS_NOT_RENDERED = "tool_calls_not_rendered"
+TOOL_RESULTS_NOT_RENDERED = "tool_results_not_rendered"
+TOOL_CALLS_AFTER_STOP = "tool_calls_after_stop"
+TOOL_ARGUMENTS_AS_STRING = "tool_arguments_as_string"
+REASONING_LEFT_OPEN = "reasoning_left_open"
+
+
+class TemplateError(ConfigError):
+    """The chat template cannot give a consistent mask for a conversation (names the turn and the text).
+
+    `reason` is the counter name prepare drops the conversation under when `strict` is false."""
+
+    def __init__(self, message: str, reason: str = TEMPLATE_ERROR) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def failure(e: BaseException) -> str:
+    """What went wrong in encoding one conversation, said so that its source is plain: our TemplateError as it
+    is; an error raised inside the chat template (a `raise_exception`, or a field it reads that the record lacks)
+    named as the template's; anything else as raised."""
+    if isinstance(e, TemplateError):
+        return str(e)
+    if type(e) is jinja2.exceptions.TemplateError:  # the template's raise_exception: its own words
+        return f"the chat template refused it: {e}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if isinstance(e, jinja2.exceptions.TemplateError) or any(f.filename == "<template>" for f in frames):
+        return (f"the chat template failed on it ({type(e).__name__}: {e}); a field it reads may be missing from "
+                "the record (a tool message's name, a tool call's id) or hold another type")
+    return f"{type(e).__name__}: {e}"
+
+
+def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], turn: list[int]) -> TemplateError:
+    """No locator finds turn j after the prompt the server saw: the first token where the two differ."""
+    k = next(i for i in range(len(prompt)) if i >= len(turn) or prompt[i] != turn[i])
+    dec = renderer.tokenizer.decode
+    return TemplateError(
+        f"assistant turn {j}: the template is not prefix-stable: the turn rendered does not start with the "
+        f"generation prompt the server saw (first difference at token {k}: prompt {dec(prompt[k:k + 4])!r} vs "
+        f"turn {dec(turn[k:k + 4])!r}). Set `chat_template_kwargs` (e.g. enable_thinking / thinking) to match "
+        f"the data, or fix the data's reasoning fields", reason=NOT_PREFIX_STABLE)
+
+
+def refuse_unmaskable(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any) -> None:
+    """The checks on a whole conversation, in this order: stop tokens inside a turn, tool calls the template does
+    not render, tool messages it drops."""
+    _refuse_stop_tokens_inside(renderer, msgs)
+    _refuse_unrendered_tool_calls(renderer, msgs, tools)
+    _refuse_unrendered_tool_results(renderer, msgs)
+
+
+def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, Any]]) -> None:
+    """An assistant turn whose own text holds a token that ends a turn (`<|im_end|>`, GLM's `<|user|>`, eos)
+    was not generated as one turn: the model stops at that token. Runaway generations copied into datasets
+    (an answer, `<|im_end|>`, a made-up next user turn) look like this; trained, they would teach the
+    drafter to go on after the stop."""
+    stop_texts = renderer.stop_texts()
+    for j, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        for key in ("reasoning_content", "content"):
+            text = m.get(key)
+            hits = sorted((text.index(t), t) for t in stop_texts if isinstance(text, str) and t in text)
+            if not hits:
+                continue
+            at, hit = hits[0]
+            if key == "content" and not text[at:].removeprefix(hit).strip():  # exported with its stop token
+                raise TemplateError(
+                    f"assistant turn {j}: its {key} ends with {hit!r}, a token that ends a turn, which the "
+                    f"template writes itself: strip it from the data", reason=STOP_TOKEN_IN_TURN)
+            raise TemplateError(
+                f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), a token that ends a turn: "
+                f"the model stops there, so this is not one generated turn (a runaway generation?). Cut the "
+                f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
+
+
+def _refuse_unrendered_tool_calls(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any) -> None:
+    """A template without tool calls (Phi-3) renders a tool-call turn as if it had none: its sample would
+    train an empty turn (the stop token right after the prompt) or the content without the calls."""
+    for j, m in enumerate(msgs):
+        if m["role"] != "assistant" or not m.get("tool_calls"):
+            continue
+        try:
+            without = renderer.render(msgs[:j] + [{k: v for k, v in m.items() if k != "tool_calls"}], tools)
+        except Exception:  # noqa: BLE001 - the template needs the calls to render this turn: it renders them
+            continue
+        if without == renderer.render(msgs[:j + 1], tools):
+            what = "the content without them" if (m.get("content") or "").strip() else "an empty turn"
+            raise TemplateError(
+                f"assistant turn {j}: the chat template does not render its tool calls, so its sample would "
+                f"train {what}: set a `chat_template` that renders tool calls, or leave conversations with "
+                f"tool calls out", reason=TOOL_CALLS_NOT_RENDERED)
+
+
+def _refuse_unrendered_tool_results(renderer: TemplateRenderer, msgs: list[dict[str, Any]]) -> None:
+    """A template that drops tool messages (Phi-3) trains the turns after one without the result in their
+    context: the drafter learns answers that seem to come from nowhere."""
+    if renderer.facts().renders_tool_results:
+        return
+    for j, m in enumerate(msgs):
+        if m["role"] == "tool":
+            raise TemplateError(
+                f"message {j} (tool): the chat template does not render tool messages, so the turns after it "
+                f"would be trained without the tool result in their context: set a `chat_template` that "
+                f"renders them, or leave conversations with tool messages out", reason=TOOL_RESULTS_NOT_RENDERED)
+
+
+__all__ = ["NOT_PREFIX_STABLE", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR",
+           "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED", "TOOL_RESULTS_NOT_RENDERED",
+           "TemplateError", "failure", "not_prefix_stable", "refuse_unmaskable"]
