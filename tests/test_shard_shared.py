@@ -156,3 +156,25 @@ def test_validate_inspect_and_open_dataset_read_a_version_2_shard(tmp_path: Path
     for i in range(n):
         assert_same(ds[n + i], ds[i])
     assert flat.stat().st_size > shared.stat().st_size
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_ancestors_decode_only_the_rows_they_supply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    precision: str) -> None:
+    """Sample 4 takes rows 5..6 from sample 1 and 0..5 from sample 0 (FAMILY): those records decode 1 and 5 rows of
+    each hidden tensor, not their 12 and 8 own rows, and the sample is still the flat one."""
+    samples = family()
+    want = ShardReader(flat_shard(tmp_path / "flat.hss", samples, precision=precision))[4]
+    r = ShardReader(shared_shard(tmp_path / "s.hss", precision=precision))
+    assert r.supplies(4) == [(1, 5, 6), (0, 0, 5)]
+    decoded: list[tuple[int, list[int]]] = []
+    real = ShardReader._decode
+
+    def spy(self, i, rec, pool=None, shared=False, rows=None):  # noqa: ANN001, ANN202
+        out = real(self, i, rec, pool, shared, rows)
+        decoded.append((i, [h.shape[0] for h in out["hidden_states"]]))
+        return out
+
+    monkeypatch.setattr(ShardReader, "_decode", spy)
+    assert_same(r[4], want)
+    assert decoded == [(4, [16 - 6] * 4), (1, [1] * 4), (0, [5] * 4)]
