@@ -117,8 +117,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+def _full_forward(model: Path, prompts: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Each prompt alone, whole, straight through transformers (no hsextract code): the stored tensors."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            hs = m(ids[None], output_hidden_states=True, use_cache=False).hidden_states
+            out.append([hs[i][0] for i in AUX] + [hs[-1][0]])  # the last entry: the final norm's output
+    return out
+
+
 def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool_tokens: int,
-        prompts_per_chunk: int, seed: int = 0, token_budget: int = 8192) -> dict[str, Any]:
+        prompts_per_chunk: int, seed: int = 0, token_budget: int = 8192, check_full: int = 8) -> dict[str, Any]:
     from hsextract import open_dataset
     from hsextract.engines.base import CaptureSpec
     from hsextract.engines.transformers_engine import TransformersEngine
@@ -208,20 +221,27 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             by_turns[turns[i]].append(key[i])
         fig[mode]["by_turns"] = {t: float(np.mean(v)) for t, v in sorted(by_turns.items())}
         fig["conversations_by_turns"] = {t: len(v) for t, v in sorted(by_turns.items())}
-    # each shared sample against the flat run's
+    # each shared sample against the flat run's, and the worst few of them against an independent full forward
     worst = [0.0] * (len(AUX) + 1)  # per stored tensor: hidden_states[1], [3], the final post-norm state
     identical = 0
-    for a, b in zip(readers["flat"], readers["shared"], strict=True):
+    errors = []
+    for i, (a, b) in enumerate(zip(readers["flat"], readers["shared"], strict=True)):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-        same = all(torch.equal(x.view(torch.int16), y.view(torch.int16))
-                   for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True))
-        identical += same
-        if not same:
-            for j, (x, y) in enumerate(zip(a["hidden_states"], b["hidden_states"], strict=True)):
-                worst[j] = max(worst[j], _rel(y, x))
+        rel = [_rel(y, x) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True)]
+        identical += max(rel) == 0.0
+        worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
+        errors.append((max(rel), i))
     fig["samples_bit_identical"] = identical
     fig["worst_relative_error"] = worst
     fig["tensors"] = [f"hidden_states[{i}]" for i in AUX] + ["final post_norm"]
+    full = _full_forward(model, [readers["flat"][i]["input_ids"] for _, i in sorted(errors)[-check_full:]])
+    fig["checked_full"] = len(full)
+    fig["against_full_forward"] = {mode: [0.0] * (len(AUX) + 1) for mode in ("flat", "shared")}
+    for (_, i), want in zip(sorted(errors)[-check_full:], full, strict=True):
+        for mode in ("flat", "shared"):
+            got = readers[mode][i]["hidden_states"]
+            fig["against_full_forward"][mode] = [max(w, _rel(g, t)) for w, g, t in
+                                                 zip(fig["against_full_forward"][mode], got, want, strict=True)]
     return fig
 
 
@@ -262,6 +282,11 @@ def report(fig: dict[str, Any]) -> str:
                   "worst relative error of the others: " + ", ".join(
                       f"{e:.2e} at {n}" for n, e in zip(fig["tensors"], fig["worst_relative_error"], strict=True))
               + f" (bound {TOL})"]
+    for mode in ("flat", "shared"):
+        lines.append(f"{mode} run, the {fig['checked_full']} samples furthest from the other run's, against an "
+                     "independent full forward: " + ", ".join(
+                         f"{e:.2e} at {n}" for n, e in zip(fig["tensors"], fig["against_full_forward"][mode],
+                                                           strict=True)))
     return "\n".join(lines)
 
 

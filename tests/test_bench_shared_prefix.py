@@ -37,6 +37,10 @@ def test_tiny_agentic_run_stores_and_computes_each_token_once(tmp_path: Path) ->
     assert flat["stored_tokens"] == flat["computed_tokens"] == flat["materialized_tokens"] == shared[
         "materialized_tokens"] > 2.5 * distinct
     assert shared["hidden_bytes_per_stored_token"] <= 1.05 * flat["hidden_bytes_per_stored_token"]
-    assert fig["samples_bit_identical"] >= 1 and max(fig["worst_relative_error"]) <= bench.TOL
+    # the flat run batches with padding, the shared one computes suffixes on caches: bf16 rounding. On the samples
+    # furthest apart, the shared rows are within the dense bound of an independent full forward (measured 8.6e-3; the
+    # flat run's padded batches 1.1e-2 there), so flat and shared within twice it
+    assert fig["checked_full"] == 8 and max(fig["against_full_forward"]["shared"]) <= bench.TOL
+    assert 0 < max(fig["worst_relative_error"]) <= 2 * bench.TOL
     text = bench.report(fig)
     assert f"| stored tokens | {flat['stored_tokens']:,} | {shared['stored_tokens']:,} | 1.000 |" in text
