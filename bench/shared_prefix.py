@@ -1,7 +1,7 @@
 """Shared prefixes on the CPU (issue 37, docs/SHARED_PREFIX.md section 9): agentic data, flat against shared.
 
     PYTHONPATH=src python bench/shared_prefix.py [--conversations 200] [--min-turns 8] [--max-turns 30]
-        [--tool-tokens 2000] [--prompts-per-chunk 50] [--out DIR]
+        [--tool-tokens 2000] [--prompts-per-chunk 50] [--check-full 8] [--out DIR] [--json]
 
 Synthetic agentic conversations written here (seeded): a tool declaration of about `--tool-tokens` tokens and a
 system prompt open every one; each of its 8-30 turns is a user request, an assistant message with reasoning and a
@@ -130,6 +130,31 @@ def _full_forward(model: Path, prompts: list[torch.Tensor]) -> list[list[torch.T
     return out
 
 
+def compare(fig: dict[str, Any], model: Path, readers: dict[str, list[Any]], check_full: int) -> None:
+    """Each shared sample against the flat run's, and the `check_full` furthest apart against an independent full
+    forward; into `fig`."""
+    worst = [0.0] * (len(AUX) + 1)  # per stored tensor: hidden_states[1], [3], the final post-norm state
+    identical = 0
+    errors = []
+    for i, (a, b) in enumerate(zip(readers["flat"], readers["shared"], strict=True)):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        rel = [_rel(y, x) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True)]
+        identical += max(rel) == 0.0
+        worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
+        errors.append((max(rel), i))
+    fig["samples_bit_identical"] = identical
+    fig["worst_relative_error"] = worst
+    fig["tensors"] = [f"hidden_states[{i}]" for i in AUX] + ["final post_norm"]
+    full = _full_forward(model, [readers["flat"][i]["input_ids"] for _, i in sorted(errors)[-check_full:]])
+    fig["checked_full"] = len(full)
+    fig["against_full_forward"] = {mode: [0.0] * (len(AUX) + 1) for mode in ("flat", "shared")}
+    for (_, i), want in zip(sorted(errors)[-check_full:], full, strict=True):
+        for mode in ("flat", "shared"):
+            got = readers[mode][i]["hidden_states"]
+            fig["against_full_forward"][mode] = [max(w, _rel(g, t)) for w, g, t in
+                                                 zip(fig["against_full_forward"][mode], got, want, strict=True)]
+
+
 def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool_tokens: int,
         prompts_per_chunk: int, seed: int = 0, token_budget: int = 8192, check_full: int = 8) -> dict[str, Any]:
     from hsextract import open_dataset
@@ -221,27 +246,7 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             by_turns[turns[i]].append(key[i])
         fig[mode]["by_turns"] = {t: float(np.mean(v)) for t, v in sorted(by_turns.items())}
         fig["conversations_by_turns"] = {t: len(v) for t, v in sorted(by_turns.items())}
-    # each shared sample against the flat run's, and the worst few of them against an independent full forward
-    worst = [0.0] * (len(AUX) + 1)  # per stored tensor: hidden_states[1], [3], the final post-norm state
-    identical = 0
-    errors = []
-    for i, (a, b) in enumerate(zip(readers["flat"], readers["shared"], strict=True)):
-        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
-        rel = [_rel(y, x) for x, y in zip(a["hidden_states"], b["hidden_states"], strict=True)]
-        identical += max(rel) == 0.0
-        worst = [max(w, r) for w, r in zip(worst, rel, strict=True)]
-        errors.append((max(rel), i))
-    fig["samples_bit_identical"] = identical
-    fig["worst_relative_error"] = worst
-    fig["tensors"] = [f"hidden_states[{i}]" for i in AUX] + ["final post_norm"]
-    full = _full_forward(model, [readers["flat"][i]["input_ids"] for _, i in sorted(errors)[-check_full:]])
-    fig["checked_full"] = len(full)
-    fig["against_full_forward"] = {mode: [0.0] * (len(AUX) + 1) for mode in ("flat", "shared")}
-    for (_, i), want in zip(sorted(errors)[-check_full:], full, strict=True):
-        for mode in ("flat", "shared"):
-            got = readers[mode][i]["hidden_states"]
-            fig["against_full_forward"][mode] = [max(w, _rel(g, t)) for w, g, t in
-                                                 zip(fig["against_full_forward"][mode], got, want, strict=True)]
+    compare(fig, model, readers, check_full)
     return fig
 
 
@@ -298,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tool-tokens", type=int, default=2000)
     ap.add_argument("--prompts-per-chunk", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--check-full", type=int, default=8,
+                    help="samples (those furthest apart between the runs) checked against an independent full forward")
     ap.add_argument("--out", type=Path, default=None, help="working folder (default: a temporary one)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = ap.parse_args(argv)
@@ -306,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or Path(tmp)
         out.mkdir(parents=True, exist_ok=True)
         fig = run(out, conversations_n=args.conversations, min_turns=args.min_turns, max_turns=args.max_turns,
-                  tool_tokens=args.tool_tokens, prompts_per_chunk=args.prompts_per_chunk, seed=args.seed)
+                  tool_tokens=args.tool_tokens, prompts_per_chunk=args.prompts_per_chunk, seed=args.seed,
+                  check_full=args.check_full)
     fig["wall_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps({k: v for k, v in fig.items()}, indent=1, default=str))
