@@ -357,9 +357,10 @@ class ShardReader:
         return dctx
 
     def _decode_piece(self, i: int, piece: dict[str, Any], frames: list[memoryview], seq: int,
-                      shared: bool = False, rows: int | None = None) -> torch.Tensor:
+                      shared: bool = False, rows: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """One stored tensor of record i (`seq` rows); with `rows`, its first `rows` rows only: a byte plane is
-        row-major, so they are the first rows x width bytes of each plane's frame, and zstd stops there."""
+        row-major, so they are the first rows x width bytes of each plane's frame, and zstd stops there. `into`: a
+        contiguous tensor of those rows to decode into (an assembled sample's segment: no copy, no fresh pages)."""
         dctx = self._decompressor()
         out_rows = seq if rows is None else rows
         nbytes = out_rows * piece["width"] * DTYPES[piece["dtype"]].itemsize
@@ -375,6 +376,9 @@ class ShardReader:
             raise self._corrupt(i, f"frame does not decode ({e})") from e
         if any(len(p) * piece["planes"] != nbytes for p in planes):
             raise self._corrupt(i, f"{piece['name']} decodes to the wrong size")
+        if into is not None:
+            join_planes(planes, piece["planes"], nbytes, into.view(torch.uint8).numpy().reshape(-1))
+            return into
         if shared:  # the tensor that owns the shared block is returned (a tensor made from numpy would not be shared)
             t = _shared_bytes(nbytes)
             join_planes(planes, piece["planes"], nbytes, t.numpy())
@@ -500,11 +504,25 @@ class ShardReader:
             out.append(t)
         for node, lo, hi in self.supplies(i):  # rows [lo, hi) are the node's own rows [0, hi - lo)
             rec = memoryview(records(node)) if records is not None else self._record(node)
-            theirs = self._decode(node, rec, rows=hi - lo)
-            self._check_prefix_ids(i, ids, node, theirs["input_ids"], hi)
-            for t, h in zip(out, theirs["hidden_states"], strict=True):
-                t[lo:hi] = h
+            theirs = self._supply(node, rec, hi, [t[lo:hi] for t in out])
+            self._check_prefix_ids(i, ids, node, theirs, hi)
         return {"input_ids": ids, "hidden_states": out, "loss_mask": mine["loss_mask"]}
+
+    def _supply(self, i: int, rec: memoryview, hi: int, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Record i (an ancestor) supplying rows: its payload checked, its first len(outs[0]) own rows of each hidden
+        tensor decoded straight into `outs`, and its ids below token `hi` returned (for the caller's check)."""
+        self._check_payload(i, rec)
+        frames = self._frames(i, rec[fmt.RECORD.size:])
+        units = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
+        seq, own, rows = self._index["seq_lens"][i], self._own(i), outs[0].shape[0]
+        ids = self._decode_piece(i, *units[0][0], seq, rows=hi)
+        for unit, t in zip(units[2:], outs, strict=True):
+            if len(unit) == 1:
+                self._decode_piece(i, *unit[0], own, rows=rows, into=t)
+            else:
+                q, scale = (self._decode_piece(i, piece, fr, own, rows=rows) for piece, fr in unit)
+                dequantize_fp8(q, scale, self._out_dtype, t)
+        return ids
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
         """All samples in order, read and decoded ahead by a small thread pool."""
