@@ -161,6 +161,7 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
     from hsextract.engines.base import CaptureSpec
     from hsextract.engines.transformers_engine import TransformersEngine
     from hsextract.extract import extract_chunk, read_prompts
+    from hsextract.prefix_share import common_prefix
     from hsextract.prepare import chunk_name, load_tokenizer, num_chunks, run_prepare
     from hsextract.settings import from_config
     from hsextract.shard import ShardReader
@@ -207,11 +208,17 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             t4 = cpu_seconds()
             assert streamed == len(ds)
             rs = [ShardReader(s) for s in shards]
+            if mode == "flat":  # the opening every sample shares: the tool declaration and the system prompt
+                first = samples[0]["input_ids"].numpy()
+                fig["opening_tokens"] = min((common_prefix(first, x["input_ids"].numpy()) for x in samples[1:]),
+                                            default=0)
             ids_mask_bytes = sum(_ids_mask_bytes(r) for r in rs)
             per_conv: dict[str, int] = defaultdict(int)
+            beyond: dict[str, int] = defaultdict(int)  # stored tokens past the shared opening
             for r in rs:
                 for sid, n, k in zip(r.sample_ids, r.seq_lens, r.prefix_lens, strict=True):
                     per_conv[sid.rsplit(":t", 1)[0]] += n - k
+                    beyond[sid.rsplit(":t", 1)[0]] += n - max(k, fig["opening_tokens"])
             fig[mode] = {
                 "samples": len(ds), "materialized_tokens": summary["tokens"],
                 "distinct_tokens": summary.get("distinct_tokens"),
@@ -219,6 +226,7 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
                 "bytes": sum(s.stat().st_size for s in shards),
                 "cpu_s": {"prepare": t1 - t0, "extract": t2 - t1, "read ds[i]": t3 - t2, "read stream": t4 - t3},
                 "per_conversation": dict(per_conv),
+                "per_conversation_beyond_opening": dict(beyond),
             }
             fig[mode]["bytes_per_stored_token"] = fig[mode]["bytes"] / fig[mode]["stored_tokens"]
             # the hidden rows' frames alone: the codec on what is stored once (ids and mask are stored whole)
@@ -241,6 +249,8 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
         key = fig[mode]["per_conversation"]
         y = np.log([key[i] for i in ids])
         fig[mode]["slope"] = float(np.polyfit(x, y, 1)[0]) if len(set(x)) > 1 else float("nan")
+        y = np.log([max(1, fig[mode]["per_conversation_beyond_opening"][i]) for i in ids])
+        fig[mode]["slope_beyond_opening"] = float(np.polyfit(x, y, 1)[0]) if len(set(x)) > 1 else float("nan")
         by_turns: dict[int, list[int]] = defaultdict(list)
         for i in ids:
             by_turns[turns[i]].append(key[i])
@@ -254,7 +264,7 @@ def report(fig: dict[str, Any]) -> str:
     f, s, d = fig["flat"], fig["shared"], fig["distinct_tokens"]
     lines = [
         f"{fig['conversations']} conversations of {fig['turns'][0]}-{fig['turns'][1]} turns, a tool declaration of "
-        f"{fig['tool_tokens']:,} tokens; {f['samples']:,} samples (one per turn)",
+        f"{fig['tool_tokens']:,} tokens; {f['samples']:,} samples (one per assistant message)",
         "",
         "| | flat (share_prefixes off) | shared (on) | shared / distinct |",
         "|---|---|---|---|",
@@ -268,6 +278,8 @@ def report(fig: dict[str, Any]) -> str:
         f"| hidden-row bytes per stored token | {f['hidden_bytes_per_stored_token']:.1f} | "
         f"{s['hidden_bytes_per_stored_token']:.1f} | |",
         f"| stored tokens per conversation ~ turns^slope | {f['slope']:.2f} | {s['slope']:.2f} | |",
+        f"| the same past the {fig['opening_tokens']:,}-token opening | {f['slope_beyond_opening']:.2f} | "
+        f"{s['slope_beyond_opening']:.2f} | |",
     ]
     for stage in f["cpu_s"]:
         lines.append(f"| CPU s, {stage} | {f['cpu_s'][stage]:.1f} | {s['cpu_s'][stage]:.1f} | |")
