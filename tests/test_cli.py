@@ -32,11 +32,12 @@ def test_inspect_json_values(shard, capsys):
     assert trained[1] == 0
     raw = sum(16 * n + 4 * n * 16 * 2 for n in (3, 5, 8))
     assert info["num_samples"] == 3 and info["num_tokens"] == 16 and info["num_trained"] == sum(trained)
+    assert (info["format_version"], info["shared_samples"], info["distinct_tokens"]) == (1, 0, 16)  # flat: all stored
     assert info["raw_bytes"] == raw and info["stored_bytes"] == path.stat().st_size
     assert info["stored_over_raw"] == round(path.stat().st_size / raw, 4)
     assert info["metadata"]["model"] == "test-model" and info["metadata"]["run_name"] == "t"
-    assert info["samples"] == [{"index": k, "sample_id": f"conv-{k}", "seq_len": n, "num_trained": t}
-                               for k, (n, t) in enumerate(zip((3, 5, 8), trained, strict=True))]
+    assert info["samples"] == [{"index": k, "sample_id": f"conv-{k}", "seq_len": n, "num_trained": t, "parent": -1,
+                                "prefix_len": 0} for k, (n, t) in enumerate(zip((3, 5, 8), trained, strict=True))]
 
 
 def test_inspect_text(shard, capsys):
@@ -47,10 +48,11 @@ def test_inspect_text(shard, capsys):
     assert "final_state    post_norm" in out and "run_name       t" in out
     assert "aux_layers     [1, 2, 3] (hidden_states ids)" in out
     assert "               = hidden_states[1, 2, 3] = outputs of decoder layers 0, 1, 2" in out
-    assert "samples        3" in out and "tokens         16" in out
+    assert "samples        3 (0 take a prefix from an earlier one)" in out
+    assert "tokens         16 materialized, 16 distinct (stored)" in out
     assert f"trained tokens {sum(int(s[2].sum()) for s in samples)}" in out
-    assert out[-3].split() == ["0", "3", str(int(samples[0][2].sum())), "conv-0"]
-    assert out[-2].split() == ["1", "5", "0", "conv-1"]
+    assert out[-3].split() == ["0", "3", str(int(samples[0][2].sum())), "-1", "0", "conv-0"]
+    assert out[-2].split() == ["1", "5", "0", "-1", "0", "conv-1"]
 
 
 def test_export_command(shard, tmp_path, capsys):

@@ -232,3 +232,49 @@ def test_batches_come_in_the_epoch_order_and_resume_after_any_batch(shards, batc
                        match=r"^batch_size 0: must be the DataLoader's batch size, an integer >= 1 or None$"):
         open_dataset(shards).stream(batch_size=0)
 
+
+
+@pytest.fixture(scope="module")
+def shared_shards(tmp_path_factory):
+    """Two version-2 shards of tests/hostile.py's FAMILY: per shard a family of five (sample 0 and the four that
+    take rows from it, two of them through 1 or 2) and a sample alone."""
+    from hostile import family, shared_shard
+
+    folder = tmp_path_factory.mktemp("shared")
+    return [shared_shard(folder / f"chunk-{k:05d}.hss", family(seed=k)) for k in range(2)]
+
+
+@pytest.mark.parametrize("readahead", [0, 3])
+def test_a_family_stream_reads_each_ancestor_record_once_and_yields_ds_i(shared_shards, readahead):
+    """group="family": every sample once per epoch, byte-equal to ds[i]; the records samples take rows from are
+    read once per pass (two per shard: samples 0 and 1), where reading each sample alone reads them at every use
+    (sample 1 for 2 and 4; sample 0 for 1, 2, 3 and 4: six per shard); ancestors decode only the rows they supply."""
+    ds = open_dataset(shared_shards)
+    assert ds.families() == [[0, 1, 2, 3, 4], [5], [6, 7, 8, 9, 10], [11]]
+    assert [s[0] for s in ds.readers[0].supplies(4)] == [1, 0] and ds.readers[0].supplies(4)[0][1:] == (5, 6)
+    for cache_bytes, reads in ((1 << 20, 4), (0, 12)):
+        stream = ds.stream(seed=3, readahead=readahead, group="family", window=2, cache_bytes=cache_bytes)
+        order = stream.order(0)
+        assert sorted(order.tolist()) == list(range(12))
+        got = list(stream)
+        assert stream.records_read == reads
+        for i, s in zip(order, got, strict=True):
+            want = ds[int(i)]
+            assert torch.equal(s["input_ids"], want["input_ids"]) and torch.equal(s["loss_mask"], want["loss_mask"])
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(s["hidden_states"], want["hidden_states"], strict=True))
+    # window 1: each family's samples are consecutive; windows of two families: a family stays within its window
+    fams = {i: f for f, members in enumerate(ds.families()) for i in members}
+    runs = [fams[int(i)] for i in ds.stream(seed=5, group="family", window=1).order(0)]
+    assert [f for k, f in enumerate(runs) if k == 0 or runs[k - 1] != f] == sorted(set(runs), key=runs.index)
+    assert sorted(ds.stream(group="family", shuffle=False).order(0).tolist()) == list(range(12))
+
+
+def test_family_ranks_take_contiguous_disjoint_equal_shares(shared_shards):
+    ds = open_dataset(shared_shards)
+    full = ds.stream(seed=1, group="family", window=2).order(4)
+    shares = [ds.stream(seed=1, group="family", window=2, rank=r, world_size=5).order(4) for r in range(5)]
+    assert [len(s) for s in shares] == [2] * 5
+    assert np.concatenate(shares).tolist() == full[:10].tolist()
+    with pytest.raises(ShardError, match=r"^group 'turn': must be None \(samples one by one\) or 'family'$"):
+        ds.stream(group="turn")

@@ -84,6 +84,29 @@ def test_fp8_and_measured_tokens(small: dict, tmp_path: Path) -> None:
     assert p["writer_ceiling_raw_bytes_per_s_per_node"] is None and p["bound"] is None  # not measured for fp8
 
 
+def test_share_prefixes_plans_on_distinct_tokens(small: dict, tmp_path: Path) -> None:
+    """With share_prefixes the engine computes and the shards store each shared prefix once: the plan's tokens are
+    the prepare summary's distinct_tokens; the materialized ones are printed beside them."""
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"read": 12, "kept": 40, "tokens": 9600, "distinct_tokens": 2400}))
+    flat = plan(small, 120, prepare_summary=str(summary))
+    assert (flat["tokens"], flat["materialized_tokens"], flat["share_saving"]) == (96_000, None, None)
+    p = plan({**small, "share_prefixes": True}, 120, prepare_summary=str(summary), tokens_per_s=50)
+    assert (p["tokens"], p["materialized_tokens"], p["share_saving"]) == (24_000, 96_000, 4.0)
+    # hidden rows of the distinct tokens, ids and mask (16 B) of every materialized one
+    assert p["raw_bytes"] == 24_000 * 528 + 72_000 * 16
+    assert p["stored_bytes"] == math.ceil(p["raw_bytes"] * Fraction("0.6965"))
+    assert p["node_hours"] == pytest.approx(24_000 / 50 / 3600, rel=1e-12)
+    text = format_plan(p).splitlines()
+    assert any(line.endswith("24,000") and line.startswith("tokens ") for line in text)
+    assert any(line.strip().startswith("distinct tokens (share_prefixes") and "materialized 96,000 (4.0x)" in line
+               for line in text)
+    assert any(line.startswith("raw bytes (distinct rows)") for line in text)
+    summary.write_text(json.dumps({"read": 12, "kept": 40, "tokens": 9600}))
+    with pytest.raises(ConfigError, match=r"has no `distinct_tokens`: it was prepared with share_prefixes off"):
+        plan({**small, "share_prefixes": True}, 120, prepare_summary=str(summary))
+
+
 def test_gpu_or_writer_bound(small: dict) -> None:
     """Kimi width: 57,360 B per token; the writer ceiling 1.98 GB/s raw per extract job = 34,519 tokens/s."""
     small["engine"], small["sglang"] = "sglang", {"tp": 8, "replicas": 1}

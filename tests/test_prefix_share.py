@@ -129,15 +129,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            hidden_size=128)
 
 
-def test_extract_stores_and_computes_each_shared_prefix_once(tmp_path: Path, tiny: Path) -> None:
-    """A chunk of per-turn samples and a shared opening, extracted flat and shared: the shared shard is version 2,
-    stores and computes the distinct tokens only, and every sample reads back as the flat one (rows it takes from its
-    parent equal to the parent's, bit for bit; all rows within the bound of the flat run's independent forward)."""
+@pytest.fixture(scope="module")
+def extracted(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> dict:
+    """A chunk of per-turn samples and a shared opening, extracted flat and shared on the tiny model."""
     from transformers import AutoTokenizer
 
     from hsextract.engines.base import CaptureSpec
     from hsextract.engines.transformers_engine import TransformersEngine
 
+    tmp_path = tmp_path_factory.mktemp("extract")
     tok = AutoTokenizer.from_pretrained(tiny)
     convs = [tok.apply_chat_template(json.loads(line)["messages"], return_dict=False)
              for line in CONVERSATIONS.read_text(encoding="utf-8").splitlines()[:5]]
@@ -148,13 +148,23 @@ def test_extract_stores_and_computes_each_shared_prefix_once(tmp_path: Path, tin
     assert [p for p, _ in refs] == [-1, 0, 1, -1, 1]
     masks = [[0] * (len(x) - 5) + [1] * 5 for x in ids]
     sids = [f"s{k}" for k in range(len(ids))]
-    meta = shard_metadata(hidden_size=128, aux_layers=[1, 3], final_state="post_norm", vocab_size=tok.vocab_size)
+    meta = shard_metadata(hidden_size=128, aux_layers=[1, 3], final_state="post_norm", vocab_size=tok.vocab_size,
+                          layer_convention="hidden_states")
     spec = CaptureSpec((1, 3), "post_norm")
     out = {}
     with TransformersEngine(tiny, spec, token_budget=512) as eng:
         for name, prompts in (("flat", ChunkPrompts(sids, ids, masks)),
                               ("shared", ChunkPrompts(sids, ids, masks, [p for p, _ in refs], [k for _, k in refs]))):
-            out[name] = extract_chunk(prompts, tmp_path / f"{name}.hss", eng, meta, progress=False)
+            out[name] = extract_chunk(prompts, tmp_path / f"{name}.hss", eng, meta | {"chunk": len(out)},
+                                      progress=False)
+    return {"dir": tmp_path, "ids": ids, "refs": refs, "out": out, "model": tiny}
+
+
+def test_extract_stores_and_computes_each_shared_prefix_once(extracted: dict) -> None:
+    """The shared shard is version 2, stores and computes the distinct tokens only, and every sample reads back as
+    the flat one (rows it takes from its parent equal to the parent's, bit for bit; all rows within the bound of the
+    flat run's independent forward)."""
+    tmp_path, ids, refs, out = extracted["dir"], extracted["ids"], extracted["refs"], extracted["out"]
     flat, shared = ShardReader(tmp_path / "flat.hss"), ShardReader(tmp_path / "shared.hss")
     distinct = distinct_tokens([len(x) for x in ids], refs)
     assert (flat.metadata["format_version"], shared.metadata["format_version"]) == (1, 2)
@@ -171,3 +181,59 @@ def test_extract_stores_and_computes_each_shared_prefix_once(tmp_path: Path, tin
             if p >= 0:  # the reused rows are the parent's stored rows
                 assert torch.equal(tb[:k], shared[p]["hidden_states"][j][:k])
     shared.verify()
+
+
+def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extracted: dict, tmp_path: Path) -> None:
+    """docs/SHARED_PREFIX.md, "What is reported": chunk stats, the aggregate tables, inspect, validate and
+    dataset.json give materialized and distinct tokens and their ratio, exactly; a dataset of a version-1 and a
+    version-2 shard is one dataset (a chunk without references is written as version 1)."""
+    from hsextract.inspect_shard import format_info, shard_info
+    from hsextract.manifest import build_manifest
+    from hsextract.report_tables import table_html
+    from hsextract.stats import aggregate, chunk_stats, write_token_freq
+    from hsextract.validate import validate_shard
+
+    d, ids, refs = extracted["dir"], extracted["ids"], extracted["refs"]
+    tokens, distinct = sum(map(len, ids)), distinct_tokens([len(x) for x in ids], refs)
+    assert [k for _, k in refs] == [0, 130, 94, 0, 180]  # sample 2 shares 4 template tokens past the 90-token head
+    assert (tokens, distinct) == (720, 720 - 130 - 94 - 180)
+    paths = [d / "flat.hss", d / "shared.hss"]
+    stats = [chunk_stats(p) for p in paths]
+    assert [(s["format_version"], s["tokens"], s["stored_tokens"]) for s in stats] == [(1, tokens, tokens),
+                                                                                        (2, tokens, distinct)]
+    tables = aggregate(stats, {})
+    summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
+    assert (summary["tokens"], summary["stored_tokens"], summary["share_saving"]) == (
+        2 * tokens, tokens + distinct, round(2 * tokens / (tokens + distinct), 4))
+    assert list(tables["chunks"]["stored_tokens"]) == [tokens, distinct]
+    assert "<td>stored_tokens</td><td class=\"num\">1,036</td>" in table_html(tables["summary"])
+
+    info = shard_info(paths[1], samples=True)
+    assert (info["format_version"], info["num_tokens"], info["distinct_tokens"], info["shared_samples"]) == (
+        2, tokens, distinct, 3)
+    assert [(s["parent"], s["prefix_len"]) for s in info["samples"]] == refs
+    text = format_info(info).splitlines()
+    assert "samples        5 (3 take a prefix from an earlier one)" in text
+    assert f"tokens         {tokens} materialized, {distinct} distinct (stored)" in text
+
+    reference = ShardReader(paths[0])[0]
+    reports, stat_files = [], []
+    for k, (p, s) in enumerate(zip(paths, stats, strict=True)):
+        report = validate_shard(p, reference, report_path=tmp_path / f"v{k}.json")
+        assert report["passed"] and (report["num_tokens"], report["distinct_tokens"]) == (tokens, s["stored_tokens"])
+        reports.append(tmp_path / f"v{k}.json")
+        stat_files.append(tmp_path / f"s{k}.json")
+        stat_files[-1].write_text(json.dumps(s))
+    (tmp_path / "summary.json").write_text(json.dumps({"read": 6, "tokens": 2 * tokens}))
+    write_token_freq(stats, tmp_path / "token_freq.pt")
+    settings = from_config({"model": str(extracted["model"]), "capture": "custom", "aux_layers": [1, 3],
+                            "aux_layers_convention": "hidden_states", "final_state": "post_norm"})
+    manifest = build_manifest(settings, shards=paths, validation=reports, chunk_stats=stat_files,
+                              prepare_summary=tmp_path / "summary.json", token_freq=tmp_path / "token_freq.pt",
+                              out_path=tmp_path / "dataset.json")
+    counts = manifest["counts"]
+    assert (counts["tokens"], counts["distinct_tokens"], counts["share_saving"]) == (
+        2 * tokens, tokens + distinct, round(2 * tokens / (tokens + distinct), 4))
+    assert (manifest["shard_format_version"], manifest["shard_format_versions"]) == (2, [1, 2])
+    assert [(e["format_version"], e["tokens"], e["distinct_tokens"]) for e in manifest["shards"]] == [
+        (1, tokens, tokens), (2, tokens, distinct)]

@@ -156,3 +156,28 @@ def test_validate_inspect_and_open_dataset_read_a_version_2_shard(tmp_path: Path
     for i in range(n):
         assert_same(ds[n + i], ds[i])
     assert flat.stat().st_size > shared.stat().st_size
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
+def test_ancestors_decode_only_the_rows_they_supply(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    precision: str) -> None:
+    """Sample 4 takes row 5 from sample 1 and rows 0..4 from sample 0 (FAMILY): those records decode 1 and 5 rows of
+    each hidden tensor (straight into the sample's tensors), not their 5 and 8 own rows, and ids only below the
+    segment's end; the sample is still the flat one."""
+    samples = family()
+    want = ShardReader(flat_shard(tmp_path / "flat.hss", samples, precision=precision))[4]
+    r = ShardReader(shared_shard(tmp_path / "s.hss", precision=precision))
+    assert r.supplies(4) == [(1, 5, 6), (0, 0, 5)]
+    decoded: list[tuple[int, str, int]] = []
+    real = ShardReader._decode_piece
+
+    def spy(self, i, piece, frames, seq, shared=False, rows=None, into=None):  # noqa: ANN001, ANN202
+        decoded.append((i, piece["name"].split(".")[0], seq if rows is None else rows))
+        return real(self, i, piece, frames, seq, shared, rows, into)
+
+    monkeypatch.setattr(ShardReader, "_decode_piece", spy)
+    assert_same(r[4], want)
+    tensors = 4 * (2 if precision == "fp8_e4m3" else 1)  # fp8: values and scales
+    assert decoded == ([(4, "input_ids", 16), (4, "loss_mask", 16)] + [(4, "hidden_states", 10)] * tensors
+                       + [(1, "input_ids", 6)] + [(1, "hidden_states", 1)] * tensors  # ids below 6, row 5
+                       + [(0, "input_ids", 5)] + [(0, "hidden_states", 5)] * tensors)  # ids and rows below 5

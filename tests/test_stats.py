@@ -44,6 +44,7 @@ def test_chunk_stats_values(shards: list[Path]) -> None:
     s = chunk_stats(shards[0], position_bins=2)
     assert (s["samples"], s["tokens"], s["trained_tokens"], s["seq_lengths"], s["trained_lengths"]) == (
         2, 5, 3, [3, 2], [2, 1])
+    assert (s["format_version"], s["stored_tokens"]) == (1, 5)  # flat: every token stored
     assert s["token_freq"] == {"6": 1, "7": 1, "9": 1}
     assert [t["name"] for t in s["tensors"]] == ["hidden_states[0]", "hidden_states[2]", "final_post_norm"]
     # sum of squares: value^2 * hidden * tokens, summed over samples
@@ -64,6 +65,7 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
     summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
     assert (summary["chunks"], summary["samples"], summary["tokens"], summary["trained_tokens"],
             summary["dropped_samples"]) == (2, 3, 10, 7, 7)
+    assert (summary["stored_tokens"], summary["share_saving"]) == (10, 1.0)
     raw = sum(s["bytes_raw"] for s in stats)
     stored = sum(p.stat().st_size for p in shards)
     assert (summary["bytes_raw"], summary["bytes_stored"]) == (raw, stored)
@@ -147,7 +149,8 @@ def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Pa
     assert "<th>metric</th><th>value</th>" in page["summary"]
     assert '<tr><td>samples</td><td class="num">3</td></tr>' in page["summary"]
     assert "<th>stored_over_raw</th>" in page["chunks"]
-    assert ('<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td>'
+    # chunk, samples, tokens, stored tokens (version 1: every token), trained tokens
+    assert ('<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td><td class="num">5</td>'
             '<td class="num">4</td>') in page["chunks"]
     assert '<tr><td>hidden_states[0]</td><td class="num">' in page["layers"]
     assert '<tr><td>too_long</td><td class="num">2</td></tr><tr><td>duplicate</td><td class="num">1</td></tr>' in page[

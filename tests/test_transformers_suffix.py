@@ -112,3 +112,33 @@ def test_the_engine_refuses_references_it_cannot_use(model_dir: Path, family: li
             with pytest.raises(EngineError) as e:
                 list(eng.extract(prompts))
             assert str(e.value).startswith("sample 'x' (index 1): ") and message in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("cache_tokens", "starts", "peak"),
+    [
+        # the family's caches: 0 (160 positions) until 3, 1 (210) until 2, 2 (230) until 5; at most 390 at once
+        (None, [0, 120, 170, 40, 0, 150], 390),
+        # 0 and 1 exceed 300: 0, whose child comes later, goes; 3 then runs in full
+        (300, [0, 120, 170, 0, 0, 150], 230),
+        # 200: only 0 fits, and goes when 1 is kept beside it; 1 and 2 do not fit alone: only 1 is computed on a cache
+        (200, [0, 120, 0, 0, 0, 0], 160),
+        (0, [0, 0, 0, 0, 0, 0], 0),
+    ],
+)
+def test_kept_caches_stay_within_the_budget(model_dir: Path, family: list[Prompt], cache_tokens: int | None,
+                                            starts: list[int], peak: int) -> None:
+    """The parents' caches kept at once hold at most `cache_tokens` positions (default 4 x token_budget); a child
+    whose parent's cache was dropped is computed in full (start 0), and every sample's rows still match a full
+    forward within the bound."""
+    ref = full_forward(model_dir, family)
+    with TransformersEngine(model_dir, CaptureSpec((1, 3), "post_norm"), token_budget=1024,
+                            cache_tokens=cache_tokens) as eng:
+        assert eng.cache_tokens == (4 * 1024 if cache_tokens is None else cache_tokens)
+        got = list(eng.extract(family))
+        assert eng.peak_cached_tokens == peak
+    assert [c.start for c in got] == starts
+    for p, c, r in zip(family, got, ref, strict=True):
+        for t, want in zip(c.hidden_states, [r[1], r[3], r[-1]], strict=True):
+            assert t.shape == (len(p.input_ids) - c.start, 128)
+            assert rel(t, want[c.start:]) <= TOL

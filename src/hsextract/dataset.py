@@ -7,8 +7,9 @@ import bisect
 import json
 import os
 import sys
+import threading
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -143,19 +144,43 @@ class HiddenStateDataset(Dataset):
         return self._len
 
     def locate(self, i: int) -> tuple[ShardReader, int]:
+        k, j = self.locate_shard(i)
+        return self.readers[k], j
+
+    def locate_shard(self, i: int) -> tuple[int, int]:
+        """(shard number, sample number in that shard) of sample i."""
         if not -self._len <= i < self._len:
             raise IndexError(f"sample {i} out of range (dataset holds {self._len})")
         i %= self._len
         k = bisect.bisect_right(self._starts, i) - 1
-        return self.readers[k], i - self._starts[k]
+        return k, i - self._starts[k]
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.sample(i)
 
-    def sample(self, i: int, *, shared_memory: bool = False) -> dict[str, Any]:
-        """Sample i (as `ds[i]`); `shared_memory`: see ShardReader.sample."""
-        reader, j = self.locate(int(i))
-        return reader.sample(j, shared_memory=shared_memory)
+    def sample(self, i: int, *, shared_memory: bool = False,
+               records: Callable[[int, int], bytes] | None = None) -> dict[str, Any]:
+        """Sample i (as `ds[i]`); `shared_memory`: see ShardReader.sample; `records(shard, j)`: where record j of
+        that shard comes from when sample i takes rows from it (a stream's cache; by default the file)."""
+        k, j = self.locate_shard(int(i))
+        fetch = None if records is None else partial(records, k)
+        return self.readers[k].sample(j, shared_memory=shared_memory, records=fetch)
+
+    def families(self) -> list[list[int]]:
+        """The samples (dataset indices, ascending) of each family: a sample with no parent and every sample that
+        takes rows from it, directly or through others (docs/SHARED_PREFIX.md); from the shards' indexes alone.
+        A version-1 shard's samples are families of one."""
+        out: list[list[int]] = []
+        for reader, start in zip(self.readers, self._starts, strict=True):
+            root: list[int] = []
+            slot: dict[int, int] = {}
+            for j, parent in enumerate(reader.parents):
+                root.append(j if parent < 0 else root[parent])
+                if root[j] not in slot:
+                    slot[root[j]] = len(out)
+                    out.append([])
+                out[slot[root[j]]].append(start + j)
+        return out
 
     def prefetch(self, i: int) -> None:
         """Start reading sample i's record into the page cache (ShardReader.prefetch)."""
@@ -171,7 +196,8 @@ class HiddenStateDataset(Dataset):
             yield from r.iter_samples()
 
     def stream(self, *, shuffle: bool = True, seed: int = 0, readahead: int = 2, prefetch: int = 4,
-               batch_size: int | None = 1, rank: int | None = None, world_size: int | None = None) -> SampleStream:
+               batch_size: int | None = 1, rank: int | None = None, world_size: int | None = None,
+               group: str | None = None, window: int = 8, cache_bytes: int = 1 << 30) -> SampleStream:
         """These samples as an IterableDataset for a DataLoader: in a fresh random order every epoch, each
         worker decoding its next samples on threads (`readahead` at a time, counting the one it hands out next)
         while the loader collates and sends the current one (a map-style dataset cannot: a worker learns its
@@ -186,7 +212,14 @@ class HiddenStateDataset(Dataset):
         `rank`, `world_size`: this rank's share of the data. Left out, they are 0 and 1 (every sample), unless
         torch.distributed is initialized with more than one rank: then they must be given, since the global
         rank is the data-parallel rank only without tensor or pipeline parallelism, and every rank reading
-        every sample would train on each sample world_size times without a word."""
+        every sample would train on each sample world_size times without a word.
+
+        `group="family"` (for shards with shared prefixes, docs/SHARED_PREFIX.md): the permutation is drawn over
+        families, the samples of `window` families at a time are shuffled together, and each rank takes a
+        contiguous share of that order, so a family's samples go to one rank (but those of its share's two ends).
+        A worker keeps the records its samples take rows from (compressed, up to `cache_bytes`) until the last of
+        its samples that needs them has gone out: each is read once per epoch and worker, not once per sample
+        that takes rows from it. Left at None, samples are drawn one by one, as for flat shards."""
         if rank is None and world_size is None:
             rank, world_size = 0, 1
             if (ranks := distributed_ranks()) > 1:
@@ -197,7 +230,8 @@ class HiddenStateDataset(Dataset):
         elif rank is None or world_size is None:
             raise ShardError(f"rank {rank!r} of world_size {world_size!r}: give both or neither")
         return SampleStream(self, shuffle=shuffle, seed=seed, readahead=readahead, prefetch=prefetch,
-                            batch_size=batch_size, rank=rank, world_size=world_size)
+                            batch_size=batch_size, rank=rank, world_size=world_size, group=group, window=window,
+                            cache_bytes=cache_bytes)
 
 
 def distributed_ranks() -> int:
@@ -226,7 +260,14 @@ class SampleStream(IterableDataset):
     not collate), and no `shuffle` argument."""
 
     def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, prefetch: int,
-                 batch_size: int | None, rank: int, world_size: int) -> None:
+                 batch_size: int | None, rank: int, world_size: int, group: str | None = None, window: int = 8,
+                 cache_bytes: int = 1 << 30) -> None:
+        if group not in (None, "family"):
+            raise ShardError(f"group {group!r}: must be None (samples one by one) or 'family'")
+        if not isinstance(window, int) or window < 1:
+            raise ShardError(f"window {window!r}: must be an integer >= 1 (families shuffled together)")
+        if not isinstance(cache_bytes, int) or cache_bytes < 0:
+            raise ShardError(f"cache_bytes {cache_bytes!r}: must be an integer >= 0 (a worker's kept records)")
         if not isinstance(readahead, int) or readahead < 0:
             raise ShardError(f"readahead {readahead!r}: must be an integer >= 0 (samples decoded ahead)")
         if not isinstance(prefetch, int) or prefetch < 0:
@@ -242,6 +283,9 @@ class SampleStream(IterableDataset):
                                                                                  prefetch)
         self.batch_size = batch_size
         self.rank, self.world_size = rank, world_size
+        self.group, self.window, self.cache_bytes = group, window, cache_bytes
+        self._families = dataset.families() if group == "family" else None
+        self.records_read = 0  # records read for the rows samples take from others, in this process's last pass
         self.epoch = self.start = 0
         self._passes = 0
 
@@ -264,6 +308,14 @@ class SampleStream(IterableDataset):
     def order(self, epoch: int) -> np.ndarray:
         """The indices this rank yields in `epoch`, in order (before the split among workers)."""
         n = len(self.dataset)
+        if self._families is not None:  # windows of families, each rank a contiguous share
+            rng = np.random.default_rng([self.seed, epoch])
+            fams = self._families
+            picked = rng.permutation(len(fams)) if self.shuffle else np.arange(len(fams))
+            pieces = [np.asarray([i for f in picked[w:w + self.window] for i in fams[f]], dtype=np.int64)
+                      for w in range(0, len(fams), self.window)]
+            perm = np.concatenate([rng.permutation(p) if self.shuffle else p for p in pieces])
+            return perm[self.rank * self.per_epoch:(self.rank + 1) * self.per_epoch]
         perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
         return perm[: self.per_epoch * self.world_size][self.rank::self.world_size]
 
@@ -276,8 +328,10 @@ class SampleStream(IterableDataset):
             batch_no = np.arange(len(mine)) // (self.batch_size or 1)
             mine = mine[batch_no % info.num_workers == info.id]
         # uncollated samples leave a worker as they are: in shared memory they cross without a copy
-        get = partial(self.dataset.sample, shared_memory=info is not None and self.batch_size is None)
         todo = [int(i) for i in mine]
+        cache = _FamilyRecords(self.dataset, todo, self.cache_bytes) if self._families is not None else None
+        get = partial(self.dataset.sample, shared_memory=info is not None and self.batch_size is None,
+                      records=None if cache is None else cache.get)
         # the disk is asked for the next records on a thread of their own, so that it keeps reading while the
         # samples in hand decode and go out; the decode threads' reads then find them in the page cache
         hints = ThreadPoolExecutor(1, thread_name_prefix="hsx-hint") if self.prefetch else None
@@ -293,17 +347,84 @@ class SampleStream(IterableDataset):
                         hints.submit(self.dataset.prefetch, j)
                     hinted = min(len(todo), k + 1 + self.prefetch)
                 if pool is None:
-                    yield get(i)
+                    out = get(i)
+                    if cache is not None:
+                        cache.done(k)
+                    yield out
                     continue
                 pending.append(pool.submit(get, i))
                 if len(pending) >= self.readahead:  # readahead - 1 keep decoding while this one goes out
-                    yield pending.popleft().result()
+                    yield self._next(pending, cache, k - len(pending) + 1)
             while pending:
-                yield pending.popleft().result()
+                yield self._next(pending, cache, len(todo) - len(pending))
         finally:
             for p in (pool, hints):
                 if p is not None:
                     p.shutdown(wait=True, cancel_futures=True)
+            if cache is not None:
+                self.records_read = cache.reads
+
+    @staticmethod
+    def _next(pending: deque[Future[dict[str, Any]]], cache: _FamilyRecords | None, pos: int) -> dict[str, Any]:
+        """The oldest sample in flight (position `pos` of the pass); the records no later sample needs go."""
+        out = pending.popleft().result()
+        if cache is not None:
+            cache.done(pos)
+        return out
+
+
+class _FamilyRecords:
+    """The records a stream worker's samples take rows from, each kept (compressed, as read) from its first use
+    until the last of the worker's samples that needs it, within `limit` bytes (past it a record is read again
+    at its next use). Shared by the worker's decode threads: a record is read by the first that needs it."""
+
+    def __init__(self, dataset: HiddenStateDataset, todo: Sequence[int], limit: int) -> None:
+        last: dict[tuple[int, int], int] = {}
+        for pos, i in enumerate(todo):
+            k, j = dataset.locate_shard(i)
+            for node, _, _ in dataset.readers[k].supplies(j):
+                last[k, node] = pos
+        self._ends: dict[int, list[tuple[int, int]]] = {}
+        for key, pos in last.items():
+            self._ends.setdefault(pos, []).append(key)
+        self._readers, self._limit = dataset.readers, limit
+        self._kept: dict[tuple[int, int], Future[bytes]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.reads = 0
+
+    def get(self, shard: int, j: int) -> bytes:
+        key = (shard, j)
+        with self._lock:
+            fut = self._kept.get(key)
+            mine = fut is None
+            if mine:
+                fut = self._kept[key] = Future()
+        if not mine:
+            return fut.result()
+        try:
+            data = self._readers[shard].record(j)
+        except BaseException as e:
+            with self._lock:
+                del self._kept[key]
+            fut.set_exception(e)
+            raise
+        with self._lock:
+            self.reads += 1
+            if self._bytes + len(data) <= self._limit:
+                self._bytes += len(data)
+            else:  # over the limit: used by who waits on it now, then read again
+                del self._kept[key]
+        fut.set_result(data)
+        return data
+
+    def done(self, pos: int) -> None:
+        """The sample at position `pos` has gone out: drop the records whose last use it was."""
+        with self._lock:
+            for key in self._ends.pop(pos, ()):
+                fut = self._kept.pop(key, None)
+                if fut is not None and fut.done() and fut.exception() is None:
+                    self._bytes -= len(fut.result())
 
 
 def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,

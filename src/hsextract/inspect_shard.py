@@ -23,7 +23,11 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
         "shard": str(path),
         "metadata": r.metadata,
         "num_samples": len(r),
-        "num_tokens": sum(ix["seq_lens"]),
+        "format_version": r.metadata["format_version"],
+        "num_tokens": sum(ix["seq_lens"]),  # materialized: each sample whole
+        # shared prefixes (version 2): samples that take their first rows from an earlier one, and the rows stored
+        "shared_samples": sum(p >= 0 for p in r.parents),
+        "distinct_tokens": r.stored_tokens,
         "num_trained": sum(ix["num_trained"]),
         "raw_bytes": raw,
         "stored_bytes": stored,
@@ -32,8 +36,9 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
     }
     if samples:
         info["samples"] = [
-            {"index": i, "sample_id": sid, "seq_len": n, "num_trained": t}
-            for i, (sid, n, t) in enumerate(zip(ix["sample_ids"], ix["seq_lens"], ix["num_trained"], strict=True))
+            {"index": i, "sample_id": sid, "seq_len": n, "num_trained": t, "parent": p, "prefix_len": k}
+            for i, (sid, n, t, p, k) in enumerate(zip(ix["sample_ids"], ix["seq_lens"], ix["num_trained"], r.parents,
+                                                      r.prefix_lens, strict=True))
         ]
     r.close()
     return info
@@ -86,15 +91,15 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
     ratio = "n/a" if info["stored_over_raw"] is None else f"{info['stored_over_raw']:.4f}"
     lines += [
-        f"samples        {info['num_samples']}",
-        f"tokens         {info['num_tokens']}",
+        f"samples        {info['num_samples']} ({info['shared_samples']} take a prefix from an earlier one)",
+        f"tokens         {info['num_tokens']} materialized, {info['distinct_tokens']} distinct (stored)",
         f"trained tokens {info['num_trained']}",
         f"raw bytes      {info['raw_bytes']} ({_mb(info['raw_bytes'])})",
         f"stored bytes   {info['stored_bytes']} ({_mb(info['stored_bytes'])})",
         f"stored/raw     {ratio}",
     ]
     if "samples" in info:
-        lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  sample_id")
-        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['sample_id']}"
-                  for s in info["samples"]]
+        lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  {'parent':>6}  {'prefix':>7}  sample_id")
+        lines += [f"{s['index']:>6}  {s['seq_len']:>7}  {s['num_trained']:>7}  {s['parent']:>6}  {s['prefix_len']:>7}  "
+                  f"{s['sample_id']}" for s in info["samples"]]
     return "\n".join(lines)

@@ -17,12 +17,14 @@ from hsextract import layers, provenance
 from hsextract.errors import ValidationFailure
 from hsextract.redaction import redact_config
 from hsextract.settings import Settings
+from hsextract.stats import share_saving, stored_tokens
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
-# Shard metadata every shard of one dataset must share.
+# Shard metadata every shard of one dataset must share. Not format_version: with share_prefixes a shard whose
+# samples took no prefix is version 1 beside version-2 shards (docs/SHARED_PREFIX.md), and a reader reads both.
 SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "engine",
-               "aux_layers", "layer_convention", "final_state", "hidden_size", "dtype", "precision", "format_version")
+               "aux_layers", "layer_convention", "final_state", "hidden_size", "dtype", "precision")
 
 
 def _rel(path: str | Path, root: Path) -> str:
@@ -55,6 +57,8 @@ def build_manifest(
     entries: list[dict[str, Any]] = []
     first_meta: dict[str, Any] | None = None
     totals = {"samples": 0, "tokens": 0, "trained_tokens": 0, "bytes_raw": 0, "bytes_stored": 0}
+    distinct = 0
+    versions: set[int] = set()
     for shard, report_path, stats_path in zip(shards, validation, chunk_stats, strict=True):
         meta = ShardReader(shard).metadata
         if layers.shard_hidden_states(meta) != list(settings.extract.aux_layers):
@@ -74,13 +78,17 @@ def build_manifest(
         stats = _load_json(stats_path)
         for k in totals:
             totals[k] += int(stats[k])
+        distinct += stored_tokens(stats)
+        versions.add(int(meta["format_version"]))
         entries.append(
             {
                 "path": _rel(shard, root),
                 "chunk": meta.get("chunk"),
                 "samples": stats["samples"],
                 "tokens": stats["tokens"],
+                "distinct_tokens": stored_tokens(stats),
                 "trained_tokens": stats["trained_tokens"],
+                "format_version": meta["format_version"],
                 "bytes": Path(shard).stat().st_size,
                 "sha256": provenance.sha256_file(shard),
                 "config_hash": meta.get("config_hash"),
@@ -110,10 +118,17 @@ def build_manifest(
         "hidden_size": meta.get("hidden_size"),
         "dtype": meta.get("dtype"),
         "precision": meta.get("precision"),
-        "shard_format_version": meta.get("format_version"),
+        # the newest shard format of the dataset (what a reader must read), and every one it holds: with
+        # share_prefixes, version 2 where a shard's samples take prefixes from others, else version 1
+        "shard_format_version": max(versions) if versions else None,
+        "shard_format_versions": sorted(versions),
         "counts": {
             "chunks": len(entries),
             **totals,
+            # tokens: materialized (each sample whole, as ds[i] returns it); distinct_tokens: stored and computed,
+            # each shared prefix once; share_saving: their ratio (1.0 without shared prefixes)
+            "distinct_tokens": distinct,
+            "share_saving": share_saving(totals["tokens"], distinct),
             "stored_over_raw": round(totals["bytes_stored"] / totals["bytes_raw"], 4) if totals["bytes_raw"] else None,
             "dropped": dropped,
             "dropped_samples": sum(dropped.values()),

@@ -38,17 +38,28 @@ WRITER_CEILING_RAW_BPS = 1.98e9
 WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, 16 shard threads, a 1.2 GB/s disk"
 
 
-def _tokens_per_record(summary_path: str) -> float:
+def _tokens_per_record(summary_path: str, share_prefixes: bool) -> tuple[float, float | None]:
+    """(tokens the engine computes and the shards store, materialized tokens) per record read, from a prepare
+    summary. With share_prefixes the first are its `distinct_tokens` (each shared prefix once), the second its
+    `tokens` (each sample whole, as a trainer reads it); without, the tokens and None."""
     try:
         summary = json.loads(Path(summary_path).read_text())
         read, tokens = int(summary["read"]), int(summary["tokens"])
+        distinct = int(summary["distinct_tokens"]) if "distinct_tokens" in summary else None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(
             f"--prepare-summary: {summary_path} is not a prepare summary.json with `read` and `tokens` ({e})"
         ) from None
     if read <= 0:
         raise ConfigError(f"--prepare-summary: {summary_path} read 0 records; prepare a sample of the sources first")
-    return tokens / read
+    if not share_prefixes:
+        return tokens / read, None
+    if distinct is None:
+        raise ConfigError(
+            f"--prepare-summary: {summary_path} has no `distinct_tokens`: it was prepared with share_prefixes off, "
+            "but the config turns it on. Prepare the sample again with share_prefixes: true to plan on the tokens "
+            "a sharing run stores and computes")
+    return distinct / read, tokens / read
 
 
 def _default_gpus_per_node(s: Settings) -> int | None:
@@ -86,8 +97,11 @@ def plan(
         if mean_tokens <= 0:
             raise ConfigError(f"--mean-tokens: {mean_tokens} is not allowed; it must be > 0")
         per_record, token_source = float(mean_tokens), "--mean-tokens"
+        materialized_per_record = None
     else:
-        per_record, token_source = _tokens_per_record(str(prepare_summary)), f"measured: {prepare_summary}"
+        per_record, materialized_per_record = _tokens_per_record(str(prepare_summary),
+                                                                 settings.prepare.share_prefixes)
+        token_source = f"measured: {prepare_summary}"
     if chunks_per_job <= 0:
         raise ConfigError(f"--chunks-per-job: {chunks_per_job} is not allowed; it must be >= 1")
     model = settings.extract.model
@@ -115,6 +129,11 @@ def plan(
     tokens = round(samples * per_record)
     raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * BF16_BYTES
     raw = tokens * raw_per_token
+    materialized = None
+    if materialized_per_record is not None:
+        # share_prefixes: hidden rows of the distinct tokens; input_ids and loss_mask of every sample whole
+        materialized = round(samples * materialized_per_record)
+        raw += (materialized - tokens) * IDS_MASK_BYTES
     if precision == "fp8_e4m3":
         ratio, ratio_source = CODEC_RATIO_FP8, CODEC_RATIO_FP8_SOURCE
     else:
@@ -149,6 +168,10 @@ def plan(
         "tokens_per_sample": per_record,
         "tokens_per_sample_source": token_source,
         "tokens": tokens,
+        # share_prefixes with a measured prepare summary: `tokens` are the distinct ones (stored and computed),
+        # these the materialized ones (each sample whole, what a trainer reads); else None
+        "materialized_tokens": materialized,
+        "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
         "raw_bytes_per_token": raw_per_token,
@@ -216,9 +239,13 @@ def format_plan(p: Mapping[str, Any]) -> str:
         ("samples", f"{p['samples']:,}"),
         ("tokens per sample", f"{p['tokens_per_sample']:,.1f} ({p['tokens_per_sample_source']})"),
         ("tokens", f"{p['tokens']:,}"),
+        *([("", f"distinct tokens (share_prefixes: each shared prefix stored and computed once); "
+                f"materialized {p['materialized_tokens']:,} ({p['share_saving']}x), as a trainer reads them")]
+          if p.get("materialized_tokens") is not None else []),
         ("raw bytes per token",
          f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
-        ("raw bytes (speculators v1)", _bytes(p["raw_bytes"])),
+        ("raw bytes (speculators v1)" if p.get("materialized_tokens") is None
+         else "raw bytes (distinct rows)", _bytes(p["raw_bytes"])),
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
         ("stored bytes", _bytes(p["stored_bytes"])),
         ("shards (chunks)",

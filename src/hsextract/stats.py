@@ -78,8 +78,10 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
         "layer_convention": HIDDEN_STATES,
         "final_state": meta["final_state"],
         "hidden_size": hidden,
+        "format_version": int(meta["format_version"]),
         "samples": len(seq_lengths),
-        "tokens": tokens,
+        "tokens": tokens,  # materialized: what a trainer reads
+        "stored_tokens": reader.stored_tokens,  # rows stored (and computed): a shared prefix once
         "trained_tokens": int(sum(trained_lengths)),
         "seq_lengths": seq_lengths,
         "trained_lengths": trained_lengths,
@@ -95,6 +97,17 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
         "position_sum_sq": pos_sum_sq.tolist(),
         "token_freq": {str(t): c for t, c in sorted(freq.items())},
     }
+
+
+def stored_tokens(chunk: Mapping[str, Any]) -> int:
+    """A chunk's stored tokens; statistics written before shared prefixes hold none, and came from version-1
+    shards, which store every token."""
+    return int(chunk.get("stored_tokens", chunk["tokens"]))
+
+
+def share_saving(tokens: int, stored: int) -> float:
+    """Materialized over stored tokens (1.0 without shared prefixes), to 4 decimals."""
+    return round(tokens / stored, 4) if stored else 1.0
 
 
 def load_json_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -119,7 +132,7 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
     per_chunk = pd.DataFrame(
         [
             {"chunk": c["chunk"], "samples": c["samples"], "tokens": c["tokens"],
-             "trained_tokens": c["trained_tokens"], "bytes_raw": c["bytes_raw"],
+             "stored_tokens": stored_tokens(c), "trained_tokens": c["trained_tokens"], "bytes_raw": c["bytes_raw"],
              "bytes_stored": c["bytes_stored"]}
             for c in chunks
         ]
@@ -163,11 +176,14 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
         seq = pd.DataFrame({"statistic": [], "tokens": []})
 
     dropped = _dropped(prepare_summary)
+    tokens, stored = int(per_chunk["tokens"].sum()), int(per_chunk["stored_tokens"].sum())
     tot_raw, tot_stored = int(per_chunk["bytes_raw"].sum()), int(per_chunk["bytes_stored"].sum())
     totals = {
         "chunks": len(chunks),
         "samples": int(per_chunk["samples"].sum()),
-        "tokens": int(per_chunk["tokens"].sum()),
+        "tokens": tokens,
+        "stored_tokens": stored,
+        "share_saving": share_saving(tokens, stored),
         "trained_tokens": int(per_chunk["trained_tokens"].sum()),
         "dropped_samples": int(dropped["samples"].sum()) if len(dropped) else 0,
         "bytes_raw": tot_raw,

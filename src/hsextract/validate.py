@@ -149,7 +149,8 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
     layout = reference_layout(ref)
     checks = _empty_checks()
     report: dict[str, Any] = {
-        "shard": str(path), "passed": True, "num_samples": None, "num_tokens": None, "num_trained": None,
+        "shard": str(path), "passed": True, "num_samples": None, "num_tokens": None, "distinct_tokens": None,
+        "num_trained": None,
         "vocab_size": vocab_size, "same_model": same_model,
         "reference": str(reference) if not isinstance(reference, dict) else "<in memory>",
         "checks": checks, "first_failure": None, "validator": f"hsextract {__version__}",
@@ -178,6 +179,7 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         ids = reader.sample_ids
         report["num_samples"] = len(reader)
         report["num_tokens"] = sum(reader.seq_lens)
+        report["distinct_tokens"] = reader.stored_tokens  # the rows stored: a shared prefix once
         report["num_trained"] = sum(reader.index["num_trained"])
         for i in range(len(reader)):
             try:

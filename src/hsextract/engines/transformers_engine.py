@@ -22,7 +22,10 @@ back to the CPU, contiguous, in the model dtype; padding rows are never returned
 Shared prefixes (docs/SHARED_PREFIX.md): a prompt with a parent (`Prompt.parent`, `prefix_len` k) runs only its
 tokens k..seq-1, at positions k..seq-1, on the parent's keys and values cut to k (`past_key_values`), and its
 Captured holds those rows only (`start` = k). Parents keep their cache until their last child has run. Family
-members run one at a time; prompts outside any family are batched as above.
+members run one at a time; prompts outside any family are batched as above. The kept caches hold at most
+`cache_tokens` positions together (default CACHE_BUDGET_FACTOR x token_budget): past that, the caches whose next
+child comes last are dropped (the one just computed included), and a child whose parent's cache was dropped runs in
+full, as a root (`start` 0), so the shard records the reference actually used.
 
 Progress: pass `on_sample`, called with each Captured just before it is yielded (the
 caller can also count the yielded samples itself).
@@ -42,6 +45,9 @@ import torch
 from hsextract.capture import MAX_AUX_LAYERS
 from hsextract.engines.base import BOTH, Captured, CaptureSpec, Engine, Prompt, check_references
 from hsextract.errors import ConfigError, EngineError
+
+# kept parent caches, in positions, per token_budget (the positions one forward batch holds): a fixed rule
+CACHE_BUDGET_FACTOR = 4
 
 
 def resolve_device(device: str) -> str:
@@ -95,6 +101,7 @@ class TransformersEngine(Engine):
         max_batch: int = 64,
         attn_implementation: str = "sdpa",
         on_sample: Callable[[Captured], None] | None = None,
+        cache_tokens: int | None = None,
     ) -> None:
         from hsextract.text_model import load_causal_lm
 
@@ -102,6 +109,11 @@ class TransformersEngine(Engine):
             raise ConfigError(f"token_budget: {token_budget} must be >= 1 (tokens per forward batch).")
         if max_batch < 1:
             raise ConfigError(f"max_batch: {max_batch} must be >= 1 (prompts per forward batch).")
+        if cache_tokens is not None and cache_tokens < 0:
+            raise ConfigError(f"cache_tokens: {cache_tokens} must be >= 0 (positions of parent caches kept).")
+        # the parents' keys and values kept for their children, in positions of all layers together
+        self.cache_tokens = CACHE_BUDGET_FACTOR * token_budget if cache_tokens is None else cache_tokens
+        self.peak_cached_tokens = 0  # the most positions kept at once during the last extract()
         self.model_path = str(model_path)
         self.spec = spec
         self.device = torch.device(device)
@@ -290,9 +302,15 @@ class TransformersEngine(Engine):
         return Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors, start=k), kept
 
     def _shared(self, prompts: list[Prompt], users: Counter[int]) -> Iterator[Captured]:
-        """Prompts outside any family batched as usual; each family member alone, a child on its parent's cache."""
-        caches: dict[int, Any] = {}
+        """Prompts outside any family batched as usual; each family member alone, a child on its parent's cache
+        if that was kept within `cache_tokens`, else in full."""
+        children: dict[int, list[int]] = {}  # parent -> the positions (in `prompts`) of its children, in order
+        for pos, p in enumerate(prompts):
+            if p.parent >= 0:
+                children.setdefault(p.parent, []).append(pos)
+        caches: dict[int, tuple[Any, int]] = {}  # parent -> (its cache, its positions)
         plain: list[Prompt] = []
+        self.peak_cached_tokens = 0
         for p in prompts:
             if p.parent < 0 and not users[p.index]:
                 plain.append(p)
@@ -303,16 +321,28 @@ class TransformersEngine(Engine):
             self._check(p)
             cache = None
             if p.parent >= 0:
-                cache = self._prefix_cache(caches[p.parent], p.prefix_len)
-                users[p.parent] -= 1
-                if not users[p.parent]:  # its last child: the parent's cache goes
-                    del caches[p.parent]
-            captured, kept = self._forward_one(p, cache, keep=users[p.index] > 0)
+                children[p.parent].pop(0)
+                if p.parent in caches:
+                    cache = self._prefix_cache(caches[p.parent][0], p.prefix_len)
+                    if not children[p.parent]:  # its last child: the parent's cache goes
+                        del caches[p.parent]
+            captured, kept = self._forward_one(p, cache, keep=bool(children.get(p.index)))
+            del cache
             if kept is not None:
-                caches[p.index] = kept
+                caches[p.index] = (kept, len(p.input_ids))
+                self._fit_caches(caches, children)
             yield captured
         for batch in self._batches(plain):
             yield from self._forward(batch)
+
+    def _fit_caches(self, caches: dict[int, tuple[Any, int]], children: dict[int, list[int]]) -> None:
+        """Drop the caches whose next child comes last until the rest hold at most `cache_tokens` positions (the
+        furthest next use first: the fewest children lose their parent's cache)."""
+        total = sum(n for _, n in caches.values())
+        while total > self.cache_tokens:
+            last = max(caches, key=lambda q: children[q][0])
+            total -= caches.pop(last)[1]
+        self.peak_cached_tokens = max(self.peak_cached_tokens, total)
 
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         items = list(prompts)

@@ -13,7 +13,7 @@ import os
 import stat
 import struct
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
@@ -363,31 +363,55 @@ class ShardReader:
         return dctx
 
     def _decode_piece(self, i: int, piece: dict[str, Any], frames: list[memoryview], seq: int,
-                      shared: bool = False) -> torch.Tensor:
+                      shared: bool = False, rows: int | None = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """One stored tensor of record i (`seq` rows); with `rows`, its first `rows` rows only: a byte plane is
+        row-major, so they are the first rows x width bytes of each plane's frame, and zstd stops there. `into`: a
+        contiguous tensor of those rows to decode into (an assembled sample's segment: no copy, no fresh pages)."""
         dctx = self._decompressor()
-        nbytes = seq * piece["width"] * DTYPES[piece["dtype"]].itemsize
+        out_rows = seq if rows is None else rows
+        nbytes = out_rows * piece["width"] * DTYPES[piece["dtype"]].itemsize
+        plane = nbytes // piece["planes"]
         try:
-            # parse.frames refused a declared size other than this one; an undeclared size decodes
-            # into at most this many bytes
-            planes = [dctx.decompress(f, max_output_size=nbytes // piece["planes"]) for f in frames]
+            if rows is None:
+                # parse.frames refused a declared size other than this one; an undeclared size decodes
+                # into at most this many bytes
+                planes = [dctx.decompress(f, max_output_size=plane) for f in frames]
+            else:
+                planes = [self._decode_head(dctx, f, plane) for f in frames]
         except zstd.ZstdError as e:
             raise self._corrupt(i, f"frame does not decode ({e})") from e
         if any(len(p) * piece["planes"] != nbytes for p in planes):
             raise self._corrupt(i, f"{piece['name']} decodes to the wrong size")
+        if into is not None:
+            join_planes(planes, piece["planes"], nbytes, into.view(torch.uint8).numpy().reshape(-1))
+            return into
         if shared:  # the tensor that owns the shared block is returned (a tensor made from numpy would not be shared)
             t = _shared_bytes(nbytes)
             join_planes(planes, piece["planes"], nbytes, t.numpy())
         else:
             t = torch.from_numpy(join_planes(planes, piece["planes"], nbytes))
         t = t.view(DTYPES[piece["dtype"]])
-        return t if piece["width"] == 1 else t.view(seq, piece["width"])
+        return t if piece["width"] == 1 else t.view(out_rows, piece["width"])
+
+    @staticmethod
+    def _decode_head(dctx: zstd.ZstdDecompressor, frame: memoryview, n: int) -> bytes:
+        """The first n decoded bytes of a frame (fewer if it decodes to fewer), decoding no further."""
+        parts, got = [], 0
+        with dctx.stream_reader(frame, read_across_frames=False) as r:
+            while got < n:
+                part = r.read(n - got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+        return b"".join(parts)
 
     def _decode(self, i: int, rec: memoryview, pool: ThreadPoolExecutor | None = None,
-                shared: bool = False) -> Sample:
+                shared: bool = False, rows: int | None = None) -> Sample:
         """The sample of record i, its header already checked. Serially: payload checksum, then decode. With a
         pool: the hidden tensors decode on it while this thread checks the payload checksum and decodes ids
         and mask; nothing is returned unless the checksum matches (decoding unchecked bytes is safe: frame
-        sizes were parsed and bounded first)."""
+        sizes were parsed and bounded first). `rows`: the hidden tensors' first `rows` own rows only."""
         if pool is None:
             self._check_payload(i, rec)
         try:
@@ -399,7 +423,7 @@ class ShardReader:
         jobs = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
-            futures = [pool.submit(self._decode_unit, i, unit, own, shared) for unit in jobs[2:]]
+            futures = [pool.submit(self._decode_unit, i, unit, own, shared, rows) for unit in jobs[2:]]
             try:
                 self._check_payload(i, rec)  # a damaged record is reported as such, whatever its frames do
                 head = [self._decode_unit(i, unit, seq, shared) for unit in jobs[:2]]
@@ -407,14 +431,15 @@ class ShardReader:
                 wait(futures)
             tensors = head + [f.result() for f in futures]
         else:
-            tensors = [self._decode_unit(i, unit, seq if u < 2 else own, shared) for u, unit in enumerate(jobs)]
+            tensors = [self._decode_unit(i, unit, seq if u < 2 else own, shared, None if u < 2 else rows)
+                       for u, unit in enumerate(jobs)]
         return {"input_ids": tensors[0], "hidden_states": tensors[2:], "loss_mask": tensors[1]}
 
     def _decode_unit(self, i: int, unit: list[tuple[dict[str, Any], list[memoryview]]], seq: int,
-                     shared: bool) -> torch.Tensor:
+                     shared: bool, rows: int | None = None) -> torch.Tensor:
         if len(unit) == 1:
-            return self._decode_piece(i, *unit[0], seq, shared)
-        q, scale = (self._decode_piece(i, piece, frames, seq) for piece, frames in unit)
+            return self._decode_piece(i, *unit[0], seq, shared, rows)
+        q, scale = (self._decode_piece(i, piece, frames, seq, rows=rows) for piece, frames in unit)
         out = _shared_bytes(q.numel() * self._out_dtype.itemsize).view(self._out_dtype).view(q.shape) \
             if shared else None
         return dequantize_fp8(q, scale, self._out_dtype, out)
@@ -422,10 +447,12 @@ class ShardReader:
     def __getitem__(self, i: int) -> Sample:
         return self.sample(i)
 
-    def sample(self, i: int, *, shared_memory: bool = False) -> Sample:
+    def sample(self, i: int, *, shared_memory: bool = False,
+               records: Callable[[int], bytes | memoryview] | None = None) -> Sample:
         """Sample i (as `reader[i]`). `shared_memory`: its tensors are decoded straight into shared memory, so
         that a DataLoader worker hands them to the loader's process without a copy (see
-        HiddenStateDataset.stream); elsewhere it only costs the shared blocks' set-up."""
+        HiddenStateDataset.stream); elsewhere it only costs the shared blocks' set-up. `records`: where the records
+        of sample i's ancestors come from (`record(j)` by default; a stream's cache of its families' records)."""
         i = int(i)
         n = len(self)
         if not -n <= i < n:
@@ -433,7 +460,7 @@ class ShardReader:
         i %= n
         if self._parents[i] == fmt.NO_PARENT:
             return self._record_sample(i, shared_memory)
-        return self._assemble(i, shared_memory)
+        return self._assemble(i, shared_memory, records)
 
     def _record_sample(self, i: int, shared: bool = False) -> Sample:
         """Record i decoded: the sample's ids and loss mask, and its own hidden rows (all of them without a parent)."""
@@ -442,6 +469,24 @@ class ShardReader:
         rec = self._record(i, _pool("read", self.decode_threads))
         return self._decode(i, rec, _pool("decode", self.decode_threads), shared)
 
+    def record(self, i: int) -> bytes:
+        """Record i's bytes, its header checked (its payload is checked where it is decoded): what a stream keeps
+        of a family's records so that each is read once (HiddenStateDataset.stream, group="family")."""
+        return bytes(self._record(i))
+
+    def supplies(self, i: int) -> list[tuple[int, int, int]]:
+        """The ancestors whose rows sample i takes, from the index alone: (ancestor, lo, hi) per segment, rows
+        [lo, hi) from that ancestor's own rows [0, hi - lo), nearest ancestor first (docs/SHARED_PREFIX.md)."""
+        out = []
+        node, hi = self._parents[i], self._prefix_lens[i]
+        while hi > 0:
+            lo = self._prefix_lens[node]
+            if lo < hi:
+                out.append((node, lo, hi))
+                hi = lo
+            node = self._parents[node]
+        return out
+
     def _check_prefix_ids(self, i: int, ids: torch.Tensor, j: int, theirs: torch.Tensor, n: int) -> None:
         """Sample i takes rows below token n from sample j: their ids must agree there."""
         differ = (ids[:n] != theirs[:n]).nonzero()
@@ -449,10 +494,12 @@ class ShardReader:
             raise self._corrupt(i, f"input_ids differ from sample {j}'s at token {int(differ[0])}, within the {n} "
                                    "prefix tokens whose rows it takes from that sample")
 
-    def _assemble(self, i: int, shared: bool) -> Sample:
+    def _assemble(self, i: int, shared: bool,
+                  records: Callable[[int], bytes | memoryview] | None = None) -> Sample:
         """Sample i of a version-2 shard: its own rows, then each earlier segment from the ancestor that stores it
         (docs/SHARED_PREFIX.md, "Reading"). Ancestors are earlier samples, so the walk ends; each one that supplies
-        rows has its ids checked against this sample's over every position below the segment's end."""
+        rows has its ids checked against this sample's over every position below the segment's end, and only the
+        rows it supplies are decoded (a sample decodes its seq rows, as in a flat shard)."""
         mine = self._record_sample(i, shared)
         ids, seq, k = mine["input_ids"], self._index["seq_lens"][i], self._prefix_lens[i]
         out = []
@@ -461,17 +508,27 @@ class ShardReader:
                  else torch.empty((seq, h.shape[1]), dtype=h.dtype))
             t[k:] = h
             out.append(t)
-        node, hi = self._parents[i], k
-        while hi > 0:
-            lo = self._prefix_lens[node]
-            if lo < hi:  # rows [lo, hi) are the node's own rows [0, hi - lo)
-                theirs = self._record_sample(node)
-                self._check_prefix_ids(i, ids, node, theirs["input_ids"], hi)
-                for t, h in zip(out, theirs["hidden_states"], strict=True):
-                    t[lo:hi] = h[:hi - lo]
-                hi = lo
-            node = self._parents[node]
+        for node, lo, hi in self.supplies(i):  # rows [lo, hi) are the node's own rows [0, hi - lo)
+            rec = memoryview(records(node)) if records is not None else self._record(node)
+            theirs = self._supply(node, rec, hi, [t[lo:hi] for t in out])
+            self._check_prefix_ids(i, ids, node, theirs, hi)
         return {"input_ids": ids, "hidden_states": out, "loss_mask": mine["loss_mask"]}
+
+    def _supply(self, i: int, rec: memoryview, hi: int, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Record i (an ancestor) supplying rows: its payload checked, its first len(outs[0]) own rows of each hidden
+        tensor decoded straight into `outs`, and its ids below token `hi` returned (for the caller's check)."""
+        self._check_payload(i, rec)
+        frames = self._frames(i, rec[fmt.RECORD.size:])
+        units = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
+        seq, own, rows = self._index["seq_lens"][i], self._own(i), outs[0].shape[0]
+        ids = self._decode_piece(i, *units[0][0], seq, rows=hi)
+        for unit, t in zip(units[2:], outs, strict=True):
+            if len(unit) == 1:
+                self._decode_piece(i, *unit[0], own, rows=rows, into=t)
+            else:
+                q, scale = (self._decode_piece(i, piece, fr, own, rows=rows) for piece, fr in unit)
+                dequantize_fp8(q, scale, self._out_dtype, t)
+        return ids
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
         """All samples in order, read and decoded ahead by a small thread pool."""
