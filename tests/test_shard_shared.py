@@ -171,7 +171,7 @@ def test_ancestors_decode_only_the_rows_they_supply(tmp_path: Path, monkeypatch:
     decoded: list[tuple[int, str, int]] = []
     real = ShardReader._decode_piece
 
-    def spy(self, i, piece, frames, seq, shared=False, rows=None, into=None):  # noqa: ANN001, ANN202
+    def spy(self, i, piece, frames, seq, shared=False, rows=None, into=None):
         decoded.append((i, piece["name"].split(".")[0], seq if rows is None else rows))
         return real(self, i, piece, frames, seq, shared, rows, into)
 
