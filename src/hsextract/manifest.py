@@ -15,9 +15,9 @@ from typing import Any
 
 from hsextract import layers, provenance
 from hsextract.errors import ValidationFailure
+from hsextract.prefix_share import share_saving, stored_tokens
 from hsextract.redaction import redact_config
 from hsextract.settings import Settings
-from hsextract.stats import share_saving, stored_tokens
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1

@@ -10,7 +10,8 @@ only propose a candidate, never make a reference. Time and memory are linear in 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -64,3 +65,15 @@ def find_parents(ids: Sequence[Sequence[int]], records: Sequence[object] | None 
 def distinct_tokens(seq_lens: Sequence[int], refs: Sequence[tuple[int, int]]) -> int:
     """Tokens stored and computed with these references: each sample's, less the prefix it takes from its parent."""
     return sum(seq_lens) - sum(k for _, k in refs)
+
+
+# what sharing saves, counted from chunk statistics (stats, manifest: kept here, free of pandas, for manifest's env)
+def stored_tokens(chunk: Mapping[str, Any]) -> int:
+    """A chunk's stored tokens; statistics written before shared prefixes hold none, and came from version-1
+    shards, which store every token."""
+    return int(chunk.get("stored_tokens", chunk["tokens"]))
+
+
+def share_saving(tokens: int, stored: int) -> float:
+    """Materialized over stored tokens (1.0 without shared prefixes), to 4 decimals."""
+    return round(tokens / stored, 4) if stored else 1.0

@@ -18,6 +18,7 @@ import torch
 
 from hsextract.atomic import write_atomic
 from hsextract.layers import HIDDEN_STATES, shard_hidden_states
+from hsextract.prefix_share import share_saving, stored_tokens
 
 SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -97,17 +98,6 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
         "position_sum_sq": pos_sum_sq.tolist(),
         "token_freq": {str(t): c for t, c in sorted(freq.items())},
     }
-
-
-def stored_tokens(chunk: Mapping[str, Any]) -> int:
-    """A chunk's stored tokens; statistics written before shared prefixes hold none, and came from version-1
-    shards, which store every token."""
-    return int(chunk.get("stored_tokens", chunk["tokens"]))
-
-
-def share_saving(tokens: int, stored: int) -> float:
-    """Materialized over stored tokens (1.0 without shared prefixes), to 4 decimals."""
-    return round(tokens / stored, 4) if stored else 1.0
 
 
 def load_json_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
