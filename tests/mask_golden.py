@@ -287,7 +287,7 @@ EXPECTED = {
             '<|im_system|>system<|im_middle|>'
             'You are Kimi, an AI assistant created by Moonshot AI.<|im_end|><|im_user|>'
             'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦How are you today?<|im_end|>⟧',
+            'assistant<|im_middle|><think>⟦</think>How are you today?<|im_end|>⟧',
         ],
         ('default', 'system'): [
             '<|im_system|>system<|im_middle|>You are a helpful assistant.<|im_end|>'
@@ -336,7 +336,7 @@ EXPECTED = {
             'user<|im_middle|>Hello there!<|im_end|><|im_assistant|>'
             'assistant<|im_middle|><think></think><|im_end|><|im_user|>'
             'user<|im_middle|>What is two plus two?<|im_end|><|im_assistant|>'
-            'assistant<|im_middle|><think></think>⟦Four.<|im_end|>⟧',
+            'assistant<|im_middle|><think>⟦</think>Four.<|im_end|>⟧',
         ],
         ('default', 'unicode'): [
             '<|im_system|>system<|im_middle|>'

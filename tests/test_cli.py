@@ -133,10 +133,10 @@ def test_masks_explain_marks_trained_spans(tmp_path, capsys):
     # A slow tokenizer (no offset mappings) explains the same way.
     assert explain(conv, ChatMasker(make_slow_tokenizer("kimi_k25"))).splitlines() == [
         "== the chat template reads `thinking` besides the variables every rendering passes; chat_template_kwargs: {}",
-        f"== {conv}:1: 60 tokens, 7 trained",
+        f"== {conv}:1: 60 tokens, 8 trained",
         "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
-        "<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>assistant<|im_middle|><think></think>"
-        "⟦How are you today?<|im_end|>⟧",
+        "<|im_user|>user<|im_middle|>Hello there!<|im_end|><|im_assistant|>assistant<|im_middle|><think>"
+        "⟦</think>How are you today?<|im_end|>⟧",
         "== conversations 1, samples 1, turns 1"]
 
 

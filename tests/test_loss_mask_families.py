@@ -197,20 +197,26 @@ def test_thinking_switches():
     assert m.stats["reasoning_inserted"] == 1
 
 
-@pytest.mark.parametrize("family,kwargs,stops", [
-    ("deepseek_v31", {"thinking": True}, ["<｜end▁of▁sentence｜>"] * 2),
-    ("glm47", {}, ["<|user|>", None])])  # GLM writes no stop token: the next header, none after the last turn
-def test_a_closer_the_model_wrote_after_the_prompts_opener_is_trained_in_every_split_mode(family, kwargs, stops):
+@pytest.mark.parametrize("family,kwargs,stops,auto", [
+    ("deepseek_v31", {"thinking": True}, ["<｜end▁of▁sentence｜>"] * 2, [[0], [1]]),
+    ("glm47", {}, ["<|user|>", None], [[0], [1]]),  # GLM writes no stop token: the next header, none after the last
+    # Kimi-K2.5 (thinking is its default): prefix-stable, the prompt's `<think>` then `</think>` + content
+    ("kimi_k25", {}, ["<|im_end|>"] * 2, [[0, 1]]),
+    ("kimi_k25", {"thinking": True}, ["<|im_end|>"] * 2, [[0, 1]])])
+def test_a_closer_the_model_wrote_after_the_prompts_opener_is_trained_in_every_split_mode(family, kwargs, stops,
+                                                                                           auto):
     """The generation prompt opens `<think>` and the template renders a turn without reasoning as `</think>` +
-    content (DeepSeek-V3.1 with `thinking: true`, GLM-4.7): the model wrote that `</think>`, so it is trained as
-    the reasoning block it ends (with `train_on_reasoning`; untrained without), whether each turn is its own
-    sample (`auto`, `always`) or located in the whole rendering (`never`): the same kinds on the same tokens."""
+    content (DeepSeek-V3.1 with `thinking: true`, GLM-4.7), or as `<think></think>` + content with the prompt a
+    prefix of it (Kimi-K2.5): the model wrote that `</think>`, so it is trained as the reasoning block it ends
+    (with `train_on_reasoning`; untrained without), whether each turn is its own sample (`auto` where the template
+    rewrites history, `always`) or located in the whole rendering (`never`, `auto` where it does not): the same
+    kinds on the same tokens."""
     tok = make_tokenizer(family)
     conv = Conversation([U("Hello there!"), A("How are you today?"), U("What is two plus two?"), A("Four.")])
     for flags, closer in (({}, "reasoning"), ({"train_on_reasoning": False}, "untrained")):
         turns = [[(closer, "</think>"), ("body", body)] + ([("eot", stop)] if stop else [])
                  for body, stop in zip(("How are you today?", "Four."), stops, strict=True)]
-        for split, per_sample in (("auto", [[0], [1]]), ("always", [[0], [1]]), ("never", [[0, 1]])):
+        for split, per_sample in (("auto", auto), ("always", [[0], [1]]), ("never", [[0, 1]])):
             m = ChatMasker(tok, chat_template_kwargs=kwargs, split_turns=split, **flags)
             samples = m.encode(conv)
             got = [[(k, tok.decode(s.input_ids[a:b])) for sp in s.spans for a, b, k in
@@ -219,6 +225,27 @@ def test_a_closer_the_model_wrote_after_the_prompts_opener_is_trained_in_every_s
             for s in samples:
                 assert trained_segments(s, tok) == ["".join(text for k, text in turn if k != "untrained")
                                                     for turn in (turns[t.index // 2] for t in s.spans)]
+
+
+def test_kimi_turn_without_reasoning_trains_the_closer_after_the_prompts_opener_never_the_opener():
+    """Kimi-K2.5 with thinking on prompts `<think>` and renders a turn without reasoning `<think></think>` + answer:
+    the `</think>` is the model's, trained iff `train_on_reasoning`, the same in every split mode; the opener is the
+    prompt's. With thinking off the prompt holds the whole `<think></think>`: nothing of it is trained."""
+    tok = make_tokenizer("kimi_k25")
+    head = "<|im_assistant|>assistant<|im_middle|>"
+    body = len(tok("How are you today?", add_special_tokens=False)["input_ids"])
+    for kwargs, reasoning, tail in (
+            ({}, True, "<think>⟦</think>How are you today?<|im_end|>⟧"),
+            ({"thinking": True}, True, "<think>⟦</think>How are you today?<|im_end|>⟧"),
+            ({"thinking": True}, False, "<think></think>⟦How are you today?<|im_end|>⟧"),
+            ({"thinking": False}, True, "<think></think>⟦How are you today?<|im_end|>⟧"),
+            ({"thinking": False}, False, "<think></think>⟦How are you today?<|im_end|>⟧")):
+        for split in ("auto", "always", "never"):
+            m = ChatMasker(tok, chat_template_kwargs=kwargs, train_on_reasoning=reasoning, split_turns=split)
+            (s,) = m.encode(CONVS["single"])
+            assert marked(s, tok).rsplit(head, 1)[1] == tail, (kwargs, reasoning, split)
+            # the answer, <|im_end|>, and </think> where it is trained (one token each)
+            assert sum(s.loss_mask) == body + 1 + ("⟦</think>" in tail), (kwargs, reasoning, split)
 
 
 def test_prompt_that_closes_a_block_it_never_opened():

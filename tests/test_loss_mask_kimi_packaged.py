@@ -31,8 +31,35 @@ def test_kimi_packaged_tokenizer_masks(tok) -> None:  # noqa: F811 - the fixture
     for s in samples:  # ids are what the tokenizer makes of the text
         text = tok.decode(s.input_ids, skip_special_tokens=False)
         assert s.input_ids == tok(text, add_special_tokens=False)["input_ids"]
+    # the whole rendering drops the last turn's reasoning too (`never`: trained as rendered): its `</think>` right
+    # after the prompt's `<think>` is trained as the (empty) reasoning block it ends
     (whole,) = ChatMasker(tok, split_turns="never", train_on_eot=False).encode(DONE)
-    assert marked(whole, tok).endswith("<think></think>⟦21 C in Rome.⟧<|im_end|>")
+    assert marked(whole, tok).endswith("<think>⟦</think>21 C in Rome.⟧<|im_end|>")
+
+
+PLAIN = Conversation([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},
+                      {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Sunny."}])
+
+
+def test_kimi_packaged_turns_without_reasoning(tok) -> None:  # noqa: F811 - the fixture
+    """Thinking on, the prompt ends `<think>` and a turn without reasoning is rendered `<think></think>` + answer:
+    the model wrote that `</think>`, trained iff `train_on_reasoning`, the same in every split mode (the prompt's
+    `<think>` never). Thinking off, the prompt holds `<think></think>`: nothing of it is trained."""
+    head, user = "<|im_assistant|>assistant<|im_middle|>", "<|im_user|>user<|im_middle|>Weather?<|im_end|>"
+    for kwargs, reasoning, block in (({}, True, "<think>⟦</think>"), ({"thinking": True}, True, "<think>⟦</think>"),
+                                     ({"thinking": True}, False, "<think></think>⟦"),
+                                     ({"thinking": False}, True, "<think></think>⟦"),
+                                     ({"thinking": False}, False, "<think></think>⟦")):
+        first, second = block + "Hello.<|im_end|>⟧", block + "Sunny.<|im_end|>⟧"
+        trained = "</think>Hello.<|im_end|></think>Sunny.<|im_end|>" if "⟦</think>" in block else \
+            "Hello.<|im_end|>Sunny.<|im_end|>"
+        for split, tails in (("auto", [[first + user, second]]), ("never", [[first + user, second]]),
+                             ("always", [[first], ["<think></think>Hello.<|im_end|>" + user, second]])):
+            samples = ChatMasker(tok, chat_template_kwargs=kwargs, train_on_reasoning=reasoning,
+                                 split_turns=split).encode(PLAIN)
+            assert [marked(s, tok).split(head)[1:] for s in samples] == tails, (kwargs, reasoning, split)
+            ids = [i for s in samples for i, t in zip(s.input_ids, s.loss_mask, strict=True) if t]
+            assert tok.decode(ids, skip_special_tokens=False) == trained, (kwargs, reasoning, split)
 
 
 def test_masks_explain_needs_trust_remote_code_for_custom_code(model_dir, tmp_path, capsys) -> None:  # noqa: F811 - the fixture

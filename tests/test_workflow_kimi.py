@@ -84,7 +84,8 @@ def test_kimi_packaged_model_end_to_end(tmp_path: Path) -> None:
         assert json.loads((rd / entry["validation"]).read_text())["passed"] is True
 
     # the stored ids are the custom tokenizer's ids of the Kimi-shaped rendering; the trained tokens are exactly
-    # each assistant turn's content and its <|im_end|> (not the role header, not the empty think block)
+    # each assistant turn's `</think>` (thinking on: the model closed the prompt's `<think>` at once; trained as
+    # its empty reasoning block), content and <|im_end|> (not the role header, not the prompt's `<think>`)
     tok = load_tokenizer(model_dir, trust_remote_code=True)
     records = [json.loads(line) for line in (wd / "data/conversations.jsonl").read_text().splitlines()]
     end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -108,8 +109,8 @@ def test_kimi_packaged_model_end_to_end(tmp_path: Path) -> None:
             if cur:
                 runs.append(cur)
             assert all(r[-1] == end for r in runs)
-            assert [tok.decode(r) for r in runs] == [m["content"] + "<|im_end|>" for m in rec["messages"]
-                                                     if m["role"] == "assistant"]
+            assert [tok.decode(r) for r in runs] == ["</think>" + m["content"] + "<|im_end|>"
+                                                     for m in rec["messages"] if m["role"] == "assistant"]
             s = reader[k]
             assert s["input_ids"].tolist() == ids and s["loss_mask"].tolist() == mask
             assert [tuple(h.shape) for h in s["hidden_states"]] == [(len(ids), 256)] * 4

@@ -8,14 +8,16 @@ order (`LOCATORS`), written once for both places a turn is looked for:
 
 Each locator says whether its case applies and where it finds the turn (`locate`), what the turn's own sample is
 then (`own_sample`, None to let the next locator try), and what is trained in the whole rendering
-(`in_rendering`). A template family whose turns none of them finds costs one more locator here (and its golden
-fixture); one whose reasoning block takes another shape, one more shape in reasoning.py.
+(`in_rendering`). Whichever finds it, a turn that closes the reasoning block the prompt opened at once has that
+closer trained as the block it ends (`reasoning.closed_at_once`, applied here to both). A template family whose
+turns none of them finds costs one more locator here (and its golden fixture); one whose reasoning block takes
+another shape, one more shape in reasoning.py.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar
 
@@ -24,6 +26,7 @@ from hsextract.masks.ids import is_prefix
 from hsextract.masks.reasoning import (
     Opener,
     after_prompt_opener,
+    closed_at_once,
     closed_block,
     opened_reasoning,
     prompt_opener,
@@ -168,8 +171,7 @@ class ClosedBlock(Locator):
 class OpenedBlock(Locator):
     """The prompt ends by opening a reasoning block no rendered turn has (R1, QwQ, DeepSeek-V3.1 with thinking,
     Nemotron-3): the turn follows what the frame holds of the generation prompt. Its own sample puts back what
-    the model wrote after the opener (`reasoning.opened_reasoning`); in the whole rendering, a closer written
-    there is the model's, trained as in the turn's own sample."""
+    the model wrote after the opener (`reasoning.opened_reasoning`); the whole rendering is trained as found."""
 
     name = "opened_block"
 
@@ -185,13 +187,6 @@ class OpenedBlock(Locator):
         assert found.opener is not None
         return opened_reasoning(rd, frame, turn.prompt, found.opener, found.span)
 
-    def in_rendering(self, rd: TemplateRenderer, turn: PromptedTurn, frame: Frame, found: Found) -> TurnSpan:
-        span, opener = found.span, found.opener
-        assert span is not None and opener is not None
-        if not span.reasoning_rendered and opener.closer in rd.text(frame.ids[span.prompt_end:span.header_start]):
-            return replace(span, closes_prompt_block=True)
-        return span
-
 
 LOCATORS: tuple[Locator, ...] = (Prefix(), RewrittenHistory(), ClosedBlock(), OpenedBlock())
 
@@ -206,7 +201,7 @@ def own_sample(rd: TemplateRenderer, turn: PromptedTurn, frame: Frame, stats: Co
             stats[loc.counted] += 1
         sample = loc.own_sample(rd, turn, frame, found)
         if sample is not None:
-            return sample
+            return TurnSample(sample.ids, closed_at_once(rd, turn.prompt, sample.ids, sample.span))
     raise not_prefix_stable(rd, frame.index, turn.prompt, frame.ids)
 
 
@@ -215,7 +210,7 @@ def in_rendering(rd: TemplateRenderer, turn: PromptedTurn, frame: Frame) -> Turn
     for loc in LOCATORS:
         found = loc.locate(rd, turn, frame)
         if found is not None and found.span is not None:
-            return loc.in_rendering(rd, turn, frame, found)
+            return closed_at_once(rd, turn.prompt, frame.ids, loc.in_rendering(rd, turn, frame, found))
     return None
 
 

@@ -10,8 +10,11 @@ like, and what the model wrote there.
 - **An opener ending the generation prompt that no rendered turn has** (`<think>`: DeepSeek-R1 and QwQ cut
   everything up to `</think>` from the content; DeepSeek-V3.1 with `thinking` renders `</think>` + content;
   Nemotron-3 prompts `<think>\\n` and renders `<think></think>`): after it the model wrote its reasoning, the
-  closer and the answer (`prompt_opener`, `opened_reasoning`); a turn without reasoning that the template renders
-  as the closer and the answer closed the prompt's block at once (`closes_prompt_block`).
+  closer and the answer (`prompt_opener`, `opened_reasoning`).
+- **A turn without reasoning that starts with the closer of the block the prompt opened**, whichever locator
+  finds it (DeepSeek-V3.1 with `thinking` and GLM-4.7 render `</think>` + content; Kimi-K2.5, whose prompt is a
+  prefix of its rendering, and Nemotron-3 render `<think></think>` + content): the model closed the prompt's
+  block at once, and that closer is trained as the reasoning block it ends (`closed_at_once`).
 - **An opener the turn as rendered never closes** (a template that reads no reasoning field and renders the
   content right after `<think>`): refused (`refuse_open_block`).
 """
@@ -19,7 +22,7 @@ like, and what the model wrote there.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hsextract.masks.ids import common_prefix
@@ -116,17 +119,39 @@ def slot_reasoning(rd: TemplateRenderer, m: dict[str, Any], x: list[int], span: 
     return list(slot[0]) + rd.ids(reasoning) + list(slot[1])
 
 
+def open_block_closer(rd: TemplateRenderer, p: list[int]) -> str | None:
+    """The closer of the reasoning block the prompt p ends by opening (`</think>` after `<think>`, then at most
+    whitespace), where the template writes that closer somewhere; else None."""
+    tag = re.search(r"<([A-Za-z_][\w-]*)>\s*$", rd.text(p[-4:]))
+    return None if tag is None or f"</{tag[1]}>" not in rd.template else f"</{tag[1]}>"
+
+
+def closed_at_once(rd: TemplateRenderer, p: list[int], ids: list[int], span: TurnSpan) -> TurnSpan:
+    """The turn's span in ids (after the prompt p), marked `closes_prompt_block` where the prompt opens a
+    reasoning block and the turn, with no reasoning rendered, starts with its closer: a turn without reasoning
+    rendered `</think>` + content after `<think>` (DeepSeek-V3.1 with `thinking`, GLM-4.7), or `<think></think>` +
+    content after a prompt holding that `<think>` (Kimi-K2.5, Nemotron-3). The model wrote that closer, so it is
+    trained as the (empty) reasoning block it ends; the opener is the prompt's. The one place this rule lives:
+    the locator chain applies it to every turn, in its own sample and in the whole rendering alike."""
+    if span.reasoning_rendered:
+        return span
+    closer = open_block_closer(rd, p)
+    if closer is None or not rd.text(ids[span.prompt_end:span.header_start]).lstrip().startswith(closer):
+        return span
+    return replace(span, closes_prompt_block=True)
+
+
 def refuse_open_block(rd: TemplateRenderer, j: int, p: list[int], turn: list[int]) -> None:
     """A prompt that ends by opening a reasoning block (`<think>\\n`) and a turn, as the template renders it,
     that never closes it (a template that reads no reasoning field and renders the content right there):
     the sample would train the answer as reasoning, and the model's `</think>` nowhere."""
-    opener = re.search(r"<([A-Za-z_][\w-]*)>\s*$", rd.text(p[-4:]))
-    if opener is None or f"</{opener[1]}>" not in rd.template or f"</{opener[1]}>" in rd.text(turn):
+    closer = open_block_closer(rd, p)
+    if closer is None or closer in rd.text(turn):
         return
     raise TemplateError(
-        f"assistant turn {j}: the generation prompt opens a reasoning block ('<{opener[1]}>') that the template "
+        f"assistant turn {j}: the generation prompt opens a reasoning block ('<{closer[2:]}') that the template "
         f"does not close in this turn, so its sample would train the answer as reasoning: give the turn its raw "
-        f"text in `content` (reasoning, '</{opener[1]}>', answer), or turn thinking off with "
+        f"text in `content` (reasoning, '{closer}', answer), or turn thinking off with "
         f"`chat_template_kwargs`", reason=REASONING_LEFT_OPEN)
 
 
@@ -151,17 +176,16 @@ def opened_reasoning(rd: TemplateRenderer, frame: Frame, prompt: list[int], open
     the reasoning, the closer and the blank line: as the template renders the closer, or as those models write
     it where the template never does (reasoning, newline, closer, blank line, unless the data's own text says
     otherwise). A turn without reasoning is the closer and the answer where the template renders such a turn so
-    (GLM-4.7: `</think>` right after the header): the model wrote that closer after the prompt's opener, so it is
-    trained as the reasoning block it ends (`closes_prompt_block`); where it does not (R1, QwQ), nothing tells
-    what the model wrote: refused. None when the turn is not found."""
+    (GLM-4.7: `</think>` right after the header): the model wrote that closer after the prompt's opener (trained
+    as the reasoning block it ends: `closed_at_once`); where it does not (R1, QwQ), nothing tells what the model
+    wrote: refused. None when the turn is not found."""
     x = frame.ids
     reasoning, after = written_reasoning(frame.message, opener)
     region = [] if span is None else x[span.prompt_end:span.content_start]
     writes_closer = opener.closer in rd.text(region)
     if reasoning is None and writes_closer:  # the model closed the prompt's block at once: its own closer
         assert span is not None
-        return TurnSample.put_back(prompt, region, x, span, inserted=False, filler_trained=False,
-                                   closes_prompt_block=True)
+        return TurnSample.put_back(prompt, region, x, span, inserted=False, filler_trained=False)
     if reasoning is None:
         raise TemplateError(
             f"assistant turn {frame.index}: the generation prompt opens a reasoning block ({opener.tag!r}) that the "
@@ -180,5 +204,6 @@ def opened_reasoning(rd: TemplateRenderer, frame: Frame, prompt: list[int], open
         gap = ""
     return TurnSample.put_back(prompt, rd.ids(reasoning + opener.closer + gap), x, span)
 
-__all__ = ["Opener", "after_prompt_opener", "closed_block", "opened_reasoning", "opener_of", "prompt_opener",
-           "prompt_tail", "refuse_open_block", "slot_reasoning", "whole_block", "written_reasoning"]
+__all__ = ["Opener", "after_prompt_opener", "closed_at_once", "closed_block", "open_block_closer", "opened_reasoning",
+           "opener_of", "prompt_opener", "prompt_tail", "refuse_open_block", "slot_reasoning", "whole_block",
+           "written_reasoning"]

@@ -71,8 +71,8 @@ class TurnSpan:
     filler_trained: bool  # X[p:hdr] when no reasoning is rendered: text the model writes itself
     reasoning_inserted: bool = False  # X[p:hdr] is reasoning no rendering has, put back (TurnSample.put_back)
     # X[p:hdr] closes the reasoning block the generation prompt opened, with no reasoning before it in the frame
-    # (DeepSeek-V3.1 `thinking: true`, GLM-4.7: `</think>` + content after a prompt ending `<think>`): the model
-    # wrote that closer, so it is trained as the reasoning block it ends (reasoning.py)
+    # (DeepSeek-V3.1 `thinking: true`, GLM-4.7, Kimi-K2.5: `</think>` + content after a prompt ending `<think>`):
+    # the model wrote that closer, so it is trained as the reasoning block it ends (reasoning.closed_at_once)
     closes_prompt_block: bool = False
 
     def labels(self, train_on_reasoning: bool, train_on_eot: bool) -> list[tuple[int, int, str]]:
