@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers, provenance
+from hsextract.config.redaction import redact_config
+from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
-from hsextract.redaction import redact_config
-from hsextract.settings import Settings
-from hsextract.stats import share_saving, stored_tokens
+from hsextract.report.stats import share_saving, stored_tokens
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
