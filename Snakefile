@@ -22,9 +22,9 @@ if (_SRC / "hsextract").is_dir():
 configfile: "config/config.yaml"
 
 
-from hsextract.config_guard import check_bounded
-from hsextract.configfiles import earlier_configfiles
-from hsextract.settings import fill_defaults
+from hsextract.config.guard import check_bounded
+from hsextract.config.files import earlier_configfiles
+from hsextract.config.settings import fill_defaults
 
 # `--configfile config/kimi.yaml --configfile my-sources.yaml`: Snakemake keeps only the last flag's files.
 # Read the earlier ones too, in command-line order (Snakemake applies the kept ones after each), and pass
@@ -45,7 +45,7 @@ check_bounded(config)
 fill_defaults(config)
 validate(config, "workflow/schemas/config.schema.yaml")
 
-from hsextract.config import check as check_config
+from hsextract.config.checks import check as check_config
 
 # Semantic checks (layer ids vs depth, model, reference sample) before any job: the settings tree
 # (PLAN.settings, what workflow/rules/common.smk computes its values from) and the chunk count.

@@ -6,7 +6,7 @@ Same model (the workflow's tiny DeepseekV3, built if missing), same prompts (pre
 conversations with the default config), same batches (the engine's token-budget batching):
 
 - `plain forward`: `model.model(ids, attention_mask)` per batch; no hidden states kept, no hooks.
-- `extract job`: `hsextract.extract.extract_chunk` with the TransformersEngine: forward with
+- `extract job`: `hsextract.extract.run.extract_chunk` with the TransformersEngine: forward with
   output_hidden_states and the final-norm hooks, per-sample slicing and copies, byte-plane zstd
   encoding, checksums, writing the shard, fsync and rename.
 
@@ -66,17 +66,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    from hsextract.config.settings import from_config
     from hsextract.engines.transformers_engine import TransformersEngine
-    from hsextract.extract import capture_spec, extract_chunk, read_prompts, shard_metadata
-    from hsextract.prepare import chunk_name, run_prepare
-    from hsextract.settings import from_config
+    from hsextract.extract.run import capture_spec, extract_chunk, read_prompts, shard_metadata
+    from hsextract.prepare.run import chunk_name, run_prepare
 
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["sources"][0].update(path=str(ROOT / config["sources"][0]["path"]), max_records=args.records)
     config.update(prompts_per_chunk=args.records, max_seq_len=args.max_seq_len, model=args.model)
     settings = from_config(config)
     if not Path(args.model, "config.json").is_file():
-        from hsextract.tinymodel import make_tiny_model
+        from hsextract.tinymodel.build import make_tiny_model
 
         print(f"building the tiny model at {args.model}", file=sys.stderr)
         make_tiny_model(args.model, settings.prepare.sources[0].path, seed=settings.prepare.seed)
@@ -160,7 +160,7 @@ SECTION_INTRO = """## extract_cpu
 
 `PYTHONPATH=src python bench/extract_cpu.py --write-readme` runs the same prompts (prepare of the shipped
 conversations, default config) through the workflow's tiny model twice, alternately: a plain batched
-forward that keeps nothing, and the extract job's whole path (`hsextract.extract.extract_chunk`: forward
+forward that keeps nothing, and the extract job's whole path (`hsextract.extract.run.extract_chunk`: forward
 with captured layers, slicing, byte-plane zstd, checksums, shard write, fsync, rename), with the same
 batches. Ratio = ours / plain in tokens per second; target >= 0.85. CPU only: absolute speeds on a
 shared VM say little, the ratio is the figure.

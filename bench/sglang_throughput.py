@@ -385,7 +385,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
     """(b0), (b) and (d') on server B (the hsextract plugin); (b) again at the other --shard-threads."""
     from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
-    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.extract.run import ChunkPrompts, extract_chunk
 
     state = Path(a.state)
     cfg = ServerConfig(model=a.model, aux_layers=aux, python=sys.executable, port=a.port + 1, capture="plugin",

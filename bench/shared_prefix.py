@@ -158,14 +158,14 @@ def compare(fig: dict[str, Any], model: Path, readers: dict[str, list[Any]], che
 def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool_tokens: int,
         prompts_per_chunk: int, seed: int = 0, token_budget: int = 8192, check_full: int = 8) -> dict[str, Any]:
     from hsextract import open_dataset
+    from hsextract.config.settings import from_config
     from hsextract.engines.base import CaptureSpec
     from hsextract.engines.transformers_engine import TransformersEngine
-    from hsextract.extract import extract_chunk, read_prompts
-    from hsextract.prefix_share import common_prefix
-    from hsextract.prepare import chunk_name, load_tokenizer, num_chunks, run_prepare
-    from hsextract.settings import from_config
+    from hsextract.extract.run import extract_chunk, read_prompts
+    from hsextract.prepare.prefix_share import common_prefix
+    from hsextract.prepare.run import chunk_name, load_tokenizer, num_chunks, run_prepare
     from hsextract.shard import ShardReader
-    from hsextract.tinymodel import make_tiny_model
+    from hsextract.tinymodel.build import make_tiny_model
 
     model = out / "model"
     if not (model / "config.json").is_file():

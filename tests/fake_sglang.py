@@ -52,7 +52,7 @@ from types import SimpleNamespace
 
 import torch
 
-from hsextract.model_info import text_config
+from hsextract.config.model_info import text_config
 from hsextract.sglang_plugin import plugin as plg
 
 HIDDEN = 16

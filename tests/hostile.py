@@ -147,7 +147,7 @@ RUNNER = textwrap.dedent(
     import contextlib, io, json, os, resource, sys
     import torch  # noqa: F401 - loaded before the limit, as a real consumer has it
     from hsextract.cli import main as cli_main
-    import hsextract.inspect_shard  # noqa: F401 - loaded before the fork: the figures are the case's own
+    import hsextract.shard.inspect  # noqa: F401 - loaded before the fork: the figures are the case's own
     from hsextract.shard import ShardReader
 
     def vm_bytes():

@@ -14,7 +14,7 @@ from conftest import tiny_checkpoint
 from test_config import ROOT, write_model, write_reference
 
 from hsextract.capture import dflash_layers, eagle3_layers, preset_layers, resolve_aux_layers
-from hsextract.config import check
+from hsextract.config.checks import check
 from hsextract.errors import ConfigError
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -94,7 +94,7 @@ def test_presets_capture_exactly_what_the_engines_feed_and_not_the_layer_beside(
     if family == "llama":
         tiny_checkpoint(family, tmp_path, num_hidden_layers=n_layers)
     else:  # the workflow's tiny DeepseekV3 (MLA, MoE): Kimi-K2.5's architecture
-        from hsextract.tinymodel import make_tiny_model
+        from hsextract.tinymodel.build import make_tiny_model
 
         make_tiny_model(tmp_path, ROOT / "data" / "conversations.jsonl", num_hidden_layers=n_layers, hidden_size=64)
     aux = preset_layers(preset, n_layers)
@@ -159,7 +159,7 @@ def test_a_layer_output_list_is_stored_as_hidden_states(cfg: dict, tmp_path: Pat
 
 
 def test_settings_resolve_a_preset_from_the_models_depth(cfg: dict, tmp_path: Path) -> None:
-    from hsextract.settings import from_config
+    from hsextract.config.settings import from_config
 
     cfg.update(capture="dflash", aux_layers=None)
     s = from_config(cfg)

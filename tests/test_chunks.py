@@ -1,4 +1,4 @@
-"""Chunk arithmetic (hsextract.chunks): the count, the names and the records of a chunk."""
+"""Chunk arithmetic (hsextract.config.chunks): the count, the names and the records of a chunk."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from hsextract import chunks
-from hsextract.prepare import chunk_name
+from hsextract.config import chunks
+from hsextract.prepare.run import chunk_name
 from hsextract.shard import SHARD_SUFFIX
 
 

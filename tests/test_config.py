@@ -1,4 +1,4 @@
-"""Semantic config checks (hsextract.config): each failure names the key and what is allowed."""
+"""Semantic config checks (hsextract.config.checks): each failure names the key and what is allowed."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
-from hsextract.config import check
+from hsextract.config.checks import check
+from hsextract.config.reference import ReferenceSampleError, read_layout
 from hsextract.errors import ConfigError
-from hsextract.reference import ReferenceSampleError, read_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "resources/reference/speculators-v1-data_0.pt"
@@ -142,7 +142,7 @@ def test_tiny_model_must_live_under_resources(cfg: dict) -> None:
 
 
 def test_tiny_model_depth_known_before_it_exists(cfg: dict) -> None:
-    from hsextract.tinymodel import TINY_CONFIG
+    from hsextract.tinymodel.build import TINY_CONFIG
 
     n = TINY_CONFIG["num_hidden_layers"]
     cfg.update(make_tiny_model=True, model="resources/tiny-model", aux_layers=[1, 2, n])

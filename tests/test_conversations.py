@@ -9,7 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from hsextract.conversations import (
+from hsextract.errors import ConfigError, HsxError
+from hsextract.prepare.conversations import (
     MalformedRecordError,
     as_openai,
     count_records,
@@ -18,8 +19,7 @@ from hsextract.conversations import (
     normalize_record,
     open_sources,
 )
-from hsextract.errors import ConfigError, HsxError
-from hsextract.sources import parse_sources
+from hsextract.prepare.sources import parse_sources
 
 EXPECTED = [
     {"role": "system", "content": "Be brief."},
@@ -187,7 +187,7 @@ def test_mixture_reproducible_with_weights_and_caps(tmp_path):
 def test_a_source_is_the_settings_source_named_and_the_same_from_settings_or_a_mapping(tmp_path):
     """One type for a source: parse_sources takes the settings' Sources (or config mappings, or paths) and gives
     settings.Source back, the name filled from the file name, a repeated name with its index."""
-    from hsextract.settings import Source, from_config
+    from hsextract.config.settings import Source, from_config
 
     a = _jsonl(tmp_path / "a.part.jsonl", [{"messages": [{"role": "user", "content": "x"}]}])
     entries = [{"path": str(a), "weight": 2.0}, {"path": str(a), "max_records": 1}, {"path": str(a), "name": "z"}]

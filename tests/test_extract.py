@@ -13,10 +13,10 @@ import torch
 
 from hsextract.engines.base import Captured, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
-from hsextract.extract import ChunkPrompts, extract_chunk, read_prompts
+from hsextract.extract.run import ChunkPrompts, extract_chunk, read_prompts
+from hsextract.report.stats import chunk_stats
+from hsextract.report.validate import validate_shard
 from hsextract.shard import ShardReader
-from hsextract.stats import chunk_stats
-from hsextract.validate import validate_shard
 
 HIDDEN = 16
 META = {

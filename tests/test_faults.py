@@ -31,8 +31,8 @@ import yaml
 from conftest import make_sample, selected_tests_use, shard_metadata
 
 from hsextract.errors import EngineError
+from hsextract.report.validate import failure_line, validate_shard
 from hsextract.shard import SHARD_SUFFIX, ShardReader, ShardWriter
-from hsextract.validate import failure_line, validate_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -232,7 +232,7 @@ def fake_meta() -> dict:
 
 
 def test_misattributed_dumps_are_rejected_and_retried(tmp_path: Path) -> None:
-    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.extract.run import ChunkPrompts, extract_chunk
 
     srv = SwappingServer(dump_dir(tmp_path), AUX, swaps=2, pass_delay_s=0.05).start()
     try:
@@ -253,7 +253,7 @@ def test_misattributed_dumps_are_rejected_and_retried(tmp_path: Path) -> None:
 
 def test_misattribution_without_retries_fails_the_chunk_without_a_shard(tmp_path: Path) -> None:
     # (with retries, a retried request travels alone in a pass, cannot be swapped and succeeds)
-    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.extract.run import ChunkPrompts, extract_chunk
 
     # all 4 requests in the first pass, in index order: s000 and s001 are the swapped pair (on a loaded CI
     # box they once arrived apart, s001 and s002 were swapped and s001's marker never came)
@@ -279,7 +279,7 @@ def test_misattribution_without_retries_fails_the_chunk_without_a_shard(tmp_path
 
 
 def test_server_dying_mid_chunk_leaves_no_shard(tmp_path: Path) -> None:
-    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.extract.run import ChunkPrompts, extract_chunk
 
     srv = FakeServer(dump_dir(tmp_path), AUX, die_after=6).start()
     ps = prompts(20, seed=13)
@@ -314,8 +314,8 @@ SCHEMA_CASES = {
 @pytest.mark.parametrize("kind", SCHEMA_CASES)
 def test_each_schema_violation_names_the_key_and_what_is_allowed(kind: str) -> None:
     """What the Snakefile checks before Snakemake's validate: one line naming the key."""
+    from hsextract.config.settings import fill_defaults
     from hsextract.errors import ConfigError
-    from hsextract.settings import fill_defaults
 
     key, value, message = SCHEMA_CASES[kind]
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())

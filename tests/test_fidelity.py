@@ -1,4 +1,4 @@
-"""hsextract.fidelity on synthetic hidden states and dump dirs, values known by construction: the statistics
+"""hsextract.extract.fidelity on synthetic hidden states and dump dirs, values known by construction: the statistics
 and checks of one engine against a reference engine, of one capture run against another (TP=2 vs TP=1), the
 one-writer check, and the compare command of bench/gpu/tp_compare.py run as a script."""
 
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsextract import fidelity
 from hsextract.engines.base import Captured, Prompt
+from hsextract.extract import fidelity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_a_model_whose_final_states_coincide_cannot_pass() -> None:
 
 
 def test_norm_relation_between_the_two_captured_final_states() -> None:
-    from hsextract.final_norm import FinalNorm
+    from hsextract.extract.final_norm import FinalNorm
 
     # post = pre / |pre| = RMSNorm(pre) with eps 0 and weight 1/sqrt(H)
     norm = FinalNorm("rms_norm", 0.0, torch.full((E_H,), E_H ** -0.5).to(torch.bfloat16))

@@ -26,9 +26,9 @@ from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
 from hsextract.errors import ConfigError, ShardError
 from hsextract.export import export
-from hsextract.final_norm import NORM_KINDS, FinalNorm, final_norm_metadata, read_final_norm
+from hsextract.extract.final_norm import NORM_KINDS, FinalNorm, final_norm_metadata, read_final_norm
 from hsextract.shard import ShardWriter
-from hsextract.tinymodel import make_tiny_model
+from hsextract.tinymodel.build import make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 AUX = (0, 2)

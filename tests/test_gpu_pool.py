@@ -1,4 +1,4 @@
-"""hsextract.gpu_pool: a GPU pool smaller than one extract job is refused (local) or lifted (profiles/default's
+"""hsextract.extract.gpu_pool: a GPU pool smaller than one extract job is refused (local) or lifted (profiles/default's
 pool under a cluster executor); the executor and the pool are read from the command line and its profiles.
 The workflow runs: tests/test_production_dryrun.py (local refusal) and tests/test_profiles.py (cluster profiles
 given with --profile or --workflow-profile)."""
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hsextract import gpu_pool
 from hsextract.errors import ConfigError
+from hsextract.extract import gpu_pool
 
 WHY = "engine sglang: sglang.tp 8 x sglang.replicas 1, local servers"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hsextract.config_guard import MAX_CONFIG_VALUES, check_bounded, check_source_path
+from hsextract.config.guard import MAX_CONFIG_VALUES, check_bounded, check_source_path
 from hsextract.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,15 +31,15 @@ def limited(code: str, *args: str, limit_mb: int = 600) -> subprocess.CompletedP
            f"resource.setrlimit(resource.RLIMIT_AS, (vm + ({limit_mb} << 20),) * 2)\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     return subprocess.run([sys.executable, "-c",
-                           "import yaml, hsextract.config_guard, hsextract.settings\n" + pre + code, *args],
+                           "import yaml, hsextract.config.guard, hsextract.config.settings\n" + pre + code, *args],
                           capture_output=True, text=True, env=env, timeout=600, check=False)
 
 
 @pytest.mark.parametrize("key", ["bomb", "chat_template_kwargs", "sources"])
 def test_alias_bomb_is_refused_before_anything_expands_it(tmp_path: Path, key: str) -> None:
     (tmp_path / "bomb.yaml").write_text(alias_bomb(key))
-    code = ("import sys, yaml\nfrom hsextract.config_guard import check_bounded\n"
-            "from hsextract.settings import fill_defaults\nfrom hsextract.errors import ConfigError\n"
+    code = ("import sys, yaml\nfrom hsextract.config.guard import check_bounded\n"
+            "from hsextract.config.settings import fill_defaults\nfrom hsextract.errors import ConfigError\n"
             "cfg = yaml.safe_load(open(sys.argv[1]))\n"
             "for f in (check_bounded, fill_defaults):\n"
             "    try:\n        f(cfg)\n    except ConfigError as e:\n        print(type(e).__name__, e)\n")
@@ -96,7 +96,7 @@ def test_non_regular_sources_are_refused_without_opening_them(tmp_path: Path) ->
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gpu-node-7"])
 def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: pytest.CaptureFixture) -> None:
-    from hsextract.config_guard import check_remote
+    from hsextract.config.guard import check_remote
 
     with pytest.raises(ConfigError, match=rf"^sglang.host: {host} is not a loopback address: the server would accept"):
         check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})
@@ -109,6 +109,6 @@ def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: p
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
 def test_loopback_hosts_need_no_key(host: str) -> None:
-    from hsextract.config_guard import check_remote
+    from hsextract.config.guard import check_remote
 
     check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})

@@ -431,7 +431,7 @@ def test_corrupted_dumps_are_retried_and_every_sample_is_its_own(tmp_path: Path,
     from fake_sglang import HIDDEN, FakeServer, expected_states
 
     from hsextract.engines.base import CaptureSpec, Prompt
-    from hsextract.extract import ChunkPrompts, extract_chunk
+    from hsextract.extract.run import ChunkPrompts, extract_chunk
     from hsextract.sglang.client import SGLangEngine
     from hsextract.shard import ShardReader
 

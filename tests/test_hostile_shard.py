@@ -457,7 +457,7 @@ def test_validate_reports_every_crafted_case_without_crashing(crafted: dict[str,
     sample does not read) naming the file, never an exception."""
     from conftest import make_sample
 
-    from hsextract.validate import failure_line, validate_shard
+    from hsextract.report.validate import failure_line, validate_shard
 
     ids, hs, mask = make_sample(5)
     ref = {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}

@@ -1,4 +1,4 @@
-"""Kimi-K2.5's packaging in miniature (hsextract.kimi_k25_checkpoint, `tinymodel --packaging kimi-k25`), and
+"""Kimi-K2.5's packaging in miniature (hsextract.tinymodel.kimi_k25_checkpoint, `tinymodel --packaging kimi-k25`), and
 what reads it: the transformers engine (the text model inside the wrapper), model_info, the final norm, the
 processor files SGLang loads at start-up, and the SGLang plugin on an object shaped like SGLang's
 KimiK25ForConditionalGeneration (tests/fake_sglang.py)."""
@@ -16,17 +16,17 @@ from fake_sglang import FakeServer, expected_states, sglang_model_for
 from safetensors import safe_open
 from test_workflow import ROOT
 
-from hsextract import kimi_k25_checkpoint as k25
-from hsextract import kimi_tokenizer
+from hsextract.config.model_info import read_model_shape
 from hsextract.engines.base import BOTH, CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
 from hsextract.errors import ConfigError, EngineError
-from hsextract.final_norm import read_final_norm
-from hsextract.model_info import read_model_shape
+from hsextract.extract.final_norm import read_final_norm
+from hsextract.extract.text_model import find_wrapped_text_model, load_causal_lm
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin import plugin as plg
-from hsextract.text_model import find_wrapped_text_model, load_causal_lm
-from hsextract.tinymodel import make_tiny_model
+from hsextract.tinymodel import kimi_k25_checkpoint as k25
+from hsextract.tinymodel import kimi_tokenizer
+from hsextract.tinymodel.build import make_tiny_model
 
 CONVERSATIONS = ROOT / "data/conversations.jsonl"
 SMALL = dict(num_hidden_layers=5, hidden_size=64, q_lora_rank=32, kv_lora_rank=32, intermediate_size=128,

@@ -1,5 +1,5 @@
-"""The tiny model packaged the way Kimi-K2.5 ships its tokenizer (hsextract.kimi_tokenizer): custom code behind
-an auto_map, a tiktoken BPE, a slow tokenizer, a chat template with a `thinking` switch."""
+"""The tiny model packaged the way Kimi-K2.5 ships its tokenizer (hsextract.tinymodel.kimi_tokenizer): custom code
+behind an auto_map, a tiktoken BPE, a slow tokenizer, a chat template with a `thinking` switch."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ import tiktoken
 import torch
 import yaml
 
-from hsextract import kimi_tokenizer as kt
-from hsextract.config import check
+from hsextract.config.checks import check
 from hsextract.errors import ConfigError
-from hsextract.tinymodel import _iter_texts, make_tiny_model
-from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code
+from hsextract.prepare.tokenizer_loading import load_tokenizer, remote_tokenizer_code
+from hsextract.tinymodel import kimi_tokenizer as kt
+from hsextract.tinymodel.build import _iter_texts, make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATIONS = ROOT / "data" / "conversations.jsonl"

@@ -13,9 +13,9 @@ from conftest import make_sample, shard_metadata
 
 from hsextract.dataset import open_dataset
 from hsextract.errors import ShardError
-from hsextract.inspect_shard import format_info, shard_info
 from hsextract.layers import drafter_config, sglang_eagle3_ids
 from hsextract.shard import ShardReader, ShardWriter
+from hsextract.shard.inspect import format_info, shard_info
 
 OLD_SHARD = Path(__file__).parent / "fixtures" / "shards" / "before-layer-convention.hss"
 KIMI = "KimiK25ForConditionalGeneration"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from chatfix import SYS, A, U, make_tokenizer, trained_segments
 
-from hsextract.conversations import Conversation
 from hsextract.masks.masker import ChatMasker
 from hsextract.masks.refusals import TemplateError
+from hsextract.prepare.conversations import Conversation
 
 TOOL_CONV = Conversation([
     SYS, U("Hello there!"), A("How are you today?", "The user asks."),

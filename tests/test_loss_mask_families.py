@@ -10,7 +10,6 @@ import transformers.utils.chat_template_utils as hf_templates
 from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
 from mask_golden import EXPECTED
 
-from hsextract.conversations import Conversation, normalize_record
 from hsextract.masks.explain import marked
 from hsextract.masks.ids import common_prefix, common_suffix
 from hsextract.masks.locators import LOCATORS
@@ -19,6 +18,7 @@ from hsextract.masks.probe import SENT
 from hsextract.masks.refusals import TemplateError
 from hsextract.masks.rendering import content_format
 from hsextract.masks.turns import Frame, find_turn
+from hsextract.prepare.conversations import Conversation, normalize_record
 
 CONVS = {
     "single": Conversation([U("Hello there!"), A("How are you today?")]),

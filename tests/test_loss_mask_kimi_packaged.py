@@ -9,9 +9,9 @@ pytest.importorskip("tiktoken")
 
 from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: F401 - module fixtures reused
 
-from hsextract.conversations import Conversation
 from hsextract.masks.explain import marked
 from hsextract.masks.masker import ChatMasker
+from hsextract.prepare.conversations import Conversation
 
 DONE = Conversation([*CONV, {"role": "assistant", "content": "21 C in Rome.", "reasoning_content": "Report."}])
 

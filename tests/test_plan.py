@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from hsextract.cli import main
+from hsextract.config.plan import format_plan
+from hsextract.config.plan import plan as plan_settings
+from hsextract.config.settings import from_config
 from hsextract.errors import ConfigError
-from hsextract.plan import format_plan
-from hsextract.plan import plan as plan_settings
-from hsextract.settings import from_config
 
 
 def plan(config: dict, samples: int, **kwargs):

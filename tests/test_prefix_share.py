@@ -1,5 +1,5 @@
-"""Shared prefixes end to end on the CPU (docs/SHARED_PREFIX.md): prepare's parents (hsextract.prefix_share), the
-`share_prefixes` key, and extract with the transformers engine writing a version-2 shard whose samples read back as
+"""Shared prefixes end to end on the CPU (docs/SHARED_PREFIX.md): prepare's parents (hsextract.prepare.prefix_share),
+the `share_prefixes` key, and extract with the transformers engine writing a version-2 shard whose samples read back as
 the flat run's: reused rows equal to the parent's tensor for tensor, computed rows within the dense bound of an
 independent full forward."""
 
@@ -19,11 +19,11 @@ import torch
 from chatfix import make_tokenizer
 from conftest import shard_metadata
 
+from hsextract.config.settings import from_config
 from hsextract.errors import ConfigError
-from hsextract.extract import ChunkPrompts, extract_chunk, read_prompts
-from hsextract.prefix_share import MIN_PREFIX, distinct_tokens, find_parents
-from hsextract.prepare import SCHEMA, SHARED_SCHEMA, run_prepare
-from hsextract.settings import from_config
+from hsextract.extract.run import ChunkPrompts, extract_chunk, read_prompts
+from hsextract.prepare.prefix_share import MIN_PREFIX, distinct_tokens, find_parents
+from hsextract.prepare.run import SCHEMA, SHARED_SCHEMA, run_prepare
 from hsextract.shard import ShardReader
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
@@ -102,7 +102,7 @@ def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> Non
 
 def test_share_prefixes_is_refused_with_the_sglang_engine_unless_opted_in() -> None:
     """Default only what has run: the SGLang path has run on the fake server only, so it needs the opt-in key."""
-    from hsextract.config import check_engine
+    from hsextract.config.checks import check_engine
 
     check_engine(from_config({"engine": "sglang"}))
     with pytest.raises(ConfigError) as e:
@@ -123,7 +123,7 @@ def test_share_prefixes_is_refused_with_the_sglang_engine_unless_opted_in() -> N
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from hsextract.tinymodel import make_tiny_model
+    from hsextract.tinymodel.build import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", CONVERSATIONS, num_hidden_layers=4,
                            hidden_size=128)
@@ -187,11 +187,11 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     """docs/SHARED_PREFIX.md, "What is reported": chunk stats, the aggregate tables, inspect, validate and
     dataset.json give materialized and distinct tokens and their ratio, exactly; a dataset of a version-1 and a
     version-2 shard is one dataset (a chunk without references is written as version 1)."""
-    from hsextract.inspect_shard import format_info, shard_info
-    from hsextract.manifest import build_manifest
-    from hsextract.report_tables import table_html
-    from hsextract.stats import aggregate, chunk_stats, write_token_freq
-    from hsextract.validate import validate_shard
+    from hsextract.report.manifest import build_manifest
+    from hsextract.report.stats import aggregate, chunk_stats, write_token_freq
+    from hsextract.report.tables import table_html
+    from hsextract.report.validate import validate_shard
+    from hsextract.shard.inspect import format_info, shard_info
 
     d, ids, refs = extracted["dir"], extracted["ids"], extracted["refs"]
     tokens, distinct = sum(map(len, ids)), distinct_tokens([len(x) for x in ids], refs)

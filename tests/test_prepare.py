@@ -8,12 +8,12 @@ import pyarrow.parquet as pq
 import pytest
 from chatfix import make_tokenizer
 
-from hsextract.conversations import Conversation, MalformedRecordError
+from hsextract.config.settings import from_config
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
-from hsextract.prepare import SCHEMA, num_chunks, run_prepare
-from hsextract.settings import from_config
-from hsextract.vocab import load_token_freq, token_freq_from_prompts
+from hsextract.prepare.conversations import Conversation, MalformedRecordError
+from hsextract.prepare.run import SCHEMA, num_chunks, run_prepare
+from hsextract.prepare.vocab import load_token_freq, token_freq_from_prompts
 
 
 def conv(q, a):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_workflow import ROOT, job_counts, make_workdir, snakemake_cmd
 
-from hsextract.configfiles import configfile_groups, earlier_configfiles
+from hsextract.config.files import configfile_groups, earlier_configfiles
 
 PER_CHUNK = 2048  # config/kimi.yaml
 Proc = subprocess.CompletedProcess[str]
@@ -127,7 +127,7 @@ sglang: {tp: 1}
 def run_readme_run_on_the_miniature(tmp_path: Path) -> tuple[Path, Proc, Proc]:
     """README's production run command with -n, --resources gpu=1, the miniature K2.5 checkpoint in the sources;
     and the same without `aux_layers: null` (config/kimi.yaml's Kimi ids)."""
-    from hsextract.tinymodel import make_tiny_model
+    from hsextract.tinymodel.build import make_tiny_model
 
     wd = make_workdir(tmp_path / "mini")
     make_tiny_model(wd / "kimi-k25-mini", wd / "data/conversations.jsonl", tokenizer="kimi", packaging="kimi-k25")
@@ -198,7 +198,7 @@ def test_a_misspelt_key_is_one_line_with_the_closest_key(scenario: Proc) -> None
 def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
-    from hsextract.model_info import read_model_shape
+    from hsextract.config.model_info import read_model_shape
 
     fixture = ROOT / "tests/fixtures/kimi-k25-config"
     local = read_model_shape(str(fixture))

@@ -16,11 +16,12 @@ from chatfix import BOS, CORPUS, EOS, SPECIALS, TEMPLATES, make_tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hsextract.conversations import Conversation
+from hsextract.config.settings import from_config
 from hsextract.engines.transformers_generate import TransformersGenerator
 from hsextract.errors import ConfigError, EngineError
 from hsextract.masks.masker import ChatMasker
-from hsextract.prepare import num_chunks, run_prepare
+from hsextract.prepare.conversations import Conversation
+from hsextract.prepare.run import num_chunks, run_prepare
 from hsextract.regenerate import (
     RegenStats,
     chunk_name,
@@ -31,7 +32,6 @@ from hsextract.regenerate import (
     run_regenerate_chunk,
     stats_path,
 )
-from hsextract.settings import from_config
 from hsextract.sglang.generate import SGLangGenerator, request_id
 from hsextract.sglang_plugin import plugin
 
@@ -413,7 +413,7 @@ def test_malformed_records_lenient_keep_one_line_each(tmp_path):
     assert recs["d:1"] == {"id": "d:1", "source": "d", "messages": [], "malformed": "bad_json"}
     assert recs["d:0"]["messages"][1] == {"role": "assistant", "content": "I am fine."}
     assert st["malformed"] == {"bad_json": 1} and st["records"] == 2
-    from hsextract.conversations import MalformedRecordError
+    from hsextract.prepare.conversations import MalformedRecordError
     with pytest.raises(MalformedRecordError, match=r"in.jsonl:2: malformed record \(bad_json\)"):
         run_regenerate_chunk(from_config({**cfg, "strict": True}), 0, tmp_path / "s.jsonl", tokenizer=tok,
                              generator=Scripted(tok, ["x"]))
@@ -621,7 +621,7 @@ def test_config_readme_gives_the_schemas_regenerate_defaults():
 
     import yaml
 
-    from hsextract.settings import schema
+    from hsextract.config.settings import schema
 
     readme = (Path(__file__).resolve().parents[1] / "config/README.md").read_text()
     documented = {}

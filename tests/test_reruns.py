@@ -1,4 +1,4 @@
-"""hsextract.reruns: every config key is classified, once, as deciding rules' outputs or as operational; the
+"""hsextract.config.reruns: every config key is classified, once, as deciding rules' outputs or as operational; the
 rules' `params: settings=` are built from it. What Snakemake then reruns, key by key, is checked on a finished
 run by tests/test_workflow.py::test_every_config_key_reruns_exactly_the_rules_it_decides."""
 
@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hsextract import reruns
-from hsextract.settings import from_config, schema
+from hsextract.config import reruns
+from hsextract.config.settings import from_config, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 # explicit layers: the settings build without reading a model
@@ -37,8 +37,8 @@ def settings_of(config: dict[str, Any] = CONFIG):
 def test_every_schema_key_is_classified() -> None:
     keys = schema_keys(schema()["properties"])
     missing = sorted(keys - set(reruns.KEYS))
-    assert not missing, (f"config keys hsextract.reruns.KEYS does not classify: {missing}; say which rules' outputs "
-                         "each decides, or OPERATIONAL (threads, memory, devices, servers, secrets)")
+    assert not missing, (f"config keys hsextract.config.reruns.KEYS does not classify: {missing}; say which "
+                         "rules' outputs each decides, or OPERATIONAL (threads, memory, devices, servers, secrets)")
     assert not sorted(set(reruns.KEYS) - keys), "KEYS classifies keys the schema does not have"
     assert set(reruns.PATHS) <= set(reruns.KEYS)
 
@@ -90,7 +90,7 @@ def test_operational_keys_are_no_params() -> None:
 def test_secrets_are_operational() -> None:
     """Params are stored in .snakemake/metadata: a secret must never be one."""
     try:
-        from hsextract.redaction import SECRET_KEYS
+        from hsextract.config.redaction import SECRET_KEYS
     except ImportError:
         SECRET_KEYS = ("sglang.api_key",)
     assert all(reruns.KEYS[key] == reruns.OPERATIONAL for key in SECRET_KEYS)

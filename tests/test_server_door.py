@@ -22,11 +22,11 @@ sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang lives here
 from conftest import listen_port
 from fake_sglang import expected_states
 
-from hsextract.config_guard import check_source_path
+from hsextract.config.guard import check_source_path
+from hsextract.config.redaction import REDACTED, redact_command, redact_config, redact_text, secret_values
+from hsextract.config.settings import fill_defaults
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
-from hsextract.redaction import REDACTED, redact_command, redact_config, redact_text, secret_values
-from hsextract.settings import fill_defaults
 from hsextract.sglang import keyfile
 from hsextract.sglang import server as hsrv
 from hsextract.sglang.client import SGLangEngine
@@ -151,7 +151,7 @@ def test_abbreviations_are_refused_and_sglangs_own_flags_pass() -> None:
 
 
 def test_config_check_refuses_an_override_before_any_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsextract.config import check
+    from hsextract.config.checks import check
 
     cfg = door_config(tmp_path, monkeypatch)
     cfg.update(engine="sglang", sglang={"launch_args": ["--host", "0.0.0.0"]})
@@ -306,7 +306,7 @@ def test_a_started_server_gets_a_random_key_that_only_its_clients_send(tmp_path:
 def test_a_workflow_job_starts_the_server_with_a_key_and_sends_it(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Through what an extraction job calls (sglang.config.engine_from_config), with no key configured."""
-    from hsextract.settings import from_config
+    from hsextract.config.settings import from_config
     from hsextract.sglang import config as sc
 
     monkeypatch.chdir(tmp_path)
@@ -339,7 +339,7 @@ def test_a_start_up_failure_of_a_server_with_a_key_leaves_no_trace(tmp_path: Pat
 
 
 def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsextract.settings import from_config
+    from hsextract.config.settings import from_config
     from hsextract.sglang import compat
     from hsextract.sglang import config as sc
 
@@ -385,7 +385,7 @@ def test_snakemake_stops_a_long_run_name_in_one_line(tmp_path: Path) -> None:
 
 
 def test_a_folder_of_the_wrong_kind_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsextract.config import check
+    from hsextract.config.checks import check
 
     folder = tmp_path / "conversations"
     folder.mkdir()

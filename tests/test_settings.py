@@ -1,4 +1,4 @@
-"""The settings tree (hsextract.settings) agrees with the config schema, key for key and default for default."""
+"""The settings tree (hsextract.config.settings) agrees with the config schema, key for key and default for default."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hsextract import settings as st
+from hsextract.config import settings as st
 from hsextract.errors import ConfigError
 from hsextract.provenance import config_hash
 

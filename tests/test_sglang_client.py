@@ -17,8 +17,8 @@ from fake_sglang import HIDDEN, FakeServer, expected_states
 
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
-from hsextract.extract import ChunkPrompts, extract_chunk
-from hsextract.prefix_share import find_parents
+from hsextract.extract.run import ChunkPrompts, extract_chunk
+from hsextract.prepare.prefix_share import find_parents
 from hsextract.sglang import server as hsrv
 from hsextract.sglang.client import SGLangEngine
 from hsextract.shard import ShardReader
@@ -301,7 +301,7 @@ def procs_mentioning(s: str) -> list[int]:
 
 
 def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Path) -> None:
-    from hsextract.settings import from_config
+    from hsextract.config.settings import from_config
     from hsextract.sglang.config import server_config_from
 
     base = {"model": "/m", "aux_layers": [1, 3], "aux_layers_convention": "hidden_states", "run_name": "r",
@@ -332,7 +332,7 @@ def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
 
 
 def test_trust_remote_code_reaches_the_server_command() -> None:
-    from hsextract.settings import from_config
+    from hsextract.config.settings import from_config
     from hsextract.sglang.config import server_config_from
 
     def server(**kw):

@@ -138,8 +138,8 @@ def test_the_writer_refuses_a_reference_it_cannot_prove(tmp_path: Path) -> None:
 
 def test_validate_inspect_and_open_dataset_read_a_version_2_shard(tmp_path: Path) -> None:
     from hsextract.dataset import open_dataset
-    from hsextract.inspect_shard import shard_info
-    from hsextract.validate import validate_shard
+    from hsextract.report.validate import validate_shard
+    from hsextract.shard.inspect import shard_info
 
     samples = family()
     shared = shared_shard(tmp_path / "chunk-00001.hss", samples)

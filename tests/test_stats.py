@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
-from hsextract.plots import plot_rms_by_position, plot_seq_length_hist
+from hsextract.report.plots import plot_rms_by_position, plot_seq_length_hist
+from hsextract.report.stats import aggregate, chunk_stats, token_freq, write_table, write_token_freq
 from hsextract.shard import ShardWriter
-from hsextract.stats import aggregate, chunk_stats, token_freq, write_table, write_token_freq
 
 HIDDEN = 8
 META = {
@@ -103,7 +103,7 @@ def test_plots_are_pngs(shards: list[Path], tmp_path: Path) -> None:
 
 
 def test_seq_length_histogram_series_share_bin_edges_and_legend_is_off_the_data(shards: list[Path]) -> None:
-    from hsextract.plots import seq_length_figure
+    from hsextract.report.plots import seq_length_figure
 
     stats = [chunk_stats(p) for p in shards]
     fig = seq_length_figure(stats, bins=4)
@@ -123,7 +123,7 @@ def assert_legend_outside(fig) -> None:
 
 
 def test_rms_plot_legend_is_off_the_data(shards: list[Path]) -> None:
-    from hsextract.plots import rms_figure
+    from hsextract.report.plots import rms_figure
 
     tables = aggregate([chunk_stats(p, position_bins=2) for p in shards], {"dropped": {}})
     assert_legend_outside(rms_figure(tables["rms_by_position"]))
@@ -132,8 +132,8 @@ def test_rms_plot_legend_is_off_the_data(shards: list[Path]) -> None:
 def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Path], tmp_path: Path) -> None:
     import json
 
-    from hsextract.report_tables import write_report_pages
-    from hsextract.validate import CHECKS
+    from hsextract.report.tables import write_report_pages
+    from hsextract.report.validate import CHECKS
 
     tables = aggregate([chunk_stats(p) for p in shards], {"dropped": {"too_long": 2, "duplicate": 1}})
     reports = []

@@ -11,7 +11,7 @@ import yaml
 from chatfix import make_tokenizer
 from test_config import ROOT, write_model, write_reference
 
-from hsextract.config import check
+from hsextract.config.checks import check
 from hsextract.errors import ConfigError
 from hsextract.masks.kwargs import check_kwargs, template_variables
 from hsextract.masks.masker import ChatMasker

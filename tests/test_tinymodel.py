@@ -15,9 +15,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
 
-from hsextract.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE, chat_template_hash
 from hsextract.errors import ConfigError
-from hsextract.tinymodel import SPECIAL_TOKENS, main, make_tiny_model
+from hsextract.tinymodel.build import SPECIAL_TOKENS, main, make_tiny_model
+from hsextract.tinymodel.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE, chat_template_hash
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 SMALL = {"num_hidden_layers": 4, "hidden_size": 128}

@@ -1,4 +1,4 @@
-"""Tokenizer loading (hsextract.tokenizer_loading): custom code only behind `trust_remote_code`, refused at
+"""Tokenizer loading (hsextract.prepare.tokenizer_loading): custom code only behind `trust_remote_code`, refused at
 parse time, and a load failure of custom code that names the import and the transformers range that works."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import yaml
 from chatfix import make_tokenizer
 from test_config import write_model, write_reference
 
-from hsextract.config import check
+from hsextract.config.checks import check
 from hsextract.errors import ConfigError
-from hsextract.tokenizer_loading import load_tokenizer, remote_tokenizer_code, unresolved_imports
+from hsextract.prepare.tokenizer_loading import load_tokenizer, remote_tokenizer_code, unresolved_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 V = transformers.__version__

@@ -29,7 +29,7 @@ from conftest import tiny_checkpoint
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
 from hsextract.errors import ConfigError, EngineError
-from hsextract.tinymodel import make_tiny_model
+from hsextract.tinymodel.build import make_tiny_model
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 NUM_LAYERS = 4
@@ -247,7 +247,7 @@ def test_other_families_capture_the_right_layers_and_final_norm(tmp_path: Path, 
     from transformers import AutoModelForCausalLM
 
     from hsextract.engines.base import BOTH
-    from hsextract.final_norm import read_final_norm
+    from hsextract.extract.final_norm import read_final_norm
 
     tiny_checkpoint(model_type, tmp_path, num_hidden_layers=4)
     ids = torch.randint(1, 300, (40,), generator=torch.Generator().manual_seed(1)).tolist()

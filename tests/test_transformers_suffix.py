@@ -27,7 +27,7 @@ from test_transformers_engine import CONVERSATIONS, NUM_LAYERS, TOL, WRONG_LAYER
 from hsextract.engines.base import BOTH, CaptureSpec, Prompt
 from hsextract.engines.transformers_engine import TransformersEngine
 from hsextract.errors import EngineError
-from hsextract.tinymodel import make_tiny_model
+from hsextract.tinymodel.build import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,11 @@ import torch
 from conftest import make_sample, shard_metadata
 
 from hsextract.cli import main
-from hsextract.reference import ReferenceSampleError
-from hsextract.reference import load as load_reference
+from hsextract.config.reference import ReferenceSampleError
+from hsextract.config.reference import load as load_reference
+from hsextract.report.validate import check_sample, failure_line, reference_layout, validate_shard
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard import format as fmt
-from hsextract.validate import check_sample, failure_line, reference_layout, validate_shard
 
 REFERENCE = "resources/reference/speculators-v1-data_0.pt"
 

@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from hsextract.vocab import build_vocab_mapping, load_token_freq, save_token_freq, token_freq
+from hsextract.prepare.vocab import build_vocab_mapping, load_token_freq, save_token_freq, token_freq
 
 
 def _speculators_fn():

@@ -36,7 +36,7 @@ def test_the_wheel_holds_the_schema_and_builds_settings_installed(tmp_path: Path
     site = tmp_path / "site"
     subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True,
                    capture_output=True)
-    code = ("import json, hsextract, hsextract.settings as st; s = st.from_config({}); "
+    code = ("import json, hsextract, hsextract.config.settings as st; s = st.from_config({}); "
             "print(json.dumps([hsextract.__file__, str(st.SCHEMA_PATH), s.extract.run_name, s.prepare.seed]))")
     # the installed copy first on the path (the venv's editable install comes after PYTHONPATH); run away from
     # the checkout, so nothing can reach workflow/

@@ -299,7 +299,7 @@ def test_default_run_exports_to_speculators_without_final_norm_warning(
     full_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from hsextract.export import export
-    from hsextract.final_norm import read_final_norm
+    from hsextract.extract.final_norm import read_final_norm
 
     rd = full_run / "results" / RUN
     meta = ShardReader(shard_path(full_run, 0)).metadata
@@ -372,7 +372,7 @@ def test_readme_deleted_shard_reruns_alone(tmp_path: Path, full_run: Path) -> No
     assert sha256_file(shard_path(wd, 2)) == sha256_file(shard_path(full_run, 2))
 
 
-# What a config change reruns (hsextract.reruns.KEYS). Each key is changed alone on a run where its rules have
+# What a config change reruns (hsextract.config.reruns.KEYS). Each key is changed alone on a run where its rules have
 # jobs: the full run for most keys; for `sglang.*` and `regenerate.*` (and the keys regenerate reads too), the
 # full run recorded as made under `engine: sglang` or `regenerate.enabled` (snakemake --touch: nothing runs).
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -483,15 +483,15 @@ class Plans:
 
 def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, full_run: Path) -> None:
     """Generated from the schema: after a finished run, each key that decides data, changed alone, makes the dry
-    run plan exactly the rules hsextract.reruns.KEYS names for it and what follows them (the plan of `--forcerun
+    run plan exactly the rules hsextract.config.reruns.KEYS names for it and what follows them (the plan of `--forcerun
     RULES` under the same config); the operational keys, all changed at once, plan nothing. First, as a user
     would: `chat_template_kwargs: {thinking: false}` in a config file given to the same command plans prepare
     (issue 35: it planned nothing)."""
     import yaml
     from snakemake.utils import update_config
 
-    from hsextract import reruns
-    from hsextract.settings import fill_defaults, schema
+    from hsextract.config import reruns
+    from hsextract.config.settings import fill_defaults, schema
 
     wd = tmp_path / "reruns"
     shutil.copytree(full_run, wd, symlinks=True)
@@ -588,8 +588,8 @@ def test_dataset_json_records_the_effective_values(full_run: Path, monkeypatch: 
     import yaml
     from snakemake.utils import update_config
 
-    from hsextract import reruns
-    from hsextract.settings import SCHEMA_TO_TREE, from_config
+    from hsextract.config import reruns
+    from hsextract.config.settings import SCHEMA_TO_TREE, from_config
 
     manifest = json.loads((run_dir(full_run) / "dataset.json").read_text())
     config = yaml.safe_load((full_run / "config/config.yaml").read_text())

@@ -1,8 +1,8 @@
 """The workflow end to end on the checkpoint packaged exactly as Kimi-K2.5 ships, in miniature (`tinymodel
 --packaging kimi-k25`: the KimiK25ForConditionalGeneration wrapper, text model in text_config, weights under
 language_model., remote config and processor code; its tokenizer custom code over tiktoken, slow;
-hsextract.kimi_tokenizer) with the transformers engine: prepared, extracted, validated and exported, the hidden
-states those of the same text model packaged plainly. Slow (runs Snakemake).
+hsextract.tinymodel.kimi_tokenizer) with the transformers engine: prepared, extracted, validated and exported, the
+hidden states those of the same text model packaged plainly. Slow (runs Snakemake).
 
 NEEDS the offset-free loss masker of branch `masks` (issue 17 item 1): the offset-based masker refuses slow
 tokenizers ("loss masks need offset mappings"), so the end-to-end test is skipped, saying so, where that
@@ -36,7 +36,7 @@ from hsextract import layers
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
 from hsextract.shard import ShardReader
-from hsextract.tinymodel import make_tiny_model
+from hsextract.tinymodel.build import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ needs_masks = pytest.mark.skipif(
 
 @needs_masks
 def test_kimi_packaged_model_end_to_end(tmp_path: Path) -> None:
-    from hsextract.tokenizer_loading import load_tokenizer
+    from hsextract.prepare.tokenizer_loading import load_tokenizer
 
     wd = make_workdir(tmp_path / "kimi", K25_CONFIG)
     model_dir = make_tiny_model(wd / K25_MODEL, wd / "data/conversations.jsonl", tokenizer="kimi",

@@ -76,7 +76,7 @@ def reference_sample(path: Path, hidden: int) -> None:
 def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int, packaging: str = "text") -> Path:
     """A workdir with a tiny model of the fake server's hidden size and a config for engine: sglang;
     packaging kimi-k25: the model packaged as Kimi-K2.5 ships (with its tokenizer packaging)."""
-    from hsextract.tinymodel import make_tiny_model
+    from hsextract.tinymodel.build import make_tiny_model
 
     wd = make_workdir(tmp_path / "sg")
     # a model of the fake server's hidden size (tokenizer and config are what the workflow reads)
@@ -223,7 +223,7 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
 
     from test_server_door import cmdline, fake_server_python, request
 
-    from hsextract.redaction import REDACTED
+    from hsextract.config.redaction import REDACTED
     from hsextract.sglang import server as hsrv
 
     key = f"hsx-wf-{secrets.token_hex(16)}"

@@ -28,7 +28,7 @@ import torch
 
 from hsextract.capture import preset_layers
 from hsextract.engines.base import CaptureSpec
-from hsextract.fidelity import num_layers_of, rel
+from hsextract.extract.fidelity import num_layers_of, rel
 from hsextract.layers import describe, sglang_eagle3_ids
 from hsextract.sglang_plugin.settings import ENV_EAGLE3_IDS
 

@@ -9,11 +9,11 @@ alone), final_state "both": the last decoder layer's output from a forward hook 
 hidden_states[-1], which transformers 5 replaces with the normed state) and the final norm's output. A plain
 transformers forward of the first prompts (its own hooks) cross-checks the reference (reported).
 
-Checks (hsextract.fidelity.evaluate; `--checks auto`: per token for MoE models, per sample for dense ones,
+Checks (hsextract.extract.fidelity.evaluate; `--checks auto`: per token for MoE models, per sample for dense ones,
 and a routing-fixed twin is run with `--checks sample`): each captured final state against the reference's
 same state, and against the other one (must be far: the models of mk_models.py get a non-trivial final-norm
 weight so that they are); norm(captured pre) = captured post within 2^-7 per sample, with the final norm read
-from the checkpoint (hsextract.final_norm); flipped-token fractions compared exactly. Then the pre-norm
+from the checkpoint (hsextract.extract.final_norm); flipped-token fractions compared exactly. Then the pre-norm
 capture goes through a shard (final_state pre_norm, final norm recorded) and `hsextract export --format
 specforge`, whose hidden_state must equal the captured post-norm state within 2^-7 per sample, and through
 validation against the speculators v1 reference sample (3 aux layers only: it holds 4 tensors).
@@ -42,7 +42,7 @@ import torch
 
 from hsextract.capture import PRESETS, preset_layers
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
-from hsextract.fidelity import (
+from hsextract.extract.fidelity import (
     FLIP,
     FLIP_BOUND,
     NORM_TOL,
@@ -52,7 +52,7 @@ from hsextract.fidelity import (
     num_layers_of,
     rel,
 )
-from hsextract.final_norm import read_final_norm
+from hsextract.extract.final_norm import read_final_norm
 
 
 def make_prompts(n: int, vocab: int, seed: int, max_len: int | None = None) -> list[Prompt]:
@@ -168,7 +168,7 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
     to SpecForge: its hidden_state (RMSNorm(pre) at export) against the captured post-norm state."""
     try:
         from hsextract.export import export
-        from hsextract.final_norm import final_norm_metadata
+        from hsextract.extract.final_norm import final_norm_metadata
         from hsextract.shard import ShardReader, ShardWriter
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -203,7 +203,7 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
         res["specforge_vs_post_norm_max_rel"] = worst
         shutil.rmtree(out / f"{a.name}-specforge")
         if k == 3:  # `hsextract validate --reference`: the shipped speculators v1 sample holds 3 aux + final
-            from hsextract.validate import failure_line, validate_shard
+            from hsextract.report.validate import failure_line, validate_shard
 
             vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
             rep = validate_shard(shard, Path(__file__).resolve().parents[2] / "resources" / "reference" /

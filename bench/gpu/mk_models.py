@@ -123,7 +123,7 @@ def main() -> None:
         return
     if not (out / "tiny" / "config.json").exists():
         # the workflow's own default model (hsextract.tinymodel), tokenizer trained on the shipped data
-        from hsextract.tinymodel import make_tiny_model
+        from hsextract.tinymodel.build import make_tiny_model
 
         try:
             make_tiny_model(out / "tiny", Path(__file__).resolve().parents[2] / "data" / "conversations.jsonl")

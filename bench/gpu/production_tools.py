@@ -70,7 +70,7 @@ def reference_sample(model: str, out: Path) -> list[int]:
     from hsextract.capture import preset_layers
     from hsextract.engines.base import CaptureSpec, Prompt
     from hsextract.engines.transformers_engine import TransformersEngine
-    from hsextract.fidelity import num_layers_of
+    from hsextract.extract.fidelity import num_layers_of
 
     aux = tuple(preset_layers("eagle3", num_layers_of(model)))
     ids = list(range(10, 42))
@@ -144,7 +144,7 @@ def fidelity(run: Path, model: str, device: str, tol: float, max_samples: int | 
 
     from hsextract.engines.base import CaptureSpec, Prompt
     from hsextract.engines.transformers_engine import TransformersEngine
-    from hsextract.fidelity import neighbours, num_layers_of, rel
+    from hsextract.extract.fidelity import neighbours, num_layers_of, rel
     from hsextract.shard import ShardReader
 
     shards = sorted((run / "shards").glob("chunk-*.hss"))

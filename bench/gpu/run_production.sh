@@ -201,7 +201,7 @@ e_steps() {
   record e1 "$rc" "$secs" "cd <copy>; snakemake --cores 8 --resources gpu=1 --configfile config/sglang-default.yaml" \
     "$verdict" "the workflow's own tiny DeepseekV3 (make_tiny_model, tiny_model_tokenizer kimi: vocab $vocab), engine sglang; server log: server-e1.log"
   if [ "$crash" = yes ] && [ "$(left)" -gt 150 ]; then
-    "$PY" -c "from hsextract.tinymodel import make_tiny_model; make_tiny_model('$EWD/resources/tiny-v1', \
+    "$PY" -c "from hsextract.tinymodel.build import make_tiny_model; make_tiny_model('$EWD/resources/tiny-v1', \
 'data/conversations.jsonl', tokenizer='kimi', qk_nope_head_dim=64, v_head_dim=64, q_lora_rank=64)" \
       >"$OUT/logs/e2-model.log" 2>&1 || true
     printf 'run_name: tiny-v1\nmake_tiny_model: false\nmodel: resources/tiny-v1\n' >"$EWD/config/tiny-v1.yaml"

@@ -3,7 +3,7 @@
 The chunk is synthetic agentic data: --convs conversations of --turns turns, each opening with one --decl-token
 tool declaration; a turn is a user message, reasoning and an answer, and later turns' history drops the reasoning
 (Kimi-K2.5's template), so each turn is one sample (split_turns: auto). The references are prepare's
-(hsextract.prefix_share.find_parents, records = conversations). Random token ids of the model's vocabulary.
+(hsextract.prepare.prefix_share.find_parents, records = conversations). Random token ids of the model's vocabulary.
 
 Two servers of the model, one after the other on the GPU (hsextract.sglang.server, plugin capture, final state
 pre_norm): flat (--disable-radix-cache, as every run so far) and shared (radix cache on, HSEXTRACT_SHARED_PREFIX=1,
@@ -11,9 +11,9 @@ SGLangEngine(share_prefixes=True): parents' sources first, a cache key per famil
 extract_chunk into a shard after a warm-up on other prompts; timed (wall seconds of extract_chunk). Prefill tokens
 twice: rows the plugin dumped (the chunk summary's computed_tokens) and the server log's `#new-token` summed over
 the run (SGLang 0.5.16 logs it per prefill batch: sglang/srt/managers/scheduler_components/metrics_reporter.py:560).
-Then every assembled sample of the shared shard against the flat shard's, per sample and tensor (hsextract.fidelity
-rel), and with --reference (default: every sample) both against the transformers engine on the same GPU
-(token_budget 1: each prompt alone).
+Then every assembled sample of the shared shard against the flat shard's, per sample and tensor
+(hsextract.extract.fidelity rel), and with --reference (default: every sample) both against the transformers engine
+on the same GPU (token_budget 1: each prompt alone).
 
 Pass: the flat run computes the materialized tokens; the shared run's computed tokens and its server's #new-token
 within 10% of the distinct tokens (sum of seq - prefix_len); the shared shard is version 2; every sample of each
@@ -44,9 +44,9 @@ import torch
 
 from hsextract.capture import preset_layers
 from hsextract.engines.base import CaptureSpec, Prompt
-from hsextract.extract import ChunkPrompts, extract_chunk
-from hsextract.fidelity import TOL, num_layers_of, rel
-from hsextract.prefix_share import distinct_tokens, find_parents
+from hsextract.extract.fidelity import TOL, num_layers_of, rel
+from hsextract.extract.run import ChunkPrompts, extract_chunk
+from hsextract.prepare.prefix_share import distinct_tokens, find_parents
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from shard_meta import placeholder_metadata

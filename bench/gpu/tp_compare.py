@@ -1,6 +1,6 @@
 """Capture under tensor parallelism: TP=2 (and DP attention) against TP=1 of the same weights and ids (issue 9).
 
-Two subcommands; the comparison itself is hsextract.fidelity's (CPU-tested in tests/test_fidelity.py):
+Two subcommands; the comparison itself is hsextract.extract.fidelity's (CPU-tested in tests/test_fidelity.py):
 
   capture  start the patched server (hsextract.sglang.server, plugin capture) with --tp/--dp on the given GPUs,
            extract the prompts of fidelity.make_prompts (long ones chunked by --chunked-prefill-size)
@@ -8,7 +8,7 @@ Two subcommands; the comparison itself is hsextract.fidelity's (CPU-tested in te
            one at a time, wait until the writer's stats file is current, read the plugin markers and
            stats files of the dump dir, stop the server. Writes RUN.safetensors (key "<sample>/<t>",
            t = tensor index, last = final post-norm state) and RUN.json (timings, writer check, error).
-  compare  each candidate run against the reference run (TP=1) with hsextract.fidelity.compare_runs: per
+  compare  each candidate run against the reference run (TP=1) with hsextract.extract.fidelity.compare_runs: per
            sample (dense models) or per token (MoE), tol 2e-2, the wrong layer far off, the same samples; a
            failing tensor whose norm ratio |got|/|ref| lies in [1/tp, 1/sqrt(tp)] is flagged as a PARTIAL SUM
            (the sglang#28343 failure: per-rank partial sums instead of the all-reduced activation). The
@@ -33,7 +33,7 @@ from pathlib import Path
 
 from fidelity import make_prompts  # bench/gpu/fidelity.py: the same prompts
 
-from hsextract.fidelity import FLIP_BOUND, TOL, check_writers, compare_model, is_moe, save_run, verdict_markdown
+from hsextract.extract.fidelity import FLIP_BOUND, TOL, check_writers, compare_model, is_moe, save_run, verdict_markdown
 from hsextract.sglang_plugin import dumpfiles
 
 

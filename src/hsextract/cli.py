@@ -28,8 +28,8 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from hsextract import reference
-    from hsextract.validate import failure_line, validate_shard
+    from hsextract.config import reference
+    from hsextract.report.validate import failure_line, validate_shard
 
     if args.report and len(args.shards) != 1:
         raise HsxError(f"--report names one file but {len(args.shards)} shards were given; use --report-dir")
@@ -96,7 +96,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from hsextract.inspect_shard import format_info, shard_info
+    from hsextract.shard.inspect import format_info, shard_info
 
     info = shard_info(args.shard, samples=args.samples)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
@@ -156,9 +156,9 @@ def _configfile_config(paths: Sequence[str]) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from hsextract.config.plan import format_plan, plan
+    from hsextract.config.settings import from_config
     from hsextract.errors import ConfigError
-    from hsextract.plan import format_plan, plan
-    from hsextract.settings import from_config
 
     config = _configfile_config(args.configfile)
     for key in ("model", "aux_layers", "prompts_per_chunk"):
@@ -195,7 +195,7 @@ def cmd_masks(args: argparse.Namespace) -> int:
     from hsextract.errors import ConfigError
     from hsextract.masks.explain import explain
     from hsextract.masks.masker import ChatMasker
-    from hsextract.tokenizer_loading import load_tokenizer
+    from hsextract.prepare.tokenizer_loading import load_tokenizer
 
     try:
         kwargs = json.loads(args.chat_template_kwargs)

@@ -1,9 +1,9 @@
 import re
 
-from hsextract import chunks, reruns
-from hsextract.config import tiny_model_corpus
+from hsextract.config import chunks, reruns
+from hsextract.config.checks import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
-from hsextract.tokenizer_loading import chat_template_file
+from hsextract.prepare.tokenizer_loading import chat_template_file
 
 # Every value the rule files read, computed once here from the checked settings (the Snakefile's
 # PLAN); rule files only read them, so the order of the includes does not matter.
@@ -14,7 +14,7 @@ CHUNKS = chunks.labels(N_CHUNKS)
 MODEL = SETTINGS.extract.model
 TOKENIZER = SETTINGS.extract.tokenizer_dir
 # `params: settings=RERUN[name]` of the rules that config keys decide, the effective values of those keys
-# (hsextract.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
+# (hsextract.config.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
 # trigger); operational keys (threads, memory, devices, token budget, servers) are in none and rerun nothing.
 RERUN = {name: reruns.params(SETTINGS, name) for name in reruns.RULES}
 

@@ -1,8 +1,8 @@
 # The GPU pool against one extract job's GPUs (EXTRACT_GPUS, common.smk), before any job and in dry runs:
 # Snakemake would cut a job larger than the pool to the pool without a word. A local run refuses and names
 # --resources gpu=N; profiles/default's local pool under a cluster executor (a cluster profile given with
-# --profile, beside the default workflow profile) is lifted. hsextract.gpu_pool says why.
-from hsextract import gpu_pool
+# --profile, beside the default workflow profile) is lifted. hsextract.extract.gpu_pool says why.
+from hsextract.extract import gpu_pool
 
 if workflow.is_main_process and gpu_pool.plans_jobs(sys.argv):
     _GPU_POOL = gpu_pool.settle(

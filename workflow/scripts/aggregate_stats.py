@@ -7,9 +7,9 @@ sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 import json
 
-from hsextract.plots import plot_rms_by_position
-from hsextract.report_tables import write_report_pages
-from hsextract.stats import aggregate, load_json_files, write_table, write_token_freq
+from hsextract.report.plots import plot_rms_by_position
+from hsextract.report.stats import aggregate, load_json_files, write_table, write_token_freq
+from hsextract.report.tables import write_report_pages
 
 out = snakemake.output
 chunks = load_json_files(snakemake.input.chunks)

@@ -4,7 +4,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
-from hsextract.settings import from_config
+from hsextract.config.settings import from_config
 from hsextract.sglang.config import build_patched, build_python
 
 info = build_patched(

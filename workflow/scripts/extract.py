@@ -8,8 +8,8 @@ import json
 
 import torch
 
-from hsextract.extract import run_extract
-from hsextract.settings import from_config
+from hsextract.config.settings import from_config
+from hsextract.extract.run import run_extract
 
 # CPU engines use exactly the job's threads (Snakemake schedules by them).
 torch.set_num_threads(int(snakemake.threads))

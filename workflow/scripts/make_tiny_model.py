@@ -4,7 +4,7 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
-from hsextract.tinymodel import make_tiny_model
+from hsextract.tinymodel.build import make_tiny_model
 
 summary = make_tiny_model(
     snakemake.output.model,

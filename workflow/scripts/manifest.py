@@ -5,8 +5,8 @@ import sys
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from hsextract.atomic import write_json_atomic
-from hsextract.manifest import build_manifest
-from hsextract.settings import from_config
+from hsextract.config.settings import from_config
+from hsextract.report.manifest import build_manifest
 
 manifest = build_manifest(
     from_config(snakemake.config),

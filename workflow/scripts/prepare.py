@@ -7,8 +7,8 @@ sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 from pathlib import Path
 
 from hsextract.atomic import write_json_atomic
-from hsextract.prepare import run_prepare
-from hsextract.settings import from_config
+from hsextract.config.settings import from_config
+from hsextract.prepare.run import run_prepare
 
 out_dir = Path(snakemake.output.summary).parent
 # the configured sources, or the regenerated conversations (regenerate.enabled): common.smk's PREPARE_SOURCES

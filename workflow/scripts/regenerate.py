@@ -15,7 +15,7 @@ if snakemake.rule == "regenerate_concat":
 else:
     import torch
 
-    from hsextract.settings import from_config
+    from hsextract.config.settings import from_config
 
     torch.set_num_threads(int(snakemake.threads))
     stats = regenerate.run_regenerate_chunk(

@@ -4,8 +4,8 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
-from hsextract.plots import plot_seq_length_hist
-from hsextract.stats import load_json_files
+from hsextract.report.plots import plot_seq_length_hist
+from hsextract.report.stats import load_json_files
 
 plot_seq_length_hist(
     load_json_files(snakemake.input.chunks),

@@ -8,7 +8,7 @@ import json
 
 from hsextract.atomic import write_json_atomic
 from hsextract.errors import ValidationFailure
-from hsextract.validate import failure_line, validate_shard
+from hsextract.report.validate import failure_line, validate_shard
 
 report = validate_shard(
     snakemake.input.shard,

@@ -106,7 +106,7 @@ class Engine(abc.ABC):
 
 
 class SamplingSettings(Protocol):
-    """What a generator reads from its settings (`hsextract.settings.RegenerateSettings` has these fields)."""
+    """What a generator reads from its settings (`hsextract.config.settings.RegenerateSettings` has these fields)."""
 
     temperature: float  # 0: greedy
     top_p: float

@@ -103,7 +103,7 @@ class TransformersEngine(Engine):
         on_sample: Callable[[Captured], None] | None = None,
         cache_tokens: int | None = None,
     ) -> None:
-        from hsextract.text_model import load_causal_lm
+        from hsextract.extract.text_model import load_causal_lm
 
         if token_budget < 1:
             raise ConfigError(f"token_budget: {token_budget} must be >= 1 (tokens per forward batch).")

@@ -19,7 +19,7 @@ from hsextract.export.common import (
 from hsextract.export.specforge import export_specforge
 from hsextract.export.speculators_safetensors import export_speculators_safetensors
 from hsextract.export.speculators_v1 import export_speculators_v1
-from hsextract.final_norm import from_shard_metadata
+from hsextract.extract.final_norm import from_shard_metadata
 from hsextract.progress import ProgressDataset
 
 EXPORTERS = {

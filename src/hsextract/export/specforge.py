@@ -18,7 +18,7 @@ import torch
 
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import own_storage, remove_stale, save_torch
-from hsextract.final_norm import FinalNorm
+from hsextract.extract.final_norm import FinalNorm
 
 GROUP_SIZE = 2000
 

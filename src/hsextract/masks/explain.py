@@ -14,9 +14,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from hsextract.conversations import MalformedRecordError, open_sources
 from hsextract.masks.masker import ChatMasker, MaskedSample
 from hsextract.masks.refusals import TEMPLATE_ERROR, failure
+from hsextract.prepare.conversations import MalformedRecordError, open_sources
 
 OPEN, CLOSE = "⟦", "⟧"
 _COLORS = {"reasoning": "\x1b[34m", "eot": "\x1b[33m", "header": "\x1b[32m", "body": "\x1b[32m"}

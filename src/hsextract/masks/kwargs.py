@@ -100,7 +100,7 @@ def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None)
     """The chat template a tokenizer directory holds (chat_template.jinja, else tokenizer_config.json's; of named
     templates the `default` one), or `chat_template` (a file or the text) when set; None when there is none
     to read without loading the tokenizer."""
-    from hsextract.tokenizer_loading import chat_template_file
+    from hsextract.prepare.tokenizer_loading import chat_template_file
 
     if chat_template:
         path = chat_template_file(chat_template)

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import ClassVar
 
-from hsextract.conversations import Conversation
 from hsextract.masks.ids import is_prefix
 from hsextract.masks.reasoning import (
     Opener,
@@ -37,6 +36,7 @@ from hsextract.masks.reasoning import (
 from hsextract.masks.refusals import TemplateError, not_prefix_stable
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import After, Frame, TurnSample, TurnSpan, find_turn
+from hsextract.prepare.conversations import Conversation
 
 
 class PromptedTurn:

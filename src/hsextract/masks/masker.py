@@ -34,13 +34,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from hsextract.conversations import Conversation
 from hsextract.errors import ConfigError
 from hsextract.masks.ids import is_prefix
 from hsextract.masks.locators import PromptedTurn, in_rendering, own_sample
 from hsextract.masks.refusals import TemplateError, refuse_unmaskable
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
+from hsextract.prepare.conversations import Conversation
 
 SPLIT_MODES = ("auto", "never", "always")
 TRAINED_KINDS = frozenset({"reasoning", "header", "body", "eot"})

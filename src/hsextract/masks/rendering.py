@@ -37,11 +37,11 @@ import transformers.utils.chat_template_utils as hf_templates
 from jinja2 import nodes
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from hsextract.conversations import as_openai
 from hsextract.errors import ConfigError
 from hsextract.masks.kwargs import check_kwargs
 from hsextract.masks.probe import TemplateFacts, probe
 from hsextract.masks.refusals import TOOL_ARGUMENTS_AS_STRING, TemplateError
+from hsextract.prepare.conversations import as_openai
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 

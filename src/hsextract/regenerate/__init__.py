@@ -41,7 +41,7 @@ Files: `run_regenerate_chunk` writes chunk-NNNNN.jsonl and chunk-NNNNN.stats.jso
 JSONL, each to a temporary name + rename): a failed chunk leaves no JSONL and reruns alone.
 `concat_chunks` joins the chunk files, in chunk order, into the conversation file `prepare` reads.
 
-Settings: hsextract.settings, built once from the config (`from_config`): `Settings.regenerate` (the
+Settings: hsextract.config.settings, built once from the config (`from_config`): `Settings.regenerate` (the
 `regenerate:` section, defaults and ranges in the config schema) and `Settings.prepare` (sources, seed,
 prompts_per_chunk, strict, chat template).
 """

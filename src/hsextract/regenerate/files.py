@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hsextract import chunks
 from hsextract.atomic import write_atomic
-from hsextract.conversations import Conversation, as_openai
+from hsextract.config import chunks
 from hsextract.errors import ConfigError
+from hsextract.prepare.conversations import Conversation, as_openai
 
 
 def chunk_name(chunk: int) -> str:

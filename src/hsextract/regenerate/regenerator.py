@@ -9,12 +9,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from hsextract.conversations import Conversation
+from hsextract.config.settings import RegenerateSettings
 from hsextract.engines.base import Generator
 from hsextract.errors import EngineError
 from hsextract.masks.masker import ChatMasker
+from hsextract.prepare.conversations import Conversation
 from hsextract.regenerate.template import end_of_turn_ids, split_candidates
-from hsextract.settings import RegenerateSettings
 
 # Outcomes counted in the stats.
 EMPTY_GENERATION = "empty_generation"

@@ -1,5 +1,5 @@
 """Regenerate one chunk of a run: the generator the settings ask for, the chunk's input records (same sources,
-mixture order and chunking as `prepare`, hsextract.chunks), the regenerator, the chunk files."""
+mixture order and chunking as `prepare`, hsextract.config.chunks), the regenerator, the chunk files."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from typing import Any
 
 import torch
 
-from hsextract import chunks
-from hsextract.conversations import Conversation, MalformedRecordError, mixture, open_sources
+from hsextract.config import chunks
+from hsextract.config.settings import RegenerateSettings, Settings
 from hsextract.engines.base import Generator
 from hsextract.errors import ConfigError
+from hsextract.prepare.conversations import Conversation, MalformedRecordError, mixture, open_sources
 from hsextract.regenerate.files import record, write_chunk
 from hsextract.regenerate.regenerator import RegenStats, regenerate_chunk
 from hsextract.regenerate.template import end_of_turn_ids
-from hsextract.settings import RegenerateSettings, Settings
 
 
 def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any,
@@ -34,7 +34,7 @@ def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any
         return SGLangGenerator(regen.server_url, regen, stop_ids)
     from hsextract.engines.transformers_engine import resolve_device
     from hsextract.engines.transformers_generate import TransformersGenerator
-    from hsextract.text_model import load_causal_lm
+    from hsextract.extract.text_model import load_causal_lm
 
     device = resolve_device(regen.device)
     dtype: Any = "auto" if regen.dtype == "auto" else getattr(torch, regen.dtype)  # the schema's enum: torch dtypes
@@ -51,7 +51,7 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
 
     `tokenizer` defaults to the run's tokenizer directory (`tokenizer`, else `model`) with `chat_template`
     applied; `generator` defaults to `make_generator`. Returns the stats dict."""
-    from hsextract.tokenizer_loading import load_tokenizer
+    from hsextract.prepare.tokenizer_loading import load_tokenizer
 
     prep = settings.prepare
     ppc = prep.prompts_per_chunk

@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hsextract.config.settings import RegenerateSettings
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
-from hsextract.settings import RegenerateSettings
 
 
 def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:

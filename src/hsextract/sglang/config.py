@@ -26,9 +26,9 @@ from typing import Any
 
 from hsextract import __version__
 from hsextract.atomic import write_bytes_atomic
+from hsextract.config.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
-from hsextract.settings import ExtractSettings
 
 PLUGIN_PACKAGE = "hsextract.sglang_plugin"  # the package the server process imports (entry point `hsextract`)
 # the modules of hsextract outside the plugin package that the server process imports (beside the package's

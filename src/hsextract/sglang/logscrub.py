@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
-from hsextract.redaction import REDACTED
+from hsextract.config.redaction import REDACTED
 from hsextract.sglang.keyfile import read_key
 
 _READ = 1 << 16

@@ -48,9 +48,9 @@ import filelock
 import psutil
 
 from hsextract.atomic import write_bytes_atomic
-from hsextract.config_guard import is_loopback
+from hsextract.config.guard import is_loopback
+from hsextract.config.redaction import redact_command, redact_text
 from hsextract.errors import ConfigError, EngineError
-from hsextract.redaction import redact_command, redact_text
 from hsextract.sglang import keyfile
 from hsextract.sglang.api import health
 from hsextract.sglang_plugin import dumpfiles
@@ -269,7 +269,7 @@ def make_dump_dir(run_name: str) -> Path:
 
 
 def redact(cmd: list[str]) -> list[str]:
-    """The command with the value of every secret flag hidden (hsextract.redaction; for logs, errors and the
+    """The command with the value of every secret flag hidden (hsextract.config.redaction; for logs, errors and the
     state file)."""
     return redact_command(cmd)
 

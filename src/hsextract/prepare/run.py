@@ -4,11 +4,12 @@ Outputs in `out_dir`:
   chunk-NNNNN.parquet   one per chunk, always all `num_chunks` of them (some may hold 0 rows).
                         Record k of the mixture (0-based, malformed records included) goes to chunk
                         k // prompts_per_chunk, so the chunk count is known before anything is read:
-                        `num_chunks(settings)` = ceil(count_records / prompts_per_chunk) (hsextract.chunks).
+                        `num_chunks(settings)` = ceil(count_records / prompts_per_chunk) (hsextract.config.chunks).
                         Columns: sample_id string, input_ids list<int64>, loss_mask list<int8>,
                         num_tokens int32, num_trained int32, source string; with `share_prefixes` also parent
                         int32 (the earlier row of the chunk it shares its longest prefix with, or -1) and
-                        prefix_len int32 (the leading tokens whose rows it takes from it: hsextract.prefix_share).
+                        prefix_len int32 (the leading tokens whose rows it takes from it:
+                        hsextract.prepare.prefix_share).
   token_freq.pt         torch.save({token_id: count}) over trained tokens of kept samples (speculators format).
   summary.json          records read, samples kept (a record split into turns gives several: `split_turns`,
                         sample ids `<id>:t<message index>`), dropped by reason (`not_prefix_stable` among them),
@@ -16,7 +17,7 @@ Outputs in `out_dir`:
                         counters (conversations, split_conversations, samples, turns, turns_history_fallback, ...).
 Every file is written to a temporary name in `out_dir` and renamed.
 
-Settings: hsextract.settings.PrepareSettings (the config's sources, mixture and filter keys).
+Settings: hsextract.config.settings.PrepareSettings (the config's sources, mixture and filter keys).
 """
 
 from __future__ import annotations
@@ -31,18 +32,18 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hsextract import chunks
 from hsextract.atomic import write_atomic, write_bytes_atomic
-from hsextract.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
+from hsextract.config import chunks
+from hsextract.config.reruns import plain
+from hsextract.config.settings import PrepareSettings
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
 from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
-from hsextract.prefix_share import distinct_tokens, find_parents
+from hsextract.prepare.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
+from hsextract.prepare.prefix_share import distinct_tokens, find_parents
+from hsextract.prepare.tokenizer_loading import load_tokenizer
+from hsextract.prepare.vocab import save_token_freq, token_freq
 from hsextract.progress import bar
-from hsextract.reruns import plain
-from hsextract.settings import PrepareSettings
-from hsextract.tokenizer_loading import load_tokenizer
-from hsextract.vocab import save_token_freq, token_freq
 
 SCHEMA = pa.schema([
     ("sample_id", pa.string()),

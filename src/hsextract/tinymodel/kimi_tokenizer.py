@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-RESOURCES = Path(__file__).resolve().parent / "resources"
+RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 MODULE_FILE = "tokenization_kimi.py"
 CLASS_REF = "tokenization_kimi.TikTokenTokenizer"
 TEMPLATE_FILE = "kimi_chat_template.jinja"

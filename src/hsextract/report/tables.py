@@ -11,8 +11,8 @@ from typing import Any
 import pandas as pd
 
 from hsextract.atomic import write_atomic
-from hsextract.stats import load_json_files
-from hsextract.validate import CHECKS
+from hsextract.report.stats import load_json_files
+from hsextract.report.validate import CHECKS
 
 _STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; font-size: 14px; margin: 8px; color: #222; }

@@ -32,20 +32,20 @@ from types import MappingProxyType
 from typing import Any
 
 from hsextract.capture import explicit_layers, resolve_aux_layers
-from hsextract.config_guard import check_bounded
+from hsextract.config.guard import check_bounded
+from hsextract.config.model_info import model_shape
+from hsextract.config.redaction import redact_config, redact_text, secret_values
 from hsextract.errors import ConfigError
-from hsextract.model_info import model_shape
 from hsextract.provenance import config_hash
-from hsextract.redaction import redact_config, redact_text, secret_values
 
 # package data: in a checkout a symlink to workflow/schemas/config.schema.yaml (the one file; Snakemake validates
 # against it), in a built wheel a copy of it, so an installed hsextract builds Settings without the checkout
-SCHEMA_PATH = Path(__file__).resolve().parent / "resources" / "config.schema.yaml"
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "resources" / "config.schema.yaml"
 
 
 @dataclass(frozen=True)
 class Source:
-    """One entry of `sources`, and the one type of a source: hsextract.conversations reads these (its
+    """One entry of `sources`, and the one type of a source: hsextract.prepare.conversations reads these (its
     parse_sources checks the path and fills `name`)."""
 
     path: str
@@ -102,7 +102,7 @@ class SGLangSettings:
     python: str | None
     launch_args: tuple[str, ...]
     host: str
-    api_key: str | None = field(repr=False)  # a secret (hsextract.redaction)
+    api_key: str | None = field(repr=False)  # a secret (hsextract.config.redaction)
     allow_remote: bool
     port: int
     tp: int

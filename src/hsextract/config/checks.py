@@ -1,6 +1,6 @@
 """Semantic checks of a workflow config, run at parse time before any job starts.
 
-`hsextract.settings` checks the config against the JSON Schema (types, ranges, unknown keys) and
+`hsextract.config.settings` checks the config against the JSON Schema (types, ranges, unknown keys) and
 fills its defaults; this module checks what a schema cannot: layer ids against the model's depth,
 that the model and the reference sample can be read, and that the reference sample's layout is
 comparable with what the run will write. Every failure is a ConfigError that names the key.
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hsextract import chunks
 from hsextract.capture import resolve_aux_layers
-from hsextract.config_guard import check_bounded, check_remote, check_source_path
+from hsextract.config import chunks
+from hsextract.config.guard import check_bounded, check_remote, check_source_path
+from hsextract.config.model_info import ModelShape, model_shape
+from hsextract.config.reference import ReferenceLayout, read_layout
+from hsextract.config.settings import Settings, from_config
 from hsextract.errors import ConfigError
 from hsextract.layers import HIDDEN_STATES
-from hsextract.model_info import ModelShape, model_shape
-from hsextract.reference import ReferenceLayout, read_layout
-from hsextract.settings import Settings, from_config
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
 
 def check_tokenizer(s: Settings) -> None:
     """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
-    from hsextract.tokenizer_loading import KEY, check_tokenizer_source
+    from hsextract.prepare.tokenizer_loading import KEY, check_tokenizer_source
 
     source = s.extract.tokenizer_dir
     built_here = s.make_tiny_model and not s.extract.tokenizer
@@ -141,8 +141,8 @@ def check_template_kwargs(s: Settings) -> None:
     if not kwargs:
         return
     if not s.prepare.chat_template and s.make_tiny_model and not s.extract.tokenizer:
-        from hsextract.chat_template import KIMI_STYLE_TEMPLATE
-        from hsextract.kimi_tokenizer import chat_template
+        from hsextract.tinymodel.chat_template import KIMI_STYLE_TEMPLATE
+        from hsextract.tinymodel.kimi_tokenizer import chat_template
 
         template: str | None = chat_template() if s.tiny_model_tokenizer == "kimi" else KIMI_STYLE_TEMPLATE
     else:
@@ -153,7 +153,7 @@ def check_template_kwargs(s: Settings) -> None:
 
 
 def count_records(s: Settings) -> int:
-    from hsextract.conversations import count_records as count
+    from hsextract.prepare.conversations import count_records as count
 
     for i, src in enumerate(s.prepare.sources):
         check_source_path(f"sources[{i}].path", src.path)

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers, provenance
+from hsextract.config.redaction import redact_config
+from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
-from hsextract.prefix_share import share_saving, stored_tokens
-from hsextract.redaction import redact_config
-from hsextract.settings import Settings
+from hsextract.prepare.prefix_share import share_saving, stored_tokens
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1

@@ -13,10 +13,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from hsextract.chunks import count as count_chunks
+from hsextract.config.chunks import count as count_chunks
+from hsextract.config.model_info import ModelInfoError, local_hidden_size
+from hsextract.config.settings import Settings
 from hsextract.errors import ConfigError
-from hsextract.model_info import ModelInfoError, local_hidden_size
-from hsextract.settings import Settings
 
 # Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
 IDS_MASK_BYTES = 16

@@ -27,12 +27,12 @@ import torch
 from tqdm import tqdm
 
 from hsextract import provenance
+from hsextract.config.model_info import read_model_shape
+from hsextract.config.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
-from hsextract.final_norm import final_norm_metadata
+from hsextract.extract.final_norm import final_norm_metadata
 from hsextract.layers import HIDDEN_STATES
-from hsextract.model_info import read_model_shape
-from hsextract.settings import ExtractSettings
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 REFERENCE_COLUMNS = ("parent", "prefix_len")  # prepare's, with share_prefixes
@@ -130,7 +130,7 @@ def shard_metadata(
         "num_hidden_layers": num_hidden_layers,
         "architecture": architecture,  # the checkpoint's class: which SGLang layer-id rule its drafter meets
         "final_state": s.final_state,
-        "final_norm": norm,  # hsextract.final_norm: post-norm = norm(pre-norm) at export
+        "final_norm": norm,  # hsextract.extract.final_norm: post-norm = norm(pre-norm) at export
         "hidden_size": int(hidden_size),
         "dtype": model_dtype(s),
         "config_hash": s.config_hash,

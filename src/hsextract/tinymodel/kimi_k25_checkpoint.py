@@ -73,7 +73,7 @@ flashinfer_trtllm with or without it. Without the extra entry SGLang would give 
 CompressedTensorsWNA16MoE and expect `weight_packed` tensors the miniature does not have. If a server
 release ever refuses the block, build with `--no-quantization-config` (the same model without it). hsextract's
 transformers engine drops a quantization_config whose checkpoint holds no quantized tensor
-(hsextract.text_model).
+(hsextract.extract.text_model).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ TEXT_MODEL_TYPE = "kimi_k2"  # as in Kimi-K2.5's raw config.json; config classes
 TEXT_PREFIX = "language_model."
 RMS_NORM_EPS = 1e-5  # Kimi-K2.5's text_config
 REMOTE_CODE = ("configuration_kimi_k25.py", "kimi_k25_processor.py", "kimi_k25_vision_processing.py")
-RESOURCES = Path(__file__).resolve().parent / "resources"
+RESOURCES = Path(__file__).resolve().parents[1] / "resources"
 TEXT_SHARD = "model-00001-of-00002.safetensors"
 VISION_SHARD = "model-00002-of-00002.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -197,7 +197,7 @@ def vision_shapes(text_hidden_size: int) -> dict[str, tuple[int, ...]]:
 
 def vision_weights(text_hidden_size: int, seed: int, std: float) -> dict[str, torch.Tensor]:
     """Random bf16 vision weights: LayerNorms 1 and 0, other biases 0, the rest N(0, std) seeded per name."""
-    from hsextract.tinymodel import _param_seed
+    from hsextract.tinymodel.build import _param_seed
 
     out = {}
     for name, shape in sorted(vision_shapes(text_hidden_size).items()):

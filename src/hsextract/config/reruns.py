@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from hsextract.settings import SCHEMA_TO_TREE, Settings
+from hsextract.config.settings import SCHEMA_TO_TREE, Settings
 
 OPERATIONAL: tuple[str, ...] = ()
 
@@ -138,7 +138,7 @@ KEYS: dict[str, tuple[str, ...]] = {
 def keys_of(rule: str) -> tuple[str, ...]:
     """The keys whose values decide `rule`'s output, in KEYS order."""
     if rule not in RULES:
-        raise ValueError(f"{rule}: no rule of hsextract.reruns.RULES {RULES}")
+        raise ValueError(f"{rule}: no rule of hsextract.config.reruns.RULES {RULES}")
     return tuple(key for key, rules in KEYS.items() if rule in rules)
 
 

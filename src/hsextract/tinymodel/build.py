@@ -6,15 +6,15 @@ and one shared expert, dense first layer(s), final RMSNorm, untied lm_head, Kimi
 format) but is tiny. Weights are random from a fixed seed; a BPE tokenizer is trained on
 the shipped conversations, in one of two packagings (`tokenizer=`):
 
-- `fast`: a `tokenizers` tokenizer.json with the Kimi-style template of hsextract.chat_template;
-- `kimi`: packaged the way Kimi-K2.5 ships its tokenizer (hsextract.kimi_tokenizer): custom code
+- `fast`: a `tokenizers` tokenizer.json with the Kimi-style template of hsextract.tinymodel.chat_template;
+- `kimi`: packaged the way Kimi-K2.5 ships its tokenizer (hsextract.tinymodel.kimi_tokenizer): custom code
   behind an `auto_map` (tokenization_kimi.py), a tiktoken.model BPE, a slow tokenizer, a
   Kimi-K2.5-shaped template with a `thinking` switch. Loading it needs trust_remote_code.
 
 The checkpoint itself comes in one of two packagings (`packaging=`):
 
 - `text`: a DeepseekV3ForCausalLM directory (config.json, model.safetensors), what save_pretrained writes;
-- `kimi-k25`: Kimi-K2.5's multimodal wrapper in miniature (hsextract.kimi_k25_checkpoint, which says what
+- `kimi-k25`: Kimi-K2.5's multimodal wrapper in miniature (hsextract.tinymodel.kimi_k25_checkpoint, which says what
   SGLang needs to serve it and why the quantization_config it carries covers no layer): the same text
   weights under `language_model.`, its config in `text_config` (rms_norm_eps 1e-5, as Kimi's), a small
   MoonViT and projector, the processor files. Needs the kimi tokenizer.
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-from hsextract.chat_template import KIMI_STYLE_TEMPLATE, ROLE_TOKENS
 from hsextract.errors import ConfigError
+from hsextract.tinymodel.chat_template import KIMI_STYLE_TEMPLATE, ROLE_TOKENS
 
 BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
 # ids 0..7 in this order; DeepseekV3Config's defaults bos=0, eos=1 match.
@@ -218,7 +218,7 @@ def make_tiny_model(
     if packaging not in PACKAGINGS:
         raise ConfigError(f"tiny model: packaging={packaging!r}; choose one of {list(PACKAGINGS)}")
     if packaging == "kimi-k25":
-        from hsextract import kimi_k25_checkpoint
+        from hsextract.tinymodel import kimi_k25_checkpoint
 
         if tokenizer != "kimi":
             raise ConfigError("tiny model: packaging kimi-k25 ships Kimi-K2.5's tokenizer packaging; "
@@ -226,7 +226,7 @@ def make_tiny_model(
         config_overrides = {"rms_norm_eps": kimi_k25_checkpoint.RMS_NORM_EPS, **config_overrides}
     out = Path(out_dir)
     if tokenizer == "kimi":
-        from hsextract import kimi_tokenizer
+        from hsextract.tinymodel import kimi_tokenizer
 
         texts = [*kimi_tokenizer.TEMPLATE_WORDS, *_iter_texts(Path(conversations_path))]
         ranks = kimi_tokenizer.train_ranks(texts, vocab_size - kimi_tokenizer.NUM_RESERVED_SPECIAL_TOKENS)
@@ -317,6 +317,3 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
 
-
-if __name__ == "__main__":
-    main()

@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
+from hsextract.config.model_info import text_config
 from hsextract.errors import ConfigError, ShardError
-from hsextract.model_info import text_config
 
 RMS_NORM, RMS_NORM_F32, RMS_NORM_OFFSET = "rms_norm", "rms_norm_f32", "rms_norm_offset"
 # model_type of the (text) config -> norm kind; each checked against the model's own norm in tests/test_final_norm

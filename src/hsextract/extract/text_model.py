@@ -11,7 +11,7 @@ stripped; the other weights are not read. Everything else goes through AutoModel
 A wrapper here: a local directory or cached hub id whose config.json has a nested text config (model_info)
 naming a causal LM class transformers has, and whose weights put that model's final norm under a prefix
 (`<prefix>model.norm.weight`). A `quantization_config` in the text config is dropped when the checkpoint
-holds no quantized tensor (the hsextract miniature's covers no layer, hsextract.kimi_k25_checkpoint); with
+holds no quantized tensor (the hsextract miniature's covers no layer, hsextract.tinymodel.kimi_k25_checkpoint); with
 packed weights (Kimi-K2.5's int4 experts) this engine refuses, naming the tensor.
 """
 
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsextract.config.model_info import text_config
 from hsextract.errors import EngineError
-from hsextract.model_info import text_config
 
 NORM_SUFFIX = "model.norm.weight"
 # names of the tensors a quantized checkpoint stores instead of (or beside) `weight`

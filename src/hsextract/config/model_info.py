@@ -121,7 +121,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
 
 def tiny_model_shape() -> ModelShape:
     """Shape of the workflow's tiny model, known before rule make_tiny_model builds it."""
-    from hsextract import tinymodel
+    from hsextract.tinymodel import build as tinymodel
 
     cfg = tinymodel.TINY_CONFIG
     return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), "the tiny model (hsextract.tinymodel)",

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from hsextract import __version__
-from hsextract import reference as reference_sample
 from hsextract.atomic import write_json_atomic
+from hsextract.config import reference as reference_sample
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import ShardReader
 

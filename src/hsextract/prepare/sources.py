@@ -1,5 +1,5 @@
 """The sources of a run: the `sources` list checked and named, a reader of raw records for each file format,
-and what makes a record malformed (hsextract.conversations turns the raw records into conversations).
+and what makes a record malformed (hsextract.prepare.conversations turns the raw records into conversations).
 
 Files: JSONL (one record a line), a JSON list, parquet, Arrow stream files, and `datasets.save_to_disk`
 directories (`hf_disk`: a Dataset, or a DatasetDict with `split:`), read with `datasets.load_from_disk` where
@@ -24,8 +24,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hsextract.config.settings import Source
 from hsextract.errors import ConfigError
-from hsextract.settings import Source
 
 FORMATS = ("auto", "messages", "sharegpt", "ultrachat", "hf_disk")
 

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from hsextract.atomic import write_atomic
+from hsextract.config.model_info import text_config
 from hsextract.engines.base import Captured, Prompt
-from hsextract.model_info import text_config
 
 if TYPE_CHECKING:
-    from hsextract.final_norm import FinalNorm
+    from hsextract.extract.final_norm import FinalNorm
 
 FLIP = 0.1  # a token whose rel_t exceeds this counts as "flipped"
 TOL = 2e-2  # per-sample bound (dense) and per-tensor token-median bound (MoE)
@@ -84,7 +84,7 @@ def num_layers_of(model_dir: str | Path) -> int:
 # ---- one engine against a reference engine (bench/gpu/fidelity.py) -------------------------------------
 FINAL_NAMES = ("final_pre_norm", "final_post_norm")
 # post-norm = norm(pre-norm) within one forward: the candidate's own two final states, related by the
-# model's final norm (hsextract.final_norm) up to rounding. One bf16 ulp is at most 2^-7 of a value, so a
+# model's final norm (hsextract.extract.final_norm) up to rounding. One bf16 ulp is at most 2^-7 of a value, so a
 # per-sample relative error (an L2 ratio of per-value errors) of 1-ulp differences stays below 2^-7.
 NORM_TOL = 2.0**-7
 

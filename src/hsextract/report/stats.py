@@ -18,7 +18,7 @@ import torch
 
 from hsextract.atomic import write_atomic
 from hsextract.layers import HIDDEN_STATES, shard_hidden_states
-from hsextract.prefix_share import share_saving, stored_tokens
+from hsextract.prepare.prefix_share import share_saving, stored_tokens
 
 SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 

@@ -1,4 +1,4 @@
-"""Conversations: each raw record of a source (hsextract.sources reads them) normalized to one message type,
+"""Conversations: each raw record of a source (hsextract.prepare.sources reads them) normalized to one message type,
 and the mixture of the sources' records.
 
 Normalized conversation: a list of messages, each a dict with
@@ -21,7 +21,7 @@ Input formats (`format:` of a source; `auto` picks per file and record):
   ultrachat  rows with `messages` or `data`: a list of strings alternating user/assistant, or role dicts
   hf_disk    a directory written by `datasets.save_to_disk` (Dataset, or DatasetDict with `split:`), rows
              of any of the formats above
-A malformed record is a MalformedRecordError naming its location (hsextract.sources) and reason.
+A malformed record is a MalformedRecordError naming its location (hsextract.prepare.sources) and reason.
 
 Mixture: source i contributes k_i = min(max_records, round(weight_i * n_i)) records, where n_i is its
 number of input records (malformed ones included: chunks are cut over input records). weight < 1
@@ -40,8 +40,8 @@ from typing import Any
 
 import numpy as np
 
-from hsextract.settings import Source
-from hsextract.sources import (
+from hsextract.config.settings import Source
+from hsextract.prepare.sources import (
     BAD_JSON,
     EMPTY_CONTENT,
     MISSING_MESSAGES,
@@ -366,7 +366,7 @@ def iter_conversations(sources: Sequence[SourceEntry], seed: int = 0, strict: bo
         yield entry, conv
 
 
-# MalformedRecordError (hsextract.sources) is what OpenSource.read and iter_conversations raise
+# MalformedRecordError (hsextract.prepare.sources) is what OpenSource.read and iter_conversations raise
 __all__ = [
     "Conversation", "MalformedRecordError", "MixtureEntry", "OpenSource", "ROLES", "as_openai", "count_records",
     "iter_conversations", "mixture", "normalize_record", "open_sources",

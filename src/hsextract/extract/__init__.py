@@ -1,0 +1,1 @@
+"""Extract: one chunk of prompts through an engine (hsextract.engines, hsextract.sglang) into one shard."""

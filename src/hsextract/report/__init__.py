@@ -1,0 +1,1 @@
+"""The report: shard validation, statistics, tables, figures and dataset.json."""
