@@ -3,6 +3,7 @@
 # Kimi-K2.5 checkpoint, and the embedded default with engine: sglang.
 #   bash bench/gpu/run_production.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
+# E_ONLY=1 runs step e alone (e1, then e2 if e1 crashed), with no production server on the GPU beside it.
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -180,7 +181,7 @@ EOF
 e_steps() {
   # after a's first shard: build_patched_server's pip installs into one Python must not overlap, and e's
   # must not replace the plugin's entry point while a's server reads it at start-up
-  while [ -z "$(shards)" ] && kill -0 "$$" 2>/dev/null && [ "$(left)" -gt 60 ] \
+  while [ -z "${E_ONLY:-}" ] && [ -z "$(shards)" ] && kill -0 "$$" 2>/dev/null && [ "$(left)" -gt 60 ] \
         && ! grep -qs "^Exiting because\|steps (100%) done" "$OUT/logs/a.log"; do sleep 1; done
   local t=$SECONDS rc
   set +e
@@ -256,6 +257,8 @@ PYEOF
   return $rc
 }
 trap finish EXIT
+# E_ONLY=1: step e alone on the machine (no production server beside it), then stop
+if [ -n "${E_ONLY:-}" ]; then wait "$E_PID" || true; exit 0; fi
 
 # ---- a: the production command from a clean state -------------------------------------------------------------
 smk a $(( $(left) - 200 > 120 ? $(left) - 200 : 120 )) "${CMD[@]}"
