@@ -65,21 +65,25 @@ def _system_conversations(n: int) -> list[dict]:
 
 
 def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> None:
-    src = tmp_path / "data.jsonl"
-    src.write_text("".join(json.dumps(c) + "\n" for c in _system_conversations(4)))
+    convs = _system_conversations(4)
+    for name, part in (("a", convs[:3]), ("b", convs[3:])):  # a chunk of both: b's sample takes a's prefix
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(c) + "\n" for c in part))
     tok = make_tokenizer("qwen3")
 
     def prepare(out: str, **kw: object) -> dict:
-        cfg = from_config({"sources": [{"path": str(src), "name": "d"}], "seed": 1, "prompts_per_chunk": 2,
-                           **kw}).prepare
-        return run_prepare(cfg, tok, tmp_path / out, 2)
+        cfg = from_config({"sources": [{"path": str(tmp_path / f"{n}.jsonl"), "name": n} for n in "ab"], "seed": 1,
+                           "prompts_per_chunk": 2, **kw}).prepare
+        summary = run_prepare(cfg, tok, tmp_path / out, 2)
+        assert json.loads((tmp_path / out / "summary.json").read_text()) == json.loads(json.dumps(summary))
+        return summary
 
     flat = prepare("flat")
     shared = prepare("shared", share_prefixes=True)
-    assert "distinct_tokens" not in flat and all("distinct_tokens" not in c for c in flat["per_chunk"])
+    for entry in [flat, *flat["per_source"].values(), *flat["per_chunk"]]:  # sharing off: the summary as before
+        assert "distinct_tokens" not in entry and "shared_samples" not in entry
     assert shared["kept"] == flat["kept"] == 12 and shared["tokens"] == flat["tokens"]
     assert shared["settings"]["share_prefixes"] is True and flat["settings"]["share_prefixes"] is False
-    total = 0
+    expected = {"total": [0, 0], "a": [0, 0], "b": [0, 0]}  # distinct tokens, shared samples
     for k in range(2):
         a = pq.read_table(tmp_path / "flat" / f"chunk-{k:05d}.parquet")
         b = pq.read_table(tmp_path / "shared" / f"chunk-{k:05d}.parquet")
@@ -95,9 +99,22 @@ def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> Non
         chunk = read_prompts(tmp_path / "shared" / f"chunk-{k:05d}.parquet")
         assert list(zip(chunk.parents or [], chunk.prefix_lens or [], strict=True)) == refs
         assert read_prompts(tmp_path / "flat" / f"chunk-{k:05d}.parquet").parents is None
-        assert shared["per_chunk"][k]["distinct_tokens"] == distinct_tokens([r["num_tokens"] for r in rows], refs)
-        total += shared["per_chunk"][k]["distinct_tokens"]
-    assert shared["distinct_tokens"] == total < 0.6 * shared["tokens"]
+        # counted here from the columns: each row's ids less the prefix it takes; rows with a parent
+        own = [len(r["input_ids"]) - r["prefix_len"] for r in rows]
+        assert [shared["per_chunk"][k][key] for key in ("distinct_tokens", "shared_samples")] == [
+            sum(own), sum(r["parent"] >= 0 for r in rows)]
+        for r, n in zip(rows, own, strict=True):
+            for key in ("total", r["source"]):
+                expected[key][0] += n
+                expected[key][1] += r["parent"] >= 0
+    assert [shared["distinct_tokens"], shared["shared_samples"]] == expected["total"] == [
+        sum(c["distinct_tokens"] for c in shared["per_chunk"]), 10]
+    assert shared["distinct_tokens"] < 0.6 * shared["tokens"]
+    for name in "ab":
+        st = shared["per_source"][name]
+        assert [st["distinct_tokens"], st["shared_samples"]] == expected[name]
+        assert 0 < st["distinct_tokens"] < st["tokens"] == flat["per_source"][name]["tokens"]
+    assert shared["per_source"]["b"]["shared_samples"] == 3  # its first sample's prefix is a's system prompt
 
 
 def test_share_prefixes_is_refused_with_the_sglang_engine_unless_opted_in() -> None:

@@ -13,7 +13,9 @@ Outputs in `out_dir`:
   token_freq.pt         torch.save({token_id: count}) over trained tokens of kept samples (speculators format).
   summary.json          records read, samples kept (a record split into turns gives several: `split_turns`,
                         sample ids `<id>:t<message index>`), dropped by reason (`not_prefix_stable` among them),
-                        truncated, tokens, trained tokens, per source and per chunk; `masks`: the masker's
+                        truncated, tokens, trained tokens, per source and per chunk (with `share_prefixes` also
+                        `distinct_tokens`, Σ tokens − prefix_len, and `shared_samples`, rows with a parent; absent
+                        without: `hsextract plan` tells the two apart by them); `masks`: the masker's
                         counters (conversations, split_conversations, samples, turns, turns_history_fallback, ...).
 Every file is written to a temporary name in `out_dir` and renamed.
 
@@ -26,6 +28,7 @@ import hashlib
 import json
 import os
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +78,26 @@ def conversation_hash(conv: Conversation) -> str:
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
-def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]], records: list[int] | None = None) -> int:
+def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]],
+                 records: list[int] | None = None) -> list[tuple[int, int]] | None:
     """Write a chunk's rows; `records` (share_prefixes: the record each row came from) adds each row's parent and
-    prefix length. Returns the chunk's distinct tokens (its tokens less the prefixes taken from parents)."""
-    schema = SCHEMA
-    tokens = sum(r["num_tokens"] for r in rows)
-    if records is not None:
+    prefix length, and the (parent, prefix length) of each row are returned (None without `records`)."""
+    if records is None:
+        table = pa.Table.from_pylist(rows, schema=SCHEMA) if rows else SCHEMA.empty_table()
+        refs = None
+    else:
         refs = find_parents([r["input_ids"] for r in rows], records)
-        rows = [r | {"parent": p, "prefix_len": k} for r, (p, k) in zip(rows, refs, strict=True)]
-        schema, tokens = SHARED_SCHEMA, distinct_tokens([r["num_tokens"] for r in rows], refs)
-    table = pa.Table.from_pylist(rows, schema=schema) if rows else schema.empty_table()
+        shared = [r | {"parent": p, "prefix_len": k} for r, (p, k) in zip(rows, refs, strict=True)]
+        table = pa.Table.from_pylist(shared, schema=SHARED_SCHEMA) if rows else SHARED_SCHEMA.empty_table()
     write_atomic(out_dir / chunk_name(chunk), lambda f: pq.write_table(table, f))
-    return tokens
+    return refs
+
+
+def _count_shared(st: dict[str, Any], rows: Sequence[Mapping[str, Any]], refs: Sequence[tuple[int, int]]) -> None:
+    """Add rows to a summary entry's `distinct_tokens` (each sample's tokens less the prefix it takes from its
+    parent: what extract stores and computes) and `shared_samples` (samples with a parent)."""
+    st["distinct_tokens"] = st.get("distinct_tokens", 0) + distinct_tokens([r["num_tokens"] for r in rows], refs)
+    st["shared_samples"] = st.get("shared_samples", 0) + sum(p >= 0 for p, _ in refs)
 
 
 def _new_stats() -> dict[str, Any]:
@@ -129,11 +140,15 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     row_records: list[int] = []  # the record (mixture entry) of each row: its turns share a conversation
 
     def close_chunk() -> None:
-        distinct = _write_chunk(out, chunk, rows, row_records if cfg.share_prefixes else None)
+        refs = _write_chunk(out, chunk, rows, row_records if cfg.share_prefixes else None)
         entry = {"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
                  "tokens": sum(r["num_tokens"] for r in rows)}
-        if cfg.share_prefixes:
-            entry["distinct_tokens"] = distinct
+        if refs is not None:  # share_prefixes: the chunk's, the total's and each source's (a saving counts for
+            _count_shared(entry, rows, refs)  # the source of the sample that takes the prefix)
+            _count_shared(total, rows, refs)
+            for name, st in per_source.items():
+                own = [(r, ref) for r, ref in zip(rows, refs, strict=True) if r["source"] == name]
+                _count_shared(st, [r for r, _ in own], [ref for _, ref in own])
         per_chunk.append(entry)
 
     def drop(st: dict[str, Any], reason: str) -> None:
@@ -204,8 +219,6 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "prompts_per_chunk": ppc,
         "per_source": {name: _jsonable(s) for name, s in per_source.items()},
         "per_chunk": per_chunk,
-        # share_prefixes: the tokens stored and computed, each shared prefix once (docs/SHARED_PREFIX.md)
-        **({"distinct_tokens": sum(c["distinct_tokens"] for c in per_chunk)} if cfg.share_prefixes else {}),
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
         "masks": dict(sorted(masker.stats.items())),
