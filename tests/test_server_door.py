@@ -1,7 +1,7 @@
 """Issue 36: the local SGLang server's door and its key.
 
 No secret at rest or in sight (no config holds the key: it is in a 0600 file `sglang.api_key_file` names, as
-`snakemake --report` copies config files into the report; patched.json, the state file, the server's log
+`snakemake --report` reads config files for the report; patched.json, the state file, the server's log
 and command line, a start-up failure hide it), a key by default (a random one, kept 0600 in
 the private state directory, sent by the client), the launcher owns its flags (each `launch_args` override
 refused by name), and the two small ones (`run_name` bounded by the schema, a folder source of the wrong
@@ -48,8 +48,8 @@ def test_redaction_hides_the_secret_flags_only() -> None:
 
 
 INLINE_KEY = (
-    "sglang.api_key: a config may not hold the key: `snakemake --report` copies every config file's text into "
-    "report.html, and `--config` puts it on the command line. Write the key alone into a file only you can read "
+    "sglang.api_key: a config may not hold the key: `snakemake --report` reads every config file's text for the "
+    "report, and `--config` puts it on the command line. Write the key alone into a file only you can read "
     "(chmod 600 FILE) and set sglang.api_key_file: FILE, or set neither: each server the workflow starts gets a "
     "random key"
 )

@@ -218,7 +218,7 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
     """Issue 36, through the workflow: the extraction jobs start the (fake) server themselves, with the key of
     `sglang.api_key_file` in a 0600 file (SGLang's --config), never on its command line; a request without the
     key is refused; and no byte the run wrote (dataset.json, patched.json, shards, logs, Snakemake's own files)
-    nor `snakemake --report`'s report.html, which copies the config files' text, holds the key. A key in a
+    nor `snakemake --report`'s report.html (Snakemake reads the config files' text for it) holds the key. A key in a
     config file is refused at parse time, unprinted. `--no-hooks` keeps the server up after the run (onsuccess
     would stop it) to knock on its door."""
     import base64

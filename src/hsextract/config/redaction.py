@@ -1,15 +1,16 @@
 """Secrets: the config keys no config may hold, the server flags whose values are hidden, and how.
 
-A config never holds a secret (`refuse_secret_keys`): `snakemake --report` copies the text of every config
-file into report.html, which people share, and no hook of Snakemake's changes that (snakemake/report/
-__init__.py, 9.x: `ConfigfileRecord` reads each of `workflow.configfiles` as it is on disk); `--config` puts
-a value on a command line, which every local user reads; and Snakemake hands the config to each job (its
-script preamble, cluster job commands). So the one secret, the SGLang server's API key, lives in a file of
-mode 0600 that the config names (`sglang.api_key_file`, read by `hsextract.sglang.keyfile.read_key_file`),
-and what the project writes from the config (dataset.json, the config hash, schema errors) has no secret
-to hide. What carries the key after that is hidden here: patched.json's `launch`, the server's state file
-and start-up errors (`redact_command`, `redact_text`), the server's log (`hsextract.sglang.logscrub`,
-which replaces the key's bytes wherever the server prints them).
+A config never holds a secret (`refuse_secret_keys`). `snakemake --report` reads the text of every config
+file for the report (snakemake/report/__init__.py, 9.27: `ConfigfileRecord` reads each of
+`workflow.configfiles` as it is on disk and hands it to the report plugin; the HTML reporter of 9.27 does not
+render it, a later one or another plugin may), with no hook to hide a value; `--config` puts a value on a
+command line, which every local user reads and cluster job scripts repeat; and Snakemake hands the config to
+every job and report caption (`snakemake.config`). So the one secret, the SGLang server's API key, lives
+in a file of mode 0600 that the config names (`sglang.api_key_file`, read by
+`hsextract.sglang.keyfile.read_key_file`), and what the project writes from the config (dataset.json, the
+config hash, schema errors, report.html) has no secret to hide. What carries the key after that is hidden
+here: patched.json's `launch`, the server's state file and start-up errors (`redact_command`, `redact_text`),
+the server's log (`hsextract.sglang.logscrub`, which replaces the key's bytes wherever the server prints them).
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ def refuse_secret_keys(config: Mapping[str, Any]) -> None:
             node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
         if node is not _ABSENT:
             raise ConfigError(
-                f"{key}: a config may not hold the key: `snakemake --report` copies every config file's text "
-                "into report.html, and `--config` puts it on the command line. Write the key alone into a file "
+                f"{key}: a config may not hold the key: `snakemake --report` reads every config file's text "
+                "for the report, and `--config` puts it on the command line. Write the key alone into a file "
                 f"only you can read (chmod 600 FILE) and set {file_key}: FILE, or set neither: each server the "
                 "workflow starts gets a random key"
             )

@@ -15,7 +15,7 @@ The file stays while the server runs: a later extraction job reuses the server a
 
 A configured key comes the same way, from a file: `sglang.api_key_file` names a file of the user's, mode 0600,
 that holds the key alone (`read_key_file`); a config never holds the key itself (hsextract.config.redaction
-says why: `snakemake --report` copies config files into the report).
+says why: `snakemake --report` reads config files for the report, `--config` is a command line).
 """
 
 from __future__ import annotations
@@ -98,10 +98,11 @@ def remove_key(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def read_key_file(path: str | os.PathLike[str], key: str = "sglang.api_key_file") -> str:
-    """The key in the file config `key` names: a regular file of this user's, readable by its owner only,
-    holding the key alone (surrounding whitespace, a final newline, ignored). ConfigError naming `key` and what
-    to do otherwise; no message holds the file's text."""
+def read_key_file(path: str | os.PathLike[str]) -> str:
+    """The key in the file config `sglang.api_key_file` names: a regular file of this user's, readable by its
+    owner only, holding the key alone (surrounding whitespace, a final newline, ignored). ConfigError naming the
+    config key and what to do otherwise; no message holds the file's text."""
+    key = "sglang.api_key_file"
     fix = f"write the server's API key alone into it and run `chmod 600 {path}`"
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))  # FIFO: no wait
