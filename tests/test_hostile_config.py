@@ -99,10 +99,10 @@ def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: p
     from hsextract.config.guard import check_remote
 
     with pytest.raises(ConfigError, match=rf"^sglang.host: {host} is not a loopback address: the server would accept"):
-        check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})
-    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": "s3cret", "allow_remote": False}})
+        check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": None, "allow_remote": False}})
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": "key.txt", "allow_remote": False}})
     assert capsys.readouterr().err == ""
-    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": True}})
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": None, "allow_remote": True}})
     assert capsys.readouterr().err.startswith(f"hsextract: warning: sglang.host {host} is not a loopback address")
     check_remote({"engine": "transformers", "sglang": {"host": host}})  # no server is started
 
@@ -111,4 +111,4 @@ def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: p
 def test_loopback_hosts_need_no_key(host: str) -> None:
     from hsextract.config.guard import check_remote
 
-    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key": None, "allow_remote": False}})
+    check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": None, "allow_remote": False}})

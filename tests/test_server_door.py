@@ -1,7 +1,8 @@
 """Issue 36: the local SGLang server's door and its key.
 
-No secret at rest or in sight (config hash, dataset.json's config, schema errors, patched.json, the state
-file, the server's log and command line, a start-up failure), a key by default (a random one, kept 0600 in
+No secret at rest or in sight (no config holds the key: it is in a 0600 file `sglang.api_key_file` names, as
+`snakemake --report` reads config files for the report; patched.json, the state file, the server's log
+and command line, a start-up failure hide it), a key by default (a random one, kept 0600 in
 the private state directory, sent by the client), the launcher owns its flags (each `launch_args` override
 refused by name), and the two small ones (`run_name` bounded by the schema, a folder source of the wrong
 kind named). The server is tests/fake_sglang.py, which keeps its door as SGLang 0.5.16 does.
@@ -23,7 +24,7 @@ from conftest import listen_port
 from fake_sglang import expected_states
 
 from hsextract.config.guard import check_source_path
-from hsextract.config.redaction import REDACTED, redact_command, redact_config, redact_text, secret_values
+from hsextract.config.redaction import REDACTED, SECRET_KEYS, redact_command, redact_text
 from hsextract.config.settings import fill_defaults
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
@@ -38,51 +39,113 @@ SPEC = CaptureSpec(aux_layers=AUX, final_state="post_norm")
 KEY = "hsx-door-test-Zq8w1K5vXb3nT7yP"  # a configured key: searched for in every byte written
 
 
-# ---- one list of secrets, one way to hide them ------------------------------------------------------
-def test_redaction_hides_the_secret_keys_and_flags_only() -> None:
-    cfg = {"run_name": "r", "sglang": {"api_key": KEY, "host": "10.0.0.1"}, "model": "m"}
-    red = redact_config(cfg)
-    assert red == {"run_name": "r", "sglang": {"api_key": REDACTED, "host": "10.0.0.1"}, "model": "m"}
-    assert cfg["sglang"]["api_key"] == KEY  # a copy
-    assert redact_config({"sglang": {"api_key": None}}) == {"sglang": {"api_key": None}}  # unset stays unset
-    assert redact_config({"sglang": None}) == {"sglang": None} and redact_config({}) == {}
-    assert secret_values(cfg) == [KEY] and secret_values({"sglang": {"api_key": 12345}}) == ["12345"]
-    assert secret_values({"sglang": {"api_key": 'a"b'}}) == ['a\\"b', 'a"b']  # as JSON quotes it, and as is
+# ---- no secret in a config; one way to hide the key where it travels --------------------------------
+def test_redaction_hides_the_secret_flags_only() -> None:
     assert redact_command(["py", "--api-key", KEY, "--port", "1", "--admin-api-key=x", "--ssl-keyfile-password",
                            "y"]) == ["py", "--api-key", REDACTED, "--port", "1", f"--admin-api-key={REDACTED}",
                                      "--ssl-keyfile-password", REDACTED]
     assert redact_text(f"a {KEY} b {KEY}", [KEY]) == f"a {REDACTED} b {REDACTED}"
 
 
-def test_the_config_hash_is_not_a_trace_of_the_key() -> None:
-    """dataset.json and every shard record the config hash: it hashes the redacted config."""
-    from hsextract.provenance import config_hash
-
-    a = fill_defaults({"sglang": {"api_key": KEY}})
-    b = fill_defaults({"sglang": {"api_key": "another-key"}})
-    assert config_hash(redact_config(a)) == config_hash(redact_config(b)) != config_hash(a)
-    none = fill_defaults({})
-    assert config_hash(redact_config(none)) != config_hash(redact_config(a))  # set or not is no secret
+INLINE_KEY = (
+    "sglang.api_key: a config may not hold the key: `snakemake --report` reads every config file's text for the "
+    "report, and `--config` puts it on the command line. Write the key alone into a file only you can read "
+    "(chmod 600 FILE) and set sglang.api_key_file: FILE, or set neither: each server the workflow starts gets a "
+    "random key"
+)
 
 
-@pytest.mark.parametrize("value", ["-" + KEY, KEY + " x", KEY + "\n", 12345])
-def test_a_schema_error_on_the_key_does_not_print_it(value: object) -> None:
+@pytest.mark.parametrize("value", [KEY, "-" + KEY, KEY + " x", 12345, None, {"a": KEY}])
+def test_a_key_in_a_config_is_refused_before_anything_reads_it(value: object) -> None:
+    """Whatever its value (null too: the key is gone), before the schema could quote it."""
     with pytest.raises(ConfigError) as e:
-        fill_defaults({"sglang": {"api_key": value}})
-    msg = str(e.value)
-    assert msg.startswith("sglang.api_key: ") and str(value).strip() not in msg and REDACTED in msg
-    assert "\n" not in msg
+        fill_defaults({"run_name": "a b", "sglang": {"api_key": value, "tpp": 1}})  # other errors come after
+    assert str(e.value) == INLINE_KEY
+    assert SECRET_KEYS == {"sglang.api_key": "sglang.api_key_file"}
+    assert fill_defaults({"sglang": {"api_key_file": "k"}})["sglang"]["api_key_file"] == "k"
 
 
 def test_the_cli_prints_no_key(tmp_path: Path) -> None:
-    """`hsextract plan` merges config files as the workflow does: its error names the key, not the value."""
+    """`hsextract plan` merges config files as the workflow does: the key in one is refused, never printed."""
     (tmp_path / "c.yaml").write_text(f"sglang: {{api_key: '-{KEY}'}}\n")
     out = subprocess.run([sys.executable, "-m", "hsextract.cli", "plan", "--configfile", "config/kimi.yaml",
                           str(tmp_path / "c.yaml"),
                           "--samples", "10", "--mean-tokens", "100"], capture_output=True, text=True, cwd=ROOT,
                          timeout=300)
-    assert out.returncode != 0 and "sglang.api_key" in out.stderr
+    assert out.returncode != 0 and INLINE_KEY in out.stderr
     assert KEY not in out.stdout + out.stderr
+
+
+def key_file(where: Path, text: str = KEY + "\n", mode: int = 0o600) -> Path:
+    path = where / "api-key"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_the_key_file_holds_the_key_alone_and_only_its_owner_reads_it(tmp_path: Path) -> None:
+    assert keyfile.read_key_file(key_file(tmp_path)) == KEY  # a final newline (echo's) is no part of it
+    assert keyfile.read_key_file(key_file(tmp_path, f"  {KEY}\r\n", 0o400)) == KEY
+    assert keyfile.read_key_file(key_file(tmp_path, "k" * 1000)) == "k" * 1000
+    path = tmp_path / "api-key"
+    for mode in (0o640, 0o604, 0o620, 0o602, 0o610, 0o644):
+        key_file(tmp_path, mode=mode)
+        with pytest.raises(ConfigError) as e:
+            keyfile.read_key_file(path)
+        assert str(e.value) == (f"sglang.api_key_file: {path} has mode {mode:04o}: other users can read or change "
+                                f"the key; run `chmod 600 {path}`")
+    fix = f"write the server's API key alone into it and run `chmod 600 {path}`"
+    path.unlink()
+    with pytest.raises(ConfigError) as e:
+        keyfile.read_key_file(path)
+    assert str(e.value) == f"sglang.api_key_file: {path} does not exist; {fix}"
+    path.mkdir()
+    with pytest.raises(ConfigError) as e:
+        keyfile.read_key_file(path)
+    assert str(e.value) == f"sglang.api_key_file: {path} is not a regular file; {fix}"
+    path.rmdir()
+    os.mkfifo(path, 0o600)  # opened without waiting for a writer
+    with pytest.raises(ConfigError) as e:
+        keyfile.read_key_file(path)
+    assert str(e.value) == f"sglang.api_key_file: {path} is not a regular file; {fix}"
+    path.unlink()
+    for text in ("", "\n", f"-{KEY}", f"{KEY} x", f'{KEY}"', f"{KEY}\\", f"{KEY}\n{KEY}", "k" * 1001, "ké",
+                 "k" * 5000):
+        key_file(tmp_path, text)
+        with pytest.raises(ConfigError) as e:
+            keyfile.read_key_file(path)
+        assert str(e.value) == (
+            f"sglang.api_key_file: {path} does not hold one key: printable ASCII without spaces, quotes or "
+            "backslash, not starting with '-', at most 1,000 characters (the file holds the key alone)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = key_file(tmp_path)
+    os.chown(path, 12345, -1)
+    with pytest.raises(ConfigError) as e:
+        keyfile.read_key_file(path)
+    assert str(e.value) == (f"sglang.api_key_file: {path} belongs to another user (uid 12345), who can read or "
+                            f"change the key; write the server's API key alone into it and run `chmod 600 {path}`")
+
+
+def test_the_config_check_reads_the_key_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At parse time, before any job: a missing or open key file stops the run; a good one passes, and the
+    config (what dataset.json records) names the file, never the key."""
+    from hsextract.config.checks import check
+    from hsextract.sglang import config as sc
+
+    cfg = {**door_config(tmp_path, monkeypatch), "engine": "sglang", "sglang": {"api_key_file": "k/api-key"}}
+    with pytest.raises(ConfigError, match=r"^sglang.api_key_file: k/api-key does not exist; "):
+        check(cfg)
+    (tmp_path / "k").mkdir()
+    key_file(tmp_path / "k", mode=0o644)
+    with pytest.raises(ConfigError, match=r"^sglang.api_key_file: k/api-key has mode 0644: "):
+        check(cfg)
+    (tmp_path / "k/api-key").chmod(0o600)
+    s = check(cfg).settings
+    assert sc.configured_key(s.extract) == KEY and KEY not in json.dumps(dict(s.config))
+    assert check({**cfg, "engine": "transformers"}).settings.extract.sglang.api_key_file == "k/api-key"
 
 
 # ---- the launcher owns the door ---------------------------------------------------------------------
@@ -97,7 +160,7 @@ OVERRIDES = {
     "--tensor-parallel-size": "set `sglang.tp`",
     "--chunked-prefill-size": "set `sglang.chunked_prefill_size`",
     "--trust-remote-code": "set `trust_remote_code: true`",
-    "--api-key": "set `sglang.api_key` (or nothing: each server gets a random key)",
+    "--api-key": "set `sglang.api_key_file` (or nothing: each server gets a random key)",
     "--config": "it passes the API key file; give the file's options as launch_args",
     "--enable-return-hidden-states": "set `sglang.capture`",
     "--enable-return-aux-hidden-states": "set `sglang.capture`",
@@ -351,7 +414,8 @@ def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(compat, "check_installed", lambda py: Report())
     monkeypatch.chdir(tmp_path)
     settings = from_config({**door_config(tmp_path, monkeypatch), "engine": "sglang",
-                            "sglang": {"api_key": KEY, "host": "10.0.0.7", "replicas": 2}}).extract
+                            "sglang": {"api_key_file": str(key_file(tmp_path)), "host": "10.0.0.7",
+                                       "replicas": 2}}).extract
     out = tmp_path / "results/door/server/patched.json"
     info = sc.build_patched(settings, out, repo=ROOT, python=sys.executable, install=False)
     assert KEY.encode() not in out.read_bytes()

@@ -399,8 +399,9 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "transformers.device": {"transformers.device": "auto"},
     "sglang.python": {"sglang.python": sys.executable},
     "sglang.launch_args": {"sglang.launch_args": ["--mem-fraction-static", "0.8"]},
-    "sglang.host": {"sglang.host": "0.0.0.0", "sglang.api_key": "a-secret"},
-    "sglang.api_key": {"sglang.api_key": "a-secret"},
+    # the file is made (mode 0600) by the test below
+    "sglang.host": {"sglang.host": "0.0.0.0", "sglang.api_key_file": "config/api-key"},
+    "sglang.api_key_file": {"sglang.api_key_file": "config/api-key"},
     "sglang.gpus": {"sglang.gpus": [0]},
     "sglang.server_url": {"sglang.server_url": "http://127.0.0.1:30999", "sglang.dump_dir": "dumps"},
     "sglang.servers": {"sglang.servers": ["http://127.0.0.1:30999"], "sglang.dump_dir": "dumps"},
@@ -502,6 +503,8 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         assert plan["prepare"] == 1 and plan["extract"] == N_CHUNKS and plan["manifest"] == 1, plan
 
         shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
+        (wd / "config/api-key").write_text("a-secret\n")
+        (wd / "config/api-key").chmod(0o600)
         # a reference of the tiny model's width, for make_tiny_model: false (a real model's must match it)
         dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
         hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1

@@ -215,20 +215,28 @@ def test_share_prefixes_whole_run_against_a_fake_sglang_server(tmp_path: Path) -
 
 
 def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_path: Path) -> None:
-    """Issue 36, through the workflow: the extraction jobs start the (fake) server themselves, with the
-    configured key in a 0600 file (SGLang's --config), never on its command line; a request without the key is
-    refused; and no byte the run wrote (dataset.json, patched.json, shards, logs, Snakemake's own files) holds
-    the key. `--no-hooks` keeps the server up after the run (onsuccess would stop it) to knock on its door."""
+    """Issue 36, through the workflow: the extraction jobs start the (fake) server themselves, with the key of
+    `sglang.api_key_file` in a 0600 file (SGLang's --config), never on its command line; a request without the
+    key is refused; and no byte the run wrote (dataset.json, patched.json, shards, logs, Snakemake's own files)
+    nor `snakemake --report`'s report.html (Snakemake reads the config files' text for it) holds the key. A key in a
+    config file is refused at parse time, unprinted. `--no-hooks` keeps the server up after the run (onsuccess
+    would stop it) to knock on its door."""
+    import base64
+    import re
     import secrets
 
-    from test_server_door import cmdline, fake_server_python, request
+    from test_server_door import INLINE_KEY, cmdline, fake_server_python, request
 
     from hsextract.config.redaction import REDACTED
     from hsextract.sglang import server as hsrv
 
     key = f"hsx-wf-{secrets.token_hex(16)}"
+    key_file = tmp_path / "secret/api-key"  # outside the workdir: every file in it is searched for the key
+    key_file.parent.mkdir()
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
     wrapper = fake_server_python(tmp_path)
-    wd = sg_workdir(tmp_path, f"sglang: {{python: '{wrapper}', port: {listen_port(4)}, api_key: '{key}', "
+    wd = sg_workdir(tmp_path, f"sglang: {{python: '{wrapper}', port: {listen_port(4)}, api_key_file: '{key_file}', "
                               "concurrency: 4, timeout_s: 30, retries: 1, startup_timeout_s: 120}\n",
                     records=12, per_chunk=6)
     sg = wd / "config/sg.yaml"
@@ -238,6 +246,15 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
     # the server's environment needs no build here: patched.json as rule build_patched_server writes it
     state.mkdir(parents=True)
     (state / "patched.json").write_text(json.dumps({"python": str(wrapper)}))
+    # the key itself in a config file (whose text the report would show): refused before any job, unprinted
+    (tmp_path / "inline.yaml").write_text(f"sglang: {{api_key: '{key}'}}\n")
+    out = smk(wd, "-n", check=False, configfiles=("config/sg.yaml", str(tmp_path / "inline.yaml")))
+    assert out.returncode != 0 and INLINE_KEY in out.stdout + out.stderr and key not in out.stdout + out.stderr
+    key_file.chmod(0o640)
+    out = smk(wd, "-n", check=False, configfiles=("config/sg.yaml",))
+    assert out.returncode != 0 and (f"sglang.api_key_file: {key_file} has mode 0640: other users can read or change "
+                                    f"the key; run `chmod 600 {key_file}`") in out.stdout + out.stderr
+    key_file.chmod(0o600)
     try:
         plan = job_counts(smk(wd, "-n", configfiles=("config/sg.yaml",)).stdout)
         assert "build_patched_server" not in plan and plan["extract"] == 2
@@ -248,14 +265,26 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
                                                        .encode()]
         assert request(h.url, "POST", "/generate", None) == 401
         assert request(h.url, "POST", "/generate", key[:-1]) == 401
+        assert request(h.url, "POST", "/generate", key) != 401  # the key of the file
     finally:
         hsrv.stop_servers(state, grace_s=5)
+    smk(wd, "--report", "report.html", configfiles=("config/sg.yaml",))
     dataset = json.loads((wd / "results/sg-test/dataset.json").read_text())
-    assert dataset["all_valid"] is True and dataset["provenance"]["config"]["sglang"]["api_key"] == REDACTED
+    assert dataset["all_valid"] is True and dataset["provenance"]["config"]["sglang"]["api_key_file"] == str(key_file)
+    assert "api_key" not in dataset["provenance"]["config"]["sglang"]
     log = (state / "replica-0.log").read_text()
     assert f"api_key='{REDACTED}'" in log  # the server printed its settings, key hidden on its way to the log
-    config_file = wd / "config/sg.yaml"
-    written = [f for f in wd.rglob("*") if f.is_file() and not f.is_symlink() and f != config_file]
+    # report.html: no key, in its text (each result's params too) nor in the results it embeds (base64), of
+    # which dataset.json and its config (the key file's name). Snakemake 9.27's HTML reporter renders no config
+    # file, but it reads each one's text for report plugins (ConfigfileRecord): none holds the key either
+    html = (wd / "report.html").read_bytes()
+    assert b"hsextract run <strong>sg-test</strong>" in html and b'"params": "lock=' in html
+    embedded = [base64.b64decode(u) for u in re.findall(rb"base64,([A-Za-z0-9+/=]+)", html)]
+    assert [b for b in embedded if b'"api_key_file": ' + json.dumps(str(key_file)).encode() in b]
+    assert len(embedded) > 5 and all(key.encode() not in b for b in embedded)
+    assert all(key.encode() not in f.read_bytes() for f in (sg, wd / "config/config.yaml"))
+    written = [f for f in wd.rglob("*") if f.is_file() and not f.is_symlink()]
+    assert wd / "report.html" in written and any(".snakemake" in f.parts for f in written)
     assert len(written) > 30 and not (state / "private/replica-0.yaml").exists()
     assert [f for f in written if key.encode() in f.read_bytes()] == []
 

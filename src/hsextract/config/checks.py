@@ -69,6 +69,9 @@ def check_engine(s: Settings) -> None:
         from hsextract.sglang.server import check_launch_args
 
         check_launch_args(s.extract.sglang.launch_args)  # the launcher owns --host, --port, --api-key, ...
+        from hsextract.sglang.config import configured_key
+
+        configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)
         # default only what has run: the SGLang path of share_prefixes is opt-in until a GPU run
         if s.prepare.share_prefixes and not s.extract.sglang.share_prefixes_untested_on_gpu:
             raise ConfigError(
@@ -175,8 +178,8 @@ def check(config: Mapping[str, Any]) -> Plan:
     of the config the workflow hands its jobs (the Snakefile sets them), so both hash alike.
     """
     check_bounded(config)
-    check_remote(config)
-    s = from_config(config)
+    s = from_config(config)  # first the schema (and no secret in the config: hsextract.config.redaction)
+    check_remote(s.config)
     check_tiny_model_path(s)
     check_engine(s)
     shape = model_shape(s.config)

@@ -6,7 +6,7 @@
   on an alias bomb under an unknown key its ValidationError prints the whole config (tests/README.md has
   the figures). So the Snakefile calls this first: it counts the config's values as a tree would, and
   stops at MAX_CONFIG_VALUES without expanding anything.
-- `check_remote`: a non-loopback `sglang.host` needs `sglang.api_key` or an explicit `allow_remote`.
+- `check_remote`: a non-loopback `sglang.host` needs `sglang.api_key_file` or an explicit `allow_remote`.
 - `check_source_path`: a source must be a regular file or a dataset folder; a FIFO would block the record
   count at parse time forever, a device (/dev/zero) would be read without end, and any other folder is
   refused by name before a reader fails on it.
@@ -82,22 +82,22 @@ def is_loopback(host: str) -> bool:
 
 
 def check_remote(config: Mapping[str, Any]) -> None:
-    """A local SGLang server bound to a non-loopback `sglang.host` needs `sglang.api_key`, or an explicit
+    """A local SGLang server bound to a non-loopback `sglang.host` needs `sglang.api_key_file`, or an explicit
     `sglang.allow_remote: true` (then a warning on stderr)."""
     sg = config.get("sglang") or {}
     if config.get("engine") != "sglang" or not isinstance(sg, Mapping):
         return
     host = str(sg.get("host", "127.0.0.1"))
-    if is_loopback(host) or sg.get("api_key"):
+    if is_loopback(host) or sg.get("api_key_file"):
         return
     if sg.get("allow_remote") is True:
-        print(f"hsextract: warning: sglang.host {host} is not a loopback address and sglang.api_key is not set: "
+        print(f"hsextract: warning: sglang.host {host} is not a loopback address and sglang.api_key_file is not set: "
               "anyone who can reach the port can try the server; it requires the random key the launcher makes "
               "(sglang.allow_remote: true)", file=sys.stderr)
         return
     raise ConfigError(
         f"sglang.host: {host} is not a loopback address: the server would accept requests from the network. "
-        "Set sglang.api_key (the servers require it and every client must send it), or sglang.allow_remote: true "
+        "Set sglang.api_key_file (the servers require its key and every client sends it), or sglang.allow_remote: true "
         "to listen there with the random key each server gets (only this user can read it, in "
         "results/<run_name>/server/private/), or use 127.0.0.1."
     )

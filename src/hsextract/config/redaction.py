@@ -1,58 +1,49 @@
-"""Secrets in the config and on command lines: the one list of them, and how every writer hides them.
+"""Secrets: the config keys no config may hold, the server flags whose values are hidden, and how.
 
-`SECRET_KEYS` are the config keys whose values are secrets. Whatever writes or prints the config or a
-server command goes through this module: dataset.json's `provenance.config` and the config hash
-(`redact_config`), schema errors (`redact_text` over `secret_values`), patched.json's `launch`, the
-server's state file and start-up errors (`redact_command`), the server's log (`hsextract.sglang.logscrub`,
-which replaces the key's bytes wherever the server prints them).
+A config never holds a secret (`refuse_secret_keys`). `snakemake --report` reads the text of every config
+file for the report (snakemake/report/__init__.py, 9.27: `ConfigfileRecord` reads each of
+`workflow.configfiles` as it is on disk and hands it to the report plugin; the HTML reporter of 9.27 does not
+render it, a later one or another plugin may), with no hook to hide a value; `--config` puts a value on a
+command line, which every local user reads and cluster job scripts repeat; and Snakemake hands the config to
+every job and report caption (`snakemake.config`). So the one secret, the SGLang server's API key, lives
+in a file of mode 0600 that the config names (`sglang.api_key_file`, read by
+`hsextract.sglang.keyfile.read_key_file`), and what the project writes from the config (dataset.json, the
+config hash, schema errors, report.html) has no secret to hide. What carries the key after that is hidden
+here: patched.json's `launch`, the server's state file and start-up errors (`redact_command`, `redact_text`),
+the server's log (`hsextract.sglang.logscrub`, which replaces the key's bytes wherever the server prints them).
 """
 
 from __future__ import annotations
 
-import copy
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from hsextract.errors import ConfigError
+
 REDACTED = "<redacted>"
-# dotted config keys whose values are secrets
-SECRET_KEYS: tuple[str, ...] = ("sglang.api_key",)
+# dotted config keys that would hold a secret: refused in any config, each with the key that names a file
+# holding it instead
+SECRET_KEYS: dict[str, str] = {"sglang.api_key": "sglang.api_key_file"}
 # SGLang server flags whose value is a secret (the launcher never passes them; a command read from
 # elsewhere is shown with their values hidden)
 SECRET_FLAGS: tuple[str, ...] = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
+_ABSENT = object()
 
 
-def _lookup(config: Mapping[str, Any], dotted: str) -> tuple[Mapping[str, Any] | None, str]:
-    """(the mapping that holds the last part of `dotted`, that part); (None, part) when a level is missing."""
-    *parents, last = dotted.split(".")
-    node: Any = config
-    for part in parents:
-        node = node.get(part) if isinstance(node, Mapping) else None
-    return (node if isinstance(node, Mapping) else None), last
-
-
-def secret_values(config: Mapping[str, Any]) -> list[str]:
-    """The values of SECRET_KEYS that `config` sets, as text and as quoted text shows them (Python's repr,
-    JSON: a message that quotes the value escapes a newline or a quote), longest first."""
-    out = set()
-    for key in SECRET_KEYS:
-        node, last = _lookup(config, key)
-        value = node.get(last) if node is not None else None
-        if value is not None and str(value):
-            text = str(value)
-            out |= {text, repr(text)[1:-1], json.dumps(text)[1:-1]}
-    return sorted(out, key=len, reverse=True)
-
-
-def redact_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """A deep copy of `config` with every secret that is set replaced by REDACTED (null stays null: whether a
-    key was configured is not a secret)."""
-    out = copy.deepcopy(dict(config))
-    for key in SECRET_KEYS:
-        node, last = _lookup(out, key)
-        if node is not None and node.get(last) is not None:
-            node[last] = REDACTED  # type: ignore[index] - a copy's dict
-    return out
+def refuse_secret_keys(config: Mapping[str, Any]) -> None:
+    """ConfigError when `config` sets any of SECRET_KEYS (even to null: the key is gone), before anything
+    (a schema error, a hash, a writer) could show its value; the message never holds the value."""
+    for key, file_key in SECRET_KEYS.items():
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+        if node is not _ABSENT:
+            raise ConfigError(
+                f"{key}: a config may not hold the key: `snakemake --report` reads every config file's text "
+                "for the report, and `--config` puts it on the command line. Write the key alone into a file "
+                f"only you can read (chmod 600 FILE) and set {file_key}: FILE, or set neither: each server the "
+                "workflow starts gets a random key"
+            )
 
 
 def redact_command(cmd: Sequence[str]) -> list[str]:

@@ -86,7 +86,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "sglang.python": ("build_patched_server",),  # the interpreter the plugin is installed into
     "sglang.launch_args": OPERATIONAL,
     "sglang.host": OPERATIONAL,
-    "sglang.api_key": OPERATIONAL,  # a secret: never a param (params are stored in .snakemake/metadata)
+    "sglang.api_key_file": OPERATIONAL,  # the key's file (the key is no config key, hsextract.config.redaction)
     "sglang.allow_remote": OPERATIONAL,
     "sglang.port": OPERATIONAL,
     "sglang.tp": OPERATIONAL,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import difflib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import MappingProxyType
@@ -34,7 +34,7 @@ from typing import Any
 from hsextract.capture import explicit_layers, resolve_aux_layers
 from hsextract.config.guard import check_bounded
 from hsextract.config.model_info import model_shape
-from hsextract.config.redaction import redact_config, redact_text, secret_values
+from hsextract.config.redaction import refuse_secret_keys
 from hsextract.errors import ConfigError
 from hsextract.provenance import config_hash
 
@@ -102,7 +102,7 @@ class SGLangSettings:
     python: str | None
     launch_args: tuple[str, ...]
     host: str
-    api_key: str | None = field(repr=False)  # a secret (hsextract.config.redaction)
+    api_key_file: str | None  # the key's file: a config holds no secret (hsextract.config.redaction)
     allow_remote: bool
     port: int
     tp: int
@@ -210,7 +210,7 @@ class Settings:
 
     @property
     def config_hash(self) -> str:
-        """The hash every shard and dataset.json record (of the filled config, secrets redacted)."""
+        """The hash every shard and dataset.json record (of the filled config, which holds no secret)."""
         return self.extract.config_hash
 
 
@@ -273,14 +273,13 @@ def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     A violation is a ConfigError naming the key (dotted, with list indices) and what the schema allows.
     """
     check_bounded(config)  # before jsonschema walks (and its messages print) an alias-expanded tree
+    refuse_secret_keys(config)  # before a schema message could quote a secret
     filled = copy.deepcopy(dict(config))
     errors = sorted(_validator().iter_errors(filled), key=lambda e: [str(p) for p in e.absolute_path])
     if errors:
         e = errors[0]
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e.absolute_path).lstrip(".")
-        # jsonschema quotes the value: never a secret's
-        raise ConfigError(redact_text(f"{_message(where, e)} (workflow/schemas/config.schema.yaml)",
-                                      secret_values(filled)))
+        raise ConfigError(f"{_message(where, e)} (workflow/schemas/config.schema.yaml)")
     return filled
 
 
@@ -312,7 +311,7 @@ def _section(cls: type, values: Mapping[str, Any], **override: Any) -> Any:
 def from_config(config: Mapping[str, Any]) -> Settings:
     """The settings tree of a workflow config (missing keys take the schema's defaults)."""
     c = fill_defaults(config)
-    digest = config_hash(redact_config(c))  # a secret is no data; its hash would be a trace of it
+    digest = config_hash(c)  # no secret in it (fill_defaults refuses one)
     given = explicit_layers(c)  # hidden_states ids; a list must say its convention
     aux: tuple[int, ...] | None = None
     if given is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers, provenance
-from hsextract.config.redaction import redact_config
 from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
 from hsextract.prepare.prefix_share import share_saving, stored_tokens
@@ -144,6 +143,6 @@ def build_manifest(
             "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.extract.tokenizer_dir),
             "chat_template_hash": meta.get("chat_template_hash"),
             "prepare": {k: v for k, v in prep.items() if k != "dropped"},
-            "config": redact_config(s.config),  # dataset.json is shared with the data: no secret in it
+            "config": dict(s.config),  # holds no secret (hsextract.config.redaction): shared with the data
         },
     }

@@ -87,6 +87,14 @@ def build_python(python: str | None, conda_env: bool) -> str:
     )
 
 
+def configured_key(settings: ExtractSettings) -> str | None:
+    """The key in the file `sglang.api_key_file` names (read each time: no copy of it is kept); None: unset."""
+    from hsextract.sglang.keyfile import read_key_file
+
+    path = settings.sglang.api_key_file
+    return read_key_file(path) if path is not None else None
+
+
 def server_config_from(settings: ExtractSettings, root: str | Path = ".", python: str | None = None) -> Any:
     """The ServerConfig of local replicas."""
     from hsextract.sglang.server import ServerConfig
@@ -98,7 +106,7 @@ def server_config_from(settings: ExtractSettings, root: str | Path = ".", python
         python=python or server_python(settings, root),
         final_state=settings.final_state,
         host=s.host,
-        api_key=s.api_key,
+        api_key=configured_key(settings),
         port=s.port,
         tp=s.tp,
         replicas=s.replicas,
@@ -142,7 +150,7 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
         backoff_s=float(s.backoff_s),
         run_name=settings.run_name,
         chunk=chunk,
-        api_key=s.api_key if urls else None,
+        api_key=configured_key(settings) if urls else None,
         share_prefixes=settings.share_prefixes,
     )
 

@@ -12,22 +12,30 @@ SGLang would not read the key from anyway.
 
 The file stays while the server runs: a later extraction job reuses the server and reads the key from it
 (its client sends `Authorization: Bearer <key>`). `stop_servers` removes it.
+
+A configured key comes the same way, from a file: `sglang.api_key_file` names a file of the user's, mode 0600,
+that holds the key alone (`read_key_file`); a config never holds the key itself (hsextract.config.redaction
+says why: `snakemake --report` reads config files for the report, `--config` is a command line).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import stat
 from pathlib import Path
 
 from hsextract.atomic import write_bytes_atomic
-from hsextract.errors import EngineError
+from hsextract.errors import ConfigError, EngineError
 
 KEY_DIR = "private"
 FILE_KEY = "api-key"  # the key's name in SGLang's --config file (its flag without the dashes)
 _MAX_BYTES = 4096
+# a configured key: printable ASCII without spaces, quotes or backslash (it travels in an HTTP header and a YAML
+# string), not starting with '-' (SGLang's argparse would read a flag), at most 1,000 characters
+KEY_PATTERN = re.compile(r"[!#-&(-,.-\[\]-~][!#-&(-\[\]-~]{0,999}")
 _OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -88,3 +96,37 @@ def read_key(path: Path) -> str | None:
 
 def remove_key(path: Path) -> None:
     path.unlink(missing_ok=True)
+
+
+def read_key_file(path: str | os.PathLike[str]) -> str:
+    """The key in the file config `sglang.api_key_file` names: a regular file of this user's, readable by its
+    owner only, holding the key alone (surrounding whitespace, a final newline, ignored). ConfigError naming the
+    config key and what to do otherwise; no message holds the file's text."""
+    key = "sglang.api_key_file"
+    fix = f"write the server's API key alone into it and run `chmod 600 {path}`"
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))  # FIFO: no wait
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: {path} does not exist; {fix}") from None
+    except OSError as e:
+        raise ConfigError(f"{key}: {path} cannot be read ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{key}: {path} is not a regular file; {fix}")
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"{key}: {path} belongs to another user (uid {st.st_uid}), who can read or change "
+                              f"the key; {fix}")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"{key}: {path} has mode {stat.S_IMODE(st.st_mode):04o}: other users can read or "
+                              f"change the key; run `chmod 600 {path}`")
+        data = os.read(fd, _MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    text = data.decode("ascii", errors="replace").strip() if len(data) <= _MAX_BYTES else ""
+    if not KEY_PATTERN.fullmatch(text):
+        raise ConfigError(
+            f"{key}: {path} does not hold one key: printable ASCII without spaces, quotes or backslash, not "
+            "starting with '-', at most 1,000 characters (the file holds the key alone)"
+        )
+    return text

@@ -18,11 +18,12 @@ gpus[r*tp:(r+1)*tp] through CUDA_VISIBLE_DEVICES; chunk i goes to replica i % re
 `server_url` nothing is started: `external_server(url, dump_dir)` wraps a server that runs elsewhere
 (on this node: the dump directory must be visible here).
 
-The door: each server started here requires an API key (config `sglang.api_key`, else a random one), which
-reaches it through a 0600 file named by SGLang's `--config` (hsextract.sglang.keyfile says why not a flag or
-the environment); its output reaches its log through hsextract.sglang.logscrub, which hides the key. The
-launcher owns the flags that decide where the server listens and what it captures: `sglang.launch_args` may
-not set them (LAUNCHER_FLAGS), and a non-loopback host without a key file is refused (build_command).
+The door: each server started here requires an API key (the one in the file `sglang.api_key_file` names,
+else a random one), which reaches it through a 0600 file named by SGLang's `--config` (hsextract.sglang.keyfile
+says why not a flag or the environment); its output reaches its log through hsextract.sglang.logscrub, which
+hides the key. The launcher owns the flags that decide where the server listens and what it captures:
+`sglang.launch_args` may not set them (LAUNCHER_FLAGS), and a non-loopback host without a key file is refused
+(build_command).
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class ServerConfig:
     python: str = sys.executable  # the server environment's interpreter
     final_state: str = field(kw_only=True)  # no default, as CaptureSpec's: the server's and the client's must agree
     host: str = "127.0.0.1"
-    # config sglang.api_key: the key the server requires; None: ensure_server makes a random one. It reaches
-    # the server in a 0600 file (hsextract.sglang.keyfile), never on the command line, in a log or a state file
+    # the key the server requires (read from the file config sglang.api_key_file names); None: ensure_server makes
+    # a random one. It reaches the server in a 0600 file (hsextract.sglang.keyfile), never on the command line, in
+    # a log or a state file
     api_key: str | None = field(default=None, repr=False)
     port: int = 30000
     tp: int = 1
@@ -168,7 +170,7 @@ LAUNCHER_FLAGS: dict[str, str] = {
     "--tensor-parallel-size": "set `sglang.tp`",
     "--chunked-prefill-size": "set `sglang.chunked_prefill_size`",
     "--trust-remote-code": "set `trust_remote_code: true`",
-    "--api-key": "set `sglang.api_key` (or nothing: each server gets a random key)",
+    "--api-key": "set `sglang.api_key_file` (or nothing: each server gets a random key)",
     "--config": "it passes the API key file; give the file's options as launch_args",
     "--enable-return-hidden-states": "set `sglang.capture`",
     "--enable-return-aux-hidden-states": "set `sglang.capture`",
@@ -207,7 +209,7 @@ def build_command(cfg: ServerConfig, replica: int = 0, key_file: str | os.PathLi
         raise ConfigError(
             f"sglang.host: {cfg.host} is not a loopback address: a server there needs an API key file"
             if not is_loopback(cfg.host) else
-            "sglang.api_key reaches the server in a key file (build_command(cfg, replica, key_file)), never on "
+            "the API key reaches the server in a key file (build_command(cfg, replica, key_file)), never on "
             "its command line"
         )
     cmd = [cfg.python, "-m", cfg.module, "--model-path", cfg.model, "--host", cfg.host,
