@@ -3,7 +3,7 @@
 # Kimi-K2.5 checkpoint, and the embedded default with engine: sglang.
 #   bash bench/gpu/run_production.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
-# E_ONLY=1 runs step e alone (e1, then e2 if e1 crashed), with no production server on the GPU beside it.
+# E_ONLY=1 runs step e alone (e1, then e2 if e1 crashed); without it, steps a-d and no e.
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -27,8 +27,8 @@
 #          only the chunks whose extract job Snakemake had not finished must run (a shard renamed into place
 #          just before a kill, its job not yet registered, counts as incomplete and reruns too)
 #   c      one shard deleted, the command again: that chunk alone, and what depends on it
-#   e1     (beside a-c once a's first shard is written, in a copy of the checkout, port 31000) the embedded
-#          default with engine: sglang: the workflow's own tiny DeepseekV3 (make_tiny_model), `snakemake
+#   e1     (only with E_ONLY=1, alone: a server started beside a-c's crashed both at warm-up, 2026-12-05; in a
+#          copy of the checkout, port 31000) the embedded default with engine: sglang: the workflow's own tiny DeepseekV3 (make_tiny_model), `snakemake
 #          --cores 8 --resources gpu=1 --configfile config/sglang-default.yaml`
 #   e2     only if e1's server hit "illegal memory access" (issue 34 item 3): the same with the tiny model's
 #          MLA widths set to the small DeepseekV3 of mk_models.py (qk_nope_head_dim 64, v_head_dim 64,
@@ -224,14 +224,14 @@ e_steps() {
       "the tiny model with the small DeepseekV3's MLA widths (qk_nope_head_dim 64, v_head_dim 64, q_lora_rank 64)"
   fi
 }
-e_steps &
-E_PID=$!
+E_PID=
+if [ -n "${E_ONLY:-}" ]; then e_steps & E_PID=$!; fi
 
 finish() {
   local rc=$?
   # e's Snakemake (its own session) and the e steps, if the budget ran out before them
   [ -f /tmp/prod-e.pid ] && kill -TERM -- "-$(cat /tmp/prod-e.pid)" 2>/dev/null || true
-  kill "$E_PID" 2>/dev/null || true
+  [ -n "$E_PID" ] && kill "$E_PID" 2>/dev/null || true
   for d in "$RUN/server" "$EWD/results/tiny-default/server" "$EWD/results/tiny-v1/server"; do
     [ -d "$d" ] && { "$PY" -m hsextract.sglang.server stop "$d" >/dev/null 2>&1 || true; }
   done
@@ -258,7 +258,7 @@ PYEOF
 }
 trap finish EXIT
 # E_ONLY=1: step e alone on the machine (no production server beside it), then stop
-if [ -n "${E_ONLY:-}" ]; then wait "$E_PID" || true; exit 0; fi
+if [ -n "${E_ONLY:-}" ]; then [ -z "$E_PID" ] || wait "$E_PID" || true; exit 0; fi
 
 # ---- a: the production command from a clean state -------------------------------------------------------------
 smk a $(( $(left) - 200 > 120 ? $(left) - 200 : 120 )) "${CMD[@]}"
@@ -357,5 +357,5 @@ else
   log "c: SKIPPED (budget: $(left) s left, or no shard 2)"; record c 0 0 "-" "SKIPPED"
 fi
 
-wait "$E_PID" || true
+[ -z "$E_PID" ] || wait "$E_PID" || true
 log "done: shards [$(shards)], dataset all_valid: $(all_valid)"
