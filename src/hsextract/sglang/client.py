@@ -355,7 +355,6 @@ class _Admission:
         total = sum(len(p.input_ids) for p in items)
         self.budget = window * -(-total // max(1, len(items))) if shared else None
         self.held = self.held_rows = 0  # admitted and not yet yielded: prompts, rows
-        self.admitted = [False] * len(items)
 
     def admit(self, running: int) -> Iterator[int]:
         """The positions to send now, given `running` requests in flight."""
@@ -367,7 +366,6 @@ class _Admission:
                 if self.budget is not None and (running >= self.window or self.held_rows + self.cost[k] > self.budget):
                     return
             heapq.heappop(self.ready)
-            self.admitted[k] = True
             self.held += 1
             self.held_rows += self.cost[k]
             running += 1
