@@ -407,11 +407,11 @@ class ShardReader:
         return b"".join(parts)
 
     def _decode(self, i: int, rec: memoryview, pool: ThreadPoolExecutor | None = None,
-                shared: bool = False, rows: int | None = None) -> Sample:
+                shared: bool = False) -> Sample:
         """The sample of record i, its header already checked. Serially: payload checksum, then decode. With a
         pool: the hidden tensors decode on it while this thread checks the payload checksum and decodes ids
         and mask; nothing is returned unless the checksum matches (decoding unchecked bytes is safe: frame
-        sizes were parsed and bounded first). `rows`: the hidden tensors' first `rows` own rows only."""
+        sizes were parsed and bounded first)."""
         if pool is None:
             self._check_payload(i, rec)
         try:
@@ -423,7 +423,7 @@ class ShardReader:
         jobs = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
-            futures = [pool.submit(self._decode_unit, i, unit, own, shared, rows) for unit in jobs[2:]]
+            futures = [pool.submit(self._decode_unit, i, unit, own, shared) for unit in jobs[2:]]
             try:
                 self._check_payload(i, rec)  # a damaged record is reported as such, whatever its frames do
                 head = [self._decode_unit(i, unit, seq, shared) for unit in jobs[:2]]
@@ -431,15 +431,14 @@ class ShardReader:
                 wait(futures)
             tensors = head + [f.result() for f in futures]
         else:
-            tensors = [self._decode_unit(i, unit, seq if u < 2 else own, shared, None if u < 2 else rows)
-                       for u, unit in enumerate(jobs)]
+            tensors = [self._decode_unit(i, unit, seq if u < 2 else own, shared) for u, unit in enumerate(jobs)]
         return {"input_ids": tensors[0], "hidden_states": tensors[2:], "loss_mask": tensors[1]}
 
     def _decode_unit(self, i: int, unit: list[tuple[dict[str, Any], list[memoryview]]], seq: int,
-                     shared: bool, rows: int | None = None) -> torch.Tensor:
+                     shared: bool) -> torch.Tensor:
         if len(unit) == 1:
-            return self._decode_piece(i, *unit[0], seq, shared, rows)
-        q, scale = (self._decode_piece(i, piece, frames, seq, rows=rows) for piece, frames in unit)
+            return self._decode_piece(i, *unit[0], seq, shared)
+        q, scale = (self._decode_piece(i, piece, frames, seq) for piece, frames in unit)
         out = _shared_bytes(q.numel() * self._out_dtype.itemsize).view(self._out_dtype).view(q.shape) \
             if shared else None
         return dequantize_fp8(q, scale, self._out_dtype, out)
