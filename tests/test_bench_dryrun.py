@@ -104,18 +104,23 @@ def test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin(
     assert md.count("PASS") == 3 and "### llama: PASS (checks: sample, aux [2, 3, 4, 5, 6])" in md
 
 
-def run_fidelity_sglang(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+def run_gpu_script_on_fake(tmp_path: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """bench/gpu/`script` on mk_models' tiny Llama, its server tests/fake_sglang.py, on the CPU."""
     models, out = tmp_path / "models", tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", HSX_DEVICE="cpu")
     subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "mk_models.py"), str(models), "--only", "llama"],
                    env=env, capture_output=True, text=True, timeout=600, check=True)
     r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu" / "fidelity.py"), "--model", str(models / "llama"), "--name", "f",
-         "--aux", "dflash", "--state", str(tmp_path / "state"), "--out", str(out), "--n", "4", "--max-len", "48",
-         "--alone", "2", "--direct-hf", "2", "--server-module", "fake_sglang", "--startup-timeout", "120",
-         "--port", str(listen_port(1))],
+        [sys.executable, str(ROOT / "bench" / "gpu" / script), "--model", str(models / "llama"),
+         "--state", str(tmp_path / "state"), "--out", str(out), "--server-module", "fake_sglang",
+         "--startup-timeout", "120", *args],
         env=env, capture_output=True, text=True, timeout=900, check=False)
     return r, out
+
+
+def run_fidelity_sglang(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
+    return run_gpu_script_on_fake(tmp_path, "fidelity.py", "--name", "f", "--aux", "dflash", "--n", "4",
+                                  "--max-len", "48", "--alone", "2", "--direct-hf", "2", "--port", str(listen_port(1)))
 
 
 def test_fidelity_sglang_path_plumbing_against_the_fake_server(
@@ -199,20 +204,10 @@ def test_read_bench_dry_run_reads_the_chosen_stores_only(
     assert "| decode_threads |" not in md
 
 
-# each test's bench run, all started in the background by the first of them (conftest.scenarios_started), the
-# longest first: two at a time, they overlap
 def run_shared_prefix_bench(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], Path]:
-    models, out = tmp_path / "models", tmp_path / "out"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'src'}:{ROOT / 'tests'}", HSX_DEVICE="cpu")
-    subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "mk_models.py"), str(models), "--only", "llama"],
-                   env=env, capture_output=True, text=True, timeout=600, check=True)
-    r = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu" / "shared_prefix.py"), "--model", str(models / "llama"), "--name",
-         "sp", "--state", str(tmp_path / "state"), "--out", str(out), "--server-module", "fake_sglang", "--convs", "4",
-         "--turns", "3", "--decl", "80", "--concurrency", "4", "--reference", "2", "--startup-timeout", "120",
-         "--port", str(listen_port(2))],
-        env=env, capture_output=True, text=True, timeout=900, check=False)
-    return r, out
+    return run_gpu_script_on_fake(tmp_path, "shared_prefix.py", "--name", "sp", "--convs", "4", "--turns", "3",
+                                  "--decl", "80", "--concurrency", "4", "--reference", "2",
+                                  "--port", str(listen_port(2)))
 
 
 def test_shared_prefix_bench_plumbing_against_the_fake_server(
@@ -237,6 +232,8 @@ def test_shared_prefix_bench_plumbing_against_the_fake_server(
     assert r.returncode == 1 and "### sp: FAIL" in (out / "shared-prefix-sp.md").read_text()
 
 
+# each test's bench run, all started in the background by the first of them (conftest.scenarios_started), the
+# longest first: two at a time, they overlap
 SCENARIOS = {
     "test_shared_prefix_bench_plumbing_against_the_fake_server": run_shared_prefix_bench,
     "test_fidelity_script_dry_run_runs_every_model_and_its_routing_fixed_twin": run_fidelity_script,
