@@ -1,4 +1,4 @@
-"""Kimi-K2.5's configuration class, in miniature (written by hsextract.kimi_k25_checkpoint).
+"""Kimi-K2.5's configuration class, in miniature (written by hsextract.tinymodel.kimi_k25_checkpoint).
 
 Kimi-K2.5's config.json maps AutoConfig (`auto_map`) to `configuration_kimi_k25.KimiK25Config`, so
 `AutoConfig.from_pretrained(dir, trust_remote_code=True)` (SGLang's config parser and its processor loader

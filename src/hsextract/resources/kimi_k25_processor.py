@@ -1,4 +1,4 @@
-"""Kimi-K2.5's processor, in miniature (written by hsextract.kimi_k25_checkpoint).
+"""Kimi-K2.5's processor, in miniature (written by hsextract.tinymodel.kimi_k25_checkpoint).
 
 preprocessor_config.json maps AutoProcessor to `kimi_k25_processor.KimiK25Processor`, as Kimi-K2.5's does:
 the image processor (KimiK25VisionProcessor, also reachable as `media_processor`, the name SGLang reads) and

@@ -1,4 +1,4 @@
-"""Kimi-K2.5's image processor, in miniature (written by hsextract.kimi_k25_checkpoint).
+"""Kimi-K2.5's image processor, in miniature (written by hsextract.tinymodel.kimi_k25_checkpoint).
 
 preprocessor_config.json maps AutoImageProcessor to `kimi_k25_vision_processing.KimiK25VisionProcessor` and
 holds its settings under `media_proc_cfg`, as Kimi-K2.5's does. SGLang's Kimi-K2.5 multimodal processor
