@@ -92,7 +92,7 @@ def test_loads_offline_with_kimi_shape(built: tuple[Path, Path]) -> None:
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
     assert (cfg.num_hidden_layers, cfg.hidden_size) == (4, 128)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (
-        128, 256, 32, 32, 32,  # kv_lora + rope = 288: a width SGLang's triton MLA kernels take
+        128, 512, 128, 64, 128,  # Kimi-K2.5's head widths: SGLang's MLA kernels for 192 and 576
     )
     assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts, cfg.first_k_dense_replace) == (
         8, 2, 1, 1,

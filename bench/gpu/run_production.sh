@@ -3,7 +3,8 @@
 # Kimi-K2.5 checkpoint, and the embedded default with engine: sglang.
 #   bash bench/gpu/run_production.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
-# E_ONLY=1 runs step e alone (e1, then e2 if e1 crashed); without it, steps a-d and no e.
+# E_ONLY=1 runs step e1 alone; without it, steps a-d and no e. SKIP_D=1 leaves out the
+# report and d (fidelity); SKIP_C=1 leaves out c. b fits a call after a only with both (SKIP_D=1 SKIP_C=1).
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -26,13 +27,11 @@
 #   b-rerun the same command (after `snakemake --unlock` if Snakemake reports the lock left by the kill):
 #          only the chunks whose extract job Snakemake had not finished must run (a shard renamed into place
 #          just before a kill, its job not yet registered, counts as incomplete and reruns too)
-#   c      one shard deleted, the command again: that chunk alone, and what depends on it
-#   e1     (only with E_ONLY=1, alone: a server started beside a-c's crashed both at warm-up, 2026-12-05; in a
-#          copy of the checkout, port 31000) the embedded default with engine: sglang: the workflow's own tiny DeepseekV3 (make_tiny_model), `snakemake
-#          --cores 8 --resources gpu=1 --configfile config/sglang-default.yaml`
-#   e2     only if e1's server hit "illegal memory access" (issue 34 item 3): the same with the tiny model's
-#          MLA widths set to the small DeepseekV3 of mk_models.py (qk_nope_head_dim 64, v_head_dim 64,
-#          q_lora_rank 64), which served in every run
+#   c      (before b, which needs the rest of the budget) one shard deleted, the command again: that chunk
+#          alone, and what depends on it
+#   e1     (only with E_ONLY=1, alone; in a copy of the checkout, port 31000) the embedded default with engine:
+#          sglang: the workflow's own tiny DeepseekV3 (make_tiny_model), `snakemake --cores 8 --resources gpu=1
+#          --configfile config/sglang-default.yaml`
 # Results: production.md (every step: command, rc, seconds, the jobs it ran, verdict; the fidelity table),
 # steps.json, fidelity.json, logs/<step>.log (Snakemake's output), server logs, report.html, run.log,
 # machine.txt (packed into all.tgz on exit, production.md and run.log beside it).
@@ -201,28 +200,6 @@ e_steps() {
   log "e1: rc $rc in $secs s; $verdict (tiny model vocab $vocab)"
   record e1 "$rc" "$secs" "cd <copy>; snakemake --cores 8 --resources gpu=1 --configfile config/sglang-default.yaml" \
     "$verdict" "the workflow's own tiny DeepseekV3 (make_tiny_model, tiny_model_tokenizer kimi: vocab $vocab), engine sglang; server log: server-e1.log"
-  if [ "$crash" = yes ] && [ "$(left)" -gt 150 ]; then
-    "$PY" -c "from hsextract.tinymodel.build import make_tiny_model; make_tiny_model('$EWD/resources/tiny-v1', \
-'data/conversations.jsonl', tokenizer='kimi', qk_nope_head_dim=64, v_head_dim=64, q_lora_rank=64)" \
-      >"$OUT/logs/e2-model.log" 2>&1 || true
-    printf 'run_name: tiny-v1\nmake_tiny_model: false\nmodel: resources/tiny-v1\n' >"$EWD/config/tiny-v1.yaml"
-    t=$SECONDS
-    set +e
-    (cd "$EWD" && exec setsid timeout -k 20 $(( $(left) - 20 )) snakemake --cores 8 --resources gpu=1 \
-       --configfile config/sglang-default.yaml config/tiny-v1.yaml) >"$OUT/logs/e2.log" 2>&1 &
-    echo $! >/tmp/prod-e.pid; wait $!
-    rc=$?
-    set -e
-    secs=$((SECONDS - t))
-    srv=$(ls "$EWD"/results/tiny-v1/server/replica-*.log 2>/dev/null | head -n 1 || true)
-    [ -n "$srv" ] && tail -c 150000 "$srv" >"$OUT/server-e2.log"
-    crash=no; grep -qs "illegal memory access" "$OUT/logs/e2.log" "$OUT/server-e2.log" && crash=yes
-    valid=$("$PY" -c "import json; print(json.load(open('$EWD/results/tiny-v1/dataset.json')).get('all_valid'))" 2>/dev/null || echo missing)
-    verdict="dataset all_valid: $valid; illegal memory access: $crash"
-    log "e2: rc $rc in $secs s; $verdict"
-    record e2 "$rc" "$secs" "... --configfile config/sglang-default.yaml config/tiny-v1.yaml" "$verdict" \
-      "the tiny model with the small DeepseekV3's MLA widths (qk_nope_head_dim 64, v_head_dim 64, q_lora_rank 64)"
-  fi
 }
 E_PID=
 if [ -n "${E_ONLY:-}" ]; then e_steps & E_PID=$!; fi
@@ -232,7 +209,7 @@ finish() {
   # e's Snakemake (its own session) and the e steps, if the budget ran out before them
   [ -f /tmp/prod-e.pid ] && kill -TERM -- "-$(cat /tmp/prod-e.pid)" 2>/dev/null || true
   [ -n "$E_PID" ] && kill "$E_PID" 2>/dev/null || true
-  for d in "$RUN/server" "$EWD/results/tiny-default/server" "$EWD/results/tiny-v1/server"; do
+  for d in "$RUN/server" "$EWD/results/tiny-default/server"; do
     [ -d "$d" ] && { "$PY" -m hsextract.sglang.server stop "$d" >/dev/null 2>&1 || true; }
   done
   for f in "$RUN"/server/replica-*.log; do [ -f "$f" ] && tail -c 150000 "$f" >"$OUT/server-production.log"; done
@@ -267,12 +244,12 @@ N_CHUNKS=$(field "$(jobs_of a)" "d['by_rule'].get('extract', 0)")
 record a "$RC" "$SECS" "${CMD[*]}" "shards: $A_SHARDS; dataset all_valid: $(all_valid)"
 
 # ---- report (background) and d: fidelity -------------------------------------------------------------------------
-( t=$SECONDS; set +e
+[ -n "${SKIP_D:-}" ] || ( t=$SECONDS; set +e
   timeout -k 10 120 snakemake --report "$OUT/report.html" "${CFG[@]}" >"$OUT/logs/report.log" 2>&1; r=$?
   record report "$r" $((SECONDS - t)) "snakemake --report report.html ${CFG[*]}" \
     "$( [ -s "$OUT/report.html" ] && echo "report.html $(stat -c %s "$OUT/report.html") bytes" || echo "no report" )" ) &
 REPORT_PID=$!
-if [ -n "$A_SHARDS" ] && [ "$(left)" -gt 60 ]; then
+if [ -z "${SKIP_D:-}" ] && [ -n "$A_SHARDS" ] && [ "$(left)" -gt 60 ]; then
   t=$SECONDS
   set +e
   timeout -k 10 $(( $(left) > 150 ? 120 : $(left) - 30 )) "$PY" "$HERE/production_tools.py" fidelity --run "$RUN" \
@@ -284,6 +261,20 @@ if [ -n "$A_SHARDS" ] && [ "$(left)" -gt 60 ]; then
     "$( [ "$r" = 0 ] && echo PASS || echo FAIL ) (fidelity.json)"
 fi
 wait "$REPORT_PID" || true
+
+# ---- c: one shard deleted, the same command ----------------------------------------------------------------------
+if [ -z "${SKIP_C:-}" ] && [ "$(left)" -gt 240 ] && [ -f "$RUN/shards/chunk-00002.hss" ]; then
+  rm "$RUN/shards/chunk-00002.hss"
+  smk c 150 "${CMD[@]}"
+  RAN=$(field "$(jobs_of c)" "' '.join(d['extract_chunks'])")
+  BYRULE=$(field "$(jobs_of c)" "d['by_rule']")
+  OK=$([ "$RAN" = "00002" ] && echo "chunk 2 alone was extracted" || echo "MISMATCH: extract ran [$RAN]")
+  [ "$RC" = 0 ] || OK="rc $RC; $OK"
+  record c "$RC" "$SECS" "rm $RUN/shards/chunk-00002.hss; ${CMD[*]}" "$OK; dataset all_valid: $(all_valid)" \
+    "jobs: $BYRULE"
+else
+  log "c: SKIPPED (budget: $(left) s left, or no shard 2)"; record c 0 0 "-" "SKIPPED"
+fi
 
 # ---- b: kill -9 in the middle of an extract, then the same command ---------------------------------------------
 if [ "$(left)" -gt 150 ] && [ -n "$A_SHARDS" ]; then
@@ -341,20 +332,6 @@ PYEOF
     "extract chunks that ran: [$RAN] (reasons: $(field "$(jobs_of $NAME)" "d['extract_reasons']")); unfinished at the kill: [$EXPECT]"
 else
   log "b: SKIPPED (budget: $(left) s left)"; record b-kill 0 0 "-" "SKIPPED (budget)"
-fi
-
-# ---- c: one shard deleted, the same command ----------------------------------------------------------------------
-if [ "$(left)" -gt 90 ] && [ -f "$RUN/shards/chunk-00002.hss" ]; then
-  rm "$RUN/shards/chunk-00002.hss"
-  smk c $(( $(left) - 15 > 60 ? $(left) - 15 : 60 )) "${CMD[@]}"
-  RAN=$(field "$(jobs_of c)" "' '.join(d['extract_chunks'])")
-  BYRULE=$(field "$(jobs_of c)" "d['by_rule']")
-  OK=$([ "$RAN" = "00002" ] && echo "chunk 2 alone was extracted" || echo "MISMATCH: extract ran [$RAN]")
-  [ "$RC" = 0 ] || OK="rc $RC; $OK"
-  record c "$RC" "$SECS" "rm $RUN/shards/chunk-00002.hss; ${CMD[*]}" "$OK; dataset all_valid: $(all_valid)" \
-    "jobs: $BYRULE"
-else
-  log "c: SKIPPED (budget: $(left) s left, or no shard 2)"; record c 0 0 "-" "SKIPPED"
 fi
 
 [ -z "$E_PID" ] || wait "$E_PID" || true

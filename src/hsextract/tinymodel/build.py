@@ -60,11 +60,14 @@ TINY_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 128,
-    # kv_lora_rank + qk_rope_head_dim = 288: a width SGLang's triton MLA kernels support (576 and 288 only)
-    "kv_lora_rank": 256,
-    "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 32,
-    "v_head_dim": 32,
+    # Kimi-K2.5's own head widths, so that SGLang runs the MLA kernels Kimi runs (prefill q/k 128 + 64 = 192,
+    # decode kv_lora + rope = 576: both special-cased block sizes of its triton kernels). The former 32/32/32
+    # widths (288; prefill 64, v 32) crashed every SGLang 0.5.16 start whose triton cache was already warm with
+    # an illegal memory access at the warm-up request (bench/README.md, "production command").
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "n_shared_experts": 1,
