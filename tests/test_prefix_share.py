@@ -117,25 +117,23 @@ def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> Non
     assert shared["per_source"]["b"]["shared_samples"] == 3  # its first sample's prefix is a's system prompt
 
 
-def test_share_prefixes_is_refused_with_the_sglang_engine_unless_opted_in() -> None:
-    """Default only what has run: the SGLang path has run on the fake server only, so it needs the opt-in key."""
+def test_share_prefixes_with_the_sglang_engine_and_the_retired_opt_in_key() -> None:
+    """The SGLang path ran on a GPU (bench/README.md), so share_prefixes alone turns it on; the opt-in key it
+    needed before is refused with why it went."""
     from hsextract.config.checks import check_engine
 
-    check_engine(from_config({"engine": "sglang"}))
-    with pytest.raises(ConfigError) as e:
-        check_engine(from_config({"engine": "sglang", "share_prefixes": True}))
-    assert str(e.value) == (
-        "share_prefixes: true works with engine: transformers only for now; the SGLang path (radix cache on, each "
-        "sample sent once its parent is captured, rows from SGLang's prefix length on: docs/SHARED_PREFIX.md) has "
-        "not run on a GPU yet. Set share_prefixes: false for engine: sglang, or opt in to the untested path with "
-        "sglang.share_prefixes_untested_on_gpu: true")
-    opted = from_config({"engine": "sglang", "share_prefixes": True,
-                         "sglang": {"share_prefixes_untested_on_gpu": True}})
-    check_engine(opted)
-    assert opted.extract.share_prefixes is True and from_config({}).extract.share_prefixes is False
+    on = from_config({"engine": "sglang", "share_prefixes": True})
+    check_engine(on)
+    assert on.extract.share_prefixes is True and from_config({}).extract.share_prefixes is False
     from hsextract.sglang.config import server_config_from
 
-    assert server_config_from(opted.extract, python="python3").share_prefixes is True
+    assert server_config_from(on.extract, python="python3").share_prefixes is True
+    with pytest.raises(ConfigError) as e:
+        from_config({"engine": "sglang", "sglang": {"share_prefixes_untested_on_gpu": True}})
+    assert str(e.value) == (
+        "sglang.share_prefixes_untested_on_gpu: removed; share_prefixes alone decides, with either engine: the "
+        "SGLang path ran on a GPU (bench/README.md, SGLang shared prefixes); remove the key "
+        "(workflow/schemas/config.schema.yaml)")
 
 
 @pytest.fixture(scope="module")

@@ -194,7 +194,7 @@ def test_share_prefixes_whole_run_against_a_fake_sglang_server(tmp_path: Path) -
     try:
         with open(wd / "config/sg.yaml", "a") as f:
             f.write(f"share_prefixes: true\nsglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
-                    "timeout_s: 30, retries: 1, share_prefixes_untested_on_gpu: true}\n")
+                    "timeout_s: 30, retries: 1}\n")
         smk(wd, configfiles=("config/sg.yaml",))
     finally:
         srv.stop()

@@ -72,14 +72,6 @@ def check_engine(s: Settings) -> None:
         from hsextract.sglang.config import configured_key
 
         configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)
-        # default only what has run: the SGLang path of share_prefixes is opt-in until a GPU run
-        if s.prepare.share_prefixes and not s.extract.sglang.share_prefixes_untested_on_gpu:
-            raise ConfigError(
-                "share_prefixes: true works with engine: transformers only for now; the SGLang path (radix cache "
-                "on, each sample sent once its parent is captured, rows from SGLang's prefix length on: "
-                "docs/SHARED_PREFIX.md) has not run on a GPU yet. Set share_prefixes: false for engine: sglang, or "
-                "opt in to the untested path with sglang.share_prefixes_untested_on_gpu: true"
-            )
 
 
 def check_layers(s: Settings, shape: ModelShape) -> list[int]:

@@ -102,7 +102,6 @@ KEYS: dict[str, tuple[str, ...]] = {
     "sglang.writer_threads": OPERATIONAL,
     "sglang.prefill_cuda_graph": OPERATIONAL,
     "sglang.startup_timeout_s": OPERATIONAL,
-    "sglang.share_prefixes_untested_on_gpu": OPERATIONAL,  # permits a config; share_prefixes decides the data
     # servers elsewhere: set or unset, the extract jobs gain or lose the build marker of local servers as an
     # input, which reruns them; from one address to another reruns nothing
     "sglang.server_url": ("extract",),

@@ -117,7 +117,6 @@ class SGLangSettings:
     staging_mb: int
     writer_threads: int
     prefill_cuda_graph: bool
-    share_prefixes_untested_on_gpu: bool  # opt-in: share_prefixes with engine sglang (not yet run on a GPU)
     startup_timeout_s: float
     server_url: str | None
     servers: tuple[str, ...]
@@ -283,6 +282,13 @@ def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
     return filled
 
 
+# keys a release removed, with what replaced them (a config that still sets one is told why it went)
+RETIRED_KEYS: dict[str, str] = {
+    "sglang.share_prefixes_untested_on_gpu": "share_prefixes alone decides, with either engine: the SGLang path "
+    "ran on a GPU (bench/README.md, SGLang shared prefixes); remove the key",
+}
+
+
 def _message(where: str, error: Any) -> str:
     """One line per violation; an unknown key names the allowed key it most likely misspells."""
     if error.validator != "additionalProperties" or not isinstance(error.instance, Mapping):
@@ -294,9 +300,13 @@ def _message(where: str, error: Any) -> str:
     unknown = [str(k) for k in error.instance if k not in allowed]
     parts = []
     for key in unknown:
+        dotted = f"{where + '.' if where else ''}{key}"
+        if dotted in RETIRED_KEYS:
+            parts.append(f"{dotted}: removed; {RETIRED_KEYS[dotted]}")
+            continue
         close = difflib.get_close_matches(key, allowed, n=1, cutoff=0.6)
         hint = f"did you mean `{close[0]}`?" if close else "config/README.md lists every key"
-        parts.append(f"{where + '.' if where else ''}{key}: unknown key; {hint}")
+        parts.append(f"{dotted}: unknown key; {hint}")
     return "; ".join(parts)
 
 
