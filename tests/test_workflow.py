@@ -574,6 +574,22 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
     assert set(reruns.RULES) <= seen_rules, set(reruns.RULES) - seen_rules
 
 
+def test_a_release_that_changes_the_tiny_model_rebuilds_it(tmp_path: Path, full_run: Path) -> None:
+    """The tiny model's architecture (hsextract.tinymodel.build.TINY_CONFIG) is make_tiny_model's param: after a
+    finished run, the same config under a release with other head widths (here: a sitecustomize that changes
+    TINY_CONFIG in the Snakemake process) plans the model and everything after it; the same release plans nothing."""
+    wd = tmp_path / "release"
+    shutil.copytree(full_run, wd, symlinks=True)
+    assert "Nothing to be done" in smk(wd, "-n").stdout
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(
+        "from hsextract.tinymodel.build import TINY_CONFIG\nTINY_CONFIG['v_head_dim'] = 64\n")
+    counts = job_counts(smk(wd, "-n", env={"PYTHONPATH": str(shim)}).stdout)
+    assert counts == {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_CHUNKS,
+                      "stats": N_CHUNKS, "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "all": 1}, counts
+
+
 def _schema_leaves(props: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted key -> its schema, for every key that is not an object with fixed properties."""
     out: dict[str, Any] = {}

@@ -4,6 +4,7 @@ from hsextract.config import chunks, reruns
 from hsextract.config.checks import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
+from hsextract.tinymodel.build import TINY_CONFIG
 
 # Every value the rule files read, computed once here from the checked settings (the Snakefile's
 # PLAN); rule files only read them, so the order of the includes does not matter.
@@ -17,6 +18,8 @@ TOKENIZER = SETTINGS.extract.tokenizer_dir
 # (hsextract.config.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
 # trigger); operational keys (threads, memory, devices, token budget, servers) are in none and rerun nothing.
 RERUN = {name: reruns.params(SETTINGS, name) for name in reruns.RULES}
+# the tiny model's architecture, make_tiny_model's param: a release that changes it rebuilds the model
+TINY_ARCHITECTURE = reruns.plain(TINY_CONFIG)
 
 # regenerate.enabled (workflow/rules/regenerate.smk): the assistant turns are rewritten into
 # REGEN_DIR, and prepare reads the regenerated conversations instead of the configured sources.
