@@ -179,7 +179,7 @@ def test_whole_run_against_a_fake_sglang_server(scenario: WholeRun) -> None:
 
 
 def test_share_prefixes_whole_run_against_a_fake_sglang_server(tmp_path: Path) -> None:
-    """share_prefixes with engine: sglang (opted in) through the workflow, against a fake server with its radix
+    """share_prefixes with engine: sglang through the workflow, against a fake server with its radix
     cache on: records opening with one long system prompt share it within their chunk; the server computes the
     distinct tokens only, the version-2 shards read back value for value, and the dataset validates."""
     dump = tmp_path / "dump"
