@@ -5,6 +5,7 @@
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
 # E_ONLY=1 runs step e1 alone; without it, steps a-d and no e. SKIP_D=1 leaves out the
 # report and d (fidelity); SKIP_C=1 leaves out c. b fits a call after a only with both (SKIP_D=1 SKIP_C=1).
+# SHARE=1 runs every step with share_prefixes: true (radix cache on, version-2 shards where samples share prefixes).
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -124,6 +125,7 @@ sglang:
   startup_timeout_s: 400
   launch_args: $LAUNCH
 extract: {threads: 4, mem_mb: 8000, retries: 0}
+share_prefixes: $([ -n "${SHARE:-}" ] && echo true || echo false)
 EOF
 CFG=(--configfile config/kimi.yaml --configfile "$SOURCES")
 CMD=(snakemake --cores 8 --resources gpu=1 "${CFG[@]}")
