@@ -1,7 +1,7 @@
 """Shared prefixes on the CPU (issue 37, docs/SHARED_PREFIX.md section 9): agentic data, flat against shared.
 
     PYTHONPATH=src python bench/shared_prefix.py [--conversations 200] [--min-turns 8] [--max-turns 30]
-        [--tool-tokens 2000] [--prompts-per-chunk 50] [--check-full 8] [--out DIR] [--json]
+        [--tool-tokens 2000] [--prompts-per-chunk 50] [--check-full 8] [--no-flat-extract] [--out DIR] [--json]
 
 Synthetic agentic conversations written here (seeded): a tool declaration of about `--tool-tokens` tokens and a
 system prompt open every one; each of its 8-30 turns is a user request, an assistant message with reasoning and a
@@ -156,7 +156,12 @@ def compare(fig: dict[str, Any], model: Path, readers: dict[str, list[Any]], che
 
 
 def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool_tokens: int,
-        prompts_per_chunk: int, seed: int = 0, token_budget: int = 8192, check_full: int = 8) -> dict[str, Any]:
+        prompts_per_chunk: int, seed: int = 0, token_budget: int = 8192, check_full: int = 8,
+        flat_extract: bool = True) -> dict[str, Any]:
+    """The figures of the module docstring. `flat_extract` False: the flat run is prepared only (its stored and
+    computed tokens are then its materialized tokens, which is what the flat writer and engine do: tests/
+    test_shard_*, test_transformers_suffix) and the comparisons of the two runs' samples are left out, so the
+    issue's size fits hours of CPU instead of days."""
     from hsextract import open_dataset
     from hsextract.config.settings import from_config
     from hsextract.engines.base import CaptureSpec
@@ -192,6 +197,9 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             t0 = cpu_seconds()
             summary = run_prepare(cfg, str(model), out / mode / "prompts", n_chunks)
             t1 = cpu_seconds()
+            if mode == "flat" and not flat_extract:
+                fig[mode] = _prepared_only(out / mode / "prompts", n_chunks, summary, t1 - t0)
+                continue
             computed, shards = 0, []
             for k in range(n_chunks):
                 prompts = read_prompts(out / mode / "prompts" / chunk_name(k))
@@ -208,7 +216,7 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             t4 = cpu_seconds()
             assert streamed == len(ds)
             rs = [ShardReader(s) for s in shards]
-            if mode == "flat":  # the opening every sample shares: the tool declaration and the system prompt
+            if "opening_tokens" not in fig:  # the opening every sample shares: the tool declaration and system prompt
                 first = samples[0]["input_ids"].numpy()
                 fig["opening_tokens"] = min((common_prefix(first, x["input_ids"].numpy()) for x in samples[1:]),
                                             default=0)
@@ -228,6 +236,11 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
                 "per_conversation": dict(per_conv),
                 "per_conversation_beyond_opening": dict(beyond),
             }
+            if mode == "shared" and "per_conversation" not in fig["flat"]:  # the flat run prepared only
+                fig["flat"]["per_conversation_beyond_opening"] = {
+                    c: n - fig["flat"]["samples_of"][c] * fig["opening_tokens"]
+                    for c, n in fig["flat"].pop("per_conversation_tokens").items()}
+                fig["flat"]["per_conversation"] = fig["flat"].pop("per_conversation_stored")
             fig[mode]["bytes_per_stored_token"] = fig[mode]["bytes"] / fig[mode]["stored_tokens"]
             # the hidden rows' frames alone: the codec on what is stored once (ids and mask are stored whole)
             fig[mode]["ids_mask_bytes"] = ids_mask_bytes
@@ -256,8 +269,29 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             by_turns[turns[i]].append(key[i])
         fig[mode]["by_turns"] = {t: float(np.mean(v)) for t, v in sorted(by_turns.items())}
         fig["conversations_by_turns"] = {t: len(v) for t, v in sorted(by_turns.items())}
-    compare(fig, model, readers, check_full)
+    if flat_extract:
+        compare(fig, model, readers, check_full)
     return fig
+
+
+def _prepared_only(prompts: Path, n_chunks: int, summary: dict[str, Any], prepare_s: float) -> dict[str, Any]:
+    """The flat run's figures from its prompts alone: every token stored and computed (no extract ran)."""
+    import pyarrow.parquet as pq
+
+    from hsextract.prepare.run import chunk_name
+
+    per_conv: dict[str, int] = defaultdict(int)
+    samples_of: dict[str, int] = defaultdict(int)
+    for k in range(n_chunks):
+        t = pq.read_table(prompts / chunk_name(k), columns=["sample_id", "num_tokens"]).to_pydict()
+        for sid, n in zip(t["sample_id"], t["num_tokens"], strict=True):
+            per_conv[sid.rsplit(":t", 1)[0]] += n
+            samples_of[sid.rsplit(":t", 1)[0]] += 1
+    tokens = summary["tokens"]
+    return {"samples": sum(samples_of.values()), "materialized_tokens": tokens, "distinct_tokens": None,
+            "stored_tokens": tokens, "computed_tokens": tokens, "extracted": False,
+            "cpu_s": {"prepare": prepare_s}, "per_conversation_stored": dict(per_conv),
+            "per_conversation_tokens": dict(per_conv), "samples_of": dict(samples_of)}
 
 
 def report(fig: dict[str, Any]) -> str:
@@ -273,16 +307,17 @@ def report(fig: dict[str, Any]) -> str:
         f"| distinct tokens (prepare) | | {d:,} | 1 |",
         f"| materialized tokens (read) | {f['materialized_tokens']:,} | {s['materialized_tokens']:,} | "
         f"{s['materialized_tokens'] / d:.2f} |",
-        f"| shard bytes | {f['bytes']:,} | {s['bytes']:,} | |",
-        f"| bytes per stored token | {f['bytes_per_stored_token']:.1f} | {s['bytes_per_stored_token']:.1f} | |",
-        f"| hidden-row bytes per stored token | {f['hidden_bytes_per_stored_token']:.1f} | "
+        f"| shard bytes | {_num(f.get('bytes'))} | {s['bytes']:,} | |",
+        f"| bytes per stored token | {_num(f.get('bytes_per_stored_token'), '.1f')} | "
+        f"{s['bytes_per_stored_token']:.1f} | |",
+        f"| hidden-row bytes per stored token | {_num(f.get('hidden_bytes_per_stored_token'), '.1f')} | "
         f"{s['hidden_bytes_per_stored_token']:.1f} | |",
         f"| stored tokens per conversation ~ turns^slope | {f['slope']:.2f} | {s['slope']:.2f} | |",
         f"| the same past the {fig['opening_tokens']:,}-token opening | {f['slope_beyond_opening']:.2f} | "
         f"{s['slope_beyond_opening']:.2f} | |",
     ]
-    for stage in f["cpu_s"]:
-        lines.append(f"| CPU s, {stage} | {f['cpu_s'][stage]:.1f} | {s['cpu_s'][stage]:.1f} | |")
+    for stage in s["cpu_s"]:
+        lines.append(f"| CPU s, {stage} | {_num(f['cpu_s'].get(stage), '.1f')} | {s['cpu_s'][stage]:.1f} | |")
     lines += ["", "| turns | conversations | stored tokens per conversation, flat | shared | flat / shared |",
               "|---|---|---|---|---|"]
     turns = fig["turns_of"]
@@ -295,6 +330,9 @@ def report(fig: dict[str, Any]) -> str:
             ms = float(np.mean([s["per_conversation"][c] for c in ids]))
             span = f"{a}" if width == 1 else f"{a}-{min(a + width - 1, hi)}"
             lines.append(f"| {span} | {len(ids)} | {mf:,.0f} | {ms:,.0f} | {mf / ms:.2f} |")
+    if "samples_bit_identical" not in fig:
+        return "\n".join([*lines, "", "flat run prepared only (--no-flat-extract): its stored and computed tokens are "
+                           "its materialized tokens; the samples of the two runs were not compared"])
     lines += ["", f"samples bit-identical to the flat run's: {fig['samples_bit_identical']} of {f['samples']}; "
                   "worst relative error of the others: " + ", ".join(
                       f"{e:.2e} at {n}" for n, e in zip(fig["tensors"], fig["worst_relative_error"], strict=True))
@@ -305,6 +343,10 @@ def report(fig: dict[str, Any]) -> str:
                          f"{e:.2e} at {n}" for n, e in zip(fig["tensors"], fig["against_full_forward"][mode],
                                                            strict=True)))
     return "\n".join(lines)
+
+
+def _num(x: float | None, spec: str = ",") -> str:
+    return "not extracted" if x is None else format(x, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="samples (those furthest apart between the runs) checked against an independent full forward")
     ap.add_argument("--out", type=Path, default=None, help="working folder (default: a temporary one)")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--no-flat-extract", dest="flat_extract", action="store_false",
+                    help="prepare the flat run only (run()'s flat_extract): the issue's size in hours, not days")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -326,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         fig = run(out, conversations_n=args.conversations, min_turns=args.min_turns, max_turns=args.max_turns,
                   tool_tokens=args.tool_tokens, prompts_per_chunk=args.prompts_per_chunk, seed=args.seed,
-                  check_full=args.check_full)
+                  check_full=args.check_full, flat_extract=args.flat_extract)
     fig["wall_s"] = time.perf_counter() - t0
     if args.json:
         print(json.dumps({k: v for k, v in fig.items()}, indent=1, default=str))

@@ -45,3 +45,11 @@ def test_tiny_agentic_run_stores_and_computes_each_token_once(tmp_path: Path) ->
     assert 0 < max(fig["worst_relative_error"]) <= 2 * bench.TOL
     text = bench.report(fig)
     assert f"| stored tokens | {flat['stored_tokens']:,} | {shared['stored_tokens']:,} | 1.000 |" in text
+    # --no-flat-extract (the size): the flat run prepared only gives the same token counts and curves
+    quick = bench.run(tmp_path / "quick", conversations_n=3, min_turns=2, max_turns=4, tool_tokens=200,
+                      prompts_per_chunk=3, flat_extract=False)
+    for key in ("stored_tokens", "computed_tokens", "materialized_tokens", "samples", "per_conversation",
+                "per_conversation_beyond_opening", "slope", "slope_beyond_opening", "by_turns"):
+        assert quick["flat"][key] == flat[key], key
+    assert quick["shared"]["stored_tokens"] == quick["shared"]["computed_tokens"] == distinct
+    assert "samples_bit_identical" not in quick and "| shard bytes | not extracted |" in bench.report(quick)
