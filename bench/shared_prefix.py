@@ -210,16 +210,20 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
                 shards.append(shard)
             t2 = cpu_seconds()
             ds = open_dataset(shards)
-            samples = [ds[i] for i in range(len(ds))]
+            if flat_extract:  # kept for compare()
+                samples = [ds[i] for i in range(len(ds))]
+                ids_all = [x["input_ids"] for x in samples]
+            else:  # the size: the samples together outgrow memory (25 M tokens: ~20 GB)
+                samples = []
+                ids_all = [ds[i]["input_ids"] for i in range(len(ds))]
             t3 = cpu_seconds()
             streamed = sum(1 for _ in ds.stream(seed=seed, group="family"))
             t4 = cpu_seconds()
             assert streamed == len(ds)
             rs = [ShardReader(s) for s in shards]
             if "opening_tokens" not in fig:  # the opening every sample shares: the tool declaration and system prompt
-                first = samples[0]["input_ids"].numpy()
-                fig["opening_tokens"] = min((common_prefix(first, x["input_ids"].numpy()) for x in samples[1:]),
-                                            default=0)
+                first = ids_all[0].numpy()
+                fig["opening_tokens"] = min((common_prefix(first, x.numpy()) for x in ids_all[1:]), default=0)
             ids_mask_bytes = sum(_ids_mask_bytes(r) for r in rs)
             per_conv: dict[str, int] = defaultdict(int)
             beyond: dict[str, int] = defaultdict(int)  # stored tokens past the shared opening
