@@ -292,7 +292,7 @@ def _prepared_only(prompts: Path, n_chunks: int, summary: dict[str, Any], prepar
             samples_of[sid.rsplit(":t", 1)[0]] += 1
     tokens = summary["tokens"]
     return {"samples": sum(samples_of.values()), "materialized_tokens": tokens, "distinct_tokens": None,
-            "stored_tokens": tokens, "computed_tokens": tokens, "extracted": False,
+            "stored_tokens": tokens, "computed_tokens": tokens,
             "cpu_s": {"prepare": prepare_s}, "per_conversation": dict(per_conv), "samples_of": dict(samples_of)}
 
 
