@@ -213,3 +213,12 @@ def test_plugin_finds_decoder_layers_and_norm_inside_the_wrapper(built: tuple[Pa
     # three passes of 16 rows through the decoder and the store hook: aux blocks, then the norm's input sum
     assert srv.passes == 3
     assert all(torch.equal(a, b) for a, b in zip(got, expected_states(ids, len(aux) + 1, 64), strict=True))
+
+
+def test_the_miniature_media_config_is_the_processors_default() -> None:
+    """MEDIA_PROC_CFG is written out beside the shipped processor's defaults (not imported: checkpoint code);
+    the miniature's patch and merge sizes are Kimi-K2.5's, so the two are equal and stay so."""
+    from hsextract.resources.kimi_k25_vision_processing import DEFAULT_MEDIA_PROC_CFG
+    from hsextract.tinymodel.kimi_k25_checkpoint import MEDIA_PROC_CFG
+
+    assert MEDIA_PROC_CFG == DEFAULT_MEDIA_PROC_CFG

@@ -87,7 +87,6 @@ from typing import Any
 import torch
 
 from hsextract.errors import ConfigError
-from hsextract.resources.kimi_k25_vision_processing import DEFAULT_MEDIA_PROC_CFG
 
 ARCHITECTURE = "KimiK25ForConditionalGeneration"
 MODEL_TYPE = "kimi_k25"
@@ -124,9 +123,18 @@ QUANTIZATION_CONFIG: dict[str, Any] = {
 # MoonViT in miniature: 2 blocks of width 64, 2 heads of 32 (SGLang's 2D rope needs head_dim % 4 == 0),
 # patch 14, an 8x8 learned position grid, 2x2 patch merging. Kimi-K2.5: 27 x 1152, 16 heads, 4304, 64x64.
 VISION = {"hidden": 64, "layers": 2, "heads": 2, "intermediate": 128, "patch": 14, "pos_emb": 8, "merge": 2}
-# the processor's own defaults (Kimi-K2.5's), with the miniature's patch and merge sizes
-MEDIA_PROC_CFG: dict[str, Any] = {**DEFAULT_MEDIA_PROC_CFG, "patch_size": VISION["patch"],
-                                  "merge_kernel_size": VISION["merge"]}
+# Written out, not imported from resources/kimi_k25_vision_processing.py (DEFAULT_MEDIA_PROC_CFG): that file is
+# checkpoint code, and importing it would put its imports (transformers, PIL) into the package's import graph.
+MEDIA_PROC_CFG: dict[str, Any] = {
+    "patch_size": VISION["patch"],
+    "merge_kernel_size": VISION["merge"],
+    "in_patch_limit": 1024,
+    "patch_limit_on_one_side": 32,
+    "fixed_output_tokens": None,
+    "temporal_merge_kernel_size": 4,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 
 
 def vision_config(text_hidden_size: int) -> dict[str, Any]:
