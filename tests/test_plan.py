@@ -35,7 +35,7 @@ def small(tmp_path: Path) -> dict:
     (model / "config.json").write_text(
         json.dumps({"hidden_size": 9999, "text_config": {"hidden_size": 64, "num_hidden_layers": 8}}))
     return {"model": str(model), "capture": "custom", "aux_layers": [1, 5, 7], "aux_layers_convention": "hidden_states",
-            "prompts_per_chunk": 10,
+            "prompts_per_chunk": 10, "share_prefixes": False,
             "engine": "transformers", "transformers": {"device": "cuda"}, "shard": {"precision": "bf16"}}
 
 

@@ -77,8 +77,8 @@ def test_prepare_records_parents_only_with_share_prefixes(tmp_path: Path) -> Non
         assert json.loads((tmp_path / out / "summary.json").read_text()) == json.loads(json.dumps(summary))
         return summary
 
-    flat = prepare("flat")
-    shared = prepare("shared", share_prefixes=True)
+    flat = prepare("flat", share_prefixes=False)
+    shared = prepare("shared")  # the default
     for entry in [flat, *flat["per_source"].values(), *flat["per_chunk"]]:  # sharing off: the summary as before
         assert "distinct_tokens" not in entry and "shared_samples" not in entry
     assert shared["kept"] == flat["kept"] == 12 and shared["tokens"] == flat["tokens"]
@@ -122,9 +122,9 @@ def test_share_prefixes_with_the_sglang_engine_and_the_retired_opt_in_key() -> N
     needed before is refused with why it went."""
     from hsextract.config.checks import check_engine
 
-    on = from_config({"engine": "sglang", "share_prefixes": True})
+    on = from_config({"engine": "sglang"})  # the default since the production command ran with it
     check_engine(on)
-    assert on.extract.share_prefixes is True and from_config({}).extract.share_prefixes is False
+    assert on.extract.share_prefixes is True and from_config({"share_prefixes": False}).extract.share_prefixes is False
     from hsextract.sglang.config import server_config_from
 
     assert server_config_from(on.extract, python="python3").share_prefixes is True

@@ -35,8 +35,9 @@ def _write(tmp_path, lines):
     return p
 
 
-def _cfg(path, **kw):
-    return from_config({"sources": [{"path": str(path), "name": "d"}], "seed": 3, "prompts_per_chunk": 2, **kw}).prepare
+def _cfg(path, **kw):  # the flat layout's columns (share_prefixes' two more: tests/test_prefix_share.py)
+    return from_config({"sources": [{"path": str(path), "name": "d"}], "seed": 3, "prompts_per_chunk": 2,
+                        "share_prefixes": False, **kw}).prepare
 
 
 def _rows(out, n):

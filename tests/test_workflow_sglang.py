@@ -73,9 +73,11 @@ def reference_sample(path: Path, hidden: int) -> None:
     torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": torch.ones(5, dtype=torch.int64)}, path)
 
 
-def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int, packaging: str = "text") -> Path:
+def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int, packaging: str = "text",
+               share: bool = False) -> Path:
     """A workdir with a tiny model of the fake server's hidden size and a config for engine: sglang;
-    packaging kimi-k25: the model packaged as Kimi-K2.5 ships (with its tokenizer packaging)."""
+    packaging kimi-k25: the model packaged as Kimi-K2.5 ships (with its tokenizer packaging); `share`: the
+    config's share_prefixes (off: the fake servers these tests start run flat, --disable-radix-cache)."""
     from hsextract.tinymodel.build import make_tiny_model
 
     wd = make_workdir(tmp_path / "sg")
@@ -89,7 +91,7 @@ def sg_workdir(tmp_path: Path, sglang_yaml: str, records: int, per_chunk: int, p
         "capture: custom\naux_layers: [1, 5, 7]\naux_layers_convention: hidden_states\n"
         "reference_sample: resources/ref16.pt\n"
         f"sources:\n  - {{path: data/conversations.jsonl, format: messages, max_records: {records}}}\n"
-        f"prompts_per_chunk: {per_chunk}\nmax_seq_len: 256\n" + sglang_yaml
+        f"prompts_per_chunk: {per_chunk}\nmax_seq_len: 256\nshare_prefixes: {str(share).lower()}\n" + sglang_yaml
     )
     return wd
 
@@ -184,7 +186,7 @@ def test_share_prefixes_whole_run_against_a_fake_sglang_server(tmp_path: Path) -
     distinct tokens only, the version-2 shards read back value for value, and the dataset validates."""
     dump = tmp_path / "dump"
     dump.mkdir(mode=0o700)
-    wd = sg_workdir(tmp_path, "", records=12, per_chunk=6)
+    wd = sg_workdir(tmp_path, "", records=12, per_chunk=6, share=True)
     system = {"role": "system", "content": " ".join(f"Rule {k}: answer briefly and check the units." for k in range(6))}
     with open(wd / "data/conversations.jsonl", "w") as f:
         for c in range(12):
@@ -193,7 +195,7 @@ def test_share_prefixes_whole_run_against_a_fake_sglang_server(tmp_path: Path) -
     srv = FakeServer(dump, AUX, chunk=48, final_state="pre_norm", radix=True).start()
     try:
         with open(wd / "config/sg.yaml", "a") as f:
-            f.write(f"share_prefixes: true\nsglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
+            f.write(f"sglang: {{server_url: '{srv.url}', dump_dir: '{dump}', concurrency: 4, "
                     "timeout_s: 30, retries: 1}\n")
         smk(wd, configfiles=("config/sg.yaml",))
     finally:

@@ -8,6 +8,9 @@
                             the eagle3 preset's aux layers, the pre-norm final state): the `reference_sample:`
                             of a run of that model, as the README asks of a user (the shipped one is
                             Kimi-K2.5's width, 7168, and a run of another model refuses it)
+    agentic MODEL OUT [--n 24]   agentic conversations (bench/shared_prefix.py's: one tool declaration and
+                            system prompt open all, reasoning and tool calls every turn) as JSONL: a source
+                            whose per-turn samples share prefixes (SHARE=1)
     jobs LOG                the jobs one Snakemake invocation ran (its rule blocks), as JSON on stdout
     fidelity --run DIR --model DIR [--device cuda] [--tol 0.02] --out JSON
                             every sample of the run's shards against the transformers engine on the same
@@ -237,6 +240,17 @@ def summary(steps_file: Path, out_md: Path) -> None:
     out_md.write_text("\n".join(lines) + "\n")
 
 
+def agentic(model: str, out: Path, n: int) -> int:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from shared_prefix import conversations
+
+    from hsextract.prepare.run import load_tokenizer
+
+    convs = conversations(n, 3, 8, 400, load_tokenizer(model, trust_remote_code=True))
+    out.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    return sum((len(c["messages"]) - 1) // 4 for c in convs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -246,6 +260,10 @@ def main() -> int:
     r = sub.add_parser("refsample")
     r.add_argument("model")
     r.add_argument("out", type=Path)
+    g = sub.add_parser("agentic")
+    g.add_argument("model")
+    g.add_argument("out", type=Path)
+    g.add_argument("--n", type=int, default=24)
     j = sub.add_parser("jobs")
     j.add_argument("log", type=Path)
     f = sub.add_parser("fidelity")
@@ -263,6 +281,8 @@ def main() -> int:
         print(f"{a.dst}: {make_twin(a.src, a.dst)} routers fixed")
     elif a.cmd == "refsample":
         print(f"{a.out}: aux layers {reference_sample(a.model, a.out)} and the pre-norm final state")
+    elif a.cmd == "agentic":
+        print(f"{a.out}: {a.n} conversations, {agentic(a.model, a.out, a.n)} turns")
     elif a.cmd == "jobs":
         print(json.dumps(parse_jobs(a.log.read_text(errors="replace"))))
     elif a.cmd == "fidelity":

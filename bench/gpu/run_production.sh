@@ -5,7 +5,8 @@
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
 # E_ONLY=1 runs step e1 alone; without it, steps a-d and no e. SKIP_D=1 leaves out the
 # report and d (fidelity); SKIP_C=1 leaves out c. b fits a call after a only with both (SKIP_D=1 SKIP_C=1).
-# SHARE=1 runs every step with share_prefixes: true (radix cache on, version-2 shards where samples share prefixes).
+# SHARE=1 runs every step with share_prefixes: true (radix cache on, version-2 shards where samples share prefixes)
+# and a second source of agentic conversations (production_tools.py agentic) whose per-turn samples share them.
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -108,12 +109,20 @@ M=/tmp/prod-models; rm -rf "$M"; mkdir -p "$M"
 "$PY" "$HERE/production_tools.py" twin "$M/kimi-k25-mini" "$M/kimi-k25-mini-fixed" >>"$OUT/logs/tinymodel.log" 2>&1
 "$PY" "$HERE/production_tools.py" refsample "$M/kimi-k25-mini-fixed" "$M/reference-data_0.pt" \
   >>"$OUT/logs/tinymodel.log" 2>&1
+# SHARE=1: a second source whose per-turn samples share prefixes (data/'s conversations carry no reasoning,
+# so split_turns: auto keeps them whole and no two of them share one)
+AGENTIC=""
+if [ -n "${SHARE:-}" ]; then
+  "$PY" "$HERE/production_tools.py" agentic "$M/kimi-k25-mini-fixed" "$M/agentic.jsonl" >>"$OUT/logs/tinymodel.log" 2>&1
+  AGENTIC="  - {path: $M/agentic.jsonl, format: auto}"
+fi
 LAUNCH=$("$PY" -c "import json, shlex, sys; print(json.dumps(shlex.split(sys.argv[1])))" "$SGL_SMALL")
 SOURCES=/tmp/prod-sources.yaml
 cat >"$SOURCES" <<EOF
 model: $M/kimi-k25-mini-fixed
 sources:
   - {path: data/conversations.jsonl, format: auto, max_records: 300}
+$AGENTIC
 prompts_per_chunk: 64
 # kimi.yaml's [2, 30, 58] are Kimi-K2.5's 61 layers: the eagle3 preset of this model's instead
 aux_layers: null
