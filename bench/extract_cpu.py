@@ -73,7 +73,8 @@ def main() -> None:
 
     config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     config["sources"][0].update(path=str(ROOT / config["sources"][0]["path"]), max_records=args.records)
-    config.update(prompts_per_chunk=args.records, max_seq_len=args.max_seq_len, model=args.model)
+    # flat: the baseline forwards every prompt whole (shared prefixes: bench/shared_prefix.py)
+    config.update(prompts_per_chunk=args.records, max_seq_len=args.max_seq_len, model=args.model, share_prefixes=False)
     settings = from_config(config)
     if not Path(args.model, "config.json").is_file():
         from hsextract.tinymodel.build import make_tiny_model
