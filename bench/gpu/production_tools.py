@@ -10,7 +10,7 @@
                             Kimi-K2.5's width, 7168, and a run of another model refuses it)
     agentic MODEL OUT [--n 24]   agentic conversations (bench/shared_prefix.py's: one tool declaration and
                             system prompt open all, reasoning and tool calls every turn) as JSONL: a source
-                            whose per-turn samples share prefixes (SHARE=1)
+                            whose per-turn samples share prefixes (run_production.sh unless FLAT=1)
     jobs LOG                the jobs one Snakemake invocation ran (its rule blocks), as JSON on stdout
     fidelity --run DIR --model DIR [--device cuda] [--tol 0.02] --out JSON
                             every sample of the run's shards against the transformers engine on the same

@@ -5,16 +5,17 @@
 # BUDGET_S (default 520) bounds everything after the set-up (~40 s); a step that no longer fits is skipped.
 # E_ONLY=1 runs step e1 alone; without it, steps a-d and no e. SKIP_D=1 leaves out the
 # report and d (fidelity); SKIP_C=1 leaves out c. b fits a call after a only with both (SKIP_D=1 SKIP_C=1).
-# SHARE=1 runs every step with share_prefixes: true (radix cache on, version-2 shards where samples share prefixes)
-# and a second source of agentic conversations (production_tools.py agentic) whose per-turn samples share them.
+# kimi.yaml's share_prefixes: true (radix cache on, version-2 shards where samples share prefixes), with a second
+# source of agentic conversations (production_tools.py agentic) whose per-turn samples share them; FLAT=1 instead:
+# share_prefixes: false and data/'s conversations alone (flat shards, --disable-radix-cache).
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
 # $SOURCES`, SOURCES naming the routing-fixed twin of `python -m hsextract.tinymodel --packaging kimi-k25
 # --tokenizer kimi` (production_tools.py twin: the wrapper checkpoint as Kimi-K2.5 ships, every router's
 # correction bias 0, 2, 4, ...; so the shards can be held to the dense per-sample bounds, and the twin of the
-# tiny model is the one that served SGLang in every run so far), the first 300 conversations of data/, 64
-# prompts per chunk (5 chunks), `sglang: {tp: 1, python: <this python3>}`, the bundle's server flags
+# tiny model is the one that served SGLang in every run so far), the first 300 conversations of data/ and 24
+# agentic ones (126 per-turn samples; FLAT=1: data/'s alone), 64 prompts per chunk (6 chunks; FLAT=1: 5), `sglang: {tp: 1, python: <this python3>}`, the bundle's server flags
 # (setup.sh SGL_SMALL) as launch_args. Steps, each a separate Snakemake invocation, each under `timeout`:
 #   a      from a clean state: build_patched_server (pip-installs this checkout into python3), prepare,
 #          extract (a server started by the first extract job, reused by the others), validate, stats,
@@ -109,10 +110,12 @@ M=/tmp/prod-models; rm -rf "$M"; mkdir -p "$M"
 "$PY" "$HERE/production_tools.py" twin "$M/kimi-k25-mini" "$M/kimi-k25-mini-fixed" >>"$OUT/logs/tinymodel.log" 2>&1
 "$PY" "$HERE/production_tools.py" refsample "$M/kimi-k25-mini-fixed" "$M/reference-data_0.pt" \
   >>"$OUT/logs/tinymodel.log" 2>&1
-# SHARE=1: a second source whose per-turn samples share prefixes (data/'s conversations carry no reasoning,
-# so split_turns: auto keeps them whole and no two of them share one)
-AGENTIC=""
-if [ -n "${SHARE:-}" ]; then
+# a second source whose per-turn samples share prefixes (data/'s conversations carry no reasoning, so
+# split_turns: auto keeps them whole and no two of them share one)
+AGENTIC="" FLAT_KEY=""
+if [ -n "${FLAT:-}" ]; then
+  FLAT_KEY="share_prefixes: false"
+else
   "$PY" "$HERE/production_tools.py" agentic "$M/kimi-k25-mini-fixed" "$M/agentic.jsonl" >>"$OUT/logs/tinymodel.log" 2>&1
   AGENTIC="  - {path: $M/agentic.jsonl, format: auto}"
 fi
@@ -134,7 +137,7 @@ sglang:
   startup_timeout_s: 400
   launch_args: $LAUNCH
 extract: {threads: 4, mem_mb: 8000, retries: 0}
-share_prefixes: $([ -n "${SHARE:-}" ] && echo true || echo false)
+$FLAT_KEY
 EOF
 CFG=(--configfile config/kimi.yaml --configfile "$SOURCES")
 CMD=(snakemake --cores 8 --resources gpu=1 "${CFG[@]}")
