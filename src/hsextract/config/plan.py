@@ -171,6 +171,7 @@ def plan(
         # share_prefixes with a measured prepare summary: `tokens` are the distinct ones (stored and computed),
         # these the materialized ones (each sample whole, what a trainer reads); else None
         "materialized_tokens": materialized,
+        "share_prefixes": settings.prepare.share_prefixes,
         "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
@@ -242,6 +243,10 @@ def format_plan(p: Mapping[str, Any]) -> str:
         *([("", f"distinct tokens (share_prefixes: each shared prefix stored and computed once); "
                 f"materialized {p['materialized_tokens']:,} ({p['share_saving']}x), as a trainer reads them")]
           if p.get("materialized_tokens") is not None else []),
+        # --mean-tokens counts whole samples: with sharing on, what is stored and computed is less
+        *([("", "share_prefixes: each sample counted whole, an upper bound; plan on the distinct tokens with "
+                "--prepare-summary (prepare a sample of the sources)")]
+          if p.get("share_prefixes") and p.get("materialized_tokens") is None else []),
         ("raw bytes per token",
          f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
         ("raw bytes (speculators v1)" if p.get("materialized_tokens") is None
