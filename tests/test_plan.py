@@ -102,7 +102,8 @@ def test_share_prefixes_plans_on_distinct_tokens(small: dict, tmp_path: Path) ->
     assert any(line.strip().startswith("distinct tokens (share_prefixes") and "materialized 96,000 (4.0x)" in line
                for line in text)
     assert any(line.startswith("raw bytes (distinct rows)") for line in text)
-    upper = "share_prefixes: each sample counted whole, an upper bound; plan on the distinct tokens with --prepare-summary"
+    upper = ("share_prefixes: each sample counted whole, an upper bound; plan on the distinct tokens with "
+             "--prepare-summary")
     assert not any(upper in line for line in text)
     # --mean-tokens with sharing on: whole samples, said to be an upper bound; not said with sharing off
     for share, said in ((True, True), (False, False)):
