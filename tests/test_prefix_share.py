@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -170,8 +171,10 @@ def extracted(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> dict:
     with TransformersEngine(tiny, spec, token_budget=512) as eng:
         for name, prompts in (("flat", ChunkPrompts(sids, ids, masks)),
                               ("shared", ChunkPrompts(sids, ids, masks, [p for p, _ in refs], [k for _, k in refs]))):
+            t = time.perf_counter()
             out[name] = extract_chunk(prompts, tmp_path / f"{name}.hss", eng, meta | {"chunk": len(out)},
                                       progress=False)
+            out[name]["wall_s"] = time.perf_counter() - t
     return {"dir": tmp_path, "ids": ids, "refs": refs, "out": out, "model": tiny}
 
 
@@ -186,6 +189,9 @@ def test_extract_stores_and_computes_each_shared_prefix_once(extracted: dict) ->
     assert out["flat"]["computed_tokens"] == flat.stored_tokens == out["flat"]["tokens"] == sum(map(len, ids))
     assert out["shared"]["computed_tokens"] == shared.stored_tokens == distinct < 0.6 * sum(map(len, ids))
     assert out["shared"]["bytes"] < 0.7 * out["flat"]["bytes"]
+    for s in out.values():  # the chunk's own time (a sample's first row once shadowed its start time)
+        assert 0 < s["seconds"] <= s["wall_s"] + 1e-3  # rounded to ms
+        assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"], rel=0.05)  # seconds rounded to ms
     assert (shared.parents, shared.prefix_lens) == ([p for p, _ in refs], [k for _, k in refs])
     for i, (p, k) in enumerate(refs):
         a, b = flat[i], shared[i]

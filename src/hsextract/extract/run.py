@@ -190,15 +190,15 @@ def extract_chunk(
                 )
             seq = len(prompts.input_ids[written])
             hs = captured.hidden_states
-            start = captured.start
-            if not 0 <= start <= items[written].prefix_len:  # SGLang's cache hit may stop short of the prefix
+            row0 = captured.start  # the first row computed: > 0 where the sample took a prefix from its parent
+            if not 0 <= row0 <= items[written].prefix_len:  # SGLang's cache hit may stop short of the prefix
                 raise EngineError(f"{shard_path}: sample {captured.sample_id}: engine returned rows from position "
-                                  f"{start}, outside [0, its prefix length {items[written].prefix_len}]")
-            if len(hs) != n_tensors or any(tuple(t.shape) != (seq - start, hidden_size) for t in hs):
+                                  f"{row0}, outside [0, its prefix length {items[written].prefix_len}]")
+            if len(hs) != n_tensors or any(tuple(t.shape) != (seq - row0, hidden_size) for t in hs):
                 shapes = [tuple(t.shape) for t in hs]
                 raise EngineError(
                     f"{shard_path}: sample {captured.sample_id}: engine returned tensors {shapes}, expected "
-                    f"{n_tensors} of ({seq - start}, {hidden_size}); padding must be sliced off per sample"
+                    f"{n_tensors} of ({seq - row0}, {hidden_size}); padding must be sliced off per sample"
                 )
             t = time.perf_counter()
             writer.add(
@@ -206,10 +206,10 @@ def extract_chunk(
                 hidden_states=hs,
                 loss_mask=torch.tensor(prompts.loss_masks[written], dtype=torch.int64),
                 sample_id=captured.sample_id,
-                parent=items[written].parent if start else None,
-                prefix_len=start,
+                parent=items[written].parent if row0 else None,
+                prefix_len=row0,
             )
-            computed += seq - start
+            computed += seq - row0
             add_s += time.perf_counter() - t
             written += 1
             bar.update(seq)
