@@ -229,8 +229,8 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             beyond: dict[str, int] = defaultdict(int)  # stored tokens past the shared opening
             for r in rs:
                 for sid, n, k in zip(r.sample_ids, r.seq_lens, r.prefix_lens, strict=True):
-                    per_conv[sid.rsplit(":t", 1)[0]] += n - k
-                    beyond[sid.rsplit(":t", 1)[0]] += n - max(k, fig["opening_tokens"])
+                    per_conv[_conversation(sid)] += n - k
+                    beyond[_conversation(sid)] += n - max(k, fig["opening_tokens"])
             fig[mode] = {
                 "samples": len(ds), "materialized_tokens": summary["tokens"],
                 "distinct_tokens": summary.get("distinct_tokens"),
@@ -277,6 +277,11 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
     return fig
 
 
+def _conversation(sample_id: str) -> str:
+    """The conversation of a sample id (prepare names a conversation's per-turn samples `<id>:t<turn>`)."""
+    return sample_id.rsplit(":t", 1)[0]
+
+
 def _prepared_only(prompts: Path, n_chunks: int, summary: dict[str, Any], prepare_s: float) -> dict[str, Any]:
     """The flat run's figures from its prompts alone: every token stored and computed (no extract ran)."""
     import pyarrow.parquet as pq
@@ -288,8 +293,8 @@ def _prepared_only(prompts: Path, n_chunks: int, summary: dict[str, Any], prepar
     for k in range(n_chunks):
         t = pq.read_table(prompts / chunk_name(k), columns=["sample_id", "num_tokens"]).to_pydict()
         for sid, n in zip(t["sample_id"], t["num_tokens"], strict=True):
-            per_conv[sid.rsplit(":t", 1)[0]] += n
-            samples_of[sid.rsplit(":t", 1)[0]] += 1
+            per_conv[_conversation(sid)] += n
+            samples_of[_conversation(sid)] += 1
     tokens = summary["tokens"]
     return {"samples": sum(samples_of.values()), "materialized_tokens": tokens, "distinct_tokens": None,
             "stored_tokens": tokens, "computed_tokens": tokens,

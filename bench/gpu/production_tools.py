@@ -240,7 +240,7 @@ def summary(steps_file: Path, out_md: Path) -> None:
     out_md.write_text("\n".join(lines) + "\n")
 
 
-def agentic(model: str, out: Path, n: int) -> int:
+def agentic(model: str, out: Path, n: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from shared_prefix import conversations
 
@@ -248,7 +248,6 @@ def agentic(model: str, out: Path, n: int) -> int:
 
     convs = conversations(n, 3, 8, 400, load_tokenizer(model, trust_remote_code=True))
     out.write_text("".join(json.dumps(c) + "\n" for c in convs))
-    return sum((len(c["messages"]) - 1) // 4 for c in convs)
 
 
 def main() -> int:
@@ -282,7 +281,8 @@ def main() -> int:
     elif a.cmd == "refsample":
         print(f"{a.out}: aux layers {reference_sample(a.model, a.out)} and the pre-norm final state")
     elif a.cmd == "agentic":
-        print(f"{a.out}: {a.n} conversations, {agentic(a.model, a.out, a.n)} turns")
+        agentic(a.model, a.out, a.n)
+        print(f"{a.out}: {a.n} conversations")
     elif a.cmd == "jobs":
         print(json.dumps(parse_jobs(a.log.read_text(errors="replace"))))
     elif a.cmd == "fidelity":

@@ -15,8 +15,9 @@
 # --tokenizer kimi` (production_tools.py twin: the wrapper checkpoint as Kimi-K2.5 ships, every router's
 # correction bias 0, 2, 4, ...; so the shards can be held to the dense per-sample bounds, and the twin of the
 # tiny model is the one that served SGLang in every run so far), the first 300 conversations of data/ and 24
-# agentic ones (126 per-turn samples; FLAT=1: data/'s alone), 64 prompts per chunk (6 chunks; FLAT=1: 5), `sglang: {tp: 1, python: <this python3>}`, the bundle's server flags
-# (setup.sh SGL_SMALL) as launch_args. Steps, each a separate Snakemake invocation, each under `timeout`:
+# agentic ones (126 per-turn samples; FLAT=1: data/'s alone), 64 prompts per chunk (6 chunks; FLAT=1: 5),
+# `sglang: {tp: 1, python: <this python3>}`, the bundle's server flags (setup.sh SGL_SMALL) as launch_args.
+# Steps, each a separate Snakemake invocation, each under `timeout`:
 #   a      from a clean state: build_patched_server (pip-installs this checkout into python3), prepare,
 #          extract (a server started by the first extract job, reused by the others), validate, stats,
 #          manifest, export; then `snakemake --report` (in the background, beside d)
