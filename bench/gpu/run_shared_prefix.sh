@@ -7,6 +7,11 @@
 # ones): each gets a flat then a shared server, one after the other. The first server start pays the triton JIT
 # (~2 min), later ones ~1 min; a model that no longer fits the budget (BUDGET_S, default 500 s after set-up) is
 # skipped, says so, and fails the run. SP_ARGS: more arguments for shared_prefix.py (e.g. --convs 48 --turns 12).
+# MODELS=llama8b: the Llama-3-8B shape with SGLang's dummy weights (seeded, so both servers hold the same ones), a
+# model whose prefill, not the launch overheads, sets the wall time; no transformers reference (no weights on disk).
+#   MODELS=llama8b MODEL_TIMEOUT_S=480 SP_ARGS="--convs 64 --concurrency 64 --shard-threads 16" \
+#     bash bench/gpu/run_shared_prefix.sh
+# MODEL_TIMEOUT_S: the most one model's flat + shared runs may take (default 300 s).
 # Results: $OUT/shared-prefix-<model>.{json,md}, $OUT/shared-prefix.md (all models), server logs, run.log (packed
 # into $OUT/all.tgz on exit, the summaries beside it).
 # CPU dry run of the whole script without SGLang or a GPU (tests/fake_sglang.py with the real plugin code; the
@@ -28,7 +33,9 @@ else
 fi
 cd "$REPO/bench/gpu"
 MODELS=${MODELS:-deepseek-fixed llama}
-"$PY" mk_models.py ${MODELS_DIR:-/tmp/models} --only $MODELS >"$OUT/mk_models.log" 2>&1
+BIG=""; case " $MODELS " in *" llama8b "*) BIG="--llama8b" ;; esac
+# shellcheck disable=SC2086 - word lists
+"$PY" mk_models.py ${MODELS_DIR:-/tmp/models} $BIG --only $MODELS >"$OUT/mk_models.log" 2>&1
 END=$((SECONDS + ${BUDGET_S:-500}))
 rc=0
 echo "set-up done at ${SECONDS} s; models: $MODELS" | tee "$OUT/run.log"
@@ -39,13 +46,19 @@ for name in $MODELS; do
     echo "### $name: SKIPPED (budget: ${left} s left)" | tee "$OUT/shared-prefix-$name.md" | tee -a "$OUT/run.log"
     rc=1; continue
   fi
-  t=$(( left - 10 < 300 ? left - 10 : 300 ))
+  cap=${MODEL_TIMEOUT_S:-300}
+  t=$(( left - 10 < cap ? left - 10 : cap ))
+  sgl=$SGL_SMALL; extra=""
+  if [ "$name" = llama8b ]; then  # 16 GB of dummy weights; KV room for the shared run's whole radix tree
+    sgl="${SGL_COMMON:-} --mem-fraction-static 0.6 --load-format dummy --dtype bfloat16 --max-running-requests 128"
+    extra="--reference 0"
+  fi
   echo "== $name, timeout ${t} s, at ${SECONDS} s" | tee -a "$OUT/run.log"
   set +e
-  # shellcheck disable=SC2086 - DRY and SP_ARGS are word lists
+  # shellcheck disable=SC2086 - extra, DRY and SP_ARGS are word lists
   timeout -k 10 "$t" "$PY" shared_prefix.py --model "${MODELS_DIR:-/tmp/models}/$name" --name "$name" \
-    --state "/tmp/sp-state-$name" --out "$OUT" --sgl-args "$SGL_SMALL" --port "$port" \
-    --startup-timeout $(( t / 2 )) $DRY ${SP_ARGS:-} >>"$OUT/run.log" 2>&1
+    --state "/tmp/sp-state-$name" --out "$OUT" --sgl-args "$sgl" --port "$port" \
+    --startup-timeout $(( t / 2 )) $extra $DRY ${SP_ARGS:-} >>"$OUT/run.log" 2>&1
   r=$?
   set -e
   [ "$r" -ne 0 ] && rc=1

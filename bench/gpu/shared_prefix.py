@@ -136,7 +136,8 @@ def run_mode(a: argparse.Namespace, shared: bool, chunk: ChunkPrompts, spec: Cap
         shard = out / f"{a.name}-{mode}.hss"
         data = chunk if shared else ChunkPrompts(chunk.sample_ids, chunk.input_ids, chunk.loss_masks)
         t1 = time.monotonic()
-        summary = extract_chunk(data, shard, eng, meta, level=1, threads=4, progress=False)
+        summary = extract_chunk(data, shard, eng, meta, level=1, threads=a.shard_threads,
+                                progress=False)
         r["wall_s"] = round(time.monotonic() - t1, 2)
         r["summary"] = summary
         r["computed_tokens"] = summary["computed_tokens"]
@@ -242,6 +243,8 @@ def markdown(res: dict) -> str:
                       f"references stored {cmp['stored_references']} of {ch['proposed_references']} proposed; "
                       f"stored tokens flat/shared {cmp['stored_tokens']}"]
     ref = res.get("reference")
+    if not res.get("reference_samples"):
+        lines += ["against the transformers engine: not run (--reference 0)"]
     if ref:
         lines += [f"against the transformers engine ({ref['samples']} samples): max rel "
                   + ", ".join(f"{m} {v:.3g}" for m, v in ref["max_rel"].items())]
@@ -268,6 +271,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=37)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--chunked-prefill-size", type=int, default=None)
+    ap.add_argument("--shard-threads", type=int, default=4, help="the shard writer's encoder threads")
     ap.add_argument("--sgl-args", default=os.environ.get("SGL_SMALL", ""))
     ap.add_argument("--tol", type=float, default=TOL, help="per-sample bound (dense models)")
     ap.add_argument("--reference", type=int, default=1 << 30, help="samples checked against the transformers "
@@ -285,6 +289,7 @@ def main() -> int:
     refs = list(zip(chunk.parents or [], chunk.prefix_lens or [], strict=True))
     spec = CaptureSpec(aux_layers=aux, final_state="pre_norm")
     res: dict = {"model": a.name, "aux_layers": list(aux), "tol": a.tol, "concurrency": a.concurrency,
+                 "reference_samples": a.reference, "sgl_args": a.sgl_args, "shard_threads": a.shard_threads,
                  "chunk": {"samples": len(chunk.input_ids), "conversations": a.convs, "turns": a.turns, "decl": a.decl,
                            "tokens": sum(map(len, chunk.input_ids)),
                            "distinct_tokens": distinct_tokens([len(x) for x in chunk.input_ids], refs),
