@@ -34,6 +34,9 @@ second.
 
     PYTHONPATH=src python bench/read.py [--gb 1.5] [--workers 1 2 4] [--out read.json] [--write-readme]
     PYTHONPATH=src python bench/read.py --dry   # seconds: tiny samples, for tests/test_bench_dryrun.py
+
+Length: the stores, the epochs and the profile read the same samples in one run, so the ratios compare like with
+like; one script.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@
     each sample saved as its own raw .pt (a speculators v1 dict, torch.save), as users write it today
 (e) the transformers engine's way on the same GPU: HF forward with output_hidden_states, batch 8
 
+Length: every part and the server set-ups they share in one script, so that one device call runs them
+side by side (the comparison is the figure, and parts alternate with --repeats).
+
 Server B (hsextract plugin) serves (b), (b0), (d') and runs first: it is the part not measured yet. Server A
 (no plugin, --enable-return-hidden-states) serves (a), (c), (d). Every part also records the CPU it used (the
 whole machine's busy cores and the client's own); --profile samples GIL holders with py-spy. Weights:

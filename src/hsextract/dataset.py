@@ -1,5 +1,8 @@
 """`open_dataset`: every shard of a run as one map-style torch Dataset of speculators v1 dicts, and
-`HiddenStateDataset.stream`: the same samples as a shuffled IterableDataset that decodes ahead."""
+`HiddenStateDataset.stream`: the same samples as a shuffled IterableDataset that decodes ahead.
+
+Length: the trainer's one import; both views share the shard list, the checks that the shards form one
+training set and the sample index, so they stay one module (the shard format itself is hsextract.shard)."""
 
 from __future__ import annotations
 
