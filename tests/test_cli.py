@@ -200,3 +200,24 @@ def test_masks_explain_color_marks_reasoning_blue(tmp_path, capsys):
     out = capsys.readouterr().out
     assert ("\x1b[34m<think>\nThe user greets.\n</think>\n\n\x1b[0m\x1b[32mHow are you today?\x1b[0m"
             "\x1b[33m<|im_end|>\x1b[0m\n") in out
+
+
+def test_inspect_text_shows_the_final_norm_weight_as_its_size_and_hash(tmp_path, capsys):
+    """The weight is hidden_size values of base64 (19 KB for Kimi-K2.5): the text gives its bytes and sha256,
+    --json the whole entry."""
+    import hashlib
+
+    from hsextract.extract.final_norm import FinalNorm
+
+    w = torch.linspace(0.5, 2.0, 16).to(torch.bfloat16)
+    entry = FinalNorm("rms_norm", 1e-5, w, "model.safetensors:model.norm.weight").to_metadata()
+    path = tmp_path / "chunk-00000.hss"
+    with ShardWriter(path, shard_metadata(final_state="pre_norm", final_norm=entry)) as wr:
+        wr.add(*make_sample(3, seed=0), sample_id="s0")
+    assert main(["inspect", str(path)]) == 0
+    digest = hashlib.sha256(w.view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    assert ('final_norm     {"dtype": "bfloat16", "eps": 1e-05, "hidden_size": 16, "kind": "rms_norm", "source": '
+            f'"model.safetensors:model.norm.weight", "weight": "<32 bytes, sha256 {digest}>"}}'
+            in capsys.readouterr().out.splitlines())
+    assert main(["inspect", "--json", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["metadata"]["final_norm"] == entry

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -72,6 +74,18 @@ def _layers_text(li: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _final_norm_text(entry: Any) -> Any:
+    """The final norm's entry with its weight (hidden_size values in base64: 19 KB for Kimi-K2.5) as its length
+    and sha256; --json keeps it whole."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("weight"), str):
+        return entry
+    try:
+        raw = base64.b64decode(entry["weight"], validate=True)
+    except ValueError:
+        return {**entry, "weight": "<not base64: damaged>"}
+    return {**entry, "weight": f"<{len(raw)} bytes, sha256 {hashlib.sha256(raw).hexdigest()[:16]}>"}
+
+
 def _mb(n: int) -> str:
     return f"{n / 1e6:.3f} MB"
 
@@ -88,7 +102,8 @@ def format_info(info: dict[str, Any]) -> str:
     lines += _layers_text(info["layers"] if "layers" in info else layer_info(m))
     extra = sorted(set(m) - shown - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
     for key in extra:
-        lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
+        value = _final_norm_text(m[key]) if key == "final_norm" else m[key]
+        lines.append(f"{key:<14} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
     ratio = "n/a" if info["stored_over_raw"] is None else f"{info['stored_over_raw']:.4f}"
     lines += [
         f"samples        {info['num_samples']} ({info['shared_samples']} take a prefix from an earlier one)",
