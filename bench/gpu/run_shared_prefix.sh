@@ -9,7 +9,7 @@
 # skipped, says so, and fails the run. SP_ARGS: more arguments for shared_prefix.py (e.g. --convs 48 --turns 12).
 # MODELS=llama8b: the Llama-3-8B shape with SGLang's dummy weights (seeded, so both servers hold the same ones), a
 # model whose prefill, not the launch overheads, sets the wall time; no transformers reference (no weights on disk).
-#   MODELS=llama8b MODEL_TIMEOUT_S=480 SP_ARGS="--convs 64 --concurrency 64 --shard-threads 16" \
+#   MODELS=llama8b MODEL_TIMEOUT_S=470 BUDGET_S=520 SP_ARGS="--convs 64 --concurrency 64 --shard-threads 16" \
 #     bash bench/gpu/run_shared_prefix.sh
 # MODEL_TIMEOUT_S: the most one model's flat + shared runs may take (default 300 s).
 # Results: $OUT/shared-prefix-<model>.{json,md}, $OUT/shared-prefix.md (all models), server logs, run.log (packed

@@ -136,8 +136,7 @@ def run_mode(a: argparse.Namespace, shared: bool, chunk: ChunkPrompts, spec: Cap
         shard = out / f"{a.name}-{mode}.hss"
         data = chunk if shared else ChunkPrompts(chunk.sample_ids, chunk.input_ids, chunk.loss_masks)
         t1 = time.monotonic()
-        summary = extract_chunk(data, shard, eng, meta, level=1, threads=a.shard_threads,
-                                progress=False)
+        summary = extract_chunk(data, shard, eng, meta, level=1, threads=a.shard_threads, progress=False)
         r["wall_s"] = round(time.monotonic() - t1, 2)
         r["summary"] = summary
         r["computed_tokens"] = summary["computed_tokens"]
