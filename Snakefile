@@ -22,6 +22,15 @@ if (_SRC / "hsextract").is_dir():
 configfile: "config/config.yaml"
 
 
+from hsextract.config.stale_lock import clear_owner, record_owner, remove_stale_lock
+
+# A lock left by a run killed before it could release it (kill -9, a closed terminal) is removed when its
+# run is surely gone, so that the same command carries on without `snakemake --unlock` (the module says how
+# it tells); jobs Snakemake spawns parse this file too and leave it alone.
+if workflow.is_main_process and (_unlocked := remove_stale_lock(Path.cwd())):
+    print(_unlocked, file=sys.stderr)
+
+
 from hsextract.config.guard import check_bounded
 from hsextract.config.files import earlier_configfiles
 from hsextract.config.settings import fill_defaults
@@ -88,12 +97,15 @@ rule all:
 
 
 onstart:
+    record_owner(Path.cwd())
     run_hooks(ON_START)
 
 
 onsuccess:
+    clear_owner(Path.cwd())
     run_hooks(ON_FINISH)
 
 
 onerror:
+    clear_owner(Path.cwd())
     run_hooks(ON_FINISH)

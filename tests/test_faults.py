@@ -3,8 +3,9 @@
 Fast tests: disk full during a shard write, byte flips and truncations caught by validate, server
 faults the sglang client tests do not already cover, schema violations, security properties.
 Slow tests (one small workflow, 3 chunks): SIGKILL of the whole Snakemake process group during
-extraction, 3 times at seeded random moments, then --unlock / --rerun-incomplete; disk full inside
-a real extract job. tests/README.md lists every fault with its figures and where else it is tested.
+extraction, 3 times at seeded random moments, then the same command (the killed run's lock removed
+by the next parse, no --unlock); disk full inside a real extract job. tests/README.md lists every
+fault with its figures and where else it is tested.
 """
 
 from __future__ import annotations
@@ -508,14 +509,23 @@ def shard_file(wd: Path, chunk: int) -> Path:
     return wd / SHARDS[chunk]
 
 
+def locks(wd: Path) -> list[Path]:
+    return sorted((wd / ".snakemake" / "locks").glob("*.lock"))
+
+
 def planned_extracts(wd: Path) -> dict[int, str]:
-    """chunk -> Snakemake's reason, from a dry run with --rerun-incomplete."""
-    out = _wf().smk(wd, *SHARDS, "-n", "--rerun-incomplete").stdout
+    return dry_plan(wd)[0]
+
+
+def dry_plan(wd: Path) -> tuple[dict[int, str], str]:
+    """chunk -> Snakemake's reason, from a dry run with --rerun-incomplete; and the run's output."""
+    proc = _wf().smk(wd, *SHARDS, "-n", "--rerun-incomplete")
+    out = proc.stdout
     plan = {}
     for block in out.split("rule extract:")[1:]:
         chunk = int(re.search(r"output: results/\S+/chunk-(\d{5})", block)[1])
         plan[chunk] = re.search(r"reason: ([^\n:]+)", block)[1]
-    return plan
+    return plan, proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -586,8 +596,6 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(
     first_seen: dict[int, int] = {}  # chunk -> mtime of its shard when first seen complete and not planned again
     record = []
     for attempt in range(KILLS):
-        if attempt:
-            _wf().smk(wd, "--unlock")
         t0 = time.time()
         logf = open(wd / f"attempt-{attempt}.log", "w")  # closed once the killed run is waited on
         # one job at a time, so that a kill after a finished chunk lands inside the next one
@@ -623,7 +631,11 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(
         for i in present:  # whatever exists is a whole shard: every sample reads back with its checksums
             r = ShardReader(shard_file(wd, i))
             [r[k] for k in range(len(r))]
-        plan = planned_extracts(wd) if killed else {}
+        plan = {}
+        if killed:  # the killed run left its lock; the next parse (this dry run) removes it: no --unlock
+            assert locks(wd), "the kill left no lock to recover from"
+            plan, said = dry_plan(wd)
+            assert "hsextract: removed Snakemake's lock" in said and not locks(wd), said[-2000:]
         assert set(range(N_CHUNKS)) - set(present) <= set(plan)  # missing chunks are redone
         for i in present:
             if i not in plan:
@@ -636,9 +648,8 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(
     # some survived a kill
     assert any(i not in r["planned"] for r in record[:KILLS] for i in r["shards_present"]), record
 
-    # after the kills: unlock, rerun incomplete; it redoes exactly the planned chunks
+    # after the kills: the same command; it redoes exactly the planned chunks
     if record[-1]["killed"]:
-        _wf().smk(wd, "--unlock")
         plan = planned_extracts(wd)
         before = {i: shard_file(wd, i).stat().st_mtime_ns for i in range(N_CHUNKS) if shard_file(wd, i).exists()}
         done = _wf().smk(wd, *SHARDS, "--rerun-incomplete")

@@ -137,6 +137,7 @@ def parse_jobs(text: str) -> dict:
         "failed_rules": failed,
         "nothing_to_do": "Nothing to be done" in text,
         "lock_error": "cannot be locked" in text.lower() or "LockException" in text,
+        "stale_lock_removed": "hsextract: removed Snakemake's lock" in text,
         "illegal_memory_access": "illegal memory access" in text,
     }
 

@@ -28,7 +28,8 @@
 #          started, `kill -9` of Snakemake's process group (Snakemake and its running jobs: what a crash of
 #          the workflow's process tree does; the SGLang server, in its own session, lives on as it would,
 #          and the next run's onstart stops it)
-#   b-rerun the same command (after `snakemake --unlock` if Snakemake reports the lock left by the kill):
+#   b-rerun the same command (the workflow removes the killed run's lock: hsextract.config.stale_lock; should
+#          Snakemake still report a lock, `snakemake --unlock` and the command again):
 #          only the chunks whose extract job Snakemake had not finished must run (a shard renamed into place
 #          just before a kill, its job not yet registered, counts as incomplete and reruns too)
 #   c      (before b, which needs the rest of the budget) one shard deleted, the command again: that chunk
@@ -343,6 +344,7 @@ PYEOF
   RAN=$(field "$(jobs_of $NAME)" "' '.join(d['extract_chunks'])")
   OK=$([ "$RAN" = "$EXPECT" ] && echo "only the unfinished chunks ran" || echo "MISMATCH: expected [$EXPECT]")
   [ "$RC" = 0 ] || OK="rc $RC; $OK"
+  [ "$(field "$(jobs_of $NAME)" "d['stale_lock_removed']")" = True ] && OK="the killed run's lock removed; $OK"
   record "$NAME" "$RC" "$SECS" "${CMD[*]}" "$OK; shards now: $(shards); dataset all_valid: $(all_valid)" \
     "extract chunks that ran: [$RAN] (reasons: $(field "$(jobs_of $NAME)" "d['extract_reasons']")); unfinished at the kill: [$EXPECT]"
 else

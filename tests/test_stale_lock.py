@@ -1,0 +1,89 @@
+"""Snakemake's lock left by a killed run: removed only when its run is surely gone (hsextract.config.stale_lock).
+The whole workflow killed and rerun without `--unlock`: tests/test_faults.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hsextract.config.stale_lock import LOCKS, OWNER, clear_owner, record_owner, remove_stale_lock
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times from /proc")
+
+
+def locks(wd: Path) -> list[Path]:
+    (wd / LOCKS).mkdir(parents=True, exist_ok=True)
+    paths = [wd / LOCKS / "0.input.lock", wd / LOCKS / "0.output.lock"]
+    for p in paths:
+        p.write_text("results/x/shards/chunk-00000.hss\n")
+    return paths
+
+
+def dead_pid_owner(wd: Path) -> int:
+    """The record of a process that ran (recorded while it was alive) and is gone."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    record_owner(wd, child.pid)
+    child.communicate(b"")
+    return child.pid
+
+
+def test_the_lock_of_a_run_that_is_gone_is_removed_with_a_message(tmp_path: Path) -> None:
+    paths = locks(tmp_path)
+    pid = dead_pid_owner(tmp_path)
+    assert remove_stale_lock(tmp_path) == (
+        f"hsextract: removed Snakemake's lock (2 files in {LOCKS}) left by a run that no longer exists (pid {pid} on "
+        "this host, killed before it could release it); carrying on: what that run finished is kept, the rest reruns")
+    assert not any(p.exists() for p in paths) and not (tmp_path / OWNER).exists()
+    assert remove_stale_lock(tmp_path) is None  # nothing left to do
+
+
+def test_the_lock_of_a_live_run_is_kept(tmp_path: Path) -> None:
+    paths = locks(tmp_path)
+    record_owner(tmp_path)  # this process: alive
+    rec = json.loads((tmp_path / OWNER).read_text())
+    assert (rec["pid"], rec["host"]) == (os.getpid(), socket.gethostname()) and rec["start"]
+    assert remove_stale_lock(tmp_path) is None
+    assert all(p.exists() for p in paths) and (tmp_path / OWNER).exists()
+
+
+def test_a_pid_taken_again_by_another_process_is_a_run_that_is_gone(tmp_path: Path) -> None:
+    locks(tmp_path)
+    record_owner(tmp_path)
+    rec = json.loads((tmp_path / OWNER).read_text())
+    (tmp_path / OWNER).write_text(json.dumps({**rec, "start": str(int(rec["start"]) - 1)}))
+    assert remove_stale_lock(tmp_path) is not None and not (tmp_path / LOCKS / "0.input.lock").exists()
+
+
+def test_a_reboot_since_the_record_means_the_run_is_gone(tmp_path: Path) -> None:
+    locks(tmp_path)
+    record_owner(tmp_path)
+    rec = json.loads((tmp_path / OWNER).read_text())
+    if not rec["boot"]:
+        pytest.skip("no boot id on this system")
+    (tmp_path / OWNER).write_text(json.dumps({**rec, "boot": "another-boot"}))
+    assert remove_stale_lock(tmp_path) is not None
+
+
+@pytest.mark.parametrize("case", ["other host", "no record", "damaged record", "lock newer than record",
+                                  "record cleared"])
+def test_the_lock_is_left_to_snakemake_when_its_run_cannot_be_told_gone(tmp_path: Path, case: str) -> None:
+    paths = locks(tmp_path)
+    dead_pid_owner(tmp_path)
+    owner = tmp_path / OWNER
+    if case == "other host":  # a shared file system seen from another login node: that run may be alive
+        owner.write_text(json.dumps({**json.loads(owner.read_text()), "host": "another-node"}))
+    elif case == "no record":  # killed between taking the lock and onstart, or a run without this workflow
+        owner.unlink()
+    elif case == "damaged record":
+        owner.write_text("{")
+    elif case == "lock newer than record":  # a new run took the lock and has not reached onstart yet
+        t = owner.stat().st_mtime_ns
+        os.utime(paths[1], ns=(t + 10**9, t + 10**9))
+    elif case == "record cleared":  # the run ended (onsuccess / onerror)
+        clear_owner(tmp_path)
+    assert remove_stale_lock(tmp_path) is None
+    assert all(p.exists() for p in paths)
