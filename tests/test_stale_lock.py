@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hsextract.config.stale_lock import LOCKS, OWNER, clear_owner, record_owner, remove_stale_lock
+from hsextract.config.stale_lock import LOCKS, OWNERS, clear_owner, record_owner, remove_stale_lock
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times from /proc")
 
@@ -31,40 +31,56 @@ def dead_pid_owner(wd: Path) -> int:
     return child.pid
 
 
+def record(wd: Path, pid: int) -> Path:
+    return wd / OWNERS / f"{pid}.json"
+
+
 def test_the_lock_of_a_run_that_is_gone_is_removed_with_a_message(tmp_path: Path) -> None:
     paths = locks(tmp_path)
     pid = dead_pid_owner(tmp_path)
     assert remove_stale_lock(tmp_path) == (
         f"hsextract: removed Snakemake's lock (2 files in {LOCKS}) left by a run that no longer exists (pid {pid} on "
         "this host, killed before it could release it); carrying on: what that run finished is kept, the rest reruns")
-    assert not any(p.exists() for p in paths) and not (tmp_path / OWNER).exists()
+    assert not any(p.exists() for p in paths) and not record(tmp_path, pid).exists()
     assert remove_stale_lock(tmp_path) is None  # nothing left to do
 
 
 def test_the_lock_of_a_live_run_is_kept(tmp_path: Path) -> None:
     paths = locks(tmp_path)
     record_owner(tmp_path)  # this process: alive
-    rec = json.loads((tmp_path / OWNER).read_text())
+    rec = json.loads(record(tmp_path, os.getpid()).read_text())
     assert (rec["pid"], rec["host"]) == (os.getpid(), socket.gethostname()) and rec["start"]
     assert remove_stale_lock(tmp_path) is None
-    assert all(p.exists() for p in paths) and (tmp_path / OWNER).exists()
+    assert all(p.exists() for p in paths) and record(tmp_path, os.getpid()).exists()
+
+
+def test_a_live_run_beside_a_killed_one_keeps_the_lock(tmp_path: Path) -> None:
+    """Two runs on disjoint targets hold locks side by side; the later one killed: the earlier still runs."""
+    paths = locks(tmp_path)
+    record_owner(tmp_path)  # alive
+    dead_pid_owner(tmp_path)  # the later run, killed
+    assert remove_stale_lock(tmp_path) is None and all(p.exists() for p in paths)
+    clear_owner(tmp_path)  # the live run ended (Snakemake would remove its lock files too)
+    assert remove_stale_lock(tmp_path) is not None and not any(p.exists() for p in paths)
 
 
 def test_a_pid_taken_again_by_another_process_is_a_run_that_is_gone(tmp_path: Path) -> None:
     locks(tmp_path)
     record_owner(tmp_path)
-    rec = json.loads((tmp_path / OWNER).read_text())
-    (tmp_path / OWNER).write_text(json.dumps({**rec, "start": str(int(rec["start"]) - 1)}))
+    own = record(tmp_path, os.getpid())
+    rec = json.loads(own.read_text())
+    own.write_text(json.dumps({**rec, "start": str(int(rec["start"]) - 1)}))
     assert remove_stale_lock(tmp_path) is not None and not (tmp_path / LOCKS / "0.input.lock").exists()
 
 
 def test_a_reboot_since_the_record_means_the_run_is_gone(tmp_path: Path) -> None:
     locks(tmp_path)
     record_owner(tmp_path)
-    rec = json.loads((tmp_path / OWNER).read_text())
+    own = record(tmp_path, os.getpid())
+    rec = json.loads(own.read_text())
     if not rec["boot"]:
         pytest.skip("no boot id on this system")
-    (tmp_path / OWNER).write_text(json.dumps({**rec, "boot": "another-boot"}))
+    own.write_text(json.dumps({**rec, "boot": "another-boot"}))
     assert remove_stale_lock(tmp_path) is not None
 
 
@@ -72,8 +88,8 @@ def test_a_reboot_since_the_record_means_the_run_is_gone(tmp_path: Path) -> None
                                   "record cleared"])
 def test_the_lock_is_left_to_snakemake_when_its_run_cannot_be_told_gone(tmp_path: Path, case: str) -> None:
     paths = locks(tmp_path)
-    dead_pid_owner(tmp_path)
-    owner = tmp_path / OWNER
+    pid = dead_pid_owner(tmp_path)
+    owner = record(tmp_path, pid)
     if case == "other host":  # a shared file system seen from another login node: that run may be alive
         owner.write_text(json.dumps({**json.loads(owner.read_text()), "host": "another-node"}))
     elif case == "no record":  # killed between taking the lock and onstart, or a run without this workflow
@@ -84,6 +100,6 @@ def test_the_lock_is_left_to_snakemake_when_its_run_cannot_be_told_gone(tmp_path
         t = owner.stat().st_mtime_ns
         os.utime(paths[1], ns=(t + 10**9, t + 10**9))
     elif case == "record cleared":  # the run ended (onsuccess / onerror)
-        clear_owner(tmp_path)
+        clear_owner(tmp_path, pid)
     assert remove_stale_lock(tmp_path) is None
     assert all(p.exists() for p in paths)

@@ -5,12 +5,13 @@ carries on and reruns only what was not finished (the profile's `rerun-incomplet
 Snakemake (its default file persistence) writes `.snakemake/locks/N.{input,output}.lock` when a run starts and
 removes them when it ends; nothing in them names the run, so a killed run's locks refuse every later run until
 `snakemake --unlock`. The workflow's onstart, which Snakemake calls after taking the lock, records the run that
-holds it (OWNER: pid, the process's start time, host, boot); onsuccess and onerror remove the record. At the
-next parse, the lock files are removed only when all of these hold: the record names this host, its process is
-gone (the machine rebooted since, no such pid, or the pid now belongs to a process started at another time), and
-no lock file is newer than the record (a lock taken since belongs to a run that has not reached onstart yet).
-Anything else is left to Snakemake, whose error says to run `snakemake --unlock`. The db persistence backend
-keeps no lock files: nothing happens there.
+holds it (a file per run in OWNERS: pid, the process's start time, host, boot; runs on disjoint targets may hold
+locks side by side); onsuccess and onerror remove the run's record. At the next parse, the lock files are
+removed only when all of these hold: every record names this host and its process is gone (the machine rebooted
+since, no such pid, or the pid now belongs to a process started at another time), and no lock file is newer
+than the newest record (a lock taken since belongs to a run that has not reached onstart yet). Anything else is
+left to Snakemake, whose error says to run `snakemake --unlock`. The db persistence backend keeps no lock
+files: nothing happens there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from hsextract.atomic import write_json_atomic
 
-OWNER = Path(".snakemake") / "hsextract-lock-owner.json"
+OWNERS = Path(".snakemake") / "hsextract-lock-owners"
 LOCKS = Path(".snakemake") / "locks"
 
 
@@ -49,13 +50,14 @@ def _start_time(pid: int) -> str | None:
 def record_owner(workdir: Path, pid: int | None = None) -> None:
     """Called by onstart, once Snakemake holds the lock: who holds it."""
     pid = os.getpid() if pid is None else pid
-    write_json_atomic(workdir / OWNER, {"pid": pid, "start": _start_time(pid), "host": socket.gethostname(),
-                                        "boot": _boot_id()}, durable=False)
+    write_json_atomic(workdir / OWNERS / f"{pid}.json", {"pid": pid, "start": _start_time(pid),
+                                                        "host": socket.gethostname(), "boot": _boot_id()},
+                      durable=False)
 
 
-def clear_owner(workdir: Path) -> None:
-    """Called by onsuccess and onerror: Snakemake releases the lock next."""
-    (workdir / OWNER).unlink(missing_ok=True)
+def clear_owner(workdir: Path, pid: int | None = None) -> None:
+    """Called by onsuccess and onerror: Snakemake releases the run's lock next."""
+    (workdir / OWNERS / f"{os.getpid() if pid is None else pid}.json").unlink(missing_ok=True)
 
 
 def _gone(rec: dict[str, Any]) -> bool:
@@ -81,23 +83,23 @@ def _gone(rec: dict[str, Any]) -> bool:
 
 
 def remove_stale_lock(workdir: Path) -> str | None:
-    """Remove Snakemake's lock files when the run that took them is gone (module docstring); the line to show
+    """Remove Snakemake's lock files when every run that took them is gone (module docstring); the line to show
     the user, or None when nothing was removed."""
     locks = sorted((workdir / LOCKS).glob("*.lock")) if (workdir / LOCKS).is_dir() else []
-    owner = workdir / OWNER
-    if not locks or not owner.is_file():
+    owners = sorted((workdir / OWNERS).glob("*.json")) if (workdir / OWNERS).is_dir() else []
+    if not locks or not owners:
         return None
     try:
-        rec = json.loads(owner.read_text())
-        owner_mtime = owner.stat().st_mtime_ns
-        newest = max(p.stat().st_mtime_ns for p in locks)
+        recs = [json.loads(p.read_text()) for p in owners]
+        newest_record = max(p.stat().st_mtime_ns for p in owners)
+        newest_lock = max(p.stat().st_mtime_ns for p in locks)
     except (OSError, ValueError):
         return None
-    if not isinstance(rec, dict) or newest > owner_mtime or not _gone(rec):
+    if newest_lock > newest_record or not all(isinstance(r, dict) and _gone(r) for r in recs):
         return None
-    for p in locks:
+    for p in locks + owners:
         p.unlink(missing_ok=True)
-    owner.unlink(missing_ok=True)
+    pids = ", ".join(str(r["pid"]) for r in recs)
     return (f"hsextract: removed Snakemake's lock ({len(locks)} files in {LOCKS}) left by a run that no longer "
-            f"exists (pid {rec['pid']} on this host, killed before it could release it); carrying on: what that "
+            f"exists (pid {pids} on this host, killed before it could release it); carrying on: what that "
             "run finished is kept, the rest reruns")
