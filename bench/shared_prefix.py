@@ -112,6 +112,33 @@ def _ids_mask_bytes(reader: Any) -> int:
     return sum(sum(struct.unpack_from("<2Q", reader._pread(at + 16, off), at)) for off in reader.index["offsets"])
 
 
+def own_rows_as_v1(shards: list[Path], dst: Path) -> dict[str, float]:
+    """The codec on the same rows: each sample's own rows of the shared shards (what version 2 stores) written by
+    today's flat (version 1) writer at the workflow's level, so a difference is the format's, not the rows'
+    (flat and shared store different rows: flat is mostly the repeated declaration)."""
+    from hsextract.shard import ShardReader, ShardWriter
+
+    dst.mkdir(parents=True, exist_ok=True)
+    v1_bytes = v1_ids_mask = v2_bytes = v2_ids_mask = tokens = 0
+    for k, src in enumerate(shards):
+        r = ShardReader(src)
+        path = dst / f"own-rows-{k:05d}.hss"
+        meta = {key: v for key, v in r.metadata.items() if key not in ("format_version", "writer", "zstd_version")}
+        with ShardWriter(path, meta, level=r.metadata["codec"]["level"]) as w:
+            for i in range(len(r)):
+                x, n = r[i], r.prefix_lens[i]
+                w.add(x["input_ids"][n:], [h[n:] for h in x["hidden_states"]], x["loss_mask"][n:], r.sample_ids[i])
+                tokens += len(x["input_ids"]) - n
+        v1 = ShardReader(path)
+        v1_bytes += path.stat().st_size
+        v1_ids_mask += _ids_mask_bytes(v1)
+        v2_bytes += src.stat().st_size
+        v2_ids_mask += _ids_mask_bytes(r)
+        path.unlink()
+    return {"tokens": tokens, "v1_hidden_bytes_per_token": (v1_bytes - v1_ids_mask) / tokens,
+            "v2_hidden_bytes_per_token": (v2_bytes - v2_ids_mask) / tokens}
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
@@ -250,6 +277,8 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             fig[mode]["hidden_bytes_per_stored_token"] = (fig[mode]["bytes"] - ids_mask_bytes) / fig[mode][
                 "stored_tokens"]
             readers[mode] = samples
+            if mode == "shared":
+                fig[mode]["same_rows"] = own_rows_as_v1(shards, out / "own-rows")
 
     flat, shared = fig["flat"], fig["shared"]
     distinct = shared["distinct_tokens"]
@@ -319,6 +348,8 @@ def report(fig: dict[str, Any]) -> str:
         f"{s['bytes_per_stored_token']:.1f} | |",
         f"| hidden-row bytes per stored token | {_num(f.get('hidden_bytes_per_stored_token'), '.1f')} | "
         f"{s['hidden_bytes_per_stored_token']:.1f} | |",
+        f"| the same, on the shared run's own rows: written flat (version 1) / as stored (version 2) | "
+        f"{s['same_rows']['v1_hidden_bytes_per_token']:.2f} | {s['same_rows']['v2_hidden_bytes_per_token']:.2f} | |",
         f"| stored tokens per conversation ~ turns^slope | {f['slope']:.2f} | {s['slope']:.2f} | |",
         f"| the same past the {fig['opening_tokens']:,}-token opening | {f['slope_beyond_opening']:.2f} | "
         f"{s['slope_beyond_opening']:.2f} | |",
@@ -370,7 +401,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
     ap.add_argument("--no-flat-extract", dest="flat_extract", action="store_false",
                     help="prepare the flat run only (run()'s flat_extract): the issue's size in minutes, not days")
+    ap.add_argument("--same-rows", type=Path, metavar="SHARDS_DIR",
+                    help="only the codec on the same rows (own_rows_as_v1) for the shared shards of an earlier run "
+                         "(OUT/shared/shards)")
     args = ap.parse_args(argv)
+    if args.same_rows:
+        with tempfile.TemporaryDirectory() as tmp:
+            print(json.dumps(own_rows_as_v1(sorted(args.same_rows.glob("*.hss")), Path(tmp)), indent=1))
+        return 0
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = args.out or Path(tmp)

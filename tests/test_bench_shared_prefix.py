@@ -37,6 +37,9 @@ def test_tiny_agentic_run_stores_and_computes_each_token_once(tmp_path: Path) ->
     assert flat["stored_tokens"] == flat["computed_tokens"] == flat["materialized_tokens"] == shared[
         "materialized_tokens"] > 2.5 * distinct
     assert shared["hidden_bytes_per_stored_token"] <= 1.05 * flat["hidden_bytes_per_stored_token"]
+    # the same rows cost what today's flat format costs them (the v2 index's references: a few bytes a sample)
+    same = shared["same_rows"]
+    assert same["tokens"] == distinct and same["v2_hidden_bytes_per_token"] <= 1.01 * same["v1_hidden_bytes_per_token"]
     # the flat run batches with padding, the shared one computes suffixes on caches: bf16 rounding. On the samples
     # furthest apart, the shared rows are within the dense bound of an independent full forward (measured 5.1e-3, the
     # flat run's padded batches 5.3e-3 there; 8.6e-3 and 1.1e-2 with the tiny model's former head widths), so flat
