@@ -134,6 +134,8 @@ def own_rows_as_v1(shards: list[Path], dst: Path) -> dict[str, float]:
         v1_ids_mask += _ids_mask_bytes(v1)
         v2_bytes += src.stat().st_size
         v2_ids_mask += _ids_mask_bytes(r)
+        v1.close()
+        r.close()
         path.unlink()
     return {"tokens": tokens, "v1_hidden_bytes_per_token": (v1_bytes - v1_ids_mask) / tokens,
             "v2_hidden_bytes_per_token": (v2_bytes - v2_ids_mask) / tokens}
@@ -256,8 +258,9 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
             beyond: dict[str, int] = defaultdict(int)  # stored tokens past the shared opening
             for r in rs:
                 for sid, n, k in zip(r.sample_ids, r.seq_lens, r.prefix_lens, strict=True):
-                    per_conv[_conversation(sid)] += n - k
-                    beyond[_conversation(sid)] += n - max(k, fig["opening_tokens"])
+                    c = _conversation(sid)
+                    per_conv[c] += n - k
+                    beyond[c] += n - max(k, fig["opening_tokens"])
             fig[mode] = {
                 "samples": len(ds), "materialized_tokens": summary["tokens"],
                 "distinct_tokens": summary.get("distinct_tokens"),
@@ -322,8 +325,9 @@ def _prepared_only(prompts: Path, n_chunks: int, summary: dict[str, Any], prepar
     for k in range(n_chunks):
         t = pq.read_table(prompts / chunk_name(k), columns=["sample_id", "num_tokens"]).to_pydict()
         for sid, n in zip(t["sample_id"], t["num_tokens"], strict=True):
-            per_conv[_conversation(sid)] += n
-            samples_of[_conversation(sid)] += 1
+            c = _conversation(sid)
+            per_conv[c] += n
+            samples_of[c] += 1
     tokens = summary["tokens"]
     return {"samples": sum(samples_of.values()), "materialized_tokens": tokens, "distinct_tokens": None,
             "stored_tokens": tokens, "computed_tokens": tokens,

@@ -22,6 +22,7 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import ShardError
+from hsextract.extract import final_norm
 from hsextract.layers import HIDDEN_STATES, describe, shard_convention, shard_hidden_states
 from hsextract.shard import SHARD_SUFFIX, ShardReader
 
@@ -35,10 +36,8 @@ MANIFEST_NAME = "dataset.json"
 
 
 def _shown(key: str, value: Any) -> Any:
-    """A metadata value for an error message: the final norm without its (hidden_size values long) weight."""
-    if key == "final_norm" and isinstance(value, dict):
-        return {k: v for k, v in value.items() if k != "weight"}
-    return value
+    """A metadata value for an error message: the final norm's weight as its size and hash."""
+    return final_norm.shown(value) if key == "final_norm" else value
 
 
 def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
