@@ -22,9 +22,9 @@ import numpy as np
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import ShardError
-from hsextract.extract import final_norm
 from hsextract.layers import HIDDEN_STATES, describe, shard_convention, shard_hidden_states
 from hsextract.shard import SHARD_SUFFIX, ShardReader
+from hsextract.shard.inspect import final_norm_shown
 
 # Keys that must agree across shards for their samples to form one training set.
 # (aux layers are compared as hidden_states ids: a shard written before the convention was recorded holds the
@@ -37,7 +37,7 @@ MANIFEST_NAME = "dataset.json"
 
 def _shown(key: str, value: Any) -> Any:
     """A metadata value for an error message: the final norm's weight as its size and hash."""
-    return final_norm.shown(value) if key == "final_norm" else value
+    return final_norm_shown(value) if key == "final_norm" else value
 
 
 def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:

@@ -24,7 +24,6 @@ model in the client, records the same entry as the transformers engine.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -163,15 +162,3 @@ def final_norm_metadata(model: str, dtype: str = "bfloat16") -> tuple[dict[str, 
 def from_shard_metadata(meta: Mapping[str, Any], where: str) -> FinalNorm | None:
     entry = meta.get("final_norm")
     return None if entry is None else FinalNorm.from_metadata(entry, where)
-
-
-def shown(entry: Any) -> Any:
-    """A final_norm metadata entry for people to read (`hsextract inspect`, errors): its weight, hidden_size
-    values of base64 (19 KB for Kimi-K2.5), as its size and sha256."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("weight"), str):
-        return entry
-    try:
-        raw = base64.b64decode(entry["weight"], validate=True)
-    except ValueError:
-        return {**entry, "weight": "<not base64: damaged>"}
-    return {**entry, "weight": f"<{len(raw)} bytes, sha256 {hashlib.sha256(raw).hexdigest()[:16]}>"}
