@@ -52,7 +52,9 @@ start() {
   kill -9 -- -"$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true
   # the port and the GPU free again before the next start
-  while nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q .; do sleep 1; done
+  local w=0
+  while nvidia-smi --query-compute-apps=pid --format=csv,noheader | grep -q . && [ $((w += 1)) -lt 60 ]; do
+    sleep 1; done
   echo "| $name | $model | ${cache#/tmp/} ($(find "$cache" -name '*.cubin' | wc -l) cubins) | ${envs:--} ${flags:-} | $verdict | $secs |" \
     | tee -a "$OUT/warm-crash.md" | tee -a "$OUT/run.log"
 }
