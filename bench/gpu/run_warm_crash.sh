@@ -9,6 +9,7 @@
 #   fresh      another empty cache (is it the cache, or anything else this machine kept?)
 #   recompile  warm cache, TRITON_ALWAYS_COMPILE=1 (compiled again: the cache's kernels, or fast launches?)
 #   no-overlap warm cache, --disable-overlap-schedule (a race between the scheduler's streams?)
+#   no-graph   warm cache, --disable-cuda-graph (the decode graphs captured from the cached kernels?)
 #   kimi-cold, kimi-warm (KIMI=1) the tiny model as built now (Kimi-K2.5's widths): the control
 # A start that could not end within BUDGET_S (default 540) of the script's start is skipped.
 #   bash bench/gpu/run_warm_crash.sh   (with .whl/one, .whl/extra beside the checkout)
@@ -61,6 +62,7 @@ start() {
 start cold old /tmp/wc-tc-a "" ""
 start warm old /tmp/wc-tc-a "" ""
 start no-overlap old /tmp/wc-tc-a "" "--disable-overlap-schedule"
+start no-graph old /tmp/wc-tc-a "" "--disable-cuda-graph"
 start recompile old /tmp/wc-tc-a "TRITON_ALWAYS_COMPILE=1" ""
 start fresh old /tmp/wc-tc-b "" ""
 if [ -n "${KIMI:-}" ]; then
