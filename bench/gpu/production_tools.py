@@ -17,6 +17,11 @@
                             checkpoint, each sample alone: per sample, every aux layer and the stored final
                             state within --tol (relative L2 over the sample); the neighbouring layer and the
                             other final state (the wrong-layer controls) must be over 10 x --tol
+    secrets --state DIR --out JSON PATHS...
+                            the live server of a run (its state directory DIR) and its key: whether any
+                            file under PATHS (logs, results, the report; the key's own 0600 file left out),
+                            any process's command line or environment holds the key, and what the server
+                            answers a generate request without the key, with a wrong one and with it
     summary STEPS_JSON OUT_MD   production.md from the steps the script recorded
 
 Run with the checkout's src/ on PYTHONPATH (run_production.sh does).
@@ -241,6 +246,56 @@ def summary(steps_file: Path, out_md: Path) -> None:
     out_md.write_text("\n".join(lines) + "\n")
 
 
+# ---- the key: at rest, in sight, at the door ---------------------------------------------------------------
+def secrets_check(state: Path, paths: list[Path]) -> dict:
+    import urllib.error
+    import urllib.request
+
+    from hsextract.sglang import keyfile
+
+    key_file = keyfile.key_path(state, 0)
+    key = keyfile.read_key(key_file)
+    res: dict = {"key_file": str(key_file), "key_found": key is not None}
+    if key is None:
+        return {**res, "pass": False}
+    needle = key.encode()
+    hits, scanned = [], 0
+    for root in paths:
+        for f in [root] if root.is_file() else sorted(root.rglob("*")) if root.is_dir() else []:
+            if f.is_symlink() or not f.is_file() or f.resolve() == key_file.resolve():
+                continue
+            scanned += 1
+            if needle in f.read_bytes():
+                hits.append(str(f))
+    procs = {"cmdline": 0, "environ": 0, "read": 0}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        for what in ("cmdline", "environ"):
+            try:
+                procs[what] += needle in (d / what).read_bytes()
+                procs["read"] += what == "cmdline"
+            except OSError:
+                pass
+    url = json.loads((state / "replica-0.json").read_text())["url"]
+    body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}).encode()
+    http = {}
+    for name, auth in (("no key", None), ("wrong key", "Bearer " + "0" * len(key)), ("the key", "Bearer " + key)):
+        req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
+        if auth:
+            req.add_header("Authorization", auth)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                http[name] = r.status
+        except urllib.error.HTTPError as e:
+            http[name] = e.code
+    ok = (not hits and not procs["cmdline"] and not procs["environ"] and http["no key"] == 401
+          and http["wrong key"] == 401 and http["the key"] == 200)
+    return {**res, "files_scanned": scanned, "files_with_key": hits, "processes_read": procs["read"],
+            "cmdlines_with_key": procs["cmdline"], "environs_with_key": procs["environ"], "generate_status": http,
+            "pass": ok}
+
+
 def agentic(model: str, out: Path, n: int) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from shared_prefix import conversations
@@ -273,6 +328,10 @@ def main() -> int:
     f.add_argument("--tol", type=float, default=2e-2)
     f.add_argument("--out", type=Path, required=True)
     f.add_argument("--max-samples", type=int, default=None, help="the first N (a CPU rehearsal)")
+    k = sub.add_parser("secrets")
+    k.add_argument("--state", type=Path, required=True)
+    k.add_argument("--out", type=Path, required=True)
+    k.add_argument("paths", type=Path, nargs="+")
     s = sub.add_parser("summary")
     s.add_argument("steps", type=Path)
     s.add_argument("out", type=Path)
@@ -290,6 +349,14 @@ def main() -> int:
         res = fidelity(a.run, a.model, a.device, a.tol, a.max_samples)
         a.out.write_text(json.dumps(res, indent=1))
         print("\n".join(fidelity_md(res)))
+        return 0 if res["pass"] else 1
+    elif a.cmd == "secrets":
+        res = secrets_check(a.state, a.paths)
+        a.out.write_text(json.dumps(res, indent=1))
+        print(f"{'PASS' if res['pass'] else 'FAIL'}: key found {res['key_found']}; files with the key "
+              f"{res.get('files_with_key')} of {res.get('files_scanned')}; command lines {res.get('cmdlines_with_key')}"
+              f", environments {res.get('environs_with_key')} of {res.get('processes_read')} processes; generate "
+              f"answered {res.get('generate_status')}")
         return 0 if res["pass"] else 1
     else:
         summary(a.steps, a.out)

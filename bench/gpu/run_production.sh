@@ -28,6 +28,9 @@
 #          started, `kill -9` of Snakemake's process group (Snakemake and its running jobs: what a crash of
 #          the workflow's process tree does; the SGLang server, in its own session, lives on as it would,
 #          and the next run's onstart stops it)
+#   s      (between b-kill and b-rerun, the killed run's server alive) its API key: in no file of the run (logs,
+#          results, .snakemake, $OUT), no process's command line or environment; a generate request without it
+#          or with a wrong one is refused (401), with it served (production_tools.py secrets)
 #   b-rerun the same command (the workflow removes the killed run's lock: hsextract.config.stale_lock; should
 #          Snakemake still report a lock, `snakemake --unlock` and the command again):
 #          only the chunks whose extract job Snakemake had not finished must run (a shard renamed into place
@@ -328,6 +331,19 @@ PYEOF
   log "b-kill: killed after $((SECONDS - t)) s with shards [$AT_KILL] (in flight: ${INFLIGHT:-none}); server pids alive: $SERVER_ALIVE"
   record b-kill 137 $((SECONDS - t)) "${CMD[*]} (kill -9 of its process group once it has finished one extract job and started the next)" \
     "shards at the kill: $AT_KILL" "extract jobs Snakemake had finished: [$(field "$(jobs_of b-kill)" "' '.join(d['finished_extract_chunks'])")], started: [$(field "$(jobs_of b-kill)" "' '.join(d['extract_chunks'])")]; partial shard files at the kill: ${INFLIGHT:-none}; processes of Snakemake's group left: ${LEFTOVER:-none}; live server after the kill: $SERVER_ALIVE (its own session; the next run's onstart stops it)"
+  # s: the key of the server the killed run left alive (its key file still there): no file of the run, no
+  # process's command line or environment holds it, and the server refuses a generate request without it
+  if [ "$SERVER_ALIVE" != none ]; then
+    t=$SECONDS
+    set +e
+    SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server" --out "$OUT/secrets.json" "$RUN" logs \
+      .snakemake "$OUT" "$SOURCES" 2>"$OUT/logs/s.log")
+    r=$?
+    set -e
+    log "s: rc $r: $SEC"
+    record s "$r" $((SECONDS - t)) "production_tools.py secrets --state $RUN/server $RUN logs .snakemake \$OUT <sources>" \
+      "${SEC:-no verdict (logs/s.log)}"
+  fi
   # unfinished: every chunk whose extract job Snakemake had not finished (a shard renamed into place just before
   # the kill, its job not yet registered, is incomplete to Snakemake: rerun-incomplete redoes it)
   EXPECT=$("$PY" -c "import sys, json; done = set(json.loads(sys.argv[2])['finished_extract_chunks']); print(' '.join(f'{i:05d}' for i in range(int(sys.argv[1])) if f'{i:05d}' not in done))" "$N_CHUNKS" "$(jobs_of b-kill)")
