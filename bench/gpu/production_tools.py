@@ -121,7 +121,9 @@ def parse_jobs(text: str) -> dict:
             if j:
                 cur["jobid"] = j[1]
                 started[j[1]] = cur
-            if not line.strip():
+            # a rule block is its indented lines: anything else (a blank line, a time stamp, an error block
+            # whose own `jobid:` names another job) ends it
+            if not line.strip() or not line[0].isspace():
                 cur = None
         d = _DONE.match(line)
         if d:
