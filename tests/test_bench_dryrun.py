@@ -242,3 +242,55 @@ SCENARIOS = {
     "test_read_bench_dry_run_fills_every_store_and_worker_cell": run_read_bench_all,
     "test_read_bench_dry_run_reads_the_chosen_stores_only": run_read_bench_stream,
 }
+
+
+# Snakemake 9's log of a run stopped by `timeout` (bench/gpu/run_production.sh's b-rerun on the H100, trimmed):
+# rule blocks start right after a time stamp line, and each error block names its own job by `jobid:`
+KILLED_RUN_LOG = """\
+hsextract: removed Snakemake's lock (2 files in .snakemake/locks) left by a run that no longer exists
+[Sun Dec  6 00:33:30 2026]
+localrule extract:
+    output: results/kimi-k25/shards/chunk-00003.hss
+    jobid: 6
+    reason: Missing output files: results/kimi-k25/shards/chunk-00003.hss
+    wildcards: run=kimi-k25, chunk=00003
+    resources: tmpdir=/tmp
+[Sun Dec  6 00:34:01 2026]
+Finished jobid: 6 (Rule: extract)
+[Sun Dec  6 00:34:01 2026]
+localrule validate:
+    input: results/kimi-k25/shards/chunk-00003.hss
+    jobid: 12
+    wildcards: run=kimi-k25, chunk=00003
+[Sun Dec  6 00:34:29 2026]
+localrule extract:
+    output: results/kimi-k25/shards/chunk-00000.hss
+    jobid: 1
+    reason: Missing output files: results/kimi-k25/shards/chunk-00000.hss
+    wildcards: run=kimi-k25, chunk=00000
+    resources: tmpdir=/tmp
+Will exit after finishing currently running jobs (scheduler).
+[Sun Dec  6 00:34:32 2026]
+Error in rule validate:
+    message: None
+    jobid: 12
+[Sun Dec  6 00:34:32 2026]
+Error in rule extract:
+    message: None
+    jobid: 1
+"""
+
+
+def test_production_jobs_parser_reads_a_killed_run() -> None:
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    try:
+        from production_tools import parse_jobs
+    finally:
+        sys.path.remove(str(ROOT / "bench" / "gpu"))
+    jobs = parse_jobs(KILLED_RUN_LOG)
+    assert jobs["by_rule"] == {"extract": 2, "validate": 1}
+    assert jobs["extract_chunks"] == ["00000", "00003"]
+    assert jobs["finished_extract_chunks"] == ["00003"]
+    assert jobs["extract_reasons"] == {"00003": "Missing output files", "00000": "Missing output files"}
+    assert jobs["failed_rules"] == ["validate", "extract"]
+    assert jobs["stale_lock_removed"] and not jobs["lock_error"]
