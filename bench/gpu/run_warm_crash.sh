@@ -6,10 +6,10 @@
 # of the server (crash), or START_S (hung):
 #   cold       TRITON_CACHE_DIR empty (the kernels compiled at this start)
 #   warm       the same cache, now holding them (the crash seen before)
-#   fresh      another empty cache (is it the cache, or anything else this machine kept?)
-#   recompile  warm cache, TRITON_ALWAYS_COMPILE=1 (compiled again: the cache's kernels, or fast launches?)
 #   no-overlap warm cache, --disable-overlap-schedule (a race between the scheduler's streams?)
 #   no-graph   warm cache, --disable-cuda-graph (the decode graphs captured from the cached kernels?)
+#   recompile  warm cache, TRITON_ALWAYS_COMPILE=1 (compiled again: the cache's kernels, or fast launches?)
+#   fresh      another empty cache (is it the cache, or anything else this machine kept?)
 #   kimi-cold, kimi-warm (KIMI=1) the tiny model as built now (Kimi-K2.5's widths): the control
 # A start that could not end within BUDGET_S (default 540) of the script's start is skipped.
 #   bash bench/gpu/run_warm_crash.sh   (with .whl/one, .whl/extra beside the checkout)
@@ -46,7 +46,7 @@ start() {
   while [ $((SECONDS - t)) -lt "$START_S" ]; do
     if grep -q "fired up and ready" "$log"; then verdict=served; break; fi
     if grep -qi "illegal memory access" "$log"; then verdict="crash: illegal memory access"; break; fi
-    if ! kill -0 "$pid" 2>/dev/null; then verdict="died: $(grep -m1 -iE 'error' "$log" | cut -c1-120)"; break; fi
+    if ! kill -0 "$pid" 2>/dev/null; then verdict="died: $(grep -m1 -iE 'error' "$log" | cut -c1-120 || true)"; break; fi
     sleep 1
   done
   local secs=$((SECONDS - t))
