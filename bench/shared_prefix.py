@@ -126,8 +126,9 @@ def own_rows_as_v1(shards: list[Path], dst: Path) -> dict[str, float]:
         meta = {key: v for key, v in r.metadata.items() if key not in ("format_version", "writer", "zstd_version")}
         with ShardWriter(path, meta, level=r.metadata["codec"]["level"]) as w:
             for i in range(len(r)):
-                x, n = r[i], r.prefix_lens[i]
-                w.add(x["input_ids"][n:], [h[n:] for h in x["hidden_states"]], x["loss_mask"][n:], r.sample_ids[i])
+                # the record alone: its own rows, no ancestor decoded only to be dropped
+                x, n = r._record_sample(i), r.prefix_lens[i]
+                w.add(x["input_ids"][n:], x["hidden_states"], x["loss_mask"][n:], r.sample_ids[i])
                 tokens += len(x["input_ids"]) - n
         v1 = ShardReader(path)
         v1_bytes += path.stat().st_size

@@ -513,16 +513,11 @@ def locks(wd: Path) -> list[Path]:
     return sorted((wd / ".snakemake" / "locks").glob("*.lock"))
 
 
-def planned_extracts(wd: Path) -> dict[int, str]:
-    return dry_plan(wd)[0]
-
-
 def dry_plan(wd: Path) -> tuple[dict[int, str], str]:
     """chunk -> Snakemake's reason, from a dry run with --rerun-incomplete; and the run's output."""
     proc = _wf().smk(wd, *SHARDS, "-n", "--rerun-incomplete")
-    out = proc.stdout
     plan = {}
-    for block in out.split("rule extract:")[1:]:
+    for block in proc.stdout.split("rule extract:")[1:]:
         chunk = int(re.search(r"output: results/\S+/chunk-(\d{5})", block)[1])
         plan[chunk] = re.search(r"reason: ([^\n:]+)", block)[1]
     return plan, proc.stdout + proc.stderr
@@ -650,7 +645,7 @@ def test_hard_kill_during_extraction_then_rerun_incomplete(
 
     # after the kills: the same command; it redoes exactly the planned chunks
     if record[-1]["killed"]:
-        plan = planned_extracts(wd)
+        plan = dry_plan(wd)[0]
         before = {i: shard_file(wd, i).stat().st_mtime_ns for i in range(N_CHUNKS) if shard_file(wd, i).exists()}
         done = _wf().smk(wd, *SHARDS, "--rerun-incomplete")
         counts = _wf().job_counts(done.stdout + done.stderr)

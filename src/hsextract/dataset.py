@@ -24,7 +24,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from hsextract.errors import ShardError
 from hsextract.layers import HIDDEN_STATES, describe, shard_convention, shard_hidden_states
 from hsextract.shard import SHARD_SUFFIX, ShardReader
-from hsextract.shard.inspect import final_norm_shown
+from hsextract.shard.inspect import metadata_shown
 
 # Keys that must agree across shards for their samples to form one training set.
 # (aux layers are compared as hidden_states ids: a shard written before the convention was recorded holds the
@@ -33,11 +33,6 @@ CONSISTENT_KEYS = ("model", "final_state", "final_norm", "hidden_size", "dtype",
 
 
 MANIFEST_NAME = "dataset.json"
-
-
-def _shown(key: str, value: Any) -> Any:
-    """A metadata value for an error message: the final norm's weight as its size and hash."""
-    return final_norm_shown(value) if key == "final_norm" else value
 
 
 def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
@@ -118,7 +113,7 @@ class HiddenStateDataset(Dataset):
                     "and capture settings")
             for k in CONSISTENT_KEYS:
                 if r.metadata.get(k) != first.get(k):
-                    a, b = _shown(k, r.metadata.get(k)), _shown(k, first.get(k))
+                    a, b = metadata_shown(k, r.metadata.get(k)), metadata_shown(k, first.get(k))
                     raise ShardError(
                         f"{r.path}: {k} = {a!r} but {self.readers[0].path} has {b!r}; "
                         "shards of one dataset must come from the same model and capture settings"

@@ -74,10 +74,10 @@ def _layers_text(li: dict[str, Any]) -> list[str]:
     return lines
 
 
-def final_norm_shown(entry: Any) -> Any:
-    """A final_norm metadata entry for people to read (this command, the dataset's errors): its weight,
+def metadata_shown(key: str, entry: Any) -> Any:
+    """A metadata entry for people to read (this command, the dataset's errors): the final norm's weight,
     hidden_size values of base64 (19 KB for Kimi-K2.5), as its size and sha256; --json keeps it whole."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("weight"), str):
+    if key != "final_norm" or not isinstance(entry, dict) or not isinstance(entry.get("weight"), str):
         return entry
     try:
         raw = base64.b64decode(entry["weight"], validate=True)
@@ -102,7 +102,7 @@ def format_info(info: dict[str, Any]) -> str:
     lines += _layers_text(info["layers"] if "layers" in info else layer_info(m))
     extra = sorted(set(m) - shown - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
     for key in extra:
-        value = final_norm_shown(m[key]) if key == "final_norm" else m[key]
+        value = metadata_shown(key, m[key])
         lines.append(f"{key:<14} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
     ratio = "n/a" if info["stored_over_raw"] is None else f"{info['stored_over_raw']:.4f}"
     lines += [
