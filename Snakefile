@@ -22,12 +22,13 @@ if (_SRC / "hsextract").is_dir():
 configfile: "config/config.yaml"
 
 
-from hsextract.config.stale_lock import clear_owner, record_owner, remove_stale_lock
+from hsextract.config.stale_lock import claim, clear_owner
 
 # A lock left by a run killed before it could release it (kill -9, a closed terminal) is removed when its
-# run is surely gone, so that the same command carries on without `snakemake --unlock` (the module says how
-# it tells); jobs Snakemake spawns parse this file too and leave it alone.
-if workflow.is_main_process and (_unlocked := remove_stale_lock(Path.cwd())):
+# run is surely gone, so that the same command carries on without `snakemake --unlock`; then this run is
+# recorded, before Snakemake takes the lock (the module says how it tells). Jobs Snakemake spawns parse this
+# file too and leave it alone.
+if workflow.is_main_process and (_unlocked := claim(Path.cwd())):
     print(_unlocked, file=sys.stderr)
 
 
@@ -97,7 +98,6 @@ rule all:
 
 
 onstart:
-    record_owner(Path.cwd())
     run_hooks(ON_START)
 
 

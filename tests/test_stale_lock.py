@@ -6,25 +6,29 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from hsextract.config.stale_lock import LOCKS, OWNERS, clear_owner, record_owner, remove_stale_lock
+from hsextract.config.stale_lock import LOCKS, OWNERS, claim, clear_owner, record_owner, remove_stale_lock
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process start times from /proc")
 
 
 def locks(wd: Path) -> list[Path]:
+    """Lock files taken 5 s ago (a check compares them with the moment it reads the records)."""
     (wd / LOCKS).mkdir(parents=True, exist_ok=True)
     paths = [wd / LOCKS / "0.input.lock", wd / LOCKS / "0.output.lock"]
+    t = time.time_ns() - 5 * 10**9
     for p in paths:
         p.write_text("results/x/shards/chunk-00000.hss\n")
+        os.utime(p, ns=(t, t))
     return paths
 
 
 def dead_pid_owner(wd: Path) -> int:
-    """The record of a process that ran (recorded while it was alive) and is gone."""
+    """The record of a process that ran (recorded at its parse, while it was alive) and is gone."""
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     record_owner(wd, child.pid)
     child.communicate(b"")
@@ -84,7 +88,35 @@ def test_a_reboot_since_the_record_means_the_run_is_gone(tmp_path: Path) -> None
     assert remove_stale_lock(tmp_path) is not None
 
 
-@pytest.mark.parametrize("case", ["other host", "no record", "damaged record", "lock newer than record",
+def test_a_run_killed_after_its_parse_before_onstart_is_recognized(tmp_path: Path) -> None:
+    """The record comes first (the parse), the lock after it: a kill anywhere in between (conda environments
+    being created) leaves a lock newer than the record, and it is still removed."""
+    pid = dead_pid_owner(tmp_path)
+    t = time.time_ns() - 60 * 10**9  # parsed a minute ago
+    os.utime(record(tmp_path, pid), ns=(t, t))
+    paths = locks(tmp_path)  # taken 5 s ago: newer than the record, older than the check
+    assert remove_stale_lock(tmp_path) is not None and not any(p.exists() for p in paths)
+
+
+def test_claim_removes_a_stale_lock_then_records_this_run(tmp_path: Path) -> None:
+    paths = locks(tmp_path)
+    dead = dead_pid_owner(tmp_path)
+    said = claim(tmp_path)
+    assert said is not None and f"(pid {dead} on this host" in said and not any(p.exists() for p in paths)
+    assert [p.name for p in (tmp_path / OWNERS).iterdir()] == [f"{os.getpid()}.json"]
+    locks(tmp_path)  # this run takes the lock; a second parse (another run) keeps it
+    assert claim(tmp_path) is None and (tmp_path / LOCKS / "0.input.lock").exists()
+
+
+def test_without_a_lock_the_records_of_runs_that_are_gone_are_tidied(tmp_path: Path) -> None:
+    """Dry runs and reports parse (and record) but never reach onsuccess."""
+    record_owner(tmp_path)
+    dead = dead_pid_owner(tmp_path)
+    assert remove_stale_lock(tmp_path) is None
+    assert not record(tmp_path, dead).exists() and record(tmp_path, os.getpid()).exists()
+
+
+@pytest.mark.parametrize("case", ["other host", "no record", "damaged record", "lock taken after the check began",
                                   "record cleared"])
 def test_the_lock_is_left_to_snakemake_when_its_run_cannot_be_told_gone(tmp_path: Path, case: str) -> None:
     paths = locks(tmp_path)
@@ -92,13 +124,13 @@ def test_the_lock_is_left_to_snakemake_when_its_run_cannot_be_told_gone(tmp_path
     owner = record(tmp_path, pid)
     if case == "other host":  # a shared file system seen from another login node: that run may be alive
         owner.write_text(json.dumps({**json.loads(owner.read_text()), "host": "another-node"}))
-    elif case == "no record":  # killed between taking the lock and onstart, or a run without this workflow
+    elif case == "no record":  # a run of another Snakefile in this directory, or one that never parsed ours
         owner.unlink()
     elif case == "damaged record":
         owner.write_text("{")
-    elif case == "lock newer than record":  # a new run took the lock and has not reached onstart yet
-        t = owner.stat().st_mtime_ns
-        os.utime(paths[1], ns=(t + 10**9, t + 10**9))
+    elif case == "lock taken after the check began":  # by a run whose record the check did not read
+        t = time.time_ns() + 10 * 10**9
+        os.utime(paths[1], ns=(t, t))
     elif case == "record cleared":  # the run ended (onsuccess / onerror)
         clear_owner(tmp_path, pid)
     assert remove_stale_lock(tmp_path) is None

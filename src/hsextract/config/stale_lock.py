@@ -4,14 +4,17 @@ carries on and reruns only what was not finished (the profile's `rerun-incomplet
 
 Snakemake (its default file persistence) writes `.snakemake/locks/N.{input,output}.lock` when a run starts and
 removes them when it ends; nothing in them names the run, so a killed run's locks refuse every later run until
-`snakemake --unlock`. The workflow's onstart, which Snakemake calls after taking the lock, records the run that
-holds it (a file per run in OWNERS: pid, the process's start time, host, boot; runs on disjoint targets may hold
-locks side by side); onsuccess and onerror remove the run's record. At the next parse, the lock files are
-removed only when all of these hold: every record names this host and its process is gone (the machine rebooted
-since, no such pid, or the pid now belongs to a process started at another time), and no lock file is newer
-than the newest record (a lock taken since belongs to a run that has not reached onstart yet). Anything else is
-left to Snakemake, whose error says to run `snakemake --unlock`. The db persistence backend keeps no lock
-files: nothing happens there.
+`snakemake --unlock`. Every run parses the Snakefile before it takes the lock, so the main process's parse
+claims it (`claim`): it first looks for a stale lock, then records itself as a run that may hold the lock (a
+file per run in OWNERS: pid, the process's start time, host, boot; runs on disjoint targets may hold locks side
+by side); onsuccess and onerror remove the record. A kill at any moment after the parse (the conda
+environments of `--sdm conda` are created after the lock, before onstart) thus leaves a record. The lock files
+are removed only when all of these hold: there is a record, every record names this host and its process is
+gone (the machine rebooted since, no such pid, or the pid now belongs to a process started at another time),
+and no lock file is newer than the moment the records were read (a run whose record came later took its lock
+later). Anything else is left to Snakemake, whose error says to run `snakemake --unlock`. With no lock, the
+records of runs that are gone (dry runs, reports: no onsuccess) are tidied away. The db persistence backend
+keeps no lock files: nothing happens there.
 """
 
 from __future__ import annotations
@@ -48,11 +51,19 @@ def _start_time(pid: int) -> str | None:
 
 
 def record_owner(workdir: Path, pid: int | None = None) -> None:
-    """Called by onstart, once Snakemake holds the lock: who holds it."""
+    """Who may hold the lock: a run that has parsed the Snakefile (before Snakemake takes the lock)."""
     pid = os.getpid() if pid is None else pid
     write_json_atomic(workdir / OWNERS / f"{pid}.json", {"pid": pid, "start": _start_time(pid),
                                                         "host": socket.gethostname(), "boot": _boot_id()},
                       durable=False)
+
+
+def claim(workdir: Path) -> str | None:
+    """Called by the main process's parse: remove a stale lock (remove_stale_lock), then record this run; the
+    line to show the user, or None."""
+    said = remove_stale_lock(workdir)
+    record_owner(workdir)
+    return said
 
 
 def clear_owner(workdir: Path, pid: int | None = None) -> None:
@@ -83,19 +94,35 @@ def _gone(rec: dict[str, Any]) -> bool:
 
 
 def remove_stale_lock(workdir: Path) -> str | None:
-    """Remove Snakemake's lock files when every run that took them is gone (module docstring); the line to show
-    the user, or None when nothing was removed."""
+    """Remove Snakemake's lock files when every run that may have taken them is gone (module docstring); the
+    line to show the user, or None when nothing was removed."""
+    if not (workdir / OWNERS).is_dir():
+        return None
+    # the moment the records are read, in the file system's own clock and granularity (a shared file system's
+    # server may keep another time than this host): a lock file as new or newer was taken after it
+    probe = workdir / OWNERS / f".read-{os.getpid()}"
+    try:
+        probe.touch()
+        read_at = probe.stat().st_mtime_ns
+        probe.unlink()
+    except OSError:
+        return None
+    owners = sorted((workdir / OWNERS).glob("*.json"))
     locks = sorted((workdir / LOCKS).glob("*.lock")) if (workdir / LOCKS).is_dir() else []
-    owners = sorted((workdir / OWNERS).glob("*.json")) if (workdir / OWNERS).is_dir() else []
-    if not locks or not owners:
+    if not owners:
         return None
     try:
         recs = [json.loads(p.read_text()) for p in owners]
-        newest_record = max(p.stat().st_mtime_ns for p in owners)
-        newest_lock = max(p.stat().st_mtime_ns for p in locks)
+        newest_lock = max((p.stat().st_mtime_ns for p in locks), default=0)
     except (OSError, ValueError):
         return None
-    if newest_lock > newest_record or not all(isinstance(r, dict) and _gone(r) for r in recs):
+    gone = [isinstance(r, dict) and _gone(r) for r in recs]
+    if not locks:
+        for p, g in zip(owners, gone, strict=True):
+            if g:
+                p.unlink(missing_ok=True)
+        return None
+    if newest_lock >= read_at or not all(gone):
         return None
     for p in locks + owners:
         p.unlink(missing_ok=True)
