@@ -11,6 +11,10 @@
 #   recompile  warm cache, TRITON_ALWAYS_COMPILE=1 (compiled again: the cache's kernels, or fast launches?)
 #   fresh      another empty cache (is it the cache, or anything else this machine kept?)
 #   kimi-cold, kimi-warm (KIMI=1) the tiny model as built now (Kimi-K2.5's widths): the control
+#   STARTS="cold fresh-b recompile-b fresh2" instead: those starts alone, in that order, where fresh-b (another
+#   empty cache) and recompile-b (cache a, TRITON_ALWAYS_COMPILE=1) run with CUDA_LAUNCH_BLOCKING=1, so that a
+#   crash names the kernel launch at fault (its innermost frame goes into the table), and fresh2 is one more
+#   empty cache without it
 # A start that could not end within BUDGET_S (default 540) of the script's start is skipped.
 #   bash bench/gpu/run_warm_crash.sh   (with .whl/one, .whl/extra beside the checkout)
 # Results: warm-crash.md (one row a start), server-<start>.log, run.log (packed into all.tgz on exit).
@@ -50,6 +54,12 @@ start() {
     sleep 1
   done
   local secs=$((SECONDS - t))
+  # the innermost frame of the traceback that reported it (with CUDA_LAUNCH_BLOCKING=1: the faulting launch)
+  if [ "${verdict#crash}" != "$verdict" ]; then
+    sleep 2
+    verdict="$verdict at $(grep -B 40 -m1 -i 'illegal memory access' "$log" | grep -E '^ *File ' | tail -n 1 \
+      | sed -E 's#.*/(site|site-packages)/##; s/"//g' | cut -c1-110 || true)"
+  fi
   kill -9 -- -"$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true
   # the port and the GPU free again before the next start
@@ -59,14 +69,21 @@ start() {
   echo "| $name | $model | ${cache#/tmp/} ($(find "$cache" -name '*.cubin' | wc -l) cubins) | ${envs:--} ${flags:-} | $verdict | $secs |" \
     | tee -a "$OUT/warm-crash.md" | tee -a "$OUT/run.log"
 }
-start cold old /tmp/wc-tc-a "" ""
-start warm old /tmp/wc-tc-a "" ""
-start no-overlap old /tmp/wc-tc-a "" "--disable-overlap-schedule"
-start no-graph old /tmp/wc-tc-a "" "--disable-cuda-graph"
-start recompile old /tmp/wc-tc-a "TRITON_ALWAYS_COMPILE=1" ""
-start fresh old /tmp/wc-tc-b "" ""
-if [ -n "${KIMI:-}" ]; then
-  start kimi-cold kimi /tmp/wc-tc-k "" ""
-  start kimi-warm kimi /tmp/wc-tc-k "" ""
-fi
+one() {
+  case $1 in
+    cold) start cold old /tmp/wc-tc-a "" "" ;;
+    warm) start warm old /tmp/wc-tc-a "" "" ;;
+    no-overlap) start no-overlap old /tmp/wc-tc-a "" "--disable-overlap-schedule" ;;
+    no-graph) start no-graph old /tmp/wc-tc-a "" "--disable-cuda-graph" ;;
+    recompile) start recompile old /tmp/wc-tc-a "TRITON_ALWAYS_COMPILE=1" "" ;;
+    fresh) start fresh old /tmp/wc-tc-b "" "" ;;
+    kimi-cold) start kimi-cold kimi /tmp/wc-tc-k "" "" ;;
+    kimi-warm) start kimi-warm kimi /tmp/wc-tc-k "" "" ;;
+    fresh-b) start fresh-b old /tmp/wc-tc-c "CUDA_LAUNCH_BLOCKING=1" "" ;;
+    recompile-b) start recompile-b old /tmp/wc-tc-a "TRITON_ALWAYS_COMPILE=1 CUDA_LAUNCH_BLOCKING=1" "" ;;
+    fresh2) start fresh2 old /tmp/wc-tc-d "" "" ;;
+    *) echo "unknown start $1" >&2; exit 2 ;;
+  esac
+}
+for s in ${STARTS:-cold warm no-overlap no-graph recompile fresh ${KIMI:+kimi-cold kimi-warm}}; do one "$s"; done
 echo "done after ${SECONDS} s" | tee -a "$OUT/run.log"
