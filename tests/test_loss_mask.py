@@ -131,12 +131,15 @@ KIMI_CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weath
 
 def test_kimi_history_reasoning_dropped_and_the_prompts_think_not_trained():
     tok = make_tokenizer("kimi_k25")
-    (s,) = ChatMasker(tok, split_turns="never").encode(TOOL_CONV)
+    never = ChatMasker(tok, split_turns="never")
+    (s,) = never.encode(TOOL_CONV)
     assert "Let me think." not in s.text and "21 degrees." not in s.text
-    # never: each turn trained as the rendering has it, `<think></think>`: the prompt's `<think>`, then the
-    # `</think>` that closes it at once, trained as the (empty) reasoning block it ends
-    assert trained_segments(s, tok) == ["</think>How are you today?<|im_end|>", "</think>" + KIMI_CALL + "<|im_end|>",
-                                        "</think>The weather in Paris is sunny.<|im_end|>"]
+    # never: each turn as the rendering has it, `<think></think>`; the model wrote its `</think>` after the
+    # reasoning the rendering dropped, not right after the prompt's `<think>`: untrained (a turn without reasoning
+    # trains it: test_multi_turn_with_system_prompt_all_templates)
+    assert trained_segments(s, tok) == ["How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>",
+                                        "The weather in Paris is sunny.<|im_end|>"]
+    assert never.stats["reasoning_not_rendered"] == 3
     # Split (auto): each turn stored as the server saw it, its own reasoning present and trained; the template
     # never renders a final answer's reasoning, so it is put back after the `<think>` of the generation prompt.
     m = ChatMasker(tok)
@@ -149,18 +152,21 @@ def test_kimi_history_reasoning_dropped_and_the_prompts_think_not_trained():
 def test_kimi_reasoning_in_open_tool_loop_kept_or_masked():
     conv = Conversation(TOOL_CONV.messages[:5])  # ends with the tool call: its reasoning is rendered
     assert segs("kimi_k25", conv, split_turns="never") == [
-        "</think>How are you today?<|im_end|>", "Let me think.</think>" + KIMI_CALL + "<|im_end|>"]
+        "How are you today?<|im_end|>", "Let me think.</think>" + KIMI_CALL + "<|im_end|>"]
     assert segs("kimi_k25", conv, train_on_reasoning=False, split_turns="never") == [
         "How are you today?<|im_end|>", KIMI_CALL + "<|im_end|>"]
 
 
 def test_multi_turn_with_system_prompt_all_templates():
-    # Kimi: a turn rendered without reasoning starts with the `</think>` closing the prompt's `<think>`
+    # Kimi: a turn without reasoning is rendered `<think></think>`, its `</think>` the model's, closing the
+    # prompt's `<think>` at once: trained; in the whole rendering (never) TWO's turns lost their reasoning, and
+    # their `</think>`, written after it, is not trained there
     for name, eot, c in [("llama3", "<|eot_id|>", ""), ("deepseek_v3", "<｜end▁of▁sentence｜>", ""),
                          ("kimi_k25", "<|im_end|>", "</think>")]:
-        assert segs(name, TWO, split_turns="never") == [c + "How are you today?" + eot,
-                                                        c + "Two plus two is four." + eot], name
+        assert segs(name, TWO, split_turns="never") == ["How are you today?" + eot, "Two plus two is four." + eot], name
         assert segs(name, ONE, train_on_eot=False) == [c + "How are you today?"], name
+        plain = Conversation([U("Hello there!"), A("How are you today?"), U("What is two plus two?"), A("Four.")])
+        assert segs(name, plain, split_turns="never") == [c + "How are you today?" + eot, c + "Four." + eot], name
 
 
 def test_non_assistant_tokens_never_trained():

@@ -31,10 +31,10 @@ def test_kimi_packaged_tokenizer_masks(tok) -> None:  # noqa: F811 - the fixture
     for s in samples:  # ids are what the tokenizer makes of the text
         text = tok.decode(s.input_ids, skip_special_tokens=False)
         assert s.input_ids == tok(text, add_special_tokens=False)["input_ids"]
-    # the whole rendering drops the last turn's reasoning too (`never`: trained as rendered): its `</think>` right
-    # after the prompt's `<think>` is trained as the (empty) reasoning block it ends
+    # the whole rendering drops the last turn's reasoning too (`never`: trained as rendered): its `</think>`, which
+    # the model wrote after that reasoning, not right after the prompt's `<think>`, is not trained there
     (whole,) = ChatMasker(tok, split_turns="never", train_on_eot=False).encode(DONE)
-    assert marked(whole, tok).endswith("<think>⟦</think>21 C in Rome.⟧<|im_end|>")
+    assert marked(whole, tok).endswith("<think></think>⟦21 C in Rome.⟧<|im_end|>")
 
 
 PLAIN = Conversation([{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."},

@@ -132,7 +132,8 @@ def closed_at_once(rd: TemplateRenderer, p: list[int], ids: list[int], span: Tur
     rendered `</think>` + content after `<think>` (DeepSeek-V3.1 with `thinking`, GLM-4.7), or `<think></think>` +
     content after a prompt holding that `<think>` (Kimi-K2.5, Nemotron-3). The model wrote that closer, so it is
     trained as the (empty) reasoning block it ends; the opener is the prompt's. The one place this rule lives:
-    the locator chain applies it to every turn, in its own sample and in the whole rendering alike."""
+    the locator chain applies it to every turn, in its own sample and in the whole rendering (there only to a
+    turn without reasoning: `locators.in_rendering`)."""
     if span.reasoning_rendered:
         return span
     closer = open_block_closer(rd, p)
