@@ -76,15 +76,17 @@ def _tokenizer_object() -> Tokenizer:
     return tok
 
 
-def make_tokenizer(name: str) -> PreTrainedTokenizerFast:
-    """A fast tokenizer with the template `name` and its special tokens (ids after the BPE vocab)."""
+def tokenizer_with(template: str, specials: list[str], eos: str, bos: str | None) -> PreTrainedTokenizerFast:
+    """The tiny BPE with a chat template and its special tokens (ids after the BPE vocab)."""
     tok = Tokenizer.from_str(_tokenizer_object().to_str())
-    tok.add_special_tokens(SPECIALS[name])
-    kw = {"eos_token": EOS[name]}
-    if BOS[name]:
-        kw["bos_token"] = BOS[name]
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=(TEMPLATES / f"{name}.jinja").read_text(),
-                                   **kw)
+    tok.add_special_tokens(specials)
+    kw = {"eos_token": eos} | ({"bos_token": bos} if bos else {})
+    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **kw)
+
+
+def make_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    """A fast tokenizer with the fixture template `name` and its special tokens."""
+    return tokenizer_with((TEMPLATES / f"{name}.jinja").read_text(), SPECIALS[name], EOS[name], BOS[name])
 
 
 def trained_segments(sample, tokenizer) -> list[str]:

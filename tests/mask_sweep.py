@@ -21,9 +21,8 @@ import warnings
 from pathlib import Path
 
 import jinja2
-from chatfix import _tokenizer_object
+from chatfix import tokenizer_with
 from test_loss_mask_families import CONVS, FLAGS
-from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from hsextract.masks.explain import marked
@@ -58,9 +57,7 @@ def tokenizer_for(template: str) -> PreTrainedTokenizerFast:
         return next((s for p in prefs for s in specials if re.search(p, s)), default)
 
     bos, eos = pick(BOS, "<s>"), pick(EOS, "</s>")
-    tok = Tokenizer.from_str(_tokenizer_object().to_str())
-    tok.add_special_tokens([*specials, *(t for t in (bos, eos) if t not in specials)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, bos_token=bos, eos_token=eos)
+    return tokenizer_with(template, [*specials, *(t for t in (bos, eos) if t not in specials)], eos, bos)
 
 
 def sweep(template: str) -> dict[str, object]:
