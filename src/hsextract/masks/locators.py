@@ -9,8 +9,7 @@ order (`LOCATORS`), written once for both places a turn is looked for:
 Each locator says whether its case applies and where it finds the turn (`locate`), what the turn's own sample is
 then (`own_sample`, None to let the next locator try), and what is trained in the whole rendering
 (`in_rendering`). Whichever finds it, a turn that closes the reasoning block the prompt opened at once has that
-closer trained as the block it ends (`reasoning.closed_at_once`, applied here to both; in the whole rendering
-only to a turn that has no reasoning, not to one whose reasoning the rendering dropped). A template family whose
+closer trained as the block it ends (`reasoning.closed_at_once`, applied here to both). A template family whose
 turns none of them finds costs one more locator here (and its golden fixture); one whose reasoning block takes
 another shape, one more shape in reasoning.py.
 """
@@ -20,7 +19,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from hsextract.masks.ids import is_prefix
 from hsextract.masks.reasoning import (
@@ -57,6 +56,10 @@ class PromptedTurn:
         """The generation prompt at the prompt's end ([] where the template has none or it cannot be told)."""
         b = self.renderer.render_ids(self.conv.messages[:self.index], self.conv.tools)
         return self.prompt[len(b):] if is_prefix(b, self.prompt) else []
+
+    @property
+    def message(self) -> dict[str, Any]:
+        return self.conv.messages[self.index]
 
     def after(self, at: int) -> After:
         """Look for the turn after the prompt's first `at` tokens: after the part of the generation prompt they
@@ -202,22 +205,16 @@ def own_sample(rd: TemplateRenderer, turn: PromptedTurn, frame: Frame, stats: Co
             stats[loc.counted] += 1
         sample = loc.own_sample(rd, turn, frame, found)
         if sample is not None:
-            return TurnSample(sample.ids, closed_at_once(rd, turn.prompt, sample.ids, sample.span))
+            return TurnSample(sample.ids, closed_at_once(rd, turn.prompt, sample.ids, sample.span, turn.message))
     raise not_prefix_stable(rd, frame.index, turn.prompt, frame.ids)
 
 
 def in_rendering(rd: TemplateRenderer, turn: PromptedTurn, frame: Frame) -> TurnSpan | None:
-    """The turn's span in the whole rendering: the first locator's that finds it there; None if none does. A
-    turn whose reasoning the rendering dropped (Kimi's and GLM-4.7's history) is rendered as if it had none,
-    the closer right after the prompt's opener; but the model wrote that closer after its reasoning, not there:
-    it is not trained as a block closed at once (the turn counts as `reasoning_not_rendered`)."""
+    """The turn's span in the whole rendering: the first locator's that finds it there; None if none does."""
     for loc in LOCATORS:
         found = loc.locate(rd, turn, frame)
         if found is not None and found.span is not None:
-            span = loc.in_rendering(rd, turn, frame, found)
-            if turn.conv.messages[turn.index].get("reasoning_content"):
-                return span
-            return closed_at_once(rd, turn.prompt, frame.ids, span)
+            return closed_at_once(rd, turn.prompt, frame.ids, loc.in_rendering(rd, turn, frame, found), turn.message)
     return None
 
 

@@ -126,15 +126,18 @@ def open_block_closer(rd: TemplateRenderer, p: list[int]) -> str | None:
     return None if tag is None or f"</{tag[1]}>" not in rd.template else f"</{tag[1]}>"
 
 
-def closed_at_once(rd: TemplateRenderer, p: list[int], ids: list[int], span: TurnSpan) -> TurnSpan:
+def closed_at_once(rd: TemplateRenderer, p: list[int], ids: list[int], span: TurnSpan, m: dict[str, Any]
+                   ) -> TurnSpan:
     """The turn's span in ids (after the prompt p), marked `closes_prompt_block` where the prompt opens a
-    reasoning block and the turn, with no reasoning rendered, starts with its closer: a turn without reasoning
+    reasoning block and the turn (message m), with no reasoning, starts with its closer: a turn without reasoning
     rendered `</think>` + content after `<think>` (DeepSeek-V3.1 with `thinking`, GLM-4.7), or `<think></think>` +
     content after a prompt holding that `<think>` (Kimi-K2.5, Nemotron-3). The model wrote that closer, so it is
-    trained as the (empty) reasoning block it ends; the opener is the prompt's. The one place this rule lives:
-    the locator chain applies it to every turn, in its own sample and in the whole rendering (there only to a
-    turn without reasoning: `locators.in_rendering`)."""
-    if span.reasoning_rendered:
+    trained as the (empty) reasoning block it ends; the opener is the prompt's. A turn whose reasoning the
+    rendering dropped (Kimi's and GLM-4.7's history, `split_turns: never`) is rendered the same way, but its
+    closer was written after that reasoning, not there: not trained as one (it counts as `reasoning_not_rendered`).
+    The one place this rule lives: the locator chain applies it to every turn, in its own sample and in the
+    whole rendering alike."""
+    if span.reasoning_rendered or m.get("reasoning_content"):
         return span
     closer = open_block_closer(rd, p)
     if closer is None or not rd.text(ids[span.prompt_end:span.header_start]).lstrip().startswith(closer):
