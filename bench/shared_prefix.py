@@ -127,7 +127,7 @@ def own_rows_as_v1(shards: list[Path], dst: Path) -> dict[str, float]:
         with ShardWriter(path, meta, level=r.metadata["codec"]["level"]) as w:
             for i in range(len(r)):
                 # the record alone: its own rows, no ancestor decoded only to be dropped
-                x, n = r._record_sample(i), r.prefix_lens[i]
+                x, n = r.own_rows(i), r.prefix_lens[i]
                 w.add(x["input_ids"][n:], x["hidden_states"], x["loss_mask"][n:], r.sample_ids[i])
                 tokens += len(x["input_ids"]) - n
         v1 = ShardReader(path)

@@ -69,6 +69,10 @@ def test_assembled_samples_equal_the_flat_layout_byte_for_byte(tmp_path: Path, p
     for i in range(len(samples)):
         assert_same(shared[i], flat[i])
         assert_same(shared.sample(i, shared_memory=True), flat[i])
+        own, k = shared.own_rows(i), shared.prefix_lens[i]
+        assert all(torch.equal(own[key], flat[i][key]) for key in ("input_ids", "loss_mask"))
+        for g, w in zip(own["hidden_states"], flat[i]["hidden_states"], strict=True):
+            assert g.shape[0] == len(w) - k and torch.equal(bits(g), bits(w[k:]))
     for got, want in zip(shared.iter_samples(threads=3), flat, strict=True):
         assert_same(got, want)
     shared.check_records()

@@ -458,11 +458,12 @@ class ShardReader:
             raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
         i %= n
         if self._parents[i] == fmt.NO_PARENT:
-            return self._record_sample(i, shared_memory)
+            return self.own_rows(i, shared_memory)
         return self._assemble(i, shared_memory, records)
 
-    def _record_sample(self, i: int, shared: bool = False) -> Sample:
-        """Record i decoded: the sample's ids and loss mask, and its own hidden rows (all of them without a parent)."""
+    def own_rows(self, i: int, shared: bool = False) -> Sample:
+        """Record i decoded alone: the sample's ids and loss mask, and the hidden rows it stores itself (all of them
+        without a parent; from token prefix_lens[i] on with one), no ancestor read."""
         if self.decode_threads == 1:
             return self._decode(i, self._record(i), shared=shared)
         rec = self._record(i, _pool("read", self.decode_threads))
@@ -499,7 +500,7 @@ class ShardReader:
         (docs/SHARED_PREFIX.md, "Reading"). Ancestors are earlier samples, so the walk ends; each one that supplies
         rows has its ids checked against this sample's over every position below the segment's end, and only the
         rows it supplies are decoded (a sample decodes its seq rows, as in a flat shard)."""
-        mine = self._record_sample(i, shared)
+        mine = self.own_rows(i, shared)
         ids, seq, k = mine["input_ids"], self._index["seq_lens"][i], self._prefix_lens[i]
         out = []
         for h in mine["hidden_states"]:
