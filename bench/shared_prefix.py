@@ -156,7 +156,8 @@ def _full_forward(model: Path, prompts: list[torch.Tensor]) -> list[list[torch.T
     with torch.no_grad():
         for ids in prompts:
             hs = m(ids[None], output_hidden_states=True, use_cache=False).hidden_states
-            out.append([hs[i][0] for i in AUX] + [hs[-1][0]])  # the last entry: the final norm's output
+            # the last two: the final norm's output, and the layer above the first aux one (the control)
+            out.append([hs[i][0] for i in AUX] + [hs[-1][0], hs[AUX[0] + 1][0]])
     return out
 
 
@@ -178,11 +179,13 @@ def compare(fig: dict[str, Any], model: Path, readers: dict[str, list[Any]], che
     full = _full_forward(model, [readers["flat"][i]["input_ids"] for _, i in sorted(errors)[-check_full:]])
     fig["checked_full"] = len(full)
     fig["against_full_forward"] = {mode: [0.0] * (len(AUX) + 1) for mode in ("flat", "shared")}
+    fig["one_layer_shift"] = float("inf")  # the least distance to the wrong layer: what the bound must stay below
     for (_, i), want in zip(sorted(errors)[-check_full:], full, strict=True):
         for mode in ("flat", "shared"):
             got = readers[mode][i]["hidden_states"]
             fig["against_full_forward"][mode] = [max(w, _rel(g, t)) for w, g, t in
-                                                 zip(fig["against_full_forward"][mode], got, want, strict=True)]
+                                                 zip(fig["against_full_forward"][mode], got, want[:-1], strict=True)]
+            fig["one_layer_shift"] = min(fig["one_layer_shift"], _rel(got[0], want[-1]))
 
 
 def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool_tokens: int,
@@ -385,6 +388,7 @@ def report(fig: dict[str, Any]) -> str:
                      "independent full forward: " + ", ".join(
                          f"{e:.2e} at {n}" for n, e in zip(fig["tensors"], fig["against_full_forward"][mode],
                                                            strict=True)))
+    lines.append(f"control: {fig['tensors'][0]} against the layer above it, at least {fig['one_layer_shift']:.2e}")
     return "\n".join(lines)
 
 

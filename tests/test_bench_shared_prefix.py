@@ -43,9 +43,10 @@ def test_tiny_agentic_run_stores_and_computes_each_token_once(tmp_path: Path) ->
     # the flat run batches with padding, the shared one computes suffixes on caches: bf16 rounding. On the samples
     # furthest apart, the shared rows are within the dense bound of an independent full forward (measured 5.1e-3, the
     # flat run's padded batches 5.3e-3 there; 8.6e-3 and 1.1e-2 with the tiny model's former head widths), so flat
-    # and shared within twice it
+    # and shared within twice it. Bit-identical is possible: on an AVX-512-BF16 EPYC both round alike (all 0.0)
     assert fig["checked_full"] == 8 and max(fig["against_full_forward"]["shared"]) <= bench.TOL
-    assert 0 < max(fig["worst_relative_error"]) <= 2 * bench.TOL
+    assert max(fig["worst_relative_error"]) <= 2 * bench.TOL
+    assert fig["one_layer_shift"] > 10 * bench.TOL  # the comparison sees a wrong layer
     text = bench.report(fig)
     assert f"| stored tokens | {flat['stored_tokens']:,} | {shared['stored_tokens']:,} | 1.000 |" in text
     # --no-flat-extract (the size): the flat run prepared only gives the same token counts and curves
