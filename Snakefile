@@ -50,6 +50,21 @@ if _EARLIER:
 
 # before Snakemake's validate, which expands YAML aliases (an alias bomb would take all memory)
 check_bounded(config)
+
+from snakemake.common.configfile import load_configfile
+from hsextract.capture import check_conventions_said
+
+# an aux_layers list says its convention in its own file: inherited from another, a list written before the
+# convention was recorded would be read one layer off
+check_conventions_said(
+    [
+        *(
+            (str(f), load_configfile(f))
+            for f in (*_EARLIER, *workflow.overwrite_configfiles)
+        ),
+        ("--config", workflow.config_settings.config),
+    ]
+)
 # the schema's first violation in one line, with the closest allowed key (Snakemake's validate prints the
 # whole schema and config); validate then fills in the defaults
 fill_defaults(config)

@@ -35,6 +35,13 @@ def test_presets_that_repeat_a_layer_are_refused() -> None:
         preset_layers("eagle3", 6)
     with pytest.raises(ConfigError, match="capture: dflash gives"):
         preset_layers("dflash", 6)
+    # 3 layers: distinct ids, but out of depth order and down to the embeddings
+    with pytest.raises(ConfigError) as e:
+        preset_layers("eagle3", 3)
+    assert str(e.value) == ("capture: eagle3 gives [2, 1, 0] for a model of 3 decoder layers, which is not in depth "
+                            "order ([0, 1, 2]); use capture: custom with an explicit aux_layers list")
+    with pytest.raises(ConfigError, match=r"gives \[2, 1, -1\] for a model of 2 decoder layers, which is not in depth"):
+        preset_layers("eagle3", 2)
 
 
 def test_resolution_rules() -> None:
@@ -49,8 +56,15 @@ def test_resolution_rules() -> None:
         "aux_layers: capture: eagle3 takes its layers from the model (hidden_states[2, 30, 58] = outputs of decoder "
         "layers 1, 29, 57 for its 61 decoder layers), but aux_layers is hidden_states[3, 31, 59] = outputs of "
         "decoder layers 2, 30, 58; set aux_layers: null to use the preset, or capture: custom to keep the list")
-    assert resolve_aux_layers({"capture": "custom", "aux_layers": [3, 1], "aux_layers_convention": hs}, 61) == [3, 1]
-    assert resolve_aux_layers({"capture": "custom", "aux_layers": [3, 1], "aux_layers_convention": out}, 61) == [4, 2]
+    assert resolve_aux_layers({"capture": "custom", "aux_layers": [1, 3], "aux_layers_convention": hs}, 61) == [1, 3]
+    assert resolve_aux_layers({"capture": "custom", "aux_layers": [1, 3], "aux_layers_convention": out}, 61) == [2, 4]
+    # engines capture in depth order (a loop over the layers): a list in another order would be stored unlike it
+    with pytest.raises(ConfigError) as e:
+        resolve_aux_layers({"capture": "custom", "aux_layers": [5, 2, 7], "aux_layers_convention": hs}, 61)
+    assert str(e.value) == (
+        "aux_layers: hidden_states[5, 2, 7] = outputs of decoder layers 4, 1, 6 is not in depth order ([2, 5, 7]): "
+        "SGLang and vLLM feed a drafter its layers in depth order, and the stored tensors follow the list; list the "
+        "ids increasing")
     assert resolve_aux_layers({"capture": "mtp", "aux_layers": None}, 61) == []
     # no capture key: a list is custom
     assert resolve_aux_layers({"aux_layers": [4], "aux_layers_convention": hs}, 61) == [4]
@@ -58,6 +72,24 @@ def test_resolution_rules() -> None:
         resolve_aux_layers({"capture": "custom", "aux_layers": [], "aux_layers_convention": hs}, 61)
     with pytest.raises(ConfigError, match=r"^aux_layers: 9 layers; at most 8 aux layers are supported$"):
         resolve_aux_layers({"capture": "custom", "aux_layers": list(range(9)), "aux_layers_convention": hs}, 61)
+
+
+def test_a_list_takes_its_convention_from_its_own_file_only() -> None:
+    """config/kimi.yaml says hidden_states for its own list; a file layered on it with a list written before the
+    convention existed (layer outputs) must not inherit that reading."""
+    from hsextract.capture import check_conventions_said
+
+    kimi = ("config/kimi.yaml", {"capture": "eagle3", "aux_layers": [2, 30, 58], "aux_layers_convention": "hidden_states"})
+    old = ("mine.yaml", {"capture": "custom", "aux_layers": [1, 29, 57]})
+    with pytest.raises(ConfigError) as e:
+        check_conventions_said([kimi, old])
+    assert str(e.value).startswith("aux_layers: [1, 29, 57] in mine.yaml does not say which layers it means; add ")
+    assert str(e.value).endswith("; in mine.yaml itself: a convention set by another file is not taken for this "
+                                 "file's list")
+    check_conventions_said([kimi, ("mine.yaml", {**old[1], "aux_layers_convention": "layer_output"}),
+                            ("--config", {"aux_layers": None}), ("sources.yaml", {"sources": []})])
+    with pytest.raises(ConfigError, match=r"^aux_layers: \[4\] in --config does not say"):
+        check_conventions_said([kimi, ("--config", {"aux_layers": [4]})])
 
 
 def test_a_list_without_its_convention_is_never_read_one_way_or_the_other() -> None:

@@ -29,7 +29,9 @@ def test_each_consumer_gets_its_own_ids_for_kimi_k25() -> None:
     # SGLang 0.5.16's DeepseekV2 (KimiK25 delegates): ids as given unless the first is 1
     assert d["sglang_0.5.16"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
     assert d["sglang_dflash"] == {"target_layer_ids": [1, 29, 57]}
-    assert d["specforge"] == {"aux_hidden_states_layers": [1, 29, 57]}
+    # SpecForge: its HF backend hooks layer outputs, its SGLang backend hands the list to SGLang's rule
+    assert d["specforge"] == {"hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
+                              "sglang_backend": {"aux_hidden_states_layers": [2, 30, 58]}}
     assert d["speculators_0.4_data_config"] == {"layer_ids": [1, 29, 57, 60]}
 
 
@@ -40,8 +42,20 @@ def test_sglangs_rules_per_class() -> None:
     assert sglang_eagle3_ids([1, 5, 7], "DeepseekV3ForCausalLM") is None
     assert sglang_eagle3_ids([0, 5], "LlamaForCausalLM") is None  # +1 never reaches the embeddings
     assert sglang_eagle3_ids([2, 5], None) is None  # the class decides: unknown
-    d = drafter_config([1, 5, 7], 10, "DeepseekV3ForCausalLM")["sglang_0.5.16"]
-    assert d["note"] == "no id list makes DeepseekV3ForCausalLM capture [1, 5, 7]"
+    d = drafter_config([1, 5, 7], 10, "DeepseekV3ForCausalLM")
+    why = ("SGLang adds 1 to a list whose first id is 1, so no list in depth order makes DeepseekV3ForCausalLM "
+           "capture [1, 5, 7]")
+    assert d["sglang_0.5.16"]["note"] == why
+    assert d["specforge"]["sglang_backend"] == {"aux_hidden_states_layers": None, "note": why}
+    # the older choice for Kimi (outputs of layers 2, 30, 58): the backends' values differ by one
+    assert drafter_config([3, 31, 59], 61, KIMI)["specforge"] == {
+        "hf_backend": {"aux_hidden_states_layers": [2, 30, 58]},
+        "sglang_backend": {"aux_hidden_states_layers": [3, 31, 59]}}
+    # the embeddings are no layer's output
+    emb = drafter_config([0, 2], 4, "LlamaForCausalLM")
+    note = "hidden_states[0] is the embeddings, no decoder layer's output"
+    assert emb["specforge"]["hf_backend"] == {"aux_hidden_states_layers": None, "note": note}
+    assert emb["sglang_dflash"] == {"target_layer_ids": None, "note": note}
 
 
 def _kimi_run(tmp_path: Path) -> Path:
@@ -58,7 +72,8 @@ def _kimi_run(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("fmt,consumer,ids", [
     ("speculators-v1", "speculators_0.4_data_config", {"layer_ids": [1, 29, 57, 60]}),
     ("speculators-safetensors", "vllm", {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
-    ("specforge", "specforge", {"aux_hidden_states_layers": [1, 29, 57]}),
+    ("specforge", "specforge", {"hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
+                                "sglang_backend": {"aux_hidden_states_layers": [2, 30, 58]}}),
 ])
 def test_every_export_writes_its_consumers_ids_and_the_drafter_config(
         tmp_path: Path, capsys: pytest.CaptureFixture, fmt: str, consumer: str, ids: dict) -> None:

@@ -234,6 +234,15 @@ def test_configfiles_merge_as_snakemake_merges_them(tmp_path: Path) -> None:
                    "seed": 1}
 
 
+def test_a_list_takes_its_convention_from_its_own_configfile(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("capture: custom\naux_layers: [1, 29, 57]\n")
+    assert main(["plan", "--configfile", str(ROOT / "config/kimi.yaml"), str(mine), "--samples", "8",
+                 "--mean-tokens", "10", "--hidden-size", "7168"]) == 2
+    assert capsys.readouterr().err.startswith(f"hsextract plan: error: aux_layers: [1, 29, 57] in {mine} does not say")
+
+
 def test_plan_without_snakemake_names_the_extra(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "snakemake.utils", None)  # as if snakemake were not installed

@@ -195,6 +195,22 @@ def test_a_misspelt_key_is_one_line_with_the_closest_key(scenario: Proc) -> None
     assert len(out.splitlines()) <= 8, out  # not the whole schema and config (Snakemake's validate)
 
 
+def run_old_list(tmp_path: Path) -> Proc:
+    wd = kimi_workdir(tmp_path)
+    (wd / "old-layers.yaml").write_text("capture: custom\naux_layers: [1, 29, 57]\n")  # written before conventions
+    return run(wd, ["snakemake", "-n", "--configfile", "config/kimi.yaml", "--configfile", "my-sources.yaml",
+                    "old-layers.yaml"])
+
+
+def test_a_list_layered_on_kimi_yaml_does_not_inherit_its_convention(scenario: Proc) -> None:
+    """config/kimi.yaml says hidden_states for its own list; a later file's list must say its own."""
+    out = scenario.stdout + scenario.stderr
+    assert scenario.returncode != 0
+    assert "aux_layers: [1, 29, 57] in /" in out  # the file's absolute path
+    assert "/old-layers.yaml does not say which layers it means; add " in out
+    assert "/old-layers.yaml itself: a convention set by another file is not taken for this file's list" in out
+
+
 def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub
 
@@ -226,4 +242,5 @@ SCENARIOS = {
     "test_a_pool_smaller_than_one_extract_job_refuses_before_any_job": run_without_pool,
     "test_untrusted_custom_tokenizer_stops_before_any_job": run_untrusted,
     "test_a_misspelt_key_is_one_line_with_the_closest_key": run_misspelt,
+    "test_a_list_layered_on_kimi_yaml_does_not_inherit_its_convention": run_old_list,
 }

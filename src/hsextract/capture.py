@@ -20,7 +20,7 @@ with it: a list copied from another model's config would otherwise silently capt
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from hsextract.errors import ConfigError
@@ -51,10 +51,21 @@ def preset_layers(preset: str, num_layers: int) -> list[int]:
         return []
     else:
         raise ConfigError(f"capture: {preset!r} is not a preset; use one of {', '.join(PRESETS)}")
-    if len(set(layers)) != len(layers) or min(layers) < 0:
+    if (problem := _misordered(layers)) or min(layers) < 1:
         raise ConfigError(f"capture: {preset} gives {layers} for a model of {num_layers} decoder layers, which "
-                          f"repeats a layer; use capture: custom with an explicit aux_layers list")
+                          f"{problem or 'names the embeddings (hidden_states[0]) or none'}; use capture: custom "
+                          "with an explicit aux_layers list")
     return layers
+
+
+def _misordered(layers: list[int]) -> str | None:
+    """Why a list of ids is not distinct layers in depth order, the order in which SGLang and vLLM capture (a
+    loop over the layers) and so feed a drafter them; None if it is."""
+    if len(set(layers)) != len(layers):
+        return "repeats a layer"
+    if layers != sorted(layers):
+        return f"is not in depth order ({sorted(layers)})"
+    return None
 
 
 def explicit_layers(config: Mapping[str, Any]) -> list[int] | None:
@@ -64,14 +75,29 @@ def explicit_layers(config: Mapping[str, Any]) -> list[int] | None:
         return None
     convention = config.get("aux_layers_convention")
     if convention not in CONVENTIONS:
-        ids = [int(i) for i in given]
-        raise ConfigError(
-            f"aux_layers: {ids} does not say which layers it means; add aux_layers_convention: "
-            f"{HIDDEN_STATES} (id i = transformers hidden_states[i]: {describe(ids)}; what vLLM, SGLang and "
-            f"EAGLE-3 drafter configs use) or aux_layers_convention: {LAYER_OUTPUT} (id i = the output of "
-            f"decoder layer i: {describe(to_hidden_states(ids, LAYER_OUTPUT))}; hsextract's meaning before it "
-            f"was recorded), or set aux_layers: null to take the `capture` preset's layers")
+        raise _unsaid([int(i) for i in given])
     return to_hidden_states(given, convention)
+
+
+def _unsaid(ids: list[int], where: str = "", note: str = "") -> ConfigError:
+    return ConfigError(
+        f"aux_layers: {ids}{where} does not say which layers it means; add aux_layers_convention: "
+        f"{HIDDEN_STATES} (id i = transformers hidden_states[i]: {describe(ids)}; what vLLM, SGLang and "
+        f"EAGLE-3 drafter configs use) or aux_layers_convention: {LAYER_OUTPUT} (id i = the output of "
+        f"decoder layer i: {describe(to_hidden_states(ids, LAYER_OUTPUT))}; hsextract's meaning before it "
+        f"was recorded), or set aux_layers: null to take the `capture` preset's layers{note}")
+
+
+def check_conventions_said(layers: Iterable[tuple[str, Any]]) -> None:
+    """Each config layer (a `--configfile` file or `--config`: name, mapping) that gives an `aux_layers` list says
+    its convention itself: one inherited from another file (config/kimi.yaml says hidden_states for its own list)
+    would silently reinterpret a list written before the convention was recorded."""
+    for name, layer in layers:
+        if isinstance(layer, Mapping) and isinstance(layer.get("aux_layers"), list) \
+                and layer.get("aux_layers_convention") not in CONVENTIONS:
+            ids = [i for i in layer["aux_layers"] if isinstance(i, int)]
+            raise _unsaid(ids, f" in {name}", f"; in {name} itself: a convention set by another file is not taken for "
+                                              "this file's list")
 
 
 def resolve_aux_layers(config: Mapping[str, Any], num_layers: int) -> list[int]:
@@ -85,6 +111,9 @@ def resolve_aux_layers(config: Mapping[str, Any], num_layers: int) -> list[int]:
             raise ConfigError("aux_layers: capture: custom needs an explicit list of 1 to "
                               f"{MAX_AUX_LAYERS} layer ids (for the final state alone use capture: mtp)")
         layers = given
+        if problem := _misordered(layers):
+            raise ConfigError(f"aux_layers: {describe(layers)} {problem}: SGLang and vLLM feed a drafter its layers "
+                              "in depth order, and the stored tensors follow the list; list the ids increasing")
     else:
         layers = preset_layers(preset, num_layers)
         if given is not None and given != layers:

@@ -143,7 +143,10 @@ def _configfile_config(paths: Sequence[str]) -> dict:
             raise
         raise ConfigError("snakemake is not installed; hsextract plan merges --configfile files as the workflow "
                           "does and needs the workflow extra: pip install -e .[workflow]") from None
+    from hsextract.capture import check_conventions_said
+
     config: dict = {}
+    layers = []
     for path in paths:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
@@ -151,7 +154,9 @@ def _configfile_config(paths: Sequence[str]) -> dict:
             raise ConfigError(f"--configfile: cannot read {path} ({e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--configfile: {path} is not a mapping of config keys")
+        layers.append((path, loaded))
         update_config(config, loaded)
+    check_conventions_said(layers)
     return config
 
 

@@ -91,9 +91,12 @@ def drafter_config(hs_ids: Sequence[int], num_layers: int | None, architecture: 
     if architecture is None:
         rule, why = "unknown", "the target's architecture is not recorded: its class decides SGLang's rule"
     elif architecture in SGLANG_RAW_UNLESS_ONE:
-        rule, why = "ids as given unless the first is 1 (then +1 each)", f"no id list makes {architecture} capture {hs}"
+        rule = "ids as given unless the first is 1 (then +1 each)"
+        why = (f"SGLang adds 1 to a list whose first id is 1, so no list in depth order makes {architecture} "
+               f"capture {hs}")
     else:
         rule, why = "+1 each", f"{architecture} adds 1 to every id, so it cannot capture {hs}"
+    no_output = {} if out is not None else {"note": "hidden_states[0] is the embeddings, no decoder layer's output"}
     return {
         "stored": {"convention": STORED, "aux_layers": hs, "meaning": describe(hs) if hs else "none"},
         "vllm": {"eagle_aux_hidden_state_layer_ids": hs},
@@ -103,8 +106,13 @@ def drafter_config(hs_ids: Sequence[int], num_layers: int | None, architecture: 
             "rule": rule,
             **({"note": why} if sglang is None else {}),
         },
-        "sglang_dflash": {"target_layer_ids": out},
-        "specforge": {"aux_hidden_states_layers": out},
+        "sglang_dflash": {"target_layer_ids": out, **no_output},
+        # SpecForge's HF backend hooks the outputs of layers[i]; its SGLang backend hands the same list (and a
+        # drafter config's eagle_aux_hidden_state_layer_ids) to SGLang's set_eagle3_layers_to_capture
+        "specforge": {
+            "hf_backend": {"aux_hidden_states_layers": out, **no_output},
+            "sglang_backend": {"aux_hidden_states_layers": sglang, **({"note": why} if sglang is None else {})},
+        },
         "speculators_0.4_data_config": {
             "layer_ids": None if out is None else [*out, num_layers - 1 if num_layers else None]
         },

@@ -70,7 +70,9 @@ def _layers_text(li: dict[str, Any]) -> list[str]:
                 is not None else sgl["note"])
     lines.append(f"drafter config eagle_aux_hidden_state_layer_ids: vLLM "
                  f"{li['vllm']['eagle_aux_hidden_state_layer_ids']}; SGLang 0.5.16 {sgl_text}")
-    lines.append(f"               SpecForge aux_hidden_states_layers {li['specforge']['aux_hidden_states_layers']}")
+    sf = li["specforge"]
+    hf, sgl_backend = (sf[k]["aux_hidden_states_layers"] for k in ("hf_backend", "sglang_backend"))
+    lines.append(f"               SpecForge aux_hidden_states_layers: HF backend {hf}, SGLang backend {sgl_backend}")
     return lines
 
 
