@@ -79,7 +79,8 @@ def test_a_list_takes_its_convention_from_its_own_file_only() -> None:
     convention existed (layer outputs) must not inherit that reading."""
     from hsextract.capture import check_conventions_said
 
-    kimi = ("config/kimi.yaml", {"capture": "eagle3", "aux_layers": [2, 30, 58], "aux_layers_convention": "hidden_states"})
+    kimi = ("config/kimi.yaml",
+            {"capture": "eagle3", "aux_layers": [2, 30, 58], "aux_layers_convention": "hidden_states"})
     old = ("mine.yaml", {"capture": "custom", "aux_layers": [1, 29, 57]})
     with pytest.raises(ConfigError) as e:
         check_conventions_said([kimi, old])
