@@ -109,14 +109,17 @@ def test_the_key_file_holds_the_key_alone_and_only_its_owner_reads_it(tmp_path: 
         keyfile.read_key_file(path)
     assert str(e.value) == f"sglang.api_key_file: {path} is not a regular file; {fix}"
     path.unlink()
+    assert keyfile.read_key_file(key_file(tmp_path, "k" * 16)) == "k" * 16
+    # too short: guessed, and the log filter (which hides the key's bytes everywhere) would garble the log
     for text in ("", "\n", f"-{KEY}", f"{KEY} x", f'{KEY}"', f"{KEY}\\", f"{KEY}\n{KEY}", "k" * 1001, "ké",
-                 "k" * 5000):
+                 "k" * 5000, "e", "k" * 15):
         key_file(tmp_path, text)
         with pytest.raises(ConfigError) as e:
             keyfile.read_key_file(path)
         assert str(e.value) == (
             f"sglang.api_key_file: {path} does not hold one key: printable ASCII without spaces, quotes or "
-            "backslash, not starting with '-', at most 1,000 characters (the file holds the key alone)")
+            "backslash, not starting with '-', 16 to 1,000 characters (the file holds the key alone; a random "
+            "one: python3 -c 'import secrets; print(secrets.token_hex(32))')")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
@@ -211,6 +214,57 @@ def test_abbreviations_are_refused_and_sglangs_own_flags_pass() -> None:
     # --ssl-keyfile is SGLang's own flag (an exact match wins), values and short flags are not flags
     hsrv.check_launch_args(["--ssl-keyfile", "/k.pem", "--mem-fraction-static", "0.85", "--served-model-name",
                             "host", "-h", "--"])
+
+
+def test_other_doors_and_written_keys_are_closed() -> None:
+    """SGLang 0.5.16 starts a gRPC server beside HTTP that checks no key (--grpc-port, SGLANG_GRPC_PORT, the SMG
+    modes, a sidecar on it), and pickles its arguments, the key among them, into --crash-dump-folder."""
+    grpc = ("may not be given; it starts a gRPC server on sglang.host beside HTTP, which does not check the API key; "
+            "the workflow speaks HTTP: remove it")
+    for args, what in ((["--grpc-port", "40000"], "--grpc-port"), (["--smg-grpc-mode"], "--smg-grpc-mode"),
+                       (["--grpc-mode"], "--grpc-mode"), (["--sidecar", "m"], "--sidecar"),
+                       (["--grpc-p=1"], "--grpc-p (an abbreviation of --grpc-port)")):
+        with pytest.raises(ConfigError) as e:
+            hsrv.check_launch_args(args)
+        assert str(e.value) == f"sglang.launch_args[0]: {what} {grpc}"
+    with pytest.raises(ConfigError) as e:
+        hsrv.check_launch_args(["--tp-size-x", "--crash_dump_folder", "/tmp/d"])  # an unknown flag passes
+    assert str(e.value) == (
+        "sglang.launch_args[1]: --crash_dump_folder (a spelling of --crash-dump-folder) may not be given; SGLang "
+        "pickles its arguments, the API key among them, and the last requests into that folder on a crash or a "
+        "stop; remove it")
+    # --api_key: SGLang's parser refuses it, and the failed start's command would show the value
+    with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --api_key \(a spelling of --api-key\) is set"):
+        hsrv.check_launch_args(["--api_key", KEY])
+    with pytest.raises(ConfigError) as e:
+        hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", env={"SGLANG_GRPC_PORT": "1"})
+    assert str(e.value) == f"sglang.env: SGLANG_GRPC_PORT: {grpc.removeprefix('may not be given; ')}"
+    cfg = hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm")
+    env = hsrv.build_env(cfg, Path("/d"), base={"SGLANG_GRPC_PORT": "40001", "PATH": "/bin"})
+    assert "SGLANG_GRPC_PORT" not in env and env["PATH"] == "/bin"  # inherited from the job's shell: dropped
+
+
+def test_every_spelling_of_a_secret_flag_is_redacted() -> None:
+    from hsextract.config.redaction import redact_command
+
+    assert redact_command(["--api_key", "A", "--api-k", "B", "--api-key", "C", "--api-key=D", "--admin-api-key",
+                           "E", "--ssl-keyfile", "/k.pem", "--ssl-keyfile-pass=F", "--tp", "2"]) == [
+        "--api_key", "<redacted>", "--api-k", "<redacted>", "--api-key", "<redacted>", "--api-key=<redacted>",
+        "--admin-api-key", "<redacted>", "--ssl-keyfile", "/k.pem", "--ssl-keyfile-pass=<redacted>", "--tp", "2"]
+
+
+def test_schema_errors_do_not_quote_where_a_key_could_be() -> None:
+    from hsextract.config.settings import fill_defaults
+
+    for sglang, want in (({"launch_args": f"--api-key {KEY}"}, "sglang.launch_args: the value (not shown: it could "
+                          "hold a key) is not of type 'array'"),
+                         ({"launch_args": [{"k": KEY}]}, "sglang.launch_args[0]: the value (not shown: it could hold "
+                          "a key) is not of type 'string'"),
+                         ({"server_url": f"https://u:{KEY}@h"}, "sglang.server_url: the value (not shown: it could "
+                          "hold a key) does not match '^http://'")):
+        with pytest.raises(ConfigError) as e:
+            fill_defaults({"sglang": sglang})
+        assert str(e.value) == f"{want} (workflow/schemas/config.schema.yaml)" and KEY not in str(e.value)
 
 
 def test_config_check_refuses_an_override_before_any_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -364,6 +418,53 @@ def test_a_started_server_gets_a_random_key_that_only_its_clients_send(tmp_path:
     finally:
         hsrv.stop_servers(state, grace_s=5)
     assert not kf.exists() and list(state.glob("replica-*.json")) == []
+
+
+def test_a_port_taken_while_the_server_loads_gets_no_key(tmp_path: Path) -> None:
+    """Another local user binds the port in the minutes a model loads and answers /health: the launcher sends
+    /health no key (SGLang does not ask for one there) and gives the key only to a port its server's process
+    group holds, so the squatter reads nothing and the start fails, naming the process."""
+    import http.server
+    import threading
+
+    state = tmp_path / "server"
+    cfg = door_cfg(tmp_path, api_key=KEY, launch_args=("--startup-delay", "600"))  # the port free for minutes
+    seen: list[str] = []
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(str(self.headers))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    def squat() -> None:  # as soon as the launcher has checked the port is free and written the key file
+        while not (state / "private/replica-0.yaml").exists():
+            if done.wait(0.01):
+                return
+        squatter = http.server.HTTPServer((cfg.host, cfg.port), Squatter)
+        bound.set()
+        while not done.is_set():
+            squatter.handle_request()
+        squatter.server_close()
+
+    done, bound = threading.Event(), threading.Event()
+    t = threading.Thread(target=squat)
+    t.start()
+    try:
+        with pytest.raises(EngineError) as e:
+            hsrv.ensure_server(state, cfg)
+    finally:
+        done.set()
+        if bound.is_set():
+            request(f"http://{cfg.host}:{cfg.port}", "GET", "/health", None)  # wakes handle_request
+        t.join()
+    assert str(e.value).startswith(f"port {cfg.port} on 127.0.0.1 answers, but process {os.getpid()} (")
+    assert "not the server started here" in str(e.value) and "the key was not sent" in str(e.value)
+    assert seen and all("Authorization" not in h and KEY not in h for h in seen)
+    assert list(state.glob("replica-*.json")) == [] and not (state / "private/replica-0.yaml").exists()
 
 
 def test_a_workflow_job_starts_the_server_with_a_key_and_sends_it(tmp_path: Path,

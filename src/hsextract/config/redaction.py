@@ -27,7 +27,19 @@ SECRET_KEYS: dict[str, str] = {"sglang.api_key": "sglang.api_key_file"}
 # SGLang server flags whose value is a secret (the launcher never passes them; a command read from
 # elsewhere is shown with their values hidden)
 SECRET_FLAGS: tuple[str, ...] = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
+# SGLang flags that begin a secret flag's name but are their own (an exact name wins in argparse)
+_NOT_SECRET = frozenset({"--ssl-keyfile"})
+# config keys whose values a schema error does not quote: a key mistakenly put there would be shown
+UNQUOTED_KEYS: tuple[str, ...] = ("sglang.launch_args", "sglang.api_key_file", "sglang.server_url")
 _ABSENT = object()
+
+
+def is_secret_flag(arg: str) -> bool:
+    """`arg` (without its `=value`) names a SECRET_FLAGS flag as SGLang's parser might read it, or close to it:
+    any prefix argparse expands (`--api-k`), with underscores (`--api_key`, which the parser refuses, so the
+    failed start's command would show the value)."""
+    name = arg.split("=", 1)[0].replace("_", "-")
+    return len(name) > 3 and name not in _NOT_SECRET and any(f.startswith(name) for f in SECRET_FLAGS)
 
 
 def refuse_secret_keys(config: Mapping[str, Any]) -> None:
@@ -47,18 +59,19 @@ def refuse_secret_keys(config: Mapping[str, Any]) -> None:
 
 
 def redact_command(cmd: Sequence[str]) -> list[str]:
-    """`cmd` with the value of every SECRET_FLAGS flag hidden (`--flag VALUE` and `--flag=VALUE`)."""
+    """`cmd` with the value of every SECRET_FLAGS flag hidden (`--flag VALUE` and `--flag=VALUE`), however
+    spelled (is_secret_flag)."""
     out: list[str] = []
     hide_next = False
     for arg in cmd:
-        name = arg.split("=", 1)[0]
+        secret = arg.startswith("--") and is_secret_flag(arg)
         if hide_next:
             out.append(REDACTED)
-        elif name in SECRET_FLAGS and "=" in arg:
-            out.append(f"{name}={REDACTED}")
+        elif secret and "=" in arg:
+            out.append(f"{arg.split('=', 1)[0]}={REDACTED}")
         else:
             out.append(arg)
-        hide_next = not hide_next and arg in SECRET_FLAGS
+        hide_next = not hide_next and secret and "=" not in arg
     return out
 
 

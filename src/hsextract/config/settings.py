@@ -34,7 +34,7 @@ from typing import Any
 from hsextract.capture import explicit_layers, resolve_aux_layers
 from hsextract.config.guard import check_bounded
 from hsextract.config.model_info import model_shape
-from hsextract.config.redaction import refuse_secret_keys
+from hsextract.config.redaction import UNQUOTED_KEYS, refuse_secret_keys
 from hsextract.errors import ConfigError
 from hsextract.provenance import config_hash
 
@@ -293,7 +293,9 @@ def _message(where: str, error: Any) -> str:
     """One line per violation; an unknown key names the allowed key it most likely misspells."""
     if error.validator != "additionalProperties" or not isinstance(error.instance, Mapping):
         message, quoted = error.message, repr(error.instance)
-        if isinstance(error.instance, str) and len(quoted) > 80:  # a 5,000-character run_name: its length
+        if any(where == k or where.startswith((f"{k}.", f"{k}[")) for k in UNQUOTED_KEYS):
+            message = message.replace(quoted, "the value (not shown: it could hold a key)")
+        elif isinstance(error.instance, str) and len(quoted) > 80:  # a 5,000-character run_name: its length
             message = message.replace(quoted, f"{quoted[:40]}... ({len(error.instance)} characters)")
         return f"{where or 'config'}: {message}"
     allowed = list(error.schema.get("properties", {}))

@@ -54,11 +54,12 @@ class SGLangAPI:
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def health(self, timeout_s: float = 5.0) -> str | None:
-        """None when GET /health answers 200, else why not."""
+        """None when GET /health answers 200, else why not. Without the key: SGLang lets /health through
+        unauthenticated (utils/auth.py), and whoever holds the port while a server loads would read it."""
         try:
             c = http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
             try:
-                c.request("GET", f"{self.prefix}/health", headers=self._auth)
+                c.request("GET", f"{self.prefix}/health")
                 r = c.getresponse()
                 r.read()
             finally:
@@ -94,10 +95,10 @@ class SGLangAPI:
         return out
 
 
-def health(url: str, timeout_s: float = 5.0, api_key: str | None = None) -> str | None:
-    """None when GET {url}/health answers 200, else why not (a malformed url included)."""
+def health(url: str, timeout_s: float = 5.0) -> str | None:
+    """None when GET {url}/health answers 200, else why not (a malformed url included); never sends a key."""
     try:
-        api = SGLangAPI(url, api_key=api_key)
+        api = SGLangAPI(url)
     except ConfigError:
         return f"bad url {url!r}"
     return api.health(timeout_s)

@@ -34,8 +34,10 @@ KEY_DIR = "private"
 FILE_KEY = "api-key"  # the key's name in SGLang's --config file (its flag without the dashes)
 _MAX_BYTES = 4096
 # a configured key: printable ASCII without spaces, quotes or backslash (it travels in an HTTP header and a YAML
-# string), not starting with '-' (SGLang's argparse would read a flag), at most 1,000 characters
-KEY_PATTERN = re.compile(r"[!#-&(-,.-\[\]-~][!#-&(-\[\]-~]{0,999}")
+# string), not starting with '-' (SGLang's argparse would read a flag), 16 to 1,000 characters: a short key is
+# guessed, and the log filter, which hides the key's bytes wherever they appear, would garble the log
+MIN_KEY_CHARS = 16
+KEY_PATTERN = re.compile(r"[!#-&(-,.-\[\]-~][!#-&(-\[\]-~]{" + str(MIN_KEY_CHARS - 1) + ",999}")
 _OPEN = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
@@ -127,6 +129,7 @@ def read_key_file(path: str | os.PathLike[str]) -> str:
     if not KEY_PATTERN.fullmatch(text):
         raise ConfigError(
             f"{key}: {path} does not hold one key: printable ASCII without spaces, quotes or backslash, not "
-            "starting with '-', at most 1,000 characters (the file holds the key alone)"
+            f"starting with '-', {MIN_KEY_CHARS} to 1,000 characters (the file holds the key alone; a random one: "
+            "python3 -c 'import secrets; print(secrets.token_hex(32))')"
         )
     return text

@@ -53,7 +53,7 @@ from hsextract.config.guard import is_loopback
 from hsextract.config.redaction import redact_command, redact_text
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang import keyfile
-from hsextract.sglang.api import health
+from hsextract.sglang.api import health, split_url
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin import settings as ps
 from hsextract.sglang_plugin.dumpcheck import DumpDirError, private_dir, verify_dir
@@ -112,6 +112,7 @@ class ServerConfig:
             raise ConfigError(f"sglang.gpus lists {len(self.gpus)} devices; {self.replicas} replicas x tp "
                               f"{self.tp} need {self.tp * self.replicas}")
         check_launch_args(self.launch_args)
+        check_server_env(self.env)
 
 
 @dataclass
@@ -157,6 +158,8 @@ def replica_for_chunk(chunk: int, replicas: int) -> int:
     return chunk % replicas
 
 
+_GRPC = ("it starts a gRPC server on sglang.host beside HTTP, which does not check the API key; the workflow "
+         "speaks HTTP: remove it")
 # Flags the launcher sets itself, and what sets them: `sglang.launch_args` may not name them (nor abbreviate
 # them: SGLang's argparse takes any unambiguous prefix, `--hos` for `--host`), since the last value wins and
 # the launcher's own would be overridden (`--host 0.0.0.0` after `--host 127.0.0.1`).
@@ -184,21 +187,45 @@ LAUNCHER_FLAGS: dict[str, str] = {
     "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
     "--ssl-keyfile-password": "a password on the command line is visible to every local user (ps); remove it",
 }
+# Flags that open another door or write the key down (SGLang 0.5.16 server_args.py): refused too
+CLOSED_FLAGS: dict[str, str] = {
+    "--grpc-port": _GRPC,
+    "--grpc-mode": _GRPC,
+    "--smg-grpc-mode": _GRPC,
+    "--sidecar": _GRPC,
+    "--crash-dump-folder": "SGLang pickles its arguments, the API key among them, and the last requests into "
+                           "that folder on a crash or a stop; remove it",
+}
+# environment variables that open the same doors (SGLang reads SGLANG_GRPC_PORT as --grpc-port)
+LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
 # SGLang flags that are a beginning of a launcher flag but their own (an exact match wins in argparse)
 _OWN_PREFIXES = frozenset({"--ssl-keyfile"})
 
 
 def check_launch_args(launch_args: Sequence[str]) -> None:
-    """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS flag."""
+    """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS or
+    CLOSED_FLAGS flag."""
     for i, arg in enumerate(launch_args):
-        name = arg.split("=", 1)[0]  # `--host=0.0.0.0` too; the value is never shown (it may be a key)
+        # `--host=0.0.0.0` too, and `--api_key` (SGLang's parser refuses it, and the failed start's command
+        # would show the value); the value is never shown (it may be a key)
+        given = arg.split("=", 1)[0]
+        name = given.replace("_", "-")
         if not name.startswith("--") or len(name) < 3 or name in _OWN_PREFIXES:
             continue
-        flag = name if name in LAUNCHER_FLAGS else next((f for f in LAUNCHER_FLAGS if f.startswith(name)), None)
+        flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS}
+        flag = name if name in flags else next((f for f in flags if f.startswith(name)), None)
         if flag is not None:
-            what = name if flag == name else f"{name} (an abbreviation of {flag})"
-            raise ConfigError(f"sglang.launch_args[{i}]: {what} is set by the launcher itself; "
-                              f"{LAUNCHER_FLAGS[flag]}")
+            what = (given if flag == given else f"{given} (a spelling of {flag})" if flag == name
+                    else f"{given} (an abbreviation of {flag})")
+            how = "is set by the launcher itself" if flag in LAUNCHER_FLAGS else "may not be given"
+            raise ConfigError(f"sglang.launch_args[{i}]: {what} {how}; {flags[flag]}")
+
+
+def check_server_env(env: Mapping[str, str]) -> None:
+    """ConfigError naming the first `sglang.env` variable that opens a door the launcher keeps shut."""
+    for name in env:
+        if name in LAUNCHER_ENV:
+            raise ConfigError(f"sglang.env: {name}: {LAUNCHER_ENV[name]}")
 
 
 def build_command(cfg: ServerConfig, replica: int = 0, key_file: str | os.PathLike[str] | None = None) -> list[str]:
@@ -247,6 +274,8 @@ def build_env(cfg: ServerConfig, dump_dir: Path, replica: int = 0,
     env[ps.ENV_STAGING_MB] = str(cfg.staging_mb)
     env[ps.ENV_WRITER_THREADS] = str(cfg.writer_threads)
     env[ps.ENV_SHARED_PREFIX] = "1" if cfg.share_prefixes else "0"
+    for name in LAUNCHER_ENV:  # inherited from the job's shell; set in cfg.env it is refused (ServerConfig)
+        env.pop(name, None)
     if cfg.gpus is not None or cfg.replicas > 1:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpu_set(cfg, replica)))
     env.update(cfg.env)
@@ -361,6 +390,32 @@ def _locked(path: Path) -> filelock.FileLock:
     return filelock.FileLock(path)
 
 
+def port_of(url: str) -> int:
+    return split_url(url)[1]
+
+
+def _listener_owner(port: int, pgid: int) -> str | None:
+    """None when every socket listening on TCP `port` belongs to process group `pgid` (the server's, which
+    the launcher made its own), else who holds it. A server's key goes only to a port its own process
+    holds: the port is free while a model loads (minutes), and anyone may bind it then."""
+    try:
+        conns = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr
+                 and c.laddr.port == port]
+    except psutil.AccessDenied:
+        return "a process this platform does not let hsextract identify"
+    if not conns:
+        return "no listening socket of this machine"
+    for c in conns:
+        if c.pid is None:
+            return "a process of another user"
+        try:
+            if os.getpgid(c.pid) != pgid:
+                return f"process {c.pid} ({psutil.Process(c.pid).name()})"
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            return f"process {c.pid}, which has since exited"
+    return None
+
+
 def _port_in_use(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
@@ -430,8 +485,8 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
             old = ServerHandle.from_json(ep.read_text())
             old.api_key = keyfile.read_key(key_file)
             if (old.config_hash == h_cfg and old.api_key is not None and cfg.api_key in (None, old.api_key)
-                    and _alive(old.pid) and health(old.url, api_key=old.api_key) is None
-                    and _has_marker(old.dump_dir)):
+                    and _alive(old.pid) and health(old.url) is None
+                    and _has_marker(old.dump_dir) and _listener_owner(port_of(old.url), old.pid) is None):
                 return old
             _stop_handle(old, cfg.stop_grace_s)  # stale, dead, another configuration or another key
             ep.unlink()
@@ -476,7 +531,12 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
             if rc is not None:
                 raise failed(f"the SGLang server (replica {replica}) exited with code {rc} during start-up; "
                              f"command: {' '.join(h.command)}", 1.0)
-            if health(h.url, 2.0, api_key=key) is None:
+            if health(h.url, 2.0) is None:
+                if (other := _listener_owner(port, proc.pid)) is not None:
+                    raise failed(f"port {port} on {cfg.host} answers, but {other}, not the server started here "
+                                 f"(pid {proc.pid}): another local user may have taken the port while the model "
+                                 "loaded, to read the API key; the key was not sent. Set sglang.port to a port "
+                                 "of a range no one else uses", 1.0)
                 if _has_marker(dump_dir):
                     return h
                 raise failed(f"the SGLang server at {h.url} is healthy but the hsextract plugin is not active "
@@ -530,9 +590,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = []
     for ep in sorted(Path(a.state_dir).glob("replica-*.json")):
         h = ServerHandle.from_json(ep.read_text())
-        key = keyfile.read_key(keyfile.key_path(a.state_dir, h.replica))
         out.append({"replica": h.replica, "url": h.url, "pid": h.pid, "alive": _alive(h.pid),
-                    "health": health(h.url, api_key=key) or "ok", "dump_dir": str(h.dump_dir)})
+                    "health": health(h.url) or "ok", "dump_dir": str(h.dump_dir)})
     print(json.dumps(out, indent=1))
     return 0
 
