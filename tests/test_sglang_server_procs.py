@@ -85,9 +85,10 @@ def test_is_ours_reads_the_dump_dir_from_the_environment(tmp_path: Path, monkeyp
 
 
 def test_group_alive_ignores_zombies_and_sees_other_members() -> None:
-    # leader + a grandchild in a new session; the leader dies, the grandchild keeps the group alive
+    # leader + a grandchild in a new session; the leader dies, the grandchild keeps the group alive (it sleeps:
+    # one that read a pipe from the leader would see EOF at the leader's death and could exit before the check)
     leader = subprocess.Popen([PY, "-c", "import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', "
-                               "'import sys; sys.stdin.read()'], stdin=subprocess.PIPE); print(p.pid, flush=True); "
+                               "'import time; time.sleep(3600)'], stdin=subprocess.DEVNULL); print(p.pid, flush=True); "
                                "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               start_new_session=True)
     try:
