@@ -94,6 +94,20 @@ def test_non_regular_sources_are_refused_without_opening_them(tmp_path: Path) ->
     check_source_path("sources[0].path", tmp_path / "a.jsonl")
 
 
+def test_a_source_its_reader_cannot_count_is_named(tmp_path: Path) -> None:
+    from hsextract.prepare.conversations import count_records
+
+    (tmp_path / "a.jsonl").write_text('{"messages": [{"role": "user", "content": "x"}]}\n')
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds/state.json").write_text("garbage")
+    for bad, what in (("empty.parquet", "ArrowInvalid: "), ("ds", "JSONDecodeError: ")):
+        with pytest.raises(ConfigError) as e:
+            count_records([{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / bad)}])
+        assert str(e.value).startswith(f"sources[1].path: cannot count the records of {tmp_path / bad} ({what}")
+    assert count_records([{"path": str(tmp_path / "a.jsonl")}]) == 1
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gpu-node-7"])
 def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: pytest.CaptureFixture) -> None:
     from hsextract.config.guard import check_remote

@@ -185,3 +185,25 @@ def test_ancestors_decode_only_the_rows_they_supply(tmp_path: Path, monkeypatch:
     assert decoded == ([(4, "input_ids", 16), (4, "loss_mask", 16)] + [(4, "hidden_states", 10)] * tensors
                        + [(1, "input_ids", 6)] + [(1, "hidden_states", 1)] * tensors  # ids below 6, row 5
                        + [(0, "input_ids", 5)] + [(0, "hidden_states", 5)] * tensors)  # ids and rows below 5
+
+
+def test_a_damaged_ancestor_fails_the_sample_asked_for_naming_both(tmp_path: Path) -> None:
+    """A trainer that skips the failing sample (`e.sample`) skips the one it asked for, not the ancestor."""
+    from hsextract.errors import CorruptShardError
+
+    path = shared_shard(tmp_path / "a.hss")
+    r = ShardReader(path)
+    start, size = r.index["offsets"][0], r.index["record_lens"][0]
+    r.close()
+    data = bytearray(path.read_bytes())
+    data[start + size - 2] ^= 0xFF  # the last frame of sample 0's record: a hidden tensor's
+    path.write_bytes(bytes(data))
+    r = ShardReader(path)
+    with pytest.raises(CorruptShardError) as e:
+        r[1]  # rows [0, 5) from sample 0
+    assert e.value.sample == 1
+    assert e.value.what.startswith("its rows 0 to 5 come from sample 0, whose record is damaged (")
+    with pytest.raises(CorruptShardError) as e:
+        r[0]
+    assert e.value.sample == 0
+    assert torch.equal(r[5]["input_ids"], family()[5][0])  # no reference to 0: unaffected

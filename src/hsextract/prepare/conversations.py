@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from hsextract.config.settings import Source
+from hsextract.errors import ConfigError
 from hsextract.prepare.sources import (
     BAD_JSON,
     EMPTY_CONTENT,
@@ -343,8 +344,15 @@ def count_records(sources: Sequence[SourceEntry]) -> int:
     """Number of input records the mixture holds (caps and weights applied), without parsing JSONL/parquet
     content. This is what chunks are cut over: ceil(count_records / prompts_per_chunk) chunks."""
     total = 0
-    for spec in parse_sources(sources):
-        total += source_contribution(len(open_reader(spec)), spec)
+    for i, spec in enumerate(parse_sources(sources)):  # one spec per entry, in order
+        try:
+            n = len(open_reader(spec))
+        except (ConfigError, MalformedRecordError):
+            raise
+        except Exception as e:  # noqa: BLE001 - any reader error means this source is unusable: say which
+            raise ConfigError(f"sources[{i}].path: cannot count the records of {spec.path} "
+                              f"({type(e).__name__}: {e})") from None
+        total += source_contribution(n, spec)
     return total
 
 

@@ -509,8 +509,12 @@ class ShardReader:
             t[k:] = h
             out.append(t)
         for node, lo, hi in self.supplies(i):  # rows [lo, hi) are the node's own rows [0, hi - lo)
-            rec = memoryview(records(node)) if records is not None else self._record(node)
-            theirs = self._supply(node, rec, hi, [t[lo:hi] for t in out])
+            try:
+                rec = memoryview(records(node)) if records is not None else self._record(node)
+                theirs = self._supply(node, rec, hi, [t[lo:hi] for t in out])
+            except CorruptShardError as e:  # the sample asked for is the one a caller skips: name it
+                raise self._corrupt(i, f"its rows {lo} to {hi} come from sample {node}, whose record is damaged "
+                                       f"({e.what})") from e
             self._check_prefix_ids(i, ids, node, theirs, hi)
         return {"input_ids": ids, "hidden_states": out, "loss_mask": mine["loss_mask"]}
 
