@@ -504,7 +504,7 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         assert plan["prepare"] == 1 and plan["extract"] == N_CHUNKS and plan["manifest"] == 1, plan
 
         shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
-        (wd / "config/api-key").write_text("a-secret\n")
+        (wd / "config/api-key").write_text("a-secret-of-16-chars-or-more\n")
         (wd / "config/api-key").chmod(0o600)
         # a reference of the tiny model's width, for make_tiny_model: false (a real model's must match it)
         dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
