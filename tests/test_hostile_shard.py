@@ -303,6 +303,42 @@ def test_the_crafting_itself_round_trips(crafted: dict[str, Path]) -> None:
         assert Parts(crafted[good]).build() == crafted[good].read_bytes()
 
 
+def test_a_reference_chain_deeper_than_a_reader_walks_is_refused(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain of n one-row samples would cost n^2 record reads in a full pass (an hour for 10,000 in a 3 MB
+    shard): the writer refuses a parent MAX_REFERENCE_DEPTH deep, and the reader a shard that holds one."""
+    import torch
+    from conftest import shard_metadata
+
+    from hsextract.shard import ShardWriter
+
+    d = fmt.MAX_REFERENCE_DEPTH
+
+    def chain(path: Path, n: int) -> Path:
+        with ShardWriter(path, shard_metadata(hidden_size=8, aux_layers=[1]), share_prefixes=True) as w:
+            for i in range(n):  # sample i: ids 0..i+1, its first i+1 rows from sample i-1
+                ids = torch.arange(i + 2)
+                hs = [torch.ones(1 if i else 2, 8, dtype=torch.bfloat16)] * 2
+                w.add(ids, hs, torch.ones(i + 2, dtype=torch.int64), sample_id=f"s{i}",
+                      parent=i - 1 if i else None, prefix_len=i + 1 if i else 0)
+        return path
+
+    ok = ShardReader(chain(tmp_path / "ok.hss", d + 1))  # sample d is d deep: the limit
+    assert ok[d]["hidden_states"][0].shape == (d + 2, 8)
+    with pytest.raises(ShardError) as e:
+        chain(tmp_path / "writer.hss", d + 2)
+    assert str(e.value) == (f"{tmp_path / 'writer.hss'}: sample {d + 1}: parent {d} is {d} references deep already; "
+                            f"at most {d} (a reader walks them): give a shallower parent or none")
+    monkeypatch.setattr(fmt, "MAX_REFERENCE_DEPTH", d + 1)  # a writer that did not check
+    deep = chain(tmp_path / "deep.hss", d + 2)
+    monkeypatch.undo()
+    with pytest.raises(CorruptShardError) as e:
+        ShardReader(deep)
+    assert e.value.sample == d + 1
+    assert e.value.what == (f"index references go {d + 1} samples deep (its parent, that one's parent, ...): at most "
+                            f"{d}, so that reading a sample stays bounded")
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_crafted_structure_is_refused_naming_file_and_problem(crafted: dict[str, Path], name: str) -> None:
     path = crafted[name]

@@ -41,13 +41,35 @@ def test_parents_are_the_longest_earlier_prefix_within_the_chunk() -> None:
     tail_ = turn2 + [7]  # extends turn2, and shares 100 tokens with everything else
     ids = [turn1, turn2, other, short, dup, tail_]
     refs = find_parents(ids, records=[0, 0, 1, 2, 3, 4])
-    assert refs == [(-1, 0), (0, 130), (1, 100), (-1, 0), (2, len(other) - 1), (1, len(turn2))]
+    # `other` shares the declaration with turn1 and turn2 alike: the shallower one (turn1, no reference above it)
+    assert refs == [(-1, 0), (0, 130), (0, 100), (-1, 0), (2, len(other) - 1), (1, len(turn2))]
     assert MIN_PREFIX == 64
     assert distinct_tokens([len(x) for x in ids], refs) == sum(map(len, ids)) - 130 - 100 - 139 - 180
-    # ties go to the later sample (shorter chains); the previous turn is a candidate below a whole block too
-    assert find_parents([tools, tools + [1], tools + [2]]) == [(-1, 0), (0, 100), (1, 100)]
+    # ties go to the shallower sample, then the later: samples that open alike hang from the first of them
+    # (depth 1 each) instead of from one another; the previous turn is a candidate below a whole block too
+    assert find_parents([tools, tools + [1], tools + [2], tools + [3]]) == [(-1, 0), (0, 100), (0, 100), (0, 100)]
     assert find_parents([list(range(70)), list(range(70)) + [9]], records=[0, 0], min_prefix=10) == [(-1, 0),
                                                                                                      (0, 70)]
+
+
+def test_references_never_nest_deeper_than_a_reader_walks() -> None:
+    """A conversation of more turns than MAX_REFERENCE_DEPTH starts a new chain there; the writer and the reader
+    refuse a deeper one (tests/test_hostile_shard.py)."""
+    from hsextract.shard.format import MAX_REFERENCE_DEPTH as D
+
+    turns = [list(range(100 + 2 * t)) for t in range(D + 3)]  # each turn: the last one's ids, then two more
+    refs = find_parents(turns, records=[0] * len(turns))
+    depth = []
+    for p, _ in refs:
+        depth.append(0 if p < 0 else depth[p] + 1)
+    assert max(depth) == D and refs[D] == (D - 1, 100 + 2 * (D - 1))
+    # the turn past the limit takes its prefix from the first turn that holds it whole (the same rows), not its
+    # previous turn, which is D deep
+    assert refs[D + 1][0] != D and depth[D + 1] < D and refs[D + 1][1] >= MIN_PREFIX
+    # conversations that open alike: each hangs from the first, whatever their number
+    opening = list(range(5000, 5100))
+    many = [opening + [k] for k in range(2 * D)]
+    assert {p for p, _ in find_parents(many)[1:]} == {0}
 
 
 def _system_conversations(n: int) -> list[dict]:
@@ -161,7 +183,7 @@ def extracted(tmp_path_factory: pytest.TempPathFactory, tiny: Path) -> dict:
     ids = [head + convs[1][:40], head + convs[1][:40] + convs[2][:50], head + convs[3][:30], convs[4][:70]]
     ids.append(ids[1] + convs[2][50:90])
     refs = find_parents(ids, records=[0, 0, 1, 2, 0])
-    assert [p for p, _ in refs] == [-1, 0, 1, -1, 1]
+    assert [p for p, _ in refs] == [-1, 0, 0, -1, 1]  # 2 shares the head with 0 and 1 alike: the shallower
     masks = [[0] * (len(x) - 5) + [1] * 5 for x in ids]
     sids = [f"s{k}" for k in range(len(ids))]
     meta = shard_metadata(hidden_size=128, aux_layers=[1, 3], final_state="post_norm", vocab_size=tok.vocab_size,

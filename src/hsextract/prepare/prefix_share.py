@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from hsextract.shard.format import MAX_REFERENCE_DEPTH
+
 BLOCK = 64
 # Shorter common prefixes are not shared: every sample opens with a few template tokens (`<|im_system|>system
 # <|im_middle|>`), and reading a second record to save them costs more than it saves.
@@ -33,10 +35,15 @@ def find_parents(ids: Sequence[Sequence[int]], records: Sequence[object] | None 
                  min_prefix: int = MIN_PREFIX) -> list[tuple[int, int]]:
     """(parent, prefix length) per sample, (-1, 0) where none shares at least `min_prefix` tokens. A parent is an
     earlier sample; the prefix length k takes at most the parent's tokens and leaves the sample at least one of its
-    own (k <= min(len(parent), len(sample) - 1)); the longest common prefix wins, ties go to the later sample.
+    own (k <= min(len(parent), len(sample) - 1)); the longest common prefix wins, ties go to the shallower sample
+    (fewer references above it), then the later one. No parent is MAX_REFERENCE_DEPTH references deep: conversations
+    that open alike hang from the first of them instead of from one another, a conversation's turns nest one level
+    each, and one of more turns than the limit starts a new chain there.
     `records`: per sample, what it was made from (samples of one record are that conversation's turns)."""
     arrays = [np.asarray(x, dtype=np.int64) for x in ids]
     latest: dict[bytes, int] = {}  # digest of ids[:BLOCK * b] -> the latest sample that starts so
+    first: dict[bytes, int] = {}  # ... and the first
+    depth: list[int] = []
     out: list[tuple[int, int]] = []
     for i, a in enumerate(arrays):
         digests = []
@@ -47,18 +54,22 @@ def find_parents(ids: Sequence[Sequence[int]], records: Sequence[object] | None 
         candidates = set()
         for d in reversed(digests):  # the deepest block another sample shares
             if d in latest:
-                candidates.add(latest[d])
+                candidates.update((latest[d], first[d]))
                 break
         if records is not None and i > 0 and records[i - 1] == records[i]:
             candidates.add(i - 1)
         best, best_k = NO_PARENT, 0
-        for j in sorted(candidates, reverse=True):
+        for j in sorted(candidates, key=lambda j: (depth[j], -j)):  # shallower first, then later
             k = min(common_prefix(a, arrays[j]), len(a) - 1)
-            if k > best_k:
+            if k > best_k and depth[j] < MAX_REFERENCE_DEPTH:
                 best, best_k = j, k
-        out.append((best, best_k) if best_k >= min_prefix else (NO_PARENT, 0))
+        if best_k < min_prefix:
+            best, best_k = NO_PARENT, 0
+        out.append((best, best_k))
+        depth.append(0 if best == NO_PARENT else depth[best] + 1)
         for d in digests:
             latest[d] = i
+            first.setdefault(d, i)
     return out
 
 

@@ -48,6 +48,11 @@ FRAME_COUNT = struct.Struct("<I")
 INDEX_COLUMNS = ("sample_ids", "offsets", "record_lens", "payload_xxh3", "seq_lens", "num_trained", "raw_bytes")
 REF_COLUMNS = ("parents", "prefix_lens")  # version 2 only
 NO_PARENT = -1
+# a sample's references (its parent, the parent's parent, ...) go at most this deep: reading it walks them and
+# reads a record per level that supplies rows, so a crafted chain of n samples would cost n^2 record reads in a
+# full pass (an hour for 10,000 one-row samples in a 3 MB shard). Real data nests one level per turn of a
+# conversation (prepare starts a new chain past it: prefix_share.find_parents)
+MAX_REFERENCE_DEPTH = 256
 
 
 def index_columns(version: int) -> tuple[str, ...]:

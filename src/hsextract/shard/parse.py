@@ -156,8 +156,8 @@ def index_bytes(ix_raw: bytes) -> bytes:
 def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offset: int) -> dict[str, list[Any]]:
     """The index columns, checked: types, ranges, records that tile [data_start, index_offset) exactly,
     raw sizes from the metadata, decoded sizes within zstd's reach of the stored ones; in version 2, every
-    reference points to an earlier sample (so none forms a cycle or leaves the shard) and takes at most the
-    parent's tokens and fewer than its own."""
+    reference points to an earlier sample (so none forms a cycle or leaves the shard), takes at most the
+    parent's tokens and fewer than its own, and nests at most MAX_REFERENCE_DEPTH deep."""
     columns = fmt.index_columns(meta["format_version"])
     ix = load_json(raw, "index")
     if not isinstance(ix, dict) or sorted(ix) != sorted(columns):
@@ -169,6 +169,7 @@ def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offse
             raise Malformed(f"index lists disagree with the footer's {n} samples (column {c})")
     min_rec = min_record_len(meta)
     pos = data_start
+    depth: list[int] = []  # version 2: how many references deep each sample is
     for i in range(n):
         sid, off, rlen, digest, seq, trained, raw_b = (ix[c][i] for c in fmt.INDEX_COLUMNS)
         if not isinstance(sid, str):
@@ -189,6 +190,12 @@ def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offse
             raise Malformed(f"index raw_bytes {raw_b}, the metadata makes it {raw_bytes(meta, seq)} for "
                             f"{seq} tokens", i)
         own = seq - (reference(ix, i, seq) if shared else 0)
+        if shared:
+            parent = ix["parents"][i]
+            depth.append(0 if parent == fmt.NO_PARENT else depth[parent] + 1)
+            if depth[i] > fmt.MAX_REFERENCE_DEPTH:
+                raise Malformed(f"index references go {depth[i]} samples deep (its parent, that one's parent, ...): "
+                                f"at most {fmt.MAX_REFERENCE_DEPTH}, so that reading a sample stays bounded", i)
         if decoded_bytes(meta, seq, own) > ZSTD_MAX_RATIO * rlen:
             raise Malformed(f"index claims {seq} tokens, more than a {rlen}-byte record can hold", i)
         pos += rlen

@@ -174,6 +174,7 @@ class ShardWriter:
         self._file = os.fdopen(fd, "wb")  # closed in close() or abort()
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.index_columns(fmt.FORMAT_VERSION)}
         self._ids: list[torch.Tensor] | None = [] if share_prefixes else None  # to check references
+        self._ref_depth: list[int] = []  # each sample's reference depth (format.MAX_REFERENCE_DEPTH)
         self._closed = False
         self.encode_wait_s = self.write_s = self.disk_s = 0.0
         # the writer thread: chunks in file order; _queued bytes handed over and not yet written
@@ -259,6 +260,9 @@ class ShardWriter:
         if differ.numel():
             raise ShardError(f"{where}: input_ids differ from parent {parent}'s at token {int(differ[0])}, within "
                              f"the prefix of {prefix_len} tokens it would take from it")
+        if self._ref_depth[parent] >= fmt.MAX_REFERENCE_DEPTH:
+            raise ShardError(f"{where}: parent {parent} is {self._ref_depth[parent]} references deep already; at "
+                             f"most {fmt.MAX_REFERENCE_DEPTH} (a reader walks them): give a shallower parent or none")
         return parent
 
     def _tensors(self, sample: int, input_ids: torch.Tensor, hidden_states: list[torch.Tensor],
@@ -310,6 +314,7 @@ class ShardWriter:
         ix["prefix_lens"].append(prefix_len if ref != fmt.NO_PARENT else 0)
         if self._ids is not None:
             self._ids.append(tensors[0])
+            self._ref_depth.append(0 if ref == fmt.NO_PARENT else self._ref_depth[ref] + 1)
         ix["sample_ids"].append(str(sample_id))
         ix["seq_lens"].append(seq)
         ix["num_trained"].append(int((tensors[1] != 0).sum()))
