@@ -257,7 +257,10 @@ def test_a_family_stream_reads_each_ancestor_record_once_and_yields_ds_i(shared_
         order = stream.order(0)
         assert sorted(order.tolist()) == list(range(12))
         got = list(stream)
-        assert stream.records_read == reads
+        if cache_bytes or not readahead:
+            assert stream.records_read == reads
+        else:  # nothing kept, but decode threads needing a record at once share its one read: how often is timing
+            assert 4 <= stream.records_read <= reads
         for i, s in zip(order, got, strict=True):
             want = ds[int(i)]
             assert torch.equal(s["input_ids"], want["input_ids"]) and torch.equal(s["loss_mask"], want["loss_mask"])
