@@ -501,6 +501,8 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             flaky = srv.mode == "flaky" and not srv.failed
             if flaky:
                 srv.failed = True
+        if srv.key is not None and self.headers.get("Authorization") != f"Bearer {srv.key}":
+            return self._send(401, {"error": "Unauthorized"})  # as SGLang started with --api-key
         if self.path != "/generate" or "input_ids" not in body:
             return self._send(400, {"error": "bad request"})
         if flaky:
@@ -530,7 +532,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
 @pytest.fixture
 def fake_server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
-    srv.requests, srv.lock, srv.mode, srv.failed, srv.vocab = [], threading.Lock(), "ok", False, 150
+    srv.requests, srv.lock, srv.mode, srv.failed, srv.vocab, srv.key = [], threading.Lock(), "ok", False, 150, None
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv
@@ -588,6 +590,27 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
     bad = SGLangGenerator(url + "/nope", regen_settings(retries=3), stop)
     with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request regen-"):
         bad.generate([[1]])
+
+
+def test_a_regeneration_server_with_a_key_gets_it_from_its_key_file(fake_server, tmp_path):
+    tok = make_tok("deepseek_v3")
+    fake_server.key = "regen-key-0123456789abcdef"
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    cfg = {**_config(src, max_new_tokens=9, retries=0), "engine": "sglang"}
+    cfg["regenerate"]["server_url"] = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    with pytest.raises(EngineError, match=r"/generate answered 401 for request regen-"):  # no key: refused
+        run_regenerate_chunk(from_config(cfg), 0, tmp_path / "a.jsonl", tokenizer=tok)
+    refused = len(fake_server.requests)
+    key_file = tmp_path / "regen-key"
+    key_file.write_text(fake_server.key + "\n")
+    key_file.chmod(0o600)
+    cfg["regenerate"]["api_key_file"] = str(key_file)
+    run_regenerate_chunk(from_config(cfg), 0, tmp_path / "b.jsonl", tokenizer=tok)
+    # chunk 0's two generated turns, accepted (the server refuses any request without the key)
+    assert len(fake_server.requests) == refused + 2 and (tmp_path / "b.jsonl").is_file()
+    key_file.chmod(0o644)
+    with pytest.raises(ConfigError, match=rf"^regenerate.api_key_file: {key_file} has mode 0644: other users"):
+        run_regenerate_chunk(from_config(cfg), 0, tmp_path / "c.jsonl", tokenizer=tok)
 
 
 def test_regenerate_requests_are_never_dumped_by_the_plugin(tmp_path):

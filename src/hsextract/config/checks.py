@@ -72,6 +72,11 @@ def check_engine(s: Settings) -> None:
         from hsextract.sglang.config import configured_key
 
         configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)
+    regen = s.regenerate
+    if regen.enabled and (regen.engine or s.extract.engine) == "sglang" and regen.api_key_file is not None:
+        from hsextract.sglang.keyfile import read_key_file
+
+        read_key_file(regen.api_key_file, "regenerate.api_key_file")
 
 
 def check_layers(s: Settings, shape: ModelShape) -> list[int]:

@@ -128,6 +128,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "regenerate.device": OPERATIONAL,
     "regenerate.dtype": ("regenerate_chunk",),
     "regenerate.server_url": OPERATIONAL,
+    "regenerate.api_key_file": OPERATIONAL,  # the key's file, as sglang.api_key_file
     "regenerate.request_timeout_s": OPERATIONAL,
     "regenerate.retries": OPERATIONAL,
     "regenerate.send_seed": ("regenerate_chunk",),  # a sampled turn depends on its seed

@@ -184,6 +184,7 @@ class RegenerateSettings:
     device: str
     dtype: str
     server_url: str | None
+    api_key_file: str | None  # the regeneration server's key (hsextract.sglang.keyfile.read_key_file)
     request_timeout_s: float
     retries: int
     send_seed: bool

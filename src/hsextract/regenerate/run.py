@@ -30,8 +30,10 @@ def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any
             raise ConfigError("config key `regenerate.server_url` must be set (http://host:port of the SGLang "
                               "server) when regeneration runs on the sglang engine")
         from hsextract.sglang.generate import SGLangGenerator
+        from hsextract.sglang.keyfile import read_key_file
 
-        return SGLangGenerator(regen.server_url, regen, stop_ids)
+        key = read_key_file(regen.api_key_file, "regenerate.api_key_file") if regen.api_key_file else None
+        return SGLangGenerator(regen.server_url, regen, stop_ids, api_key=key)
     from hsextract.engines.transformers_engine import resolve_device
     from hsextract.engines.transformers_generate import TransformersGenerator
     from hsextract.extract.text_model import load_causal_lm

@@ -35,8 +35,9 @@ def request_id(prompt: Sequence[int], seed: int | None, k: int) -> str:
 class SGLangGenerator:
     """Token ids in, generated ids out (see engines.base.Generator) from the server at `url`."""
 
-    def __init__(self, url: str, settings: SGLangGenerateSettings, stop_token_ids: Sequence[int]) -> None:
-        self.api = SGLangAPI(url, settings.request_timeout_s)
+    def __init__(self, url: str, settings: SGLangGenerateSettings, stop_token_ids: Sequence[int],
+                 api_key: str | None = None) -> None:
+        self.api = SGLangAPI(url, settings.request_timeout_s, api_key=api_key)
         self.url = self.api.url + "/generate"  # for messages
         self.settings = settings
         self.stop_ids = list(stop_token_ids)

@@ -100,11 +100,10 @@ def remove_key(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def read_key_file(path: str | os.PathLike[str]) -> str:
+def read_key_file(path: str | os.PathLike[str], key: str = "sglang.api_key_file") -> str:
     """The key in the file config `sglang.api_key_file` names: a regular file of this user's, readable by its
     owner only, holding the key alone (surrounding whitespace, a final newline, ignored). ConfigError naming the
-    config key and what to do otherwise; no message holds the file's text."""
-    key = "sglang.api_key_file"
+    config key (`key`) and what to do otherwise; no message holds the file's text."""
     fix = f"write the server's API key alone into it and run `chmod 600 {path}`"
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))  # FIFO: no wait
