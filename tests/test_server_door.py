@@ -260,7 +260,7 @@ def test_schema_errors_do_not_quote_where_a_key_could_be() -> None:
                           "hold a key) is not of type 'array'"),
                          ({"launch_args": [{"k": KEY}]}, "sglang.launch_args[0]: the value (not shown: it could hold "
                           "a key) is not of type 'string'"),
-                         ({"server_url": f"https://u:{KEY}@h"}, "sglang.server_url: the value (not shown: it could "
+                         ({"server_url": f"https://h/{KEY}"}, "sglang.server_url: the value (not shown: it could "
                           "hold a key) does not match '^http://'")):
         with pytest.raises(ConfigError) as e:
             fill_defaults({"sglang": sglang})
@@ -275,8 +275,23 @@ def test_config_check_refuses_an_override_before_any_job(tmp_path: Path, monkeyp
     with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --host is set by the launcher itself; set "
                                           r"`sglang.host`$"):
         check(cfg)
-    cfg["engine"] = "transformers"  # no server, nothing to refuse
+    cfg["engine"] = "transformers"  # no server, but the config dataset.json records: refused all the same
+    with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --host is set by the launcher itself"):
+        check(cfg)
+    cfg["sglang"] = {"launch_args": ["--mem-fraction-static", "0.8"]}
     check(cfg)
+
+
+def test_a_url_with_credentials_is_refused_without_quoting_it() -> None:
+    for cfg, where in (({"sglang": {"server_url": f"http://u:{KEY}@h:30000"}}, "sglang.server_url"),
+                       ({"sglang": {"servers": ["http://h:1", f"http://{KEY}@h:2/x"]}}, "sglang.servers[1]"),
+                       ({"regenerate": {"server_url": f"http://u:{KEY}@h"}}, "regenerate.server_url")):
+        with pytest.raises(ConfigError) as e:
+            fill_defaults(cfg)
+        assert str(e.value) == (f"{where}: the URL holds credentials (user:password@), which dataset.json and the "
+                                "logs would record; give the server's address alone, and its key in a file "
+                                "(sglang.api_key_file, regenerate.api_key_file)")
+    fill_defaults({"sglang": {"server_url": "http://h:30000/a@b"}})  # an @ in the path is no credential
 
 
 def test_the_launcher_refuses_a_remote_host_without_a_key() -> None:

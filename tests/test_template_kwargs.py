@@ -59,6 +59,42 @@ def test_variables_set_by_the_template_itself_are_not_listed_as_kwargs():
     assert masker.renderer.kwargs == {"content": "x"}
 
 
+def test_a_variable_the_template_defaults_when_the_caller_did_not_set_it_is_a_kwarg():
+    """DeepSeek-V3.1's template opens with `{% if not thinking is defined %}{% set thinking = false %}{% endif %}`,
+    gpt-oss's sets `reasoning_effort` the same way: the caller's to set, so named in the error."""
+    v31 = ("{% if not thinking is defined %}{% set thinking = false %}{% endif %}{% for m in messages %}"
+           "{{ m.content }}{% endfor %}{% if thinking %}<think>{% endif %}")
+    oss = ("{%- macro system() %}{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}"
+           "{%- endif %}Reasoning: {{ reasoning_effort }}{%- endmacro %}{{ system() }}")
+    assert template_variables(v31).kwargs == ("thinking",) and template_variables(oss).kwargs == ("reasoning_effort",)
+    with pytest.raises(ConfigError) as e:
+        check_kwargs(v31, {"enable_thinking": False})
+    assert str(e.value) == (
+        "chat_template_kwargs: the chat template never reads `enable_thinking`, so it changes nothing (the data "
+        "would be rendered as without it); the template reads `thinking` besides the variables every rendering "
+        "passes. Use that name, or remove the key")
+    check_kwargs(v31, {"thinking": True})
+
+
+def test_a_rendering_flag_or_a_quoted_boolean_is_refused():
+    """`add_generation_prompt` (or `messages`) would reach the render twice: a TypeError on every record. A quoted
+    boolean is a non-empty string, true in a template: `thinking: "false"` renders thinking on."""
+    kimi = (ROOT / "tests/fixtures/templates/kimi_k25.jinja").read_text()
+    for key in ("add_generation_prompt", "messages"):
+        with pytest.raises(ConfigError) as e:
+            check_kwargs(kimi, {key: True})
+        assert str(e.value) == (f"chat_template_kwargs: `{key}` is an argument of every rendering itself (the "
+                                "conversation and its flags); remove the key. The template reads `thinking` besides "
+                                "the variables every rendering passes")
+    for value in ("false", "True", " FALSE "):
+        with pytest.raises(ConfigError) as e:
+            check_kwargs(kimi, {"thinking": value})
+        assert str(e.value) == (f"chat_template_kwargs.thinking: {value!r} is a string, and a template takes every "
+                                f"non-empty string for true ({value!r} included); write {value.strip().lower()} "
+                                "without quotes")
+    check_kwargs(kimi, {"thinking": False})
+
+
 def test_a_template_that_includes_others_is_checked_by_rendering_with_and_without_the_key():
     """`include` has no loader in transformers, so the variables of an included template cannot be listed: a key
     is refused only where the probe renderings are the same with and without it; without renderings (config

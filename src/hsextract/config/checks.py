@@ -58,6 +58,10 @@ def tiny_model_corpus(s: Settings) -> str | None:
 
 
 def check_engine(s: Settings) -> None:
+    from hsextract.sglang.server import check_launch_args
+
+    # with any engine: a key given there would otherwise stay in the config that dataset.json records
+    check_launch_args(s.extract.sglang.launch_args)
     if s.extract.engine == "sglang":
         try:
             import hsextract.sglang.client  # noqa: F401 - importable is what is checked
@@ -66,9 +70,6 @@ def check_engine(s: Settings) -> None:
                 f"engine: sglang is not usable in this installation ({e}); use engine: transformers "
                 f"or install the sglang extra"
             ) from None
-        from hsextract.sglang.server import check_launch_args
-
-        check_launch_args(s.extract.sglang.launch_args)  # the launcher owns --host, --port, --api-key, ...
         from hsextract.sglang.config import configured_key
 
         configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)

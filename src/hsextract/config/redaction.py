@@ -43,14 +43,30 @@ def is_secret_flag(arg: str) -> bool:
     return len(name) > 3 and name not in _NOT_SECRET and any(f.startswith(name) for f in SECRET_FLAGS)
 
 
+# config keys holding server URLs: none may carry credentials (http://user:KEY@host), which dataset.json would record
+URL_KEYS: tuple[str, ...] = ("sglang.server_url", "sglang.servers", "regenerate.server_url")
+
+
+def _at(config: Mapping[str, Any], key: str) -> Any:
+    node: Any = config
+    for part in key.split("."):
+        node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
+    return node
+
+
 def refuse_secret_keys(config: Mapping[str, Any]) -> None:
     """ConfigError when `config` sets any of SECRET_KEYS (even to null: the key is gone), before anything
     (a schema error, a hash, a writer) could show its value; the message never holds the value."""
+    for key in URL_KEYS:
+        urls = _at(config, key)
+        for k, url in enumerate(urls if isinstance(urls, list) else [urls]):
+            if isinstance(url, str) and "@" in url.split("://", 1)[-1].split("/", 1)[0]:
+                where = f"{key}[{k}]" if isinstance(urls, list) else key
+                raise ConfigError(f"{where}: the URL holds credentials (user:password@), which dataset.json and the "
+                                  "logs would record; give the server's address alone, and its key in a file "
+                                  "(sglang.api_key_file, regenerate.api_key_file)")
     for key, file_key in SECRET_KEYS.items():
-        node: Any = config
-        for part in key.split("."):
-            node = node.get(part, _ABSENT) if isinstance(node, Mapping) else _ABSENT
-        if node is not _ABSENT:
+        if _at(config, key) is not _ABSENT:
             raise ConfigError(
                 f"{key}: a config may not hold the key: `snakemake --report` reads every config file's text "
                 "for the report, and `--config` puts it on the command line. Write the key alone into a file "

@@ -156,6 +156,16 @@ def value(settings: Settings, key: str) -> Any:
     return plain(node)
 
 
+# rules that do not lead to dataset.json (the manifest reads none of their outputs)
+BESIDE_MANIFEST = ("seq_length_hist", "export")
+
+
+def beside_manifest() -> tuple[str, ...]:
+    """Keys that decide only rules beside the manifest (a histogram's bins, the export formats): a new value
+    does not rerun it, so dataset.json leaves them out rather than record a value the run has moved on from."""
+    return tuple(k for k, rules in KEYS.items() if rules and set(rules) <= set(BESIDE_MANIFEST))
+
+
 def params(settings: Settings, rule: str) -> dict[str, Any]:
     """`rule`'s `params: settings=`: {dotted key: effective value} of the keys that decide its output.
 
@@ -176,4 +186,5 @@ def plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["KEYS", "OPERATIONAL", "PATHS", "RULES", "keys_of", "params", "plain", "value"]
+__all__ = ["BESIDE_MANIFEST", "KEYS", "OPERATIONAL", "PATHS", "RULES", "beside_manifest", "keys_of", "params", "plain",
+           "value"]

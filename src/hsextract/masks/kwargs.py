@@ -25,6 +25,9 @@ from hsextract.errors import ConfigError
 KEY = "chat_template_kwargs"
 # What every rendering passes a template besides chat_template_kwargs (transformers' apply_chat_template:
 # the conversation, its flags and the tokenizer's special tokens); a key naming one of these is read anyway.
+# apply_chat_template's own arguments: a kwarg of one of these names reaches the render twice (a TypeError); the
+# special tokens a kwarg may override (transformers merges them into one mapping)
+RENDER_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"})
 SERVER_VARIABLES = frozenset({
     "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
     "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens"})
@@ -39,11 +42,14 @@ class TemplateVariables:
     names: frozenset[str]
     assigned: frozenset[str]
     complete: bool
+    defaulted: frozenset[str] = frozenset()  # names it sets only where the caller did not: the caller's to set
 
     @property
     def kwargs(self) -> tuple[str, ...]:
-        """The names only a `chat_template_kwargs` key can set: read, never set by the template or the server."""
-        return tuple(sorted(self.names - self.assigned - SERVER_VARIABLES))
+        """The names only a `chat_template_kwargs` key can set: read, and never set by the server nor by the
+        template unless it asks whether the caller did (`{% if thinking is not defined %}{% set thinking = false
+        %}`, DeepSeek-V3.1's `thinking`, gpt-oss's `reasoning_effort`)."""
+        return tuple(sorted(self.names - (self.assigned - self.defaulted) - SERVER_VARIABLES))
 
     def describe(self) -> str:
         """What the template reads that kwargs can set, in words: "reads `thinking` besides ..." (`masks --explain`
@@ -68,7 +74,34 @@ def template_variables(template: str) -> TemplateVariables:
     names = frozenset(meta.find_undeclared_variables(tree))
     assigned = frozenset(n.name for n in tree.find_all(nodes.Name) if n.ctx in ("store", "param")) | frozenset(
         m.name for m in tree.find_all(nodes.Macro))
-    return TemplateVariables(names, assigned, not any(True for _ in meta.find_referenced_templates(tree)))
+    return TemplateVariables(names, assigned, not any(True for _ in meta.find_referenced_templates(tree)),
+                             _defaulted(tree))
+
+
+def _defaulted(tree: nodes.Template) -> frozenset[str]:
+    """Names the template sets only where the caller did not: `{% if x is not defined %}{% set x = ... %}` (or
+    `not x is defined`) and `{% set x = x if x is defined else ... %}`, the idiom of a template's own kwargs."""
+
+    def undefined_name(test: nodes.Node) -> str | None:  # `x is not defined` / `not x is defined` -> x
+        if isinstance(test, nodes.Not) and isinstance(test.node, nodes.Test) and test.node.name == "defined" \
+                and isinstance(test.node.node, nodes.Name):
+            return test.node.node.name
+        return None
+
+    out = set()
+    for branch in tree.find_all(nodes.If):
+        name = undefined_name(branch.test)
+        if name and any(isinstance(a.target, nodes.Name) and a.target.name == name
+                        for stmt in branch.body for a in [stmt, *stmt.find_all(nodes.Assign)]
+                        if isinstance(a, nodes.Assign)):
+            out.add(name)
+    for a in tree.find_all(nodes.Assign):
+        cond = a.node
+        if isinstance(a.target, nodes.Name) and isinstance(cond, nodes.CondExpr) and isinstance(cond.test, nodes.Test) \
+                and cond.test.name == "defined" and isinstance(cond.test.node, nodes.Name) \
+                and cond.test.node.name == a.target.name:
+            out.add(a.target.name)
+    return frozenset(out)
 
 
 def check_kwargs(template: str, kwargs: Mapping[str, Any],
@@ -77,6 +110,13 @@ def check_kwargs(template: str, kwargs: Mapping[str, Any],
     the template reads). Where the template's variables cannot all be listed, a key is refused when `renders`
     (the probe renderings under given kwargs) are the same with and without it; without `renders`, it passes."""
     found = template_variables(template)
+    for k, v in kwargs.items():
+        if k in RENDER_ARGUMENTS:  # the render would get it twice (TypeError on every record)
+            raise ConfigError(f"{KEY}: `{k}` is an argument of every rendering itself (the conversation and its "
+                              f"flags); remove the key. The template {found.describe()}")
+        if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+            raise ConfigError(f"{KEY}.{k}: {v!r} is a string, and a template takes every non-empty string for true "
+                              f"({v!r} included); write {v.strip().lower()} without quotes")
     unread = [k for k in kwargs if k not in found.names]
     if not found.complete:
         if renders is None:

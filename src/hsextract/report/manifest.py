@@ -7,6 +7,7 @@ final state, hidden size, dtype); a mixed dataset is an error that names the sha
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers, provenance
+from hsextract.config.reruns import beside_manifest
 from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
 from hsextract.prepare.prefix_share import share_saving, stored_tokens
@@ -33,6 +35,18 @@ def _rel(path: str | Path, root: Path) -> str:
 def _load_json(path: str | Path) -> Any:
     with open(path) as f:
         return json.load(f)
+
+
+def _without(config: Mapping[str, Any], dotted: tuple[str, ...]) -> dict[str, Any]:
+    out = copy.deepcopy(dict(config))
+    for key in dotted:
+        *parents, leaf = key.split(".")
+        node: Any = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
 
 
 def build_manifest(
@@ -143,6 +157,8 @@ def build_manifest(
             "tokenizer_hash": meta.get("tokenizer_hash") or provenance.tokenizer_hash(s.extract.tokenizer_dir),
             "chat_template_hash": meta.get("chat_template_hash"),
             "prepare": {k: v for k, v in prep.items() if k != "dropped"},
-            "config": dict(s.config),  # holds no secret (hsextract.config.redaction): shared with the data
+            # holds no secret (hsextract.config.redaction): shared with the data; nor the keys of outputs the
+            # manifest does not read (a changed histogram bin count does not rerun it)
+            "config": _without(s.config, beside_manifest()),
         },
     }
