@@ -516,12 +516,11 @@ def test_the_server_mode_must_match_the_run(tmp_path: Path) -> None:
 
 def test_families_interleave_to_fill_the_slots(tmp_path: Path) -> None:
     """Eight 5-turn conversations opening with one 70-token declaration, each one's turns together in chunk order,
-    references from prepare's find_parents: a conversation's first turn has the previous conversation's last turn
-    as parent (ties go to the later sample), but needs only the declaration's rows, which the chunk's first sample
-    computed. The client sends each prompt once that source is captured and fills the slots from every family's
-    frontier, so 4 requests reach the server at once (the pass after the first sample's waits for 4; waiting for
-    the parents would run the conversations one after another, and sending in chunk order within a reorder window
-    of 2 x concurrency would offer at most 3)."""
+    references from prepare's find_parents: a conversation's first turn has the chunk's first sample as parent
+    (it shares the declaration with every earlier sample alike; ties go to the shallower), whose rows it needs.
+    The client sends each prompt once that source is captured and fills the slots from every family's
+    frontier, so 4 requests reach the server at once (the pass after the first sample's waits for 4; sending in
+    chunk order within a reorder window of 2 x concurrency would offer at most 3)."""
     g = torch.Generator().manual_seed(9)
     decl = torch.randint(0, 5000, (70,), generator=g).tolist()
     ids, records = [], []
@@ -532,7 +531,7 @@ def test_families_interleave_to_fill_the_slots(tmp_path: Path) -> None:
             records.append(c)
             turn = turn + torch.randint(0, 5000, (30,), generator=g).tolist()
     refs = find_parents(ids, records)
-    assert refs[5] == (4, 70) and refs[1] == (0, 80)  # conversation 1's first turn: conversation 0's last turn
+    assert refs[5] == refs[10] == (0, 70) and refs[1] == (0, 80)  # first turns hang from the chunk's first sample
     chunk = ChunkPrompts([f"s{k:02d}" for k in range(40)], ids, [[1] * len(x) for x in ids], [p for p, _ in refs],
                          [k for _, k in refs])
     srv = FakeServer(tmp_path, AUX, radix=True, gather=4, gather_after=1).start()
