@@ -49,19 +49,21 @@ def test_resolution_rules() -> None:
     assert resolve_aux_layers({"capture": "eagle3", "aux_layers": None}, 61) == [2, 30, 58]
     assert resolve_aux_layers({"capture": "eagle3", "aux_layers": [2, 30, 58], "aux_layers_convention": hs},
                               61) == [2, 30, 58]
+
+    def refused(config: dict) -> str:
+        with pytest.raises(ConfigError) as e:
+            resolve_aux_layers(config, 61)
+        return str(e.value)
+
     # the seed pipeline's "layers 2, 30, 58" were layer outputs: one deeper than the preset, so refused with it
-    with pytest.raises(ConfigError) as e:
-        resolve_aux_layers({"capture": "eagle3", "aux_layers": [2, 30, 58], "aux_layers_convention": out}, 61)
-    assert str(e.value) == (
+    assert refused({"capture": "eagle3", "aux_layers": [2, 30, 58], "aux_layers_convention": out}) == (
         "aux_layers: capture: eagle3 takes its layers from the model (hidden_states[2, 30, 58] = outputs of decoder "
         "layers 1, 29, 57 for its 61 decoder layers), but aux_layers is hidden_states[3, 31, 59] = outputs of "
         "decoder layers 2, 30, 58; set aux_layers: null to use the preset, or capture: custom to keep the list")
     assert resolve_aux_layers({"capture": "custom", "aux_layers": [1, 3], "aux_layers_convention": hs}, 61) == [1, 3]
     assert resolve_aux_layers({"capture": "custom", "aux_layers": [1, 3], "aux_layers_convention": out}, 61) == [2, 4]
     # engines capture in depth order (a loop over the layers): a list in another order would be stored unlike it
-    with pytest.raises(ConfigError) as e:
-        resolve_aux_layers({"capture": "custom", "aux_layers": [5, 2, 7], "aux_layers_convention": hs}, 61)
-    assert str(e.value) == (
+    assert refused({"capture": "custom", "aux_layers": [5, 2, 7], "aux_layers_convention": hs}) == (
         "aux_layers: hidden_states[5, 2, 7] = outputs of decoder layers 4, 1, 6 is not in depth order ([2, 5, 7]): "
         "SGLang and vLLM feed a drafter its layers in depth order, and the stored tensors follow the list; list the "
         "ids increasing")
