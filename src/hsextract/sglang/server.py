@@ -390,10 +390,6 @@ def _locked(path: Path) -> filelock.FileLock:
     return filelock.FileLock(path)
 
 
-def port_of(url: str) -> int:
-    return split_url(url)[1]
-
-
 def _listener_owner(port: int, pgid: int) -> str | None:
     """None when every socket listening on TCP `port` belongs to process group `pgid` (the server's, which
     the launcher made its own), else who holds it. A server's key goes only to a port its own process
@@ -486,7 +482,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
             old.api_key = keyfile.read_key(key_file)
             if (old.config_hash == h_cfg and old.api_key is not None and cfg.api_key in (None, old.api_key)
                     and _alive(old.pid) and health(old.url) is None
-                    and _has_marker(old.dump_dir) and _listener_owner(port_of(old.url), old.pid) is None):
+                    and _has_marker(old.dump_dir) and _listener_owner(split_url(old.url)[1], old.pid) is None):
                 return old
             _stop_handle(old, cfg.stop_grace_s)  # stale, dead, another configuration or another key
             ep.unlink()
