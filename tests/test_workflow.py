@@ -410,6 +410,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "regenerate.stop_token_ids": {"regenerate.stop_token_ids": [1]},
     "regenerate.device": {"regenerate.device": "cpu"},
     "regenerate.server_url": {"regenerate.server_url": "http://127.0.0.1:30998"},
+    "regenerate.api_key_file": {"regenerate.api_key_file": "config/api-key"},
 }
 
 
