@@ -282,6 +282,19 @@ def test_config_check_refuses_an_override_before_any_job(tmp_path: Path, monkeyp
     check(cfg)
 
 
+def test_the_replicas_gpus_add_up_before_any_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hsextract.config.checks import check
+
+    cfg = door_config(tmp_path, monkeypatch)
+    for sglang, n in (({"tp": 3, "gpus": [0, 1]}, 2), ({"tp": 3, "gpus": list(range(8))}, 8)):
+        cfg.update(engine="sglang", sglang=sglang)
+        with pytest.raises(ConfigError) as e:
+            check(cfg)
+        assert str(e.value) == f"sglang.gpus lists {n} devices; 1 replicas x tp 3 use 3: list exactly those"
+    with pytest.raises(ConfigError, match=r"^sglang.gpus lists 2 devices; 2 replicas x tp 2 use 4"):
+        hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", tp=2, replicas=2, gpus=(0, 1))
+
+
 def test_a_url_with_credentials_is_refused_without_quoting_it() -> None:
     for cfg, where in (({"sglang": {"server_url": f"http://u:{KEY}@h:30000"}}, "sglang.server_url"),
                        ({"sglang": {"servers": ["http://h:1", f"http://{KEY}@h:2/x"]}}, "sglang.servers[1]"),

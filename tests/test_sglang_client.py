@@ -324,7 +324,7 @@ def test_launch_command_for_builtin_capture(tmp_path: Path) -> None:
         # DFLASH names layers by their output: hidden_states[2, 30, 58] are the outputs of 1, 29, 57
         "--speculative-algorithm", "DFLASH", "--return-aux-hidden-state-layer-ids", "1", "29", "57",
         "--disable-prefill-cuda-graph", "--mem-fraction-static", "0.8"]
-    with pytest.raises(ConfigError, match="2 replicas x tp 8 need 16"):
+    with pytest.raises(ConfigError, match="2 replicas x tp 8 use 16: list exactly those"):
         hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=8, replicas=2, gpus=tuple(range(8)), final_state="pre_norm")
     three = hsrv.ServerConfig(model="/m", aux_layers=(1,), tp=2, replicas=3, final_state="pre_norm")
     assert hsrv.gpu_set(three, 2) == [4, 5]

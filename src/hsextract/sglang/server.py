@@ -106,11 +106,7 @@ class ServerConfig:
                               "(--enable-return-aux-hidden-states) needs aux layers and stores one final state")
         if self.writer_threads < 1:
             raise ConfigError(f"sglang.writer_threads: {self.writer_threads}; must be >= 1")
-        if self.tp < 1 or self.replicas < 1:
-            raise ConfigError("sglang.tp and sglang.replicas must be >= 1")
-        if self.gpus is not None and len(self.gpus) < self.tp * self.replicas:
-            raise ConfigError(f"sglang.gpus lists {len(self.gpus)} devices; {self.replicas} replicas x tp "
-                              f"{self.tp} need {self.tp * self.replicas}")
+        check_gpus(self.tp, self.replicas, self.gpus)
         check_launch_args(self.launch_args)
         check_server_env(self.env)
 
@@ -200,6 +196,15 @@ CLOSED_FLAGS: dict[str, str] = {
 LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
 # SGLang flags that are a beginning of a launcher flag but their own (an exact match wins in argparse)
 _OWN_PREFIXES = frozenset({"--ssl-keyfile"})
+
+
+def check_gpus(tp: int, replicas: int, gpus: Sequence[int] | None) -> None:
+    """ConfigError when the replicas' GPUs do not add up (also at parse time: config.checks)."""
+    if tp < 1 or replicas < 1:
+        raise ConfigError("sglang.tp and sglang.replicas must be >= 1")
+    if gpus is not None and len(gpus) != tp * replicas:
+        raise ConfigError(f"sglang.gpus lists {len(gpus)} devices; {replicas} replicas x tp {tp} use "
+                          f"{tp * replicas}: list exactly those")
 
 
 def check_launch_args(launch_args: Sequence[str]) -> None:
