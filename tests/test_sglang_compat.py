@@ -176,8 +176,11 @@ def test_report_says_which_releases_ran_and_which_were_checked_statically_only(t
     assert set(sc.RAN_ON_GPU) <= set(sc.RELEASES_CHECKED) == set(VERSIONS)
     ran = sc.CompatReport(source="x", version="0.5.16").summary()
     assert ran["ran_on_gpu"] is True and ran["tested"] == sc.RAN_ON_GPU["0.5.16"]
-    static = sc.CompatReport(source="x", version="0.5.23").summary()
+    static = sc.CompatReport(source="x", version="0.5.23", checked=12).summary()
     assert static["ran_on_gpu"] is False and "statically only" in static["tested"]
+    # no source found, nothing checked: the report says so instead of claiming a static check
+    none = sc.CompatReport(source="x", version="0.5.23").summary()
+    assert none["tested"] == "not checked: no SGLang source was found to check"
     assert static["releases"]["checked_statically_only"] == ["0.5.23"]
     env = yaml.safe_load((root / "envs/sglang.yaml").read_text())
     pins = dict(p.split("==") for d in env["dependencies"] if isinstance(d, dict) for p in d["pip"] if "==" in p)

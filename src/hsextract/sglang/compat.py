@@ -39,8 +39,9 @@ RELEASES_CHECKED = ("0.5.16", "0.5.23")
 # Of those, the ones that ran on a GPU with this project's plugin, and how (the defaults of config/kimi.yaml
 # and envs/sglang.yaml follow this); every other release is checked statically only.
 RAN_ON_GPU: dict[str, str] = {
-    "0.5.16": "capture: plugin, on an H200 (Python 3.12, torch 2.11.0+cu130, triton attention): "
-              "bench/gpu/run_fidelity.sh, run_throughput.sh (bench/README.md)",
+    "0.5.16": "capture: plugin, on an H200 and an H100 (Python 3.12, torch 2.11.0+cu130, triton attention): "
+              "bench/gpu/run_fidelity.sh, run_throughput.sh, run_eagle3_ids.sh, run_shared_prefix.sh and the "
+              "production command, run_production.sh (bench/README.md)",
 }
 
 # needed_for: "all" (any use), "plugin" (capture set up by the plugin: 0.5.16), "builtin"
@@ -223,9 +224,11 @@ class CompatReport:
             "in_supported_range": self.in_range,
             "supported_range": [".".join(map(str, SUPPORTED_MIN)), ".".join(map(str, SUPPORTED_MAX))],
             "ran_on_gpu": self.ran_on_gpu,
-            "tested": RAN_ON_GPU.get(release or "", "checked statically only (this report), never ran on a GPU"),
+            "tested": RAN_ON_GPU.get(release or "", "checked statically only (this report), never ran on a GPU"
+                                     if self.checked else "not checked: no SGLang source was found to check"),
             "releases": {"ran_on_gpu": dict(RAN_ON_GPU),
-                         "checked_statically_only": [r for r in RELEASES_CHECKED if r not in RAN_ON_GPU]},
+                         "checked_statically_only": [r for r in RELEASES_CHECKED if r not in RAN_ON_GPU],
+                         "neither": "every other release of the supported range"},
             "capture_sources": self.capture_sources,
             "models": self.models,
             "prefix_modes": self.prefix_modes,
