@@ -135,6 +135,6 @@ def settle(need: int, pool: int | None, executor: str, pool_from_command_line: b
         raise ConfigError(f"{cut} under the {executor} executor. Pass --resources gpu={need} or more (the pool "
                           "caps the GPUs of all jobs in flight), or leave --resources out.")
     return Decision(None, lifted=True, note=(
-        f"GPU pool: the local pool gpu={pool} of profiles/default (loaded beside a cluster profile given with "
-        f"--profile) does not apply to the {executor} executor and is lifted: each extract job asks for its "
-        f"{need} GPUs, as with --workflow-profile."))
+        f"GPU pool: the local pool gpu={pool} of profiles/default (loaded beside the cluster executor's "
+        f"settings, e.g. a profile given with --profile) does not apply to the {executor} executor and is "
+        f"lifted: each extract job asks for its {need} GPUs, as with --workflow-profile."))
