@@ -403,7 +403,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     # the file is made (mode 0600) by the test below
     "sglang.host": {"sglang.host": "0.0.0.0", "sglang.api_key_file": "config/api-key"},
     "sglang.api_key_file": {"sglang.api_key_file": "config/api-key"},
-    "sglang.gpus": {"sglang.gpus": [0]},
+    # exactly tp x replicas ids (checked at parse time); tp and replicas as the other changes make them
+    "sglang.gpus": {"sglang.gpus": [0, 1, 2, 3], "sglang.tp": 2, "sglang.replicas": 2},
     "sglang.server_url": {"sglang.server_url": "http://127.0.0.1:30999", "sglang.dump_dir": "dumps"},
     "sglang.servers": {"sglang.servers": ["http://127.0.0.1:30999"], "sglang.dump_dir": "dumps"},
     "sglang.dump_dir": {"sglang.dump_dir": "dumps"},
