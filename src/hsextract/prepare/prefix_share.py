@@ -15,13 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from hsextract.shard.format import MAX_REFERENCE_DEPTH
+from hsextract.shard.format import MAX_REFERENCE_DEPTH, NO_PARENT, reference_depth
 
 BLOCK = 64
 # Shorter common prefixes are not shared: every sample opens with a few template tokens (`<|im_system|>system
 # <|im_middle|>`), and reading a second record to save them costs more than it saves.
 MIN_PREFIX = 64
-NO_PARENT = -1
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -66,7 +65,7 @@ def find_parents(ids: Sequence[Sequence[int]], records: Sequence[object] | None 
         if best_k < min_prefix:
             best, best_k = NO_PARENT, 0
         out.append((best, best_k))
-        depth.append(0 if best == NO_PARENT else depth[best] + 1)
+        depth.append(reference_depth(depth, best))
         for d in digests:
             latest[d] = i
             first.setdefault(d, i)

@@ -55,6 +55,11 @@ NO_PARENT = -1
 MAX_REFERENCE_DEPTH = 256
 
 
+def reference_depth(depths: list[int], parent: int) -> int:
+    """How many references deep a sample with this parent is, `depths` holding those of the samples before it."""
+    return 0 if parent == NO_PARENT else depths[parent] + 1
+
+
 def index_columns(version: int) -> tuple[str, ...]:
     return INDEX_COLUMNS + REF_COLUMNS if version >= 2 else INDEX_COLUMNS
 

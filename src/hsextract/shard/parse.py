@@ -191,8 +191,7 @@ def index(raw: bytes, meta: dict[str, Any], n: int, data_start: int, index_offse
                             f"{seq} tokens", i)
         own = seq - (reference(ix, i, seq) if shared else 0)
         if shared:
-            parent = ix["parents"][i]
-            depth.append(0 if parent == fmt.NO_PARENT else depth[parent] + 1)
+            depth.append(fmt.reference_depth(depth, ix["parents"][i]))
             if depth[i] > fmt.MAX_REFERENCE_DEPTH:
                 raise Malformed(f"index references go {depth[i]} samples deep (its parent, that one's parent, ...): "
                                 f"at most {fmt.MAX_REFERENCE_DEPTH}, so that reading a sample stays bounded", i)

@@ -314,7 +314,7 @@ class ShardWriter:
         ix["prefix_lens"].append(prefix_len if ref != fmt.NO_PARENT else 0)
         if self._ids is not None:
             self._ids.append(tensors[0])
-            self._ref_depth.append(0 if ref == fmt.NO_PARENT else self._ref_depth[ref] + 1)
+            self._ref_depth.append(fmt.reference_depth(self._ref_depth, ref))
         ix["sample_ids"].append(str(sample_id))
         ix["seq_lens"].append(seq)
         ix["num_trained"].append(int((tensors[1] != 0).sum()))
