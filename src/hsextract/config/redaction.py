@@ -27,20 +27,28 @@ SECRET_KEYS: dict[str, str] = {"sglang.api_key": "sglang.api_key_file"}
 # SGLang server flags whose value is a secret (the launcher never passes them; a command read from
 # elsewhere is shown with their values hidden)
 SECRET_FLAGS: tuple[str, ...] = ("--api-key", "--admin-api-key", "--ssl-keyfile-password")
-# SGLang flags that begin a secret flag's name but are their own (an exact name wins in argparse)
-_NOT_SECRET = frozenset({"--ssl-keyfile"})
+# SGLang flags that begin another flag's name but are their own (an exact name wins in argparse)
+OWN_FLAGS = frozenset({"--ssl-keyfile"})
 # config keys whose values a schema error does not quote: a key mistakenly put there would be shown
 UNQUOTED_KEYS: tuple[str, ...] = ("sglang.launch_args", "sglang.api_key_file", "sglang.server_url",
                                    "regenerate.api_key_file", "regenerate.server_url")
 _ABSENT = object()
 
 
-def is_secret_flag(arg: str) -> bool:
-    """`arg` (without its `=value`) names a SECRET_FLAGS flag as SGLang's parser might read it, or close to it:
-    any prefix argparse expands (`--api-k`), with underscores (`--api_key`, which the parser refuses, so the
-    failed start's command would show the value)."""
+def flag_meant(arg: str, flags: Iterable[str]) -> str | None:
+    """The flag of `flags` that `arg` (`--name` or `--name=value`) names as SGLang's parser might read it, or close
+    to it: the flag, any beginning of it argparse expands (`--hos` for `--host`), either with underscores
+    (`--api_key`, which the parser refuses, so the failed start's command would show the value); None for a
+    value, another flag, or one of OWN_FLAGS."""
     name = arg.split("=", 1)[0].replace("_", "-")
-    return len(name) > 3 and name not in _NOT_SECRET and any(f.startswith(name) for f in SECRET_FLAGS)
+    if not arg.startswith("--") or len(name) < 3 or name in OWN_FLAGS:
+        return None
+    return next((f for f in flags if f == name), None) or next((f for f in flags if f.startswith(name)), None)
+
+
+def is_secret_flag(arg: str) -> bool:
+    """`arg` names a SECRET_FLAGS flag (flag_meant; `--a`, a beginning of many flags, is none)."""
+    return len(arg.split("=", 1)[0]) > 3 and flag_meant(arg, SECRET_FLAGS) is not None
 
 
 # config keys holding server URLs: none may carry credentials (http://user:KEY@host), which dataset.json would record
@@ -81,7 +89,7 @@ def redact_command(cmd: Sequence[str]) -> list[str]:
     out: list[str] = []
     hide_next = False
     for arg in cmd:
-        secret = arg.startswith("--") and is_secret_flag(arg)
+        secret = is_secret_flag(arg)
         if hide_next:
             out.append(REDACTED)
         elif secret and "=" in arg:

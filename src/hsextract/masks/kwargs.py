@@ -23,14 +23,13 @@ from jinja2 import meta, nodes
 from hsextract.errors import ConfigError
 
 KEY = "chat_template_kwargs"
-# What every rendering passes a template besides chat_template_kwargs (transformers' apply_chat_template:
-# the conversation, its flags and the tokenizer's special tokens); a key naming one of these is read anyway.
-SERVER_VARIABLES = frozenset({
-    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "bos_token", "eos_token",
-    "unk_token", "sep_token", "pad_token", "cls_token", "mask_token", "additional_special_tokens"})
 # apply_chat_template's own arguments: a kwarg of one of these names reaches the render twice (a TypeError); the
 # special tokens a kwarg may override (transformers merges them into one mapping)
 RENDER_ARGUMENTS = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message"})
+# What every rendering passes a template besides chat_template_kwargs (transformers' apply_chat_template:
+# the conversation, its flags and the tokenizer's special tokens); a key naming one of these is read anyway.
+SERVER_VARIABLES = RENDER_ARGUMENTS | {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                                      "mask_token", "additional_special_tokens"}
 
 
 @dataclass(frozen=True)

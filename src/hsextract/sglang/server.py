@@ -50,7 +50,7 @@ import psutil
 
 from hsextract.atomic import write_bytes_atomic
 from hsextract.config.guard import is_loopback
-from hsextract.config.redaction import redact_command, redact_text
+from hsextract.config.redaction import flag_meant, redact_command, redact_text
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang import keyfile
 from hsextract.sglang.api import health, split_url
@@ -194,8 +194,6 @@ CLOSED_FLAGS: dict[str, str] = {
 }
 # environment variables that open the same doors (SGLang reads SGLANG_GRPC_PORT as --grpc-port)
 LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
-# SGLang flags that are a beginning of a launcher flag but their own (an exact match wins in argparse)
-_OWN_PREFIXES = frozenset({"--ssl-keyfile"})
 
 
 def check_gpus(tp: int, replicas: int, gpus: Sequence[int] | None) -> None:
@@ -210,18 +208,13 @@ def check_gpus(tp: int, replicas: int, gpus: Sequence[int] | None) -> None:
 def check_launch_args(launch_args: Sequence[str]) -> None:
     """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS or
     CLOSED_FLAGS flag."""
-    for i, arg in enumerate(launch_args):
-        # `--host=0.0.0.0` too, and `--api_key` (SGLang's parser refuses it, and the failed start's command
-        # would show the value); the value is never shown (it may be a key)
-        given = arg.split("=", 1)[0]
-        name = given.replace("_", "-")
-        if not name.startswith("--") or len(name) < 3 or name in _OWN_PREFIXES:
-            continue
+    for i, arg in enumerate(launch_args):  # the value is never shown (it may be a key)
         flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS}
-        flag = name if name in flags else next((f for f in flags if f.startswith(name)), None)
+        flag = flag_meant(arg, flags)
         if flag is not None:
-            what = (given if flag == given else f"{given} (a spelling of {flag})" if flag == name
-                    else f"{given} (an abbreviation of {flag})")
+            given = arg.split("=", 1)[0]
+            what = (given if flag == given else f"{given} (a spelling of {flag})"
+                    if flag == given.replace("_", "-") else f"{given} (an abbreviation of {flag})")
             how = "is set by the launcher itself" if flag in LAUNCHER_FLAGS else "may not be given"
             raise ConfigError(f"sglang.launch_args[{i}]: {what} {how}; {flags[flag]}")
 
