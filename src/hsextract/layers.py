@@ -97,6 +97,7 @@ def drafter_config(hs_ids: Sequence[int], num_layers: int | None, architecture: 
     else:
         rule, why = "+1 each", f"{architecture} adds 1 to every id, so it cannot capture {hs}"
     no_output = {} if out is not None else {"note": "hidden_states[0] is the embeddings, no decoder layer's output"}
+    no_sglang = {"note": why} if sglang is None else {}
     return {
         "stored": {"convention": STORED, "aux_layers": hs, "meaning": describe(hs) if hs else "none"},
         "vllm": {"eagle_aux_hidden_state_layer_ids": hs},
@@ -104,14 +105,14 @@ def drafter_config(hs_ids: Sequence[int], num_layers: int | None, architecture: 
             "eagle_aux_hidden_state_layer_ids": sglang,
             "target_architecture": architecture,
             "rule": rule,
-            **({"note": why} if sglang is None else {}),
+            **no_sglang,
         },
         "sglang_dflash": {"target_layer_ids": out, **no_output},
         # SpecForge's HF backend hooks the outputs of layers[i]; its SGLang backend hands the same list (and a
         # drafter config's eagle_aux_hidden_state_layer_ids) to SGLang's set_eagle3_layers_to_capture
         "specforge": {
             "hf_backend": {"aux_hidden_states_layers": out, **no_output},
-            "sglang_backend": {"aux_hidden_states_layers": sglang, **({"note": why} if sglang is None else {})},
+            "sglang_backend": {"aux_hidden_states_layers": sglang, **no_sglang},
         },
         "speculators_0.4_data_config": {
             "layer_ids": None if out is None else [*out, num_layers - 1 if num_layers else None]
