@@ -17,7 +17,7 @@ def listen_port(block: int) -> int:
     in that range), and per process, so that two runs of the suite on one machine differ. Blocks of 1000:
     0 and 1 the benches' dry runs, 2 the fake SGLang servers of test_sglang_client (the servers set
     SO_REUSEADDR, so one test's port is free again for the next), 3 those of test_server_door, 4 the server
-    a workflow of test_workflow_sglang starts."""
+    a workflow of test_workflow_sglang starts, 5 the two replicas another one starts."""
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
     low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
     port = 20000 + 1000 * block + 2 * (os.getpid() % 500)

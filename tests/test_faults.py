@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -23,6 +24,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from fractions import Fraction
 from pathlib import Path
 from typing import NamedTuple
 
@@ -109,6 +111,55 @@ def test_disk_full_fails_with_a_message_and_leaves_nothing(tmp_path: Path) -> No
     assert (earlier.read_bytes(), earlier.stat().st_mtime_ns) == before
     ids, hs, mask = make_sample(2, hidden=256)
     assert validate_shard(earlier, {"input_ids": ids, "hidden_states": hs, "loss_mask": mask})["passed"]
+
+
+def test_a_disk_too_small_for_the_shard_is_refused_before_the_server_starts(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """shard.check_free_space: the job estimates its shard as `hsextract plan` does and stops before the engine
+    (the server's start, the prefill) when the disk cannot hold it; false goes on to the engine."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import hsextract.extract.run as run
+    from hsextract.config.settings import from_config
+    from hsextract.errors import ShardError
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"text_config": {"hidden_size": 7168, "num_hidden_layers": 61,
+                                                                   "vocab_size": 163840}}))
+    prompts = tmp_path / "chunk-00003.parquet"
+    # three samples of 1,000 tokens, the third taking 600 of them from the second (not computed, not stored)
+    pq.write_table(pa.table({"sample_id": ["a", "b", "c"], "input_ids": [[1] * 1000] * 3,
+                             "loss_mask": [[1] * 1000] * 3, "parent": [-1, -1, 1], "prefix_len": [0, 0, 600]}),
+                   prompts)
+    config = {"model": str(model), "make_tiny_model": False, "engine": "sglang", "capture": "custom",
+              "aux_layers": [2, 30, 58], "aux_layers_convention": "hidden_states"}
+    shard = tmp_path / "shards/chunk-00003.hss"
+    # 2,400 tokens computed x (16 + 4 x 7168 x 2) B + 600 x 16 B, x 0.6965 = 95,889,663 B (ceil)
+    need = math.ceil((2400 * (16 + 4 * 7168 * 2) + 600 * 16) * Fraction("0.6965"))
+    assert run.shard_estimate(run.read_prompts(prompts), 7168, 4, "bf16")[0] == need == 95_889_663
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12 - need + 1,
+                                                                                      need - 1))
+
+    def engine(*_):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(run, "build_engine", engine)
+    with pytest.raises(ShardError) as e:
+        run.run_extract(from_config(config).extract, prompts, shard, chunk=3)
+    assert str(e.value) == (
+        f"{shard.parent}: 0.096 GB free, but chunk 3's shard will take about 0.096 GB (2,400 tokens computed x "
+        "57,360 B raw x codec ratio 0.6965, as hsextract plan reckons): free space there (or move results/ to a "
+        "larger disk), or lower prompts_per_chunk; shard.check_free_space: false starts anyway (a full disk then "
+        "fails the chunk alone, which reruns)")
+    assert list(shard.parent.iterdir()) == []
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12 - need, need))
+    with pytest.raises(AssertionError, match="the engine was built"):  # exactly enough: on to the engine
+        run.run_extract(from_config(config).extract, prompts, shard, chunk=3)
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12, 0))
+    with pytest.raises(AssertionError, match="the engine was built"):
+        run.run_extract(from_config({**config, "shard": {"check_free_space": False}}).extract, prompts, shard, chunk=3)
 
 
 # ---- 4. corruption: random byte flips and truncations, each reported by validate --------------------

@@ -12,7 +12,7 @@ import pytest
 from hsextract.errors import ConfigError
 from hsextract.extract import gpu_pool
 
-WHY = "engine sglang: sglang.tp 8 x sglang.replicas 1, local servers"
+WHY = "engine sglang: a local server of sglang.tp 8"
 
 
 @pytest.mark.parametrize(("need", "pool"), [(0, 1), (8, None), (8, 8), (8, 16), (1, 1)])
@@ -37,6 +37,23 @@ def test_cluster_executor_lifts_the_default_pool_but_not_one_given_on_the_comman
     assert d.pool is None and d.lifted and "does not apply to the slurm executor" in d.note
     with pytest.raises(ConfigError, match=r"gpu=4: .* under the kubernetes executor\. Pass --resources gpu=8 or more"):
         gpu_pool.settle(8, 4, "kubernetes", True, WHY)
+
+
+def test_replicas_run_side_by_side_on_one_machine_and_are_refused_under_a_cluster_executor() -> None:
+    # two servers of tp 4: a job needs 4 GPUs, gpu=8 runs both at once, gpu=4 one at a time (said)
+    assert gpu_pool.settle(4, 8, "local", True, WHY, replicas=2) == gpu_pool.Decision(8)
+    assert gpu_pool.settle(4, 4, "local", True, WHY, replicas=2) == gpu_pool.Decision(4, note=(
+        "GPU pool gpu=4: 1 of the 2 sglang replicas (4 GPUs each) extract at once; --resources gpu=8 runs them all"))
+    with pytest.raises(ConfigError) as e:
+        gpu_pool.settle(4, 1, "local", False, WHY, replicas=2)
+    assert "Pass --resources gpu=4 on a machine with 4 GPUs (2 replicas: gpu=8 runs one job on each)" in str(e.value)
+    for executor in ("slurm", "kubernetes"):
+        with pytest.raises(ConfigError) as e:
+            gpu_pool.settle(4, None, executor, False, WHY, replicas=2)
+        assert str(e.value) == (
+            f"sglang.replicas: 2 servers on one machine is for the local executor; under the {executor} executor "
+            "every extract job is an allocation of its own, with one server of sglang.tp GPUs, and the cluster "
+            "runs the jobs side by side: set sglang.replicas: 1")
 
 
 def test_pool_on_the_command_line() -> None:

@@ -105,7 +105,7 @@ def test_a_pool_smaller_than_one_extract_job_refuses_before_any_job(scenario: tu
     wd, proc = scenario
     assert proc.returncode != 0
     out = proc.stdout + proc.stderr
-    assert ("extract jobs need 8 GPUs each (engine sglang: sglang.tp 8 x sglang.replicas 1, local servers), but the "
+    assert ("extract jobs need 8 GPUs each (engine sglang: a local server of sglang.tp 8), but the "
             "run's GPU pool is gpu=1") in out
     assert "Pass --resources gpu=8 on a machine with 8 GPUs" in out
     assert "rule extract:" not in out and not (wd / "results").exists()

@@ -113,7 +113,7 @@ def test_tree_values_and_frozen() -> None:
     assert s.prepare.source_dicts() == [{"path": "data/conversations.jsonl", "format": "messages", "weight": 1.0,
                                          "max_records": None, "name": None, "split": None}]
     assert s.extract.transformers == st.TransformersSettings(device="cpu", dtype="bfloat16", token_budget=1024)
-    assert s.extract.shard == st.ShardSettings(compression_level=3, threads=1, precision="bf16")
+    assert s.extract.shard == st.ShardSettings(compression_level=3, threads=1, precision="bf16", check_free_space=True)
     assert (s.extract.threads, s.extract.mem_mb, s.extract.retries) == (2, 4000, 1)
     assert s.extract.tokenizer_dir == "resources/tiny-model"
     assert s.validate.same_model is False and s.stats == st.StatsSettings(64, 40)

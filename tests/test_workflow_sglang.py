@@ -291,4 +291,49 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
     assert [f for f in written if key.encode() in f.read_bytes()] == []
 
 
+def test_two_local_replicas_each_drive_their_own_extract_jobs(tmp_path: Path) -> None:
+    """`sglang.replicas: 2` of tp 1 on one machine: an extract job asks for one replica's GPU (the dry run's
+    resources), the pool gpu=2 runs two at once, each job claims a replica of its own (chunk i's, i % 2, when
+    free; tests/test_replica_claims.py) and says which; both (fake) servers start and serve; a pool of one GPU
+    runs one job at a time and the run says so. Under a cluster executor two replicas are refused
+    (tests/test_gpu_pool.py)."""
+    import re
+
+    from test_server_door import fake_server_python
+
+    from hsextract.sglang import server as hsrv
+
+    port = listen_port(5)
+    wrapper = fake_server_python(tmp_path)
+    wd = sg_workdir(tmp_path, f"sglang: {{python: '{wrapper}', port: {port}, replicas: 2, concurrency: 4, "
+                              "timeout_s: 30, retries: 1, startup_timeout_s: 120}\n", records=12, per_chunk=3)
+    state = wd / "results/sg-test/server"
+    state.mkdir(parents=True)
+    (state / "patched.json").write_text(json.dumps({"python": str(wrapper)}))  # as build_patched_server writes it
+    dry = smk(wd, "-n", "--resources", "gpu=2", configfiles=("config/sg.yaml",))
+    jobs = dry.stdout.split("rule extract:")[1:]
+    assert len(jobs) == 4 and all(re.search(r"resources: .*\bgpu=1\b", j) for j in jobs)
+    assert "GPU pool" not in dry.stderr
+    one = smk(wd, "-n", configfiles=("config/sg.yaml",))  # profiles/default's pool: gpu=1
+    assert ("GPU pool gpu=1: 1 of the 2 sglang replicas (1 GPU each) extract at once; --resources gpu=2 runs them "
+            "all") in one.stderr
+    try:
+        smk(wd, "--resources", "gpu=2", configfiles=("config/sg.yaml",))
+    finally:
+        hsrv.stop_servers(state, grace_s=5)
+    used = {}
+    for c in range(4):
+        log = (wd / f"logs/sg-test/extract/chunk-{c:05d}.log").read_text()
+        said = re.findall(rf"chunk {c}: sglang replica (\d) of 2 at http://127.0.0.1:(\d+)", log)
+        assert len(said) == 1, log
+        used[c] = int(said[0][0])
+        assert int(said[0][1]) == port + used[c]
+    # which chunk got which depends on the order Snakemake starts them; both replicas work in any order (a job
+    # takes its own replica when free, and two jobs at once hold both)
+    assert set(used.values()) == {0, 1}
+    for r in (0, 1):  # each replica's server started and answered
+        assert "starting:" in (state / f"replica-{r}.log").read_text()
+    assert json.loads((wd / "results/sg-test/dataset.json").read_text())["all_valid"] is True
+
+
 SCENARIOS = {"test_whole_run_against_a_fake_sglang_server": run_whole}

@@ -57,15 +57,11 @@ ON_START = (
     [lambda: sglang_config.stop_local_servers(SETTINGS.extract)] if SGLANG_LOCAL else []
 )
 ON_FINISH = list(ON_START)
-# GPUs of an extract job: one that starts (or reuses) its own local sglang servers needs their
-# tp x replicas GPUs on its node; with external servers it is a client and needs none; the
-# transformers engine takes one unless it runs on the CPU.
+# GPUs of an extract job: one with local sglang servers drives one replica (hsextract.sglang.server.
+# claim_replica), tp GPUs, so a pool of tp x replicas runs one job per replica at once; with external
+# servers it is a client and needs none; the transformers engine takes one unless it runs on the CPU.
 if SGLANG:
-    EXTRACT_GPUS = (
-        0
-        if SGLANG_URLS
-        else SETTINGS.extract.sglang.tp * SETTINGS.extract.sglang.replicas
-    )
+    EXTRACT_GPUS = 0 if SGLANG_URLS else SETTINGS.extract.sglang.tp
 else:
     EXTRACT_GPUS = 0 if SETTINGS.extract.transformers.device == "cpu" else 1
 

@@ -11,12 +11,13 @@ if workflow.is_main_process and gpu_pool.plans_jobs(sys.argv):
         executor=gpu_pool.executor_of(sys.argv, (os.getcwd(), workflow.basedir)),
         pool_from_command_line=gpu_pool.pool_on_command_line(sys.argv),
         why=(
-            f"engine sglang: sglang.tp {SETTINGS.extract.sglang.tp} x sglang.replicas "
-            f"{SETTINGS.extract.sglang.replicas}, local servers"
+            f"engine sglang: a local server of sglang.tp {SETTINGS.extract.sglang.tp}"
             if SGLANG_LOCAL
             else f"engine {SETTINGS.extract.engine}"
         ),
+        replicas=SETTINGS.extract.sglang.replicas if SGLANG_LOCAL else 1,
     )
     if _GPU_POOL.lifted:
         workflow.global_resources["gpu"] = None
+    if _GPU_POOL.note:
         print(_GPU_POOL.note, file=sys.stderr)

@@ -81,6 +81,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "shard.compression_level": ("extract",),  # the shard's bytes
     "shard.threads": OPERATIONAL,
     "shard.precision": ("extract",),
+    "shard.check_free_space": OPERATIONAL,
     # how the sglang servers run and are reached; the data is the same (an argument in launch_args that
     # changes numerics, such as a quantization, is not seen: `--forcerun extract`)
     "sglang.python": ("build_patched_server",),  # the interpreter the plugin is installed into

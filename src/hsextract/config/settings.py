@@ -95,6 +95,7 @@ class ShardSettings:
     compression_level: int
     threads: int
     precision: str
+    check_free_space: bool
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """The GPU pool a run gives Snakemake, against the GPUs one extract job needs (workflow/rules/gpu_pool.smk).
 
 Snakemake cuts a job's resource to the global pool without a word: an extract job that starts a TP-8 server
-(`sglang.tp` x `sglang.replicas` GPUs) under the pool `gpu: 1` of profiles/default runs as `gpu=1`, and on a
-cluster asks SLURM or Kubernetes for one GPU. `settle` decides, before any job (dry runs too; not for
+(`sglang.tp` GPUs: the job drives one local replica) under the pool `gpu: 1` of profiles/default runs as `gpu=1`,
+and on a cluster asks SLURM or Kubernetes for one GPU. `settle` decides, before any job (dry runs too; not for
 `--report`, `--unlock` and other commands that run no job):
 
 - no pool, or one that holds a job: nothing to do;
@@ -11,7 +11,10 @@ cluster asks SLURM or Kubernetes for one GPU. `settle` decides, before any job (
   command line: it is profiles/default's local pool, which Snakemake also loads when a cluster profile is
   given with `--profile` instead of `--workflow-profile`; it limits nothing a cluster has, so it is lifted
   (the jobs ask for their GPUs, as with `--workflow-profile`), and a note says so;
-- the same with `--resources gpu=M` on the command line: refuse (the user asked for it).
+- the same with `--resources gpu=M` on the command line: refuse (the user asked for it);
+- `sglang.replicas` > 1 (servers side by side on one machine) under a cluster executor: refuse (there every job
+  is an allocation with one server); on the local executor, a pool that runs fewer jobs than there are
+  replicas: a note.
 
 Snakemake's Snakefile does not learn the executor before it parses; it is read from the command line
 (`--executor`/`-e`) and from the profiles named there (`--profile`, `--workflow-profile`, $SNAKEMAKE_PROFILE).
@@ -118,18 +121,33 @@ def executor_of(argv: Sequence[str], roots: Sequence[str | os.PathLike[str]] = (
     return "local"
 
 
-def settle(need: int, pool: int | None, executor: str, pool_from_command_line: bool, why: str) -> Decision:
+def settle(need: int, pool: int | None, executor: str, pool_from_command_line: bool, why: str,
+           replicas: int = 1) -> Decision:
     """What to do with the GPU pool `pool` (None: none) when one extract job needs `need` GPUs (`why`: where
-    that number comes from); ConfigError when the run must not start."""
+    that number comes from) and a machine holds `replicas` local servers of `need` GPUs each, one job driving
+    each; ConfigError when the run must not start."""
+    local = executor in LOCAL_EXECUTORS
+    whole = need * replicas
+    if replicas > 1 and not local:
+        raise ConfigError(
+            f"sglang.replicas: {replicas} servers on one machine is for the local executor; under the {executor} "
+            f"executor every extract job is an allocation of its own, with one server of sglang.tp GPUs, and the "
+            f"cluster runs the jobs side by side: set sglang.replicas: 1")
     if not need or pool is None or pool >= need:
+        if need and pool is not None and replicas > 1 and pool < whole:
+            gpus = f"{need} GPU{'s' if need != 1 else ''}"
+            return Decision(pool, note=(
+                f"GPU pool gpu={pool}: {pool // need} of the {replicas} sglang replicas ({gpus} each) extract at "
+                f"once; --resources gpu={whole} runs them all"))
         return Decision(pool)
     cut = (f"extract jobs need {need} GPUs each ({why}), but the run's GPU pool is gpu={pool}: Snakemake would "
            f"cut every extract job to {pool} GPU{'s' if pool != 1 else ''} without a word")
-    if executor in LOCAL_EXECUTORS:
+    if local:
         source = "--resources on the command line" if pool_from_command_line else "profiles/default/config.yaml"
+        more = f" ({replicas} replicas: gpu={whole} runs one job on each)" if replicas > 1 else ""
         raise ConfigError(
-            f"{cut} (the pool comes from {source}). Pass --resources gpu={need} on a machine with {need} GPUs "
-            "(or lower sglang.tp / sglang.replicas); on a cluster, give its profile with --workflow-profile "
+            f"{cut} (the pool comes from {source}). Pass --resources gpu={need} on a machine with {need} GPUs"
+            f"{more} (or lower sglang.tp); on a cluster, give its profile with --workflow-profile "
             "profiles/slurm (or profiles/kubernetes).")
     if pool_from_command_line:
         raise ConfigError(f"{cut} under the {executor} executor. Pass --resources gpu={need} or more (the pool "

@@ -15,10 +15,13 @@ whole.
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from hsextract import provenance
+from hsextract.config import plan
 from hsextract.config.model_info import read_model_shape
 from hsextract.config.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
@@ -241,6 +245,32 @@ def extract_chunk(
     }
 
 
+def shard_estimate(prompts: ChunkPrompts, hidden_size: int, n_tensors: int, precision: str) -> tuple[int, str]:
+    """The bytes a chunk's shard will take, by `hsextract plan`'s arithmetic (hidden rows of the tokens the engine
+    computes, ids and mask of every token, the codec's measured ratio), and how that was reckoned."""
+    tokens = sum(len(ids) for ids in prompts.input_ids)
+    computed = tokens
+    if prompts.parents is not None and prompts.prefix_lens is not None:
+        computed -= sum(k for p, k in zip(prompts.parents, prompts.prefix_lens, strict=True) if p >= 0)
+    per_token = plan.IDS_MASK_BYTES + n_tensors * hidden_size * plan.BF16_BYTES
+    raw = computed * per_token + (tokens - computed) * plan.IDS_MASK_BYTES
+    ratio = plan.CODEC_RATIO_FP8 if precision == "fp8_e4m3" else plan.CODEC_RATIO_BF16
+    return math.ceil(raw * Fraction(str(ratio))), (f"{computed:,} tokens computed x {per_token:,} B raw x codec ratio {ratio}, "
+                                    "as hsextract plan reckons")
+
+
+def check_free_space(shard_path: str | Path, need: int, how: str, chunk: int) -> None:
+    """ShardError before any GPU time is spent when the shard's folder cannot hold the estimated shard."""
+    folder = Path(shard_path).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise ShardError(
+            f"{folder}: {free / 1e9:,.3f} GB free, but chunk {chunk}'s shard will take about {need / 1e9:,.3f} GB "
+            f"({how}): free space there (or move results/ to a larger disk), or lower prompts_per_chunk; "
+            "shard.check_free_space: false starts anyway (a full disk then fails the chunk alone, which reruns)")
+
+
 def run_extract(
     settings: ExtractSettings,
     prompts_path: str | Path,
@@ -257,6 +287,9 @@ def run_extract(
     spec = capture_spec(settings)
     shape = read_model_shape(settings.model)
     shard = settings.shard
+    if shard.check_free_space:  # before the server starts (minutes for Kimi-K2.5) and hours of prefill
+        need, how = shard_estimate(prompts, shape.hidden_size, len(spec.aux_layers) + 1, shard.precision)
+        check_free_space(shard_path, need, how, chunk)
     with build_engine(settings, spec, chunk) as engine:
         meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size,
                               shape.num_layers, shape.architecture)

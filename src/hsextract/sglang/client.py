@@ -75,7 +75,9 @@ class SGLangEngine(Engine):
         progress: Callable[[int], Any] | None = None,
         api_key: str | None = None,
         share_prefixes: bool = False,
+        on_close: Callable[[], Any] | None = None,
     ) -> None:
+        self._on_close = on_close  # the launcher's replica claim, released when the job is done with it
         if isinstance(server, str):
             url = server
         else:
@@ -116,6 +118,11 @@ class SGLangEngine(Engine):
         # its slot when the HTTP answer comes and then collects the dump, so the server's queue stays
         # full while dumps are read (collecting inside the slot starves the GPU at short prompts).
         self._http_slots = threading.BoundedSemaphore(concurrency)
+
+    def close(self) -> None:
+        if self._on_close is not None:
+            release, self._on_close = self._on_close, None
+            release()
 
     # ---- info -----------------------------------------------------------------------------------------
     def plugin_info(self) -> dict:

@@ -125,34 +125,44 @@ def server_config_from(settings: ExtractSettings, root: str | Path = ".", python
 
 
 def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0, root: str | Path = ".") -> Any:
-    """The sglang engine for one chunk: an external server (spread by chunk) or a local replica, started
-    or reused."""
+    """The sglang engine for one chunk: an external server (spread by chunk) or a local replica that the job
+    claims for its lifetime (released when the engine closes), started or reused."""
     from hsextract.sglang.client import SGLangEngine
 
     s = settings.sglang
     urls = external_urls(settings)
+    claim = None
     if urls:
         server: Any = urls[chunk % len(urls)]
         dump_dir = s.dump_dir
     else:
-        from hsextract.sglang.server import ensure_server, replica_for_chunk
+        from hsextract.sglang.server import claim_replica, ensure_server
 
         cfg = server_config_from(settings, root)
-        server = ensure_server(state_dir(settings, root), cfg, replica=replica_for_chunk(chunk, cfg.replicas))
-        dump_dir = None  # the handle's, as its key (configured or made by the launcher)
-    return SGLangEngine(
-        server,
-        spec,
-        dump_dir,
-        concurrency=s.concurrency,
-        timeout_s=float(s.timeout_s),
-        retries=s.retries,
-        backoff_s=float(s.backoff_s),
-        run_name=settings.run_name,
-        chunk=chunk,
-        api_key=configured_key(settings) if urls else None,
-        share_prefixes=settings.share_prefixes,
-    )
+        claim = claim_replica(state_dir(settings, root), cfg.replicas, chunk)
+    try:
+        if claim is not None:
+            server = ensure_server(state_dir(settings, root), cfg, replica=claim.replica)
+            dump_dir = None  # the handle's, as its key (configured or made by the launcher)
+            print(f"chunk {chunk}: sglang replica {claim.replica} of {cfg.replicas} at {server.url}", flush=True)
+        return SGLangEngine(
+            server,
+            spec,
+            dump_dir,
+            concurrency=s.concurrency,
+            timeout_s=float(s.timeout_s),
+            retries=s.retries,
+            backoff_s=float(s.backoff_s),
+            run_name=settings.run_name,
+            chunk=chunk,
+            api_key=configured_key(settings) if urls else None,
+            share_prefixes=settings.share_prefixes,
+            on_close=claim.release if claim is not None else None,
+        )
+    except BaseException:
+        if claim is not None:
+            claim.release()
+        raise
 
 
 def stop_local_servers(settings: ExtractSettings, root: str | Path = ".") -> list[int]:
