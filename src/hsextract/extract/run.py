@@ -255,8 +255,8 @@ def shard_estimate(prompts: ChunkPrompts, hidden_size: int, n_tensors: int, prec
     per_token = plan.IDS_MASK_BYTES + n_tensors * hidden_size * plan.BF16_BYTES
     raw = computed * per_token + (tokens - computed) * plan.IDS_MASK_BYTES
     ratio = plan.CODEC_RATIO_FP8 if precision == "fp8_e4m3" else plan.CODEC_RATIO_BF16
-    return math.ceil(raw * Fraction(str(ratio))), (f"{computed:,} tokens computed x {per_token:,} B raw x codec ratio {ratio}, "
-                                    "as hsextract plan reckons")
+    how = f"{computed:,} tokens computed x {per_token:,} B raw x codec ratio {ratio}, as hsextract plan reckons"
+    return math.ceil(raw * Fraction(str(ratio))), how
 
 
 def check_free_space(shard_path: str | Path, need: int, how: str, chunk: int) -> None:
