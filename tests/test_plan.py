@@ -115,8 +115,10 @@ def test_share_prefixes_plans_on_distinct_tokens(small: dict, tmp_path: Path) ->
 
 
 def test_gpu_or_writer_bound(small: dict) -> None:
-    """Kimi width: 57,360 B per token; the writer ceiling 1.98 GB/s raw per extract job = 34,519 tokens/s."""
+    """Kimi width: 57,360 B per token; the writer ceiling 1.98 GB/s raw per extract job = 34,519 tokens/s with 16
+    shard threads (config/kimi.yaml's), 1.64 GB/s with 8; fewer than 8: the 8-thread figure, said to be a bound."""
     small["engine"], small["sglang"] = "sglang", {"tp": 8, "replicas": 1}
+    small["shard"]["threads"] = 16
     kw = {"mean_tokens": 2000, "hidden_size": 7168}
     ceiling_tps = 1.98e9 / 57_360
     slow = plan(small, 1000, tokens_per_s=10_000, **kw)
@@ -129,6 +131,14 @@ def test_gpu_or_writer_bound(small: dict) -> None:
     assert "the writer: 34,519 of 100,000 tokens/s per node" in format_plan(fast)
     small["sglang"]["replicas"] = 4  # four extract jobs, four clients and shard writers per node
     assert plan(small, 1000, tokens_per_s=100_000, **kw)["bound"] == "GPU"
+    small["sglang"]["replicas"] = 1
+    for threads, bps, said in ((8, 1.64e9, "8 shard threads, a 1.2 GB/s disk"),
+                               (12, 1.64e9, "8 shard threads, a 1.2 GB/s disk"),
+                               (1, 1.64e9, "8 shard threads, a 1.2 GB/s disk; shard.threads 1 not measured: an upper "
+                                           "bound")):
+        small["shard"]["threads"] = threads
+        p = plan(small, 1000, tokens_per_s=100_000, **kw)
+        assert p["writer_ceiling_raw_bytes_per_s_per_node"] == bps and p["writer_ceiling_source"].endswith(said)
 
 
 @pytest.mark.parametrize(

@@ -104,6 +104,7 @@ def parse_jobs(text: str) -> dict:
     cur: dict | None = None
     finished: set[str] = set()
     failed: list[str] = []
+    in_flight = at_once = 0  # extract jobs started and not yet finished, in the log's order
     for line in text.splitlines():
         m = _RULE.match(line)
         if m:
@@ -121,6 +122,9 @@ def parse_jobs(text: str) -> dict:
             if j:
                 cur["jobid"] = j[1]
                 started[j[1]] = cur
+                if cur["rule"] == "extract":
+                    in_flight += 1
+                    at_once = max(at_once, in_flight)
             # a rule block is its indented lines: anything else (a blank line, a time stamp, an error block
             # whose own `jobid:` names another job) ends it
             if not line.strip() or not line[0].isspace():
@@ -128,6 +132,8 @@ def parse_jobs(text: str) -> dict:
         d = _DONE.match(line)
         if d:
             finished.add(d[1])
+            if d[1] in started and started[d[1]]["rule"] == "extract":
+                in_flight -= 1
         e = _ERROR.match(line)
         if e:
             failed.append(e[1])
@@ -141,6 +147,7 @@ def parse_jobs(text: str) -> dict:
         "finished_extract_chunks": sorted(j["chunk"] for k, j in started.items()
                                           if j["rule"] == "extract" and k in finished and j["chunk"]),
         "extract_reasons": {j["chunk"]: j.get("reason") for j in jobs if j["rule"] == "extract" and j["chunk"]},
+        "extract_at_once": at_once,  # the most extract jobs running together
         "failed_rules": failed,
         "nothing_to_do": "Nothing to be done" in text,
         "lock_error": "cannot be locked" in text.lower() or "LockException" in text,

@@ -8,6 +8,9 @@
 # kimi.yaml's share_prefixes: true (radix cache on, version-2 shards where samples share prefixes), with a second
 # source of agentic conversations (production_tools.py agentic) whose per-turn samples share them; FLAT=1 instead:
 # share_prefixes: false and data/'s conversations alone (flat shards, --disable-radix-cache).
+# REPLICAS=N: sglang.replicas N, all on GPU 0 (gpus: [0, ...]; each server takes setup.sh's 0.3 of its memory),
+# and the pool --resources gpu=N: N extract jobs at once, each driving a server of its own (step a's verdict: the
+# most extract jobs Snakemake ran together, and the replica each chunk's job said it claimed). SKIP_B=1 leaves out b.
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -125,6 +128,10 @@ else
   AGENTIC="  - {path: $M/agentic.jsonl, format: auto}"
 fi
 LAUNCH=$("$PY" -c "import json, shlex, sys; print(json.dumps(shlex.split(sys.argv[1])))" "$SGL_SMALL")
+REPLICAS=${REPLICAS:-1}
+REPLICA_KEYS=""
+[ "$REPLICAS" = 1 ] || REPLICA_KEYS="  replicas: $REPLICAS
+  gpus: [$("$PY" -c "import sys; print(', '.join(['0'] * int(sys.argv[1])))" "$REPLICAS")]"
 SOURCES=/tmp/prod-sources.yaml
 cat >"$SOURCES" <<EOF
 model: $M/kimi-k25-mini-fixed
@@ -141,11 +148,12 @@ sglang:
   tp: 1
   startup_timeout_s: 400
   launch_args: $LAUNCH
+$REPLICA_KEYS
 extract: {threads: 4, mem_mb: 8000, retries: 0}
 $FLAT_KEY
 EOF
 CFG=(--configfile config/kimi.yaml --configfile "$SOURCES")
-CMD=(snakemake --cores 8 --resources gpu=1 "${CFG[@]}")
+CMD=(snakemake --cores 8 --resources gpu=$REPLICAS "${CFG[@]}")
 RUN=results/$(awk '/^run_name:/ {print $2}' config/kimi.yaml)
 rm -rf "$RUN" "logs/${RUN#results/}" "benchmarks/${RUN#results/}" .snakemake
 cp "$SOURCES" "$OUT/sources.yaml"
@@ -260,7 +268,11 @@ if [ -n "${E_ONLY:-}" ]; then [ -z "$E_PID" ] || wait "$E_PID" || true; exit 0; 
 smk a $(( $(left) - 200 > 120 ? $(left) - 200 : 120 )) "${CMD[@]}"
 A_SHARDS=$(shards)
 N_CHUNKS=$(field "$(jobs_of a)" "d['by_rule'].get('extract', 0)")
-record a "$RC" "$SECS" "${CMD[*]}" "shards: $A_SHARDS; dataset all_valid: $(all_valid)"
+# the replica each chunk's extract job claimed (hsextract.sglang.config says it in the job's log)
+CLAIMED=$(grep -ho "^chunk [0-9]*: sglang replica [0-9]* of [0-9]*" "logs/${RUN#results/}"/extract/chunk-*.log 2>/dev/null \
+  | awk '{print $2 $5}' | sort -n | paste -sd' ' - || true)
+record a "$RC" "$SECS" "${CMD[*]}" "shards: $A_SHARDS; dataset all_valid: $(all_valid)" \
+  "extract jobs at once (most): $(field "$(jobs_of a)" "d['extract_at_once']"); chunk:replica claimed: ${CLAIMED:-none said}"
 
 # ---- report (background) and d: fidelity -------------------------------------------------------------------------
 [ -n "${SKIP_D:-}" ] || ( t=$SECONDS; set +e
@@ -296,7 +308,7 @@ else
 fi
 
 # ---- b: kill -9 in the middle of an extract, then the same command ---------------------------------------------
-if [ "$(left)" -gt 150 ] && [ -n "$A_SHARDS" ]; then
+if [ -z "${SKIP_B:-}" ] && [ "$(left)" -gt 150 ] && [ -n "$A_SHARDS" ]; then
   rm -f "$RUN"/shards/chunk-*.hss
   t=$SECONDS
   setsid "${CMD[@]}" >"$OUT/logs/b-kill.log" 2>&1 &

@@ -68,8 +68,8 @@ def check_engine(s: Settings) -> None:
             import hsextract.sglang.client  # noqa: F401 - importable is what is checked
         except ImportError as e:
             raise ConfigError(
-                f"engine: sglang is not usable in this installation ({e}); use engine: transformers "
-                f"or install the sglang extra"
+                f"engine: sglang is not usable in this installation ({e}): reinstall hsextract "
+                f"(`pip install -e .`), or use engine: transformers"
             ) from None
         from hsextract.sglang.config import configured_key
 

@@ -23,19 +23,30 @@ IDS_MASK_BYTES = 16
 BF16_BYTES = 2
 # Stored / raw of the shard codec on LLM-like bf16 activations at H = 7168, level 3, every byte of
 # the file counted (bench/README.md, codec table, "(synth)", row "ours, threads=1"). The real
-# forward at H = 1024 gave 0.6669: the synthetic figure is the larger, so the plan errs on the safe side.
+# forward at H = 1024 gave 0.6673: the synthetic figure is the larger, so the plan errs on the safe side.
 CODEC_RATIO_BF16 = 0.6965
-CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations, ours threads=1 (real H=1024: 0.6669)"
+CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations, ours threads=1 (real H=1024: 0.6673)"
 # fp8_e4m3 (one float32 scale per token and tensor), then the same codec: stored bytes over the raw bf16
 # bytes of the same samples (bench/README.md, codec table, "(synth)", row "ours, fp8_e4m3").
 CODEC_RATIO_FP8 = 0.4433
 CODEC_RATIO_FP8_SOURCE = "bench/README.md codec table: fp8_e4m3 of synthetic H=7168 activations, of raw bf16 bytes"
-# What one extract job's capture path sustains, in raw bytes per second, measured where the GPU's prefill
-# far outran it (bench/README.md, "writer ceiling": H200, hidden 7168, 4 tensors, bf16; the plugin and the
-# client alone carried 4.6 GB/s): with shards written, 16 encoder threads at level 3, fsynced to that
-# host's 1.2 GB/s disk. A node whose GPUs produce more is writer-bound. Not measured for fp8.
-WRITER_CEILING_RAW_BPS = 1.98e9
-WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, 16 shard threads, a 1.2 GB/s disk"
+# What one extract job's capture path sustains, in raw bytes per second, by the shard writer's encoder threads
+# (shard.threads), measured where the GPU's prefill far outran it (bench/README.md, "writer ceiling": H200, hidden
+# 7168, 4 tensors, bf16, level 3, fsynced to that host's 1.2 GB/s disk; the plugin and the client alone carried
+# 4.6 GB/s). A node whose GPUs produce more is writer-bound. Fewer threads than the least measured: that
+# figure, an upper bound. Not measured for fp8.
+WRITER_CEILINGS_RAW_BPS = {8: 1.64e9, 16: 1.98e9}
+WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, {threads} shard threads, a 1.2 GB/s disk"
+
+
+def writer_ceiling(threads: int) -> tuple[float, str]:
+    """The measured ceiling of one extract job with `threads` encoder threads, and where it comes from."""
+    measured = [t for t in sorted(WRITER_CEILINGS_RAW_BPS) if t <= threads] or [min(WRITER_CEILINGS_RAW_BPS)]
+    t = measured[-1]
+    source = WRITER_CEILING_SOURCE.format(threads=t)
+    if threads < t:
+        source += f"; shard.threads {threads} not measured: an upper bound"
+    return WRITER_CEILINGS_RAW_BPS[t], source
 
 
 def _tokens_per_record(summary_path: str, share_prefixes: bool) -> tuple[float, float | None]:
@@ -147,7 +158,8 @@ def plan(
 
     # extract jobs a node runs at once: one per local SGLang replica (each its own client and shard writer)
     jobs_per_node = settings.extract.sglang.replicas if settings.extract.engine == "sglang" else 1
-    ceiling = WRITER_CEILING_RAW_BPS * jobs_per_node if precision == "bf16" else None
+    per_job, ceiling_source = writer_ceiling(settings.extract.shard.threads)
+    ceiling = per_job * jobs_per_node if precision == "bf16" else None
     bound = effective = disk_bps = None
     node_hours = gpu_hours = wall_hours = None
     if tokens_per_s is not None:
@@ -190,7 +202,7 @@ def plan(
         "gpus_per_node": gpus_per_node,
         "tokens_per_s_per_node": tokens_per_s,
         "writer_ceiling_raw_bytes_per_s_per_node": ceiling,
-        "writer_ceiling_source": WRITER_CEILING_SOURCE if ceiling is not None else "not measured for fp8_e4m3",
+        "writer_ceiling_source": ceiling_source if ceiling is not None else "not measured for fp8_e4m3",
         "bound": bound,
         "effective_tokens_per_s_per_node": effective,
         "disk_write_bytes_per_s_per_node": disk_bps,
@@ -273,4 +285,5 @@ def format_plan(p: Mapping[str, Any]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_FP8", "CODEC_RATIO_SOURCE", "WRITER_CEILING_RAW_BPS", "format_plan", "plan"]
+__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_FP8", "CODEC_RATIO_SOURCE", "WRITER_CEILINGS_RAW_BPS", "format_plan",
+           "plan", "writer_ceiling"]

@@ -327,16 +327,15 @@ class _Admission:
     Flat: in input order, at most `window` prompts sent and not yet yielded (a bounded reorder buffer, as
     many samples in memory). Shared prefixes: a prompt becomes ready when its *source* is captured: the nearest
     ancestor (its parent, or above) whose own rows hold position prefix_len - 1, so whose request put the whole
-    prefix in the cache. Not the parent itself: prepare's parent of a conversation's first turn is the latest
-    sample with the same tool declaration, the previous conversation's last turn, and waiting for it would run
-    the conversations one after another. A hit m <= prefix_len still holds (docs/SHARED_PREFIX.md 5.5, with the
-    source for the parent: a sample sharing more than prefix_len tokens with the prompt comes later in the chunk,
-    and so does every node between it and its own source, which therefore shares as many: by induction none runs
-    before the prompt is captured). The lowest ready position goes first (so every family's frontier fills the
-    slots), at most `window` requests at once, and the rows held (sent or collected, not yet yielded: seq -
-    prefix_len each) at most `window` x the mean prompt length, the memory the flat window holds. The first
-    unyielded prompt is always admitted: its source, earlier, has been yielded, so the chunk always makes
-    progress."""
+    prefix in the cache. Not always the parent: one whose own rows start after prefix_len - 1 (it took them from
+    its own ancestor) put none of them there; rare since prepare's ties go to the shallower candidate. A hit
+    m <= prefix_len still holds (docs/SHARED_PREFIX.md 5.5, with the source for the parent: a sample sharing more
+    than prefix_len tokens with the prompt comes later in the chunk, and so does every node between it and its own
+    source, which therefore shares as many: by induction none runs before the prompt is captured). The lowest ready
+    position goes first (so every family's frontier fills the slots), at most `window` requests at once, and the
+    rows held (sent or collected, not yet yielded: seq - prefix_len each) at most `window` x the mean prompt
+    length, the memory the flat window holds. The first unyielded prompt is always admitted: its source, earlier,
+    has been yielded, so the chunk always makes progress."""
 
     def __init__(self, items: Sequence[Prompt], shared: bool, window: int) -> None:
         self.window, self.shared, self.head = window, shared, 0
