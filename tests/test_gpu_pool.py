@@ -42,6 +42,10 @@ def test_cluster_executor_lifts_the_default_pool_but_not_one_given_on_the_comman
 def test_replicas_run_side_by_side_on_one_machine_and_are_refused_under_a_cluster_executor() -> None:
     # two servers of tp 4: a job needs 4 GPUs, gpu=8 runs both at once, gpu=4 one at a time (said)
     assert gpu_pool.settle(4, 8, "local", True, WHY, replicas=2) == gpu_pool.Decision(8)
+    for pool, said in ((16, "gpu=16"), (None, "unbounded")):
+        assert gpu_pool.settle(4, pool, "local", True, WHY, replicas=2) == gpu_pool.Decision(pool, note=(
+            f"GPU pool {said}: more extract jobs at once than the 2 sglang replicas (4 GPUs each); the others wait "
+            "for a free one: --resources gpu=8 matches"))
     assert gpu_pool.settle(4, 4, "local", True, WHY, replicas=2) == gpu_pool.Decision(4, note=(
         "GPU pool gpu=4: 1 of the 2 sglang replicas (4 GPUs each) extract at once; --resources gpu=8 runs them all"))
     with pytest.raises(ConfigError) as e:

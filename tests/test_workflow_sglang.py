@@ -293,8 +293,8 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
 
 def test_two_local_replicas_each_drive_their_own_extract_jobs(tmp_path: Path) -> None:
     """`sglang.replicas: 2` of tp 1 on one machine: an extract job asks for one replica's GPU (the dry run's
-    resources), the pool gpu=2 runs two at once, each job claims a replica of its own (chunk i's, i % 2, when
-    free; tests/test_replica_claims.py) and says which; both (fake) servers start and serve; a pool of one GPU
+    resources), the pool gpu=2 runs two at once, each job claims a replica of its own (the lowest free one;
+    tests/test_replica_claims.py) and says which; both (fake) servers start and serve; a pool of one GPU
     runs one job at a time and the run says so. Under a cluster executor two replicas are refused
     (tests/test_gpu_pool.py)."""
     import re
@@ -328,8 +328,7 @@ def test_two_local_replicas_each_drive_their_own_extract_jobs(tmp_path: Path) ->
         assert len(said) == 1, log
         used[c] = int(said[0][0])
         assert int(said[0][1]) == port + used[c]
-    # which chunk got which depends on the order Snakemake starts them; both replicas work in any order (a job
-    # takes its own replica when free, and two jobs at once hold both)
+    # which chunk got which depends on the order Snakemake starts and ends them; two jobs at once hold both
     assert set(used.values()) == {0, 1}
     for r in (0, 1):  # each replica's server started and answered
         assert "starting:" in (state / f"replica-{r}.log").read_text()

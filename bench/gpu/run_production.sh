@@ -239,7 +239,11 @@ finish() {
   for d in "$RUN/server" "$EWD/results/tiny-default/server"; do
     [ -d "$d" ] && { "$PY" -m hsextract.sglang.server stop "$d" >/dev/null 2>&1 || true; }
   done
-  for f in "$RUN"/server/replica-*.log; do [ -f "$f" ] && tail -c 150000 "$f" >"$OUT/server-production.log"; done
+  for f in "$RUN"/server/replica-*.log; do  # one log per replica: server-production[-replica-N].log
+    [ -f "$f" ] || continue
+    r=$(basename "$f" .log); r=${r#replica-}
+    tail -c 150000 "$f" >"$OUT/server-production$([ "$r" = 0 ] || echo "-replica-$r").log"
+  done
   cp -r "logs/${RUN#results/}" "$OUT/workflow-logs" 2>/dev/null || true
   cp "$RUN/dataset.json" "$RUN/server/patched.json" "$OUT/" 2>/dev/null || true
   "$PY" - "$STEPS" "$OUT/steps.json" "$OUT/fidelity.json" "$BUDGET" "${SETUP_S:-}" <<'PYEOF' || true
@@ -265,7 +269,9 @@ trap finish EXIT
 if [ -n "${E_ONLY:-}" ]; then [ -z "$E_PID" ] || wait "$E_PID" || true; exit 0; fi
 
 # ---- a: the production command from a clean state -------------------------------------------------------------
-smk a $(( $(left) - 200 > 120 ? $(left) - 200 : 120 )) "${CMD[@]}"
+# a leaves 200 s for the steps after it, unless all of them are skipped
+RESERVE=200; [ -n "${SKIP_D:-}" ] && [ -n "${SKIP_C:-}" ] && [ -n "${SKIP_B:-}" ] && RESERVE=20
+smk a $(( $(left) - RESERVE > 120 ? $(left) - RESERVE : 120 )) "${CMD[@]}"
 A_SHARDS=$(shards)
 N_CHUNKS=$(field "$(jobs_of a)" "d['by_rule'].get('extract', 0)")
 # the replica each chunk's extract job claimed (hsextract.sglang.config says it in the job's log)

@@ -13,7 +13,7 @@ and on a cluster asks SLURM or Kubernetes for one GPU. `settle` decides, before 
   (the jobs ask for their GPUs, as with `--workflow-profile`), and a note says so;
 - the same with `--resources gpu=M` on the command line: refuse (the user asked for it);
 - `sglang.replicas` > 1 (servers side by side on one machine) under a cluster executor: refuse (there every job
-  is an allocation with one server); on the local executor, a pool that runs fewer jobs than there are
+  is an allocation with one server); on the local executor, a pool that runs fewer or more jobs than there are
   replicas: a note.
 
 Snakemake's Snakefile does not learn the executor before it parses; it is read from the command line
@@ -134,11 +134,16 @@ def settle(need: int, pool: int | None, executor: str, pool_from_command_line: b
             f"executor every extract job is an allocation of its own, with one server of sglang.tp GPUs, and the "
             f"cluster runs the jobs side by side: set sglang.replicas: 1")
     if not need or pool is None or pool >= need:
+        gpus = f"{need} GPU{'s' if need != 1 else ''}"
         if need and pool is not None and replicas > 1 and pool < whole:
-            gpus = f"{need} GPU{'s' if need != 1 else ''}"
             return Decision(pool, note=(
                 f"GPU pool gpu={pool}: {pool // need} of the {replicas} sglang replicas ({gpus} each) extract at "
                 f"once; --resources gpu={whole} runs them all"))
+        if need and replicas > 1 and (pool is None or pool > whole):
+            return Decision(pool, note=(
+                f"GPU pool {'gpu=' + str(pool) if pool is not None else 'unbounded'}: more extract jobs at once than "
+                f"the {replicas} sglang replicas ({gpus} each); the others wait for a free one: --resources "
+                f"gpu={whole} matches"))
         return Decision(pool)
     cut = (f"extract jobs need {need} GPUs each ({why}), but the run's GPU pool is gpu={pool}: Snakemake would "
            f"cut every extract job to {pool} GPU{'s' if pool != 1 else ''} without a word")

@@ -30,6 +30,7 @@ import torch
 from tqdm import tqdm
 
 from hsextract import provenance
+from hsextract.atomic import remove_temps
 from hsextract.config import plan
 from hsextract.config.model_info import read_model_shape
 from hsextract.config.settings import ExtractSettings
@@ -263,6 +264,7 @@ def check_free_space(shard_path: str | Path, need: int, how: str, chunk: int) ->
     """ShardError before any GPU time is spent when the shard's folder cannot hold the estimated shard."""
     folder = Path(shard_path).parent
     folder.mkdir(parents=True, exist_ok=True)
+    remove_temps(shard_path)  # a killed attempt's partial shard is space this attempt gets back
     free = shutil.disk_usage(folder).free
     if free < need:
         raise ShardError(

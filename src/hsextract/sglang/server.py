@@ -14,9 +14,9 @@ server orphaned by a `kill -9` of Snakemake). The server is not a DAG input.
 
 Each server gets a private dump directory (mode 0700, unpredictable name, under /dev/shm when it
 exists), removed when the server is stopped. Replicas: replica r listens on port+r and sees the GPUs
-gpus[r*tp:(r+1)*tp] through CUDA_VISIBLE_DEVICES; chunk i's job claims replica i % replicas, or another that no
-running job holds (claim_replica: extract jobs ask for tp GPUs each, so a pool of tp x replicas runs them side
-by side, one per replica). With
+gpus[r*tp:(r+1)*tp] through CUDA_VISIBLE_DEVICES; an extract job claims the lowest-numbered replica no running
+job holds (claim_replica: extract jobs ask for tp GPUs each, so a pool of tp x replicas runs them side by side,
+one per replica). With
 `server_url` nothing is started: `external_server(url, dump_dir)` wraps a server that runs elsewhere
 (on this node: the dump directory must be visible here).
 
@@ -152,10 +152,6 @@ def gpu_set(cfg: ServerConfig, replica: int) -> list[int]:
     return gpus[replica * cfg.tp : (replica + 1) * cfg.tp]
 
 
-def replica_for_chunk(chunk: int, replicas: int) -> int:
-    return chunk % replicas
-
-
 @dataclass
 class ReplicaClaim:
     """One extract job's hold on a replica: a lock on `state_dir/replica-<r>.claim` for the job's lifetime (the
@@ -170,30 +166,30 @@ class ReplicaClaim:
             self.lock = None
 
 
-def claim_replica(state_dir: str | Path, replicas: int, chunk: int,
-                  say: Callable[[str], object] = print) -> ReplicaClaim:
+def claim_replica(state_dir: str | Path, replicas: int, chunk: int, say: Callable[[str], object] = print,
+                  poll_s: float = 1.0) -> ReplicaClaim:
     """The replica a chunk's extract job uses, exclusively while it runs, so that extract jobs running at once
-    (a GPU pool of tp x replicas: up to `replicas` jobs) each drive a server of their own: the chunk's own
-    replica (chunk % replicas) if no job holds it, else the next free one, else the chunk's own once its job
-    ends. One replica needs no claim: jobs that share its server wait for nothing (the cluster case, where
-    every job is a node of its own)."""
+    (a GPU pool of tp x replicas: up to `replicas` jobs) each drive a server of their own: the lowest-numbered
+    one no running job holds (so a pool of k x tp starts replicas 0 .. k-1 only, on GPUs the pool counts), else
+    the first to come free (polled every `poll_s`). One replica needs no claim: jobs that share its server wait
+    for nothing (the cluster case, where every job is a node of its own)."""
     if replicas == 1:
         return ReplicaClaim(0, None)
     state_dir = Path(state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    own = replica_for_chunk(chunk, replicas)
-    order = [(own + k) % replicas for k in range(replicas)]
-    for r in order:
-        lock = filelock.FileLock(state_dir / f"replica-{r}.claim", thread_local=False)
-        try:
-            lock.acquire(timeout=0)
-        except filelock.Timeout:
-            continue
-        return ReplicaClaim(r, lock)
-    say(f"chunk {chunk}: all {replicas} replicas are in use by other extract jobs; waiting for replica {own}")
-    lock = filelock.FileLock(state_dir / f"replica-{own}.claim", thread_local=False)
-    lock.acquire()
-    return ReplicaClaim(own, lock)
+    locks = [filelock.FileLock(state_dir / f"replica-{r}.claim", thread_local=False) for r in range(replicas)]
+    waiting = False
+    while True:
+        for r, lock in enumerate(locks):
+            try:
+                lock.acquire(timeout=0)
+            except filelock.Timeout:
+                continue
+            return ReplicaClaim(r, lock)
+        if not waiting:
+            say(f"chunk {chunk}: all {replicas} replicas are in use by other extract jobs; waiting for one")
+            waiting = True
+        time.sleep(poll_s)
 
 
 _GRPC = ("it starts a gRPC server on sglang.host beside HTTP, which does not check the API key; the workflow "
