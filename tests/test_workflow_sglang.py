@@ -291,22 +291,28 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
     assert [f for f in written if key.encode() in f.read_bytes()] == []
 
 
-def test_two_local_replicas_each_drive_their_own_extract_jobs(tmp_path: Path) -> None:
+def test_two_local_replicas_run_two_extract_jobs_at_once(tmp_path: Path) -> None:
     """`sglang.replicas: 2` of tp 1 on one machine: an extract job asks for one replica's GPU (the dry run's
-    resources), the pool gpu=2 runs two at once, each job claims a replica of its own (the lowest free one;
-    tests/test_replica_claims.py) and says which; both (fake) servers start and serve; a pool of one GPU
-    runs one job at a time and the run says so. Under a cluster executor two replicas are refused
-    (tests/test_gpu_pool.py)."""
+    resources) and the pool gpu=2 runs two at once, each claiming a replica of its own (the lowest free one; the
+    claims: tests/test_replica_claims.py) and saying which. Shown without timing: the test holds both replicas'
+    claims when the run starts, so every extract job waits; two jobs saying so at once are two jobs running at
+    once. Released, the run finishes on the two (fake) servers it starts. A pool of one GPU runs one job at a time
+    and the run says so; under a cluster executor two replicas are refused (tests/test_gpu_pool.py)."""
+    import os
     import re
+    import subprocess
+    import time
 
     from test_server_door import fake_server_python
+    from test_workflow import snakemake_cmd
 
     from hsextract.sglang import server as hsrv
 
     port = listen_port(5)
     wrapper = fake_server_python(tmp_path)
     wd = sg_workdir(tmp_path, f"sglang: {{python: '{wrapper}', port: {port}, replicas: 2, concurrency: 4, "
-                              "timeout_s: 30, retries: 1, startup_timeout_s: 120}\n", records=12, per_chunk=3)
+                              "timeout_s: 30, retries: 1, startup_timeout_s: 120}\nextract: {threads: 1}\n",
+                    records=12, per_chunk=3)
     state = wd / "results/sg-test/server"
     state.mkdir(parents=True)
     (state / "patched.json").write_text(json.dumps({"python": str(wrapper)}))  # as build_patched_server writes it
@@ -317,20 +323,35 @@ def test_two_local_replicas_each_drive_their_own_extract_jobs(tmp_path: Path) ->
     one = smk(wd, "-n", configfiles=("config/sg.yaml",))  # profiles/default's pool: gpu=1
     assert ("GPU pool gpu=1: 1 of the 2 sglang replicas (1 GPU each) extract at once; --resources gpu=2 runs them "
             "all") in one.stderr
+    held = [hsrv.claim_replica(state, 2, chunk=-1) for _ in range(2)]
+    assert [c.replica for c in held] == [0, 1]
+    logs = wd / "logs/sg-test/extract"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1"}
+    argv = [*snakemake_cmd(), "--resources", "gpu=2", "--cores", "2", "--configfile", "config/sg.yaml"]
+    out = tmp_path / "snakemake.out"  # a file, not a pipe: nothing blocks Snakemake while the test waits
+    proc = subprocess.Popen(argv, cwd=wd, env=env, stdout=out.open("w"), stderr=subprocess.STDOUT)
     try:
-        smk(wd, "--resources", "gpu=2", configfiles=("config/sg.yaml",))
+        def waiting() -> list[str]:
+            return sorted(f.name for f in logs.glob("chunk-*.log") if "waiting for one" in f.read_text())
+
+        deadline = time.monotonic() + 600  # the event: two jobs' logs say they wait; the bound is for a hang
+        while len(waiting()) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert len(waiting()) == 2, (waiting(), proc.poll(), out.read_text()[-4000:])
+        for c in held:
+            c.release()
+        assert proc.wait(timeout=900) == 0, out.read_text()[-4000:]
     finally:
+        proc.kill()
         hsrv.stop_servers(state, grace_s=5)
     used = {}
     for c in range(4):
-        log = (wd / f"logs/sg-test/extract/chunk-{c:05d}.log").read_text()
+        log = (logs / f"chunk-{c:05d}.log").read_text()
         said = re.findall(rf"chunk {c}: sglang replica (\d) of 2 at http://127.0.0.1:(\d+)", log)
         assert len(said) == 1, log
         used[c] = int(said[0][0])
         assert int(said[0][1]) == port + used[c]
-    # which chunk got which depends on the order Snakemake starts and ends them; two jobs at once hold both
-    assert set(used.values()) == {0, 1}
-    for r in (0, 1):  # each replica's server started and answered
+    for r in set(used.values()):  # each replica a job drove was started by the workflow and served
         assert "starting:" in (state / f"replica-{r}.log").read_text()
     assert json.loads((wd / "results/sg-test/dataset.json").read_text())["all_valid"] is True
 
