@@ -156,10 +156,10 @@ def plan(
     cpj = chunks_per_job
     jobs = math.ceil(chunks / cpj)
 
-    # extract jobs a node runs at once: one per local SGLang replica (each its own client and shard writer)
-    jobs_per_node = settings.extract.sglang.replicas if settings.extract.engine == "sglang" else 1
+    # one job's ceiling, not multiplied by the local replicas' jobs running at once: it was measured against the
+    # node's disk (disk-bound at 16 threads), which they share
     per_job, ceiling_source = writer_ceiling(settings.extract.shard.threads)
-    ceiling = per_job * jobs_per_node if precision == "bf16" else None
+    ceiling = per_job if precision == "bf16" else None
     bound = effective = disk_bps = None
     node_hours = gpu_hours = wall_hours = None
     if tokens_per_s is not None:
@@ -239,7 +239,7 @@ def _bound(p: Mapping[str, Any]) -> str:
     if p["bound"] == "GPU":
         return "the GPUs: the capture path keeps up"
     return (f"the writer: {p['effective_tokens_per_s_per_node']:,.0f} of {p['tokens_per_s_per_node']:,.0f} "
-            f"tokens/s per node (hours below at that rate); more shard threads, a faster disk or more replicas")
+            f"tokens/s per node (hours below at that rate); more shard threads or a faster disk")
 
 
 def format_plan(p: Mapping[str, Any]) -> str:
