@@ -250,6 +250,18 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
         2 * tokens, tokens + distinct, round(2 * tokens / (tokens + distinct), 4))
     assert list(tables["chunks"]["stored_tokens"]) == [tokens, distinct]
     assert "<td>stored_tokens</td><td class=\"num\">1,036</td>" in table_html(tables["summary"])
+    # the codec's ratio apart from the sharing: stored bytes over the raw bytes of what is stored (ids and mask of
+    # every token, 16 B; the hidden rows of the stored tokens, 3 tensors x 128 x 2 B)
+    raw_of = [16 * tokens + 768 * tokens, 16 * tokens + 768 * distinct]
+    assert [s["bytes_raw_stored"] for s in stats] == raw_of and stats[0]["bytes_raw"] == raw_of[0]
+    size = [p.stat().st_size for p in paths]
+    assert list(tables["chunks"]["codec_ratio"]) == [round(n / r, 4) for n, r in zip(size, raw_of, strict=True)]
+    assert list(tables["chunks"]["stored_over_raw"]) == [round(n / raw_of[0], 4) for n in size]
+    assert summary["codec_ratio"] == round(sum(size) / sum(raw_of), 4)
+    older = [{k: v for k, v in s.items() if k != "bytes_raw_stored"} for s in stats]  # an earlier release's stats
+    old = aggregate(older, {})
+    assert list(old["chunks"]["codec_ratio"].isna()) == [False, True]
+    assert dict(zip(old["summary"]["metric"], old["summary"]["value"], strict=True))["codec_ratio"] is None
 
     info = shard_info(paths[1], samples=True)
     assert (info["format_version"], info["num_tokens"], info["distinct_tokens"], info["shared_samples"]) == (
@@ -258,6 +270,9 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     text = format_info(info).splitlines()
     assert "samples        5 (3 take a prefix from an earlier one)" in text
     assert f"tokens         {tokens} materialized, {distinct} distinct (stored)" in text
+    assert info["codec_ratio"] == round(size[1] / raw_of[1], 4)
+    assert (f"codec ratio    {info['codec_ratio']:.4f} (stored over the raw bytes of what is stored: each shared "
+            "prefix once)") in text
 
     reference = ShardReader(paths[0])[0]
     reports, stat_files = [], []
@@ -277,6 +292,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     counts = manifest["counts"]
     assert (counts["tokens"], counts["distinct_tokens"], counts["share_saving"]) == (
         2 * tokens, tokens + distinct, round(2 * tokens / (tokens + distinct), 4))
+    assert counts["codec_ratio"] == summary["codec_ratio"]
     assert (manifest["shard_format_version"], manifest["shard_format_versions"]) == (2, [1, 2])
     assert [(e["format_version"], e["tokens"], e["distinct_tokens"]) for e in manifest["shards"]] == [
         (1, tokens, tokens), (2, tokens, distinct)]

@@ -19,6 +19,7 @@ from hsextract.config.reruns import beside_manifest
 from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
 from hsextract.prepare.prefix_share import share_saving, stored_tokens
+from hsextract.report.stats import codec_ratio, raw_stored
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
@@ -71,6 +72,7 @@ def build_manifest(
     first_meta: dict[str, Any] | None = None
     totals = {"samples": 0, "tokens": 0, "trained_tokens": 0, "bytes_raw": 0, "bytes_stored": 0}
     distinct = 0
+    raw_of_stored = 0.0  # NaN once a chunk's is unknown (statistics of an older release)
     versions: set[int] = set()
     for shard, report_path, stats_path in zip(shards, validation, chunk_stats, strict=True):
         meta = ShardReader(shard).metadata
@@ -92,6 +94,7 @@ def build_manifest(
         for k in totals:
             totals[k] += int(stats[k])
         distinct += stored_tokens(stats)
+        raw_of_stored += raw_stored(stats)
         versions.add(int(meta["format_version"]))
         entries.append(
             {
@@ -142,7 +145,10 @@ def build_manifest(
             # each shared prefix once; share_saving: their ratio (1.0 without shared prefixes)
             "distinct_tokens": distinct,
             "share_saving": share_saving(totals["tokens"], distinct),
+            # stored bytes over the speculators v1 size (every sample whole): the codec and the shared prefixes
             "stored_over_raw": round(totals["bytes_stored"] / totals["bytes_raw"], 4) if totals["bytes_raw"] else None,
+            # stored bytes over the raw bytes of what is stored (a shared prefix once): the codec alone
+            "codec_ratio": codec_ratio(totals["bytes_stored"], raw_of_stored),
             "dropped": dropped,
             "dropped_samples": sum(dropped.values()),
         },

@@ -46,7 +46,7 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
     seq_lengths: list[int] = []
     trained_lengths: list[int] = []
     freq: Counter[int] = Counter()
-    bytes_raw = 0
+    bytes_raw = ids_mask_bytes = row_bytes = 0
     for i in range(len(reader)):
         sample = reader[i]
         ids, mask, hs = sample["input_ids"], sample["loss_mask"], sample["hidden_states"]
@@ -55,6 +55,8 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
         trained_lengths.append(int(mask.sum()))
         freq.update(ids[mask.bool()].tolist())
         bytes_raw += ids.nbytes + mask.nbytes + sum(h.nbytes for h in hs)
+        ids_mask_bytes += ids.nbytes + mask.nbytes
+        row_bytes = sum(h.element_size() * h.shape[-1] for h in hs)  # one token's hidden states, every sample's
         bins = torch.arange(seq) // position_bins
         n_bins = int(bins[-1]) + 1 if seq else 0
         if n_bins > pos_tokens.shape[0]:
@@ -86,7 +88,10 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
         "trained_tokens": int(sum(trained_lengths)),
         "seq_lengths": seq_lengths,
         "trained_lengths": trained_lengths,
-        "bytes_raw": int(bytes_raw),
+        "bytes_raw": int(bytes_raw),  # the speculators v1 size: every sample whole
+        # the same of what is stored: ids and mask of every token, hidden rows of the stored tokens only; the
+        # codec's ratio is bytes_stored over this, and stored_over_raw also holds the shared prefixes' saving
+        "bytes_raw_stored": int(ids_mask_bytes + row_bytes * reader.stored_tokens),
         "bytes_stored": Path(shard_path).stat().st_size,
         "tensors": [
             {"name": names[k], "sum_sq": float(sum_sq[k]), "count": tokens * hidden,
@@ -123,11 +128,12 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
         [
             {"chunk": c["chunk"], "samples": c["samples"], "tokens": c["tokens"],
              "stored_tokens": stored_tokens(c), "trained_tokens": c["trained_tokens"], "bytes_raw": c["bytes_raw"],
-             "bytes_stored": c["bytes_stored"]}
+             "bytes_raw_stored": raw_stored(c), "bytes_stored": c["bytes_stored"]}
             for c in chunks
         ]
     )
     per_chunk["stored_over_raw"] = (per_chunk["bytes_stored"] / per_chunk["bytes_raw"]).round(4)
+    per_chunk["codec_ratio"] = (per_chunk["bytes_stored"] / per_chunk["bytes_raw_stored"]).round(4)
 
     names = [t["name"] for t in chunks[0]["tensors"]]
     tensors = pd.DataFrame([dict(t, chunk=c["chunk"]) for c in chunks for t in c["tensors"]])
@@ -179,12 +185,26 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
         "bytes_raw": tot_raw,
         "bytes_stored": tot_stored,
         "stored_over_raw": round(tot_stored / tot_raw, 4) if tot_raw else float("nan"),
+        "codec_ratio": codec_ratio(tot_stored, per_chunk["bytes_raw_stored"].sum(skipna=False)),
         "hidden_size": hidden,
         "tensors_per_sample": len(names),
     }
     summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
     return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
             "seq_lengths": seq, "dropped": dropped}
+
+
+def raw_stored(chunk: Mapping[str, Any]) -> float:
+    """A chunk's raw bytes of what it stores (chunk_stats' bytes_raw_stored); statistics written before it hold
+    none: their bytes_raw where every token is stored (version 1), else unknown (NaN)."""
+    if "bytes_raw_stored" in chunk:
+        return int(chunk["bytes_raw_stored"])
+    return int(chunk["bytes_raw"]) if stored_tokens(chunk) == int(chunk["tokens"]) else float("nan")
+
+
+def codec_ratio(stored: float, raw_of_stored: float) -> float | None:
+    """The shard codec's ratio: stored bytes over the raw bytes of what is stored, to 4 decimals (None: unknown)."""
+    return round(float(stored) / float(raw_of_stored), 4) if raw_of_stored and raw_of_stored == raw_of_stored else None
 
 
 def write_table(df: pd.DataFrame, path: str | Path) -> None:

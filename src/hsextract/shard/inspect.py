@@ -21,6 +21,9 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
     ix = r.index
     raw = sum(ix["raw_bytes"])
     stored = Path(path).stat().st_size
+    tokens = sum(ix["seq_lens"])
+    row_bytes = (raw - 16 * tokens) // tokens if tokens else 0  # one token's hidden states, as the writer counts
+    raw_of_stored = 16 * tokens + row_bytes * r.stored_tokens
     info: dict[str, Any] = {
         "shard": str(path),
         "metadata": r.metadata,
@@ -34,6 +37,8 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
         "raw_bytes": raw,
         "stored_bytes": stored,
         "stored_over_raw": round(stored / raw, 4) if raw else None,
+        # the codec alone: over the raw bytes of what is stored (ids and mask of every token, the distinct rows)
+        "codec_ratio": round(stored / raw_of_stored, 4) if raw_of_stored else None,
         "layers": layer_info(r.metadata),
     }
     if samples:
@@ -114,6 +119,8 @@ def format_info(info: dict[str, Any]) -> str:
         f"raw bytes      {info['raw_bytes']} ({_mb(info['raw_bytes'])})",
         f"stored bytes   {info['stored_bytes']} ({_mb(info['stored_bytes'])})",
         f"stored/raw     {ratio}",
+        f"codec ratio    {'n/a' if info['codec_ratio'] is None else format(info['codec_ratio'], '.4f')} (stored "
+        "over the raw bytes of what is stored: each shared prefix once)",
     ]
     if "samples" in info:
         lines.append(f"{'index':>6}  {'seq_len':>7}  {'trained':>7}  {'parent':>6}  {'prefix':>7}  sample_id")
