@@ -517,6 +517,14 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             out.append(stop)
         return self._send(200, {"text": "", "output_ids": out, "meta_info": {"finish_reason": reason}})
 
+    def do_GET(self):  # /server_info as SGLang's: every server argument, the key included
+        srv = self.server
+        if srv.key is not None and self.headers.get("Authorization") != f"Bearer {srv.key}":
+            return self._send(401, {"error": "Unauthorized"})
+        if self.path != "/server_info" or srv.server_info is None:
+            return self._send(404, {"detail": "Not Found"})
+        return self._send(200, srv.server_info)
+
     def _send(self, code, obj):
         data = json.dumps(obj).encode()
         self.send_response(code)
@@ -533,6 +541,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
 def fake_server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
     srv.requests, srv.lock, srv.mode, srv.failed, srv.vocab, srv.key = [], threading.Lock(), "ok", False, 150, None
+    srv.server_info = {"enable_deterministic_inference": True, "api_key": None, "model_path": "/m"}
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
     yield srv
@@ -590,6 +599,35 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
     bad = SGLangGenerator(url + "/nope", regen_settings(retries=3), stop)
     with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request regen-"):
         bad.generate([[1]])
+
+
+def test_seeds_go_only_to_a_server_that_uses_them(fake_server, capsys):
+    """SGLang uses sampling_seed only with --enable-deterministic-inference: a server whose /server_info says it
+    runs without is refused before any request (with a temperature above 0 and send_seed); one that does not say
+    gets the seeds, with a warning; without seeds or sampling nothing is asked."""
+    url = f"http://127.0.0.1:{fake_server.server_address[1]}"
+    fake_server.server_info["enable_deterministic_inference"] = False
+    g = SGLangGenerator(url, regen_settings(temperature=0.7, retries=0), [5])
+    with pytest.raises(EngineError) as e:
+        g.generate([[1, 2, 3]])
+    assert str(e.value) == (
+        f"regenerate: the server at {url} ignores the per-request sampling_seed: SGLang uses it only when started "
+        "with --enable-deterministic-inference (it then samples with its pytorch backend), so regenerate.seed would "
+        "not decide what is sampled (temperature 0.7), how the server batches would. Restart the server with that "
+        "flag, or set regenerate.send_seed: false to sample without seeds")
+    assert fake_server.requests == []
+    # no seeds to send (send_seed false, or greedy): nothing asked, the requests go out without a seed
+    for s in (regen_settings(temperature=0.7, send_seed=False, retries=0), regen_settings(temperature=0.0, retries=0)):
+        (out,) = SGLangGenerator(url, s, [5]).generate([[1, 2, 3]], seeds=[11])
+        assert "sampling_seed" not in fake_server.requests[-1]["sampling_params"] and out[-1] == 5
+    # a server that does not say: the seeds go, with a warning
+    fake_server.server_info = None
+    capsys.readouterr()
+    SGLangGenerator(url, regen_settings(temperature=0.7, retries=0), [5]).generate([[1, 2, 3]], seeds=[11])
+    assert fake_server.requests[-1]["sampling_params"]["sampling_seed"] == 11
+    assert (f"WARNING: regenerate: cannot tell whether {url} uses the per-request sampling_seed (GET /server_info "
+            "was refused with HTTP 404); SGLang uses it only when started with --enable-deterministic-inference"
+            ) in capsys.readouterr().err
 
 
 def test_a_regeneration_server_with_a_key_gets_it_from_its_key_file(fake_server, tmp_path):

@@ -34,8 +34,9 @@ A conversation that ends with a user or tool message gets a generated final assi
 `complete_last_turn` is true (prompt-only datasets).
 
 Sampling is deterministic: each (sample_id, turn) gets its own seed derived from `seed`, used by a
-torch.Generator per sample (transformers) or sent as `sampling_seed` (sglang), so the same config gives the
-same file whatever the batch composition.
+torch.Generator per sample (transformers) or sent as `sampling_seed` (sglang, whose server uses it only with
+--enable-deterministic-inference: hsextract.sglang.generate checks), so the same config gives the same file
+whatever the batch composition.
 
 Files: `run_regenerate_chunk` writes chunk-NNNNN.jsonl and chunk-NNNNN.stats.json (stats first, then the
 JSONL, each to a temporary name + rename): a failed chunk leaves no JSONL and reruns alone.

@@ -15,7 +15,7 @@ import http.client
 import json
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import tenacity
@@ -67,6 +67,28 @@ class SGLangAPI:
         except (OSError, http.client.HTTPException) as e:
             return f"{type(e).__name__}: {e}"
         return None if r.status == 200 else f"HTTP {r.status}"
+
+    def server_args(self, names: Sequence[str]) -> dict[str, Any]:
+        """The values of the server arguments `names` (absent ones left out) from GET /server_info, which holds
+        all of them, the API key included: only the names asked for are kept. TransientError, RequestRefused."""
+        c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
+        try:
+            c.request("GET", f"{self.prefix}/server_info", headers=self._auth)
+            r = c.getresponse()
+            data = r.read()
+        except (OSError, http.client.HTTPException) as e:
+            raise TransientError(f"GET /server_info failed: {type(e).__name__}: {e}") from e
+        finally:
+            c.close()
+        if r.status >= 500:
+            raise TransientError(f"GET /server_info returned HTTP {r.status}")
+        if r.status != 200:
+            raise RequestRefused(f"GET /server_info was refused with HTTP {r.status}", r.status, "")
+        try:
+            out = json.loads(data)
+        except ValueError as e:
+            raise TransientError("GET /server_info returned non-JSON") from e
+        return {k: out[k] for k in names if isinstance(out, dict) and k in out}
 
     def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /generate with `payload`; the decoded JSON answer. TransientError or RequestRefused."""

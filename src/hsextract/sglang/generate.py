@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -27,6 +28,12 @@ class SGLangGenerateSettings(SamplingSettings, Protocol):
     send_seed: bool  # send `sampling_seed` (SGLang versions without it reject the request)
 
 
+# SGLang (0.5.16: sampling/sampling_batch_info.py, from_schedule_batch) uses a request's `sampling_seed` only when
+# the server runs with --enable-deterministic-inference (which also makes it sample with its pytorch backend);
+# otherwise it drops the seed without a word and what is sampled depends on how requests were batched.
+DETERMINISTIC_ARG = "enable_deterministic_inference"
+
+
 def request_id(prompt: Sequence[int], seed: int | None, k: int) -> str:
     """A rid for prompt k of a call: stable for a (prompt, seed), never one the plugin dumps."""
     return f"{RID_PREFIX}{hashlib.sha256(repr((list(prompt), seed)).encode()).hexdigest()[:16]}-{k}"
@@ -41,6 +48,7 @@ class SGLangGenerator:
         self.url = self.api.url + "/generate"  # for messages
         self.settings = settings
         self.stop_ids = list(stop_token_ids)
+        self._seeding_checked = False
 
     def sampling_params(self, seed: int | None) -> dict[str, Any]:
         s = self.settings
@@ -78,7 +86,34 @@ class SGLangGenerator:
             ids.append(matched)
         return ids
 
+    def check_seeding(self) -> None:
+        """EngineError when seeds would be sent to a server that ignores them (see DETERMINISTIC_ARG); a server
+        that does not say (no /server_info, or no such argument) gets them, with a warning."""
+        s = self.settings
+        if self._seeding_checked or not (s.send_seed and s.temperature > 0):
+            return
+        try:
+            args = self.api.server_args([DETERMINISTIC_ARG])
+        except (TransientError, RequestRefused) as e:
+            args = {}
+            why = str(e)
+        else:
+            why = f"its /server_info has no {DETERMINISTIC_ARG}"
+        if DETERMINISTIC_ARG not in args:
+            print(f"WARNING: regenerate: cannot tell whether {self.api.url} uses the per-request sampling_seed "
+                  f"({why}); SGLang uses it only when started with --enable-deterministic-inference",
+                  file=sys.stderr, flush=True)
+        elif not args[DETERMINISTIC_ARG]:
+            raise EngineError(
+                f"regenerate: the server at {self.api.url} ignores the per-request sampling_seed: SGLang uses it "
+                "only when started with --enable-deterministic-inference (it then samples with its pytorch "
+                "backend), so regenerate.seed would not decide what is sampled (temperature "
+                f"{s.temperature:g}), how the server batches would. Restart the server with that flag, or set "
+                "regenerate.send_seed: false to sample without seeds")
+        self._seeding_checked = True
+
     def generate(self, prompts: list[list[int]], seeds: list[int] | None = None) -> list[list[int]]:
+        self.check_seeding()
         seeds_ = seeds if seeds is not None else [None] * len(prompts)
         rids = [request_id(p, s, k) for k, (p, s) in enumerate(zip(prompts, seeds_, strict=True))]
         with ThreadPoolExecutor(max_workers=min(self.settings.batch_size, max(1, len(prompts)))) as pool:
