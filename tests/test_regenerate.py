@@ -306,6 +306,51 @@ def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
         run_regenerate_chunk(cfg, 3, tmp_path / "x.jsonl", tokenizer=tok, generator=base)
 
 
+def test_a_turn_that_ends_inside_its_reasoning_is_never_an_answer():
+    """Kimi's generation prompt opens <think>: a turn that reaches max_new_tokens before </think> has no answer, and
+    rendered back it would close the reasoning and end the turn where the model did neither: cut, whatever
+    drop_truncated says. One that ends there (its stop token) is stored as reasoning with an empty answer."""
+    tok = make_tok("kimi_k25")
+    conv = Conversation([{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "4"},
+                         {"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hi."}])
+    for drop in (False, True):
+        stats = RegenStats()
+        gen = Scripted(tok, ["Let me think</think>Two plus two is four.", "The weather in"], stop=[True, False])
+        (new,) = regenerate_chunk([conv], gen, regen_settings(drop_truncated=drop), tokenizer=tok, stats=stats)
+        assert new.messages == [conv.messages[0], {"role": "assistant", "reasoning_content": "Let me think",
+                                                   "content": "Two plus two is four."}, conv.messages[2]]
+        assert stats.conversations_cut == {"max_new_tokens_in_reasoning": 1} and stats.turns_hit_max_new_tokens == 1
+    (new,) = regenerate_chunk([Conversation(conv.messages[:2])], Scripted(tok, ["Let me think"]), regen_settings(),
+                              tokenizer=tok)
+    assert new.messages[1] == {"role": "assistant", "reasoning_content": "Let me think", "content": ""}
+    # truncated after its reasoning closed: an answer, kept unless drop_truncated (as any truncated turn)
+    stats = RegenStats()
+    (new,) = regenerate_chunk([Conversation(conv.messages[:2])], Scripted(tok, ["Hm</think>Two plus"], stop=False),
+                              regen_settings(), tokenizer=tok, stats=stats)
+    assert new.messages[1] == {"role": "assistant", "reasoning_content": "Hm", "content": "Two plus"}
+    assert stats.turns_hit_max_new_tokens == 1 and not stats.conversations_cut
+
+
+def test_the_regenerated_file_keeps_the_key_order_the_template_rendered(tmp_path):
+    """A template's tojson keeps a dict's key order (tool declarations, tool-call arguments): the regenerated
+    record keeps it, so prepare renders the context the target answered."""
+    tok = make_tok("kimi_k25")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"unit": "C", "city": "Paris"}}}
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"tools": tools, "messages": [
+        {"role": "user", "content": "get weather Paris"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "21"}, {"role": "assistant", "content": "It is 21 degrees."}]}])
+    cfg = from_config({**_config(src), "prompts_per_chunk": 1})
+    run_regenerate_chunk(cfg, 0, tmp_path / "out.jsonl", tokenizer=tok,
+                         generator=Scripted(tok, ["Hot.</think>It is warm."]))
+    (rec,) = _read_jsonl(tmp_path / "out.jsonl")
+    assert json.dumps(rec["tools"]) == json.dumps(tools)  # the same keys in the same order
+    assert json.dumps(rec["messages"][1]["tool_calls"][0]["function"]["arguments"]) == json.dumps(
+        call["function"]["arguments"])
+    assert rec["messages"][3]["content"] == "It is warm."
+
+
 def test_reasoning_split_tool_turns_and_cut_conversations():
     tok = make_tok("kimi_k25")
     settings = regen_settings()

@@ -64,6 +64,14 @@ if SGLANG:
     EXTRACT_GPUS = 0 if SGLANG_URLS else SETTINGS.extract.sglang.tp
 else:
     EXTRACT_GPUS = 0 if SETTINGS.extract.transformers.device == "cpu" else 1
+# GPUs of a regenerate job: the transformers engine loads the model on regenerate.device (one GPU unless the
+# CPU); sglang generates through regenerate.server_url, a server of its own, and needs none.
+REGENERATE_GPUS = (
+    0
+    if (SETTINGS.regenerate.engine or SETTINGS.extract.engine) == "sglang"
+    or SETTINGS.regenerate.device == "cpu"
+    else 1
+)
 
 
 wildcard_constraints:

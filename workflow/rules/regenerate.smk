@@ -19,6 +19,7 @@ rule regenerate_chunk:
     threads: SETTINGS.extract.threads
     resources:
         mem_mb=get_extract_mem_mb,
+        gpu=REGENERATE_GPUS,
     params:
         chunk=lambda wildcards: int(wildcards.chunk),
         settings=RERUN["regenerate_chunk"],

@@ -19,6 +19,10 @@ from hsextract.regenerate.template import end_of_turn_ids, split_candidates
 # Outcomes counted in the stats.
 EMPTY_GENERATION = "empty_generation"
 TRUNCATED = "max_new_tokens"
+# max_new_tokens reached inside the reasoning block the generation prompt opened: no answer exists, and the turn
+# rendered back would close the reasoning and end the turn where the model did neither. Cut whatever
+# drop_truncated says.
+TRUNCATED_IN_REASONING = "max_new_tokens_in_reasoning"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 
 
@@ -88,10 +92,14 @@ class Regenerator:
             return len(msgs), True
         return None
 
-    def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int],
+    def _in_reasoning(self, prompt: _Turn, text: str) -> bool:
+        """Whether the generated text is still inside the reasoning block its generation prompt opened."""
+        s = self.settings
+        return prompt.prompt_text.rstrip().endswith(s.think_start) and s.think_end not in text
+
+    def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int], text: str,
                  stats: RegenStats) -> dict[str, Any]:
-        text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        cands = split_candidates(text, self.settings)
+        cands = split_candidates(text, self.settings, in_reasoning=self._in_reasoning(prompt, text))
         want_text = prompt.prompt_text + text
         for cand in cands:
             msg = {"role": "assistant", **{k: v for k, v in cand.items() if v or k == "content"}}
@@ -152,13 +160,16 @@ class Regenerator:
                 assert msgs is not None
                 stopped = bool(out) and out[-1] in self.stop_ids
                 body = out[:-1] if stopped else list(out)
+                text = self.tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
                 stats.generated_tokens += len(out)
                 if not stopped:
                     stats.turns_hit_max_new_tokens += 1
                 reason = None
-                if not stopped and self.settings.drop_truncated:
+                if not stopped and self._in_reasoning(t, text):
+                    reason = TRUNCATED_IN_REASONING
+                elif not stopped and self.settings.drop_truncated:
                     reason = TRUNCATED
-                msg = self._message(msgs[:t.j], tools[t.conv], t, body, stats) if reason is None else None
+                msg = self._message(msgs[:t.j], tools[t.conv], t, body, text, stats) if reason is None else None
                 if msg is not None and not msg["content"].strip() and not msg.get("reasoning_content"):
                     reason = EMPTY_GENERATION
                 if reason is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, replace
 from typing import Any
@@ -16,7 +17,7 @@ from hsextract.config.settings import RegenerateSettings, Settings
 from hsextract.engines.base import Generator
 from hsextract.errors import ConfigError
 from hsextract.prepare.conversations import Conversation, MalformedRecordError, mixture, open_sources
-from hsextract.regenerate.files import record, write_chunk
+from hsextract.regenerate.files import record, stats_path, write_chunk
 from hsextract.regenerate.regenerator import RegenStats, regenerate_chunk
 from hsextract.regenerate.template import end_of_turn_ids
 
@@ -96,9 +97,17 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
             rec = {"id": entry.sample_id, "source": name, "messages": [], "malformed": bad[k]}
         else:
             rec = record(entry.sample_id, name, conv)
-        lines.append(json.dumps(rec, ensure_ascii=False, sort_keys=True) + "\n")
+        # key order as rendered: a template's tojson keeps it (tool declarations, tool-call arguments), so sorted
+        # keys would give prepare a context other than the one the target answered
+        lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
     summary = {"chunk": chunk_index, "records": len(entries), **stats.as_dict(),
                "settings": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(regen).items()
                             if k != "enabled"} | {"seed_mixture": prep.seed}}
     write_chunk(out_path, lines, summary)
+    for what, n in (("turns reached max_new_tokens (kept unless drop_truncated; those inside their reasoning cut)",
+                     stats.turns_hit_max_new_tokens),
+                    ("turns no message renders back to the generated ids (roundtrip none)", stats.roundtrip["none"])):
+        if n:
+            print(f"WARNING: regenerate chunk {chunk_index}: {n} {what}; {stats_path(out_path)}", file=sys.stderr,
+                  flush=True)
     return summary

@@ -38,8 +38,12 @@ def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | No
     return out
 
 
-def split_candidates(text: str, s: RegenerateSettings) -> list[dict[str, str]]:
-    """Messages the generated text may be rendered from, most faithful first."""
+def split_candidates(text: str, s: RegenerateSettings, in_reasoning: bool = False) -> list[dict[str, str]]:
+    """Messages the generated text may be rendered from, most faithful first. `in_reasoning`: the generation
+    prompt opened a reasoning block that the text never closed (a turn that ended there): all of it is
+    reasoning, none an answer."""
+    if in_reasoning:
+        return [{"reasoning_content": text.strip("\n"), "content": ""}, {"reasoning_content": text, "content": ""}]
     cands: list[dict[str, str]] = []
     if s.think_end in text:
         reasoning, content = text.split(s.think_end, 1)
