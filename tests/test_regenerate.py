@@ -720,6 +720,14 @@ def test_default_transformers_engine_loads_model_and_tokenizer_from_a_directory(
     assert st["turns_regenerated"] == 2 and st["settings"]["stop_token_ids"] == [tok.eos_token_id]
     with pytest.raises(ConfigError, match="`regenerate.server_url` must be set"):
         run_regenerate_chunk(from_config({**raw, "engine": "sglang"}), 2, tmp_path / "c.jsonl", tokenizer=tok)
+    # and at parse time, before any job (the workflow's checks)
+    from hsextract.config.checks import check_engine
+
+    for engines in ({"engine": "sglang"}, {"regenerate": {**raw["regenerate"], "engine": "sglang"}}):
+        with pytest.raises(ConfigError) as e:
+            check_engine(from_config({**raw, **engines}))
+        assert str(e.value) == ("config key `regenerate.server_url` must be set (http://host:port of the SGLang "
+                                "server) when regeneration runs on the sglang engine")
 
 
 def test_config_readme_gives_the_schemas_regenerate_defaults():

@@ -75,10 +75,19 @@ def check_engine(s: Settings) -> None:
 
         configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)
     regen = s.regenerate
+    if regen.enabled:
+        check_regenerate_server(regen.engine or s.extract.engine, regen.server_url)
     if regen.enabled and (regen.engine or s.extract.engine) == "sglang" and regen.api_key_file is not None:
         from hsextract.sglang.keyfile import read_key_file
 
         read_key_file(regen.api_key_file, "regenerate.api_key_file")
+
+
+def check_regenerate_server(engine: str, server_url: str | None) -> None:
+    """Regeneration on sglang talks to a server of its own (none is started for it): its url must be given."""
+    if engine == "sglang" and not server_url:
+        raise ConfigError("config key `regenerate.server_url` must be set (http://host:port of the SGLang "
+                          "server) when regeneration runs on the sglang engine")
 
 
 def check_layers(s: Settings, shape: ModelShape) -> list[int]:

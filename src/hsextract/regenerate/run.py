@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from hsextract.config import chunks
+from hsextract.config.checks import check_regenerate_server
 from hsextract.config.settings import RegenerateSettings, Settings
 from hsextract.engines.base import Generator
 from hsextract.errors import ConfigError
@@ -27,9 +28,8 @@ def make_generator(settings: Settings, regen: RegenerateSettings, tokenizer: Any
     """The generator `regen` asks for: `regenerate.engine`, or else the run's `engine`, loading `settings.extract.model`
     (transformers) or talking to `regenerate.server_url` (sglang)."""
     if (regen.engine or settings.extract.engine) == "sglang":
-        if not regen.server_url:
-            raise ConfigError("config key `regenerate.server_url` must be set (http://host:port of the SGLang "
-                              "server) when regeneration runs on the sglang engine")
+        check_regenerate_server("sglang", regen.server_url)
+        assert regen.server_url is not None
         from hsextract.sglang.generate import SGLangGenerator
         from hsextract.sglang.keyfile import read_key_file
 
