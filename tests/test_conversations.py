@@ -115,6 +115,45 @@ def test_ultrachat_parquet_jsonl_and_hf_disk_agree(tmp_path):
     assert count_records([{"path": tmp_path / "hf"}]) == 2
 
 
+def test_tables_give_back_the_tools_and_arguments_they_were_written_from(tmp_path):
+    """A column of dicts is one Arrow struct: parquet and save_to_disk give every tool-call `arguments` and every
+    tool schema the keys of all the others, null where it had none, which a template would print and prepare train
+    (`{"city": "Paris", "query": null}`). Read back, the records are the ones written: as JSONL gives them."""
+    def rec(name, args, prop):
+        return {"tools": [{"type": "function", "function": {"name": name, "parameters": {
+                    "type": "object", "properties": {prop: {"type": "string"}}}}}],
+                "messages": [{"role": "user", "content": "go"},
+                             {"role": "assistant", "content": "", "tool_calls": [
+                                 {"type": "function", "function": {"name": name, "arguments": args}}]},
+                             {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Done."}]}
+
+    rows = [rec("weather", {"city": "Paris"}, "city"), rec("search", {"query": "cats", "limit": 3}, "query")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    assert pq.read_table(tmp_path / "t.parquet").to_pylist()[0]["messages"][1]["tool_calls"][0]["function"][
+        "arguments"] == {"city": "Paris", "query": None, "limit": None}  # what Arrow makes of them
+    want = _read_all([{"path": _jsonl(tmp_path / "t.jsonl", rows)}])
+    assert [c.messages[1]["tool_calls"][0]["function"]["arguments"] for c in want] == [
+        {"city": "Paris"}, {"query": "cats", "limit": 3}]
+    got = _read_all([{"path": tmp_path / "t.parquet"}])
+    assert [(c.messages, c.tools) for c in got] == [(c.messages, c.tools) for c in want]
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hf"))
+    got = _read_all([{"path": tmp_path / "hf"}])
+    assert [(c.messages, c.tools) for c in got] == [(c.messages, c.tools) for c in want]
+
+
+def test_a_repeated_source_name_never_gives_two_sources_one_name(tmp_path):
+    paths = [_jsonl(tmp_path / f"{n}.jsonl", [OPENAI]) for n in "xyz"]
+    # a repeated name takes its index, as before, where that one is free
+    assert [s.name for s in parse_sources([{"path": paths[0], "name": "b"}, {"path": paths[1], "name": "b"}])] == [
+        "b", "b1"]
+    with pytest.raises(ConfigError) as e:
+        parse_sources([{"path": paths[0], "name": "b"}, {"path": paths[1], "name": "b2"},
+                       {"path": paths[2], "name": "b"}])
+    assert str(e.value) == ("config key `sources[2]`: its name 'b' is sources[0]'s, and 'b2', which it would get "
+                            "instead, is sources[1]'s: give the sources distinct `name`s")
+
+
 MALFORMED = [
     (b'{"messages": [}\n', "bad_json", "invalid JSON: Expecting value at column 15"),
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "non_utf8",

@@ -94,6 +94,17 @@ def test_truncation_inside_an_assistant_turn(tmp_path):
     assert row["input_ids"] == full.input_ids[:cut] and row["loss_mask"] == full.loss_mask[:cut]
     assert row["loss_mask"][-5:] == [1] * 5 and row["num_trained"] == 5
     assert summary["truncated"] == 1 and summary["dropped"] == {}
+    # a cut that leaves fewer than min_trained_tokens: dropped under its own reason, not also counted as truncated
+    with pytest.raises(ConfigError) as e:  # nothing kept: said by reason
+        run_prepare(_cfg(src, max_seq_len=cut, truncate=True, min_trained_tokens=6), tok, tmp_path / "none", 1)
+    assert str(e.value) == (
+        "prepare kept no sample of the 1 records read (dropped: truncated_untrained 1): config/README.md says what "
+        "each reason means (filters drop whatever `strict` says; a malformed record or a template's refusal stops a "
+        "strict run, naming it)")
+    # beside one that fits (23 tokens, 8 trained): kept, and the cut one counted once, as truncated_untrained
+    short = _write(tmp_path, [RECORDS[4], conv("Hi", "Yes it is.")])
+    summary = run_prepare(_cfg(short, max_seq_len=cut, truncate=True, min_trained_tokens=6), tok, tmp_path / "few", 1)
+    assert (summary["kept"], summary["truncated"], summary["dropped"]) == (1, 0, {"truncated_untrained": 1})
 
 
 def test_strict_raises_with_location_and_chunk_count_mismatch(tmp_path):
@@ -218,8 +229,9 @@ def test_every_record_dropped_is_an_error(tmp_path):
     kw = {"prompts_per_chunk": 4, "chat_template_kwargs": {"enable_thinking": False}, "strict": False}
     with pytest.raises(ConfigError) as e:
         run_prepare(_cfg(src, **kw), make_tokenizer("qwen3"), tmp_path / "out", 1)
-    assert str(e.value) == ("prepare kept no sample of the 2 records read (dropped: duplicate 1, not_prefix_stable 1); "
-                            "with strict: true it stops at the first of them, saying which record and why")
+    assert str(e.value) == ("prepare kept no sample of the 2 records read (dropped: duplicate 1, not_prefix_stable 1): "
+                            "config/README.md says what each reason means (filters drop whatever `strict` says; a "
+                            "malformed record or a template's refusal stops a strict run, naming it)")
     assert not (tmp_path / "out" / "summary.json").exists()
 
 

@@ -13,8 +13,9 @@ Outputs in `out_dir`:
   token_freq.pt         torch.save({token_id: count}) over trained tokens of kept samples (speculators format).
   summary.json          records read, samples kept (a record split into turns gives several: `split_turns`,
                         sample ids `<id>:t<message index>`), dropped by reason (`not_prefix_stable` among them),
-                        truncated, tokens, trained tokens, per source and per chunk (with `share_prefixes` also
-                        `distinct_tokens`, Σ tokens − prefix_len, and `shared_samples`, rows with a parent; absent
+                        truncated (kept samples cut to max_seq_len), tokens, trained tokens, per source and per
+                        chunk (with `share_prefixes` also `distinct_tokens`, Σ tokens − prefix_len, and
+                        `shared_samples`, rows with a parent; absent
                         without: `hsextract plan` tells the two apart by them); `masks`: the masker's
                         counters (conversations, split_conversations, samples, turns, turns_history_fallback, ...).
 Every file is written to a temporary name in `out_dir` and renamed.
@@ -61,6 +62,7 @@ SHARED_SCHEMA = SCHEMA.append(pa.field("parent", pa.int32())).append(pa.field("p
 
 TOO_LONG = "too_long"
 NO_TRAINED_TOKENS = "no_trained_tokens"
+TRUNCATED_UNTRAINED = "truncated_untrained"  # cut to max_seq_len, which left fewer than min_trained_tokens
 DUPLICATE = "duplicate"
 
 
@@ -185,17 +187,20 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             continue
         for sample in samples:  # several when the conversation is split into turns (`split_turns`)
             ids, mask = sample.input_ids, sample.loss_mask
-            if msl is not None and len(ids) > msl:
+            cut = msl is not None and len(ids) > msl
+            if cut:
                 if not cfg.truncate:
                     drop(st, TOO_LONG)
                     continue
                 ids, mask = ids[:msl], mask[:msl]
-                st["truncated"] += 1
-                total["truncated"] += 1
             n_trained = sum(mask)
             if n_trained < cfg.min_trained_tokens:
-                drop(st, NO_TRAINED_TOKENS)
+                drop(st, TRUNCATED_UNTRAINED if cut and sum(sample.loss_mask) >= cfg.min_trained_tokens
+                     else NO_TRAINED_TOKENS)
                 continue
+            if cut:  # kept samples only: a dropped one is counted once, under its reason
+                st["truncated"] += 1
+                total["truncated"] += 1
             sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
             rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
                          "num_trained": n_trained, "source": src.spec.name})
@@ -207,8 +212,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                 s["trained_tokens"] += n_trained
     if total["read"] and not total["kept"]:  # strict: false, and every record dropped: extract would run for nothing
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(total["dropped"].items()))
-        raise ConfigError(f"prepare kept no sample of the {total['read']} records read (dropped: {reasons}); with "
-                          "strict: true it stops at the first of them, saying which record and why")
+        raise ConfigError(f"prepare kept no sample of the {total['read']} records read (dropped: {reasons}): "
+                          "config/README.md says what each reason means (filters drop whatever `strict` says; a "
+                          "malformed record or a template's refusal stops a strict run, naming it)")
     close_chunk()
 
     save_token_freq(dict(freq), out / "token_freq.pt")

@@ -63,7 +63,7 @@ def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
     if not isinstance(sources, Sequence) or isinstance(sources, (str, bytes)) or not sources:
         raise ConfigError("config key `sources` must be a non-empty list of {path, format, weight, max_records}")
     specs: list[Source] = []
-    names: set[str] = set()
+    names: dict[str, int] = {}  # name -> the entry that has it
     for i, s in enumerate(sources):
         key = f"sources[{i}]"
         if isinstance(s, Source):
@@ -90,8 +90,12 @@ def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
             raise ConfigError(f"config key `{key}.max_records` must be an integer >= 0 or null, got {cap!r}")
         name = str(s.get("name") or path.name.split(".")[0] or f"source{i}")
         if name in names:
-            name = f"{name}{i}"
-        names.add(name)
+            first, name = names[name], f"{name}{i}"
+            if name in names:  # sample ids are <name>:<record>: two sources of one name would share them
+                raise ConfigError(
+                    f"config key `{key}`: its name {name[:-len(str(i))]!r} is sources[{first}]'s, and {name!r}, "
+                    f"which it would get instead, is sources[{names[name]}]'s: give the sources distinct `name`s")
+        names[name] = i
         specs.append(Source(path=str(path), format=fmt, weight=float(weight), max_records=cap, name=name,
                             split=s.get("split")))
     return specs
@@ -162,6 +166,33 @@ class _JsonListReader(Reader):
         return f"{self.path}:record {i + 1}", self.records[i]
 
 
+def _drop_nulls(x: Any) -> Any:
+    """`x` with every null-valued key of its dicts removed, at any depth."""
+    if isinstance(x, dict):
+        return {k: _drop_nulls(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_nulls(v) for v in x]
+    return x
+
+
+def table_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of a parquet or Arrow table as the record it was written from, where Arrow cannot keep it: a column
+    of dicts is one struct type, so every dict holds the keys of all the others, null where it had none. In the
+    free-form dicts a template prints whole (a row's `tools`, a tool call's `arguments`), those nulls would
+    become trained text (`{"city": "Paris", "query": null}`): dropped there. A null meant as a value cannot be
+    told apart; store such arguments as a JSON string."""
+    row = dict(row)
+    if isinstance(row.get("tools"), list):
+        row["tools"] = _drop_nulls(row["tools"])
+    for key in ("messages", "conversations"):
+        for m in row.get(key) or ():
+            for call in (m.get("tool_calls") or ()) if isinstance(m, dict) else ():
+                fn = call.get("function", call) if isinstance(call, dict) else None  # or the flat {name, arguments}
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), dict):
+                    fn["arguments"] = _drop_nulls(fn["arguments"])
+    return row
+
+
 class _TableReader(Reader):
     """Parquet file or Arrow stream files (HF save_to_disk); columnar, rows converted on access. Locations
     name each file, or `label` with the record's index over all files."""
@@ -192,7 +223,7 @@ class _TableReader(Reader):
         t = int(np.searchsorted(self._starts, i, side="right") - 1)
         if self._loaded[t] is None:
             self._loaded[t] = self._tables[t][1]()
-        row = self._loaded[t].slice(i - int(self._starts[t]), 1).to_pylist()[0]
+        row = table_row(self._loaded[t].slice(i - int(self._starts[t]), 1).to_pylist()[0])
         if self._label is not None:
             return f"{self._label}:record {i + 1}", row
         return f"{self._tables[t][0]}:record {i - int(self._starts[t]) + 1}", row
@@ -210,7 +241,7 @@ class _DatasetReader(Reader):
         return len(self._ds)
 
     def raw(self, i: int) -> tuple[str, Any]:
-        return f"{self.path}:record {i + 1}", self._ds[i].to_pylist()[0]
+        return f"{self.path}:record {i + 1}", table_row(self._ds[i].to_pylist()[0])
 
 
 def _read_arrow(p: Path) -> pa.Table:
