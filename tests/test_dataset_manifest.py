@@ -29,6 +29,22 @@ def run(tmp_path):
 
 def test_reads_every_listed_shard(run):
     assert len(open_dataset(run)) == 3
+    assert len(open_dataset(run / "dataset.json")) == 3  # its manifest names the run folder
+
+
+def test_a_shard_named_twice_is_refused_not_read_twice(run):
+    one = run / "shards" / "chunk-00001.hss"
+    with pytest.raises(ShardError) as e:
+        open_dataset([one, run / "shards" / ".." / "shards" / one.name])  # another spelling of the same file
+    assert str(e.value) == (f"the list of shards names {one.resolve()} twice (as {one} and "
+                            f"{run / 'shards' / '..' / 'shards' / one.name}): a dataset holds each shard once")
+    manifest = json.loads((run / "dataset.json").read_text())
+    manifest["shards"].append(manifest["shards"][1])
+    (run / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert str(e.value) == (f"{run / 'dataset.json'} names {one.resolve()} twice (as {one} and {one}): a dataset "
+                            "holds each shard once")
 
 
 def test_deleted_shard_is_an_error_naming_it(run):

@@ -199,6 +199,26 @@ def test_a_resumed_epoch_delivers_the_rest_in_the_same_order(shards):
     assert str(e.value) == f"start {N + 1}: must be an integer from 0 to the {N} samples an epoch of this rank holds"
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_set_epoch_reaches_persistent_workers_that_already_run(shards, context):
+    """A peek at the first sample starts the persistent workers; set_epoch after it (a resume, or epoch e) still
+    decides the next pass, and len() counts the resumed epoch once, whole epochs after it."""
+    stream = open_dataset(shards).stream(seed=5, readahead=1, batch_size=None)
+    loader = DataLoader(stream, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context, timeout=120)
+    perm = [np.random.default_rng([5, e]).permutation(N).tolist() for e in range(4)]
+    assert sample_no(next(iter(loader))) == perm[0][0]  # the peek: the workers run, their pass left unfinished
+    stream.set_epoch(1, start=3)
+    assert len(loader) == N - 3
+    assert [sample_no(s) for s in loader] == perm[1][3:]
+    assert len(loader) == N
+    assert [sample_no(s) for s in loader] == perm[2]  # the epoch after it, whole
+    stream.set_epoch(0)
+    assert [sample_no(s) for s in loader] == perm[0]
+    assert [sample_no(s) for s in loader] == perm[1]
+    del loader
+
+
 def test_ranks_must_be_named_under_torch_distributed(shards, monkeypatch):
     from hsextract import dataset
 

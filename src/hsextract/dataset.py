@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from hsextract.errors import ShardError
@@ -72,18 +73,32 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
     return ok
 
 
+def _each_once(shards: list[Path], where: str) -> list[Path]:
+    """`shards`, refused where one file comes twice (its samples would too, and an epoch would hold them twice)."""
+    seen: dict[Path, Path] = {}
+    for s in shards:
+        key = s.resolve()
+        if key in seen:
+            raise ShardError(f"{where} names {key} twice (as {seen[key]} and {s}): a dataset holds each shard once")
+        seen[key] = s
+    return shards
+
+
 def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                 verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
-    """A run's results folder (the shards its dataset.json lists; else its shards/), a folder of shards,
-    one shard, or a list of shards."""
+    """A run's results folder (the shards its dataset.json lists; else its shards/), its dataset.json, a folder
+    of shards, one shard, or a list of shards."""
     if isinstance(path, (str, os.PathLike)):
         p = Path(path)
+        if p.name == MANIFEST_NAME and p.is_file():  # the run folder's manifest: the run folder
+            p = p.parent
         if p.is_file():
             return [p]
         if not p.is_dir():
             raise ShardError(f"{p}: no such shard, run folder or shard folder")
         if (p / MANIFEST_NAME).is_file():
-            return manifest_shards(p, verify_checksums=verify_checksums, allow_missing=allow_missing)
+            return _each_once(manifest_shards(p, verify_checksums=verify_checksums, allow_missing=allow_missing),
+                              str(p / MANIFEST_NAME))
         folder = p / "shards" if (p / "shards").is_dir() else p
         shards = sorted(folder.glob(f"*{SHARD_SUFFIX}"))
         if not shards:
@@ -92,7 +107,7 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     shards = [Path(s) for s in path]
     if not shards:
         raise ShardError("open_dataset was given an empty list of shards")
-    return shards
+    return _each_once(shards, "the list of shards")
 
 
 class HiddenStateDataset(Dataset):
@@ -248,13 +263,15 @@ class SampleStream(IterableDataset):
     Epochs: each further pass over one copy of this object counts one epoch on: in this process, and in
     persistent DataLoader workers (which keep their copy). Workers that are not persistent start every epoch
     from a fresh copy, so there call `set_epoch(e)` before each epoch, as with DistributedSampler, or every
-    epoch repeats the first one's order. Resuming from a checkpoint: `set_epoch(e, start=k)` before the
-    loader's first pass (workers not yet started), k = samples of epoch e this rank's loader had delivered;
-    the pass then delivers the rest of that epoch in the same order. Memory: up to `readahead` decoded
-    samples per worker (the one being handed out included; the loader's own prefetch holds more), and up to
-    `prefetch` records per worker in the page cache, which the kernel reclaims as it needs. Use it with
-    `DataLoader(stream, batch_size=B, num_workers=...)`, B the stream's `batch_size` (None for a loader that does
-    not collate), and no `shuffle` argument."""
+    epoch repeats the first one's order. Resuming from a checkpoint: `set_epoch(e, start=k)`, k = samples of
+    epoch e this rank's loader had delivered; the next pass then delivers the rest of that epoch in the same
+    order, and the passes after it the epochs after it. `set_epoch` reaches persistent workers too, also once
+    they run (a peek at the first batch before it, say): epoch and start live in a few integers of shared
+    memory that every copy reads when a pass begins, so no copy counts on from a pass set_epoch has replaced.
+    Memory: up to `readahead` decoded samples per worker (the one being handed out included; the loader's own
+    prefetch holds more), and up to `prefetch` records per worker in the page cache, which the kernel reclaims as it
+    needs. Use it with `DataLoader(stream, batch_size=B, num_workers=...)`, B the stream's `batch_size` (None for a
+    loader that does not collate), and no `shuffle` argument."""
 
     def __init__(self, dataset: HiddenStateDataset, *, shuffle: bool, seed: int, readahead: int, prefetch: int,
                  batch_size: int | None, rank: int, world_size: int, group: str | None = None, window: int = 8,
@@ -283,15 +300,29 @@ class SampleStream(IterableDataset):
         self.group, self.window, self.cache_bytes = group, window, cache_bytes
         self._families = dataset.families() if group == "family" else None
         self.records_read = 0  # records read for the rows samples take from others, in this process's last pass
-        self.epoch = self.start = 0
-        self._passes = 0
+        # [epoch, start, generation, start taken], shared with the DataLoader's workers (forked or spawned, they
+        # get this storage, not a copy): set_epoch writes it, and a pass that finds a new generation starts
+        # counting from it; `start taken` once a pass has begun from it (len() then counts whole epochs)
+        self._state = torch.zeros(4, dtype=torch.int64).share_memory_()
+        self._generation = -1  # the generation this copy's passes count from
+        self._passes = 0  # passes of this copy since then
+
+    @property
+    def epoch(self) -> int:
+        return int(self._state[0])
+
+    @property
+    def start(self) -> int:
+        return int(self._state[1])
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        """The next pass is `epoch`, from its `start`-th sample on (this rank's order)."""
+        """The next pass is `epoch`, from its `start`-th sample on (this rank's order); the passes after it the
+        epochs after it. Reaches persistent workers, started or not."""
         if not isinstance(start, int) or not 0 <= start <= self.per_epoch:
             raise ShardError(f"start {start!r}: must be an integer from 0 to the {self.per_epoch} samples an epoch "
                              "of this rank holds")
-        self.epoch, self.start, self._passes = int(epoch), start, 0
+        self._state[0], self._state[1], self._state[3] = int(epoch), start, 0
+        self._state[2] += 1
 
     @property
     def per_epoch(self) -> int:
@@ -299,8 +330,9 @@ class SampleStream(IterableDataset):
         return len(self.dataset) // self.world_size
 
     def __len__(self) -> int:
-        """Samples this rank yields in its next pass (less than per_epoch when resumed: set_epoch's start)."""
-        return self.per_epoch - (self.start if self._passes == 0 else 0)
+        """Samples this rank yields in its next pass (less than per_epoch when resumed: set_epoch's start, until a
+        pass has begun from it)."""
+        return self.per_epoch - (self.start if not int(self._state[3]) else 0)
 
     def order(self, epoch: int) -> np.ndarray:
         """The indices this rank yields in `epoch`, in order (before the split among workers)."""
@@ -317,9 +349,13 @@ class SampleStream(IterableDataset):
         return perm[: self.per_epoch * self.world_size][self.rank::self.world_size]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        generation = int(self._state[2])
+        if generation != self._generation:  # set_epoch since this copy's last pass (or its first pass)
+            self._generation, self._passes = generation, 0
         epoch = self.epoch + self._passes
         mine = self.order(epoch)[self.start if self._passes == 0 else 0:]
         self._passes += 1
+        self._state[3] = 1
         info = get_worker_info()
         if info is not None:
             batch_no = np.arange(len(mine)) // (self.batch_size or 1)
