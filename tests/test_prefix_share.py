@@ -293,6 +293,10 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     assert (counts["tokens"], counts["distinct_tokens"], counts["share_saving"]) == (
         2 * tokens, tokens + distinct, round(2 * tokens / (tokens + distinct), 4))
     assert counts["codec_ratio"] == summary["codec_ratio"]
+    from hsextract import open_dataset
+
+    meta = open_dataset(paths).metadata  # the reader says the versions as dataset.json does
+    assert (meta["format_version"], meta["format_versions"]) == (2, [1, 2])
     assert (manifest["shard_format_version"], manifest["shard_format_versions"]) == (2, [1, 2])
     assert [(e["format_version"], e["tokens"], e["distinct_tokens"]) for e in manifest["shards"]] == [
         (1, tokens, tokens), (2, tokens, distinct)]

@@ -142,12 +142,16 @@ class HiddenStateDataset(Dataset):
 
     @property
     def metadata(self) -> dict[str, Any]:
-        """The first shard's metadata plus the dataset's shard list and size."""
+        """The first shard's metadata plus the dataset's shard list, size and shard format versions (the highest
+        as `format_version`, as dataset.json's `shard_format_version`)."""
         meta = dict(self.readers[0].metadata)
         # the aux layers as hidden_states ids whatever the shards recorded (the recorded convention kept beside)
         meta["recorded_layer_convention"] = shard_convention(meta)
         meta["aux_layers"], meta["layer_convention"] = shard_hidden_states(meta), HIDDEN_STATES
         meta.pop("chunk", None)
+        # shards of one dataset may differ in version (a chunk whose samples take no prefix is version 1)
+        meta["format_version"] = max(int(r.metadata["format_version"]) for r in self.readers)
+        meta["format_versions"] = sorted({int(r.metadata["format_version"]) for r in self.readers})
         meta["shards"] = [str(r.path) for r in self.readers]
         meta["num_samples"] = self._len
         return meta
