@@ -60,6 +60,17 @@ def test_valid_config_plans_chunks(cfg: dict) -> None:
     assert (plan.reference.num_tensors, plan.reference.hidden_size, plan.reference.seq_len) == (4, 64, 5)
 
 
+def test_a_chat_template_that_is_neither_file_nor_template(cfg: dict) -> None:
+    """A mistyped path would otherwise be rendered as the template's text (every sample without a trained token)."""
+    cfg["chat_template"] = "templates/qwen3.jinja"
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert str(e.value) == (f"chat_template: 'templates/qwen3.jinja' is no file (from {Path.cwd()}) and no Jinja "
+                            "template (it has no {{ or {%): give the template file's path, or the template's text")
+    cfg["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    check(cfg)
+
+
 def test_aux_layer_beyond_depth(cfg: dict) -> None:
     cfg["aux_layers"] = [1, 2, 6]
     with pytest.raises(ConfigError) as e:

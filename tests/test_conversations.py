@@ -142,6 +142,34 @@ def test_tables_give_back_the_tools_and_arguments_they_were_written_from(tmp_pat
     assert [(c.messages, c.tools) for c in got] == [(c.messages, c.tools) for c in want]
 
 
+def test_nothing_a_record_holds_is_dropped_without_a_word():
+    """A top-level `system` is the system message in every format (refused where another one opens the
+    messages); an empty reasoning field gives way to the next; a tool call on a non-assistant message is refused."""
+    user, answer = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+    system = {"role": "system", "content": "SYS"}
+    for rec in ({"system": "SYS", "messages": [user, answer]}, {"system": "SYS", "data": ["hi", "yo"]},
+                {"system": "SYS", "messages": [system, user, answer]}):
+        assert normalize_record(rec).messages == [system, user, answer]
+    with pytest.raises(Exception) as e:  # normalize_record's own (MalformedRecordError at a source)
+        normalize_record({"system": "other", "messages": [system, user, answer]})
+    assert e.value.reason == "wrong_type" and e.value.detail == (
+        "`system` and `messages[0]`, a system message, differ: which one the target saw is not known; keep one")
+    conv = normalize_record({"messages": [user, {**answer, "reasoning_content": "", "reasoning": "because"}]})
+    assert conv.messages[1]["reasoning_content"] == "because"
+    with pytest.raises(Exception) as e:  # normalize_record's own (MalformedRecordError at a source)
+        normalize_record({"messages": [{**user, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}, answer]})
+    assert e.value.detail == "messages[0] (user) has tool_calls: only assistant messages call tools"
+    assert normalize_record({"messages": [{**user, "tool_calls": None}, answer]}).messages == [user, answer]
+
+
+def test_split_only_where_there_are_splits(tmp_path):
+    path = _jsonl(tmp_path / "a.jsonl", [OPENAI])
+    with pytest.raises(ConfigError) as e:
+        parse_sources([{"path": path, "split": "validation"}])
+    assert str(e.value) == (f"config key `sources[0].split`: {path} is no DatasetDict (a save_to_disk folder with a "
+                            "dataset_dict.json), so a split means nothing there: remove `split`")
+
+
 def test_a_repeated_source_name_never_gives_two_sources_one_name(tmp_path):
     paths = [_jsonl(tmp_path / f"{n}.jsonl", [OPENAI]) for n in "xyz"]
     # a repeated name takes its index, as before, where that one is free

@@ -127,8 +127,11 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
 
 
 def check_tokenizer(s: Settings) -> None:
-    """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true."""
-    from hsextract.prepare.tokenizer_loading import KEY, check_tokenizer_source
+    """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true; a chat_template
+    that is a file or a template."""
+    from hsextract.prepare.tokenizer_loading import KEY, chat_template_file, check_tokenizer_source
+
+    chat_template_file(s.prepare.chat_template)
 
     source = s.extract.tokenizer_dir
     built_here = s.make_tiny_model and not s.extract.tokenizer

@@ -17,10 +17,11 @@ Record-level `tools` (function definitions) are carried in `Conversation.tools` 
 Input formats (`format:` of a source; `auto` picks per file and record):
   messages   JSONL / JSON list / parquet rows with `messages: [{role, content, ...}]` (OpenAI)
   sharegpt   rows with `conversations: [{from, value}]` (human/gpt/system/tool/function_call/observation...)
-             and an optional top-level `system` string
   ultrachat  rows with `messages` or `data`: a list of strings alternating user/assistant, or role dicts
   hf_disk    a directory written by `datasets.save_to_disk` (Dataset, or DatasetDict with `split:`), rows
              of any of the formats above
+In every format an optional top-level `system` string is the conversation's system message (refused where
+the messages open with another one).
 A malformed record is a MalformedRecordError naming its location (hsextract.prepare.sources) and reason.
 
 Mixture: source i contributes k_i = min(max_records, round(weight_i * n_i)) records, where n_i is its
@@ -184,6 +185,8 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
         calls = _tool_calls(raw["tool_calls"], where)
         if calls:
             msg["tool_calls"] = calls
+    elif raw.get("tool_calls"):  # a table's empty column (None, []) is no call
+        raise _Bad(WRONG_TYPE, f"{where} ({role}) has tool_calls: only assistant messages call tools")
     if role == "assistant":
         for key in _REASONING_KEYS:
             r = raw.get(key)
@@ -191,9 +194,9 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
                 continue
             if not isinstance(r, str):
                 raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(r).__name__}")
-            if r:
+            if r:  # an empty one (a table's column for a message without it, say) gives way to the next key
                 msg["reasoning_content"] = r
-            break
+                break
     for key in ("tool_call_id", "name"):
         v = raw.get(key)
         if v is not None:
@@ -247,16 +250,19 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
         raise _Bad(MISSING_MESSAGES, f"`{key}` is empty")
     if fmt == "sharegpt":
         msgs = [_message(m, _SHAREGPT_ROLES, "from", "value", f"{key}[{k}]") for k, m in enumerate(items)]
-        system = obj.get("system")
-        if system is not None:
-            if not isinstance(system, str):
-                raise _Bad(WRONG_TYPE, f"`system` must be a string, got {type(system).__name__}")
-            if system.strip() and msgs[0]["role"] != "system":
-                msgs.insert(0, {"role": "system", "content": system})
     elif fmt == "ultrachat" and isinstance(items[0], str):
         msgs = _alternating(items, key)
     else:
         msgs = [_message(m, _OPENAI_ROLES, "role", "content", f"{key}[{k}]") for k, m in enumerate(items)]
+    system = obj.get("system")  # a record's system prompt beside its messages, in any format
+    if system is not None:
+        if not isinstance(system, str):
+            raise _Bad(WRONG_TYPE, f"`system` must be a string, got {type(system).__name__}")
+        if system.strip() and msgs[0]["role"] != "system":
+            msgs.insert(0, {"role": "system", "content": system})
+        elif system.strip() and msgs[0]["content"] != system:
+            raise _Bad(WRONG_TYPE, f"`system` and `{key}[0]`, a system message, differ: which one the target saw "
+                                   "is not known; keep one")
     tools = obj.get("tools")
     if isinstance(tools, str):  # some datasets store the tool list as a JSON string
         try:

@@ -88,6 +88,9 @@ def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
         cap = s.get("max_records")
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
             raise ConfigError(f"config key `{key}.max_records` must be an integer >= 0 or null, got {cap!r}")
+        if s.get("split") is not None and not (path / "dataset_dict.json").is_file():
+            raise ConfigError(f"config key `{key}.split`: {path} is no DatasetDict (a save_to_disk folder with a "
+                              "dataset_dict.json), so a split means nothing there: remove `split`")
         name = str(s.get("name") or path.name.split(".")[0] or f"source{i}")
         if name in names:
             first, name = names[name], f"{name}{i}"

@@ -212,9 +212,13 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
 
 
 def chat_template_file(chat_template: str | None) -> Path | None:
-    """The file `chat_template` names, or None when it is the template text itself (or null)."""
+    """The file `chat_template` names, or None when it is the template text itself (or null). ConfigError for a
+    value that is neither: no file there, and no Jinja in it (a mistyped path would be rendered as the text)."""
     if chat_template and len(chat_template) < 4096 and Path(chat_template).is_file():
         return Path(chat_template)
+    if chat_template and "{{" not in chat_template and "{%" not in chat_template:
+        raise ConfigError(f"chat_template: {chat_template!r} is no file (from {Path.cwd()}) and no Jinja template "
+                          "(it has no {{ or {%): give the template file's path, or the template's text")
     return None
 
 
