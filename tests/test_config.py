@@ -60,6 +60,22 @@ def test_valid_config_plans_chunks(cfg: dict) -> None:
     assert (plan.reference.num_tensors, plan.reference.hidden_size, plan.reference.seq_len) == (4, 64, 5)
 
 
+def test_a_reference_of_another_dtype_than_the_shards(cfg: dict) -> None:
+    """Validation compares each shard's layout, dtype included, with the reference sample's: a float32 run against
+    a bf16 reference would fail every shard after the whole extraction; refused before it."""
+    cfg["transformers"]["dtype"] = "float32"
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert str(e.value) == (
+        "reference_sample: ref.pt holds bfloat16 hidden states, but this run's shards will hold float32 (engine "
+        "transformers, transformers.dtype), and validation would fail every one: use a reference sample of float32, "
+        "or transformers.dtype: bfloat16")
+    ref = torch.load("ref.pt", weights_only=True)
+    torch.save({**ref, "hidden_states": [t.float() for t in ref["hidden_states"]]}, "ref32.pt")
+    cfg["reference_sample"] = "ref32.pt"
+    check(cfg)
+
+
 def test_a_chat_template_that_is_neither_file_nor_template(cfg: dict) -> None:
     """A mistyped path would otherwise be rendered as the template's text (every sample without a trained token)."""
     cfg["chat_template"] = "templates/qwen3.jinja"

@@ -58,6 +58,11 @@ def test_small_config_exact(small: dict) -> None:
     assert p["node_hours"] == pytest.approx(190 / 3600, rel=1e-12)
     assert p["gpu_hours"] == pytest.approx(760 / 3600, rel=1e-12)
     assert p["wall_hours"] == pytest.approx(95 / 3600, rel=1e-12)
+    # a float32 model's shards hold 4 B a value: 16 + 4 x 64 x 4 = 1,040 B a token
+    small["transformers"]["dtype"] = "float32"
+    p = plan(small, 95, mean_tokens=100)
+    assert (p["raw_bytes_per_token"], p["dtype"]) == (1040, "float32")
+    assert "1,040 B (16 + 4 x 64 x 4)" in format_plan(p) and "4 stored tensors, float32)" in format_plan(p)
 
 
 def test_defaults_from_config(small: dict) -> None:

@@ -398,6 +398,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "chat_template": {"chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"},
     "chat_template_kwargs": {"chat_template_kwargs": {"thinking": False}},  # issue 35: it planned nothing
     "transformers.device": {"transformers.device": "auto"},
+    # the shards' dtype: the reference sample's must be it (checked at parse time)
+    "transformers.dtype": {"transformers.dtype": "float16", "reference_sample": "resources/reference/f16.pt"},
     "sglang.python": {"sglang.python": sys.executable},
     "sglang.launch_args": {"sglang.launch_args": ["--mem-fraction-static", "0.8"]},
     # the file is made (mode 0600) by the test below
@@ -511,8 +513,12 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         # a reference of the tiny model's width, for make_tiny_model: false (a real model's must match it)
         dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
         hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1
-        torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden)] * n,
+        torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden, dtype=torch.bfloat16)] * n,
                     "loss_mask": torch.ones(4, dtype=torch.int64)}, wd / "resources/reference/tiny.pt")
+        # the shipped reference in float16, for a transformers.dtype of float16 (validation compares dtypes)
+        ref = torch.load(wd / "resources/reference/speculators-v1-data_0.pt", weights_only=True)
+        torch.save({**ref, "hidden_states": [t.to(torch.float16) for t in ref["hidden_states"]]},
+                   wd / "resources/reference/f16.pt")
         leaves = _schema_leaves(schema()["properties"])
         assert set(leaves) == set(reruns.KEYS)  # tests/test_reruns.py says which differ
         base = yaml.safe_load((wd / "config/config.yaml").read_text())

@@ -115,6 +115,14 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
             f"so shards hold {want} (aux layers + final state); use a reference sample with {want} tensors "
             f"or change aux_layers"
         )
+    dtype = s.extract.activation_dtype
+    if ref.dtype != dtype:  # validation compares the shards' layout with the reference's, dtype included
+        raise ConfigError(
+            f"reference_sample: {s.validate.reference_sample} holds {ref.dtype} hidden states, but this run's "
+            f"shards will hold {dtype} (engine {s.extract.engine}"
+            f"{', transformers.dtype' if s.extract.engine == 'transformers' else ''}), and validation would fail "
+            f"every one: use a reference sample of {dtype}"
+            f"{f', or transformers.dtype: {ref.dtype}' if s.extract.engine == 'transformers' else ''}")
     # The shipped reference is Kimi-shaped and checks layout only; the workflow's own tiny model
     # is therefore not comparable by hidden size. A real model is: its reference should come
     # from a dataset of the same model.

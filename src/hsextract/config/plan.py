@@ -20,7 +20,7 @@ from hsextract.errors import ConfigError
 
 # Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
 IDS_MASK_BYTES = 16
-BF16_BYTES = 2
+VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # a hidden value, by the activations' dtype
 # Stored / raw of the shard codec on LLM-like bf16 activations at H = 7168, level 3, every byte of
 # the file counted (bench/README.md, codec table, "(synth)", row "ours, threads=1"). The real
 # forward at H = 1024 gave 0.6673: the synthetic figure is the larger, so the plan errs on the safe side.
@@ -138,7 +138,8 @@ def plan(
     n_tensors = len(settings.extract.aux_layers) + 1
     precision = settings.extract.shard.precision
     tokens = round(samples * per_record)
-    raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * BF16_BYTES
+    value_bytes = VALUE_BYTES[settings.extract.activation_dtype]
+    raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * value_bytes
     raw = tokens * raw_per_token
     materialized = None
     if materialized_per_record is not None:
@@ -176,6 +177,7 @@ def plan(
     return {
         "model": model,
         "precision": precision,
+        "dtype": settings.extract.activation_dtype,
         "samples": samples,
         "tokens_per_sample": per_record,
         "tokens_per_sample_source": token_source,
@@ -187,6 +189,7 @@ def plan(
         "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
+        "value_bytes": value_bytes,  # of one hidden value: the activations' dtype (fp8 precision: its raw bf16)
         "raw_bytes_per_token": raw_per_token,
         "raw_bytes": raw,
         "codec_ratio": ratio,
@@ -248,7 +251,7 @@ def format_plan(p: Mapping[str, Any]) -> str:
     no_gpus = no_rate if p["tokens_per_s_per_node"] is None else "- (give --gpus-per-node)"
     rows = [
         ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, "
-                  f"{p['precision']})"),
+                  f"{p['dtype'] if p['precision'] == 'bf16' else p['precision']})"),
         ("samples", f"{p['samples']:,}"),
         ("tokens per sample", f"{p['tokens_per_sample']:,.1f} ({p['tokens_per_sample_source']})"),
         ("tokens", f"{p['tokens']:,}"),
@@ -260,7 +263,8 @@ def format_plan(p: Mapping[str, Any]) -> str:
                 "--prepare-summary (prepare a sample of the sources)")]
           if p.get("share_prefixes") and p.get("materialized_tokens") is None else []),
         ("raw bytes per token",
-         f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x 2)"),
+         f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x "
+         f"{p['value_bytes']})"),
         ("raw bytes (speculators v1)" if p.get("materialized_tokens") is None
          else "raw bytes (distinct rows)", _bytes(p["raw_bytes"])),
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),

@@ -29,6 +29,7 @@ class ReferenceLayout:
     num_tensors: int
     hidden_size: int
     seq_len: int
+    dtype: str = "bfloat16"  # the hidden states' (torch's name without "torch.")
 
 
 def load(path: str | os.PathLike[str], key: str = "reference_sample") -> dict[str, Any]:
@@ -71,14 +72,17 @@ def layout(sample: Any, path: str | os.PathLike[str] = "<in memory>", key: str =
         raise bad(f"loss_mask has {mask.shape[0]} tokens, input_ids {seq}")
     if not isinstance(hs, (list, tuple)) or not hs:
         raise bad("hidden_states is not a non-empty list of tensors")
-    sizes = set()
+    sizes, dtypes = set(), set()
     for i, t in enumerate(hs):
         if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != seq or not t.is_floating_point():
             raise bad(f"hidden_states[{i}] is not a float [seq={seq}, H] tensor")
         sizes.add(t.shape[1])
+        dtypes.add(str(t.dtype).removeprefix("torch."))
     if len(sizes) != 1:
         raise bad(f"hidden_states have different hidden sizes {sorted(sizes)}")
-    return ReferenceLayout(num_tensors=len(hs), hidden_size=sizes.pop(), seq_len=seq)
+    if len(dtypes) != 1:
+        raise bad(f"hidden_states have different dtypes {sorted(dtypes)}")
+    return ReferenceLayout(num_tensors=len(hs), hidden_size=sizes.pop(), seq_len=seq, dtype=dtypes.pop())
 
 
 def read_layout(path: str | os.PathLike[str], key: str = "reference_sample") -> ReferenceLayout:

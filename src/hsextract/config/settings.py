@@ -148,6 +148,12 @@ class ExtractSettings:
     shard: ShardSettings
 
     @property
+    def activation_dtype(self) -> str:
+        """dtype of the captured hidden states (the shard's precision setting may store them as fp8): the
+        transformers engine's model dtype; SGLang serves in bfloat16."""
+        return self.transformers.dtype if self.engine == "transformers" else "bfloat16"
+
+    @property
     def tokenizer_dir(self) -> str:
         """The tokenizer's directory or hub id: `tokenizer`, else the model's."""
         return self.tokenizer or self.model

@@ -98,11 +98,6 @@ def build_engine(settings: ExtractSettings, spec: CaptureSpec, chunk: int = 0) -
     raise EngineError(f"engine: unknown engine {name!r}; use transformers or sglang")
 
 
-def model_dtype(settings: ExtractSettings) -> str:
-    """dtype of the captured activations (the shard's precision setting may store them as fp8)."""
-    return settings.transformers.dtype if settings.engine == "transformers" else "bfloat16"
-
-
 def shard_metadata(
     settings: ExtractSettings,
     engine: Engine,
@@ -120,7 +115,7 @@ def shard_metadata(
     """
     s = settings
     tok_dir = s.tokenizer_dir
-    norm, why = final_norm_metadata(s.model, model_dtype(s))
+    norm, why = final_norm_metadata(s.model, s.activation_dtype)
     if norm is None and s.final_state == "pre_norm":
         print(f"WARNING: the final norm is not recorded in the shards ({why}); an export to a post-norm "
               "consumer (specforge) will refuse this pre_norm data", file=sys.stderr, flush=True)
@@ -137,7 +132,7 @@ def shard_metadata(
         "final_state": s.final_state,
         "final_norm": norm,  # hsextract.extract.final_norm: post-norm = norm(pre-norm) at export
         "hidden_size": int(hidden_size),
-        "dtype": model_dtype(s),
+        "dtype": s.activation_dtype,
         "config_hash": s.config_hash,
         "model_hash": provenance.model_hash(s.model),
         "tokenizer_hash": provenance.tokenizer_hash(tok_dir),
@@ -246,14 +241,15 @@ def extract_chunk(
     }
 
 
-def shard_estimate(prompts: ChunkPrompts, hidden_size: int, n_tensors: int, precision: str) -> tuple[int, str]:
+def shard_estimate(prompts: ChunkPrompts, hidden_size: int, n_tensors: int, precision: str,
+                   dtype: str = "bfloat16") -> tuple[int, str]:
     """The bytes a chunk's shard will take, by `hsextract plan`'s arithmetic (hidden rows of the tokens the engine
     computes, ids and mask of every token, the codec's measured ratio), and how that was reckoned."""
     tokens = sum(len(ids) for ids in prompts.input_ids)
     computed = tokens
     if prompts.parents is not None and prompts.prefix_lens is not None:
         computed -= sum(k for p, k in zip(prompts.parents, prompts.prefix_lens, strict=True) if p >= 0)
-    per_token = plan.IDS_MASK_BYTES + n_tensors * hidden_size * plan.BF16_BYTES
+    per_token = plan.IDS_MASK_BYTES + n_tensors * hidden_size * plan.VALUE_BYTES[dtype]
     raw = computed * per_token + (tokens - computed) * plan.IDS_MASK_BYTES
     ratio = plan.CODEC_RATIO_FP8 if precision == "fp8_e4m3" else plan.CODEC_RATIO_BF16
     how = f"{computed:,} tokens computed x {per_token:,} B raw x codec ratio {ratio}, as hsextract plan reckons"
@@ -290,7 +286,8 @@ def run_extract(
     shape = read_model_shape(settings.model)
     shard = settings.shard
     if shard.check_free_space:  # before the server starts (minutes for Kimi-K2.5) and hours of prefill
-        need, how = shard_estimate(prompts, shape.hidden_size, len(spec.aux_layers) + 1, shard.precision)
+        need, how = shard_estimate(prompts, shape.hidden_size, len(spec.aux_layers) + 1, shard.precision,
+                                   settings.activation_dtype)
         check_free_space(shard_path, need, how, chunk)
     with build_engine(settings, spec, chunk) as engine:
         meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size,
