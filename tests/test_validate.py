@@ -78,9 +78,32 @@ def _break(kind):
     return ids, hs, mask
 
 
+def test_report_dir_refuses_two_shards_of_one_name(tmp_path, capsys, ref16):
+    a, b = tmp_path / "x/chunk-00000.hss", tmp_path / "s/chunk-00000.hss"
+    for p in (a, b):
+        p.parent.mkdir()
+        write_shard(p, [make_sample(6, seed=1)], vocab_size=1000)
+    code, lines, err = run_validate(capsys, "--reference", ref16, "--report-dir", tmp_path / "r", a, b)
+    assert code == 2 and lines == [] and not (tmp_path / "r").exists()
+    assert err == (f"hsextract validate: error: --report-dir: {a} and {b} would both write "
+                   f"{tmp_path / 'r' / 'chunk-00000.json'}; validate them apart\n")
+
+
+def test_a_given_vocab_size_never_widens_the_shards_own(tmp_path, ref16):
+    bad = tmp_path / "bad.hss"
+    write_shard(bad, [_break("input_ids")], vocab_size=1000)  # id 1000 in a vocabulary of 1000
+    for given in (None, 100_000, 1000):
+        report = validate_shard(bad, ref16, vocab_size=given)
+        assert not report["passed"] and report["vocab_size"] == 1000, given
+    assert validate_shard(bad, ref16, vocab_size=100_000)["notes"] == [
+        "vocab_size given 100000, the shard's 1000: ids checked against the smaller"]
+    assert not validate_shard(tmp_path / "bad.hss", ref16, vocab_size=999)["passed"]
+
+
 @pytest.mark.parametrize("kind,check,detail", [
-    ("finite", "finite", "hidden_states[2] has 2 non-finite values, first at (3, 5)"),
-    ("zero_row", "zero_row", "hidden_states[0] has 1 all-zero rows, first at token 2"),
+    # each tensor named as the statistics and dataset.json name it (its place in the sample's list, and its layer)
+    ("finite", "finite", "tensor 2 (hidden_states[3]) has 2 non-finite values, first at (3, 5)"),
+    ("zero_row", "zero_row", "tensor 0 (hidden_states[1]) has 1 all-zero rows, first at token 2"),
     ("mask_values", "loss_mask", "values [0, 1, 2], only 0 and 1 allowed"),
     ("mask_empty", "loss_mask", "no token has loss_mask 1 (nothing to train on)"),
     ("input_ids", "input_ids", "id 1000 at token 4 outside [0, 1000)"),
@@ -118,8 +141,8 @@ def test_several_failures_still_one_line_naming_the_first(tmp_path, capsys, ref1
     bad = write_shard(tmp_path / "a.hss", [make_sample(3), (ids, hs, mask), _break("finite")])
     code, lines, _ = run_validate(capsys, "--reference", ref16, bad)
     assert code == 1
-    assert lines == [f"{bad}: sample 1 (id s1): check zero_row failed: hidden_states[0] has 1 all-zero rows, "
-                     f"first at token 2 [also failed: finite, loss_mask]"]
+    assert lines == [f"{bad}: sample 1 (id s1): check zero_row failed: tensor 0 (hidden_states[1]) has 1 all-zero "
+                     "rows, first at token 2 [also failed: finite, loss_mask]"]
 
 
 def test_layout_against_the_reference(tmp_path, ref16):

@@ -21,7 +21,8 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     dest = p.add_mutually_exclusive_group()
     dest.add_argument("--report-dir", metavar="DIR", help="write DIR/<shard stem>.json per shard")
     dest.add_argument("--report", metavar="FILE", help="write the report here (one shard only)")
-    p.add_argument("--vocab-size", type=int, help="upper bound for input_ids when the shard metadata has no vocab_size")
+    p.add_argument("--vocab-size", type=int,
+                   help="upper bound for input_ids; a shard's own vocab_size is kept where it is smaller")
     p.add_argument("--same-model", action="store_true",
                    help="the reference comes from the shards' model: compare hidden sizes too")
     p.set_defaults(func=cmd_validate)
@@ -33,6 +34,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     if args.report and len(args.shards) != 1:
         raise HsxError(f"--report names one file but {len(args.shards)} shards were given; use --report-dir")
+    if args.report_dir:  # one report per shard stem: two shards of one name would overwrite each other's
+        stems: dict[str, str] = {}
+        for shard in args.shards:
+            if stems.setdefault(Path(shard).stem, shard) != shard:
+                raise HsxError(f"--report-dir: {stems[Path(shard).stem]} and {shard} would both write "
+                               f"{Path(args.report_dir) / (Path(shard).stem + '.json')}; validate them apart")
     from hsextract.progress import bar
 
     ref = reference.load(args.reference, key="--reference")

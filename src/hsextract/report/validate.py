@@ -20,6 +20,7 @@ something only when the reference was captured from the shard's own model.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from hsextract import __version__
 from hsextract.atomic import write_json_atomic
 from hsextract.config import reference as reference_sample
 from hsextract.errors import CorruptShardError, ShardError
+from hsextract.layers import shard_hidden_states
+from hsextract.report.stats import tensor_names
 from hsextract.shard import ShardReader
 
 CHECKS = ("integrity", "checksum", "layout", "seq_len", "finite", "zero_row", "loss_mask", "input_ids")
@@ -73,9 +76,15 @@ def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: 
 
 
 def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int | None = None,
-                 same_model: bool = False) -> list[tuple[str, str]]:
-    """Every failed check of one sample as (check, detail); empty when the sample is good."""
+                 same_model: bool = False, names: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """Every failed check of one sample as (check, detail); empty when the sample is good. `names`: what each
+    hidden tensor is (report.stats.tensor_names: the statistics' and dataset.json's names), so that a failure
+    names the layer as they do, not by its place in the list."""
     failed: list[tuple[str, str]] = []
+
+    def tensor(k: int) -> str:
+        return f"tensor {k} ({names[k]})" if names is not None and k < len(names) else f"hidden_states[{k}]"
+
     problem = _layout_problem(sample, layout, same_model)
     if problem:
         failed.append(("layout", problem))
@@ -94,7 +103,7 @@ def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int
         finite = torch.isfinite(h)
         if not bool(finite.all()):
             bad = (~finite).nonzero()[0].tolist()
-            failed.append(("finite", f"hidden_states[{k}] has {int((~finite).sum())} non-finite values, "
+            failed.append(("finite", f"{tensor(k)} has {int((~finite).sum())} non-finite values, "
                                      f"first at {tuple(bad)}"))
             break
     for k, h in enumerate(hidden):
@@ -103,7 +112,7 @@ def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int
         zero = (h == 0).all(dim=-1)
         if bool(zero.any()):
             rows = zero.nonzero().flatten().tolist()
-            failed.append(("zero_row", f"hidden_states[{k}] has {len(rows)} all-zero rows, first at token {rows[0]}"))
+            failed.append(("zero_row", f"{tensor(k)} has {len(rows)} all-zero rows, first at token {rows[0]}"))
             break
     values = torch.unique(mask).tolist()
     if any(v not in (0, 1) for v in values):
@@ -173,9 +182,17 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         fail("integrity", None, None, str(e))
         reader = None
     if reader is not None:
-        if vocab_size is None and reader.metadata.get("vocab_size") is not None:
-            vocab_size = int(reader.metadata["vocab_size"])
+        meta = reader.metadata
+        if meta.get("vocab_size") is not None:  # the shard's own bound; a given one only where it is smaller
+            if vocab_size is not None and int(vocab_size) != int(meta["vocab_size"]):
+                report["notes"] = [f"vocab_size given {vocab_size}, the shard's {meta['vocab_size']}: ids checked "
+                                   f"against the smaller"]
+            vocab_size = min(int(meta["vocab_size"]), int(vocab_size) if vocab_size is not None else 1 << 62)
             report["vocab_size"] = vocab_size
+        try:
+            names: list[str] | None = tensor_names(shard_hidden_states(meta), str(meta["final_state"]))
+        except (KeyError, TypeError, ValueError):
+            names = None
         ids = reader.sample_ids
         report["num_samples"] = len(reader)
         report["num_tokens"] = sum(reader.seq_lens)
@@ -187,7 +204,7 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
             except CorruptShardError as e:
                 fail("checksum", i, ids[i], e.what)
                 continue
-            for check, detail in check_sample(sample, layout, vocab_size, same_model):
+            for check, detail in check_sample(sample, layout, vocab_size, same_model, names):
                 fail(check, i, ids[i], detail)
         reader.close()
     if vocab_size is None:
