@@ -132,8 +132,9 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
             for c in chunks
         ]
     )
-    per_chunk["stored_over_raw"] = (per_chunk["bytes_stored"] / per_chunk["bytes_raw"]).round(4)
-    per_chunk["codec_ratio"] = (per_chunk["bytes_stored"] / per_chunk["bytes_raw_stored"]).round(4)
+    # an empty chunk has no ratio (NaN, as the totals), not an infinite one
+    for col, raw in (("stored_over_raw", "bytes_raw"), ("codec_ratio", "bytes_raw_stored")):
+        per_chunk[col] = (per_chunk["bytes_stored"] / per_chunk[raw].where(per_chunk[raw] > 0)).round(4)
 
     names = [t["name"] for t in chunks[0]["tensors"]]
     tensors = pd.DataFrame([dict(t, chunk=c["chunk"]) for c in chunks for t in c["tensors"]])
