@@ -27,6 +27,9 @@ prompts_per_chunk: 4
 max_seq_len: 512
 extract: {{threads: 1, mem_mb: 2000, retries: 0}}
 regenerate: {{enabled: true, max_new_tokens: 6, batch_size: 4, device: cpu}}
+# thinking off: the random tiny model never closes the <think> a thinking prompt opens, and a turn cut inside its
+# reasoning is no answer (regenerate cuts it), which would leave prepare nothing to train
+chat_template_kwargs: {{thinking: false}}
 """
 FAIL_HOOK = """\
 import os

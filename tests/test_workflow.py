@@ -397,6 +397,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "sources": {"sources": [{"path": "data/conversations.jsonl", "format": "messages", "max_records": RECORDS - 8}]},
     "chat_template": {"chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"},
     "chat_template_kwargs": {"chat_template_kwargs": {"thinking": False}},  # issue 35: it planned nothing
+    # with regenerate.enabled, regeneration then runs on sglang too: through a server of its own
+    "engine": {"engine": "sglang", "regenerate.server_url": "http://127.0.0.1:30998"},
     "transformers.device": {"transformers.device": "auto"},
     # the shards' dtype: the reference sample's must be it (checked at parse time)
     "transformers.dtype": {"transformers.dtype": "float16", "reference_sample": "resources/reference/f16.pt"},

@@ -308,7 +308,11 @@ class SampleStream(IterableDataset):
         # get this storage, not a copy): set_epoch writes it, and a pass that finds a new generation starts
         # counting from it; `start taken` once a pass has begun from it (len() then counts whole epochs)
         self._state = torch.zeros(4, dtype=torch.int64).share_memory_()
-        self._generation = -1  # the generation this copy's passes count from
+        # (epoch, start, generation) as of this copy's making: a worker's first pass belongs to the loader
+        # iterator that made the worker, whenever the worker gets to it (after a later set_epoch, under load)
+        self._made = (0, 0, 0)
+        self._generation = -1  # the generation this copy's passes count from (-1: no pass yet)
+        self._base = (0, 0)  # that generation's epoch and start
         self._passes = 0  # passes of this copy since then
 
     @property
@@ -327,6 +331,7 @@ class SampleStream(IterableDataset):
                              "of this rank holds")
         self._state[0], self._state[1], self._state[3] = int(epoch), start, 0
         self._state[2] += 1
+        self._made = (int(epoch), start, int(self._state[2]))
 
     @property
     def per_epoch(self) -> int:
@@ -353,13 +358,21 @@ class SampleStream(IterableDataset):
         return perm[: self.per_epoch * self.world_size][self.rank::self.world_size]
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        generation = int(self._state[2])
-        if generation != self._generation:  # set_epoch since this copy's last pass (or its first pass)
-            self._generation, self._passes = generation, 0
-        epoch = self.epoch + self._passes
-        mine = self.order(epoch)[self.start if self._passes == 0 else 0:]
+        # the pass's epoch is decided here, when the iterator is made, not when its first sample is asked for: a
+        # DataLoader worker makes one for a pass that may be asked for nothing until after a set_epoch (a peek's
+        # leftover request), which must not take the epoch set_epoch meant for the next pass
+        if self._generation < 0:  # this copy's first pass: the state it was made with
+            epoch, start, self._generation = self._made
+            self._base, self._passes = (epoch, start), 0
+        elif int(self._state[2]) != self._generation:  # set_epoch since this copy's last pass
+            self._generation, self._passes = int(self._state[2]), 0
+            self._base = (int(self._state[0]), int(self._state[1]))
+        epoch, start = self._base[0] + self._passes, self._base[1] if self._passes == 0 else 0
         self._passes += 1
         self._state[3] = 1
+        return self._pass(self.order(epoch)[start:])
+
+    def _pass(self, mine: np.ndarray) -> Iterator[dict[str, Any]]:
         info = get_worker_info()
         if info is not None:
             batch_no = np.arange(len(mine)) // (self.batch_size or 1)

@@ -87,3 +87,17 @@ def stored_tokens(chunk: Mapping[str, Any]) -> int:
 def share_saving(tokens: int, stored: int) -> float:
     """Materialized over stored tokens (1.0 without shared prefixes), to 4 decimals."""
     return round(tokens / stored, 4) if stored else 1.0
+
+
+def raw_stored(chunk: Mapping[str, Any]) -> float:
+    """A chunk's raw bytes of what it stores (chunk_stats' bytes_raw_stored: ids and mask of every token, hidden
+    rows of the stored ones); statistics written before it hold none: their bytes_raw where every token is stored
+    (version 1), else unknown (NaN)."""
+    if "bytes_raw_stored" in chunk:
+        return int(chunk["bytes_raw_stored"])
+    return int(chunk["bytes_raw"]) if stored_tokens(chunk) == int(chunk["tokens"]) else float("nan")
+
+
+def codec_ratio(stored: float, raw_of_stored: float) -> float | None:
+    """The shard codec's ratio: stored bytes over the raw bytes of what is stored, to 4 decimals (None: unknown)."""
+    return round(float(stored) / float(raw_of_stored), 4) if raw_of_stored and raw_of_stored == raw_of_stored else None

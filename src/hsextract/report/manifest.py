@@ -18,8 +18,7 @@ from hsextract import layers, provenance
 from hsextract.config.reruns import beside_manifest
 from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
-from hsextract.prepare.prefix_share import share_saving, stored_tokens
-from hsextract.report.stats import codec_ratio, raw_stored
+from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1

@@ -18,7 +18,7 @@ import torch
 
 from hsextract.atomic import write_atomic
 from hsextract.layers import HIDDEN_STATES, shard_hidden_states
-from hsextract.prepare.prefix_share import share_saving, stored_tokens
+from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
 
 SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
 
@@ -193,19 +193,6 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
     summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
     return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
             "seq_lengths": seq, "dropped": dropped}
-
-
-def raw_stored(chunk: Mapping[str, Any]) -> float:
-    """A chunk's raw bytes of what it stores (chunk_stats' bytes_raw_stored); statistics written before it hold
-    none: their bytes_raw where every token is stored (version 1), else unknown (NaN)."""
-    if "bytes_raw_stored" in chunk:
-        return int(chunk["bytes_raw_stored"])
-    return int(chunk["bytes_raw"]) if stored_tokens(chunk) == int(chunk["tokens"]) else float("nan")
-
-
-def codec_ratio(stored: float, raw_of_stored: float) -> float | None:
-    """The shard codec's ratio: stored bytes over the raw bytes of what is stored, to 4 decimals (None: unknown)."""
-    return round(float(stored) / float(raw_of_stored), 4) if raw_of_stored and raw_of_stored == raw_of_stored else None
 
 
 def write_table(df: pd.DataFrame, path: str | Path) -> None:
