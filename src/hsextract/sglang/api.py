@@ -68,50 +68,41 @@ class SGLangAPI:
             return f"{type(e).__name__}: {e}"
         return None if r.status == 200 else f"HTTP {r.status}"
 
-    def server_args(self, names: Sequence[str]) -> dict[str, Any]:
-        """The values of the server arguments `names` (absent ones left out) from GET /server_info, which holds
-        all of them, the API key included: only the names asked for are kept. TransientError, RequestRefused."""
+    def _json(self, method: str, path: str, body: str | None = None, echo: bool = True) -> tuple[Any, str]:
+        """The decoded JSON answer of one request, and its first 300 characters. TransientError (no connection,
+        5xx, not JSON) or RequestRefused (any other status). `echo`: quote the answer in errors (not one that may
+        hold the key)."""
+        what = f"{method} {path}"
+        headers = {**({"Content-Type": "application/json"} if body is not None else {}), **self._auth}
         c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:
-            c.request("GET", f"{self.prefix}/server_info", headers=self._auth)
+            c.request(method, f"{self.prefix}{path}", body=body, headers=headers)
             r = c.getresponse()
             data = r.read()
         except (OSError, http.client.HTTPException) as e:
-            raise TransientError(f"GET /server_info failed: {type(e).__name__}: {e}") from e
+            raise TransientError(f"{what} failed: {type(e).__name__}: {e}") from e
         finally:
             c.close()
+        text = data[:300].decode(errors="replace") if echo else ""
+        said = f": {text}" if echo else ""
         if r.status >= 500:
-            raise TransientError(f"GET /server_info returned HTTP {r.status}")
+            raise TransientError(f"{what} returned HTTP {r.status}{said}")
         if r.status != 200:
-            raise RequestRefused(f"GET /server_info was refused with HTTP {r.status}", r.status, "")
+            raise RequestRefused(f"{what} was refused with HTTP {r.status}{said}", r.status, text)
         try:
-            out = json.loads(data)
+            return json.loads(data), text
         except ValueError as e:
-            raise TransientError("GET /server_info returned non-JSON") from e
+            raise TransientError(f"{what} returned non-JSON{said}") from e
+
+    def server_args(self, names: Sequence[str]) -> dict[str, Any]:
+        """The values of the server arguments `names` (absent ones left out) from GET /server_info, which holds
+        all of them, the API key included: only the names asked for are kept, and no error quotes it."""
+        out, _ = self._json("GET", "/server_info", echo=False)
         return {k: out[k] for k in names if isinstance(out, dict) and k in out}
 
     def generate(self, payload: dict[str, Any]) -> dict[str, Any]:
         """POST /generate with `payload`; the decoded JSON answer. TransientError or RequestRefused."""
-        body = json.dumps(payload)
-        c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
-        try:
-            c.request("POST", f"{self.prefix}/generate", body=body,
-                      headers={"Content-Type": "application/json", **self._auth})
-            r = c.getresponse()
-            data = r.read()
-        except (OSError, http.client.HTTPException) as e:
-            raise TransientError(f"POST /generate failed: {type(e).__name__}: {e}") from e
-        finally:
-            c.close()
-        text = data[:300].decode(errors="replace")
-        if r.status >= 500:
-            raise TransientError(f"POST /generate returned HTTP {r.status}: {text}")
-        if r.status != 200:
-            raise RequestRefused(f"POST /generate was refused with HTTP {r.status}: {text}", r.status, text)
-        try:
-            out = json.loads(data)
-        except ValueError as e:
-            raise TransientError(f"POST /generate returned non-JSON: {text}") from e
+        out, text = self._json("POST", "/generate", json.dumps(payload))
         if not isinstance(out, dict):
             raise TransientError(f"POST /generate returned JSON that is not an object: {text}")
         return out
