@@ -270,8 +270,9 @@ class SampleStream(IterableDataset):
     epoch repeats the first one's order. Resuming from a checkpoint: `set_epoch(e, start=k)`, k = samples of
     epoch e this rank's loader had delivered; the next pass then delivers the rest of that epoch in the same
     order, and the passes after it the epochs after it. `set_epoch` reaches persistent workers too, also once
-    they run (a peek at the first batch before it, say): epoch and start live in a few integers of shared
-    memory that every copy reads when a pass begins, so no copy counts on from a pass set_epoch has replaced.
+    they run (a peek at the first batch before it, say): a worker's first pass is the one of the loader iterator
+    that made it, and each later one reads epoch and start from a few integers of shared memory, so no copy
+    counts on from a pass set_epoch has replaced.
     Memory: up to `readahead` decoded samples per worker (the one being handed out included; the loader's own
     prefetch holds more), and up to `prefetch` records per worker in the page cache, which the kernel reclaims as it
     needs. Use it with `DataLoader(stream, batch_size=B, num_workers=...)`, B the stream's `batch_size` (None for a
