@@ -79,7 +79,8 @@ def test_summary_says_where_the_time_went(tmp_path: Path) -> None:
     s = extract_chunk(prompts(4), tmp_path / "c.hss", SlowEngine(), META, progress=False)
     assert 0.8 <= s["engine_wait_s"] <= s["seconds"]
     assert s["shard_add_s"] + s["shard_close_s"] < 0.5 < s["engine_wait_s"] - 0.3
-    assert s["engine_wait_s"] + s["shard_add_s"] + s["shard_close_s"] <= s["seconds"]
+    # each figure is rounded to the millisecond on its own: their sum may pass the rounded total by 1.5 ms
+    assert s["engine_wait_s"] + s["shard_add_s"] + s["shard_close_s"] <= s["seconds"] + 0.0015
 
 
 def _reference(tmp_path: Path) -> Path:
