@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from hsextract.config.chunks import count as count_chunks
 from hsextract.config.model_info import ModelInfoError, local_hidden_size
@@ -47,6 +47,28 @@ def writer_ceiling(threads: int) -> tuple[float, str]:
     if threads < t:
         source += f"; shard.threads {threads} not measured: an upper bound"
     return WRITER_CEILINGS_RAW_BPS[t], source
+
+
+class ShardBytes(NamedTuple):
+    raw_per_token: int  # of a computed token: its hidden rows, ids and mask
+    raw: int
+    ratio: float
+    ratio_source: str
+    stored: int
+
+
+def shard_bytes(computed: int, materialized: int, n_tensors: int, hidden_size: int, dtype: str,
+                precision: str) -> ShardBytes:
+    """Raw and stored bytes of shards holding `computed` tokens' hidden rows and `materialized` tokens' ids and
+    masks (share_prefixes: each sample whole; else the same count), by the codec's measured ratio."""
+    raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * VALUE_BYTES[dtype]
+    raw = computed * raw_per_token + (materialized - computed) * IDS_MASK_BYTES
+    if precision == "fp8_e4m3":
+        ratio, source = CODEC_RATIO_FP8, CODEC_RATIO_FP8_SOURCE
+    else:
+        ratio, source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
+    # exact: no float rounding up a whole byte
+    return ShardBytes(raw_per_token, raw, ratio, source, math.ceil(raw * Fraction(str(ratio))))
 
 
 def _tokens_per_record(summary_path: str, share_prefixes: bool) -> tuple[float, float | None]:
@@ -138,19 +160,13 @@ def plan(
     n_tensors = len(settings.extract.aux_layers) + 1
     precision = settings.extract.shard.precision
     tokens = round(samples * per_record)
-    value_bytes = VALUE_BYTES[settings.extract.activation_dtype]
-    raw_per_token = IDS_MASK_BYTES + n_tensors * hidden_size * value_bytes
-    raw = tokens * raw_per_token
     materialized = None
     if materialized_per_record is not None:
         # share_prefixes: hidden rows of the distinct tokens; input_ids and loss_mask of every sample whole
         materialized = round(samples * materialized_per_record)
-        raw += (materialized - tokens) * IDS_MASK_BYTES
-    if precision == "fp8_e4m3":
-        ratio, ratio_source = CODEC_RATIO_FP8, CODEC_RATIO_FP8_SOURCE
-    else:
-        ratio, ratio_source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
-    stored = math.ceil(raw * Fraction(str(ratio)))  # exact: no float rounding up a whole byte
+    raw_per_token, raw, ratio, ratio_source, stored = shard_bytes(
+        tokens, tokens if materialized is None else materialized, n_tensors, hidden_size,
+        settings.extract.activation_dtype, precision)
 
     ppc = settings.prepare.prompts_per_chunk
     chunks = count_chunks(samples, ppc)
@@ -189,7 +205,8 @@ def plan(
         "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
-        "value_bytes": value_bytes,  # of one hidden value: the activations' dtype (fp8 precision: its raw bf16)
+        # of one hidden value: the activations' dtype (fp8 precision: its raw bf16)
+        "value_bytes": VALUE_BYTES[settings.extract.activation_dtype],
         "raw_bytes_per_token": raw_per_token,
         "raw_bytes": raw,
         "codec_ratio": ratio,
@@ -290,4 +307,4 @@ def format_plan(p: Mapping[str, Any]) -> str:
 
 
 __all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_FP8", "CODEC_RATIO_SOURCE", "WRITER_CEILINGS_RAW_BPS", "format_plan",
-           "plan", "writer_ceiling"]
+           "plan", "shard_bytes", "writer_ceiling"]

@@ -15,13 +15,11 @@ whole.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -249,11 +247,9 @@ def shard_estimate(prompts: ChunkPrompts, hidden_size: int, n_tensors: int, prec
     computed = tokens
     if prompts.parents is not None and prompts.prefix_lens is not None:
         computed -= sum(k for p, k in zip(prompts.parents, prompts.prefix_lens, strict=True) if p >= 0)
-    per_token = plan.IDS_MASK_BYTES + n_tensors * hidden_size * plan.VALUE_BYTES[dtype]
-    raw = computed * per_token + (tokens - computed) * plan.IDS_MASK_BYTES
-    ratio = plan.CODEC_RATIO_FP8 if precision == "fp8_e4m3" else plan.CODEC_RATIO_BF16
-    how = f"{computed:,} tokens computed x {per_token:,} B raw x codec ratio {ratio}, as hsextract plan reckons"
-    return math.ceil(raw * Fraction(str(ratio))), how
+    b = plan.shard_bytes(computed, tokens, n_tensors, hidden_size, dtype, precision)
+    how = f"{computed:,} tokens computed x {b.raw_per_token:,} B raw x codec ratio {b.ratio}, as hsextract plan reckons"
+    return b.stored, how
 
 
 def check_free_space(shard_path: str | Path, need: int, how: str, chunk: int) -> None:
