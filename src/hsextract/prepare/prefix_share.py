@@ -10,6 +10,7 @@ only propose a candidate, never make a reference. Time and memory are linear in 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,4 +101,6 @@ def raw_stored(chunk: Mapping[str, Any]) -> float:
 
 def codec_ratio(stored: float, raw_of_stored: float) -> float | None:
     """The shard codec's ratio: stored bytes over the raw bytes of what is stored, to 4 decimals (None: unknown)."""
-    return round(float(stored) / float(raw_of_stored), 4) if raw_of_stored and raw_of_stored == raw_of_stored else None
+    if not raw_of_stored or math.isnan(raw_of_stored):  # a sum with a chunk that does not say (NaN): unknown
+        return None
+    return round(float(stored) / float(raw_of_stored), 4)

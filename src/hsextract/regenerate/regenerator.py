@@ -98,8 +98,8 @@ class Regenerator:
         return prompt.prompt_text.rstrip().endswith(s.think_start) and s.think_end not in text
 
     def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int], text: str,
-                 stats: RegenStats) -> dict[str, Any]:
-        cands = split_candidates(text, self.settings, in_reasoning=self._in_reasoning(prompt, text))
+                 in_reasoning: bool, stats: RegenStats) -> dict[str, Any]:
+        cands = split_candidates(text, self.settings, in_reasoning=in_reasoning)
         want_text = prompt.prompt_text + text
         for cand in cands:
             msg = {"role": "assistant", **{k: v for k, v in cand.items() if v or k == "content"}}
@@ -165,11 +165,13 @@ class Regenerator:
                 if not stopped:
                     stats.turns_hit_max_new_tokens += 1
                 reason = None
-                if not stopped and self._in_reasoning(t, text):
+                in_reasoning = self._in_reasoning(t, text)
+                if not stopped and in_reasoning:
                     reason = TRUNCATED_IN_REASONING
                 elif not stopped and self.settings.drop_truncated:
                     reason = TRUNCATED
-                msg = self._message(msgs[:t.j], tools[t.conv], t, body, text, stats) if reason is None else None
+                msg = None if reason is not None else self._message(
+                    msgs[:t.j], tools[t.conv], t, body, text, in_reasoning, stats)
                 if msg is not None and not msg["content"].strip() and not msg.get("reasoning_content"):
                     reason = EMPTY_GENERATION
                 if reason is not None:
