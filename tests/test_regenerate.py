@@ -465,6 +465,34 @@ def test_malformed_records_lenient_keep_one_line_each(tmp_path):
     assert not (tmp_path / "s.jsonl").exists()
 
 
+def test_a_record_the_template_refuses_is_counted_as_prepare_counts_it(tmp_path):
+    """gemma3's template refuses roles that do not alternate: prepare drops such a record (strict: false) and
+    names it (strict); regeneration of the same chunk does the same instead of failing the chunk."""
+    tok = make_tokenizer("gemma3")
+    src = tmp_path / "in.jsonl"
+    good = {"messages": [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "hi"}]}
+    bad = {"messages": [{"role": "user", "content": "Hello"}, {"role": "user", "content": "there"},
+                        {"role": "assistant", "content": "hi"}]}
+    src.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    cfg = {"sources": [{"path": str(src), "name": "d"}], "prompts_per_chunk": 8, "strict": False,
+           "regenerate": {"enabled": True}}
+    prepared = run_prepare(from_config(cfg).prepare, tok, tmp_path / "p", 1)
+    assert (prepared["kept"], dict(prepared["dropped"])) == (1, {"template_error": 1})
+
+    st = run_regenerate_chunk(from_config(cfg), 0, tmp_path / "c.jsonl", tokenizer=tok,
+                              generator=Scripted(tok, ["fine"]))
+    recs = {r["id"]: r for r in _read_jsonl(tmp_path / "c.jsonl")}
+    assert recs["d:1"] == {"id": "d:1", "source": "d", "messages": [], "malformed": "template_error"}
+    assert recs["d:0"]["messages"][1] == {"role": "assistant", "content": "fine"}
+    assert st["refused"] == {"template_error": 1} and st["turns_regenerated"] == 1
+
+    with pytest.raises(ConfigError, match=r"in\.jsonl:2: regenerate: the context of messages\[2\]: the chat "
+                                          r"template refused it: Conversation roles must alternate"):
+        run_regenerate_chunk(from_config({**cfg, "strict": True}), 0, tmp_path / "s.jsonl", tokenizer=tok,
+                             generator=Scripted(tok, ["fine"]))
+    assert not (tmp_path / "s.jsonl").exists()
+
+
 def test_settings_defaults_and_stop_tokens_fill():
     s = regen_settings()
     assert (s.enabled, s.engine, s.temperature, s.top_p, s.top_k, s.max_new_tokens, s.seed, s.batch_size) == \

@@ -19,7 +19,7 @@ from hsextract.engines.base import Generator
 from hsextract.errors import ConfigError
 from hsextract.prepare.conversations import Conversation, MalformedRecordError, mixture, open_sources
 from hsextract.regenerate.files import record, stats_path, write_chunk
-from hsextract.regenerate.regenerator import RegenStats, regenerate_chunk
+from hsextract.regenerate.regenerator import Regenerator, RegenStats
 from hsextract.regenerate.template import end_of_turn_ids
 
 
@@ -76,19 +76,23 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
     entries = [order[k] for k in chunks.records(chunk_index, ppc, len(order))]
     stats = RegenStats()
     convs: list[Conversation | None] = []
+    locations: list[str] = []
     bad: dict[int, str] = {}
     for k, entry in enumerate(entries):
         try:
-            _, conv = sources[entry.source].read(entry.index)
+            location, conv = sources[entry.source].read(entry.index)
         except MalformedRecordError as e:
             if prep.strict:
                 raise
             stats.malformed[e.reason] += 1
             bad[k] = e.reason
-            conv = None
+            location, conv = e.location, None
         convs.append(conv)
-    out = regenerate_chunk(convs, gen, regen, tokenizer=tok, chat_template_kwargs=kwargs,
-                           sample_ids=[e.sample_id for e in entries], stats=stats)
+        locations.append(location)
+    regenerator = Regenerator(tok, gen, regen, kwargs)
+    out = regenerator.regenerate(convs, [e.sample_id for e in entries], stats, strict=prep.strict,
+                                 locations=locations)
+    bad |= regenerator.refusals
 
     lines = []
     for k, (entry, conv) in enumerate(zip(entries, out, strict=True)):
