@@ -248,6 +248,27 @@ def test_chunks_then_prepare_uses_the_same_template(tmp_path):
     assert sum(total["roundtrip"].values()) == len(rec.pairs) == 6
 
 
+def test_a_weights_repeats_stay_repeats_after_greedy_regeneration(tmp_path):
+    """weight 2 and greedy regeneration: each record's two lines are the same conversation, which prepare keeps
+    twice (as without regeneration) when it knows the file is regenerate's; as a plain file, the second copy of
+    each is a duplicate."""
+    tok = make_tok("deepseek_v3")
+    src = _write_jsonl(tmp_path / "in.jsonl", [CONVS[0], CONVS[2]])
+    base = {"sources": [{"path": str(src), "name": "d", "weight": 2.0}], "seed": 1, "prompts_per_chunk": 8,
+            "share_prefixes": False}
+    cfg = from_config({**base, "regenerate": {"enabled": True}})
+    paths = _chunk_paths(tmp_path, 1)
+    run_regenerate_chunk(cfg, 0, paths[0], tokenizer=tok, generator=Scripted(tok, ["Same."] * 6))
+    out = tmp_path / "conversations.jsonl"
+    concat_chunks(paths, out)
+    assert sorted(r["id"] for r in _read_jsonl(out)) == ["d:0", "d:0#1", "d:1", "d:1#1"]
+    as_workflow = from_config({**base, "sources": [{"path": str(out), "name": "regenerated", "format": "messages"}]})
+    kept = run_prepare(as_workflow.prepare, tok, tmp_path / "p", 1, regenerated=True)
+    assert (kept["kept"], dict(kept["dropped"])) == (4, {})
+    plain = run_prepare(as_workflow.prepare, tok, tmp_path / "q", 1)
+    assert (plain["kept"], dict(plain["dropped"])) == (2, {"duplicate": 2})
+
+
 def test_same_config_identical_files_and_per_sample_seeds(tmp_path):
     tok = make_tok("deepseek_v3")
     model = model_for(tok)

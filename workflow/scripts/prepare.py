@@ -18,6 +18,7 @@ summary = run_prepare(
     snakemake.params.tokenizer,
     out_dir,
     int(snakemake.params.num_chunks),
+    regenerated=settings.regenerate.enabled,
 )
 missing = [p for p in snakemake.output.prompts if not Path(p).is_file()]
 if missing:

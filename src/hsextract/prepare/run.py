@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,7 +44,15 @@ from hsextract.config.settings import PrepareSettings
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
 from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
-from hsextract.prepare.conversations import Conversation, MalformedRecordError, count_records, mixture, open_sources
+from hsextract.prepare.conversations import (
+    Conversation,
+    MalformedRecordError,
+    OpenSource,
+    count_records,
+    decode_raw,
+    mixture,
+    open_sources,
+)
 from hsextract.prepare.prefix_share import distinct_tokens, find_parents
 from hsextract.prepare.tokenizer_loading import load_tokenizer
 from hsextract.prepare.vocab import save_token_freq, token_freq
@@ -102,16 +111,26 @@ def _count_shared(st: dict[str, Any], rows: Sequence[Mapping[str, Any]], refs: S
     st["shared_samples"] = st.get("shared_samples", 0) + sum(p >= 0 for p, _ in refs)
 
 
+def _regenerated_origin(src: OpenSource, index: int) -> int | str:
+    """The input record a line of regenerate's file regenerates: its id without a repeat's `#k`, else the line."""
+    rec = decode_raw(src.reader.raw(index)[1])
+    sid = rec.get("id") if isinstance(rec, dict) else None
+    m = re.fullmatch(r"(.+:\d+)(#\d+)?", sid) if isinstance(sid, str) else None
+    return m.group(1) if m else index
+
+
 def _new_stats() -> dict[str, Any]:
     return {"read": 0, "kept": 0, "truncated": 0, "dropped": Counter(), "tokens": 0, "trained_tokens": 0}
 
 
 def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | os.PathLike[str],
-                num_chunks: int) -> dict[str, Any]:
+                num_chunks: int, *, regenerated: bool = False) -> dict[str, Any]:
     """Run the stage; returns the summary dict (also written to out_dir/summary.json).
 
     `num_chunks` is the count the workflow computed at parse time (`num_chunks(settings)`); a mismatch means
     the sources changed since, and is an error. `tokenizer_path` may also be a tokenizer object.
+    `regenerated`: the sources are regenerate's conversation file, whose records' ids name the input record
+    each line regenerates (a weight's repeats, lines of their own there, are then no duplicates either).
     """
     cfg = settings
     sources = open_sources(cfg.sources)
@@ -134,7 +153,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     total = _new_stats()
     per_source = {s.spec.name: _new_stats() for s in sources}
     per_chunk: list[dict[str, int]] = []
-    seen: dict[str, tuple[int, int]] = {}
+    seen: dict[str, tuple[int, int | str]] = {}
     freq: Counter[int] = Counter()
     rows: list[dict[str, Any]] = []
     chunk = 0
@@ -174,7 +193,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             continue
         if cfg.dedup:
             h = conversation_hash(conv)
-            origin = (entry.source, entry.index)
+            origin = (entry.source, _regenerated_origin(src, entry.index) if regenerated else entry.index)
             if seen.setdefault(h, origin) != origin:  # repeats of one record (weight > 1) are not duplicates
                 drop(st, DUPLICATE)
                 continue
