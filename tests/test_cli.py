@@ -168,6 +168,33 @@ def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys)
                       "'</think>' in `content` (or regenerate the responses with this model)")
 
 
+def test_masks_explain_takes_a_split_and_speaks_of_its_options(tmp_path, capsys):
+    """A DatasetDict of two splits is explained split by split (--split); errors about the file name the CLI's
+    options, not config keys; a file whose every record is refused ends with its counts alone."""
+    import datasets
+    from chatfix import make_tokenizer
+
+    make_tokenizer("gemma3").save_pretrained(tmp_path / "gemma")
+    hello = [{"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "How are you today?"}]
+    twice = [{"role": "user", "content": "Hello"}, {"role": "user", "content": "there"}]
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"messages": hello}]),
+                          "test": datasets.Dataset.from_list([{"messages": twice}])}).save_to_disk(str(dd))
+    capsys.readouterr()  # save_to_disk's progress bars
+    args = ["masks", "--model", str(tmp_path / "gemma"), "--explain"]
+    assert main([*args, str(dd)]) == 2
+    assert capsys.readouterr().err == (f"hsextract masks: error: {dd} is a DatasetDict with splits ['train', 'test']: "
+                                       "pass --split NAME\n")
+    assert main([*args, str(dd), "--split", "train"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == f"== {dd / 'train'}:record 1: 25 tokens, 7 trained"
+    assert main([*args, str(dd), "--split", "test"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "== refused template_error 1"
+    assert main([*args, str(tmp_path / "none.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hsextract masks: error: --explain: {tmp_path / 'none.jsonl'} ") and "sources" not in err
+
+
 def test_masks_explain_names_the_variables_the_template_reads_and_refuses_a_key_it_never_reads(tmp_path, capsys):
     """Kimi-K2.5's template reads `thinking`: `masks --explain` says so first; `enable_thinking` (Qwen's name)
     would change nothing, silently, and is refused naming the key and what the template reads."""

@@ -189,7 +189,9 @@ def _add_masks(sub: argparse._SubParsersAction) -> None:
                                    "its samples as text, every run of trained tokens between ⟦ and ⟧: check a "
                                    "template by eye before spending GPU hours.")
     p.add_argument("--explain", required=True, metavar="CONVERSATIONS",
-                   help="a conversations file (JSONL, JSON or parquet; any record format prepare reads)")
+                   help="a conversations file (JSONL, JSON or parquet; any record format prepare reads) or a "
+                        "saved Hugging Face dataset folder")
+    p.add_argument("--split", metavar="NAME", help="the split to explain, of a DatasetDict folder with several")
     p.add_argument("--model", required=True, metavar="DIR", help="model (or tokenizer) directory or hub id")
     p.add_argument("--chat-template", metavar="FILE", help="a .jinja template instead of the tokenizer's own")
     p.add_argument("--chat-template-kwargs", default="{}", metavar="JSON",
@@ -219,7 +221,7 @@ def cmd_masks(args: argparse.Namespace) -> int:
     masker = ChatMasker(tokenizer, train_on_eot=not args.no_train_on_eot,
                         train_on_reasoning=not args.no_train_on_reasoning, chat_template_kwargs=kwargs,
                         split_turns=args.split_turns)
-    sys.stdout.write(explain(args.explain, masker, color=args.color))
+    sys.stdout.write(explain(args.explain, masker, color=args.color, split=args.split))
     return 0
 
 

@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker, MaskedSample
 from hsextract.masks.refusals import TEMPLATE_ERROR, failure
 from hsextract.prepare.conversations import MalformedRecordError, open_sources
@@ -55,10 +56,22 @@ def colored(sample: MaskedSample, tokenizer: Any, masker: ChatMasker) -> str:
     return "".join(out)
 
 
-def explain(path: str | Path, masker: ChatMasker, color: bool = False) -> str:
-    """Every conversation of a file prepare reads (JSONL, JSON, parquet; any record format), explained."""
-    (src,) = open_sources([{"path": str(path), "format": "auto", "weight": 1.0, "max_records": None, "name": None,
-                            "split": None}])
+# the source's errors name config keys; the CLI's user gave options
+_CLI_WORDS = (("config key `sources[0].path`", "--explain"), ("config key `sources[0].split`", "--split"),
+              ("set `split:` on this source", "pass --split NAME"), ("remove `split`", "leave out --split"))
+
+
+def explain(path: str | Path, masker: ChatMasker, color: bool = False, split: str | None = None) -> str:
+    """Every conversation of a file prepare reads (JSONL, JSON, parquet, a saved Dataset or, with `split`, one
+    split of a DatasetDict; any record format), explained."""
+    try:
+        (src,) = open_sources([{"path": str(path), "format": "auto", "weight": 1.0, "max_records": None,
+                                "name": None, "split": split}])
+    except ConfigError as e:
+        msg = str(e)
+        for config_words, cli_words in _CLI_WORDS:
+            msg = msg.replace(config_words, cli_words)
+        raise ConfigError(msg) from None
     rd = masker.renderer  # first, what the template reads that chat_template_kwargs can set (a key it does not
     # read is refused when the masker is made)
     lines = [f"== the chat template {rd.variables.describe()}; chat_template_kwargs: {json.dumps(rd.kwargs)}"]
@@ -83,8 +96,9 @@ def explain(path: str | Path, masker: ChatMasker, color: bool = False) -> str:
                                         if s.turn is not None else "")
             lines.append(f"{title}: {len(s.input_ids)} tokens, {sum(s.loss_mask)} trained")
             lines.append(colored(s, masker.tokenizer, masker) if color else marked(s, masker.tokenizer))
-    stats = ", ".join(f"{k} {v}" for k, v in sorted(masker.stats.items()))
-    lines.append(f"== {stats}" + "".join(f", refused {k} {v}" for k, v in sorted(refused.items())))
+    counts = [f"{k} {v}" for k, v in sorted(masker.stats.items())]
+    counts += [f"refused {k} {v}" for k, v in sorted(refused.items())]
+    lines.append("== " + ", ".join(counts))
     return "\n".join(lines) + "\n"
 
 
