@@ -11,6 +11,7 @@ import pytest
 
 from hsextract import atomic
 from hsextract.atomic import (
+    atomic_dir,
     atomic_file,
     create_temp,
     remove_temps,
@@ -99,9 +100,35 @@ def test_create_temp_is_exclusive_and_remove_temps_cleans_only_temps(tmp_path: P
     assert listing(tmp_path) == ["s.hss"]
 
 
+def test_atomic_dir_replaces_a_folder_only_when_complete(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "sub" / "old.txt").write_text("old")
+    with pytest.raises(RuntimeError, match="half"), atomic_dir(out) as tmp:
+        (tmp / "new.txt").write_text("half")
+        raise RuntimeError("half")
+    assert listing(tmp_path) == ["out"] and listing(out) == ["sub"] and listing(out / "sub") == ["old.txt"]
+    with atomic_dir(out) as tmp:
+        assert re.fullmatch(r"\.out\.[0-9a-f]{16}\.tmp", tmp.name) and tmp.parent == tmp_path
+        (tmp / "new.txt").write_text("new")
+        assert listing(out) == ["sub"]  # the old folder until the block ends
+    assert listing(tmp_path) == ["out"] and listing(out) == ["new.txt"]
+
+
+def test_atomic_dir_replaces_a_symlink_at_the_destination_not_its_target(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    (tmp_path / "out").symlink_to(victim)
+    with atomic_dir(tmp_path / "out") as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert listing(victim) == ["precious"] and not (tmp_path / "out").is_symlink()
+    assert listing(tmp_path / "out") == ["new.txt"] and listing(tmp_path) == ["out", "victim"]
+
+
 def test_no_other_rename_based_writer_in_the_package() -> None:
-    """Every file hsextract replaces whole goes through the helper; the one exception is a directory swap."""
-    allowed = {"atomic.py", "tinymodel/build.py"}  # the tiny model builder swaps a whole model folder
+    """Every file and folder hsextract replaces whole goes through the helpers."""
+    allowed = {"atomic.py"}
     found = []
     for p in SRC.rglob("*.py"):
         rel = p.relative_to(SRC).as_posix()

@@ -6,6 +6,9 @@ with O_CREAT|O_EXCL|O_NOFOLLOW (a planted file or symlink under that name is an 
 overwritten); the data written and fsync'ed; renamed onto `path`; the directory fsync'ed, so after a crash
 the name points to the whole new file or to the old one. On failure the temporary file is removed.
 
+`atomic_dir` does the same for a whole folder: built under a temporary name beside it, renamed into place
+when complete (a previous folder is moved aside and deleted only then), removed if building fails.
+
 `durable=False` skips the two fsyncs and keeps the rest: for the SGLang plugin's dump files, which live
 for seconds, are read by the client on the same host, and whose loss a crash makes moot (the request is
 retried), while an fsync per piece would stall the server's writer threads.
@@ -19,12 +22,14 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 TEMP_SUFFIX = ".tmp"
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
@@ -34,17 +39,25 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
 
 
-def create_temp(path: str | os.PathLike[str], mode: int = 0o666) -> tuple[int, Path]:
-    """A new, empty temporary file beside `path` (O_EXCL|O_NOFOLLOW): (fd, its path). `mode` is
-    masked by the umask, as for open()."""
-    path = Path(path)
+def _fresh_temp(path: Path, make: Callable[[Path], T]) -> T:
+    """make(name) for a fresh temp_name(path); `make` creates exclusively, raising FileExistsError if taken."""
     for _ in range(8):
-        tmp = temp_name(path)
         try:
-            return os.open(tmp, _FLAGS, mode), tmp
+            return make(temp_name(path))
         except FileExistsError:  # 64 random bits taken: someone planted it, or a 2^-64 chance
             continue
     raise FileExistsError(f"{path.parent}: eight fresh temporary names for {path.name} all existed")
+
+
+def _make_dir(tmp: Path) -> Path:
+    tmp.mkdir()  # exclusive; mode 0o777 masked by the umask, as for the folder it becomes
+    return tmp
+
+
+def create_temp(path: str | os.PathLike[str], mode: int = 0o666) -> tuple[int, Path]:
+    """A new, empty temporary file beside `path` (O_EXCL|O_NOFOLLOW): (fd, its path). `mode` is
+    masked by the umask, as for open()."""
+    return _fresh_temp(Path(path), lambda tmp: (os.open(tmp, _FLAGS, mode), tmp))
 
 
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
@@ -127,6 +140,40 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | N
     """JSON of `obj` (and a newline) written atomically; parent folders are created."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(path, (json.dumps(obj, indent=indent) + "\n").encode(), durable=durable)
+
+
+@contextmanager
+def atomic_dir(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[Path]:
+    """`with atomic_dir(p) as tmp: <write into tmp>`: a new empty folder beside `p` (parents created) that
+    becomes `p` when the block ends, replacing whatever `p` was (its old content is deleted only then); if
+    the block raises, `tmp` is removed and `p` left as it was. Between the two renames of a replacement `p`
+    is absent for an instant: a crash there leaves the old folder under a `.<name>.<16 hex>.tmp` name."""
+    path = Path(os.path.abspath(path))  # "." or "out/..": a real last name, whose parent holds the temp
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _fresh_temp(path, _make_dir)
+    try:
+        yield tmp
+        if durable:
+            fsync_dir(tmp)
+        old = None
+        if os.path.lexists(path):
+            old = temp_name(path)
+            os.rename(path, old)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            if old is not None:
+                os.rename(old, path)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if durable:
+        fsync_dir(path.parent)
+    if old is not None and old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    elif old is not None:  # a file, or a symlink: removed, never followed
+        old.unlink()
 
 
 def remove_temps(path: str | os.PathLike[str]) -> list[Path]:

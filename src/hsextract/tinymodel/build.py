@@ -32,8 +32,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -41,6 +39,7 @@ from typing import Any
 
 import torch
 
+from hsextract.atomic import atomic_dir
 from hsextract.errors import ConfigError
 from hsextract.tinymodel.chat_template import KIMI_STYLE_TEMPLATE, ROLE_TOKENS
 
@@ -250,9 +249,7 @@ def make_tiny_model(
     model.generation_config.eos_token_id = [config.eos_token_id, eot]
     model.generation_config.pad_token_id = config.pad_token_id
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
+    with atomic_dir(out) as tmp:
         model.save_pretrained(tmp)
         if tokenizer == "kimi":
             kimi_tokenizer.write_kimi_tokenizer(tmp, ranks, TINY_CONFIG["max_position_embeddings"])
@@ -271,19 +268,8 @@ def make_tiny_model(
             "conversations": str(conversations_path),
         }
         (tmp / "hsextract_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        for f in tmp.iterdir():  # mkdtemp and safetensors write owner-only files
+        for f in tmp.iterdir():  # safetensors writes owner-only files
             os.chmod(f, 0o644)
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old.{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
