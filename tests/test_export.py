@@ -13,10 +13,10 @@ import torch
 from conftest import make_sample, shard_metadata
 
 from hsextract import open_dataset
-from hsextract.errors import ConfigError
+from hsextract.errors import ConfigError, CorruptShardError
 from hsextract.export import FinalNormWarning, export
 from hsextract.export.specforge import group_dir
-from hsextract.shard import ShardWriter
+from hsextract.shard import ShardReader, ShardWriter
 
 
 def bits(t):
@@ -184,17 +184,66 @@ def test_final_norm_warning_fires_exactly_on_mismatch(tmp_path, capsys, final_st
         assert ("applied TWICE" in err) if wants == "pre_norm" else ("MISS the final RMSNorm" in err)
 
 
-def test_non_empty_out_dir_needs_force_and_stale_files_go(run_dir, tmp_path):
+def tree(folder):
+    """Every path under folder: a file's bytes, a folder's None."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else None for p in folder.rglob("*")}
+
+
+def damage_last_sample(run_dir):
+    path = run_dir / "shards" / "chunk-00001.hss"
+    off = ShardReader(path).index["offsets"][1]
+    data = bytearray(path.read_bytes())
+    data[off + 40] ^= 0xFF  # the payload of sample 1 of the second shard: export fails after 4 of 5 samples
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_non_empty_out_dir_needs_force_and_the_old_export_is_replaced_whole(run_dir, tmp_path):
     out = tmp_path / "v1"
     (out / "data").mkdir(parents=True)
     (out / "data" / "data_7.pt").write_bytes(b"old")
-    with pytest.raises(ConfigError, match="folder is not empty; .* pass --force"):
+    with pytest.raises(ConfigError) as e:
         export(run_dir, out, "speculators-v1")
-    assert not (out / "data" / "data_0.pt").exists()
+    assert str(e.value) == (f"{out}: folder is not empty; export into an empty folder, or pass --force to replace "
+                            "the export in it")
+    assert tree(out) == {"data": None, "data/data_7.pt": b"old"}
     summary = export(run_dir, out, "speculators-v1", force=True)
-    assert summary["removed_stale"] == [str(out / "data" / "data_7.pt")]
-    assert sorted(p.name for p in (out / "data").glob("data_*.pt")) == [f"data_{i}.pt" for i in range(5)]
-    assert not list(out.rglob("*.tmp"))
+    assert summary["data_path"] == str(out / "data") and summary["token_freq_path"] == str(out / "token_freq.pt")
+    assert sorted(tree(out)) == ["data", *[f"data/data_{i}.pt" for i in range(5)], "data/data_config.json",
+                                 "data/sample_lengths.json", "layers.json", "token_freq.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "v1"]  # no temporary folder left
+
+
+def test_force_refuses_a_folder_holding_more_than_an_export(run_dir, tmp_path):
+    out = tmp_path / "home"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "layers.json").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        export(run_dir, out, "specforge", force=True)
+    assert str(e.value) == (f"{out}: holds notes.txt, which no export writes; --force replaces an earlier export "
+                            "whole, so move those out first or export into another folder")
+    assert tree(out) == {"notes.txt": b"mine", "layers.json": b"{}"}
+
+
+@pytest.mark.filterwarnings("ignore::hsextract.export.FinalNormWarning")
+@pytest.mark.parametrize("fmt", ["speculators-v1", "specforge", "speculators-safetensors"])
+def test_a_failed_export_leaves_no_output_and_the_earlier_export_as_it_was(run_dir, tmp_path, fmt):
+    earlier = tmp_path / "earlier"
+    export(run_dir, earlier, fmt)
+    before = tree(earlier)
+    assert len(before) > 5
+    path = damage_last_sample(run_dir)
+    want = (f"{path}: sample 1: checksum mismatch. The shard is damaged: delete it and rerun its chunk (snakemake "
+            "reruns a missing shard).")
+    with pytest.raises(CorruptShardError) as e:
+        export(run_dir, tmp_path / "fresh", fmt)
+    assert str(e.value) == want
+    with pytest.raises(CorruptShardError) as e:
+        export(run_dir, earlier, fmt, force=True)
+    assert str(e.value) == want
+    assert tree(earlier) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "run"]  # no fresh/, no temporary folder
 
 
 def test_unknown_format_is_refused(run_dir, tmp_path):

@@ -7,12 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers
+from hsextract.atomic import atomic_dir
 from hsextract.errors import ConfigError
 from hsextract.export.common import (
     CONSUMER_FINAL_STATE,
     FinalNormWarning,
+    check_out_dir,
     final_norm_message,
-    prepare_out_dir,
     save_json,
     warn_final_norm,
 )
@@ -22,6 +23,7 @@ from hsextract.export.speculators_v1 import export_speculators_v1
 from hsextract.extract.final_norm import from_shard_metadata
 from hsextract.progress import ProgressDataset
 
+# Each writes a run into a new, empty folder and returns its summary, paths in it relative to that folder.
 EXPORTERS = {
     "speculators-v1": export_speculators_v1,
     "specforge": export_specforge,
@@ -42,7 +44,10 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     """Stream every sample of open_dataset(run_dir) into out_dir in format `fmt`; returns a summary.
 
     A run folder's shards are checked against dataset.json's sizes and sha256 first (export reads every
-    byte anyway): a missing or changed shard is an error unless `allow_missing`."""
+    byte anyway): a missing or changed shard is an error unless `allow_missing`.
+
+    The export is built in a temporary folder beside out_dir and renamed onto it once complete: a failure
+    (a damaged sample, a full disk) leaves no output, and with `force` the earlier export as it was."""
     from hsextract.dataset import open_dataset
 
     if fmt not in EXPORTERS:
@@ -55,18 +60,22 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
             f"stores EAGLE-3 training data, whose drafter reads aux layers beside the final state. Read MTP data "
             f"with hsextract.open_dataset, or extract with capture: eagle3 (or dflash) for this consumer.")
     out = Path(out_dir)
-    prepare_out_dir(out, force)
+    check_out_dir(out, force)
     final_state = meta["final_state"]
     want = CONSUMER_FINAL_STATE[fmt]
     # pre -> post is computable from the recorded norm (the exporter applies it); post -> pre is not
     norm = from_shard_metadata(meta, str(run_dir)) if (final_state, want) == ("pre_norm", "post_norm") else None
     warning = warn_final_norm(fmt, final_state, convertible=norm is not None)
     pds = ProgressDataset(ds, f"export {fmt}")
-    summary = EXPORTERS[fmt](pds, out, norm) if norm is not None else EXPORTERS[fmt](pds, out)
     # every consumer's ids for the stored layers (hsextract.layers), this format's own first
     ids = layers.drafter_config(meta["aux_layers"], meta.get("num_hidden_layers"), meta.get("architecture"))
     layer_ids = {"format": fmt, "consumer": CONSUMER_LAYER_KEY[fmt], **ids}
-    save_json(out / LAYERS_FILE, layer_ids)
+    with atomic_dir(out) as tmp:
+        summary = EXPORTERS[fmt](pds, tmp, norm) if norm is not None else EXPORTERS[fmt](pds, tmp)
+        save_json(tmp / LAYERS_FILE, layer_ids)
+    for key in ("data_path", "token_freq_path"):
+        if key in summary:
+            summary[key] = str(out / summary[key])
     summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
                    warning=warning, final_norm_applied=norm is not None, layers=layer_ids)
     return summary

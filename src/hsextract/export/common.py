@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import sys
 import warnings
@@ -52,13 +53,25 @@ def warn_final_norm(fmt: str, data_final_state: str, convertible: bool = False) 
     return msg
 
 
-def prepare_out_dir(out_dir: Path, force: bool) -> None:
-    """Create out_dir; refuse a non-empty one unless force (then files are overwritten in place)."""
+# What any format writes at the top of its folder (layers.json: export() itself): --force replaces a folder
+# of these only, never one that holds something else (a mistyped OUT_DIR such as a home folder)
+EXPORT_NAMES = ("data", "token_freq.pt", "layers.json", "data-*-of-*.arrow", "state.json", "dataset_info.json",
+                "hidden_states", "rows_*-*")
+
+
+def check_out_dir(out_dir: Path, force: bool) -> None:
+    """Refuse an out_dir that is not a folder, or is not empty unless force (then it must hold an earlier
+    export only, which the new one replaces whole once complete)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir}: exists and is not a folder; give an export folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise ConfigError(f"{out_dir}: folder is not empty; export into an empty folder, or pass --force to overwrite")
-    out_dir.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
+    if names and not force:
+        raise ConfigError(f"{out_dir}: folder is not empty; export into an empty folder, or pass --force to replace "
+                          f"the export in it")
+    other = [n for n in names if not any(fnmatch.fnmatchcase(n, pat) for pat in EXPORT_NAMES)]
+    if other:
+        raise ConfigError(f"{out_dir}: holds {', '.join(other)}, which no export writes; --force replaces an earlier "
+                          f"export whole, so move those out first or export into another folder")
 
 
 def save_torch(path: Path, obj: Any) -> None:
@@ -78,12 +91,5 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def remove_stale(files: list[Path]) -> list[str]:
-    """With --force: files of this format's naming left over from an earlier, larger export."""
-    for p in files:
-        p.unlink(missing_ok=True)
-    return [str(p) for p in files]
-
-
-__all__ = ["CONSUMER_FINAL_STATE", "FinalNormWarning", "atomic_write", "final_norm_message",
-           "own_storage", "prepare_out_dir", "remove_stale", "save_json", "save_torch", "warn_final_norm"]
+__all__ = ["CONSUMER_FINAL_STATE", "FinalNormWarning", "atomic_write", "check_out_dir", "final_norm_message",
+           "own_storage", "save_json", "save_torch", "warn_final_norm"]

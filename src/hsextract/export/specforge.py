@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hsextract.dataset import HiddenStateDataset
-from hsextract.export.common import own_storage, remove_stale, save_torch
+from hsextract.export.common import own_storage, save_torch
 from hsextract.extract.final_norm import FinalNorm
 
 GROUP_SIZE = 2000
@@ -31,7 +31,6 @@ def group_dir(idx: int, n: int) -> str:
 def export_specforge(ds: HiddenStateDataset, out_dir: Path, final_norm: FinalNorm | None = None) -> dict[str, Any]:
     """`final_norm`: applied to the last tensor (pre_norm data to SpecForge's post-norm hidden_state)."""
     n = len(ds)
-    written: set[Path] = set()
     tokens = 0
     for idx, s in enumerate(ds):
         folder = out_dir / group_dir(idx, n)
@@ -45,7 +44,5 @@ def export_specforge(ds: HiddenStateDataset, out_dir: Path, final_norm: FinalNor
             "hidden_state": own_storage(final).unsqueeze(0),
             "aux_hidden_state": torch.cat(hs[:-1], dim=-1).unsqueeze(0),
         })
-        written.add(path)
         tokens += int(s["input_ids"].numel())
-    stale = [p for p in out_dir.glob("rows_*/data_*.ckpt") if p not in written]
-    return {"num_samples": n, "num_tokens": tokens, "data_path": str(out_dir), "removed_stale": remove_stale(stale)}
+    return {"num_samples": n, "num_tokens": tokens, "data_path": "."}

@@ -26,7 +26,7 @@ from safetensors.torch import save
 
 from hsextract.atomic import write_bytes_atomic
 from hsextract.dataset import HiddenStateDataset
-from hsextract.export.common import atomic_write, remove_stale, save_json, save_torch
+from hsextract.export.common import atomic_write, save_json, save_torch
 
 ARROW_FILE = "data-00000-of-00001.arrow"
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
@@ -43,7 +43,7 @@ def _batch(rows: list[tuple[list[int], list[int]]]) -> pa.RecordBatch:
 
 def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
     hs_dir = out_dir / "hidden_states"
-    hs_dir.mkdir(exist_ok=True)
+    hs_dir.mkdir()
     freq: Counter[int] = Counter()
     tokens = 0
     n = 0
@@ -80,5 +80,4 @@ def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dic
         "_split": None,
     })
     save_torch(out_dir / "token_freq.pt", dict(freq))
-    stale = [p for p in hs_dir.glob("hs_*.safetensors") if p.stem[3:].isdigit() and int(p.stem[3:]) >= n]
-    return {"num_samples": n, "num_tokens": tokens, "data_path": str(out_dir), "removed_stale": remove_stale(stale)}
+    return {"num_samples": n, "num_tokens": tokens, "data_path": "."}

@@ -23,7 +23,7 @@ import torch
 
 from hsextract import __version__, layers
 from hsextract.dataset import HiddenStateDataset
-from hsextract.export.common import own_storage, remove_stale, save_json, save_torch
+from hsextract.export.common import own_storage, save_json, save_torch
 
 
 def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[st
 
 def export_speculators_v1(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
     data_dir = out_dir / "data"
-    data_dir.mkdir(exist_ok=True)
+    data_dir.mkdir()
     lengths: dict[int, int] = {}
     freq: Counter[int] = Counter()
     for idx, s in enumerate(ds):
@@ -103,9 +103,8 @@ def export_speculators_v1(ds: HiddenStateDataset, out_dir: Path) -> dict[str, An
         ids, counts = s["input_ids"][s["loss_mask"].to(torch.bool)].unique(return_counts=True)
         freq.update(dict(zip(ids.tolist(), counts.tolist(), strict=True)))
     n = len(lengths)
-    stale = [p for p in data_dir.glob("data_*.pt") if p.stem[5:].isdigit() and int(p.stem[5:]) >= n]
     save_json(data_dir / "sample_lengths.json", lengths)
     save_json(data_dir / "data_config.json", data_config(ds.metadata, n, max(lengths.values(), default=0)))
     save_torch(out_dir / "token_freq.pt", dict(freq))
-    return {"num_samples": n, "num_tokens": sum(lengths.values()), "data_path": str(data_dir),
-            "token_freq_path": str(out_dir / "token_freq.pt"), "removed_stale": remove_stale(stale)}
+    return {"num_samples": n, "num_tokens": sum(lengths.values()), "data_path": "data",
+            "token_freq_path": "token_freq.pt"}
