@@ -89,6 +89,30 @@ def test_report_dir_refuses_two_shards_of_one_name(tmp_path, capsys, ref16):
                    f"{tmp_path / 'r' / 'chunk-00000.json'}; validate them apart\n")
 
 
+def test_a_report_path_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    """Neither the reference (missing here) nor the shard (a missing file) is read before the check."""
+    afile, adir = tmp_path / "afile", tmp_path / "adir.hss"
+    afile.write_text("")
+    adir.mkdir()
+    (tmp_path / "reports" / "S.json").mkdir(parents=True)
+    shard, ref = tmp_path / "S.hss", tmp_path / "nope.pt"
+    cases = {
+        ("--report-dir", afile): f"--report-dir: {afile} is not a folder, so the report {afile / 'S.json'} cannot "
+                                 "be written; choose another folder",
+        ("--report", adir): f"--report: {adir} is a folder, where a report file would go; name a file, or use "
+                            "--report-dir for a folder of reports",
+        ("--report", afile / "sub" / "r.json"): f"--report: {afile} is not a folder, so the report "
+                                                f"{afile / 'sub' / 'r.json'} cannot be written; choose another file",
+        ("--report-dir", tmp_path / "reports"): f"--report-dir: {tmp_path / 'reports' / 'S.json'} is a folder, "
+                                                "where a report file would go; move that folder away or choose "
+                                                "another --report-dir",
+    }
+    for (option, path), message in cases.items():
+        assert run_validate(capsys, "--reference", ref, option, path, shard) == (
+            2, [], f"hsextract validate: error: {message}\n")
+    assert afile.read_text() == "" and list(adir.iterdir()) == []
+
+
 def test_a_given_vocab_size_never_widens_the_shards_own(tmp_path, ref16):
     bad = tmp_path / "bad.hss"
     write_shard(bad, [_break("input_ids")], vocab_size=1000)  # id 1000 in a vocabulary of 1000

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -28,6 +29,31 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_validate)
 
 
+def _report_paths(args: argparse.Namespace) -> list[Path | None]:
+    """Each shard's report file (None: no report), checked before any shard is read: a path that cannot
+    be written would otherwise fail only after all the validation work."""
+    if not (args.report or args.report_dir):
+        return [None] * len(args.shards)
+    option, kind = ("--report", "file") if args.report else ("--report-dir", "folder")
+    paths = [Path(args.report)] if args.report else [Path(args.report_dir) / f"{Path(s).stem}.json"
+                                                     for s in args.shards]
+    for path in paths:
+        if path.is_dir():
+            raise HsxError(f"{option}: {path} is a folder, where a report file would go; " + (
+                "name a file, or use --report-dir for a folder of reports" if args.report
+                else "move that folder away or choose another --report-dir"))
+        folder = path.parent
+        while not os.path.lexists(folder) and folder != folder.parent:  # the folders made on writing
+            folder = folder.parent
+        if not folder.is_dir():
+            raise HsxError(f"{option}: {folder} is not a folder, so the report {path} cannot be written; "
+                           f"choose another {kind}")
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise HsxError(f"{option}: {folder} is not writable, so the report {path} cannot be written; "
+                           f"choose another {kind}")
+    return paths
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from hsextract.config import reference
     from hsextract.report.validate import failure_line, validate_shard
@@ -42,10 +68,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
                                f"{Path(args.report_dir) / (Path(shard).stem + '.json')}; validate them apart")
     from hsextract.progress import bar
 
+    report_paths = _report_paths(args)
     ref = reference.load(args.reference, key="--reference")
     failed = samples = tokens = 0
-    for shard in bar(args.shards, desc="validate", unit="shard"):
-        report_path = args.report or (Path(args.report_dir) / f"{Path(shard).stem}.json" if args.report_dir else None)
+    for shard, report_path in bar(list(zip(args.shards, report_paths, strict=True)), desc="validate", unit="shard"):
         report = validate_shard(shard, ref, vocab_size=args.vocab_size, report_path=report_path,
                                 same_model=args.same_model)
         samples += report["num_samples"] or 0
