@@ -113,6 +113,15 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_any_work(tmp_pat
     assert afile.read_text() == "" and list(adir.iterdir()) == []
 
 
+@pytest.mark.parametrize("value,why", [("-3", "-3 is not >= 1"), ("0", "0 is not >= 1"),
+                                       ("x", "'x' is not an integer")])
+def test_vocab_size_below_one_is_a_usage_error(capsys, value, why):
+    with pytest.raises(SystemExit) as e:
+        main(["validate", "--reference", "r.pt", "--vocab-size", value, "s.hss"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"hsextract validate: error: argument --vocab-size: {why}"
+
+
 def test_a_given_vocab_size_never_widens_the_shards_own(tmp_path, ref16):
     bad = tmp_path / "bad.hss"
     write_shard(bad, [_break("input_ids")], vocab_size=1000)  # id 1000 in a vocabulary of 1000

@@ -13,6 +13,17 @@ from pathlib import Path
 from hsextract.errors import HsxError
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check shards against a reference sample and content rules",
                        description="Check shards; write a JSON report per shard; "
@@ -22,7 +33,7 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     dest = p.add_mutually_exclusive_group()
     dest.add_argument("--report-dir", metavar="DIR", help="write DIR/<shard stem>.json per shard")
     dest.add_argument("--report", metavar="FILE", help="write the report here (one shard only)")
-    p.add_argument("--vocab-size", type=int,
+    p.add_argument("--vocab-size", type=_positive_int,
                    help="upper bound for input_ids; a shard's own vocab_size is kept where it is smaller")
     p.add_argument("--same-model", action="store_true",
                    help="the reference comes from the shards' model: compare hidden sizes too")
