@@ -56,6 +56,22 @@ def test_deleted_shard_is_an_error_naming_it(run):
     assert "only these chunks are extracted again" in str(e.value)
 
 
+def test_the_missing_shard_message_names_the_cli_option_too(run, tmp_path, capsys):
+    from hsextract.cli import main
+
+    gone = run / "shards" / "chunk-00001.hss"
+    gone.unlink()
+    out = tmp_path / "out"
+    assert main(["export", "--format", "speculators-v1", str(run), str(out)]) == 2
+    assert capsys.readouterr().err == (
+        f"hsextract export: error: {gone}: listed in {run / 'dataset.json'} but missing. Rerun the workflow "
+        "(`snakemake --cores N`): only these chunks are extracted again; or, to read the other shards, pass "
+        "allow_missing=True (hsextract export: --allow-missing)\n")
+    assert not out.exists()
+    assert main(["export", "--format", "speculators-v1", "--allow-missing", str(run), str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"exported 2 samples (12 tokens) as speculators-v1 to {out / 'data'}\n")
+
+
 def test_allow_missing_reads_the_rest_with_a_warning(run, capsys):
     (run / "shards" / "chunk-00001.hss").unlink()
     ds = open_dataset(run, allow_missing=True)

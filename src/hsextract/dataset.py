@@ -66,7 +66,8 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
         what = "; ".join(problems)
         if not allow_missing:
             raise ShardError(f"{what}. Rerun the workflow (`snakemake --cores N`): only these chunks are "
-                             f"extracted again; or pass allow_missing=True to read the other shards")
+                             f"extracted again; or, to read the other shards, pass allow_missing=True "
+                             f"(hsextract export: --allow-missing)")
         print(f"WARNING: reading {len(ok)} of {len(listed)} shards: {what}", file=sys.stderr)
     if not ok:
         raise ShardError(f"{manifest}: none of its {len(listed)} shards can be read")
