@@ -3,6 +3,7 @@
 import importlib
 import importlib.util
 import json
+import os
 import sys
 import types
 import warnings
@@ -13,7 +14,7 @@ import torch
 from conftest import make_sample, shard_metadata
 
 from hsextract import open_dataset
-from hsextract.errors import ConfigError, CorruptShardError
+from hsextract.errors import ConfigError, CorruptShardError, ShardError
 from hsextract.export import FinalNormWarning, export
 from hsextract.export.specforge import group_dir
 from hsextract.shard import ShardReader, ShardWriter
@@ -244,6 +245,21 @@ def test_a_failed_export_leaves_no_output_and_the_earlier_export_as_it_was(run_d
     assert str(e.value) == want
     assert tree(earlier) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "run"]  # no fresh/, no temporary folder
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs on this platform")
+def test_a_fifo_is_refused_as_not_a_regular_file(tmp_path, capsys):
+    from hsextract.cli import main
+
+    fifo = tmp_path / "pipe.hss"
+    os.mkfifo(fifo)
+    want = f"{fifo}: not a regular file; a shard is a regular *.hss file"
+    with pytest.raises(ShardError) as e:
+        open_dataset(fifo)
+    assert str(e.value) == want
+    assert main(["export", "--format", "specforge", str(fifo), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"hsextract export: error: {want}\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe.hss"]
 
 
 def test_unknown_format_is_refused(run_dir, tmp_path):

@@ -93,7 +93,7 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         p = Path(path)
         if p.name == MANIFEST_NAME and p.is_file():  # the run folder's manifest: the run folder
             p = p.parent
-        if p.is_file():
+        if p.exists() and not p.is_dir():  # a FIFO or a device too: the reader refuses it, saying why
             return [p]
         if not p.is_dir():
             raise ShardError(f"{p}: no such shard, run folder or shard folder")
