@@ -230,6 +230,19 @@ def test_masks_explain_color_marks_reasoning_blue(tmp_path, capsys):
             "\x1b[33m<|im_end|>\x1b[0m\n") in out
 
 
+@pytest.mark.parametrize("dtype,precision,shown", [
+    ("float16", "bf16", "full (stored as float16)"), ("float32", "bf16", "full (stored as float32)"),
+    ("bfloat16", "bf16", "full (stored as bfloat16)"), ("bfloat16", "fp8_e4m3", "fp8_e4m3")])
+def test_inspect_text_precision_agrees_with_the_dtype(tmp_path, capsys, dtype, precision, shown):
+    path = tmp_path / "chunk-00000.hss"
+    with ShardWriter(path, shard_metadata(dtype=dtype), precision=precision) as w:
+        w.add(*make_sample(3, dtype=getattr(torch, dtype)), sample_id="s0")
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.split()[0] in ("dtype", "precision")] == [
+        f"dtype          {dtype}", f"precision      {shown}"]
+
+
 def test_inspect_text_shows_the_final_norm_weight_as_its_size_and_hash(tmp_path, capsys):
     """The weight is hidden_size values of base64 (19 KB for Kimi-K2.5): the text gives its bytes and sha256,
     --json the whole entry."""

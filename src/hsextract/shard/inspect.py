@@ -104,7 +104,10 @@ def format_info(info: dict[str, Any]) -> str:
     for key in ("format_version", "model", "engine", "engine_version", "final_state", "hidden_size",
                 "dtype", "precision", "codec", "config_hash", "tokenizer_hash", "chat_template_hash"):
         if key in m:
-            lines.append(f"{key:<14} {json.dumps(m[key]) if isinstance(m[key], (dict, list)) else m[key]}")
+            value = m[key]
+            if key == "precision" and value == "bf16":  # the writer's name for "not fp8": stored as captured
+                value = f"full (stored as {m['dtype']})"
+            lines.append(f"{key:<14} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
     shown = {line.split()[0] for line in lines[1:]} | {"aux_layers", "layer_convention"}
     lines += _layers_text(info["layers"] if "layers" in info else layer_info(m))
     extra = sorted(set(m) - shown - {"stored_dtype", "num_hidden_tensors", "writer", "zstd_version"})
