@@ -186,6 +186,9 @@ MALFORMED = [
     (b'{"messages": [}\n', "bad_json", "invalid JSON: Expecting value at column 15"),
     (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n', "non_utf8",
      "the line is not valid UTF-8 (byte 46: b'\\xe9')"),
+    (b'{"messages": [{"role": "user", "content": "bad \\ud83c half"}, {"role": "assistant", "content": "ok"}]}\n',
+     "non_utf8", "messages[0].content holds a lone UTF-16 surrogate (\\ud83c at character 4: half of a character "
+     "cut in two, such as an emoji), which is not text UTF-8 can encode"),
     (b'{"messages": [{"content": "hi"}]}\n', "missing_role", "messages[0] has no `role`"),
     (b'{"messages": [{"role": "robot", "content": "hi"}]}\n', "unknown_role",
      "messages[0] has unknown role 'robot'; known: ['assistant', 'developer', 'function', 'system', 'tool', 'user']"),
@@ -221,10 +224,51 @@ def test_malformed_lenient_counts_each_reason(tmp_path):
     p.write_bytes(GOOD + b"".join(line for line, _, _ in MALFORMED) + GOOD)
     counts: dict[str, int] = {}
     got = list(iter_conversations([{"path": p}], strict=False, counts=counts))
-    assert len(got) == 13 and sum(c is not None for _, c in got) == 2
-    assert counts == {"bad_json": 1, "non_utf8": 1, "missing_role": 1, "unknown_role": 1, "empty_content": 1,
+    assert len(got) == 14 and sum(c is not None for _, c in got) == 2
+    assert counts == {"bad_json": 1, "non_utf8": 2, "missing_role": 1, "unknown_role": 1, "empty_content": 1,
                       "wrong_type": 4, "missing_messages": 2}
-    assert count_records([{"path": p}]) == 13  # malformed records are input records too
+    assert count_records([{"path": p}]) == 14  # malformed records are input records too
+
+
+HALF = "cut \ud83c"  # an emoji's first half: JSON writes it `\ud83c`, and reads it back as this lone surrogate
+CALL = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize("rec,where", [
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": HALF}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "thinking": HALF}]},
+     "messages[1].thinking"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": HALF, "arguments": "{}"}}]}]}, "messages[0].tool_calls[0].function.name"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": {"q": [HALF]}}}]}]},
+     "messages[0].tool_calls[0].function.arguments.q[0]"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": json.dumps({"q": HALF})}}]}]},  # the template parses it
+     "messages[0].tool_calls[0].function.arguments (parsed as JSON).q"),
+    ({"messages": [{"role": "tool", "content": "r", "tool_call_id": HALF}]}, "messages[0].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "q"}], "system": HALF}, "system"),
+    ({"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"properties": {HALF: {}}}}}]}, "tools[0].function.parameters.properties (a key)"),
+    ({"messages": [{"role": "user", "content": "q"}], "tools": json.dumps([{"description": HALF}])},
+     "tools[0].description"),
+    ({"data": ["q", HALF]}, "data[1]"),
+    ({"conversations": [{"from": "human", "value": HALF}]}, "conversations[0].value"),
+    ({"conversations": [{"from": "function_call", "value": json.dumps({"name": "f", "arguments": HALF})}]},
+     "conversations[0].value (parsed as JSON).arguments"),
+])
+def test_a_lone_surrogate_anywhere_a_template_reads_is_non_utf8(tmp_path, rec, where):
+    """Every string that reaches the template, the tokenizer or the record's hash is text UTF-8 can encode: a
+    record holding a lone surrogate is malformed (non_utf8) and names where, read from JSONL or a JSON list."""
+    (tmp_path / "d.json").write_text(json.dumps([rec]))  # json.dumps writes the surrogate as the escape `\ud83c`
+    for path in (_jsonl(tmp_path / "d.jsonl", [rec]), tmp_path / "d.json"):
+        with pytest.raises(MalformedRecordError) as ei:
+            _read_all([{"path": path}])
+        assert ei.value.reason == "non_utf8" and ei.value.detail.startswith(f"{where} holds a lone UTF-16 surrogate")
+        str(ei.value).encode("utf-8")  # the error itself is printable
+    # a lone surrogate in a key nothing reads leaves the record as it was
+    assert normalize_record({"messages": [{"role": "user", "content": "q", "meta": HALF}]}).messages == [
+        {"role": "user", "content": "q"}]
 
 
 def test_tool_call_and_reasoning_type_errors():

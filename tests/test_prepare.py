@@ -249,3 +249,15 @@ def test_turn_holding_a_stop_token_dropped_and_counted(tmp_path):
     summary = run_prepare(_cfg(src, prompts_per_chunk=4, strict=False), tok, tmp_path / "out", 1)
     # dropped: the runaway only; a user message may hold the token (the server sees it there as well)
     assert summary["dropped"] == {"stop_token_in_turn": 1} and summary["kept"] == 3
+
+
+def test_a_lone_surrogate_is_a_malformed_record_not_a_crash(tmp_path):
+    """Scraped text cut inside an emoji: valid JSON (`\\ud83c` without its pair), no text UTF-8 can encode. Refused
+    as non_utf8 naming where, and dropped and counted by a lenient run (it crashed in the record's hash)."""
+    src = _write(tmp_path, [conv("bad \ud83c half", "ok"), RECORDS[1]])
+    tok = make_tokenizer("qwen3")
+    with pytest.raises(MalformedRecordError, match=rf"{src}:1: malformed record \(non_utf8\): messages\[0\]\.content "
+                                                   r"holds a lone UTF-16 surrogate \(\\ud83c at character 4"):
+        run_prepare(_cfg(src), tok, tmp_path / "strict", 1)
+    summary = run_prepare(_cfg(src, strict=False), tok, tmp_path / "out", 1)
+    assert summary["dropped"] == {"non_utf8": 1} and summary["kept"] == 1

@@ -22,7 +22,9 @@ Input formats (`format:` of a source; `auto` picks per file and record):
              of any of the formats above
 In every format an optional top-level `system` string is the conversation's system message (refused where
 the messages open with another one).
-A malformed record is a MalformedRecordError naming its location (hsextract.prepare.sources) and reason.
+A malformed record is a MalformedRecordError naming its location (hsextract.prepare.sources) and reason; a
+string the record gives the template (any depth) that holds a lone UTF-16 surrogate (JSON's `\\ud83c` without its
+pair: text cut inside an emoji) is `non_utf8`, as no UTF-8 text holds it.
 
 Mixture: source i contributes k_i = min(max_records, round(weight_i * n_i)) records, where n_i is its
 number of input records (malformed ones included: chunks are cut over input records). weight < 1
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +70,7 @@ _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "
                    "tool": "tool", "function_response": "tool", "observation": "tool", "ipython": "tool",
                    "function_call": "assistant"}
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class _Bad(Exception):
@@ -95,6 +99,25 @@ class MixtureEntry:
 
 
 # ------------------------------------------------------------------------------------------ normalization
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse a string of `value` (at any depth, keys too) that holds a lone UTF-16 surrogate: JSON's `\\ud83c`
+    without its other half (scraped text cut inside an emoji) decodes to a code point that is no text, which
+    UTF-8 cannot encode: the record's hash, the template and the tokenizer would fail on it."""
+    if isinstance(value, str):
+        m = _SURROGATE.search(value)
+        if m:
+            raise _Bad(NON_UTF8, f"{where} holds a lone UTF-16 surrogate (\\u{ord(m.group()):04x} at character "
+                                 f"{m.start()}: half of a character cut in two, such as an emoji), which is not text "
+                                 "UTF-8 can encode")
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_text(k, f"{where} (a key)")
+            _check_text(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
 
 
 def _text(value: Any, where: str) -> str:
@@ -138,12 +161,18 @@ def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     for k, tc in enumerate(value):
         if not isinstance(tc, Mapping):
             raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}] must be an object")
+        _check_text(tc, f"{where}.tool_calls[{k}]")
         fn = tc.get("function", tc)  # also accept the flat {name, arguments} form
         if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}] needs function.name (a string)")
         args = fn.get("arguments", {})
         if not isinstance(args, (str, Mapping)):
             raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}].function.arguments must be a string or an object")
+        if isinstance(args, str):  # the template gets a JSON-object string as the object (masks.rendering)
+            try:
+                _check_text(json.loads(args), f"{where}.tool_calls[{k}].function.arguments (parsed as JSON)")
+            except ValueError:
+                pass  # not JSON: the template gets the text, checked above
         call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         if isinstance(tc.get("id"), str):
             call["id"] = tc["id"]
@@ -163,6 +192,7 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
         raise _Bad(UNKNOWN_ROLE, f"{where} has unknown role {src_role!r}; known: {sorted(role_map)}")
     role = role_map[src_role]
     msg: dict[str, Any] = {"role": role}
+    _check_text(raw.get(content_key), f"{where}.{content_key}")
     if src_role == "function_call":
         # ShareGPT function_call: the value is a JSON object {name, arguments}.
         try:
@@ -170,6 +200,7 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
         except (json.JSONDecodeError, TypeError):
             raise _Bad(WRONG_TYPE, f"{where}: a function_call value must be a JSON object {{name, arguments}}") \
                 from None
+        _check_text(call, f"{where}.{content_key} (parsed as JSON)")
         msg["content"] = ""
         msg["tool_calls"] = _tool_calls([call], where)
     elif isinstance(raw.get(content_key), list):
@@ -194,6 +225,7 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
                 continue
             if not isinstance(r, str):
                 raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(r).__name__}")
+            _check_text(r, f"{where}.{key}")
             if r:  # an empty one (a table's column for a message without it, say) gives way to the next key
                 msg["reasoning_content"] = r
                 break
@@ -202,6 +234,7 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
         if v is not None:
             if not isinstance(v, str):
                 raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(v).__name__}")
+            _check_text(v, f"{where}.{key}")
             msg[key] = v
     if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content"):
         raise _Bad(EMPTY_CONTENT, f"{where} ({role}) has empty content")
@@ -216,6 +249,7 @@ def _alternating(items: list[Any], key: str) -> list[dict[str, Any]]:
             raise _Bad(WRONG_TYPE, f"{where} must be a string (alternating user/assistant turns)")
         if not text.strip():
             raise _Bad(EMPTY_CONTENT, f"{where} is empty")
+        _check_text(text, where)
         msgs.append({"role": "user" if k % 2 == 0 else "assistant", "content": text})
     return msgs
 
@@ -258,6 +292,7 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
     if system is not None:
         if not isinstance(system, str):
             raise _Bad(WRONG_TYPE, f"`system` must be a string, got {type(system).__name__}")
+        _check_text(system, "system")
         if system.strip() and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system})
         elif system.strip() and msgs[0]["content"] != system:
@@ -271,6 +306,7 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
             raise _Bad(WRONG_TYPE, "`tools` is a string that is not JSON") from None
     if tools is not None and not isinstance(tools, list):
         raise _Bad(WRONG_TYPE, f"`tools` must be a list, got {type(tools).__name__}")
+    _check_text(tools, "tools")
     return Conversation(messages=msgs, tools=tools or None)
 
 
