@@ -219,6 +219,21 @@ def test_malformed_strict_error_names_file_line_reason(tmp_path, line, reason, d
     assert (ei.value.location, ei.value.reason) == (f"{p}:3", reason)
 
 
+def test_a_leading_byte_order_mark_is_ignored(tmp_path):
+    """A UTF-8 BOM (Windows tools write one) opens the file, not its first record: a JSONL's line 1 and a JSON
+    list read as without it (the line 1 was bad_json, and the list was read as JSONL: one bad record)."""
+    bom = b"\xef\xbb\xbf"
+    two = [json.loads(GOOD), {"messages": [{"role": "user", "content": "Two?"}, {"role": "assistant", "content": "2"}]}]
+    want = [c.messages for c in _read_all([{"path": _jsonl(tmp_path / "plain.jsonl", two)}])]
+    (tmp_path / "d.jsonl").write_bytes(bom + (tmp_path / "plain.jsonl").read_bytes())
+    (tmp_path / "d.json").write_bytes(bom + b"\n " + json.dumps(two, indent=1).encode())
+    (tmp_path / "blank.jsonl").write_bytes(bom + b"\n" + (tmp_path / "plain.jsonl").read_bytes())
+    for name in ("d.jsonl", "d.json", "blank.jsonl"):  # a BOM alone on line 1 leaves it blank: no record
+        cfg = [{"path": tmp_path / name}]
+        assert count_records(cfg) == 2 and [c.messages for c in _read_all(cfg)] == want
+    assert open_sources(cfg)[0].read(1)[0] == f"{tmp_path / 'blank.jsonl'}:3"  # lines counted as the file has them
+
+
 def test_malformed_lenient_counts_each_reason(tmp_path):
     p = tmp_path / "d.jsonl"
     p.write_bytes(GOOD + b"".join(line for line, _, _ in MALFORMED) + GOOD)

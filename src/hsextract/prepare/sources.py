@@ -13,10 +13,11 @@ Locations in errors: `file:LINE` (1-based line) for JSONL, `file:record N` (1-ba
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +115,18 @@ class Reader:
         raise NotImplementedError
 
 
+def _jsonl_records(f: Any) -> Iterator[tuple[int, int, int]]:
+    """(line number, start, end) of each record of a JSONL file open in binary: its non-blank lines. A leading
+    UTF-8 byte-order mark (what Windows tools write, `utf-8-sig`) is no part of line 1."""
+    pos = 0
+    for lineno, line in enumerate(f, start=1):
+        start, pos = pos, pos + len(line)
+        if lineno == 1 and line.startswith(codecs.BOM_UTF8):
+            start, line = start + len(codecs.BOM_UTF8), line[len(codecs.BOM_UTF8):]
+        if line.strip():
+            yield lineno, start, pos
+
+
 class _JsonlReader(Reader):
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -122,14 +135,8 @@ class _JsonlReader(Reader):
 
     def _index(self) -> list[tuple[int, int, int]]:
         if self._offsets is None:
-            offsets = []
             with open(self.path, "rb") as f:
-                pos = 0
-                for lineno, line in enumerate(f, start=1):
-                    if line.strip():
-                        offsets.append((lineno, pos, pos + len(line)))
-                    pos += len(line)
-            self._offsets = offsets
+                self._offsets = list(_jsonl_records(f))
         return self._offsets
 
     def __len__(self) -> int:
@@ -138,7 +145,7 @@ class _JsonlReader(Reader):
         if self._count is None:
             # Blank lines are not records; counting them needs a scan but no JSON parsing.
             with open(self.path, "rb") as f:
-                self._count = sum(1 for line in f if line.strip())
+                self._count = sum(1 for _ in _jsonl_records(f))
         return self._count
 
     def raw(self, i: int) -> tuple[str, Any]:
@@ -152,7 +159,7 @@ class _JsonListReader(Reader):
     def __init__(self, path: Path) -> None:
         self.path = path
         try:
-            data = json.loads(path.read_bytes().decode("utf-8"))
+            data = json.loads(path.read_bytes().decode("utf-8-sig"))  # a leading BOM is no part of the JSON
         except UnicodeDecodeError as e:
             raise MalformedRecordError(f"{path}", NON_UTF8, f"the file is not UTF-8 ({e})") from None
         except json.JSONDecodeError as e:
@@ -302,7 +309,7 @@ def open_reader(spec: Source) -> Reader:
     if p.suffix == ".arrow":
         return _TableReader(p, [(p, lambda: _read_arrow(p))])
     with open(p, "rb") as f:
-        head = f.read(4096).lstrip()
+        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
     if p.suffix == ".json" and head.startswith(b"["):
         return _JsonListReader(p)
     return _JsonlReader(p)
