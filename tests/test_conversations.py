@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import sys
 
 import pyarrow as pa
@@ -232,6 +235,53 @@ def test_a_leading_byte_order_mark_is_ignored(tmp_path):
         cfg = [{"path": tmp_path / name}]
         assert count_records(cfg) == 2 and [c.messages for c in _read_all(cfg)] == want
     assert open_sources(cfg)[0].read(1)[0] == f"{tmp_path / 'blank.jsonl'}:3"  # lines counted as the file has them
+
+
+@pytest.mark.parametrize("name,pack,what,fix", [
+    ("d.jsonl.gz", gzip.compress, "gzip-compressed (it starts with the bytes 1f 8b)",
+     "decompress it (`gunzip`) and give the decompressed file"),
+    ("d.jsonl.bz2", bz2.compress, "bzip2-compressed (it starts with the bytes 42 5a 68)",
+     "decompress it (`bunzip2`) and give the decompressed file"),
+    ("d.json.xz", lzma.compress, "xz-compressed (it starts with the bytes fd 37 7a 58 5a 00)",
+     "decompress it (`unxz`) and give the decompressed file"),
+    ("d.jsonl.zst", lambda b: b"\x28\xb5\x2f\xfd" + b, "zstd-compressed (it starts with the bytes 28 b5 2f fd)",
+     "decompress it (`zstd -d`) and give the decompressed file"),
+    ("d.jsonl", lambda b: b.decode().encode("utf-16"), "UTF-16 text (it starts with the bytes ff fe)",
+     "convert it to UTF-8 (`iconv -f UTF-16 -t UTF-8`) and give that file"),
+])
+def test_a_compressed_source_is_refused_as_a_whole(tmp_path, name, pack, what, fix):
+    """Read as text, each `\\n` byte of compressed data made a line, each one a non_utf8 record: the file is
+    refused when the sources are counted (the workflow's parse), saying what it is and what to do."""
+    path = tmp_path / name
+    path.write_bytes(pack(GOOD * 3))
+    for read in (count_records, open_sources):
+        with pytest.raises(ConfigError) as e:
+            read([{"path": path}])
+        assert str(e.value) == (f"{path}: the file is {what}, and a JSONL or JSON source is read as UTF-8 text: {fix} "
+                                "as the source's `path`")
+
+
+def test_a_json_file_of_one_object_is_refused_not_read_as_lines(tmp_path):
+    """A .json file holds a list of records, or JSON lines (as `datasets` reads one): a pretty-printed object read
+    as lines was one bad_json record a line. It is refused, saying whether it is one record."""
+    rec = json.loads(GOOD)
+    one, wrapped = tmp_path / "one.json", tmp_path / "wrapped.json"
+    one.write_text(json.dumps(rec, indent=2))
+    wrapped.write_text(json.dumps({"version": 2, "train": [rec, rec]}, indent=2))
+    head = "a .json source holds a list of records (or one record a line, JSON lines), and this one holds one JSON " \
+           "object over several lines"
+    for path, tail in ((one, "which is one record (keys: ['messages']): put it in a list (`[{...}]`) or write it "
+                             "on one line"),
+                       (wrapped, "(keys: ['train', 'version']), not a record; if the records are the list under "
+                                 "`train`, write that list as the file")):
+        with pytest.raises(ConfigError) as e:
+            count_records([{"path": path}])
+        assert str(e.value) == f"{path}: {head}{', ' if tail.startswith('which') else ' '}{tail}"
+    # JSON lines in a .json file are read as such, one line or several
+    for n in (1, 3):
+        (tmp_path / "lines.json").write_bytes(GOOD * n)
+        assert count_records([{"path": tmp_path / "lines.json"}]) == n
+        assert len(_read_all([{"path": tmp_path / "lines.json"}])) == n
 
 
 def test_malformed_lenient_counts_each_reason(tmp_path):

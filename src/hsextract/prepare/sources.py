@@ -1,11 +1,13 @@
 """The sources of a run: the `sources` list checked and named, a reader of raw records for each file format,
 and what makes a record malformed (hsextract.prepare.conversations turns the raw records into conversations).
 
-Files: JSONL (one record a line), a JSON list, parquet, Arrow stream files, and `datasets.save_to_disk`
-directories (`hf_disk`: a Dataset, or a DatasetDict with `split:`), read with `datasets.load_from_disk` where
-`datasets` is installed, else from its Arrow files with pyarrow (the same rows: both convert them with
-pyarrow's to_pylist). A reader's `len()` is cheap (no parsing of JSONL or parquet content), so counting the
-records of a run is.
+Files: JSONL (one record a line; a `.json` file too where it holds no list, but not one object over several
+lines: refused), a JSON list, parquet, Arrow stream files, and `datasets.save_to_disk` directories (`hf_disk`: a
+Dataset, or a DatasetDict with `split:`), read with `datasets.load_from_disk` where `datasets` is installed, else
+from its Arrow files with pyarrow (the same rows: both convert them with pyarrow's to_pylist). JSONL and JSON are
+UTF-8 text, a leading byte-order mark skipped; a compressed (gzip, zstd, bzip2, xz, zip) or UTF-16 file is refused
+as a whole, saying how to make it text. A reader's `len()` is cheap (no parsing of JSONL or parquet content), so
+counting the records of a run is.
 
 Locations in errors: `file:LINE` (1-based line) for JSONL, `file:record N` (1-based) otherwise; for hf_disk
 `dir:record N` over the whole dataset (its split's directory for a DatasetDict), so `ds[N - 1]` is the record.
@@ -299,6 +301,58 @@ def _hf_disk_reader(path: Path, split: str | None) -> Reader:
     return _DatasetReader(ds_dir, datasets.load_from_disk(str(ds_dir)))
 
 
+# What a compressed (or UTF-16) file opens with, what it is, and what makes it UTF-8 text.
+_DECOMPRESS = "decompress it ({}) and give the decompressed file as the source's `path`"
+_TO_UTF8 = "convert it to UTF-8 (`iconv -f UTF-16 -t UTF-8`) and give that file as the source's `path`"
+_NOT_TEXT = ((b"\x1f\x8b", "gzip-compressed", _DECOMPRESS.format("`gunzip`")),
+             (b"\x28\xb5\x2f\xfd", "zstd-compressed", _DECOMPRESS.format("`zstd -d`")),
+             (b"BZh", "bzip2-compressed", _DECOMPRESS.format("`bunzip2`")),
+             (b"\xfd7zXZ\x00", "xz-compressed", _DECOMPRESS.format("`unxz`")),
+             (b"PK\x03\x04", "a zip archive", _DECOMPRESS.format("`unzip`")),
+             (b"\xff\xfe", "UTF-16 text", _TO_UTF8), (b"\xfe\xff", "UTF-16 text", _TO_UTF8))
+_RECORD_KEYS = ("messages", "conversations", "data")
+
+
+def _refuse_binary(p: Path, head: bytes) -> None:
+    """A JSONL or JSON source that is compressed (or UTF-16) would be read as lines of bytes, each one a
+    malformed record: refused as a whole, saying what it is and how to make it text."""
+    for magic, what, fix in _NOT_TEXT:
+        if head.startswith(magic):
+            raise ConfigError(f"{p}: the file is {what} (it starts with the bytes {magic.hex(' ')}), and a JSONL or "
+                              f"JSON source is read as UTF-8 text: {fix}")
+
+
+def _refuse_json_object(p: Path) -> None:
+    """A .json file that opens with `{`: JSON lines (a .json file often holds them, as `datasets` reads it), unless
+    it is one object over several lines, which read as lines would be one malformed record a line: refused."""
+    with open(p, "rb") as f:
+        first = next(_jsonl_records(f), None)
+        if first is None:
+            return
+        f.seek(first[1])
+        try:
+            json.loads(f.read(first[2] - first[1]))
+            return  # line 1 is a record: JSON lines
+        except ValueError:
+            pass
+    try:
+        obj = json.loads(p.read_bytes().decode("utf-8-sig"))
+    except ValueError:
+        return  # nor one JSON document: JSON lines with a bad line 1, reported as that record
+    if not isinstance(obj, dict):
+        return
+    head = f"{p}: a .json source holds a list of records (or one record a line, JSON lines), and this one holds one " \
+           f"JSON object over several lines"
+    items = next((obj[k] for k in _RECORD_KEYS if isinstance(obj.get(k), list)), None)
+    if items and (isinstance(items[0], str) or (isinstance(items[0], Mapping) and
+                                                ("role" in items[0] or "from" in items[0]))):
+        raise ConfigError(f"{head}, which is one record (keys: {sorted(obj)[:8]}): put it in a list (`[{{...}}]`) "
+                          "or write it on one line")
+    lists = [k for k, v in obj.items() if isinstance(v, list)]
+    where = f"; if the records are the list under `{lists[0]}`, write that list as the file" if len(lists) == 1 else ""
+    raise ConfigError(f"{head} (keys: {sorted(obj)[:8]}), not a record{where}")
+
+
 def open_reader(spec: Source) -> Reader:
     """The reader of a source's file (or save_to_disk directory), by its format and suffix."""
     p = Path(spec.path)
@@ -309,9 +363,13 @@ def open_reader(spec: Source) -> Reader:
     if p.suffix == ".arrow":
         return _TableReader(p, [(p, lambda: _read_arrow(p))])
     with open(p, "rb") as f:
-        head = f.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+        head = f.read(4096)
+    _refuse_binary(p, head)
+    head = head.removeprefix(codecs.BOM_UTF8).lstrip()
     if p.suffix == ".json" and head.startswith(b"["):
         return _JsonListReader(p)
+    if p.suffix == ".json" and head.startswith(b"{"):
+        _refuse_json_object(p)
     return _JsonlReader(p)
 
 
