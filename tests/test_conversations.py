@@ -336,6 +336,52 @@ def test_a_lone_surrogate_anywhere_a_template_reads_is_non_utf8(tmp_path, rec, w
         {"role": "user", "content": "q"}]
 
 
+def _legacy(name, args):
+    """A record whose assistant calls a tool with OpenAI's legacy `function_call` and the `function` role's result."""
+    return {"messages": [{"role": "user", "content": "Weather?"},
+                         {"role": "assistant", "content": None, "function_call": {"name": name, "arguments": args}},
+                         {"role": "function", "name": name, "content": "21C"},
+                         {"role": "assistant", "content": "It is 21C."}]}
+
+
+def _as_tool_calls(rec):
+    """The same record with the call written as `tool_calls`."""
+    m = rec["messages"][1]
+    return {"messages": [rec["messages"][0], {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": m["function_call"]}]}, *rec["messages"][2:]]}
+
+
+def test_a_legacy_function_call_is_the_one_tool_call_it_makes(tmp_path):
+    """An assistant's `function_call: {name, arguments}` (OpenAI's legacy form) was ignored, and the turn refused as
+    empty_content: it is the one tool call, as `tool_calls` writes it, from JSONL and from a table."""
+    rows = [_legacy("get_weather", '{"city": "Paris"}'), _legacy("search", {"query": "cats", "limit": 3})]
+    want = [normalize_record(_as_tool_calls(r)) for r in rows]
+    assert want[0].messages[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    assert _read_all([{"path": _jsonl(tmp_path / "f.jsonl", rows)}]) == want
+    pq.write_table(pa.Table.from_pylist(rows[1:]), tmp_path / "f.parquet")  # object arguments: no nulls added
+    assert _read_all([{"path": tmp_path / "f.parquet"}]) == want[1:]
+    user, call = rows[0]["messages"][0], rows[0]["messages"][1]
+    for msgs, detail in (
+        ([user, {**call, "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}],
+         "messages[1] has both `function_call` (the legacy form of one tool call) and `tool_calls`: which calls the "
+         "assistant made is not known; keep one"),
+        ([{**user, "function_call": call["function_call"]}],
+         "messages[0] (user) has function_call: only assistant messages call tools"),
+        ([user, {**call, "function_call": "get_weather"}],
+         "messages[1].function_call must be an object {name, arguments}, got str"),
+        ([user, {**call, "function_call": {"arguments": "{}"}}], "messages[1].function_call needs name (a string)"),
+        ([user, {**call, "function_call": {"name": "f", "arguments": 3}}],
+         "messages[1].function_call.arguments must be a string or an object"),
+    ):
+        with pytest.raises(Exception) as e:  # normalize_record's own (MalformedRecordError at a source)
+            normalize_record({"messages": msgs})
+        assert (e.value.reason, e.value.detail) == ("wrong_type", detail)
+    # a table's empty column is no call: the turn is its content
+    assert normalize_record({"messages": [user, {"role": "assistant", "content": "Hi", "function_call": None}]}) == \
+        normalize_record({"messages": [user, {"role": "assistant", "content": "Hi"}]})
+
+
 def test_tool_call_and_reasoning_type_errors():
     with pytest.raises(Exception) as ei:
         normalize_record({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {}}]}]})

@@ -261,3 +261,21 @@ def test_a_lone_surrogate_is_a_malformed_record_not_a_crash(tmp_path):
         run_prepare(_cfg(src), tok, tmp_path / "strict", 1)
     summary = run_prepare(_cfg(src, strict=False), tok, tmp_path / "out", 1)
     assert summary["dropped"] == {"non_utf8": 1} and summary["kept"] == 1
+
+
+def test_a_legacy_function_call_renders_as_the_same_tool_call(tmp_path):
+    """OpenAI's legacy `function_call` on an assistant turn (and the `function` role's result) gives the token ids
+    and mask of the same record written with `tool_calls`."""
+    from test_conversations import _as_tool_calls, _legacy
+
+    tok = make_tokenizer("qwen3")
+    legacy = _legacy("get_weather", '{"city": "Paris"}')
+    rows = {}
+    for name, rec in (("legacy", legacy), ("tools", _as_tool_calls(legacy))):
+        (tmp_path / name).mkdir()
+        src = _write(tmp_path / name, [rec])
+        run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / name / "out", 1)
+        (rows[name],) = _rows(tmp_path / name / "out", 1)
+    assert [(r["input_ids"], r["loss_mask"]) for r in rows["legacy"]] == [
+        (r["input_ids"], r["loss_mask"]) for r in rows["tools"]]
+    assert "get_weather" in tok.decode(rows["legacy"][0]["input_ids"])

@@ -10,6 +10,8 @@ Normalized conversation: a list of messages, each a dict with
   reasoning_content: str            (assistant only, optional; from `reasoning_content`, `thinking` or `reasoning`,
                                      else from `thinking` content parts, as Mistral writes reasoning)
   tool_calls: list[{"type": "function", "function": {"name": str, "arguments": str | dict}, "id"?: str}]
+                                    (an assistant's legacy OpenAI `function_call: {name, arguments}` is the one
+                                    tool call it makes; refused beside `tool_calls`)
   tool_call_id: str, name: str      (optional, carried through)
 Keys that a record does not have are absent (templates test `'tool_calls' in message`).
 Record-level `tools` (function definitions) are carried in `Conversation.tools` for the template.
@@ -154,30 +156,32 @@ def as_openai(msg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _tool_call(tc: Any, at: str, fn_path: str = "function.") -> dict[str, Any]:
+    """One tool call (at `at`: `fn_path` is where its name and arguments are, as the error messages say)."""
+    if not isinstance(tc, Mapping):
+        raise _Bad(WRONG_TYPE, f"{at} must be an object")
+    _check_text(tc, at)
+    fn = tc.get("function", tc)  # also accept the flat {name, arguments} form
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise _Bad(WRONG_TYPE, f"{at} needs {fn_path}name (a string)")
+    args = fn.get("arguments", {})
+    if not isinstance(args, (str, Mapping)):
+        raise _Bad(WRONG_TYPE, f"{at}.{fn_path}arguments must be a string or an object")
+    if isinstance(args, str):  # the template gets a JSON-object string as the object (masks.rendering)
+        try:
+            _check_text(json.loads(args), f"{at}.{fn_path}arguments (parsed as JSON)")
+        except ValueError:
+            pass  # not JSON: the template gets the text, checked above
+    call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(tc.get("id"), str):
+        call["id"] = tc["id"]
+    return call
+
+
 def _tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(value, list):
         raise _Bad(WRONG_TYPE, f"{where}: tool_calls must be a list, got {type(value).__name__}")
-    out = []
-    for k, tc in enumerate(value):
-        if not isinstance(tc, Mapping):
-            raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}] must be an object")
-        _check_text(tc, f"{where}.tool_calls[{k}]")
-        fn = tc.get("function", tc)  # also accept the flat {name, arguments} form
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}] needs function.name (a string)")
-        args = fn.get("arguments", {})
-        if not isinstance(args, (str, Mapping)):
-            raise _Bad(WRONG_TYPE, f"{where}.tool_calls[{k}].function.arguments must be a string or an object")
-        if isinstance(args, str):  # the template gets a JSON-object string as the object (masks.rendering)
-            try:
-                _check_text(json.loads(args), f"{where}.tool_calls[{k}].function.arguments (parsed as JSON)")
-            except ValueError:
-                pass  # not JSON: the template gets the text, checked above
-        call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-        if isinstance(tc.get("id"), str):
-            call["id"] = tc["id"]
-        out.append(call)
-    return out
+    return [_tool_call(tc, f"{where}.tool_calls[{k}]") for k, tc in enumerate(value)]
 
 
 def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: str, where: str) -> dict[str, Any]:
@@ -218,6 +222,16 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
             msg["tool_calls"] = calls
     elif raw.get("tool_calls"):  # a table's empty column (None, []) is no call
         raise _Bad(WRONG_TYPE, f"{where} ({role}) has tool_calls: only assistant messages call tools")
+    if raw.get("function_call") is not None:  # OpenAI's legacy form of one tool call: {name, arguments}
+        if role != "assistant":
+            raise _Bad(WRONG_TYPE, f"{where} ({role}) has function_call: only assistant messages call tools")
+        if msg.get("tool_calls"):
+            raise _Bad(WRONG_TYPE, f"{where} has both `function_call` (the legacy form of one tool call) and "
+                                   "`tool_calls`: which calls the assistant made is not known; keep one")
+        if not isinstance(raw["function_call"], Mapping):
+            raise _Bad(WRONG_TYPE, f"{where}.function_call must be an object {{name, arguments}}, got "
+                                   f"{type(raw['function_call']).__name__}")
+        msg["tool_calls"] = [_tool_call(raw["function_call"], f"{where}.function_call", fn_path="")]
     if role == "assistant":
         for key in _REASONING_KEYS:
             r = raw.get(key)

@@ -198,7 +198,8 @@ def table_row(row: dict[str, Any]) -> dict[str, Any]:
         row["tools"] = _drop_nulls(row["tools"])
     for key in ("messages", "conversations"):
         for m in row.get(key) or ():
-            for call in (m.get("tool_calls") or ()) if isinstance(m, dict) else ():
+            legacy = [m["function_call"]] if isinstance(m, dict) and isinstance(m.get("function_call"), dict) else []
+            for call in [*(m.get("tool_calls") or ()), *legacy] if isinstance(m, dict) else ():
                 fn = call.get("function", call) if isinstance(call, dict) else None  # or the flat {name, arguments}
                 if isinstance(fn, dict) and isinstance(fn.get("arguments"), dict):
                     fn["arguments"] = _drop_nulls(fn["arguments"])
