@@ -67,6 +67,29 @@ def test_formats_normalize_to_the_same_conversation(tmp_path):
     assert a[0].messages == [EXPECTED[0], {**EXPECTED[1], "content_parts": ["Hi"]}, *EXPECTED[2:]]
 
 
+def test_openai_messages_under_conversations_read_as_under_messages(tmp_path):
+    """`conversations: [{role, content}]` (OpenAI messages under that key, as many Hugging Face datasets write
+    them) was refused under every format (`conversations[0] has no `from``): read as `messages` is, by `auto` and
+    `sharegpt`, from JSONL and parquet; `messages` says where to look."""
+    want = normalize_record(OPENAI)
+    p = _jsonl(tmp_path / "c.jsonl", [{"conversations": OPENAI["messages"]}])
+    for cfg in ({"path": p}, {"path": p, "format": "sharegpt"}):
+        assert _read_all([cfg]) == [want]
+    pq.write_table(pa.Table.from_pylist([{"conversations": EXPECTED}]), tmp_path / "c.parquet")  # one content type
+    assert [c.messages for c in _read_all([{"path": tmp_path / "c.parquet"}])] == [EXPECTED]
+    with pytest.raises(MalformedRecordError) as e:
+        _read_all([{"path": p, "format": "messages"}])
+    assert (e.value.reason, e.value.detail) == (
+        "missing_messages", "no `messages` list in the record; it has `conversations`: format `sharegpt` (or `auto`) "
+                            "reads them")
+    with pytest.raises(Exception) as e:  # an entry of neither kind: named as a ShareGPT one
+        normalize_record({"conversations": [{"content": "hi"}]})
+    assert (e.value.reason, e.value.detail) == ("missing_role", "conversations[0] has no `from`")
+    with pytest.raises(Exception) as e:  # errors name the record's key
+        normalize_record({"conversations": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "yo"}]})
+    assert e.value.detail.startswith("conversations[1] has unknown role 'bot'")
+
+
 def test_content_parts_are_kept_and_written_back_as_parts():
     """OpenAI content parts (`text`, or `input_text` of the Responses API): `content` is their texts joined
     with a space (what SGLang renders for a template that takes a string), `content_parts` the texts; a

@@ -279,3 +279,19 @@ def test_a_legacy_function_call_renders_as_the_same_tool_call(tmp_path):
     assert [(r["input_ids"], r["loss_mask"]) for r in rows["legacy"]] == [
         (r["input_ids"], r["loss_mask"]) for r in rows["tools"]]
     assert "get_weather" in tok.decode(rows["legacy"][0]["input_ids"])
+
+
+def test_openai_messages_under_conversations_give_the_same_token_ids(tmp_path):
+    """One conversation written as `messages` and as `conversations: [{role, content}]` (Hugging Face's
+    other key for OpenAI messages) prepares to the same token ids and mask."""
+    recs = [conv("What is two plus two?", "Two plus two is four."), RECORDS[4]]
+    tok = make_tokenizer("qwen3")
+    rows = {}
+    for key in ("messages", "conversations"):
+        (tmp_path / key).mkdir()
+        src = _write(tmp_path / key, [{key: r["messages"]} for r in recs])
+        run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / key / "out", 1)
+        (rows[key],) = _rows(tmp_path / key / "out", 1)
+    assert len(rows["messages"]) == 2
+    assert [(r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows["conversations"]] == [
+        (r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows["messages"]]

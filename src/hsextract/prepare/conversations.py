@@ -17,8 +17,11 @@ Keys that a record does not have are absent (templates test `'tool_calls' in mes
 Record-level `tools` (function definitions) are carried in `Conversation.tools` for the template.
 
 Input formats (`format:` of a source; `auto` picks per file and record):
-  messages   JSONL / JSON list / parquet rows with `messages: [{role, content, ...}]` (OpenAI)
-  sharegpt   rows with `conversations: [{from, value}]` (human/gpt/system/tool/function_call/observation...)
+  messages   JSONL / JSON list / parquet rows with `messages: [{role, content, ...}]` (OpenAI; an assistant's
+             legacy `function_call` is its tool call, the `function` role a tool result)
+  sharegpt   rows with `conversations: [{from, value}]` (human/gpt/system/tool/function_call/observation...), or
+             OpenAI messages `[{role, content, ...}]` under `conversations` (as many Hugging Face datasets write
+             them; the record's first entry says which: `role` without `from`)
   ultrachat  rows with `messages` or `data`: a list of strings alternating user/assistant, or role dicts
   hf_disk    a directory written by `datasets.save_to_disk` (Dataset, or DatasetDict with `split:`), rows
              of any of the formats above
@@ -291,12 +294,13 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
         key = "messages" if "messages" in obj else "data"
         items = obj.get(key)
     if items is None:
-        raise _Bad(MISSING_MESSAGES, f"no `{key}` list in the record")
+        other = "; it has `conversations`: format `sharegpt` (or `auto`) reads them" if "conversations" in obj else ""
+        raise _Bad(MISSING_MESSAGES, f"no `{key}` list in the record{other}")
     if not isinstance(items, list):
         raise _Bad(WRONG_TYPE, f"`{key}` must be a list, got {type(items).__name__}")
     if not items:
         raise _Bad(MISSING_MESSAGES, f"`{key}` is empty")
-    if fmt == "sharegpt":
+    if fmt == "sharegpt" and not (isinstance(items[0], Mapping) and "role" in items[0] and "from" not in items[0]):
         msgs = [_message(m, _SHAREGPT_ROLES, "from", "value", f"{key}[{k}]") for k, m in enumerate(items)]
     elif fmt == "ultrachat" and isinstance(items[0], str):
         msgs = _alternating(items, key)
