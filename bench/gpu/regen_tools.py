@@ -4,7 +4,8 @@
                             two regenerated conversations.jsonl of the same input: per record, whether every
                             assistant turn's text is the same, and for each record's first assistant turn (the
                             one whose context is the input's alone, so the engines' numerics are the only
-                            difference) whether it is identical and how many leading tokens agree
+                            difference) whether it is identical and how many leading tokens of its text
+                            (re-tokenized: a random model's ids need not come back) agree
     same A B                exit 0 when the two files are byte-identical, 1 otherwise (prints which lines differ)
     serve MODEL --port N [--deterministic]
                             rehearsal only (REGEN_DRY=1, a CPU): a stand-in for a plain SGLang server, GET
@@ -36,7 +37,7 @@ def _assistant_texts(rec: dict[str, Any]) -> list[str]:
 
 
 def compare(a: Path, b: Path, model: str) -> dict[str, Any]:
-    from hsextract.prepare.tokenizer import load_tokenizer
+    from hsextract.prepare.tokenizer_loading import load_tokenizer
 
     tok = load_tokenizer(model, trust_remote_code=True)
     ra, rb = _records(a), _records(b)

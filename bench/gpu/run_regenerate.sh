@@ -8,13 +8,14 @@
 # Every run: 32 conversations of data/, thinking off (the random model never closes a <think>), max_new_tokens 32.
 #   g1      S1, greedy: `snakemake --cores 8 --resources gpu=1` to the end (prepare reads the regenerated file;
 #           extract with the transformers engine on the GPU); verdict: rc 0, all_valid, the regeneration's stats
-#   g1-ref  the same run with regenerate.engine: transformers (on the GPU): each record's first assistant turn
-#           (whose context is the input's alone) compared with g1's (regen_tools.py compare), as information:
-#           two engines' bf16 numerics may part on a near-tie of a random model's logits
 #   g2      S1, temperature 0.8, send_seed true: must be refused by the seeding check (S1 would drop the seeds)
 #   g3a/b   S2, temperature 0.8, seed 0, batch_size 16 then 1: byte-identical conversations.jsonl (the seed, not
 #           how requests were batched, decides what is sampled)
 #   g3c     S2, seed 1: must differ from g3a
+#   g1-ref  (last) g1's regeneration with regenerate.engine: transformers (on the GPU): each record's first assistant
+#           turn (whose context is the input's alone) compared with g1's (regen_tools.py compare), as information:
+#           two engines' bf16 numerics may part on a near-tie of a random model's logits
+# Steps run in that order, each under a limit cut to what is left of BUDGET_S (default 540).
 #   bash bench/gpu/run_regenerate.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # Results: regenerate.md (a row a step), steps.jsonl, logs/, server logs (packed into all.tgz on exit).
 # CPU rehearsal (regen_tools.py serve stands in for both servers, this project's transformers generator behind
@@ -43,6 +44,9 @@ tar -C "$REPO" --exclude=./.git --exclude=./.venv --exclude=./.whl --exclude=./r
   --exclude=./.snakemake --exclude='*/__pycache__' -cf - . | tar -C "$WD" -xf -
 cd "$WD"
 T0=$SECONDS
+# every step's limit is cut to what is left of BUDGET_S (default 540: one device call); the rehearsal's CPU
+# runs the model itself, several times slower
+END=$((T0 + ${BUDGET_S:-540})); SCALE=1; [ -z "${REGEN_DRY:-}" ] || SCALE=4
 log() { echo "[$((SECONDS - T0)) s] $*" | tee -a "$OUT/run.log"; }
 
 M=/tmp/regen-models; rm -rf "$M"; mkdir -p "$M"
@@ -115,12 +119,14 @@ regenerate: {enabled: true, engine: $2, server_url: $3, temperature: $4, seed: $
              max_new_tokens: 32, device: $DEVICE, retries: 0}
 EOF
 }
-# run NAME LIMIT [TARGET]: Snakemake on config/NAME.yaml; sets RC, SECS
+# run NAME LIMIT [TARGET]: Snakemake on config/NAME.yaml (LIMIT x SCALE, at most what is left); sets RC, SECS
 run() {
-  local t=$SECONDS
+  local t=$SECONDS limit=$(($2 * SCALE)) left=$((END - SECONDS - 10))
+  [ "$limit" -le "$left" ] || limit=$left
+  if [ "$limit" -lt 20 ]; then RC=125 SECS=0; log "$1: SKIPPED (budget)"; return; fi
   set +e
   # the target before --configfile, which takes every word after it
-  timeout -k 10 "$2" snakemake ${3:+"$3"} --cores 8 --resources gpu=1 --configfile "config/$1.yaml" \
+  timeout -k 10 "$limit" snakemake ${3:+"$3"} --cores 8 --resources gpu=1 --configfile "config/$1.yaml" \
     >"$OUT/logs/$1.log" 2>&1
   RC=$?
   set -e
@@ -133,31 +139,31 @@ stats() { "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print(js
 
 S1=http://127.0.0.1:30100 S2=http://127.0.0.1:30200
 config g1 sglang "$S1" 0 0 16
-run g1 200
+run g1 150
 VALID=$("$PY" -c "import json; print(json.load(open('results/g1/dataset.json')).get('all_valid'))" 2>/dev/null || echo missing)
 stats g1 >"$OUT/g1-stats.json"
 record g1 "$RC" "$SECS" "dataset all_valid: $VALID" "$OUT/g1-stats.json"
 
-config g1-ref transformers null 0 0 16
-run g1-ref 150 "$(regen g1-ref)"
-CMP=""
-if [ -f "$(regen g1)" ] && [ -f "$(regen g1-ref)" ]; then
-  "$PY" "$HERE/regen_tools.py" compare "$(regen g1)" "$(regen g1-ref)" --model "$M/twin" \
-    --out "$OUT/g1-compare.json" >/dev/null 2>>"$OUT/run.log" && CMP=$OUT/g1-compare.json
-fi
-record g1-ref "$RC" "$SECS" "transformers on the GPU; first turns against g1: see detail" "$CMP"
-
 config g2 sglang "$S1" 0.8 0 16
-run g2 100 "$(regen g2)"
+run g2 60 "$(regen g2)"
 MSG=$(grep -o "ignores the per-request sampling_seed" "$OUT/logs/g2.log" "logs/g2/regenerate/"*.log 2>/dev/null | head -n 1 || true)
 record g2 "$RC" "$SECS" "$([ "$RC" != 0 ] && [ -n "$MSG" ] && echo "PASS: refused (ignores the per-request sampling_seed)" || echo "FAIL: rc $RC, message: ${MSG:-none}")"
 
-config g3a sglang "$S2" 0.8 0 16; run g3a 100 "$(regen g3a)"; A_RC=$RC A_S=$SECS
-config g3b sglang "$S2" 0.8 0 1; run g3b 150 "$(regen g3b)"; B_RC=$RC
-config g3c sglang "$S2" 0.8 1 16; run g3c 100 "$(regen g3c)"; C_RC=$RC
+config g3a sglang "$S2" 0.8 0 16; run g3a 60 "$(regen g3a)"; A_RC=$RC A_S=$SECS
+config g3b sglang "$S2" 0.8 0 1; run g3b 90 "$(regen g3b)"; B_RC=$RC
+config g3c sglang "$S2" 0.8 1 16; run g3c 60 "$(regen g3c)"; C_RC=$RC
 SAME_AB=$("$PY" "$HERE/regen_tools.py" same "$(regen g3a)" "$(regen g3b)" 2>&1 || true)
 SAME_AC=$("$PY" "$HERE/regen_tools.py" same "$(regen g3a)" "$(regen g3c)" 2>&1 || true)
 V="rc $A_RC/$B_RC/$C_RC; seed 0 batch 16 vs 1: $SAME_AB; seed 0 vs 1: $SAME_AC"
 case "$SAME_AB|$SAME_AC|$A_RC$B_RC$C_RC" in identical*"|differ"*"|000") V="PASS: $V" ;; *) V="FAIL: $V" ;; esac
 stats g3a >"$OUT/g3a-stats.json"
 record g3 "$A_RC" "$A_S" "$V" "$OUT/g3a-stats.json"
+
+config g1-ref transformers null 0 0 16
+run g1-ref 120 "$(regen g1-ref)"
+CMP=""
+if [ -f "$(regen g1)" ] && [ -f "$(regen g1-ref)" ]; then
+  "$PY" "$HERE/regen_tools.py" compare "$(regen g1)" "$(regen g1-ref)" --model "$M/twin" \
+    --out "$OUT/g1-compare.json" >/dev/null 2>>"$OUT/run.log" && CMP=$OUT/g1-compare.json
+fi
+record g1-ref "$RC" "$SECS" "transformers on the GPU; first turns against g1: see detail" "$CMP"
