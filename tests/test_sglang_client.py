@@ -20,7 +20,8 @@ from hsextract.errors import ConfigError, EngineError
 from hsextract.extract.run import ChunkPrompts, extract_chunk
 from hsextract.prepare.prefix_share import find_parents
 from hsextract.sglang import server as hsrv
-from hsextract.sglang.client import SGLangEngine
+from hsextract.sglang.api import RequestRefused
+from hsextract.sglang.client import RID_PREFIX, SGLangEngine
 from hsextract.shard import ShardReader
 
 AUX = (1, 3, 5)
@@ -124,6 +125,54 @@ def test_repeated_failures_fail_the_chunk_with_the_reason(server: FakeServer) ->
         f"sample 's000' (index 0): failed 3 times although the server at {server.url} is healthy; last error: "
         'POST /generate returned HTTP 500: {"error": "injected failure"}. The chunk fails, no shard is written.'
     )
+
+
+def wait_for(done, limit_s: float = 120.0) -> None:
+    """Until done() holds: a condition of the fake's own threads, polled (no event of theirs says it)."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, "the fake server never got there"
+        time.sleep(0.01)
+
+
+def rid_files(srv: FakeServer) -> list[str]:
+    return sorted(p.name for p in srv.dumper.cfg.dump_dir.iterdir() if p.name.startswith(RID_PREFIX))
+
+
+@pytest.mark.parametrize("server", [{"write_delay_s": 0.02}], indirect=True)
+def test_a_failed_chunk_leaves_no_dump_of_its_requests(server: FakeServer) -> None:
+    """Sample 7 refused (HTTP 400, as a prompt over the context length): the chunk fails and its other requests
+    are given up, but the server still computes and dumps them. The server's dump dir is RAM; once the job is
+    done with the engine, none of its requests' files are left there."""
+    eng = engine(server, concurrency=8, retries=3)
+    send = eng.api.generate
+
+    def generate(payload: dict) -> dict:
+        if "-i7-" in payload["rid"]:
+            raise RequestRefused("POST /generate was refused with HTTP 400: input too long", 400, "")
+        return send(payload)
+
+    eng.api.generate = generate
+    with pytest.raises(EngineError, match="sample 's007' .*input too long"):
+        list(eng.extract(prompts(16, seed=9)))
+    sent = server.n_requests
+    wait_for(lambda: server.finished == sent)  # the server finishes what it was sent, the chunk failed or not
+    server.dumper.writer.flush()
+    eng.close()
+    assert rid_files(server) == []
+
+
+def test_an_earlier_attempt_of_the_chunk_leaves_nothing_behind(server: FakeServer) -> None:
+    """A retried job of chunk 3 removes what an earlier attempt of chunk 3 left (late dumps), and nothing of
+    another chunk's."""
+    dump = server.dumper.cfg.dump_dir
+    old = [dump / f"{RID_PREFIX}run-c00003-0badf00d-x0-i{k}-a0.piece" for k in range(3)]
+    other = dump / f"{RID_PREFIX}run-c00004-0badf00d-x0-i0-a0.piece"
+    for f in [*old, other]:
+        f.write_bytes(b"late")
+    ps = prompts(4, seed=10)
+    check(list(engine(server, chunk=3).extract(ps)), ps)
+    assert rid_files(server) == [other.name]
 
 
 @pytest.mark.parametrize("server", [{"die_after": 5}], indirect=True)

@@ -111,7 +111,8 @@ class SGLangEngine(Engine):
         # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
         # also when extract() runs twice on one engine with the same prompt indices (a warm-up, then the
         # run): a rid the plugin already completed would wait for a `.done` marker that never comes.
-        self._rid_base = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-{secrets.token_hex(4)}"
+        self._chunk_rids = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-"  # this chunk's, by any attempt of its job
+        self._rid_base = f"{self._chunk_rids}{secrets.token_hex(4)}"
         self._calls = itertools.count()
         self._marker: dict | None = None
         # `concurrency` bounds the requests the server holds, not the threads: a request's thread frees
@@ -120,6 +121,8 @@ class SGLangEngine(Engine):
         self._http_slots = threading.BoundedSemaphore(concurrency)
 
     def close(self) -> None:
+        # dumps that landed after their request was given up (a timeout, a failed chunk's cancelled requests)
+        dumpfiles.remove_prefixed(self.dump_dir, f"{self._rid_base}-")
         if self._on_close is not None:
             release, self._on_close = self._on_close, None
             release()
@@ -272,6 +275,9 @@ class SGLangEngine(Engine):
     # ---- many prompts ---------------------------------------------------------------------------------
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         self.plugin_info()
+        # what an earlier attempt of this chunk's job left (its late dumps): the server's dump dir is RAM, and
+        # a chunk is extracted by one job at a time
+        dumpfiles.remove_prefixed(self.dump_dir, self._chunk_rids, keep=self._rid_base)
         base = f"{self._rid_base}-x{next(self._calls)}"
         items = list(prompts)
         if self.share_prefixes:
@@ -319,6 +325,9 @@ class SGLangEngine(Engine):
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             sys.setswitchinterval(switch)
+            # the dumps of requests given up (cancelled when the chunk failed, timed out and retried): collect
+            # removes only what it reads
+            dumpfiles.remove_prefixed(self.dump_dir, f"{base}-")
 
 
 class _Admission:

@@ -185,6 +185,20 @@ def remove_rid(dump_dir: Path, rid: str) -> int:
     return n
 
 
+def remove_prefixed(dump_dir: Path, prefix: str, keep: str | None = None) -> int:
+    """Delete every file whose name starts with `prefix` (but not with `keep`); returns how many were removed."""
+    n = 0
+    for p in Path(dump_dir).glob(f"{glob_escape(prefix)}*"):
+        if keep is not None and p.name.startswith(keep):
+            continue
+        try:
+            p.unlink()
+            n += 1
+        except FileNotFoundError:
+            pass
+    return n
+
+
 def glob_escape(s: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", s)
 
