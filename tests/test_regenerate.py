@@ -585,16 +585,21 @@ def test_bad_run_keys_regeneration_reads_are_refused_by_the_schema(config: dict,
 
 class _FakeSGLang(BaseHTTPRequestHandler):
     """/generate: output_ids = a deterministic function of input_ids and the seed, then the first stop id.
-    Modes (server.mode): "ok", "trim" (stop token left out, reported in finish_reason), "flaky" (one 503)."""
+    Modes (server.mode): "ok", "trim" (stop token left out, reported in finish_reason), "flaky" (one 503, whose
+    request lives on in the server, as one a client timed out: SGLang 0.5.16 refuses its rid again with a 400)."""
 
     def do_POST(self):  # the name BaseHTTPRequestHandler dispatches POST to
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         with srv.lock:
             srv.requests.append(body)
+            duplicate = body.get("rid") in srv.live
             flaky = srv.mode == "flaky" and not srv.failed
             if flaky:
                 srv.failed = True
+                srv.live.add(body.get("rid"))
+        if duplicate:  # tokenizer_manager.py: "Duplicate request ID detected", answered 400 (http_server.py)
+            return self._send(400, {"error": {"message": f"Duplicate request ID detected: {body['rid']}"}})
         if srv.key is not None and self.headers.get("Authorization") != f"Bearer {srv.key}":
             return self._send(401, {"error": "Unauthorized"})  # as SGLang started with --api-key
         if self.path != "/generate" or "input_ids" not in body:
@@ -635,6 +640,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
 def fake_server():
     srv = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
     srv.requests, srv.lock, srv.mode, srv.failed, srv.vocab, srv.key = [], threading.Lock(), "ok", False, 150, None
+    srv.live = set()
     srv.server_info = {"enable_deterministic_inference": True, "api_key": None, "model_path": "/m"}
     t = threading.Thread(target=srv.serve_forever, daemon=True)
     t.start()
@@ -688,8 +694,9 @@ def test_sglang_generator_against_a_fake_server(fake_server, tmp_path):
         g.generate([[1, 2, 3]])
     fake_server.failed = False
     g2 = SGLangGenerator(url, regen_settings(retries=1), stop)
-    assert g2.generate([[1, 2, 3]]) == [out]
+    assert g2.generate([[1, 2, 3]]) == [out]  # the retry under a rid of its own: no "Duplicate request ID"
     assert len(fake_server.requests) == n + 1 + 2
+    assert [r["rid"][-3:] for r in fake_server.requests[-2:]] == ["-a0", "-a1"]
     bad = SGLangGenerator(url + "/nope", regen_settings(retries=3), stop)
     with pytest.raises(EngineError, match=r"/nope/generate answered 400 for request regen-"):
         bad.generate([[1]])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import sys
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,6 +50,7 @@ class SGLangGenerator:
         self.settings = settings
         self.stop_ids = list(stop_token_ids)
         self._seeding_checked = False
+        self._nonce = secrets.token_hex(4)
 
     def sampling_params(self, seed: int | None) -> dict[str, Any]:
         s = self.settings
@@ -64,7 +66,11 @@ class SGLangGenerator:
         try:
             for attempt in retrying(self.settings.retries, 0.5, max_backoff_s=MAX_BACKOFF_S):
                 with attempt:
-                    return self.api.generate(payload)
+                    # a rid of its own per attempt and generator (a rerun's job): SGLang (0.5.16:
+                    # tokenizer_manager.py) answers 400 "Duplicate request ID", which is not retried, while a
+                    # timed-out request of that rid lives on in the server
+                    n = attempt.retry_state.attempt_number - 1
+                    return self.api.generate({**payload, "rid": f"{rid}-{self._nonce}-a{n}"})
         except RequestRefused as e:  # the request itself is wrong: it was not retried
             raise EngineError(f"regenerate: {self.url} answered {e.status} for request {rid}: {e.detail}") from None
         except TransientError as e:
