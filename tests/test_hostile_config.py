@@ -108,7 +108,7 @@ def test_a_source_its_reader_cannot_count_is_named(tmp_path: Path) -> None:
     assert count_records([{"path": str(tmp_path / "a.jsonl")}]) == 1
 
 
-@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "gpu-node-7"])
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "gpu-node-7"])
 def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: pytest.CaptureFixture) -> None:
     from hsextract.config.guard import check_remote
 
@@ -121,8 +121,20 @@ def test_non_loopback_host_needs_an_api_key_or_allow_remote(host: str, capsys: p
     check_remote({"engine": "transformers", "sglang": {"host": host}})  # no server is started
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "::1", "localhost"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.2", "localhost"])
 def test_loopback_hosts_need_no_key(host: str) -> None:
     from hsextract.config.guard import check_remote
 
     check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": None, "allow_remote": False}})
+
+
+@pytest.mark.parametrize("host", ["::1", "::", "fe80::1"])
+def test_an_ipv6_host_is_refused_at_parse_time(host: str) -> None:
+    """The launcher probes its port over IPv4 and the client writes http://host:port unbracketed: an IPv6 host
+    passed the loopback check and ended the job in a bare socket.gaierror."""
+    from hsextract.config.guard import check_remote
+
+    with pytest.raises(ConfigError) as e:
+        check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": "k", "allow_remote": True}})
+    assert str(e.value) == (f"sglang.host: {host} is an IPv6 address, which the launcher does not serve: use "
+                            "127.0.0.1 (loopback), an IPv4 address or a host name")

@@ -88,6 +88,9 @@ def check_remote(config: Mapping[str, Any]) -> None:
     if config.get("engine") != "sglang" or not isinstance(sg, Mapping):
         return
     host = str(sg.get("host", "127.0.0.1"))
+    if ":" in host:  # the launcher's port probe and the client's http://host:port are IPv4 (or a name's)
+        raise ConfigError(f"sglang.host: {host} is an IPv6 address, which the launcher does not serve: use 127.0.0.1 "
+                          "(loopback), an IPv4 address or a host name")
     if is_loopback(host) or sg.get("api_key_file"):
         return
     if sg.get("allow_remote") is True:
