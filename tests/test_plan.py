@@ -21,8 +21,8 @@ from hsextract.config.settings import from_config
 from hsextract.errors import ConfigError
 
 
-def plan(config: dict, samples: int, **kwargs):
-    return plan_settings(from_config(config), samples, **kwargs)
+def plan(config: dict, records: int, **kwargs):
+    return plan_settings(from_config(config), records, **kwargs)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def test_fp8_and_measured_tokens(small: dict, tmp_path: Path) -> None:
     p = plan(small, 120, prepare_summary=str(summary))
     # 2321 tokens per 12 records read (drops included) x 120 records; fp8: the codec bench's 0.4433 of raw bf16
     assert p["tokens"] == 23_210
-    assert p["tokens_per_sample"] == pytest.approx(2321 / 12)
+    assert p["tokens_per_record"] == pytest.approx(2321 / 12)
     assert p["raw_bytes"] == 23_210 * 528
     assert p["stored_bytes"] == math.ceil(23_210 * 528 * Fraction("0.4433"))
     assert p["writer_ceiling_raw_bytes_per_s_per_node"] is None and p["bound"] is None  # not measured for fp8
@@ -107,10 +107,10 @@ def test_share_prefixes_plans_on_distinct_tokens(small: dict, tmp_path: Path) ->
     assert any(line.strip().startswith("distinct tokens (share_prefixes") and "materialized 96,000 (4.0x)" in line
                for line in text)
     assert any(line.startswith("raw bytes (distinct rows)") for line in text)
-    upper = ("share_prefixes: each sample counted whole, an upper bound; plan on the distinct tokens with "
-             "--prepare-summary")
+    upper = ("share_prefixes: each record's samples counted whole, an upper bound on the distinct tokens stored and "
+             "computed; measure those with --prepare-summary")
     assert not any(upper in line for line in text)
-    # --mean-tokens with sharing on: whole samples, said to be an upper bound; not said with sharing off
+    # --mean-tokens with sharing on: a record's samples whole, said to be an upper bound; not said with sharing off
     for share, said in ((True, True), (False, False)):
         guess = format_plan(plan({**small, "share_prefixes": share}, 120, mean_tokens=80)).splitlines()
         assert any(line.strip().startswith(upper) for line in guess) is said
@@ -212,13 +212,13 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     base.write_text(yaml.safe_dump(small))
     # a later file overrides key by key inside mappings, as snakemake merges --configfile
     over.write_text(yaml.safe_dump({"shard": {"compression_level": 5}, "prompts_per_chunk": 19}))
-    assert main(["plan", "--configfile", str(base), str(over), "--samples", "95", "--mean-tokens", "100",
+    assert main(["plan", "--configfile", str(base), str(over), "--records", "95", "--mean-tokens", "100",
                  "--chunks-per-job", "3"]) == 0
     table = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines())
     assert table["tokens"] == "9,500"
     assert table["raw bytes (speculators v1)"] == "5.016 MB (5,016,000 B)"
     assert table["stored bytes"] == "3.494 MB (3,493,644 B)"  # bf16 kept from base.yaml's shard mapping
-    assert table["shards (chunks)"].startswith("5 of 19 samples")  # ceil(95 / 19)
+    assert table["shards (chunks)"].startswith("5 of 19 records")  # ceil(95 / 19)
     assert table["chunk jobs"].startswith("2 (3 chunks per job")
     assert table["GPU-hours"] == "- (give --tokens-per-s)"
     del small["prompts_per_chunk"]

@@ -214,6 +214,7 @@ def test_extract_stores_and_computes_each_shared_prefix_once(extracted: dict) ->
     for s in out.values():  # the chunk's own time (a sample's first row once shadowed its start time)
         assert 0 < s["seconds"] <= s["wall_s"] + 1e-3  # rounded to ms
         assert s["tokens_per_s"] == pytest.approx(s["tokens"] / s["seconds"], rel=0.05)  # seconds rounded to ms
+        assert s["computed_tokens_per_s"] == pytest.approx(s["computed_tokens"] / s["seconds"], rel=0.05)
     assert (shared.parents, shared.prefix_lens) == ([p for p, _ in refs], [k for _, k in refs])
     for i, (p, k) in enumerate(refs):
         a, b = flat[i], shared[i]

@@ -143,26 +143,31 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hsextract.shard.inspect import format_info, shard_info
 
-    info = shard_info(args.shard, samples=args.samples)
+    info = shard_info(args.shard, samples=args.records)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="tokens, bytes, GPU-hours and jobs of a run before it starts",
-                       description="Estimate a run of SAMPLES input records under a workflow config: tokens, raw and "
-                                   "stored bytes (the codec's measured ratio), shards, chunk jobs, GPU-hours, "
+                       description="Estimate a run of RECORDS input records under a workflow config: tokens, raw "
+                                   "and stored bytes (the codec's measured ratio), shards, chunk jobs, GPU-hours, "
                                    "disk per node.")
     p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
                    help="workflow config file(s), later ones overriding earlier ones key by key (as snakemake does)")
-    p.add_argument("--samples", type=int, required=True, help="input records (conversations) of the run")
+    p.add_argument("--records", "--samples", dest="records", type=int, required=True,
+                   help="input records (conversations) of the run, what prompts_per_chunk counts; with split_turns "
+                        "one gives a sample per turn (--samples: the former name)")
     tok = p.add_mutually_exclusive_group(required=True)
     tok.add_argument("--mean-tokens", type=float,
-                     help="tokens per sample (prompt and response, after the chat template)")
+                     help="tokens per input record as prepare stores them, after the chat template: the sum over "
+                          "the samples it gives (split_turns: one per turn, each holding the conversation up to it)")
     tok.add_argument("--prepare-summary", metavar="JSON",
                      help="results/<run>/prompts/summary.json of a prepare run on a sample of the sources: "
                           "tokens per input record measured there (drops included)")
-    p.add_argument("--tokens-per-s", type=float, help="extraction throughput of one node, tokens per second")
+    p.add_argument("--tokens-per-s", type=float,
+                   help="extraction throughput of one node: tokens the engine computes per second (an extract "
+                        "log's computed_tokens_per_s; with share_prefixes each shared prefix counts once)")
     p.add_argument("--nodes", type=int, default=1, help="nodes extracting in parallel (default 1)")
     p.add_argument("--gpus-per-node", type=int,
                    help="GPUs per node (default: sglang.tp x sglang.replicas, or 1 for transformers on cuda)")
@@ -214,7 +219,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for key in ("model", "aux_layers", "prompts_per_chunk"):
         if key not in config:
             raise ConfigError(f"{key}: missing from {' + '.join(args.configfile)}; the plan needs it")
-    result = plan(from_config(config), args.samples, chunks_per_job=args.chunks_per_job, mean_tokens=args.mean_tokens,
+    result = plan(from_config(config), args.records, chunks_per_job=args.chunks_per_job, mean_tokens=args.mean_tokens,
                   prepare_summary=args.prepare_summary, tokens_per_s=args.tokens_per_s, nodes=args.nodes,
                   gpus_per_node=args.gpus_per_node, hidden_size=args.hidden_size)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

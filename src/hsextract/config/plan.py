@@ -1,6 +1,6 @@
 """Capacity planner: tokens, bytes, GPU-hours and jobs of a run before it starts (`hsextract plan`).
 
-Pure arithmetic over the workflow config and a few numbers the user gives (samples, tokens per
+Pure arithmetic over the workflow config and a few numbers the user gives (input records, tokens per
 sample, throughput): nothing is loaded but the model's config.json, so it runs on a laptop.
 """
 
@@ -103,7 +103,7 @@ def _default_gpus_per_node(s: Settings) -> int | None:
 
 def plan(
     settings: Settings,
-    samples: int,
+    records: int,
     *,
     chunks_per_job: int = 1,
     mean_tokens: float | None = None,
@@ -113,17 +113,18 @@ def plan(
     gpus_per_node: int | None = None,
     hidden_size: int | None = None,
 ) -> dict[str, Any]:
-    """The figures of a run of `samples` input records; `tokens_per_s` is one node's throughput.
+    """The figures of a run of `records` input records (conversations: what prompts_per_chunk counts; with
+    split_turns one gives several samples); `tokens_per_s` is one node's throughput in tokens the engine computes.
 
     `chunks_per_job`: extract jobs a cluster job runs one after the other (Snakemake job groups).
     """
-    if samples <= 0:
-        raise ConfigError(f"--samples: {samples} is not allowed; give the number of input records (> 0)")
+    if records <= 0:
+        raise ConfigError(f"--records: {records} is not allowed; give the number of input records (> 0)")
     if nodes <= 0:
         raise ConfigError(f"--nodes: {nodes} is not allowed; it must be >= 1")
     if (mean_tokens is None) == (prepare_summary is None):
         raise ConfigError(
-            "give exactly one of --mean-tokens (tokens per sample) or --prepare-summary "
+            "give exactly one of --mean-tokens (tokens per input record) or --prepare-summary "
             "(results/<run>/prompts/summary.json of a prepare run on a sample of your sources: measured)"
         )
     if mean_tokens is not None:
@@ -159,17 +160,17 @@ def plan(
 
     n_tensors = len(settings.extract.aux_layers) + 1
     precision = settings.extract.shard.precision
-    tokens = round(samples * per_record)
+    tokens = round(records * per_record)
     materialized = None
     if materialized_per_record is not None:
         # share_prefixes: hidden rows of the distinct tokens; input_ids and loss_mask of every sample whole
-        materialized = round(samples * materialized_per_record)
+        materialized = round(records * materialized_per_record)
     raw_per_token, raw, ratio, ratio_source, stored = shard_bytes(
         tokens, tokens if materialized is None else materialized, n_tensors, hidden_size,
         settings.extract.activation_dtype, precision)
 
     ppc = settings.prepare.prompts_per_chunk
-    chunks = count_chunks(samples, ppc)
+    chunks = count_chunks(records, ppc)
     cpj = chunks_per_job
     jobs = math.ceil(chunks / cpj)
 
@@ -194,9 +195,9 @@ def plan(
         "model": model,
         "precision": precision,
         "dtype": settings.extract.activation_dtype,
-        "samples": samples,
-        "tokens_per_sample": per_record,
-        "tokens_per_sample_source": token_source,
+        "records": records,
+        "tokens_per_record": per_record,
+        "tokens_per_record_source": token_source,
         "tokens": tokens,
         # share_prefixes with a measured prepare summary: `tokens` are the distinct ones (stored and computed),
         # these the materialized ones (each sample whole, what a trainer reads); else None
@@ -269,15 +270,15 @@ def format_plan(p: Mapping[str, Any]) -> str:
     rows = [
         ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, "
                   f"{p['dtype'] if p['precision'] == 'bf16' else p['precision']})"),
-        ("samples", f"{p['samples']:,}"),
-        ("tokens per sample", f"{p['tokens_per_sample']:,.1f} ({p['tokens_per_sample_source']})"),
+        ("records", f"{p['records']:,} (input records)"),
+        ("tokens per record", f"{p['tokens_per_record']:,.1f} ({p['tokens_per_record_source']})"),
         ("tokens", f"{p['tokens']:,}"),
         *([("", f"distinct tokens (share_prefixes: each shared prefix stored and computed once); "
                 f"materialized {p['materialized_tokens']:,} ({p['share_saving']}x), as a trainer reads them")]
           if p.get("materialized_tokens") is not None else []),
-        # --mean-tokens counts whole samples: with sharing on, what is stored and computed is less
-        *([("", "share_prefixes: each sample counted whole, an upper bound; plan on the distinct tokens with "
-                "--prepare-summary (prepare a sample of the sources)")]
+        # --mean-tokens counts a record's samples whole: with sharing on, what is stored and computed is less
+        *([("", "share_prefixes: each record's samples counted whole, an upper bound on the distinct tokens "
+                "stored and computed; measure those with --prepare-summary (prepare a sample of the sources)")]
           if p.get("share_prefixes") and p.get("materialized_tokens") is None else []),
         ("raw bytes per token",
          f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x "
@@ -287,7 +288,7 @@ def format_plan(p: Mapping[str, Any]) -> str:
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
         ("stored bytes", _bytes(p["stored_bytes"])),
         ("shards (chunks)",
-         f"{p['shards']:,} of {p['prompts_per_chunk']:,} samples, ~{_bytes(p['stored_bytes_per_shard'])} each"),
+         f"{p['shards']:,} of {p['prompts_per_chunk']:,} records, ~{_bytes(p['stored_bytes_per_shard'])} each"),
         ("chunk jobs",
          f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
         ("throughput",

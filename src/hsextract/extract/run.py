@@ -226,6 +226,8 @@ def extract_chunk(
         "computed_tokens": computed,
         "seconds": round(seconds, 3),
         "tokens_per_s": round(n_tokens / seconds, 1) if seconds > 0 else None,
+        # what `hsextract plan --tokens-per-s` takes: with shared prefixes, each prefix once
+        "computed_tokens_per_s": round(computed / seconds, 1) if seconds > 0 else None,
         "bytes": stored.stored_bytes,
         "raw_bytes": stored.raw_bytes,
         "engine_wait_s": round(wait_s, 3),
