@@ -61,10 +61,11 @@ def test_chunk_stats_values(shards: list[Path]) -> None:
 
 def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> None:
     stats = [chunk_stats(p, position_bins=2) for p in shards]
-    tables = aggregate(stats, {"dropped": {"too_long": 2, "no_trained_tokens": 5}})
+    tables = aggregate(stats, {"dropped": {"too_long": 2, "no_trained_tokens": 5, "duplicate": 1}})
     summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
+    # a duplicate drops a whole record (all its samples), the filters one sample each: never added up
     assert (summary["chunks"], summary["samples"], summary["tokens"], summary["trained_tokens"],
-            summary["dropped_samples"]) == (2, 3, 10, 7, 7)
+            summary["dropped_samples"], summary["dropped_records"]) == (2, 3, 10, 7, 7, 1)
     assert (summary["stored_tokens"], summary["share_saving"]) == (10, 1.0)
     raw = sum(s["bytes_raw"] for s in stats)
     stored = sum(p.stat().st_size for p in shards)
@@ -74,7 +75,8 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
     # hidden_states[0]: squares 1 (3 tok), 9 (2 tok), 1 (5 tok) over 10 tokens
     assert layers.loc["hidden_states[0]", "rms"] == pytest.approx(math.sqrt((3 + 18 + 5) / 10))
     assert layers.loc["final_post_norm", "abs_max"] == 4.0
-    assert list(tables["dropped"].itertuples(index=False, name=None)) == [("no_trained_tokens", 5), ("too_long", 2)]
+    assert list(tables["dropped"].itertuples(index=False, name=None)) == [
+        ("no_trained_tokens", 5, "sample"), ("too_long", 2, "sample"), ("duplicate", 1, "record")]
     pos = tables["rms_by_position"]
     assert list(pos["position_start"]) == [0, 2, 4] and list(pos["tokens"]) == [6, 3, 1]
     # final tensor at position bin 2 (positions 2,3): sample a pos 2 (0.25) and sample b pos 2,3 (16)
@@ -153,8 +155,8 @@ def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Pa
     assert ('<tr><td class="num">1</td><td class="num">1</td><td class="num">5</td><td class="num">5</td>'
             '<td class="num">4</td>') in page["chunks"]
     assert '<tr><td>hidden_states[0]</td><td class="num">' in page["layers"]
-    assert '<tr><td>too_long</td><td class="num">2</td></tr><tr><td>duplicate</td><td class="num">1</td></tr>' in page[
-        "dropped"]
+    assert ('<tr><td>too_long</td><td class="num">2</td><td>sample</td></tr><tr><td>duplicate</td><td class="num">1'
+            '</td><td>record</td></tr>') in page["dropped"]
     v = page["validation"]
     assert '<p class="failed">1 of 2 shards passed validation (21 samples).</p>' in v
     assert "<li>shards/chunk-00001.hss</li>" in v

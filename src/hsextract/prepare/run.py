@@ -53,6 +53,7 @@ from hsextract.prepare.conversations import (
     mixture,
     open_sources,
 )
+from hsextract.prepare.drops import DUPLICATE, NO_TRAINED_TOKENS, TOO_LONG, TRUNCATED_UNTRAINED
 from hsextract.prepare.prefix_share import distinct_tokens, find_parents
 from hsextract.prepare.tokenizer_loading import load_tokenizer
 from hsextract.prepare.vocab import save_token_freq, token_freq
@@ -68,12 +69,6 @@ SCHEMA = pa.schema([
 ])
 
 SHARED_SCHEMA = SCHEMA.append(pa.field("parent", pa.int32())).append(pa.field("prefix_len", pa.int32()))
-
-TOO_LONG = "too_long"
-NO_TRAINED_TOKENS = "no_trained_tokens"
-TRUNCATED_UNTRAINED = "truncated_untrained"  # cut to max_seq_len, which left fewer than min_trained_tokens
-DUPLICATE = "duplicate"
-
 
 def chunk_name(chunk: int) -> str:
     return chunks.name(chunk, ".parquet")

@@ -18,6 +18,7 @@ from hsextract import layers, provenance
 from hsextract.config.reruns import beside_manifest
 from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
+from hsextract.prepare import drops
 from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
 
 MANIFEST_FORMAT = "hsextract-dataset"
@@ -148,8 +149,8 @@ def build_manifest(
             "stored_over_raw": round(totals["bytes_stored"] / totals["bytes_raw"], 4) if totals["bytes_raw"] else None,
             # stored bytes over the raw bytes of what is stored (a shared prefix once): the codec alone
             "codec_ratio": codec_ratio(totals["bytes_stored"], raw_of_stored),
-            "dropped": dropped,
-            "dropped_samples": sum(dropped.values()),
+            "dropped": dropped,  # by reason; a reason drops records or samples (prepare.drops)
+            **drops.totals(dropped),
         },
         "all_valid": all(e["valid"] for e in entries),
         "shards": entries,

@@ -18,6 +18,7 @@ import torch
 
 from hsextract.atomic import write_atomic
 from hsextract.layers import HIDDEN_STATES, shard_hidden_states
+from hsextract.prepare import drops
 from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
 
 SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
@@ -115,9 +116,10 @@ def load_json_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
 
 
 def _dropped(prepare_summary: Mapping[str, Any]) -> pd.DataFrame:
+    """Prepare's drops by reason, each in its unit (a whole record, or one of a record's samples)."""
     dropped = prepare_summary.get("dropped") or {}
-    rows = sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))
-    return pd.DataFrame(rows, columns=["reason", "samples"]).astype({"samples": "int64"})
+    rows = [(r, n, drops.unit(r)) for r, n in sorted(dropped.items(), key=lambda kv: (-kv[1], kv[0]))]
+    return pd.DataFrame(rows, columns=["reason", "dropped", "unit"]).astype({"dropped": "int64"})
 
 
 def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
@@ -182,7 +184,7 @@ def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str,
         "stored_tokens": stored,
         "share_saving": share_saving(tokens, stored),
         "trained_tokens": int(per_chunk["trained_tokens"].sum()),
-        "dropped_samples": int(dropped["samples"].sum()) if len(dropped) else 0,
+        **drops.totals(prepare_summary.get("dropped") or {}),
         "bytes_raw": tot_raw,
         "bytes_stored": tot_stored,
         "stored_over_raw": round(tot_stored / tot_raw, 4) if tot_raw else float("nan"),

@@ -102,7 +102,7 @@ TITLES = {
     "chunks": "Per chunk",
     "layers": "Per stored tensor",
     "seq_lengths": "Sequence-length quantiles",
-    "dropped": "Samples dropped by prepare",
+    "dropped": "Dropped by prepare (whole records, or samples of a record)",
 }
 
 
