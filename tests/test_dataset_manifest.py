@@ -1,6 +1,9 @@
 """A run folder is read through its dataset.json: a missing or changed shard is an error naming it."""
 
+import hashlib
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 from conftest import make_sample, shard_metadata
@@ -97,3 +100,21 @@ def test_export_compares_checksums(run, tmp_path):
     assert len(open_dataset(run)) == 3  # sizes agree: opening alone does not hash
     with pytest.raises(ShardError, match="chunk-00000.hss: sha256 differs"):
         export(run, tmp_path / "out", "speculators-v1")
+
+
+def test_data_hash_covers_every_byte_of_a_file_or_a_dataset_folder(tmp_path: Path) -> None:
+    from hsextract.provenance import data_hash
+
+    f = tmp_path / "a.jsonl"
+    f.write_bytes(b'{"messages": []}\n')
+    assert data_hash(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    d = tmp_path / "ds"
+    (d / "train").mkdir(parents=True)
+    (d / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (d / "train/data-00000-of-00001.arrow").write_bytes(b"\x00" * 100)
+    before = data_hash(d)
+    copy = tmp_path / "copy"
+    shutil.copytree(d, copy)
+    assert data_hash(copy) == before
+    (d / "train/data-00000-of-00001.arrow").write_bytes(b"\x00" * 99 + b"\x01")  # one byte, deep in the data
+    assert data_hash(d) != before

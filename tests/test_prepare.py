@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pyarrow.parquet as pq
@@ -75,7 +76,10 @@ def test_chunks_filters_and_summary(tmp_path):
     assert summary["per_source"]["d"]["kept"] == 2
     assert [c["records"] for c in summary["per_chunk"]] == [2, 2, 2]
     assert [c["rows"] for c in summary["per_chunk"]] == [len(c) for c in chunks]
-    assert json.loads((tmp_path / "out" / "summary.json").read_text())["dropped_total"] == 4
+    written = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert (written["dropped_records"], written["dropped_samples"]) == (2, 2)  # bad_json, duplicate; the filters'
+    # the data itself, for dataset.json's provenance (a source edited in place later no longer matches)
+    assert written["source_files"] == {"d": {"path": str(src), "sha256": hashlib.sha256(src.read_bytes()).hexdigest()}}
     assert load_token_freq(tmp_path / "out" / "token_freq.pt") == token_freq_from_prompts(
         sorted((tmp_path / "out").glob("chunk-*.parquet")))
     # Same seed, same chunks; the mixture order decides which chunk a record lands in.

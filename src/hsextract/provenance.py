@@ -82,6 +82,18 @@ def tokenizer_hash(tokenizer_dir: str) -> str:
     return h.hexdigest()
 
 
+def data_hash(path: str | Path) -> str:
+    """sha256 of a source file, or over a dataset folder's files (relative names, sizes, contents): every byte,
+    as the data decides the dataset."""
+    root = Path(path)
+    if root.is_file():
+        return sha256_file(root)
+    h = hashlib.sha256()
+    for p in sorted(q for q in root.rglob("*") if q.is_file()):
+        h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0{sha256_file(p)}\0".encode())
+    return h.hexdigest()
+
+
 def text_hash(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()
 

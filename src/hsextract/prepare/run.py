@@ -37,6 +37,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hsextract import provenance
 from hsextract.atomic import write_atomic, write_bytes_atomic
 from hsextract.config import chunks
 from hsextract.config.reruns import plain
@@ -44,6 +45,7 @@ from hsextract.config.settings import PrepareSettings
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
 from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
+from hsextract.prepare import drops
 from hsextract.prepare.conversations import (
     Conversation,
     MalformedRecordError,
@@ -238,6 +240,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "num_chunks": num_chunks,
         "prompts_per_chunk": ppc,
         "per_source": {name: _jsonable(s) for name, s in per_source.items()},
+        # what the data was: a source edited in place later no longer matches (dataset.json's provenance)
+        "source_files": {s.spec.name: {"path": str(s.spec.path), "sha256": provenance.data_hash(s.spec.path)}
+                         for s in sources},
         "per_chunk": per_chunk,
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
@@ -251,7 +256,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
 
 
 def _jsonable(st: dict[str, Any]) -> dict[str, Any]:
-    return {**st, "dropped": dict(sorted(st["dropped"].items())), "dropped_total": sum(st["dropped"].values())}
+    return {**st, "dropped": dict(sorted(st["dropped"].items())), **drops.totals(st["dropped"])}
 
 
 # `token_freq` is re-exported for callers that recompute frequencies from chunks.
