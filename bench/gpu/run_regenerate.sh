@@ -15,11 +15,12 @@
 #   g1-ref  (last) g1's regeneration with regenerate.engine: transformers (on the GPU): each record's first assistant
 #           turn (whose context is the input's alone) compared with g1's (regen_tools.py compare), as information:
 #           two engines' bf16 numerics may part on a near-tie of a random model's logits
-# Steps run in that order, each under a limit cut to what is left of BUDGET_S (default 540).
+# Steps run in that order, each under a limit cut to what is left of BUDGET_S (default 540); STEPS="g1 g1-ref"
+# (say) runs those alone (S2 only for g3).
 #   bash bench/gpu/run_regenerate.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # Results: regenerate.md (a row a step), steps.jsonl, logs/, server logs (packed into all.tgz on exit).
 # CPU rehearsal (regen_tools.py serve stands in for both servers, this project's transformers generator behind
-# SGLang's HTTP API; g1-ref then agrees exactly):
+# SGLang's HTTP API, one request at a time; g1-ref, in batches of 16, then agrees but on near-ties):
 #   REGEN_DRY=1 PY=$PWD/.venv/bin/python OUT=/tmp/regen-dry bash bench/gpu/run_regenerate.sh
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -81,10 +82,13 @@ finish() {
   return $rc
 }
 trap finish EXIT
+STEPS=" ${STEPS:-g1 g2 g3 g1-ref} "
+want() { [[ "$STEPS" == *" $1 "* ]]; }
+PORTS="30100"
 start_server s1 30100 ""
-start_server s2 30200 "--enable-deterministic-inference"
+if want g3; then start_server s2 30200 "--enable-deterministic-inference"; PORTS="$PORTS 30200"; fi
 up() { "$PY" -c "import sys; from hsextract.sglang.api import health; sys.exit(health(sys.argv[1]) is not None)" "$1"; }
-for port in 30100 30200; do
+for port in $PORTS; do
   until up "http://127.0.0.1:$port"; do
     for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null || { log "a server died at start"; exit 1; }; done
     [ $((SECONDS - T0)) -lt 420 ] || { log "servers not up in time"; exit 1; }
@@ -138,17 +142,22 @@ stats() { "$PY" -c "import json, sys; d = json.load(open(sys.argv[1])); print(js
   "results/$1/regenerated/conversations.stats.json" 2>/dev/null || echo '{}'; }
 
 S1=http://127.0.0.1:30100 S2=http://127.0.0.1:30200
+if want g1; then
 config g1 sglang "$S1" 0 0 16
 run g1 150
 VALID=$("$PY" -c "import json; print(json.load(open('results/g1/dataset.json')).get('all_valid'))" 2>/dev/null || echo missing)
 stats g1 >"$OUT/g1-stats.json"
 record g1 "$RC" "$SECS" "dataset all_valid: $VALID" "$OUT/g1-stats.json"
+fi
 
+if want g2; then
 config g2 sglang "$S1" 0.8 0 16
 run g2 60 "$(regen g2)"
 MSG=$(grep -o "ignores the per-request sampling_seed" "$OUT/logs/g2.log" "logs/g2/regenerate/"*.log 2>/dev/null | head -n 1 || true)
 record g2 "$RC" "$SECS" "$([ "$RC" != 0 ] && [ -n "$MSG" ] && echo "PASS: refused (ignores the per-request sampling_seed)" || echo "FAIL: rc $RC, message: ${MSG:-none}")"
+fi
 
+if want g3; then
 config g3a sglang "$S2" 0.8 0 16; run g3a 60 "$(regen g3a)"; A_RC=$RC A_S=$SECS
 config g3b sglang "$S2" 0.8 0 1; run g3b 90 "$(regen g3b)"; B_RC=$RC
 config g3c sglang "$S2" 0.8 1 16; run g3c 60 "$(regen g3c)"; C_RC=$RC
@@ -158,7 +167,9 @@ V="rc $A_RC/$B_RC/$C_RC; seed 0 batch 16 vs 1: $SAME_AB; seed 0 vs 1: $SAME_AC"
 case "$SAME_AB|$SAME_AC|$A_RC$B_RC$C_RC" in identical*"|differ"*"|000") V="PASS: $V" ;; *) V="FAIL: $V" ;; esac
 stats g3a >"$OUT/g3a-stats.json"
 record g3 "$A_RC" "$A_S" "$V" "$OUT/g3a-stats.json"
+fi
 
+if want g1-ref; then
 config g1-ref transformers null 0 0 16
 run g1-ref 120 "$(regen g1-ref)"
 CMP=""
@@ -167,3 +178,4 @@ if [ -f "$(regen g1)" ] && [ -f "$(regen g1-ref)" ]; then
     --out "$OUT/g1-compare.json" >/dev/null 2>>"$OUT/run.log" && CMP=$OUT/g1-compare.json
 fi
 record g1-ref "$RC" "$SECS" "transformers on the GPU; first turns against g1: see detail" "$CMP"
+fi
