@@ -35,7 +35,7 @@ import json
 import re
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,30 +173,26 @@ def write_err(dump_dir: Path, rid: str, message: str) -> Path:
     return path
 
 
-def remove_rid(dump_dir: Path, rid: str) -> int:
-    """Delete every file of `rid` (pieces, markers); returns how many were removed."""
+def _unlink(paths: Iterable[Path]) -> int:
     n = 0
-    for p in Path(dump_dir).glob(f"{glob_escape(rid)}.*"):
+    for p in paths:
         try:
             p.unlink()
             n += 1
-        except FileNotFoundError:
+        except FileNotFoundError:  # a concurrent remover's
             pass
     return n
+
+
+def remove_rid(dump_dir: Path, rid: str) -> int:
+    """Delete every file of `rid` (pieces, markers); returns how many were removed."""
+    return _unlink(Path(dump_dir).glob(f"{glob_escape(rid)}.*"))
 
 
 def remove_prefixed(dump_dir: Path, prefix: str, keep: str | None = None) -> int:
     """Delete every file whose name starts with `prefix` (but not with `keep`); returns how many were removed."""
-    n = 0
-    for p in Path(dump_dir).glob(f"{glob_escape(prefix)}*"):
-        if keep is not None and p.name.startswith(keep):
-            continue
-        try:
-            p.unlink()
-            n += 1
-        except FileNotFoundError:
-            pass
-    return n
+    return _unlink(p for p in Path(dump_dir).glob(f"{glob_escape(prefix)}*")
+                   if keep is None or not p.name.startswith(keep))
 
 
 def glob_escape(s: str) -> str:
