@@ -71,19 +71,19 @@ start_server() {  # NAME PORT EXTRA_FLAGS
   PIDS+=($!)
 }
 stop_servers() { for p in "${PIDS[@]}"; do kill -TERM -- "-$p" 2>/dev/null || true; done; }
-STEPS=$OUT/steps.jsonl; : >"$STEPS"
+RECORDS=$OUT/steps.jsonl; : >"$RECORDS"
 finish() {
   local rc=$?
   stop_servers
-  "$PY" "$HERE/regen_tools.py" summary "$STEPS" "$OUT/regenerate.md" || true
+  "$PY" "$HERE/regen_tools.py" summary "$RECORDS" "$OUT/regenerate.md" || true
   cp -r "$WD/logs" "$OUT/workflow-logs" 2>/dev/null || true
   log "exit $rc after $((SECONDS - T0)) s"
   pack_out
   return $rc
 }
 trap finish EXIT
-STEPS=" ${STEPS:-g1 g2 g3 g1-ref} "
-want() { [[ "$STEPS" == *" $1 "* ]]; }
+WANT=" ${STEPS:-g1 g2 g3 g1-ref} "
+want() { [[ "$WANT" == *" $1 "* ]]; }
 PORTS="30100"
 start_server s1 30100 ""
 if want g3; then start_server s2 30200 "--enable-deterministic-inference"; PORTS="$PORTS 30200"; fi
@@ -99,7 +99,7 @@ log "servers up"
 
 # record NAME RC SECS VERDICT [DETAIL_JSON_FILE]
 record() {
-  "$PY" - "$@" >>"$STEPS" <<'PYEOF'
+  "$PY" - "$@" >>"$RECORDS" <<'PYEOF'
 import json, sys, pathlib
 name, rc, secs, verdict = sys.argv[1:5]
 detail = json.loads(pathlib.Path(sys.argv[5]).read_text()) if len(sys.argv) > 5 and sys.argv[5] else None
