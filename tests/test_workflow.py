@@ -328,7 +328,7 @@ def test_report_after_run(full_run: Path) -> None:
         if title:
             pages[title[1]] = text
     assert set(pages) >= {"Totals", "Per chunk", "Per stored tensor", "Sequence-length quantiles",
-                          "Samples dropped by prepare", "Validation"}, sorted(pages)
+                          "Dropped by prepare (whole records, or samples of a record)", "Validation"}, sorted(pages)
     samples = json.loads((run_dir(full_run) / "dataset.json").read_text())["counts"]["samples"]
     assert f'<tr><td>samples</td><td class="num">{samples:,}</td></tr>' in pages["Totals"]
     assert f"{N_CHUNKS} of {N_CHUNKS} shards passed validation ({samples:,} samples)." in pages["Validation"]

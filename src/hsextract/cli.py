@@ -143,7 +143,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from hsextract.shard.inspect import format_info, shard_info
 
-    info = shard_info(args.shard, samples=args.records)
+    info = shard_info(args.shard, samples=args.samples)
     print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
