@@ -77,6 +77,12 @@ def test_openai_messages_under_conversations_read_as_under_messages(tmp_path):
         assert _read_all([cfg]) == [want]
     pq.write_table(pa.Table.from_pylist([{"conversations": EXPECTED}]), tmp_path / "c.parquet")  # one content type
     assert [c.messages for c in _read_all([{"path": tmp_path / "c.parquet"}])] == [EXPECTED]
+    # a table of both kinds: one struct type, so every message has role, content, from and value, the unused null
+    pair = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    sharegpt = [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]
+    both = [{"conversations": pair}, {"conversations": sharegpt}]
+    pq.write_table(pa.Table.from_pylist(both), tmp_path / "both.parquet")
+    assert [c.messages for c in _read_all([{"path": tmp_path / "both.parquet"}])] == [pair, pair]
     with pytest.raises(MalformedRecordError) as e:
         _read_all([{"path": p, "format": "messages"}])
     assert (e.value.reason, e.value.detail) == (

@@ -300,7 +300,9 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
         raise _Bad(WRONG_TYPE, f"`{key}` must be a list, got {type(items).__name__}")
     if not items:
         raise _Bad(MISSING_MESSAGES, f"`{key}` is empty")
-    if fmt == "sharegpt" and not (isinstance(items[0], Mapping) and "role" in items[0] and "from" not in items[0]):
+    # by value, not key: a table mixing both kinds gives every message both keys, the unused one null
+    openai = isinstance(items[0], Mapping) and items[0].get("role") is not None and items[0].get("from") is None
+    if fmt == "sharegpt" and not openai:
         msgs = [_message(m, _SHAREGPT_ROLES, "from", "value", f"{key}[{k}]") for k, m in enumerate(items)]
     elif fmt == "ultrachat" and isinstance(items[0], str):
         msgs = _alternating(items, key)

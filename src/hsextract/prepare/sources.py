@@ -323,6 +323,9 @@ def _refuse_binary(p: Path, head: bytes) -> None:
                               f"JSON source is read as UTF-8 text: {fix}")
 
 
+_ONE_OBJECT_MAX_BYTES = 256 << 20
+
+
 def _refuse_json_object(p: Path) -> None:
     """A .json file that opens with `{`: JSON lines (a .json file often holds them, as `datasets` reads it), unless
     it is one object over several lines, which read as lines would be one malformed record a line: refused."""
@@ -336,6 +339,8 @@ def _refuse_json_object(p: Path) -> None:
             return  # line 1 is a record: JSON lines
         except ValueError:
             pass
+    if p.stat().st_size > _ONE_OBJECT_MAX_BYTES:
+        return  # not parsed whole (this runs when the workflow is parsed): its lines are read, each error named
     try:
         obj = json.loads(p.read_bytes().decode("utf-8-sig"))
     except ValueError:
