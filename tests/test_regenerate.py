@@ -506,6 +506,12 @@ def test_a_record_the_template_refuses_is_counted_as_prepare_counts_it(tmp_path)
     assert recs["d:1"] == {"id": "d:1", "source": "d", "messages": [], "malformed": "template_error"}
     assert recs["d:0"]["messages"][1] == {"role": "assistant", "content": "fine"}
     assert st["refused"] == {"template_error": 1} and st["turns_regenerated"] == 1
+    # prepare on the regenerated file counts the record under the same reason as prepare on the input did
+    out = tmp_path / "conversations.jsonl"
+    concat_chunks([tmp_path / "c.jsonl"], out)
+    again = from_config({**cfg, "sources": [{"path": str(out), "name": "regenerated", "format": "messages"}]})
+    after = run_prepare(again.prepare, tok, tmp_path / "q", 1, regenerated=True)
+    assert (after["kept"], dict(after["dropped"])) == (1, {"template_error": 1})
 
     with pytest.raises(ConfigError, match=r"in\.jsonl:2: regenerate: the context of messages\[2\]: the chat "
                                           r"template refused it: Conversation roles must alternate"):

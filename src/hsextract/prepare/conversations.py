@@ -275,6 +275,10 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
     """One decoded record -> Conversation. Raises _Bad(reason, detail) (internal) when malformed."""
     if not isinstance(obj, Mapping):
         raise _Bad(WRONG_TYPE, f"a record must be a JSON object, got {type(obj).__name__}")
+    if obj.get("messages") == [] and isinstance(obj.get("malformed"), str) and obj["malformed"]:
+        # regenerate's line for an input record it left out: counted under the reason it gives, as without it
+        raise _Bad(obj["malformed"], "regenerate left this input record out for that reason (its regenerate chunk's "
+                                     "stats say more)")
     if fmt == "auto" or fmt == "hf_disk":
         if "conversations" in obj:
             fmt = "sharegpt"

@@ -28,7 +28,7 @@ One output line per input record, so the regenerated file holds as many records 
     before that turn; prepare then drops it if nothing is left to train (no_trained_tokens);
   - a malformed input record, or one whose context the chat template refuses (counted in `refused` by the
     reason prepare drops it under), in lenient mode: {"id", "source", "messages": [], "malformed": reason},
-    which prepare counts as malformed (missing_messages); strict mode raises, naming the record's file:line.
+    which prepare counts under that reason; strict mode raises, naming the record's file:line.
 Assistant turns with tool calls: `tool_turns: keep` leaves them as in the source (the target's own tool
 calls would not match the recorded tool results), `truncate` ends the conversation before the first one.
 A conversation that ends with a user or tool message gets a generated final assistant turn when
