@@ -138,3 +138,7 @@ def test_an_ipv6_host_is_refused_at_parse_time(host: str) -> None:
         check_remote({"engine": "sglang", "sglang": {"host": host, "api_key_file": "k", "allow_remote": True}})
     assert str(e.value) == (f"sglang.host: {host} is an IPv6 address, which the launcher does not serve: use "
                             "127.0.0.1 (loopback), an IPv4 address or a host name")
+    with pytest.raises(ConfigError) as e:
+        check_remote({"engine": "sglang", "sglang": {"host": "localhost:30000", "api_key_file": None}})
+    assert str(e.value) == ("sglang.host: localhost:30000 holds a ':': give the interface alone (127.0.0.1, say) and "
+                            "the port as sglang.port")

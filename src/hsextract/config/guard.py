@@ -89,6 +89,11 @@ def check_remote(config: Mapping[str, Any]) -> None:
         return
     host = str(sg.get("host", "127.0.0.1"))
     if ":" in host:  # the launcher's port probe and the client's http://host:port are IPv4 (or a name's)
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ConfigError(f"sglang.host: {host} holds a ':': give the interface alone (127.0.0.1, say) and the "
+                              "port as sglang.port") from None
         raise ConfigError(f"sglang.host: {host} is an IPv6 address, which the launcher does not serve: use 127.0.0.1 "
                           "(loopback), an IPv4 address or a host name")
     if is_loopback(host) or sg.get("api_key_file"):
