@@ -107,11 +107,13 @@ class SGLangEngine(Engine):
         # the prompts' references are used (parent first, rows from the radix-cache hit); the server must run in
         # shared-prefix mode (its marker says so), and a flat run's server must not
         self.share_prefixes = share_prefixes
-        safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:60] or "run"
+        safe_run = re.sub(r"[^A-Za-z0-9_.-]", "_", run_name)[:100] or "run"  # the schema's run_name, whole
         # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
         # also when extract() runs twice on one engine with the same prompt indices (a warm-up, then the
         # run): a rid the plugin already completed would wait for a `.done` marker that never comes.
-        self._chunk_rids = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-"  # this chunk's, by any attempt of its job
+        # this chunk's, by any attempt of its job: one job at a time extracts a chunk of a run (two runs of one
+        # run_name sharing an external server's dump dir at once would sweep each other's dumps)
+        self._chunk_rids = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-"
         self._rid_base = f"{self._chunk_rids}{secrets.token_hex(4)}"
         self._calls = itertools.count()
         self._marker: dict | None = None
@@ -121,8 +123,9 @@ class SGLangEngine(Engine):
         self._http_slots = threading.BoundedSemaphore(concurrency)
 
     def close(self) -> None:
-        # dumps that landed after their request was given up (a timeout, a failed chunk's cancelled requests)
-        dumpfiles.remove_prefixed(self.dump_dir, f"{self._rid_base}-")
+        # dumps that landed after their request was given up (a timeout, a failed chunk's cancelled requests),
+        # by this attempt or an earlier one of the chunk's job
+        dumpfiles.remove_prefixed(self.dump_dir, self._chunk_rids)
         if self._on_close is not None:
             release, self._on_close = self._on_close, None
             release()
