@@ -102,19 +102,28 @@ def test_export_compares_checksums(run, tmp_path):
         export(run, tmp_path / "out", "speculators-v1")
 
 
-def test_data_hash_covers_every_byte_of_a_file_or_a_dataset_folder(tmp_path: Path) -> None:
+def test_data_hash_covers_every_byte_of_the_files_a_source_reads(tmp_path: Path) -> None:
+    """A file's sha256; a save_to_disk split: over the Arrow files its reader reads, not the folder's other files."""
+    from hsextract.config.settings import Source
+    from hsextract.prepare.sources import data_files
     from hsextract.provenance import data_hash
 
     f = tmp_path / "a.jsonl"
     f.write_bytes(b'{"messages": []}\n')
-    assert data_hash(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    one = Source(str(f), "auto", 1.0, None, None, None)
+    assert data_files(one) == [f] and data_hash([f]) == hashlib.sha256(f.read_bytes()).hexdigest()
     d = tmp_path / "ds"
     (d / "train").mkdir(parents=True)
     (d / "dataset_dict.json").write_text('{"splits": ["train"]}')
-    (d / "train/data-00000-of-00001.arrow").write_bytes(b"\x00" * 100)
-    before = data_hash(d)
+    (d / "train/state.json").write_text('{"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}')
+    arrow = d / "train/data-00000-of-00001.arrow"
+    arrow.write_bytes(b"\x00" * 100)
+    split = Source(str(d), "auto", 1.0, None, None, "train")
+    assert data_files(split) == [arrow]
+    before = data_hash(data_files(split))
+    (d / ".lock").write_text("x")  # beside the data: not it
     copy = tmp_path / "copy"
     shutil.copytree(d, copy)
-    assert data_hash(copy) == before
-    (d / "train/data-00000-of-00001.arrow").write_bytes(b"\x00" * 99 + b"\x01")  # one byte, deep in the data
-    assert data_hash(d) != before
+    assert data_hash(data_files(Source(str(copy), "auto", 1.0, None, None, "train"))) == before
+    arrow.write_bytes(b"\x00" * 99 + b"\x01")  # one byte, deep in the data
+    assert data_hash(data_files(split)) != before

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -82,15 +82,14 @@ def tokenizer_hash(tokenizer_dir: str) -> str:
     return h.hexdigest()
 
 
-def data_hash(path: str | Path) -> str:
-    """sha256 of a source file, or over a dataset folder's files (relative names, sizes, contents): every byte,
-    as the data decides the dataset."""
-    root = Path(path)
-    if root.is_file():
-        return sha256_file(root)
+def data_hash(files: Sequence[Path]) -> str:
+    """sha256 of a source's data: its file's, or over its files (names, sizes, contents), every byte, as the data
+    decides the dataset."""
+    if len(files) == 1:
+        return sha256_file(files[0])
     h = hashlib.sha256()
-    for p in sorted(q for q in root.rglob("*") if q.is_file()):
-        h.update(f"{p.relative_to(root).as_posix()}\0{p.stat().st_size}\0{sha256_file(p)}\0".encode())
+    for p in files:
+        h.update(f"{p.name}\0{p.stat().st_size}\0{sha256_file(p)}\0".encode())
     return h.hexdigest()
 
 

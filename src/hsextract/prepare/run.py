@@ -57,6 +57,7 @@ from hsextract.prepare.conversations import (
 )
 from hsextract.prepare.drops import DUPLICATE, NO_TRAINED_TOKENS, TOO_LONG, TRUNCATED_UNTRAINED
 from hsextract.prepare.prefix_share import distinct_tokens, find_parents
+from hsextract.prepare.sources import data_files
 from hsextract.prepare.tokenizer_loading import load_tokenizer
 from hsextract.prepare.vocab import save_token_freq, token_freq
 from hsextract.progress import bar
@@ -108,6 +109,15 @@ def _count_shared(st: dict[str, Any], rows: Sequence[Mapping[str, Any]], refs: S
     st["shared_samples"] = st.get("shared_samples", 0) + sum(p >= 0 for p, _ in refs)
 
 
+def _source_hash(src: OpenSource) -> str:
+    """sha256 of the files the source's reader reads (every byte: a few seconds a GB)."""
+    try:
+        return provenance.data_hash(data_files(src.spec))
+    except OSError as e:
+        raise ConfigError(f"source {src.spec.name!r} ({src.spec.path}): cannot read it to record its checksum: "
+                          f"{e}") from None
+
+
 def _regenerated_origin(src: OpenSource, index: int) -> int | str:
     """The input record a line of regenerate's file regenerates: its id without a repeat's `#k`, else the line."""
     rec = decode_raw(src.reader.raw(index)[1])
@@ -140,6 +150,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         raise ConfigError(
             f"num_chunks is {num_chunks} but the sources now hold {len(order)} records = {expected} chunks of "
             f"{ppc}; the inputs changed after the workflow was parsed: rerun snakemake")
+    # what the data was, before a record is read (dataset.json's provenance): a source edited later no longer matches
+    source_files = {src.spec.name: {"path": str(src.spec.path), "sha256": _source_hash(src)} for src in sources}
     tokenizer = load_tokenizer(tokenizer_path, cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
     masker = ChatMasker(tokenizer, train_on_eot=cfg.train_on_eot, train_on_reasoning=cfg.train_on_reasoning,
                         chat_template_kwargs=dict(cfg.chat_template_kwargs or {}), split_turns=cfg.split_turns)
@@ -240,9 +252,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "num_chunks": num_chunks,
         "prompts_per_chunk": ppc,
         "per_source": {name: _jsonable(s) for name, s in per_source.items()},
-        # what the data was: a source edited in place later no longer matches (dataset.json's provenance)
-        "source_files": {s.spec.name: {"path": str(s.spec.path), "sha256": provenance.data_hash(s.spec.path)}
-                         for s in sources},
+        "source_files": source_files,
         "per_chunk": per_chunk,
         "token_freq": "token_freq.pt",
         "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),

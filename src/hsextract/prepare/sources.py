@@ -359,6 +359,14 @@ def _refuse_json_object(p: Path) -> None:
     raise ConfigError(f"{head} (keys: {sorted(obj)[:8]}), not a record{where}")
 
 
+def data_files(spec: Source) -> list[Path]:
+    """The files a source's reader reads: the file, or the Arrow files of its save_to_disk split."""
+    p = Path(spec.path)
+    if p.is_dir() or spec.format == "hf_disk":
+        return _hf_disk_files(_hf_disk_dir(p, spec.split))
+    return [p]
+
+
 def open_reader(spec: Source) -> Reader:
     """The reader of a source's file (or save_to_disk directory), by its format and suffix."""
     p = Path(spec.path)
@@ -379,5 +387,5 @@ def open_reader(spec: Source) -> Reader:
     return _JsonlReader(p)
 
 
-__all__ = ["FORMATS", "MALFORMED_REASONS", "MalformedRecordError", "Reader", "SourceEntry", "open_reader",
-           "parse_sources"]
+__all__ = ["FORMATS", "MALFORMED_REASONS", "MalformedRecordError", "Reader", "SourceEntry", "data_files",
+           "open_reader", "parse_sources"]
