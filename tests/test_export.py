@@ -227,6 +227,20 @@ def test_force_refuses_a_folder_holding_more_than_an_export(run_dir, tmp_path):
     assert tree(out) == {"notes.txt": b"mine", "layers.json": b"{}"}
 
 
+def test_an_export_through_a_link_lands_in_its_target_and_a_killed_ones_folder_goes(run_dir, tmp_path):
+    """OUT_DIR a symlink (to a big disk, say): the export is built beside the target and replaces it, the link
+    stays. A killed export's temporary folder (no `finally` ran) is removed by the next export of that folder."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (tmp_path / "out").symlink_to(big / "v1")
+    killed = big / ".v1.0123456789abcdef.tmp"
+    (killed / "data").mkdir(parents=True)
+    (killed / "data" / "data_0.pt").write_bytes(b"half")
+    export(run_dir, tmp_path / "out", "speculators-v1")
+    assert (tmp_path / "out").is_symlink() and sorted(p.name for p in big.iterdir()) == ["v1"]
+    assert "data/data_config.json" in tree(big / "v1")
+
+
 @pytest.mark.filterwarnings("ignore::hsextract.export.FinalNormWarning")
 @pytest.mark.parametrize("fmt", ["speculators-v1", "specforge", "speculators-safetensors"])
 def test_a_failed_export_leaves_no_output_and_the_earlier_export_as_it_was(run_dir, tmp_path, fmt):

@@ -150,6 +150,7 @@ def atomic_dir(path: str | os.PathLike[str], *, durable: bool = True) -> Iterato
     is absent for an instant: a crash there leaves the old folder under a `.<name>.<16 hex>.tmp` name."""
     path = Path(os.path.abspath(path))  # "." or "out/..": a real last name, whose parent holds the temp
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_temps(path)  # what a killed build of `path` left (one writer of a path at a time)
     tmp = _fresh_temp(path, _make_dir)
     try:
         yield tmp
@@ -177,9 +178,13 @@ def atomic_dir(path: str | os.PathLike[str], *, durable: bool = True) -> Iterato
 
 
 def remove_temps(path: str | os.PathLike[str]) -> list[Path]:
-    """Delete the temporary files that killed writers of `path` left behind (never `path` itself)."""
+    """Delete the temporary files (and atomic_dir's folders) that killed writers of `path` left behind (never
+    `path` itself)."""
     path = Path(path)
-    stale = list(path.parent.glob(f".{path.name}.*{TEMP_SUFFIX}"))  # unlink removes a symlink, not its target
+    stale = list(path.parent.glob(f".{path.name}.*{TEMP_SUFFIX}"))
     for p in stale:
-        p.unlink(missing_ok=True)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)  # a symlink itself, never its target
     return stale

@@ -108,7 +108,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")
     p.add_argument("--force", action="store_true",
-                   help="replace an earlier export in OUT_DIR (only once the new one is complete)")
+                   help="replace an earlier export in OUT_DIR once the new one is whole (both take space until then)")
     p.add_argument("--allow-missing", action="store_true",
                    help="export the shards that are present and match dataset.json, warning about the others")
     p.set_defaults(func=cmd_export)

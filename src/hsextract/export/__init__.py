@@ -59,7 +59,11 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
             f"export format {fmt}: {run_dir} holds the final state only (capture: mtp, no aux layers), but {fmt} "
             f"stores EAGLE-3 training data, whose drafter reads aux layers beside the final state. Read MTP data "
             f"with hsextract.open_dataset, or extract with capture: eagle3 (or dflash) for this consumer.")
-    out = Path(out_dir)
+    # a link: the export goes where it points (built beside the target, renamed onto it)
+    out = Path(os.path.realpath(out_dir)) if os.path.islink(out_dir) else Path(out_dir)
+    if os.path.ismount(out):
+        raise ConfigError(f"{out_dir}: a mount point, which an export cannot replace (it is built beside OUT_DIR and "
+                          "renamed onto it once complete): export into a folder inside it")
     check_out_dir(out, force)
     final_state = meta["final_state"]
     want = CONSUMER_FINAL_STATE[fmt]
