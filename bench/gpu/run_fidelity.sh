@@ -12,7 +12,7 @@
 # the remaining budget (BUDGET_S, default 440 s after set-up) is skipped, says so, and fails the run.
 # CPU dry run of the whole script without SGLang or a GPU (the candidate is the transformers engine batched
 # with padding; same models, checks and files; tests/test_bench_dryrun.py runs it):
-#   FID_DRY=1 PY=.venv/bin/python OUT=/tmp/fid-dry bash bench/gpu/run_fidelity.sh
+#   FID_DRY=1 PY=$PWD/.venv/bin/python OUT=/tmp/fid-dry bash bench/gpu/run_fidelity.sh
 set -euo pipefail
 if [ -n "${FID_DRY:-}" ]; then
   REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

@@ -48,7 +48,7 @@
 # machine.txt (packed into all.tgz on exit, production.md and run.log beside it).
 # CPU rehearsal of this script (tests/fake_sglang.py behind a `sglang.launch_server` shim over SGLang 0.5.16's
 # source, a throwaway server venv; fidelity then FAILS, the fake's states being no model's):
-#   PROD_DRY=1 SGLANG_SRC=/tmp/sgl/src PY=.venv/bin/python OUT=/tmp/prod-dry bash bench/gpu/run_production.sh
+#   PROD_DRY=1 SGLANG_SRC=/tmp/sgl/src PY=$PWD/.venv/bin/python OUT=/tmp/prod-dry bash bench/gpu/run_production.sh
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # a copy of the checkout without what no run reads (the GPU machine's is one already; a rehearsal runs in one)

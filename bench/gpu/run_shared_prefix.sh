@@ -16,7 +16,7 @@
 # into $OUT/all.tgz on exit, the summaries beside it).
 # CPU dry run of the whole script without SGLang or a GPU (tests/fake_sglang.py with the real plugin code; the
 # reference check FAILS there, the fake's states being no model's):
-#   SP_DRY=1 PY=.venv/bin/python OUT=/tmp/sp-dry bash bench/gpu/run_shared_prefix.sh
+#   SP_DRY=1 PY=$PWD/.venv/bin/python OUT=/tmp/sp-dry bash bench/gpu/run_shared_prefix.sh
 set -euo pipefail
 if [ -n "${SP_DRY:-}" ]; then
   REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

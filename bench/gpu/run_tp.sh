@@ -14,7 +14,7 @@
 # server-<run>.log, run.log, machine.txt, compat.json.
 # CPU dry run of this script's plumbing (tests/fake_sglang.py instead of SGLang; one fake process, so the
 # TP=2 writer checks FAIL one_marker_per_rank there, as they must):
-#   TP_DRY=1 PY=.venv/bin/python OUT=/tmp/tpdry-out bash bench/gpu/run_tp.sh
+#   TP_DRY=1 PY=$PWD/.venv/bin/python OUT=/tmp/tpdry-out bash bench/gpu/run_tp.sh
 if [ "${TP_DRY:-0}" = 1 ]; then
   set -euo pipefail
   REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd); OUT=${OUT:-/tmp/hsx-out}; mkdir -p "$OUT"
