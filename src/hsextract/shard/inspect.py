@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers
+from hsextract.prepare.prefix_share import codec_ratio
 from hsextract.shard import ShardReader
 
 
@@ -38,7 +39,7 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
         "stored_bytes": stored,
         "stored_over_raw": round(stored / raw, 4) if raw else None,
         # the codec alone: over the raw bytes of what is stored (ids and mask of every token, the distinct rows)
-        "codec_ratio": round(stored / raw_of_stored, 4) if raw_of_stored else None,
+        "codec_ratio": codec_ratio(stored, raw_of_stored),
         "layers": layer_info(r.metadata),
     }
     if samples:
