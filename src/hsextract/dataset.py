@@ -151,8 +151,8 @@ class HiddenStateDataset(Dataset):
         meta["aux_layers"], meta["layer_convention"] = shard_hidden_states(meta), HIDDEN_STATES
         meta.pop("chunk", None)
         # shards of one dataset may differ in version (a chunk whose samples take no prefix is version 1)
-        meta["format_version"] = max(int(r.metadata["format_version"]) for r in self.readers)
         meta["format_versions"] = sorted({int(r.metadata["format_version"]) for r in self.readers})
+        meta["format_version"] = meta["format_versions"][-1]
         meta["shards"] = [str(r.path) for r in self.readers]
         meta["num_samples"] = self._len
         return meta
