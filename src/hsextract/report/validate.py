@@ -184,10 +184,11 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
     if reader is not None:
         meta = reader.metadata
         if meta.get("vocab_size") is not None:  # the shard's own bound; a given one only where it is smaller
-            if vocab_size is not None and int(vocab_size) != int(meta["vocab_size"]):
-                report["notes"] = [f"vocab_size given {vocab_size}, the shard's {meta['vocab_size']}: ids checked "
-                                   f"against the smaller"]
-            vocab_size = min(int(meta["vocab_size"]), int(vocab_size) if vocab_size is not None else 1 << 62)
+            own = int(meta["vocab_size"])
+            if vocab_size is not None and int(vocab_size) != own:
+                report["notes"] = [f"vocab_size given {vocab_size}, the shard's {own}: ids checked against the "
+                                   "smaller"]
+            vocab_size = own if vocab_size is None else min(int(vocab_size), own)
             report["vocab_size"] = vocab_size
         try:
             names: list[str] | None = tensor_names(shard_hidden_states(meta), str(meta["final_state"]))
