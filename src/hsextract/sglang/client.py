@@ -123,8 +123,8 @@ class SGLangEngine(Engine):
         self._http_slots = threading.BoundedSemaphore(concurrency)
 
     def close(self) -> None:
-        # dumps that landed after their request was given up (a timeout, a failed chunk's cancelled requests),
-        # by this attempt or an earlier one of the chunk's job
+        # dumps of requests given up (a timeout, a failed chunk's cancelled requests: collect removes only what it
+        # reads), landed by now, of this attempt or an earlier one of the chunk's job
         dumpfiles.remove_prefixed(self.dump_dir, self._chunk_rids)
         if self._on_close is not None:
             release, self._on_close = self._on_close, None
@@ -328,9 +328,6 @@ class SGLangEngine(Engine):
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             sys.setswitchinterval(switch)
-            # the dumps of requests given up (cancelled when the chunk failed, timed out and retried): collect
-            # removes only what it reads
-            dumpfiles.remove_prefixed(self.dump_dir, f"{base}-")
 
 
 class _Admission:
