@@ -115,6 +115,45 @@ def test_atomic_dir_replaces_a_folder_only_when_complete(tmp_path: Path) -> None
     assert listing(tmp_path) == ["out"] and listing(out) == ["new.txt"]
 
 
+def test_atomic_dir_swaps_in_one_step_so_a_crash_after_it_leaves_the_new_folder(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.write_text("b")
+    assert atomic.exchange(a, b) is True  # renameat2 on this kernel and file system
+    assert b.is_dir() and a.read_text() == "b"
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    real_fsync_dir = atomic.fsync_dir
+
+    def killed_after_the_swap(folder: Path) -> None:
+        if Path(folder) == tmp_path:  # the parent's fsync: the names are already swapped
+            raise KeyboardInterrupt("killed")
+        real_fsync_dir(folder)
+
+    monkeypatch.setattr(atomic, "fsync_dir", killed_after_the_swap)
+    with pytest.raises(KeyboardInterrupt), atomic_dir(out) as tmp:
+        (tmp / "new.txt").write_text("new")
+    (old,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+    assert listing(out) == ["new.txt"] and listing(old) == ["old.txt"]  # never an absent `out`
+    monkeypatch.undo()
+    with atomic_dir(out) as tmp:  # the next build of `out` removes what the killed one left
+        (tmp / "newer.txt").write_text("newer")
+    assert listing(tmp_path) == ["a", "b", "out"] and listing(out) == ["newer.txt"]
+
+
+def test_atomic_dir_falls_back_to_two_renames_where_the_swap_is_unsupported(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    with atomic_dir(out) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert listing(tmp_path) == ["out"] and listing(out) == ["new.txt"]
+
+
 def test_atomic_dir_replaces_a_symlink_at_the_destination_not_its_target(tmp_path: Path) -> None:
     victim = tmp_path / "victim"
     victim.mkdir()

@@ -6,8 +6,9 @@ with O_CREAT|O_EXCL|O_NOFOLLOW (a planted file or symlink under that name is an 
 overwritten); the data written and fsync'ed; renamed onto `path`; the directory fsync'ed, so after a crash
 the name points to the whole new file or to the old one. On failure the temporary file is removed.
 
-`atomic_dir` does the same for a whole folder: built under a temporary name beside it, renamed into place
-when complete (a previous folder is moved aside and deleted only then), removed if building fails.
+`atomic_dir` does the same for a whole folder: built under a temporary name beside it, put in place when
+complete (a previous folder swapped out in one step where the kernel can, and deleted only then), removed if
+building fails.
 
 `durable=False` skips the two fsyncs and keeps the rest: for the SGLang plugin's dump files, which live
 for seconds, are read by the client on the same host, and whose loss a crash makes moot (the request is
@@ -19,6 +20,8 @@ beside the plugin package and the other leaves listed in `hsextract.sglang.confi
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import secrets
@@ -142,12 +145,32 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | N
     write_bytes_atomic(path, (json.dumps(obj, indent=indent) + "\n").encode(), durable=durable)
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the names `a` and `b` in one step (Linux renameat2 RENAME_EXCHANGE): True if done, False where the
+    C library, kernel or file system cannot (the caller then falls back to two renames)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):  # not glibc >= 2.28 (musl, macOS)
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 @contextmanager
 def atomic_dir(path: str | os.PathLike[str], *, durable: bool = True) -> Iterator[Path]:
     """`with atomic_dir(p) as tmp: <write into tmp>`: a new empty folder beside `p` (parents created) that
     becomes `p` when the block ends, replacing whatever `p` was (its old content is deleted only then); if
-    the block raises, `tmp` is removed and `p` left as it was. Between the two renames of a replacement `p`
-    is absent for an instant: a crash there leaves the old folder under a `.<name>.<16 hex>.tmp` name."""
+    the block raises, `tmp` is removed and `p` left as it was. A replacement swaps the two names in one step
+    (`exchange`), so `p` is never absent; where the file system cannot, two renames, between which a crash
+    leaves the old folder under a `.<name>.<16 hex>.tmp` name."""
     path = Path(os.path.abspath(path))  # "." or "out/..": a real last name, whose parent holds the temp
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_temps(path)  # what a killed build of `path` left (one writer of a path at a time)
@@ -158,16 +181,20 @@ def atomic_dir(path: str | os.PathLike[str], *, durable: bool = True) -> Iterato
             fsync_dir(tmp)
         old = None
         if os.path.lexists(path):
-            old = temp_name(path)
-            os.rename(path, old)
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            if old is not None:
-                os.rename(old, path)
-            raise
+            if exchange(tmp, path):
+                old = tmp  # the old folder (or file, or symlink), now under the temporary name
+            else:
+                old = temp_name(path)
+                os.rename(path, old)
+        if old is not tmp:
+            try:
+                os.rename(tmp, path)
+            except BaseException:
+                if old is not None:
+                    os.rename(old, path)
+                raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing raises once an exchange is done
         raise
     if durable:
         fsync_dir(path.parent)
