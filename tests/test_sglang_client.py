@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -164,15 +165,21 @@ def test_a_failed_chunk_leaves_no_dump_of_its_requests(server: FakeServer) -> No
 
 def test_an_earlier_attempt_of_the_chunk_leaves_nothing_behind(server: FakeServer) -> None:
     """A retried job of chunk 3 removes what an earlier attempt of chunk 3 left (late dumps), and nothing of
-    another chunk's."""
+    another chunk's, nor of another project's chunk 3 of the same run_name (another working folder) on the
+    same server."""
     dump = server.dumper.cfg.dump_dir
-    old = [dump / f"{RID_PREFIX}run-c00003-0badf00d-x0-i{k}-a0.piece" for k in range(3)]
-    other = dump / f"{RID_PREFIX}run-c00004-0badf00d-x0-i0-a0.piece"
-    for f in [*old, other]:
+    eng = engine(server, chunk=3)
+    mine = eng._chunk_rids
+    assert re.fullmatch(rf"{RID_PREFIX}run\.[0-9a-f]{{8}}-c00003-", mine)
+    old = [dump / f"{mine}0badf00d-x0-i{k}-a0.piece" for k in range(3)]
+    other_chunk = dump / f"{mine.replace('-c00003-', '-c00004-')}0badf00d-x0-i0-a0.piece"
+    other_project = dump / f"{RID_PREFIX}run.00000000-c00003-0badf00d-x0-i0-a0.piece"
+    for f in [*old, other_chunk, other_project]:
         f.write_bytes(b"late")
     ps = prompts(4, seed=10)
-    check(list(engine(server, chunk=3).extract(ps)), ps)
-    assert rid_files(server) == [other.name]
+    check(list(eng.extract(ps)), ps)
+    eng.close()
+    assert rid_files(server) == sorted([other_chunk.name, other_project.name])
 
 
 @pytest.mark.parametrize("server", [{"die_after": 5}], indirect=True)

@@ -23,8 +23,10 @@ descendants then use that key.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
+import os
 import re
 import secrets
 import sys
@@ -111,9 +113,10 @@ class SGLangEngine(Engine):
         # unique per engine instance and per extract() call (the "-x<n>" part): a rid is never sent twice,
         # also when extract() runs twice on one engine with the same prompt indices (a warm-up, then the
         # run): a rid the plugin already completed would wait for a `.done` marker that never comes.
-        # this chunk's, by any attempt of its job: one job at a time extracts a chunk of a run (two runs of one
-        # run_name sharing an external server's dump dir at once would sweep each other's dumps)
-        self._chunk_rids = f"{RID_PREFIX}{safe_run}-c{chunk:05d}-"
+        # this chunk's, by any attempt of its job: one job at a time extracts a chunk of a run. The working
+        # folder's hash keeps apart two projects with one run_name on one external server (each sweeps its own)
+        where = hashlib.sha256(os.fsencode(os.path.realpath(os.getcwd()))).hexdigest()[:8]
+        self._chunk_rids = f"{RID_PREFIX}{safe_run}.{where}-c{chunk:05d}-"
         self._rid_base = f"{self._chunk_rids}{secrets.token_hex(4)}"
         self._calls = itertools.count()
         self._marker: dict | None = None
