@@ -326,6 +326,7 @@ if [ -z "${SKIP_B:-}" ] && [ "$(left)" -gt 150 ] && [ -n "$A_SHARDS" ]; then
     [ "${f:-0}" -ge 1 ] && [ "${n:-0}" -gt "${f:-0}" ]
   }
   while kill -0 "$SMK_PID" 2>/dev/null && ! mid_extract && [ "$(left)" -gt 90 ]; do sleep 0.2; done
+  REACHED=$(mid_extract && echo yes || echo no)  # no: the budget ran out first (a server start of this machine)
   AT_KILL=$(shards)
   INFLIGHT=$(ls -a "$RUN"/shards/ 2>/dev/null | grep -E '^\.chunk-.*tmp' | tr '\n' ' ' || true)
   kill -9 -- "-$SMK_PID" 2>/dev/null || true
@@ -349,38 +350,43 @@ PYEOF
   log "b-kill: killed after $((SECONDS - t)) s with shards [$AT_KILL] (in flight: ${INFLIGHT:-none}); server pids alive: $SERVER_ALIVE"
   record b-kill 137 $((SECONDS - t)) "${CMD[*]} (kill -9 of its process group once it has finished one extract job and started the next)" \
     "shards at the kill: $AT_KILL" "extract jobs Snakemake had finished: [$(field "$(jobs_of b-kill)" "' '.join(d['finished_extract_chunks'])")], started: [$(field "$(jobs_of b-kill)" "' '.join(d['extract_chunks'])")]; partial shard files at the kill: ${INFLIGHT:-none}; processes of Snakemake's group left: ${LEFTOVER:-none}; live server after the kill: $SERVER_ALIVE (its own session; the next run's onstart stops it)"
-  # s: the key of the server the killed run left alive (its key file still there): no file of the run, no
-  # process's command line or environment holds it, and the server refuses a generate request without it
-  if [ "$SERVER_ALIVE" != none ]; then
-    t=$SECONDS
-    set +e
-    SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server" --out "$OUT/secrets.json" "$RUN" logs \
-      .snakemake "$OUT" "$SOURCES" 2>"$OUT/logs/s.log")
-    r=$?
-    set -e
-    log "s: rc $r: $SEC"
-    record s "$r" $((SECONDS - t)) "production_tools.py secrets --state $RUN/server $RUN logs .snakemake \$OUT <sources>" \
-      "${SEC:-no verdict (logs/s.log)}"
-  fi
-  # unfinished: every chunk whose extract job Snakemake had not finished (a shard renamed into place just before
-  # the kill, its job not yet registered, is incomplete to Snakemake: rerun-incomplete redoes it)
-  EXPECT=$("$PY" -c "import sys, json; done = set(json.loads(sys.argv[2])['finished_extract_chunks']); print(' '.join(f'{i:05d}' for i in range(int(sys.argv[1])) if f'{i:05d}' not in done))" "$N_CHUNKS" "$(jobs_of b-kill)")
-  smk b-rerun $(( $(left) - 60 > 60 ? $(left) - 60 : 60 )) "${CMD[@]}"
-  if [ "$RC" != 0 ] && [ "$(field "$(jobs_of b-rerun)" "d['lock_error']")" = True ]; then
-    record b-rerun "$RC" "$SECS" "${CMD[*]}" "refused: the lock the kill left" "README: after a hard kill, snakemake --unlock first"
-    smk b-unlock 60 snakemake --unlock "${CFG[@]}"
-    record b-unlock "$RC" "$SECS" "snakemake --unlock ${CFG[*]}" ""
-    smk b-rerun2 $(( $(left) - 60 > 60 ? $(left) - 60 : 60 )) "${CMD[@]}"
-    NAME=b-rerun2
+  if [ "$REACHED" = no ]; then
+    log "b: NOT REACHED: no extract job had finished when the budget ran out; s and b-rerun skipped"
+    record b-rerun 0 0 "-" "SKIPPED: the kill came before one extract job finished (budget), so no rerun to check"
   else
-    NAME=b-rerun
+    # s: the key of the server the killed run left alive (its key file still there): no file of the run, no
+    # process's command line or environment holds it, and the server refuses a generate request without it
+    if [ "$SERVER_ALIVE" != none ]; then
+      t=$SECONDS
+      set +e
+      SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server" --out "$OUT/secrets.json" "$RUN" logs \
+        .snakemake "$OUT" "$SOURCES" 2>"$OUT/logs/s.log")
+      r=$?
+      set -e
+      log "s: rc $r: $SEC"
+      record s "$r" $((SECONDS - t)) "production_tools.py secrets --state $RUN/server $RUN logs .snakemake \$OUT <sources>" \
+        "${SEC:-no verdict (logs/s.log)}"
+    fi
+    # unfinished: every chunk whose extract job Snakemake had not finished (a shard renamed into place just before
+    # the kill, its job not yet registered, is incomplete to Snakemake: rerun-incomplete redoes it)
+    EXPECT=$("$PY" -c "import sys, json; done = set(json.loads(sys.argv[2])['finished_extract_chunks']); print(' '.join(f'{i:05d}' for i in range(int(sys.argv[1])) if f'{i:05d}' not in done))" "$N_CHUNKS" "$(jobs_of b-kill)")
+    smk b-rerun $(( $(left) - 60 > 60 ? $(left) - 60 : 60 )) "${CMD[@]}"
+    if [ "$RC" != 0 ] && [ "$(field "$(jobs_of b-rerun)" "d['lock_error']")" = True ]; then
+      record b-rerun "$RC" "$SECS" "${CMD[*]}" "refused: the lock the kill left" "README: after a hard kill, snakemake --unlock first"
+      smk b-unlock 60 snakemake --unlock "${CFG[@]}"
+      record b-unlock "$RC" "$SECS" "snakemake --unlock ${CFG[*]}" ""
+      smk b-rerun2 $(( $(left) - 60 > 60 ? $(left) - 60 : 60 )) "${CMD[@]}"
+      NAME=b-rerun2
+    else
+      NAME=b-rerun
+    fi
+    RAN=$(field "$(jobs_of $NAME)" "' '.join(d['extract_chunks'])")
+    OK=$([ "$RAN" = "$EXPECT" ] && echo "only the unfinished chunks ran" || echo "MISMATCH: expected [$EXPECT]")
+    [ "$RC" = 0 ] || OK="rc $RC; $OK"
+    [ "$(field "$(jobs_of $NAME)" "d['stale_lock_removed']")" = True ] && OK="the killed run's lock removed; $OK"
+    record "$NAME" "$RC" "$SECS" "${CMD[*]}" "$OK; shards now: $(shards); dataset all_valid: $(all_valid)" \
+      "extract chunks that ran: [$RAN] (reasons: $(field "$(jobs_of $NAME)" "d['extract_reasons']")); unfinished at the kill: [$EXPECT]"
   fi
-  RAN=$(field "$(jobs_of $NAME)" "' '.join(d['extract_chunks'])")
-  OK=$([ "$RAN" = "$EXPECT" ] && echo "only the unfinished chunks ran" || echo "MISMATCH: expected [$EXPECT]")
-  [ "$RC" = 0 ] || OK="rc $RC; $OK"
-  [ "$(field "$(jobs_of $NAME)" "d['stale_lock_removed']")" = True ] && OK="the killed run's lock removed; $OK"
-  record "$NAME" "$RC" "$SECS" "${CMD[*]}" "$OK; shards now: $(shards); dataset all_valid: $(all_valid)" \
-    "extract chunks that ran: [$RAN] (reasons: $(field "$(jobs_of $NAME)" "d['extract_reasons']")); unfinished at the kill: [$EXPECT]"
 else
   log "b: SKIPPED (budget: $(left) s left)"; record b-kill 0 0 "-" "SKIPPED (budget)"
 fi
