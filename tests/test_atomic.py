@@ -100,6 +100,15 @@ def test_create_temp_is_exclusive_and_remove_temps_cleans_only_temps(tmp_path: P
     assert listing(tmp_path) == ["s.hss"]
 
 
+def test_remove_temps_reads_a_name_with_glob_characters_as_a_name(tmp_path: Path) -> None:
+    mine, others = tmp_path / ".k*.0123456789abcdef.tmp", [tmp_path / ".kf.0123456789abcdef.tmp",
+                                                             tmp_path / ".k[1].0123456789abcdef.tmp"]
+    for p in (mine, *others):
+        p.mkdir()
+    assert remove_temps(tmp_path / "k*") == [mine]
+    assert listing(tmp_path) == sorted(p.name for p in others)
+
+
 def test_atomic_dir_replaces_a_folder_only_when_complete(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out / "sub").mkdir(parents=True)

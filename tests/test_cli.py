@@ -1,6 +1,7 @@
 """The hsextract command: inspect values, export and error exits (validate lines are in test_validate.py)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,6 +94,22 @@ def test_errors_exit_2_with_a_message(shard, tmp_path, capsys):
     torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, ref)
     assert main(["validate", "--reference", str(ref), "--report", str(tmp_path / "r.json"), str(path), str(path)]) == 2
     assert "--report names one file but 2 shards were given" in capsys.readouterr().err
+
+
+def test_a_file_system_refusal_is_one_line_and_leaves_nothing(shard, tmp_path, capsys):
+    path, _ = shard
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["export", "--format", "specforge", str(path), str(afile / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"hsextract export: error: {afile}: not a folder, so the export {afile / 'out'} cannot be made beside it; "
+        "choose another OUT_DIR\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "shards"] and afile.read_text() == ""
+    if Path("/proc/self").is_dir():  # a folder no one can create in: the kernel's refusal, in one line
+        assert main(["export", "--format", "specforge", str(path), "/proc/hsx-out"]) == 2
+        assert re.fullmatch(r"hsextract export: error: /proc/\.hsx-out\.[0-9a-f]{16}\.tmp: No such file or "
+                            r"directory; fix that path's permissions or free space, or choose another path \(outputs "
+                            r"are written whole or not at all\)\n", capsys.readouterr().err)
 
 
 def test_parser_is_extensible():

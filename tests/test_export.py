@@ -227,6 +227,45 @@ def test_force_refuses_a_folder_holding_more_than_an_export(run_dir, tmp_path):
     assert tree(out) == {"notes.txt": b"mine", "layers.json": b"{}"}
 
 
+def test_force_refuses_foreign_files_inside_an_exports_folders(run_dir, tmp_path):
+    out = tmp_path / "home"
+    (out / "data").mkdir(parents=True)
+    (out / "data" / "data_0.pt").write_bytes(b"old")
+    (out / "data" / "thesis.tex").write_text("mine")
+    (out / "rows_0-5").write_text("a file where an export writes a folder")
+    with pytest.raises(ConfigError) as e:
+        export(run_dir, out, "specforge", force=True)
+    assert str(e.value) == (f"{out}: holds data/thesis.tex, rows_0-5, which no export writes; --force replaces an "
+                            "earlier export whole, so move those out first or export into another folder")
+    assert tree(out) == {"data": None, "data/data_0.pt": b"old", "data/thesis.tex": b"mine",
+                         "rows_0-5": b"a file where an export writes a folder"}
+
+
+@pytest.mark.parametrize("where", ["the run", "above the run", "the shards"])
+def test_an_out_dir_holding_what_the_export_reads_is_refused(run_dir, tmp_path, where):
+    """`export data/ .` with the shards in `./data`: --force would replace the folder that holds them."""
+    out, held = {"the run": (run_dir, run_dir), "above the run": (tmp_path, run_dir),
+                 "the shards": (run_dir / "shards", run_dir / "shards" / "chunk-00000.hss")}[where]
+    before = tree(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        export(run_dir, out, "specforge", force=True)
+    assert str(e.value) == (f"{out}: holds {held}, which this export reads (an export replaces its folder whole); "
+                            f"export into a folder outside {run_dir}")
+    assert tree(tmp_path) == before
+
+
+def test_a_shards_folder_named_like_an_export_folder_is_never_replaced(tmp_path):
+    """The audit's case: shards copied into exp/data, then `export exp/data exp --force`."""
+    data = tmp_path / "exp" / "data"
+    data.mkdir(parents=True)
+    with ShardWriter(data / "chunk-00000.hss", shard_metadata(final_state="pre_norm")) as w:
+        w.add(*make_sample(5, seed=0), sample_id="a")
+    before = tree(tmp_path)
+    with pytest.raises(ConfigError, match="which this export reads"):
+        export(data, tmp_path / "exp", "specforge", force=True)
+    assert tree(tmp_path) == before
+
+
 def test_an_export_through_a_link_lands_in_its_target_and_a_killed_ones_folder_goes(run_dir, tmp_path):
     """OUT_DIR a symlink (to a big disk, say): the export is built beside the target and replaces it, the link
     stays. A killed export's temporary folder (no `finally` ran) is removed by the next export of that folder."""

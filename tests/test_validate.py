@@ -1,6 +1,7 @@
 """Validation: the reference validates; every check fails on a sample crafted to break it, with its exact line."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,6 +112,19 @@ def test_a_report_path_that_cannot_be_written_is_refused_before_any_work(tmp_pat
         assert run_validate(capsys, "--reference", ref, option, path, shard) == (
             2, [], f"hsextract validate: error: {message}\n")
     assert afile.read_text() == "" and list(adir.iterdir()) == []
+
+
+def test_a_report_path_naming_an_input_is_refused_and_the_input_kept(tmp_path, capsys, ref16):
+    shard = tmp_path / "S.hss"
+    write_shard(shard, [make_sample(6, seed=1)], vocab_size=1000)
+    before = {p: p.read_bytes() for p in (shard, Path(ref16))}
+    (tmp_path / "link.json").symlink_to(shard)
+    for option, path, same in (("--report", shard, shard), ("--report", ref16, Path(ref16)),
+                               ("--report", tmp_path / "link.json", shard)):
+        assert run_validate(capsys, "--reference", ref16, option, path, shard) == (
+            2, [], f"hsextract validate: error: {option}: the report {path} would overwrite the input {same}; "
+                   "choose another file\n")
+    assert {p: p.read_bytes() for p in before} == before
 
 
 @pytest.mark.parametrize("value,why", [("-3", "-3 is not >= 1"), ("0", "0 is not >= 1"),

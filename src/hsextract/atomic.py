@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import glob
 import json
 import os
 import secrets
@@ -208,7 +209,7 @@ def remove_temps(path: str | os.PathLike[str]) -> list[Path]:
     """Delete the temporary files (and atomic_dir's folders) that killed writers of `path` left behind (never
     `path` itself)."""
     path = Path(path)
-    stale = list(path.parent.glob(f".{path.name}.*{TEMP_SUFFIX}"))
+    stale = list(path.parent.glob(f".{glob.escape(path.name)}.*{TEMP_SUFFIX}"))  # `k*` is a name, not a pattern
     for p in stale:
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p, ignore_errors=True)

@@ -48,7 +48,12 @@ def _report_paths(args: argparse.Namespace) -> list[Path | None]:
     option, kind = ("--report", "file") if args.report else ("--report-dir", "folder")
     paths = [Path(args.report)] if args.report else [Path(args.report_dir) / f"{Path(s).stem}.json"
                                                      for s in args.shards]
+    inputs = [Path(p) for p in (*args.shards, args.reference) if os.path.exists(p)]
     for path in paths:
+        same = next((p for p in inputs if os.path.exists(path) and os.path.samefile(path, p)), None)
+        if same is not None:
+            raise HsxError(f"{option}: the report {path} would overwrite the input {same}; "
+                           f"choose another {kind}")
         if path.is_dir():
             raise HsxError(f"{option}: {path} is a folder, where a report file would go; " + (
                 "name a file, or use --report-dir for a folder of reports" if args.report
@@ -290,6 +295,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except HsxError as e:
         print(f"hsextract {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the file system's refusal (permissions, a full disk, a path that cannot be made)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hsextract {args.command}: error: {where}{e.strerror or e}; fix that path's permissions or free "
+              "space, or choose another path (outputs are written whole or not at all)", file=sys.stderr)
         return 2
 
 

@@ -128,8 +128,8 @@ def plan(
             "(results/<run>/prompts/summary.json of a prepare run on a sample of your sources: measured)"
         )
     if mean_tokens is not None:
-        if mean_tokens <= 0:
-            raise ConfigError(f"--mean-tokens: {mean_tokens} is not allowed; it must be > 0")
+        if not 0 < mean_tokens < math.inf:  # NaN fails too
+            raise ConfigError(f"--mean-tokens: {mean_tokens} is not allowed; it must be a finite number > 0")
         per_record, token_source = float(mean_tokens), "--mean-tokens"
         materialized_per_record = None
     else:
@@ -151,8 +151,8 @@ def plan(
             )
     if hidden_size <= 0:
         raise ConfigError(f"--hidden-size: {hidden_size} is not allowed; it must be > 0")
-    if tokens_per_s is not None and tokens_per_s <= 0:
-        raise ConfigError(f"--tokens-per-s: {tokens_per_s} is not allowed; it must be > 0")
+    if tokens_per_s is not None and not 0 < tokens_per_s < math.inf:
+        raise ConfigError(f"--tokens-per-s: {tokens_per_s} is not allowed; it must be a finite number > 0")
     if gpus_per_node is None:
         gpus_per_node = _default_gpus_per_node(settings)
     if gpus_per_node is not None and gpus_per_node <= 0:

@@ -64,6 +64,11 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     if os.path.ismount(out):
         raise ConfigError(f"{out_dir}: a mount point, which an export cannot replace (it is built beside OUT_DIR and "
                           "renamed onto it once complete): export into a folder inside it")
+    real_out = Path(os.path.realpath(out))
+    for held in (Path(os.path.realpath(run_dir)), *(Path(os.path.realpath(r.path)) for r in ds.readers)):
+        if real_out == held or real_out in held.parents:
+            raise ConfigError(f"{out_dir}: holds {held}, which this export reads (an export replaces its folder "
+                              f"whole); export into a folder outside {run_dir}")
     check_out_dir(out, force)
     final_state = meta["final_state"]
     want = CONSUMER_FINAL_STATE[fmt]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -57,6 +58,12 @@ def warn_final_norm(fmt: str, data_final_state: str, convertible: bool = False) 
 # of these only, never one that holds something else (a mistyped OUT_DIR such as a home folder)
 EXPORT_NAMES = ("data", "token_freq.pt", "layers.json", "data-*-of-*.arrow", "state.json", "dataset_info.json",
                 "hidden_states", "rows_*-*")
+# what an export writes inside its folders (and the temporary names of a killed write): --force replaces nothing else
+EXPORT_FOLDER_NAMES = {
+    "data": ("data_*.pt", "sample_lengths.json", "data_config.json"),
+    "hidden_states": ("hs_*.safetensors",),
+    "rows_*-*": ("data_*.ckpt",),
+}
 
 
 def check_out_dir(out_dir: Path, force: bool) -> None:
@@ -64,11 +71,24 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
     export only, which the new one replaces whole once complete)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir}: exists and is not a folder; give an export folder")
+    folder = out_dir.parent
+    while not os.path.lexists(folder) and folder != folder.parent:  # the folders an export makes
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{folder}: {'not writable' if folder.is_dir() else 'not a folder'}, so the export "
+                          f"{out_dir} cannot be made beside it; choose another OUT_DIR")
     names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if names and not force:
         raise ConfigError(f"{out_dir}: folder is not empty; export into an empty folder, or pass --force to replace "
                           f"the export in it")
     other = [n for n in names if not any(fnmatch.fnmatchcase(n, pat) for pat in EXPORT_NAMES)]
+    for n in names:
+        inner = next((v for k, v in EXPORT_FOLDER_NAMES.items() if fnmatch.fnmatchcase(n, k)), None)
+        if inner is not None and (out_dir / n).is_dir() and not (out_dir / n).is_symlink():
+            other += [f"{n}/{m}" for m in sorted(os.listdir(out_dir / n))
+                      if not any(fnmatch.fnmatchcase(m, pat) for pat in (*inner, ".*.tmp"))]
+        elif inner is not None:
+            other.append(n)  # a file or a link where an export writes a folder
     if other:
         raise ConfigError(f"{out_dir}: holds {', '.join(other)}, which no export writes; --force replaces an earlier "
                           f"export whole, so move those out first or export into another folder")
