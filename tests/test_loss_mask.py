@@ -185,3 +185,18 @@ def test_template_prefix_unstable_generation_prompt_raises():
         "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\nSure: ' }}\n{%- endif %}")
     with pytest.raises(TemplateError, match="not prefix-stable"):
         ChatMasker(tok).encode(ONE)
+
+
+def test_the_piece_cache_is_bounded_by_tokens_and_changes_no_mask(monkeypatch):
+    """Pieces are cached by their text: a long tool output each conversation would otherwise stay for good."""
+    from hsextract.masks import rendering
+
+    convs = [Conversation([SYS, U(f"Question {k}: " + "many words here " * 40), A(f"Answer {k}. " * 30, "Think.")])
+             for k in range(12)]
+    want = [[(s.input_ids, s.loss_mask) for s in ChatMasker(make_tokenizer("qwen3")).encode(c)] for c in convs]
+    monkeypatch.setattr(rendering, "PIECE_CACHE_TOKENS", 400)
+    m = ChatMasker(make_tokenizer("qwen3"))
+    for c, w in zip(convs, want, strict=True):
+        assert [(s.input_ids, s.loss_mask) for s in m.encode(c)] == w
+        assert 0 < m.renderer._cached_tokens <= 400
+        assert m.renderer._cached_tokens == sum(map(len, m.renderer._ids.values()))

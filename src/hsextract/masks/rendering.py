@@ -44,6 +44,7 @@ from hsextract.masks.refusals import TOOL_ARGUMENTS_AS_STRING, TemplateError
 from hsextract.prepare.conversations import as_openai
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+PIECE_CACHE_TOKENS = 1_000_000  # the renderer's piece cache, in token ids (~36 bytes each as Python ints)
 
 
 def _reads_field(template: str, name: str) -> bool:
@@ -158,7 +159,8 @@ class TemplateRenderer:
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
         self.variables = check_kwargs(template, self.kwargs, self._probe_renderings)  # a key it never reads: error
-        self._ids: dict[str, list[int]] = {}
+        self._ids: dict[str, list[int]] = {}  # piece -> its ids (`ids`)
+        self._cached_tokens = 0
         self._facts: TemplateFacts | None = None
         self._special: frozenset[int] | None = None
         self._stop_texts: list[str] | None = None
@@ -258,10 +260,14 @@ class TemplateRenderer:
     def _piece_ids(self, piece: str) -> list[int]:
         got = self._ids.get(piece)
         if got is None:
-            if len(self._ids) > 65536:
-                self._ids.clear()
             got = self._full_ids(piece)
+            # bounded by tokens, not pieces (a piece may be an 8k-token tool output): at most ~40 MB of ids,
+            # enough to keep a repeated tool declaration and one conversation's renders
+            if self._cached_tokens + len(got) > PIECE_CACHE_TOKENS:
+                self._ids.clear()
+                self._cached_tokens = 0
             self._ids[piece] = got
+            self._cached_tokens += len(got)
         return got
 
     def text(self, ids: list[int]) -> str:
