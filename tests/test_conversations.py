@@ -147,6 +147,25 @@ def test_ultrachat_parquet_jsonl_and_hf_disk_agree(tmp_path):
     assert count_records([{"path": tmp_path / "hf"}]) == 2
 
 
+def test_a_parquet_source_that_cannot_fit_in_memory_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from hsextract.prepare import sources
+
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.Table.from_pylist([{"data": ["Hi " * 500, "Hello!"]}] * 40), path)
+    size = sum(pq.ParquetFile(path).metadata.row_group(g).total_byte_size
+               for g in range(pq.ParquetFile(path).metadata.num_row_groups))
+    monkeypatch.setattr(sources, "available_memory", lambda: 2 * size - 2)
+    with pytest.raises(ConfigError) as e:
+        _read_all([{"path": path, "format": "ultrachat"}])
+    assert str(e.value) == (
+        f"{path}: its 40 records take {size / 1e9:.1f} GB decompressed, and prepare holds a parquet source in "
+        f"memory, where {(2 * size - 2) / 1e9:.1f} GB are available: convert it to a save_to_disk folder, which is "
+        f"read memory-mapped (python -c \"import datasets; datasets.Dataset.from_parquet('{path}')"
+        f".save_to_disk('{tmp_path / 'big'}-disk')\"), and name that folder as the source's path")
+    monkeypatch.setattr(sources, "available_memory", lambda: 2 * size)
+    assert len(_read_all([{"path": path, "format": "ultrachat"}])) == 40
+
+
 def test_tables_give_back_the_tools_and_arguments_they_were_written_from(tmp_path):
     """A column of dicts is one Arrow struct: parquet and save_to_disk give every tool-call `arguments` and every
     tool schema the keys of all the others, null where it had none, which a template would print and prepare train

@@ -257,6 +257,27 @@ class _DatasetReader(Reader):
         return f"{self.path}:record {i + 1}", table_row(self._ds[i].to_pylist()[0])
 
 
+def _read_parquet(p: Path) -> pa.Table:
+    """The whole file, decompressed (records are read in the mixture's shuffled order, which would decode a row
+    group per record); refused, before the machine runs out of memory, where it cannot fit."""
+    meta = pq.ParquetFile(p).metadata
+    size = sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups))
+    free = available_memory()
+    if size > free // 2:
+        raise ConfigError(
+            f"{p}: its {meta.num_rows} records take {size / 1e9:.1f} GB decompressed, and prepare holds a parquet "
+            f"source in memory, where {free / 1e9:.1f} GB are available: convert it to a save_to_disk folder, which "
+            f"is read memory-mapped (python -c \"import datasets; datasets.Dataset.from_parquet('{p}')"
+            f".save_to_disk('{p.with_suffix('')}-disk')\"), and name that folder as the source's path")
+    return pq.read_table(p)
+
+
+def available_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
 def _read_arrow(p: Path) -> pa.Table:
     with pa.memory_map(str(p)) as src:
         try:
@@ -373,7 +394,7 @@ def open_reader(spec: Source) -> Reader:
     if p.is_dir() or spec.format == "hf_disk":
         return _hf_disk_reader(p, spec.split)
     if p.suffix == ".parquet":
-        return _TableReader(p, [(p, lambda: pq.read_table(p))])
+        return _TableReader(p, [(p, lambda: _read_parquet(p))])
     if p.suffix == ".arrow":
         return _TableReader(p, [(p, lambda: _read_arrow(p))])
     with open(p, "rb") as f:
