@@ -232,7 +232,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     dataset.json give materialized and distinct tokens and their ratio, exactly; a dataset of a version-1 and a
     version-2 shard is one dataset (a chunk without references is written as version 1)."""
     from hsextract.report.manifest import build_manifest
-    from hsextract.report.stats import aggregate, chunk_stats, write_token_freq
+    from hsextract.report.stats import aggregate, chunk_stats, token_freq, write_token_freq
     from hsextract.report.tables import table_html
     from hsextract.report.validate import validate_shard
     from hsextract.shard.inspect import format_info, shard_info
@@ -284,7 +284,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
         stat_files.append(tmp_path / f"s{k}.json")
         stat_files[-1].write_text(json.dumps(s))
     (tmp_path / "summary.json").write_text(json.dumps({"read": 6, "tokens": 2 * tokens}))
-    write_token_freq(stats, tmp_path / "token_freq.pt")
+    write_token_freq(token_freq(stats), tmp_path / "token_freq.pt")
     settings = from_config({"model": str(extracted["model"]), "capture": "custom", "aux_layers": [1, 3],
                             "aux_layers_convention": "hidden_states", "final_state": "post_norm"})
     manifest = build_manifest(settings, shards=paths, validation=reports, chunk_stats=stat_files,

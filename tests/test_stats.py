@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import pandas as pd
@@ -91,7 +92,7 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
 def test_token_freq_over_trained_tokens(shards: list[Path], tmp_path: Path) -> None:
     stats = [chunk_stats(p) for p in shards]
     assert token_freq(stats) == {6: 1, 7: 4, 8: 1, 9: 1}
-    write_token_freq(stats, tmp_path / "token_freq.pt")
+    write_token_freq(token_freq(stats), tmp_path / "token_freq.pt")
     assert torch.load(tmp_path / "token_freq.pt", weights_only=True) == {6: 1, 7: 4, 8: 1, 9: 1}
 
 
@@ -163,3 +164,210 @@ def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Pa
     assert '<tr><td>finite</td><td class="num">1</td><td class="num">3</td></tr>' in v
     assert '<tr><td>integrity</td><td class="num">2</td><td class="num">0</td></tr>' in v
     assert v.startswith("<!DOCTYPE html>") and "<h1>Validation</h1>" in v
+
+
+# --- aggregation one chunk at a time (ChunkTotals over iter_json_files) -------------------------------------------
+
+def _aggregate_whole_list(chunks, prepare_summary):
+    """stats.aggregate as it was when every chunk's statistics were held in one list: the reference the running
+    totals must match to the byte."""
+    import numpy as np
+
+    from hsextract.prepare import drops
+    from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
+    from hsextract.report.stats import SEQ_QUANTILES, _dropped
+
+    per_chunk = pd.DataFrame(
+        [
+            {"chunk": c["chunk"], "samples": c["samples"], "tokens": c["tokens"],
+             "stored_tokens": stored_tokens(c), "trained_tokens": c["trained_tokens"], "bytes_raw": c["bytes_raw"],
+             "bytes_raw_stored": raw_stored(c), "bytes_stored": c["bytes_stored"]}
+            for c in chunks
+        ]
+    )
+    for col, raw in (("stored_over_raw", "bytes_raw"), ("codec_ratio", "bytes_raw_stored")):
+        per_chunk[col] = (per_chunk["bytes_stored"] / per_chunk[raw].where(per_chunk[raw] > 0)).round(4)
+    names = [t["name"] for t in chunks[0]["tensors"]]
+    tensors = pd.DataFrame([dict(t, chunk=c["chunk"]) for c in chunks for t in c["tensors"]])
+    by_name = tensors.groupby("name", sort=False).agg(
+        sum_sq=("sum_sq", "sum"), count=("count", "sum"), abs_max=("abs_max", "max"), nonfinite=("nonfinite", "sum")
+    ).reindex(names)
+    layers = pd.DataFrame(
+        {
+            "tensor": names,
+            "rms": np.sqrt(by_name["sum_sq"] / by_name["count"].clip(lower=1)).to_numpy(),
+            "abs_max": by_name["abs_max"].to_numpy(),
+            "nonfinite": by_name["nonfinite"].astype("int64").to_numpy(),
+        }
+    )
+    bin_size = int(chunks[0]["position_bins"])
+    n_bins = max(len(c["position_tokens"]) for c in chunks)
+    tok = np.zeros(n_bins, dtype=np.int64)
+    sq = np.zeros((len(names), n_bins))
+    for c in chunks:
+        m = len(c["position_tokens"])
+        tok[:m] += np.asarray(c["position_tokens"], dtype=np.int64)
+        if m:
+            sq[:, :m] += np.asarray(c["position_sum_sq"], dtype=np.float64)
+    hidden = int(chunks[0]["hidden_size"])
+    rms_pos = pd.DataFrame({"position_start": np.arange(n_bins) * bin_size, "tokens": tok})
+    for k, name in enumerate(names):
+        rms_pos[name] = np.sqrt(sq[k] / np.maximum(tok * hidden, 1))
+    lengths = np.asarray([n for c in chunks for n in c["seq_lengths"]], dtype=np.int64)
+    if lengths.size:
+        qs = np.quantile(lengths, SEQ_QUANTILES)
+        seq = pd.DataFrame({"statistic": [f"q{int(q * 100):02d}" for q in SEQ_QUANTILES] + ["mean"],
+                            "tokens": [float(v) for v in qs] + [float(lengths.mean())]})
+    else:
+        seq = pd.DataFrame({"statistic": [], "tokens": []})
+    dropped = _dropped(prepare_summary)
+    tokens, stored = int(per_chunk["tokens"].sum()), int(per_chunk["stored_tokens"].sum())
+    tot_raw, tot_stored = int(per_chunk["bytes_raw"].sum()), int(per_chunk["bytes_stored"].sum())
+    totals = {
+        "chunks": len(chunks),
+        "samples": int(per_chunk["samples"].sum()),
+        "tokens": tokens,
+        "stored_tokens": stored,
+        "share_saving": share_saving(tokens, stored),
+        "trained_tokens": int(per_chunk["trained_tokens"].sum()),
+        **drops.totals(prepare_summary.get("dropped") or {}),
+        "bytes_raw": tot_raw,
+        "bytes_stored": tot_stored,
+        "stored_over_raw": round(tot_stored / tot_raw, 4) if tot_raw else float("nan"),
+        "codec_ratio": codec_ratio(tot_stored, per_chunk["bytes_raw_stored"].sum(skipna=False)),
+        "hidden_size": hidden,
+        "tensors_per_sample": len(names),
+    }
+    summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
+    return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
+            "seq_lengths": seq, "dropped": dropped}
+
+
+TENSORS = ["hidden_states[1]", "hidden_states[3]", "final_post_norm"]
+
+
+def synthetic_chunk(k: int, samples: int, vocab: int = 500, freq_entries: int = 50, bin_size: int = 4) -> dict:
+    """chunk_stats' dict without a shard: random lengths, and sums of magnitudes far apart (so the order and
+    method of summation show in the last bits), the newest release's keys (stored_tokens, bytes_raw_stored)."""
+    import random
+
+    rng = random.Random(k)
+
+    def wide() -> float:
+        return rng.random() * rng.choice([1.0, 1e3, 1e16])
+    seq = [rng.randint(1, 40) for _ in range(samples)]
+    trained = [rng.randint(0, n) for n in seq]
+    n_bins = (max(seq, default=0) + bin_size - 1) // bin_size
+    tokens = sum(seq)
+    return {
+        "shard": f"shards/chunk-{k:05d}.hss", "chunk": k, "aux_layers": [1, 3], "layer_convention": "hidden_states",
+        "final_state": "post_norm", "hidden_size": HIDDEN, "format_version": 2, "samples": samples,
+        "tokens": tokens, "stored_tokens": tokens - rng.randint(0, tokens // 2), "trained_tokens": sum(trained),
+        "seq_lengths": seq, "trained_lengths": trained, "bytes_raw": 1000 * tokens + k,
+        "bytes_raw_stored": 900 * tokens + k, "bytes_stored": 400 * tokens + k,
+        "tensors": [{"name": n, "sum_sq": wide(), "count": tokens * HIDDEN,
+                     "abs_max": rng.random() * 100, "nonfinite": rng.choice([0, 0, 3])} for n in TENSORS],
+        "position_bins": bin_size,
+        "position_tokens": [rng.randint(1, samples + 1) for _ in range(n_bins)],
+        "position_sum_sq": [[wide() for _ in range(n_bins)] for _ in TENSORS],
+        "token_freq": {str(t): rng.randint(1, 99) for t in sorted(rng.sample(range(vocab), min(freq_entries, vocab)))},
+    }
+
+
+def chunk_sets() -> dict[str, list[dict]]:
+    chunks = [synthetic_chunk(k, samples=k % 4 + 1) for k in range(14)]
+    chunks[2] = synthetic_chunk(2, samples=0)  # an empty chunk: no bins, no lengths, no token counts, no bytes
+    chunks[2].update(bytes_raw=0, bytes_raw_stored=0, token_freq={},
+                     tensors=[dict(t, sum_sq=0.0, abs_max=0.0, nonfinite=0) for t in chunks[2]["tensors"]])
+    chunks[9] = synthetic_chunk(9, samples=30)  # the most bins, mid-way: the position sums grow
+    for c in chunks[4:7]:  # an earlier release's statistics, of flat (version 1) shards: every token stored
+        c.update(format_version=1, stored_tokens=c["tokens"])
+        del c["bytes_raw_stored"]
+    del chunks[5]["stored_tokens"]  # older still: stored tokens not said either
+    older_shared = [dict(c) for c in chunks]  # and one of a shared-prefix shard without bytes_raw_stored: unknown
+    del older_shared[11]["bytes_raw_stored"]
+    return {"mixed": chunks, "older_shared": older_shared, "empty_first": [chunks[2], *chunks[:2]],
+            "only_empty": [chunks[2]], "one": [chunks[9]]}
+
+
+@pytest.mark.parametrize("name", list(chunk_sets()))
+def test_chunk_totals_over_files_equal_the_whole_list(name: str, tmp_path: Path) -> None:
+    """aggregate_stats reads the chunk statistics one file at a time (iter_json_files into ChunkTotals): every
+    table, token_freq.pt and the histogram's data are what the whole list of statistics gave, to the byte."""
+    import io
+    import json
+
+    import numpy as np
+
+    from hsextract.report.plots import seq_length_figure
+    from hsextract.report.stats import ChunkTotals, iter_json_files
+    from hsextract.report.tables import table_html
+
+    paths = []
+    for k, c in enumerate(chunk_sets()[name]):
+        paths.append(tmp_path / f"c{k}.json")
+        paths[-1].write_text(json.dumps(c))
+    whole = [json.loads(p.read_text()) for p in paths]
+    prep = {"dropped": {"too_long": 2, "duplicate": 1}}
+    want = _aggregate_whole_list(whole, prep)
+    totals = ChunkTotals(iter_json_files(paths))
+    got = totals.tables(prep)
+    assert list(got) == list(want)
+    for t in want:
+        pd.testing.assert_frame_equal(got[t], want[t], check_exact=True)
+        write_table(want[t], tmp_path / "want.tsv")
+        write_table(got[t], tmp_path / "got.tsv")
+        assert (tmp_path / "got.tsv").read_bytes() == (tmp_path / "want.tsv").read_bytes(), t
+        assert table_html(got[t]) == table_html(want[t]), t
+    for k, v in zip(want["summary"]["value"], got["summary"]["value"], strict=True):  # None stays None, not NaN
+        assert type(k) is type(v)
+
+    before: Counter[int] = Counter()
+    for c in whole:
+        before.update({int(t): int(n) for t, n in c["token_freq"].items()})
+    saved = io.BytesIO()
+    torch.save(dict(sorted(before.items())), saved)
+    write_token_freq(totals.token_freq(), tmp_path / "token_freq.pt")
+    assert (tmp_path / "token_freq.pt").read_bytes() == saved.getvalue()
+    assert token_freq(iter_json_files(paths)) == totals.token_freq()
+
+    lengths = np.asarray([n for c in whole for n in c["seq_lengths"]], dtype=np.int64)
+    trained = np.asarray([n for c in whole for n in c["trained_lengths"]], dtype=np.int64)
+    edges = np.histogram_bin_edges(np.concatenate([lengths, trained]), bins=7)
+    fig = seq_length_figure(iter_json_files(paths), bins=7)
+    bars = fig.axes[0].containers
+    for series, container in zip((lengths, trained), bars, strict=True):
+        assert [b.get_height() for b in container] == list(np.histogram(series, edges)[0])
+        assert [b.get_x() for b in container] == pytest.approx(list(edges[:-1]), abs=1e-9)  # bar at its left edge
+
+
+def test_chunk_totals_hold_one_chunk_not_all(tmp_path: Path) -> None:
+    """Peak memory of the aggregation (tracemalloc) over 4N chunk files is that over N plus less than one chunk's
+    parsed statistics: the chunks are read and folded one at a time, never held together."""
+    import json
+    import tracemalloc
+
+    from hsextract.report.stats import ChunkTotals, iter_json_files
+
+    paths = []
+    for k in range(40):
+        paths.append(tmp_path / f"c{k}.json")
+        paths[-1].write_text(json.dumps(synthetic_chunk(k, samples=4, vocab=8000, freq_entries=5000)))
+
+    def peak(fn) -> int:
+        tracemalloc.start()
+        try:
+            fn()
+            return tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+
+    def fold(files: list[Path]) -> None:
+        totals = ChunkTotals(iter_json_files(files))
+        totals.tables({})
+        totals.token_freq()
+
+    fold(paths[:2])  # first use: pandas' lazily built caches and imports, outside the measurements
+    one_chunk = peak(lambda: json.loads(paths[0].read_text()))
+    few, many = peak(lambda: fold(paths[:10])), peak(lambda: fold(paths))
+    assert many - few < one_chunk, (few, many, one_chunk)

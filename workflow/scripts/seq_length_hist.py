@@ -5,10 +5,10 @@ import sys
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
 from hsextract.report.plots import plot_seq_length_hist
-from hsextract.report.stats import load_json_files
+from hsextract.report.stats import iter_json_files
 
 plot_seq_length_hist(
-    load_json_files(snakemake.input.chunks),
+    iter_json_files(snakemake.input.chunks),
     snakemake.output.plot,
     bins=int(snakemake.params.settings["stats.seq_len_bins"]),
 )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from array import array
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,14 @@ def _legend_outside(ax: Any) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False)
 
 
-def seq_length_figure(chunks: Sequence[Mapping[str, Any]], bins: int = 40) -> Any:
-    """Histogram of tokens and trained tokens per sample, both series on the same bin edges."""
-    lengths = np.asarray([n for c in chunks for n in c["seq_lengths"]], dtype=np.int64)
-    trained = np.asarray([n for c in chunks for n in c["trained_lengths"]], dtype=np.int64)
+def seq_length_figure(chunks: Iterable[Mapping[str, Any]], bins: int = 40) -> Any:
+    """Histogram of tokens and trained tokens per sample, both series on the same bin edges. `chunks` may be
+    read lazily (stats.iter_json_files): only the lengths are kept, as int64."""
+    lengths, trained = array("q"), array("q")
+    for c in chunks:
+        lengths.extend(c["seq_lengths"])
+        trained.extend(c["trained_lengths"])
+    lengths, trained = np.asarray(lengths, dtype=np.int64), np.asarray(trained, dtype=np.int64)
     edges = np.histogram_bin_edges(np.concatenate([lengths, trained]), bins=bins)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.hist(lengths, bins=edges, alpha=0.75, label="tokens per sample")
@@ -41,7 +46,7 @@ def seq_length_figure(chunks: Sequence[Mapping[str, Any]], bins: int = 40) -> An
     return fig
 
 
-def plot_seq_length_hist(chunks: Sequence[Mapping[str, Any]], path: str | Path, bins: int = 40) -> None:
+def plot_seq_length_hist(chunks: Iterable[Mapping[str, Any]], path: str | Path, bins: int = 40) -> None:
     _save(seq_length_figure(chunks, bins), path)
 
 

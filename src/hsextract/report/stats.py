@@ -7,8 +7,9 @@ is sqrt(sum of squares / count), never an average of per-shard RMS values.
 from __future__ import annotations
 
 import json
+from array import array
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,13 +107,17 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
     }
 
 
-def load_json_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    """One JSON object per file, in order: per-chunk stats, validation reports."""
-    out = []
+def iter_json_files(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
+    """One JSON object per file, in order, each read when asked for: a consumer that folds them (ChunkTotals)
+    holds one file's at a time."""
     for p in paths:
         with open(p) as f:
-            out.append(json.load(f))
-    return out
+            yield json.load(f)
+
+
+def load_json_files(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """One JSON object per file, in order, all in memory: for small ones (validation reports)."""
+    return list(iter_json_files(paths))
 
 
 def _dropped(prepare_summary: Mapping[str, Any]) -> pd.DataFrame:
@@ -122,79 +127,118 @@ def _dropped(prepare_summary: Mapping[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["reason", "dropped", "unit"]).astype({"dropped": "int64"})
 
 
-def aggregate(chunks: Sequence[Mapping[str, Any]], prepare_summary: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
-    """Tables over all chunks: summary, chunks, layers, rms_by_position, seq_lengths, dropped."""
-    if not chunks:
-        raise ValueError("aggregate: no chunk statistics given")
-    per_chunk = pd.DataFrame(
-        [
+_TENSOR_SUMS = ("name", "sum_sq", "count", "abs_max", "nonfinite")
+
+
+class ChunkTotals:
+    """Running totals over per-chunk statistics, added one chunk at a time (`add`, or an iterable such as
+    `iter_json_files` given to the constructor): the tables and token frequencies over every chunk.
+
+    A run has up to tens of thousands of chunks, each with up to a vocabulary's token counts, so the chunks' dicts
+    are never all held: only a few numbers a chunk (its row, its tensors' rows), the position sums, one Counter
+    and the sequence lengths as int64. The results are those of the whole list to the byte: the rows are summed
+    by pandas at the end, the position sums are added in chunk order, the lengths keep their order."""
+
+    def __init__(self, chunks: Iterable[Mapping[str, Any]] = ()) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.tensor_rows: list[tuple[Any, ...]] = []
+        self.names: list[str] = []
+        self.bin_size = self.hidden = 0
+        self.pos_tokens = np.zeros(0, dtype=np.int64)
+        self.pos_sum_sq = np.zeros((0, 0))
+        self.lengths = array("q")  # int64, 8 bytes a sample
+        self.freq: Counter[int] = Counter()
+        for c in chunks:
+            self.add(c)
+
+    def add(self, c: Mapping[str, Any]) -> None:
+        if not self.rows:  # the first chunk names the tensors, the position bin size and the hidden size
+            self.names = [t["name"] for t in c["tensors"]]
+            self.bin_size, self.hidden = int(c["position_bins"]), int(c["hidden_size"])
+            self.pos_sum_sq = np.zeros((len(self.names), 0))
+        self.rows.append(
             {"chunk": c["chunk"], "samples": c["samples"], "tokens": c["tokens"],
              "stored_tokens": stored_tokens(c), "trained_tokens": c["trained_tokens"], "bytes_raw": c["bytes_raw"],
              "bytes_raw_stored": raw_stored(c), "bytes_stored": c["bytes_stored"]}
-            for c in chunks
-        ]
-    )
-    # an empty chunk has no ratio (NaN, as the totals), not an infinite one
-    for col, raw in (("stored_over_raw", "bytes_raw"), ("codec_ratio", "bytes_raw_stored")):
-        per_chunk[col] = (per_chunk["bytes_stored"] / per_chunk[raw].where(per_chunk[raw] > 0)).round(4)
-
-    names = [t["name"] for t in chunks[0]["tensors"]]
-    tensors = pd.DataFrame([dict(t, chunk=c["chunk"]) for c in chunks for t in c["tensors"]])
-    by_name = tensors.groupby("name", sort=False).agg(
-        sum_sq=("sum_sq", "sum"), count=("count", "sum"), abs_max=("abs_max", "max"), nonfinite=("nonfinite", "sum")
-    ).reindex(names)
-    layers = pd.DataFrame(
-        {
-            "tensor": names,
-            "rms": np.sqrt(by_name["sum_sq"] / by_name["count"].clip(lower=1)).to_numpy(),
-            "abs_max": by_name["abs_max"].to_numpy(),
-            "nonfinite": by_name["nonfinite"].astype("int64").to_numpy(),
-        }
-    )
-
-    bin_size = int(chunks[0]["position_bins"])
-    n_bins = max(len(c["position_tokens"]) for c in chunks)
-    tok = np.zeros(n_bins, dtype=np.int64)
-    sq = np.zeros((len(names), n_bins))
-    for c in chunks:
+        )
+        self.tensor_rows.extend(tuple(t[k] for k in _TENSOR_SUMS) for t in c["tensors"])  # a tuple: half a dict
         m = len(c["position_tokens"])
-        tok[:m] += np.asarray(c["position_tokens"], dtype=np.int64)
+        grow = m - self.pos_tokens.shape[0]
+        if grow > 0:  # as many bins as the chunk with the longest sample
+            self.pos_tokens = np.concatenate([self.pos_tokens, np.zeros(grow, dtype=np.int64)])
+            self.pos_sum_sq = np.concatenate([self.pos_sum_sq, np.zeros((len(self.names), grow))], axis=1)
+        self.pos_tokens[:m] += np.asarray(c["position_tokens"], dtype=np.int64)
         if m:
-            sq[:, :m] += np.asarray(c["position_sum_sq"], dtype=np.float64)
-    hidden = int(chunks[0]["hidden_size"])
-    rms_pos = pd.DataFrame({"position_start": np.arange(n_bins) * bin_size, "tokens": tok})
-    for k, name in enumerate(names):
-        rms_pos[name] = np.sqrt(sq[k] / np.maximum(tok * hidden, 1))
+            self.pos_sum_sq[:, :m] += np.asarray(c["position_sum_sq"], dtype=np.float64)
+        self.lengths.extend(c["seq_lengths"])
+        self.freq.update({int(t): int(n) for t, n in c["token_freq"].items()})
 
-    lengths = np.asarray([n for c in chunks for n in c["seq_lengths"]], dtype=np.int64)
-    if lengths.size:
-        qs = np.quantile(lengths, SEQ_QUANTILES)
-        seq = pd.DataFrame({"statistic": [f"q{int(q * 100):02d}" for q in SEQ_QUANTILES] + ["mean"],
-                            "tokens": [float(v) for v in qs] + [float(lengths.mean())]})
-    else:
-        seq = pd.DataFrame({"statistic": [], "tokens": []})
+    def token_freq(self) -> dict[int, int]:
+        """Counts of trained (loss-mask 1) tokens over all chunks, as speculators' token_freq.pt holds."""
+        return dict(sorted(self.freq.items()))
 
-    dropped = _dropped(prepare_summary)
-    tokens, stored = int(per_chunk["tokens"].sum()), int(per_chunk["stored_tokens"].sum())
-    tot_raw, tot_stored = int(per_chunk["bytes_raw"].sum()), int(per_chunk["bytes_stored"].sum())
-    totals = {
-        "chunks": len(chunks),
-        "samples": int(per_chunk["samples"].sum()),
-        "tokens": tokens,
-        "stored_tokens": stored,
-        "share_saving": share_saving(tokens, stored),
-        "trained_tokens": int(per_chunk["trained_tokens"].sum()),
-        **drops.totals(prepare_summary.get("dropped") or {}),
-        "bytes_raw": tot_raw,
-        "bytes_stored": tot_stored,
-        "stored_over_raw": round(tot_stored / tot_raw, 4) if tot_raw else float("nan"),
-        "codec_ratio": codec_ratio(tot_stored, per_chunk["bytes_raw_stored"].sum(skipna=False)),
-        "hidden_size": hidden,
-        "tensors_per_sample": len(names),
-    }
-    summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
-    return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
-            "seq_lengths": seq, "dropped": dropped}
+    def tables(self, prepare_summary: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
+        """Tables over all chunks: summary, chunks, layers, rms_by_position, seq_lengths, dropped."""
+        if not self.rows:
+            raise ValueError("aggregate: no chunk statistics given")
+        names, hidden = self.names, self.hidden
+        per_chunk = pd.DataFrame(self.rows)
+        # an empty chunk has no ratio (NaN, as the totals), not an infinite one
+        for col, raw in (("stored_over_raw", "bytes_raw"), ("codec_ratio", "bytes_raw_stored")):
+            per_chunk[col] = (per_chunk["bytes_stored"] / per_chunk[raw].where(per_chunk[raw] > 0)).round(4)
+
+        by_name = pd.DataFrame(self.tensor_rows, columns=_TENSOR_SUMS).groupby("name", sort=False).agg(
+            sum_sq=("sum_sq", "sum"), count=("count", "sum"), abs_max=("abs_max", "max"),
+            nonfinite=("nonfinite", "sum")
+        ).reindex(names)
+        layers = pd.DataFrame(
+            {
+                "tensor": names,
+                "rms": np.sqrt(by_name["sum_sq"] / by_name["count"].clip(lower=1)).to_numpy(),
+                "abs_max": by_name["abs_max"].to_numpy(),
+                "nonfinite": by_name["nonfinite"].astype("int64").to_numpy(),
+            }
+        )
+
+        tok, sq = self.pos_tokens, self.pos_sum_sq
+        rms_pos = pd.DataFrame({"position_start": np.arange(tok.shape[0]) * self.bin_size, "tokens": tok.copy()})
+        for k, name in enumerate(names):
+            rms_pos[name] = np.sqrt(sq[k] / np.maximum(tok * hidden, 1))
+
+        lengths = np.asarray(self.lengths, dtype=np.int64)
+        if lengths.size:
+            qs = np.quantile(lengths, SEQ_QUANTILES)
+            seq = pd.DataFrame({"statistic": [f"q{int(q * 100):02d}" for q in SEQ_QUANTILES] + ["mean"],
+                                "tokens": [float(v) for v in qs] + [float(lengths.mean())]})
+        else:
+            seq = pd.DataFrame({"statistic": [], "tokens": []})
+
+        dropped = _dropped(prepare_summary)
+        tokens, stored = int(per_chunk["tokens"].sum()), int(per_chunk["stored_tokens"].sum())
+        tot_raw, tot_stored = int(per_chunk["bytes_raw"].sum()), int(per_chunk["bytes_stored"].sum())
+        totals = {
+            "chunks": len(self.rows),
+            "samples": int(per_chunk["samples"].sum()),
+            "tokens": tokens,
+            "stored_tokens": stored,
+            "share_saving": share_saving(tokens, stored),
+            "trained_tokens": int(per_chunk["trained_tokens"].sum()),
+            **drops.totals(prepare_summary.get("dropped") or {}),
+            "bytes_raw": tot_raw,
+            "bytes_stored": tot_stored,
+            "stored_over_raw": round(tot_stored / tot_raw, 4) if tot_raw else float("nan"),
+            "codec_ratio": codec_ratio(tot_stored, per_chunk["bytes_raw_stored"].sum(skipna=False)),
+            "hidden_size": hidden,
+            "tensors_per_sample": len(names),
+        }
+        summary = pd.DataFrame({"metric": list(totals), "value": pd.Series(list(totals.values()), dtype=object)})
+        return {"summary": summary, "chunks": per_chunk, "layers": layers, "rms_by_position": rms_pos,
+                "seq_lengths": seq, "dropped": dropped}
+
+
+def aggregate(chunks: Iterable[Mapping[str, Any]], prepare_summary: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
+    """Tables over all chunks (ChunkTotals.tables); `chunks` may be read lazily (iter_json_files)."""
+    return ChunkTotals(chunks).tables(prepare_summary)
 
 
 def write_table(df: pd.DataFrame, path: str | Path) -> None:
@@ -202,16 +246,12 @@ def write_table(df: pd.DataFrame, path: str | Path) -> None:
     write_atomic(path, lambda f: f.write(text))
 
 
-def token_freq(chunks: Sequence[Mapping[str, Any]]) -> dict[int, int]:
-    """Counts of trained (loss-mask 1) tokens over all chunks, as speculators' token_freq.pt holds."""
-    total: Counter[int] = Counter()
-    for c in chunks:
-        total.update({int(t): int(n) for t, n in c["token_freq"].items()})
-    return dict(sorted(total.items()))
+def token_freq(chunks: Iterable[Mapping[str, Any]]) -> dict[int, int]:
+    """Counts of trained (loss-mask 1) tokens over all chunks (ChunkTotals.token_freq)."""
+    return ChunkTotals(chunks).token_freq()
 
 
-def write_token_freq(chunks: Sequence[Mapping[str, Any]], path: str | Path) -> dict[int, int]:
-    """token_freq.pt: dict[token_id -> count], loadable with torch.load(weights_only=True)."""
-    freq = token_freq(chunks)
-    write_atomic(path, lambda f: torch.save(freq, f))
-    return freq
+def write_token_freq(freq: Mapping[int, int], path: str | Path) -> None:
+    """token_freq.pt: dict[token_id -> count] (token_freq, ChunkTotals.token_freq), loadable with
+    torch.load(weights_only=True)."""
+    write_atomic(path, lambda f: torch.save(dict(freq), f))
