@@ -630,12 +630,17 @@ def test_threads_that_open_a_reader_at_once_share_one_descriptor(tmp_path, monke
 
     monkeypatch.setattr(reader_module.os, "open", slow_open)
     fds = []
-    threads = [threading.Thread(target=lambda: fds.append(r._handle())) for _ in range(2)]
+
+    def use():
+        with r._file() as fd:
+            fds.append(fd)
+
+    threads = [threading.Thread(target=use) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert opened == [path] and len(set(fds)) == 1 and fds[0] == r._fd
+    assert opened == [path] and len(set(fds)) == 1 and fds[0] == reader_module._HANDLES[r._key].fd
 
 
 def test_a_thread_keeps_one_record_buffer_whatever_shards_it_reads(tmp_path):

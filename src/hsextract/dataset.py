@@ -115,7 +115,8 @@ class HiddenStateDataset(Dataset):
     """Samples of several shards, indexed 0..N-1 in shard order then sample order.
 
     `ds[i]` is exactly the speculators v1 dict. Readers open their file lazily in each process,
-    so the dataset is safe to use with DataLoader workers (fork or spawn).
+    so the dataset is safe to use with DataLoader workers (fork or spawn); a process keeps at most
+    hsextract.shard.reader.MAX_OPEN shard files open, whatever the number of shards (ShardReader).
     """
 
     def __init__(self, shards: list[Path], *, decode_threads: int = 1) -> None:

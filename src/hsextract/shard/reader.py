@@ -2,17 +2,21 @@
 
 Length: one class, ShardReader, because every read path (a sample, a prefix-shared sample assembled from its
 parent, prefetch, the parallel read of a large record, verify) goes through the same per-process state: the
-file handle reopened after a fork, the parsed index, the thread pools and the per-thread buffers. The byte
-layout is in format.py, footer and index parsing in parse.py, the tensor codecs in codec.py.
+file handle (from a cache of at most MAX_OPEN per process, reopened after a fork), the parsed index, the thread
+pools and the per-thread buffers. The byte layout is in format.py, footer and index parsing in parse.py, the
+tensor codecs in codec.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import itertools
 import os
 import stat
 import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
@@ -31,24 +35,55 @@ Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
 PARALLEL_READ_MIN = 8 << 20  # with decode threads, records from this size are read in slices in parallel
 HINT_PIECE = 128 << 10  # ShardReader.prefetch's piece where the disk's limits are not known (the default read_ahead_kb)
+# shard files a process keeps open, all readers together (a dataset may hold thousands of shards, each DataLoader
+# worker all of them, under a soft limit of 1024 open files): past it the least recently used idle one is closed,
+# and reopened at its next read (ShardReader._file). Read at each open: a value set in a process holds there and in
+# the workers it forks (spawned ones import 128 again)
+MAX_OPEN = 128
 
 # threads by (job, pool size), shared by every reader of this process; reads and decodes have pools of their own,
 # so that slices waiting on the disk never hold up a decode (two samples in flight: HiddenStateDataset.stream)
 _POOLS: dict[tuple[str, int], ThreadPoolExecutor] = {}
-_LOCK = threading.Lock()  # _POOLS, and a reader's first open in a process (decode, read and hint threads race to it)
+_LOCK = threading.Lock()  # _POOLS and _HANDLES (decode, read and hint threads race to a reader's first open)
 # a thread's record buffer and zstd context, shared by every reader: kept per reader, they would add up to one
 # buffer per shard the thread reads from (a Kimi-scale dataset: hundreds of shards, records up to REUSE_MAX)
 _THREAD = threading.local()
 
 
-def _forget_pools() -> None:
-    # a forked child (a DataLoader worker) inherits the pools but not their threads: it starts its own
+class _Open:
+    __slots__ = ("fd", "users")
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.users = fd, 0
+
+
+# this process's open shard files by reader key, least recently used first; a file in use (users > 0: a read or a
+# prefetch in progress on some thread) is never closed under it, so only those can take the count past MAX_OPEN
+_HANDLES: OrderedDict[int, _Open] = OrderedDict()
+_KEYS = itertools.count()  # a reader's key in _HANDLES: one per reader object and process (ids are reused)
+
+
+def _trim() -> None:
+    """Close the least recently used idle files past MAX_OPEN (the caller holds _LOCK)."""
+    over = len(_HANDLES) - MAX_OPEN
+    if over > 0:
+        for key in [k for k, h in _HANDLES.items() if h.users == 0][:over]:
+            os.close(_HANDLES.pop(key).fd)
+
+
+def _after_fork_in_child() -> None:
+    # a forked child (a DataLoader worker) inherits the pools but not their threads: it starts its own; and the open
+    # files, which it closes (its readers reopen theirs, checked to be the same files, at their next read)
     global _LOCK
     _POOLS.clear()
     _LOCK = threading.Lock()
+    for h in _HANDLES.values():
+        with contextlib.suppress(OSError):
+            os.close(h.fd)
+    _HANDLES.clear()
 
 
-os.register_at_fork(after_in_child=_forget_pools)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _pool(job: str, threads: int) -> ThreadPoolExecutor:
@@ -86,7 +121,10 @@ class ShardReader:
     Opening checks footer, index and header checksums. `reader[i]` reads and checks one record
     (its checksum, its sample number, every frame's content checksum) and returns exactly the
     speculators v1 dict. The file is opened per process (os.pread, no shared offset), so a
-    reader can be handed to DataLoader workers, forked or pickled.
+    reader can be handed to DataLoader workers, forked or pickled. A process keeps at most MAX_OPEN shard files
+    open, all readers together, and reopens the others as they are read: each reopening must find the file the
+    index was read from (same device, inode, size and mtime) or the read raises ShardError, so a shard replaced
+    or rewritten on disk after the reader opened it is never read in its place.
 
     `decode_threads` > 1 decodes a sample's hidden tensors in parallel (zstd and numpy release the GIL):
     a sample arrives sooner for a little more CPU time (4 threads: 2.5x sooner, 16% more CPU; bench/read.py).
@@ -100,9 +138,14 @@ class ShardReader:
         if not isinstance(decode_threads, int) or decode_threads < 1:
             raise ShardError(f"decode_threads {decode_threads!r}: must be an integer >= 1")
         self.decode_threads = decode_threads
-        self._fd: int | None = None
-        self._pid = -1
-        self.metadata, self._index = self._open()
+        self._key = next(_KEYS)
+        # (st_dev, st_ino, st_size, st_mtime_ns) of the file the index was read from, taken at its first open
+        self._identity: tuple[int, int, int, int] | None = None
+        try:
+            self.metadata, self._index = self._open()
+        except BaseException:
+            self.close()  # not left to the cache: a caller may rewrite the file and open it again
+            raise
         self._pieces = fmt.piece_layout(self.metadata)
         # per returned tensor (fmt.unit_layout), its pieces with the range of the record's frames each decodes
         self._units: list[list[tuple[dict[str, Any], int, int]]] = []
@@ -114,39 +157,79 @@ class ShardReader:
                 fi += piece["planes"]
         self._out_dtype = DTYPES[self.metadata["dtype"]]
 
-    # -- process-local file handle --------------------------------------------------------
-    def _handle(self) -> int:
-        if self._fd is None or self._pid != os.getpid():
+    # -- process-local file handle, from the process's cache of open files -----------------
+    @contextlib.contextmanager
+    def _file(self) -> Iterator[int]:
+        """This reader's descriptor, open for the `with` block (the cache closes no file in use)."""
+        with _LOCK:
+            h = _HANDLES.get(self._key)
+            if h is None:
+                h = _HANDLES[self._key] = _Open(self._reopen())
+            _HANDLES.move_to_end(self._key)
+            h.users += 1
+            _trim()
+        try:
+            yield h.fd
+        finally:
             with _LOCK:
-                if self._fd is None or self._pid != os.getpid():
-                    # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
-                    fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-                    st = os.fstat(fd)
-                    if not stat.S_ISREG(st.st_mode):
-                        os.close(fd)
-                        raise ShardError(f"{self.path}: not a regular file; a shard is a regular "
-                                         f"*{fmt.SHARD_SUFFIX} file")
-                    self._fd, self._pid, self._dev = fd, os.getpid(), st.st_dev  # _dev: the disk, for prefetch
-        return self._fd
+                h.users -= 1
+                _trim()
+
+    def _reopen(self) -> int:
+        """The file opened, refused unless it is the regular file the index was read from (the first open: the one
+        it is read from)."""
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        st = os.fstat(fd)
+        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise ShardError(f"{self.path}: not a regular file; a shard is a regular *{fmt.SHARD_SUFFIX} file")
+        if self._identity is None:
+            self._identity = identity
+        elif identity != self._identity:
+            os.close(fd)
+            raise ShardError(
+                f"{self.path}: replaced or modified on disk since it was opened (device, inode, size, mtime_ns "
+                f"{self._identity} then, {identity} now): the index read then does not describe it. Open the "
+                "dataset (or shard) again to read the file as it is now")
+        return fd
+
+    @property
+    def _dev(self) -> int:
+        """The file's disk (prefetch's hint_piece)."""
+        assert self._identity is not None
+        return self._identity[0]
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_fd=None, _pid=-1)
+        del state["_key"]  # the receiving process's cache has keys of its own
         return state
 
-    def close(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd = None
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _key=next(_KEYS))
+
+    def close(self, *, wait: bool = True) -> None:
+        """Close this reader's file in this process, unless a read is using it (the cache then closes it when it
+        needs the room); a later read opens it again, checked to be the same file."""
+        if not _LOCK.acquire(blocking=wait):
+            return  # __del__ in a garbage collection inside a _LOCK block (or while another thread holds it)
+        try:
+            h = _HANDLES.get(self._key)
+            if h is not None and h.users == 0:
+                os.close(_HANDLES.pop(self._key).fd)
+        finally:
+            _LOCK.release()
 
     def __del__(self) -> None:
         try:
-            self.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
+            self.close(wait=False)
+        except Exception:  # noqa: BLE001 - interpreter shutdown; a reader whose __init__ failed has no _key
             pass
 
     def _pread(self, n: int, offset: int) -> bytes:
-        return os.pread(self._handle(), n, offset)
+        with self._file() as fd:
+            return os.pread(fd, n, offset)
 
     def _record_buffer(self, n: int) -> memoryview:
         """A writable n-byte buffer to read a record into, reused by this thread for its next record, of any
@@ -166,11 +249,12 @@ class ShardReader:
     def _read_into(self, buf: memoryview, offset: int) -> int:
         """Fill `buf` from `offset` (one read returns at most ~2 GiB on Linux); the bytes read, short at EOF."""
         got = 0
-        while got < len(buf):
-            n = os.preadv(self._handle(), [buf[got:]], offset + got)
-            if n == 0:
-                break
-            got += n
+        with self._file() as fd:
+            while got < len(buf):
+                n = os.preadv(fd, [buf[got:]], offset + got)
+                if n == 0:
+                    break
+                got += n
         return got
 
     # -- structure ------------------------------------------------------------------------
@@ -179,13 +263,15 @@ class ShardReader:
 
     def _open(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         try:
-            return self._parse()
+            with self._file():  # held through the parse: every read of it from the file whose fstat is the identity
+                return self._parse()
         except parse.Malformed as e:
             raise self._corrupt(e.sample, e.what) from None
 
     def _parse(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
         """Header, metadata, footer and index, each checked before the next is sized by it."""
-        size = os.fstat(self._handle()).st_size
+        assert self._identity is not None  # set by _open's first open of the file
+        size = self._identity[2]
         head = self._pread(fmt.HEADER.size, 0)
         if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
             raise self._corrupt(None, "not an hsextract shard (bad magic at byte 0)")
@@ -280,13 +366,13 @@ class ShardReader:
         if not hasattr(os, "posix_fadvise"):
             return
         off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
-        fd = self._handle()
         step = hint_piece(self._dev)
-        try:
-            for a in range(off, off + rlen, step):
-                os.posix_fadvise(fd, a, min(step, off + rlen - a), os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
+        with self._file() as fd:
+            try:
+                for a in range(off, off + rlen, step):
+                    os.posix_fadvise(fd, a, min(step, off + rlen - a), os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
 
     def _record(self, i: int, pool: ThreadPoolExecutor | None = None) -> memoryview:
         """Record i read, its header checked (not yet its payload: _check_payload), in this thread's record
