@@ -126,3 +126,13 @@ def test_unloadable_tokenizer_names_the_source(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=rf"^cannot load a tokenizer from {tmp_path}/empty: "):
         load_tokenizer(tmp_path / "empty", trust_remote_code=True)
+
+
+def test_a_path_that_is_no_folder_is_said_so_not_taken_for_a_hub_id(tmp_path: Path) -> None:
+    (tmp_path / "f.json").write_text("{}")
+    for source, why in ((tmp_path / "missing", "no such folder"), ("./missing", "no such folder"),
+                        (tmp_path / "f.json", "not a folder")):
+        with pytest.raises(ConfigError) as e:
+            load_tokenizer(source)
+        assert str(e.value) == (f"cannot load a tokenizer from {source}: {why}; give the model's (or tokenizer's) "
+                                "folder, or a hub id such as org/name")

@@ -193,6 +193,11 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
     """
     if isinstance(tokenizer, (str, os.PathLike)):
         source = str(tokenizer)
+        if not os.path.isdir(source) and (os.path.exists(source) or os.path.isabs(source) or source.count("/") > 1
+                                          or source.startswith((".", "~"))):  # a path, never a hub id
+            raise ConfigError(f"cannot load a tokenizer from {source}: "
+                              f"{'not a folder' if os.path.exists(source) else 'no such folder'}; give the model's "
+                              "(or tokenizer's) folder, or a hub id such as org/name")
         code = check_tokenizer_source(source, trust_remote_code)
         from transformers import AutoTokenizer
 
