@@ -31,3 +31,34 @@ def test_records_partition_the_input() -> None:
     parts = [chunks.records(c, ppc, n) for c in range(chunks.count(n, ppc))]
     assert [list(r) for r in parts] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
     assert all(chunks.of_record(k, ppc) == c for c, r in enumerate(parts) for k in r)
+
+
+def test_remove_beyond_removes_exactly_the_later_chunks_files(tmp_path, capsys) -> None:
+    """An earlier configuration's per-chunk files (chunk >= the count now) are removed, one line each; nothing that
+    is not named exactly `chunk-NNNNN<suffix>` is touched: other names, other suffixes, folders, a link's target."""
+    d = tmp_path / "prompts"
+    d.mkdir()
+    for name in ("chunk-00000.parquet", "chunk-00001.parquet", "chunk-00002.parquet", "chunk-00010.parquet",
+                 "chunk-00003.parquet.bak", "chunk-3.parquet", "chunk-000004.parquet", "chunk-00005.json",
+                 ".chunk-00006.parquet.x1.tmp", "summary.json", "xchunk-00007.parquet"):
+        (d / name).write_text("x")
+    (d / "chunk-00008.parquet").mkdir()  # a folder of that name: not a per-chunk file
+    target = tmp_path / "elsewhere.parquet"
+    target.write_text("keep me")
+    (d / "chunk-00009.parquet").symlink_to(target)
+    assert [(p.name, c) for p, c in chunks.beyond(d, ".parquet", 1)] == [
+        ("chunk-00001.parquet", 1), ("chunk-00002.parquet", 2), ("chunk-00009.parquet", 9),
+        ("chunk-00010.parquet", 10)]
+    removed = chunks.remove_beyond(d, ".parquet", 1)
+    assert [p.name for p in removed] == ["chunk-00001.parquet", "chunk-00002.parquet", "chunk-00009.parquet",
+                                         "chunk-00010.parquet"]
+    assert capsys.readouterr().out.splitlines() == [
+        f"removed {d / n}: chunk {int(n[6:11])} of an earlier configuration (now 1 chunks)"
+        for n in ("chunk-00001.parquet", "chunk-00002.parquet", "chunk-00009.parquet", "chunk-00010.parquet")]
+    assert sorted(p.name for p in d.iterdir()) == [
+        ".chunk-00006.parquet.x1.tmp", "chunk-00000.parquet", "chunk-000004.parquet", "chunk-00003.parquet.bak",
+        "chunk-00005.json", "chunk-00008.parquet", "chunk-3.parquet", "summary.json", "xchunk-00007.parquet"]
+    assert target.read_text() == "keep me"
+    # nothing beyond the count: nothing removed, nothing printed; a missing folder holds nothing
+    assert chunks.remove_beyond(d, ".parquet", 1) == [] == chunks.remove_beyond(tmp_path / "none", ".json", 0)
+    assert capsys.readouterr().out == ""

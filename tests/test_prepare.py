@@ -87,6 +87,22 @@ def test_chunks_filters_and_summary(tmp_path):
     assert _rows(tmp_path / "again", 3) == chunks
 
 
+def test_fewer_chunks_than_before_removes_the_earlier_chunks_prompts(tmp_path, capsys):
+    """A run of 3 chunks, then of 1 in the same folder: chunks 1 and 2's prompts go, one line each; the rest stays."""
+    src = _write(tmp_path, RECORDS)
+    tok = make_tokenizer("llama3")
+    out = tmp_path / "out"
+    run_prepare(_cfg(src, strict=False, max_seq_len=30), tok, out, 3)
+    (out / "chunk-00001.parquet.keep").write_text("not a chunk's file")
+    capsys.readouterr()
+    run_prepare(_cfg(src, strict=False, max_seq_len=30, prompts_per_chunk=5), tok, out, 1)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("removed ")]
+    assert lines == [f"removed {out / f'chunk-0000{k}.parquet'}: chunk {k} of an earlier configuration (now 1 chunks)"
+                     for k in (1, 2)]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "chunk-00000.parquet", "chunk-00001.parquet.keep", "summary.json", "token_freq.pt"]
+
+
 def test_truncation_inside_an_assistant_turn(tmp_path):
     src = _write(tmp_path, [RECORDS[4]])
     tok = make_tokenizer("llama3")

@@ -373,6 +373,42 @@ def test_readme_deleted_shard_reruns_alone(tmp_path: Path, full_run: Path) -> No
     assert sha256_file(shard_path(wd, 2)) == sha256_file(shard_path(full_run, 2))
 
 
+def copy_of(full_run: Path, dest: Path) -> Path:
+    wd = dest / "copy"
+    shutil.copytree(full_run, wd, symlinks=True)
+    return wd
+
+
+CHUNK_FILES = (("prompts", ".parquet"), ("shards", SHARD_SUFFIX), ("validation", ".json"), ("stats", ".json"))
+
+
+def test_fewer_chunks_remove_the_earlier_chunks_files(tmp_path: Path, full_run: Path) -> None:
+    """The full run's 3 chunks, then a config of 1 (max_records 8): chunks 1 and 2's prompts (removed by prepare),
+    shards, validation reports and statistics (by the manifest step) are gone, each named in the step's log; the
+    shard folder and `hsextract validate` then read the current chunk alone, as dataset.json lists it."""
+    wd = copy_of(full_run, tmp_path)
+    (wd / "config/test.yaml").write_text(TEST_CONFIG.replace(f"max_records: {RECORDS}", f"max_records: {PER_CHUNK}"))
+    smk(wd)
+    rd = run_dir(wd)
+    for folder, suffix in CHUNK_FILES:
+        assert sorted(p.name for p in (rd / folder).glob("chunk-*")) == [f"chunk-00000{suffix}"], folder
+    line = "removed results/{run}/{folder}/chunk-{c:05d}{suffix}: chunk {c} of an earlier configuration (now 1 chunks)"
+    prepare_log = (wd / "logs" / RUN / "prepare/prepare.log").read_text().splitlines()
+    manifest_log = (wd / "logs" / RUN / "manifest/manifest.log").read_text().splitlines()
+    assert [x for x in prepare_log if x.startswith("removed ")] == [
+        line.format(run=RUN, folder="prompts", suffix=".parquet", c=c) for c in (1, 2)]
+    assert [x for x in manifest_log if x.startswith("removed ")] == [
+        line.format(run=RUN, folder=folder, suffix=suffix, c=c) for folder, suffix in CHUNK_FILES[1:] for c in (1, 2)]
+    from hsextract import open_dataset
+
+    manifest = json.loads((rd / "dataset.json").read_text())
+    assert len(manifest["shards"]) == 1 and manifest["all_valid"] is True
+    assert len(open_dataset(rd / "shards")) == manifest["counts"]["samples"] == len(ShardReader(shard_path(wd, 0)))
+    assert manifest["counts"]["samples"] + manifest["counts"]["dropped_samples"] == PER_CHUNK
+    dry = smk(wd, "-n")
+    assert "Nothing to be done" in dry.stdout + dry.stderr
+
+
 # What a config change reruns (hsextract.config.reruns.KEYS). Each key is changed alone on a run where its rules have
 # jobs: the full run for most keys; for `sglang.*` and `regenerate.*` (and the keys regenerate reads too), the
 # full run recorded as made under `engine: sglang` or `regenerate.enabled` (snakemake --touch: nothing runs).

@@ -2,12 +2,18 @@
 so the chunk count is known from the record count alone, before anything is parsed.
 
 One place for the count, the 5-digit label in every per-chunk file name (`chunk-00007.parquet`) and the
-records of a chunk; used by the config checks, prepare and the workflow rules.
+records of a chunk; used by the config checks, prepare and the workflow rules. `remove_beyond`: the per-chunk files
+an earlier configuration of more chunks left (prepare's prompts, the manifest step's shards, reports, statistics).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
+from pathlib import Path
+from typing import TextIO
 
 WIDTH = 5
 # the `chunk` wildcard of the rules: a label
@@ -44,4 +50,34 @@ def of_record(index: int, prompts_per_chunk: int) -> int:
     return index // prompts_per_chunk
 
 
-__all__ = ["WIDTH", "WILDCARD", "count", "label", "labels", "name", "of_record", "records"]
+def beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int) -> list[tuple[Path, int]]:
+    """The per-chunk files in `folder` (named exactly `chunk-NNNNN<suffix>`, 5 digits) of a chunk >= `n_chunks`,
+    with their chunk, in chunk order; nothing else (another name, a folder) is listed. A missing folder holds none."""
+    pattern = re.compile(rf"chunk-({WILDCARD}){re.escape(suffix)}")
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return []
+    found = []
+    for e in entries:
+        m = pattern.fullmatch(e.name)
+        if m and int(m[1]) >= n_chunks and not e.is_dir(follow_symlinks=False):
+            found.append((Path(folder) / e.name, int(m[1])))
+    return sorted(found, key=lambda f: f[1])
+
+
+def remove_beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int, *,
+                  out: TextIO | None = None) -> list[Path]:
+    """Delete `beyond(folder, suffix, n_chunks)`: the files of chunks an earlier configuration had and this one (of
+    `n_chunks` chunks) does not, which would otherwise be read with the current ones (a shard folder, a glob). One
+    line on `out` (stdout) per file removed; a symlink is removed, never its target. Returns the paths removed."""
+    removed = []
+    for path, chunk in beyond(folder, suffix, n_chunks):
+        path.unlink(missing_ok=True)
+        print(f"removed {path}: chunk {chunk} of an earlier configuration (now {n_chunks} chunks)",
+              file=out or sys.stdout, flush=True)
+        removed.append(path)
+    return removed
+
+
+__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "label", "labels", "name", "of_record", "records", "remove_beyond"]

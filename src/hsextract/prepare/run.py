@@ -18,7 +18,8 @@ Outputs in `out_dir`:
                         `shared_samples`, rows with a parent; absent
                         without: `hsextract plan` tells the two apart by them); `masks`: the masker's
                         counters (conversations, split_conversations, samples, turns, turns_history_fallback, ...).
-Every file is written to a temporary name in `out_dir` and renamed.
+Every file is written to a temporary name in `out_dir` and renamed. A `chunk-NNNNN.parquet` of a chunk >= num_chunks (an
+earlier configuration's) is removed, with one line on stdout each (hsextract.config.chunks.remove_beyond).
 
 Settings: hsextract.config.settings.PrepareSettings (the config's sources, mixture and filter keys).
 """
@@ -244,6 +245,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                           "config/README.md says what each reason means (filters drop whatever `strict` says; a "
                           "malformed record or a template's refusal stops a strict run, naming it)")
     close_chunk()
+    # the prompts of chunks an earlier configuration of more chunks had: the manifest step removes their shards,
+    # reports and statistics
+    chunks.remove_beyond(out, ".parquet", num_chunks)
 
     save_token_freq(dict(freq), out / "token_freq.pt")
     template = tokenizer.chat_template or ""

@@ -3,6 +3,9 @@
 Paths inside are relative to the run directory (results/<run_name>/), so a dataset can be
 moved or copied whole. Every shard must agree on what it holds (model, tokenizer, layers,
 final state, hidden size, dtype); a mixed dataset is an error that names the shard.
+
+`remove_stale_chunks`: the step that writes dataset.json also removes the per-chunk files of chunks
+an earlier configuration of more chunks left, which a shard folder or a glob would read with the rest.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers, provenance
+from hsextract.config import chunks
 from hsextract.config.reruns import beside_manifest
 from hsextract.config.settings import Settings
 from hsextract.errors import ValidationFailure
 from hsextract.prepare import drops
 from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
+from hsextract.shard.format import SHARD_SUFFIX
 
 MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
@@ -27,6 +32,21 @@ MANIFEST_VERSION = 1
 # samples took no prefix is version 1 beside version-2 shards (docs/SHARED_PREFIX.md), and a reader reads both.
 SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "engine",
                "aux_layers", "layer_convention", "final_state", "hidden_size", "dtype", "precision")
+
+
+# The run folder's per-chunk files (results/<run>/<folder>/chunk-NNNNN<suffix>): what remove_stale_chunks may delete.
+# (prompts/: prepare removes its own; listed here too, for the leftovers of a run made before it did.)
+PER_CHUNK_FILES = (("prompts", ".parquet"), ("shards", SHARD_SUFFIX), ("validation", ".json"), ("stats", ".json"))
+
+
+def remove_stale_chunks(run_dir: str | Path, n_chunks: int) -> list[Path]:
+    """Delete the per-chunk files (PER_CHUNK_FILES, exact names) of chunks >= `n_chunks` in the run folder: an
+    earlier configuration's, which `open_dataset('results/<run>/shards')` or `hsextract validate
+    results/<run>/shards/*.hss` would read with the current ones. One line on stdout per file removed."""
+    removed: list[Path] = []
+    for folder, suffix in PER_CHUNK_FILES:
+        removed += chunks.remove_beyond(Path(run_dir) / folder, suffix, n_chunks)
+    return removed
 
 
 def _rel(path: str | Path, root: Path) -> str:

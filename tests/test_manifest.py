@@ -1,0 +1,89 @@
+"""The manifest step's care of a run folder (hsextract.report.manifest): the per-chunk files an earlier configuration
+of more chunks left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from conftest import make_sample, shard_metadata
+
+from hsextract import open_dataset
+from hsextract.config.settings import from_config
+from hsextract.prepare.run import SCHEMA
+from hsextract.provenance import sha256_file
+from hsextract.report.manifest import build_manifest, remove_stale_chunks
+from hsextract.report.stats import chunk_stats, write_token_freq
+from hsextract.shard import ShardWriter
+
+SETTINGS = from_config({"capture": "custom", "aux_layers": [1, 2, 3], "aux_layers_convention": "hidden_states"})
+
+
+def write_prompts(path: Path, chunk: int, shift: int = 0) -> None:
+    """A chunk's prompts parquet of two rows (`shift` added to every input id: other prompts)."""
+    ids = [[t + shift for t in make_sample(5 + chunk, seed=10 * chunk + k)[0].tolist()] for k in range(2)]
+    rows = [{"sample_id": f"d:{2 * chunk + k}", "input_ids": x, "loss_mask": [1] * len(x), "num_tokens": len(x),
+             "num_trained": len(x), "source": "d"} for k, x in enumerate(ids)]
+    pq.write_table(pa.Table.from_pylist(rows, schema=SCHEMA), path)
+
+
+def make_run(root: Path, n_chunks: int, *, recorded: tuple[int, ...] | None = None) -> Path:
+    """A run folder of `n_chunks` chunks as the workflow lays it out: prompts, shards (those of chunks in `recorded`,
+    every one by default, record their prompts' sha256, as extract does; the others are an earlier release's),
+    validation reports, statistics, the prepare summary and token frequencies."""
+    run = root / "results" / "r"
+    for folder in ("prompts", "shards", "validation", "stats"):
+        (run / folder).mkdir(parents=True, exist_ok=True)
+    for c in range(n_chunks):
+        prompts = run / "prompts" / f"chunk-{c:05d}.parquet"
+        write_prompts(prompts, c)
+        meta = shard_metadata(final_state="pre_norm", chunk=c, layer_convention="hidden_states", model_hash="m0")
+        if recorded is None or c in recorded:
+            meta["prompts_sha256"] = sha256_file(prompts)
+        shard = run / "shards" / f"chunk-{c:05d}.hss"
+        with ShardWriter(shard, meta) as w:
+            for k, row in enumerate(pq.read_table(prompts).to_pylist()):
+                w.add(*make_sample(len(row["input_ids"]), seed=10 * c + k), sample_id=row["sample_id"])
+        (run / "validation" / f"chunk-{c:05d}.json").write_text(json.dumps({"passed": True}))
+        (run / "stats" / f"chunk-{c:05d}.json").write_text(json.dumps(chunk_stats(shard)))
+    (run / "prompts" / "summary.json").write_text(json.dumps({"read": 2 * n_chunks}))
+    write_token_freq([json.loads((run / "stats" / f"chunk-{c:05d}.json").read_text()) for c in range(n_chunks)],
+                     run / "token_freq.pt")
+    return run
+
+
+def manifest(run: Path, n_chunks: int) -> dict:
+    """build_manifest as the workflow's manifest rule calls it."""
+    names = [f"chunk-{c:05d}" for c in range(n_chunks)]
+    return build_manifest(
+        SETTINGS, shards=[run / "shards" / f"{n}.hss" for n in names],
+        validation=[run / "validation" / f"{n}.json" for n in names],
+        chunk_stats=[run / "stats" / f"{n}.json" for n in names],
+        prepare_summary=run / "prompts" / "summary.json", token_freq=run / "token_freq.pt",
+        out_path=run / "dataset.json")
+
+
+def test_fewer_chunks_than_before_removes_the_earlier_chunks_files(tmp_path: Path, capsys) -> None:
+    """A run folder of 3 chunks whose configuration now makes 1: the manifest step removes chunks 1 and 2's
+    prompts, shards, validation reports and statistics (one line each) and nothing else; the shard folder then
+    reads as the current chunk alone."""
+    run = make_run(tmp_path, 3)
+    others = {"stats/chunks.tsv", "stats/summary.tsv", "prompts/summary.json", "token_freq.pt",
+              "shards/chunk-00001.hss.bak", "validation/notes.json"}
+    for name in others - {"prompts/summary.json", "token_freq.pt"}:
+        (run / name).write_text("x")
+    before = len(open_dataset(run / "shards"))
+    removed = remove_stale_chunks(run, 1)
+    gone = [f"{folder}/chunk-0000{c}{suffix}" for folder, suffix in (
+        ("prompts", ".parquet"), ("shards", ".hss"), ("validation", ".json"), ("stats", ".json")) for c in (1, 2)]
+    assert removed == [run / g for g in gone]
+    assert capsys.readouterr().out.splitlines() == [
+        f"removed {run / g}: chunk {int(g.split('chunk-')[1][:5])} of an earlier configuration (now 1 chunks)"
+        for g in gone]
+    left = {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
+    assert left == others | {f"{folder}/chunk-00000{suffix}" for folder, suffix in (
+        ("prompts", ".parquet"), ("shards", ".hss"), ("validation", ".json"), ("stats", ".json"))}
+    assert (before, len(open_dataset(run / "shards"))) == (6, 2)
+    assert manifest(run, 1)["counts"]["samples"] == 2
