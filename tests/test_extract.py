@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -119,6 +120,8 @@ def test_read_prompts(tmp_path: Path) -> None:
     pq.write_table(table, tmp_path / "p.parquet")
     p = read_prompts(tmp_path / "p.parquet")
     assert (p.sample_ids, p.input_ids, p.loss_masks) == (["a", "b"], [[1, 2], [3]], [[0, 1], [1]])
+    # what run_extract records in the shard as prompts_sha256 (the manifest compares it with the file then)
+    assert p.sha256 == hashlib.sha256((tmp_path / "p.parquet").read_bytes()).hexdigest()
     (tmp_path / "bad.parquet").write_bytes(b"garbage")
     with pytest.raises(ShardError, match=r"bad.parquet: cannot read the prompts parquet"):
         read_prompts(tmp_path / "bad.parquet")

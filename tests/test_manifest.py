@@ -1,17 +1,20 @@
-"""The manifest step's care of a run folder (hsextract.report.manifest): the per-chunk files an earlier configuration
-of more chunks left behind."""
+"""dataset.json's checks of a run folder (hsextract.report.manifest): each shard against the prompts file of its chunk,
+and the per-chunk files an earlier configuration of more chunks left behind."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from conftest import make_sample, shard_metadata
 
 from hsextract import open_dataset
 from hsextract.config.settings import from_config
+from hsextract.errors import ValidationFailure
 from hsextract.prepare.run import SCHEMA
 from hsextract.provenance import sha256_file
 from hsextract.report.manifest import build_manifest, remove_stale_chunks
@@ -61,8 +64,49 @@ def manifest(run: Path, n_chunks: int) -> dict:
         SETTINGS, shards=[run / "shards" / f"{n}.hss" for n in names],
         validation=[run / "validation" / f"{n}.json" for n in names],
         chunk_stats=[run / "stats" / f"{n}.json" for n in names],
+        prompts=[run / "prompts" / f"{n}.parquet" for n in names],
         prepare_summary=run / "prompts" / "summary.json", token_freq=run / "token_freq.pt",
         out_path=run / "dataset.json")
+
+
+def test_shards_made_from_the_prompts_there_pass(tmp_path: Path) -> None:
+    run = make_run(tmp_path, 2)
+    m = manifest(run, 2)
+    assert m["all_valid"] is True and m["prompts_unchecked"] == []
+    assert [e["prompts_sha256"] for e in m["shards"]] == [
+        sha256_file(run / "prompts" / f"chunk-0000{c}.parquet") for c in (0, 1)]
+
+
+def test_a_shard_older_than_its_rewritten_prompts_is_an_error_naming_the_chunk(tmp_path: Path) -> None:
+    """Every input id of chunk 1's prompts changed, the file's modification time kept (Snakemake plans nothing)."""
+    run = make_run(tmp_path, 2)
+    prompts, shard = run / "prompts" / "chunk-00001.parquet", run / "shards" / "chunk-00001.hss"
+    recorded, st = sha256_file(prompts), prompts.stat()
+    write_prompts(prompts, 1, shift=1)
+    os.utime(prompts, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ValidationFailure) as e:
+        manifest(run, 2)
+    assert str(e.value) == (
+        f"{shard}: chunk 1 was extracted from prompts of sha256 {recorded}, but {prompts} now has sha256 "
+        f"{sha256_file(prompts)}: the prompts changed after the shard was written (and kept an older modification "
+        "time, so Snakemake did not rerun the chunk). Delete the shard and rerun: only its chunk is extracted again.")
+
+
+def test_a_shard_written_before_prompts_were_recorded_is_accepted_and_listed(tmp_path: Path, capsys) -> None:
+    """A shard without `prompts_sha256` (an earlier release's) passes, uncompared: dataset.json and a warning say so;
+    the shards that record it are still compared."""
+    run = make_run(tmp_path, 3, recorded=(1, 2))
+    write_prompts(run / "prompts" / "chunk-00000.parquet", 0, shift=1)  # cannot be told: not recorded
+    m = manifest(run, 3)
+    assert m["all_valid"] is True and m["prompts_unchecked"] == [0]
+    assert [e["prompts_sha256"] is None for e in m["shards"]] == [True, False, False]
+    assert capsys.readouterr().err == (
+        "WARNING: the shards of chunks [0] were written before shards recorded the sha256 of their prompts: not "
+        "compared with the prompts files (dataset.json: prompts_unchecked); delete them and rerun to have them "
+        "checked\n")
+    write_prompts(run / "prompts" / "chunk-00002.parquet", 2, shift=1)
+    with pytest.raises(ValidationFailure, match=r"chunk-00002.hss: chunk 2 was extracted from prompts of sha256"):
+        manifest(run, 3)
 
 
 def test_fewer_chunks_than_before_removes_the_earlier_chunks_files(tmp_path: Path, capsys) -> None:

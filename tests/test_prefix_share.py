@@ -287,7 +287,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     write_token_freq(token_freq(stats), tmp_path / "token_freq.pt")
     settings = from_config({"model": str(extracted["model"]), "capture": "custom", "aux_layers": [1, 3],
                             "aux_layers_convention": "hidden_states", "final_state": "post_norm"})
-    manifest = build_manifest(settings, shards=paths, validation=reports, chunk_stats=stat_files,
+    manifest = build_manifest(settings, shards=paths, validation=reports, chunk_stats=stat_files, prompts=None,
                               prepare_summary=tmp_path / "summary.json", token_freq=tmp_path / "token_freq.pt",
                               out_path=tmp_path / "dataset.json")
     counts = manifest["counts"]

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import pyarrow
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -215,6 +216,10 @@ def test_full_run_validates(full_run: Path) -> None:
         assert report["passed"] is True, report
         assert entry["sha256"] == sha256_file(shard_path(full_run, i))
         assert entry["samples"] == len(ShardReader(shard_path(full_run, i)))
+        # each shard records the prompts file it was made from; the manifest compared it with the file there
+        prompts = sha256_file(rd / f"prompts/chunk-{i:05d}.parquet")
+        assert entry["prompts_sha256"] == ShardReader(shard_path(full_run, i)).metadata["prompts_sha256"] == prompts
+    assert manifest["prompts_unchecked"] == []
     counts = manifest["counts"]
     assert counts["samples"] == prep["kept"] and counts["tokens"] == prep["tokens"]
     assert counts["trained_tokens"] == prep["trained_tokens"]
@@ -407,6 +412,40 @@ def test_fewer_chunks_remove_the_earlier_chunks_files(tmp_path: Path, full_run: 
     assert manifest["counts"]["samples"] + manifest["counts"]["dropped_samples"] == PER_CHUNK
     dry = smk(wd, "-n")
     assert "Nothing to be done" in dry.stdout + dry.stderr
+
+
+def test_prompts_rewritten_under_their_old_mtime_stop_the_manifest(tmp_path: Path, full_run: Path) -> None:
+    """Chunk 1's prompts rewritten with every input id changed, their modification time kept: Snakemake plans
+    nothing (it compares times), but the manifest step, when it runs, stops naming the chunk; deleting the shard, as
+    it says, reruns that chunk alone and the dataset is whole again."""
+    wd = copy_of(full_run, tmp_path)
+    rd = run_dir(wd)
+    prompts, shard = rd / "prompts/chunk-00001.parquet", shard_path(wd, 1)
+    recorded, st = sha256_file(prompts), prompts.stat()
+    table = pq.read_table(prompts)
+    field = table.schema.field("input_ids")
+    ids = [[(t + 1) % 1000 for t in row] for row in table.column("input_ids").to_pylist()]
+    pq.write_table(table.set_column(table.schema.get_field_index("input_ids"), field,
+                                    pyarrow.array(ids, field.type)), prompts)
+    os.utime(prompts, ns=(st.st_atime_ns, st.st_mtime_ns))
+    dry = smk(wd, "-n")
+    assert "Nothing to be done" in dry.stdout + dry.stderr
+    failed = smk(wd, "--forcerun", "manifest", check=False)
+    assert failed.returncode != 0
+    log = (wd / "logs" / RUN / "manifest/manifest.log").read_text()
+    rel_shard, rel_prompts = shard.relative_to(wd), prompts.relative_to(wd)
+    assert (f"hsextract.errors.ValidationFailure: {rel_shard}: chunk 1 was extracted from prompts of sha256 "
+            f"{recorded}, but {rel_prompts} now has sha256 {sha256_file(prompts)}: the prompts changed after the shard "
+            "was written (and kept an older modification time, so Snakemake did not rerun the chunk). Delete the shard "
+            "and rerun: only its chunk is extracted again.") in log
+    kept = {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 2)}
+    shard.unlink()
+    rerun = smk(wd)
+    assert job_counts(rerun.stdout + rerun.stderr)["extract"] == 1
+    assert {i: shard_path(wd, i).stat().st_mtime_ns for i in (0, 2)} == kept
+    manifest = json.loads((rd / "dataset.json").read_text())
+    assert manifest["all_valid"] is True and manifest["shards"][1]["prompts_sha256"] == sha256_file(prompts)
+    assert ShardReader(shard)[0]["input_ids"].tolist() == ids[0]
 
 
 # What a config change reruns (hsextract.config.reruns.KEYS). Each key is changed alone on a run where its rules have

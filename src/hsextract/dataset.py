@@ -151,6 +151,7 @@ class HiddenStateDataset(Dataset):
         meta["recorded_layer_convention"] = shard_convention(meta)
         meta["aux_layers"], meta["layer_convention"] = shard_hidden_states(meta), HIDDEN_STATES
         meta.pop("chunk", None)
+        meta.pop("prompts_sha256", None)  # each shard's own, as its chunk
         # shards of one dataset may differ in version (a chunk whose samples take no prefix is version 1)
         meta["format_versions"] = sorted({int(r.metadata["format_version"]) for r in self.readers})
         meta["format_version"] = meta["format_versions"][-1]

@@ -17,6 +17,8 @@ rule manifest:
         shards=get_all_shards,
         validation=get_all_validation,
         chunk_stats=get_all_chunk_stats,
+        # each compared with the sha256 its shard recorded (hsextract.report.manifest.check_prompts)
+        prompts=get_all_prompts,
         prepare="results/{run}/prompts/summary.json",
         token_freq="results/{run}/token_freq.pt",
     output:

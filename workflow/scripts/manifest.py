@@ -17,6 +17,7 @@ manifest = build_manifest(
     shards=list(snakemake.input.shards),
     validation=list(snakemake.input.validation),
     chunk_stats=list(snakemake.input.chunk_stats),
+    prompts=list(snakemake.input.prompts),
     prepare_summary=snakemake.input.prepare,
     token_freq=snakemake.input.token_freq,
     out_path=snakemake.output.manifest,

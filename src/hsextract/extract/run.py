@@ -49,14 +49,17 @@ class ChunkPrompts:
     # per prompt the earlier prompt it shares a prefix with (-1: none) and that prefix's length; None: no sharing
     parents: list[int] | None = None
     prefix_lens: list[int] | None = None
+    # sha256 of the parquet read (read_prompts), recorded in the shard as `prompts_sha256`; None: not from a file
+    sha256: str | None = None
 
     def __len__(self) -> int:
         return len(self.sample_ids)
 
 
 def read_prompts(path: str | Path) -> ChunkPrompts:
-    """Read a prompts parquet (prepare's output); any unreadable file is a ShardError naming it."""
+    """Read a prompts parquet (prepare's output) and its sha256; any unreadable file is a ShardError naming it."""
     try:
+        sha = provenance.sha256_file(path)  # before the rows: a file rewritten after this differs from the shard's
         shared = set(REFERENCE_COLUMNS) <= set(pq.read_schema(path).names)
         table = pq.read_table(path, columns=list(PROMPT_COLUMNS) + (list(REFERENCE_COLUMNS) if shared else []))
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
@@ -70,9 +73,9 @@ def read_prompts(path: str | Path) -> ChunkPrompts:
         if len(a) != len(b):
             raise ShardError(f"{path}: row {i}: input_ids has {len(a)} tokens, loss_mask {len(b)}")
     if not shared:
-        return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks)
+        return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks, sha256=sha)
     return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks, [int(p) for p in cols["parent"]],
-                        [int(k) for k in cols["prefix_len"]])
+                        [int(k) for k in cols["prefix_len"]], sha256=sha)
 
 
 def capture_spec(settings: ExtractSettings) -> CaptureSpec:
@@ -105,11 +108,13 @@ def shard_metadata(
     vocab_size: int | None = None,
     num_hidden_layers: int | None = None,
     architecture: str | None = None,
+    prompts_sha256: str | None = None,
 ) -> dict[str, Any]:
     """The self-description every shard carries (docs/FORMAT.md, "Metadata").
 
     `chat_template_hash` is the sha256 of the template prepare applied (its summary.json); without
-    it, the tokenizer's stored template is hashed.
+    it, the tokenizer's stored template is hashed. `prompts_sha256`: the sha256 of the prompts parquet the shard is
+    made from (the manifest step compares it with the prompts file then there).
     """
     s = settings
     tok_dir = s.tokenizer_dir
@@ -138,6 +143,7 @@ def shard_metadata(
         "vocab_size": vocab_size,  # validation checks every id against it
         "run_name": s.run_name,
         "chunk": int(chunk),
+        "prompts_sha256": prompts_sha256,  # hsextract.report.manifest: a shard older than its prompts file
     }
 
 
@@ -289,7 +295,7 @@ def run_extract(
         check_free_space(shard_path, need, how, chunk)
     with build_engine(settings, spec, chunk) as engine:
         meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size,
-                              shape.num_layers, shape.architecture)
+                              shape.num_layers, shape.architecture, prompts.sha256)
         return extract_chunk(
             prompts, shard_path, engine, meta,
             level=shard.compression_level, threads=shard.threads, precision=shard.precision, progress=progress,

@@ -2,7 +2,9 @@
 
 Paths inside are relative to the run directory (results/<run_name>/), so a dataset can be
 moved or copied whole. Every shard must agree on what it holds (model, tokenizer, layers,
-final state, hidden size, dtype); a mixed dataset is an error that names the shard.
+final state, hidden size, dtype); a mixed dataset is an error that names the shard. So is a shard
+made from other prompts than its chunk's prompts file holds now (its recorded `prompts_sha256`;
+a shard written before shards recorded it is not compared, and dataset.json says so).
 
 `remove_stale_chunks`: the step that writes dataset.json also removes the per-chunk files of chunks
 an earlier configuration of more chunks left, which a shard folder or a glob would read with the rest.
@@ -13,6 +15,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,26 @@ def remove_stale_chunks(run_dir: str | Path, n_chunks: int) -> list[Path]:
     return removed
 
 
+def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Path) -> bool:
+    """Whether the shard's recorded `prompts_sha256` could be compared with `prompts` (False: the shard was written
+    before shards recorded it); a ValidationFailure naming the chunk where they differ."""
+    recorded = meta.get("prompts_sha256")
+    if recorded is None:
+        return False
+    try:
+        current = provenance.sha256_file(prompts)
+    except OSError as e:
+        raise ValidationFailure(f"{shard}: cannot read {prompts} to compare it with the prompts the shard was made "
+                                f"from ({type(e).__name__}: {e}); rerun the workflow") from None
+    if current != recorded:
+        chunk = meta.get("chunk")
+        raise ValidationFailure(
+            f"{shard}: chunk {chunk} was extracted from prompts of sha256 {recorded}, but {prompts} now has sha256 "
+            f"{current}: the prompts changed after the shard was written (and kept an older modification time, so "
+            f"Snakemake did not rerun the chunk). Delete the shard and rerun: only its chunk is extracted again.")
+    return True
+
+
 def _rel(path: str | Path, root: Path) -> str:
     return Path(os.path.relpath(Path(path).resolve(), root.resolve())).as_posix()
 
@@ -76,17 +99,21 @@ def build_manifest(
     shards: Sequence[str | Path],
     validation: Sequence[str | Path],
     chunk_stats: Sequence[str | Path],
+    prompts: Sequence[str | Path] | None,
     prepare_summary: str | Path,
     token_freq: str | Path,
     out_path: str | Path,
     lock: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Assemble dataset.json; shard i, validation i and chunk_stats i describe the same chunk.
-    `lock`: {"path", "sha256"} of the package lock file the workflow's environment was installed from."""
+    """Assemble dataset.json; shard i, validation i, chunk_stats i and prompts i describe the same chunk.
+    `prompts`: the chunks' prompts files, each compared with the sha256 its shard recorded (check_prompts; None:
+    none compared). `lock`: {"path", "sha256"} of the package lock file the workflow's environment was installed
+    from."""
     from hsextract.shard import ShardReader
 
-    if not (len(shards) == len(validation) == len(chunk_stats)):
-        raise ValueError("build_manifest: shards, validation and chunk_stats differ in length")
+    if not (len(shards) == len(validation) == len(chunk_stats)) or (prompts is not None
+                                                                   and len(prompts) != len(shards)):
+        raise ValueError("build_manifest: shards, validation, chunk_stats and prompts differ in length")
     root = Path(out_path).parent
     entries: list[dict[str, Any]] = []
     first_meta: dict[str, Any] | None = None
@@ -94,7 +121,8 @@ def build_manifest(
     distinct = 0
     raw_of_stored = 0.0  # NaN once a chunk's is unknown (statistics of an older release)
     versions: set[int] = set()
-    for shard, report_path, stats_path in zip(shards, validation, chunk_stats, strict=True):
+    unchecked: list[Any] = []  # chunks whose shards were written before shards recorded their prompts' sha256
+    for i, (shard, report_path, stats_path) in enumerate(zip(shards, validation, chunk_stats, strict=True)):
         meta = ShardReader(shard).metadata
         if layers.shard_hidden_states(meta) != list(settings.extract.aux_layers):
             raise ValidationFailure(
@@ -109,6 +137,8 @@ def build_manifest(
                     f"{shard}: {key} is {meta.get(key)!r} but {shards[0]} has {first_meta.get(key)!r}; "
                     f"a dataset mixes shards of different runs. Delete the odd shard and rerun its chunk."
                 )
+        if prompts is not None and not check_prompts(shard, meta, prompts[i]):
+            unchecked.append(meta.get("chunk", i))
         report = _load_json(report_path)
         stats = _load_json(stats_path)
         for k in totals:
@@ -129,11 +159,18 @@ def build_manifest(
                 "sha256": provenance.sha256_file(shard),
                 "config_hash": meta.get("config_hash"),
                 "engine_version": meta.get("engine_version"),
+                # the sha256 of the prompts file it was made from, which that file still has (None: a shard written
+                # before shards recorded it, not compared)
+                "prompts_sha256": meta.get("prompts_sha256"),
                 "validation": _rel(report_path, root),
                 "valid": bool(report.get("passed")),
             }
         )
     assert first_meta is not None or not shards
+    if unchecked:
+        print(f"WARNING: the shards of chunks {unchecked} were written before shards recorded the sha256 of their "
+              "prompts: not compared with the prompts files (dataset.json: prompts_unchecked); delete them and rerun "
+              "to have them checked", file=sys.stderr, flush=True)
     meta = first_meta or {}
     prep = _load_json(prepare_summary)
     dropped = {str(k): int(v) for k, v in (prep.get("dropped") or {}).items()}
@@ -173,6 +210,9 @@ def build_manifest(
             **drops.totals(dropped),
         },
         "all_valid": all(e["valid"] for e in entries),
+        # every shard was compared with its chunk's prompts file (a mismatch is an error), but those of these chunks:
+        # written before shards recorded their prompts' sha256 (null: the prompts were not given)
+        "prompts_unchecked": unchecked if prompts is not None else None,
         "shards": entries,
         "token_freq": {"path": _rel(token_freq, root), "sha256": provenance.sha256_file(token_freq)},
         "provenance": {
