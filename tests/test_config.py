@@ -100,6 +100,20 @@ def test_aux_layer_beyond_depth(cfg: dict) -> None:
     assert check(cfg).n_chunks == 3
 
 
+def test_an_export_of_final_states_only_is_refused_before_any_job(cfg: dict, tmp_path: Path) -> None:
+    write_reference(tmp_path / "ref1.pt", n_tensors=1)
+    cfg.update(capture="mtp", aux_layers=None, reference_sample="ref1.pt",
+               export_formats=["speculators-v1", "specforge"])
+    with pytest.raises(ConfigError) as e:
+        check(cfg)
+    assert str(e.value) == (
+        "export_formats ['speculators-v1', 'specforge']: each stores EAGLE-3 training data (aux layers beside the "
+        "final state), but capture: mtp stores the final state only; set export_formats: [] (read MTP data with "
+        "hsextract.open_dataset), or capture: eagle3 (or dflash) for these consumers")
+    cfg["export_formats"] = []
+    assert check(cfg).aux_layers == []
+
+
 @pytest.mark.parametrize("key", ["prompts_per_chunk", "max_seq_len", "transformers.token_budget", "extract.threads",
                                  "shard.threads"])
 @pytest.mark.parametrize("value", [0, -3])

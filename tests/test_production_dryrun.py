@@ -175,7 +175,8 @@ def test_untrusted_custom_tokenizer_stops_before_any_job(scenario: tuple[Path, P
         "trust_remote_code: the tokenizer of kimi-config is custom code (kimi-config/tokenizer_config.json auto_map "
         "AutoTokenizer -> tokenization_kimi.TikTokenTokenizer), which transformers runs only with "
         "trust_remote_code: true. Read the tokenizer module it names; if you trust it, set "
-        "`trust_remote_code: true` in the config (config/kimi.yaml does).")
+        "`trust_remote_code: true` in the config (config/kimi.yaml does), or pass --trust-remote-code to "
+        "`hsextract masks`.")
     assert msg in proc.stdout + proc.stderr
     assert not (wd / "results").exists() and not (wd / "logs").exists()
 

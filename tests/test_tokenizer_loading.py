@@ -57,7 +57,7 @@ def test_custom_code_refused_without_trust(tmp_path: Path) -> None:
         f"trust_remote_code: the tokenizer of {d} is custom code ({d}/tokenizer_config.json auto_map AutoTokenizer "
         f"-> tokenization_custom.CustomTokenizer), which transformers runs only with trust_remote_code: true. "
         f"Read {d}/tokenization_custom.py; if you trust it, set `trust_remote_code: true` in the config "
-        f"(config/kimi.yaml does).")
+        f"(config/kimi.yaml does), or pass --trust-remote-code to `hsextract masks`.")
 
 
 def test_parse_time_check_refuses_custom_code(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ comparable with what the run will write. Every failure is a ConfigError that nam
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,16 @@ def check_layers(s: Settings, shape: ModelShape) -> list[int]:
                 f"{shape.num_layers} decoder layers, so hidden_states ids 0..{shape.num_layers - 1} are allowed"
                 f"{last}")
     return layers
+
+
+def check_exports(s: Settings, aux_layers: Sequence[int]) -> None:
+    """Every export format stores EAGLE-3 training data, whose drafter reads aux layers: refused here, before the
+    GPU hours, rather than by the export job at the end."""
+    if s.export_formats and not aux_layers:
+        raise ConfigError(
+            f"export_formats {list(s.export_formats)}: each stores EAGLE-3 training data (aux layers beside the final "
+            f"state), but capture: {s.config.get('capture')} stores the final state only; set export_formats: [] "
+            f"(read MTP data with hsextract.open_dataset), or capture: eagle3 (or dflash) for these consumers")
 
 
 def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> None:
@@ -203,6 +213,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     check_engine(s)
     shape = model_shape(s.config)
     aux_layers = check_layers(s, shape)
+    check_exports(s, aux_layers)
     s = from_config({**s.config, "aux_layers": aux_layers, "aux_layers_convention": HIDDEN_STATES})
     check_tokenizer(s)
     check_template_kwargs(s)

@@ -94,7 +94,7 @@ def refusal(source: str, code: RemoteCode | None) -> ConfigError:
     return ConfigError(
         f"{KEY}: the tokenizer of {source} is custom code ({where}), which transformers runs only with "
         f"{KEY}: true. Read {module}; if you trust it, set `{KEY}: true` in the config "
-        f"(config/kimi.yaml does).")
+        f"(config/kimi.yaml does), or pass --trust-remote-code to `hsextract masks`.")
 
 
 def check_tokenizer_source(source: str | os.PathLike[str], trust_remote_code: bool) -> RemoteCode | None:
