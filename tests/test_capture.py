@@ -163,15 +163,37 @@ def test_check_plans_the_preset_layers(cfg: dict, tmp_path: Path, preset: str, l
     assert check(cfg).aux_layers == layers
 
 
-def test_check_names_the_preset_when_the_reference_has_another_count(cfg: dict, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset,layers", [("dflash", [2, 4, 6, 8, 10]), ("mtp", [])])
+def test_a_preset_of_another_count_than_the_reference(cfg: dict, tmp_path: Path, preset: str,
+                                                      layers: list[int]) -> None:
+    """A 4-tensor reference (public speculators data, the shipped one) with dflash (6 tensors) or mtp (1): its
+    tensors' layout is compared (dtype, hidden size), the count is the preset's."""
     write_reference(tmp_path / "ref.pt", n_tensors=4)
-    cfg.update(capture="dflash", aux_layers=None)
+    cfg.update(capture=preset, aux_layers=None)
+    plan = check(cfg)
+    assert plan.aux_layers == layers and plan.reference.num_tensors == 4
+    ref = torch.load(tmp_path / "ref.pt", weights_only=True)  # another dtype still does not compare
+    torch.save({**ref, "hidden_states": [t.half() for t in ref["hidden_states"]]}, tmp_path / "ref16.pt")
+    cfg["reference_sample"] = "ref16.pt"
     with pytest.raises(ConfigError) as e:
         check(cfg)
     assert str(e.value) == (
-        "reference_sample: ref.pt holds 4 hidden-state tensors, but aux_layers [2, 4, 6, 8, 10] (capture: dflash) "
-        "has 5 layers, so shards hold 6 (aux layers + final state); use a reference sample with 6 tensors or "
-        "change aux_layers")
+        "reference_sample: ref16.pt holds float16 hidden states, but this run's shards will hold bfloat16 (engine "
+        "transformers, transformers.dtype), and validation would fail every one: use a reference sample of "
+        "bfloat16, or transformers.dtype: float16")
+    write_reference(tmp_path / "ref128.pt", n_tensors=4, hidden=128)  # and another hidden size, for a real model
+    cfg["reference_sample"] = "ref128.pt"
+    with pytest.raises(ConfigError, match=r"^reference_sample: ref128.pt has hidden size 128, but model m has "):
+        check(cfg)
+
+
+@pytest.mark.parametrize("preset", ["eagle3", "dflash", "mtp"])
+def test_every_preset_passes_with_the_shipped_config(preset: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """config/config.yaml as shipped (the tiny model, the shipped 4-tensor reference) with each preset."""
+    monkeypatch.chdir(ROOT)
+    c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    c.update(capture=preset)
+    assert len(check(c).aux_layers) == {"eagle3": 3, "dflash": 5, "mtp": 0}[preset]
 
 
 def test_default_config_takes_the_eagle3_preset(cfg: dict, tmp_path: Path) -> None:

@@ -146,12 +146,13 @@ def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
 
 
 def test_reference_tensor_count_and_hidden_size(cfg: dict, tmp_path: Path) -> None:
-    write_reference(tmp_path / "ref3.pt", n_tensors=3)
-    cfg["reference_sample"] = "ref3.pt"
-    with pytest.raises(ConfigError, match=r"^reference_sample: ref3.pt holds 3 hidden-state tensors, "
-                                          r"but aux_layers \[1, 2, 3\] \(capture: custom\) has 3 layers, "
-                                          r"so shards hold 4"):
-        check(cfg)
+    """The reference gives each tensor's layout; the count is the run's (aux_layers [1, 2, 3] + final = 4), so a
+    reference of 3 or 6 tensors is taken (validation compares the count with the shard's aux layers)."""
+    for n in (3, 6, 1):
+        write_reference(tmp_path / f"ref{n}.pt", n_tensors=n)
+        cfg["reference_sample"] = f"ref{n}.pt"
+        plan = check(cfg)
+        assert plan.reference.num_tensors == n and plan.aux_layers == [1, 2, 3]
     write_reference(tmp_path / "ref128.pt", hidden=128)
     cfg["reference_sample"] = "ref128.pt"
     with pytest.raises(ConfigError,

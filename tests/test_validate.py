@@ -193,9 +193,6 @@ def test_several_failures_still_one_line_naming_the_first(tmp_path, capsys, ref1
 
 
 def test_layout_against_the_reference(tmp_path, ref16):
-    three = write_shard(tmp_path / "a.hss", [make_sample(4, n=3)], aux_layers=[1, 2])
-    assert failure_line(validate_shard(three, ref16)) == (
-        f"{three}: sample 0 (id s0): check layout failed: hidden_states has 3 tensors, reference has 4")
     fp16 = write_shard(tmp_path / "b.hss", [make_sample(4, dtype=torch.float16)], dtype="float16")
     assert failure_line(validate_shard(fp16, ref16)) == (
         f"{fp16}: sample 0 (id s0): check layout failed: hidden_states[0] has dtype float16, reference has bfloat16")
@@ -207,6 +204,36 @@ def test_layout_against_the_reference(tmp_path, ref16):
         "layout", "hidden_states is a tensor, reference has a list")
     assert check_sample({"input_ids": ids[None], "hidden_states": hs, "loss_mask": mask}, layout)[0] == (
         "layout", "input_ids has rank 2, reference has rank 1")
+    # the count: the reference's unless the shard's is given (validate_shard gives its num_hidden_tensors)
+    three = {"input_ids": ids, "hidden_states": hs[:3], "loss_mask": mask}
+    assert check_sample(three, layout) == [("layout", "hidden_states has 3 tensors, reference has 4")]
+    assert check_sample(three, layout, num_tensors=3) == []
+    assert check_sample(three, layout, num_tensors=6) == [
+        ("layout", "hidden_states has 3 tensors, the shard's aux layers + final state make 6")]
+    assert check_sample(three, layout, num_tensors=4) == [("layout", "hidden_states has 3 tensors, reference has 4")]
+
+
+@pytest.mark.parametrize("aux_layers,n", [([2, 3, 5, 7, 8], 6), ([], 1), ([1, 2], 3)])
+def test_a_run_of_another_tensor_count_than_the_reference(tmp_path, capsys, aux_layers, n):
+    """capture: dflash (6 tensors) and mtp (1) against the shipped 4-tensor reference: each tensor has the
+    reference's layout, the count is the shard's own (its aux layers), and the report's notes say so."""
+    shard = write_shard(tmp_path / "a.hss", [make_sample(5, n=n, seed=k) for k in range(2)], aux_layers=aux_layers)
+    report = validate_shard(shard, REFERENCE, vocab_size=1000)
+    assert report["passed"], failure_line(report)
+    which = f"aux_layers {aux_layers} + the final state" if aux_layers else "no aux layer: the final state only"
+    assert report["notes"] == [
+        f"the reference holds 4 hidden-state tensors, this shard {n} ({which}): each tensor compared with the "
+        "reference's layout, the count with the shard's aux layers"]
+    code, lines, _ = run_validate(capsys, "--reference", REFERENCE, "--vocab-size", "1000", shard)
+    assert code == 0 and lines == ["validated 1 of 1 shards: all passed (2 samples, 10 tokens)"]
+    # the layout of each tensor is still the reference's: another dtype fails every one, the first named
+    fp16 = write_shard(tmp_path / "b.hss", [make_sample(5, n=n, dtype=torch.float16)], aux_layers=aux_layers,
+                       dtype="float16")
+    assert failure_line(validate_shard(fp16, REFERENCE)) == (
+        f"{fp16}: sample 0 (id s0): check layout failed: hidden_states[0] has dtype float16, reference has bfloat16")
+    # and its hidden size, with same_model
+    assert failure_line(validate_shard(shard, REFERENCE, same_model=True)) == (
+        f"{shard}: sample 0 (id s0): check layout failed: hidden_states[0] has hidden size 16, reference has 7168")
 
 
 def test_seq_len_check(ref16):

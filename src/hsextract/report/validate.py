@@ -4,8 +4,9 @@ Checks, in the order a shard's one-line failure message prefers them:
 
     integrity  the shard opens (header, index, footer intact, not truncated)
     checksum   a sample's record decodes and matches its checksums
-    layout     keys, types, dtypes, list length and ranks equal the reference sample's
-               (hidden size too, with same_model=True: only when the reference comes from the same model)
+    layout     keys, types, dtypes and ranks equal the reference sample's (hidden size too, with
+               same_model=True: only when the reference comes from the same model); hidden_states holds
+               as many tensors as the shard's aux layers + the final state (num_hidden_tensors)
     seq_len    input_ids, loss_mask and every hidden tensor have one sequence length
     finite     every hidden-state value is finite (no NaN, no inf)
     zero_row   no token row of any hidden-state tensor is all zeros (padding saved as data)
@@ -15,6 +16,13 @@ Checks, in the order a shard's one-line failure message prefers them:
 Why hidden size needs same_model: a reference sample shows the layout a trainer reads; the bundled
 one is shaped like Kimi-K2.5 (7168) while the embedded default model is tiny. Its hidden size says
 something only when the reference was captured from the shard's own model.
+
+Why the tensor count is the shard's: the reference shows what each hidden-state tensor looks like to the
+trainer, but how many a sample holds follows from the run's `capture` (eagle3 4, dflash 6, mtp 1), which
+every shard records in its metadata, while public speculators samples (and the shipped one) hold 4. With a
+reference of another count, each of the shard's tensors is compared with the layout its tensors share
+(config.reference: one dtype, rank 2, one hidden size), the count with the shard's, and the report's notes
+say so.
 """
 
 from __future__ import annotations
@@ -50,7 +58,8 @@ def reference_layout(ref: dict[str, Any]) -> dict[str, Any]:
     return {k: _describe(v) for k, v in ref.items()}
 
 
-def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: bool) -> str | None:
+def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: bool,
+                    num_tensors: int | None = None) -> str | None:
     if sorted(sample) != sorted(layout):
         return f"keys {sorted(sample)}, reference has {sorted(layout)}"
     for key, want in layout.items():
@@ -58,9 +67,16 @@ def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: 
         if got["type"] != want["type"]:
             return f"{key} is a {got['type']}, reference has a {want['type']}"
         if want["type"] == "list":
-            if got["len"] != want["len"]:
-                return f"{key} has {got['len']} tensors, reference has {want['len']}"
-            pairs = [(f"{key}[{k}]", g, w) for k, (g, w) in enumerate(zip(got["items"], want["items"], strict=True))]
+            count = want["len"] if num_tensors is None else num_tensors
+            if got["len"] != count:
+                whose = "reference has" if count == want["len"] else "the shard's aux layers + final state make"
+                return f"{key} has {got['len']} tensors, {whose} {count}"
+            if got["len"] != want["len"] and not want["items"]:
+                return f"{key} has {got['len']} tensors, reference has none to compare them with"
+            # as many as the reference: tensor by tensor; another count (the run's): each like the reference's
+            # tensors, which are alike (config.reference.layout: one dtype, rank 2, one hidden size)
+            items = want["items"] if got["len"] == want["len"] else [want["items"][0]] * got["len"]
+            pairs = [(f"{key}[{k}]", g, w) for k, (g, w) in enumerate(zip(got["items"], items, strict=True))]
         else:
             pairs = [(key, got, want)]
         for name, g, w in pairs:
@@ -76,16 +92,18 @@ def _layout_problem(sample: dict[str, Any], layout: dict[str, Any], same_model: 
 
 
 def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int | None = None,
-                 same_model: bool = False, names: Sequence[str] | None = None) -> list[tuple[str, str]]:
+                 same_model: bool = False, names: Sequence[str] | None = None,
+                 num_tensors: int | None = None) -> list[tuple[str, str]]:
     """Every failed check of one sample as (check, detail); empty when the sample is good. `names`: what each
     hidden tensor is (report.stats.tensor_names: the statistics' and dataset.json's names), so that a failure
-    names the layer as they do, not by its place in the list."""
+    names the layer as they do, not by its place in the list. `num_tensors`: how many hidden-state tensors the
+    sample must hold (the shard's num_hidden_tensors); None: as many as the reference."""
     failed: list[tuple[str, str]] = []
 
     def tensor(k: int) -> str:
         return f"tensor {k} ({names[k]})" if names is not None and k < len(names) else f"hidden_states[{k}]"
 
-    problem = _layout_problem(sample, layout, same_model)
+    problem = _layout_problem(sample, layout, same_model, num_tensors)
     if problem:
         failed.append(("layout", problem))
     ids, mask, hidden = sample.get("input_ids"), sample.get("loss_mask"), sample.get("hidden_states")
@@ -186,14 +204,22 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         if meta.get("vocab_size") is not None:  # the shard's own bound; a given one only where it is smaller
             own = int(meta["vocab_size"])
             if vocab_size is not None and int(vocab_size) != own:
-                report["notes"] = [f"vocab_size given {vocab_size}, the shard's {own}: ids checked against the "
-                                   "smaller"]
+                report.setdefault("notes", []).append(
+                    f"vocab_size given {vocab_size}, the shard's {own}: ids checked against the smaller")
             vocab_size = own if vocab_size is None else min(int(vocab_size), own)
             report["vocab_size"] = vocab_size
         try:
             names: list[str] | None = tensor_names(shard_hidden_states(meta), str(meta["final_state"]))
         except (KeyError, TypeError, ValueError):
             names = None
+        num_tensors = int(meta["num_hidden_tensors"])  # len(aux_layers) + 1: the reader checked it
+        ref_tensors = layout["hidden_states"].get("len") if isinstance(layout.get("hidden_states"), dict) else None
+        if ref_tensors is not None and ref_tensors != num_tensors:
+            aux = shard_hidden_states(meta)
+            which = f"aux_layers {aux} + the final state" if aux else "no aux layer: the final state only"
+            report.setdefault("notes", []).append(
+                f"the reference holds {ref_tensors} hidden-state tensors, this shard {num_tensors} ({which}): each "
+                f"tensor compared with the reference's layout, the count with the shard's aux layers")
         ids = reader.sample_ids
         report["num_samples"] = len(reader)
         report["num_tokens"] = sum(reader.seq_lens)
@@ -205,11 +231,12 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
             except CorruptShardError as e:
                 fail("checksum", i, ids[i], e.what)
                 continue
-            for check, detail in check_sample(sample, layout, vocab_size, same_model, names):
+            for check, detail in check_sample(sample, layout, vocab_size, same_model, names, num_tensors):
                 fail(check, i, ids[i], detail)
         reader.close()
     if vocab_size is None:
-        report["notes"] = ["vocab_size unknown (not in shard metadata, not given): input_ids checked for >= 0 only"]
+        report.setdefault("notes", []).append(
+            "vocab_size unknown (not in shard metadata, not given): input_ids checked for >= 0 only")
     if first:
         report["passed"] = False
         report["first_failure"] = min(first, key=lambda t: (t[0], t[1]))[2]
