@@ -65,7 +65,8 @@ def test_params_are_the_effective_values_of_the_keys_that_decide_the_rule() -> N
         assert list(params) == sorted(params)
         for key, value in params.items():
             assert rule in reruns.KEYS[key] and key not in reruns.PATHS
-            assert value == reruns.value(s, key)
+            assert value == reruns.effective(s, key)
+            assert value == reruns.value(s, key) or key in reruns.EFFECTIVE
     prepare = reruns.params(s, "prepare")
     assert prepare["chat_template_kwargs"] == {"thinking": False}  # issue 35: it was none of prepare's params
     assert {"chat_template", "trust_remote_code", "model", "tokenizer"} <= set(prepare)
@@ -94,3 +95,25 @@ def test_no_secret_is_a_key_and_its_file_is_operational() -> None:
 
     assert SECRET_KEYS and not set(SECRET_KEYS) & set(reruns.KEYS)
     assert all(reruns.KEYS[file_key] == reruns.OPERATIONAL for file_key in SECRET_KEYS.values())
+
+
+def test_a_key_that_counts_for_nothing_in_a_run_is_no_param_there() -> None:
+    """transformers.dtype decides the shards only on the transformers engine (SGLang serves bfloat16), regenerate.dtype
+    regenerate's text only on its transformers engine, regenerate.send_seed only on its sglang engine: elsewhere the
+    params hold what the rule sees, which a new value of the key leaves alone (tests/test_workflow.py plans it on a
+    finished run)."""
+    for engine, dtype in (("transformers", "float16"), ("sglang", "bfloat16")):
+        s = from_config({**CONFIG, "engine": engine, "transformers": {"dtype": "float16"}})
+        assert reruns.params(s, "extract")["transformers.dtype"] == dtype == s.extract.activation_dtype
+    regen = {"enabled": True, "dtype": "float16", "server_url": "http://127.0.0.1:30998"}
+    for engine, regen_engine, dtype in (("transformers", None, "float16"), ("sglang", None, None),
+                                        ("sglang", "transformers", "float16"), ("transformers", "sglang", None)):
+        s = from_config({**CONFIG, "engine": engine, "regenerate": {**regen, "engine": regen_engine}})
+        params = reruns.params(s, "regenerate_chunk")
+        assert params["regenerate.dtype"] == dtype, (engine, regen_engine)
+        # the seed in each request to the SGLang server: none on transformers
+        assert params["regenerate.send_seed"] == (None if dtype else True), (engine, regen_engine)
+    # the recorded config keeps the key's own value
+    s = from_config({**CONFIG, "engine": "sglang", "transformers": {"dtype": "float16"}})
+    assert reruns.value(s, "transformers.dtype") == "float16"
+

@@ -455,7 +455,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "sglang": {"engine": "sglang"},
     "regenerate": {"regenerate": {"enabled": True}},
+    "regenerate_sglang": {"regenerate": {"enabled": True, "engine": "sglang", "server_url": "http://127.0.0.1:30998"}},
 }
+# Keys that decide their rules only in some runs (hsextract.config.reruns.EFFECTIVE), each changed alone in a variant
+# where it counts for nothing: it plans nothing there. SGLang serves in bfloat16 whatever transformers.dtype says; a
+# regeneration on sglang loads no model, whatever regenerate.dtype says; one on transformers sends no request, so no
+# seed in one (regenerate.send_seed).
+INERT: dict[str, tuple[str, ...]] = {
+    "sglang": ("transformers.dtype",),
+    "regenerate": ("regenerate.send_seed",),
+    "regenerate_sglang": ("regenerate.dtype",),
+}
+# ... and changed in a variant where they count (besides those of their section's variant)
+COUNTS: dict[str, tuple[str, ...]] = {"regenerate_sglang": ("regenerate.send_seed",)}
 # Changed values the schema's types alone do not give: another value with the keys it needs, or a file that exists.
 EXAMPLES: dict[str, dict[str, Any]] = {
     "run_name": {"run_name": "another-run"},
@@ -602,12 +614,14 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         update_config(base, yaml.safe_load((wd / "config/test.yaml").read_text()))
         wrong, seen_rules = [], set()
 
-        def check(name: str, variant: dict[str, Any], change: dict[str, Any], oracle: dict[Any, Any]) -> None:
-            """`change` ({dotted key: value}) on top of `variant` plans what forcing its keys' rules plans."""
+        def check(name: str, variant: dict[str, Any], change: dict[str, Any], oracle: dict[Any, Any],
+                  inert: bool = False) -> None:
+            """`change` ({dotted key: value}) on top of `variant` plans what forcing its keys' rules plans (nothing
+            where it is `inert`)."""
             nonlocal seen_rules
             config = copy.deepcopy(variant)
             update_config(config, nested(change))
-            rules = tuple(r for r in reruns.RULES if any(r in reruns.KEYS[k] for k in change))
+            rules = () if inert else tuple(r for r in reruns.RULES if any(r in reruns.KEYS[k] for k in change))
             answer = plans.ask({"plan": config})
             got, seen_rules = answer["plan"], seen_rules | set(answer["rules"])
             expected: dict[str, int] = {}
@@ -619,7 +633,7 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
                 if not expected:
                     wrong.append(f"{name}: {list(change)}: none of the rules {rules} has a job in this run")
             if got != expected:
-                why = rules or "operational"
+                why = rules or ("it counts for nothing here" if inert else "operational")
                 wrong.append(f"{name}: {change}: planned {got}, expected {expected} ({why})")
 
         for name, variant in VARIANTS.items():
@@ -633,12 +647,16 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
                 section = key.split(".")[0] if "." in key else None
                 wanted = (section == name) if section in VARIANTS else (
                     name == "default" or (name == "regenerate" and "regenerate_chunk" in rules))
-                if wanted:
+                if (wanted or key in COUNTS.get(name, ())) and key not in INERT.get(name, ()):
                     change = changed_value(key, leaves[key], dotted_get(current, key))
                     if rules:
                         check(name, variant, change, oracle)
                     else:
                         operational.update(change)
+            for key in INERT.get(name, ()):
+                # the key alone (EXAMPLES' companions, such as a float16 reference, decide rules of their own)
+                change = changed_value(key, leaves[key], dotted_get(current, key))
+                check(name, variant, {key: change[key]}, oracle, inert=True)
             before = len(wrong)
             check(name, variant, operational, oracle)
             if len(wrong) > before:  # which of them

@@ -8,6 +8,9 @@ filled, presets resolved) of the keys that decide its output, so Snakemake's par
 `--rerun-triggers mtime params input software-env`) reruns the rule when one of them changes, and the rules
 after it through their inputs; an operational key is no rule's param and reruns nothing.
 
+A key that decides its rules only in some runs (transformers.dtype: the transformers engine's) takes in their params
+the value they see there (`EFFECTIVE`), so that a new value that changes nothing reruns nothing.
+
 Listed are the first rules a key decides: those after them rerun anyway. A rule that exists only in some
 runs (make_tiny_model, regenerate_chunk, build_patched_server, export) decides nothing in the others.
 Checked: tests/test_reruns.py (every schema key is here, once), and tests/test_workflow.py (for every key,
@@ -18,7 +21,7 @@ of the default; an operational key plans nothing).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from hsextract.config.settings import SCHEMA_TO_TREE, Settings
@@ -73,7 +76,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "chat_template_kwargs": _REGENERATE_AND_PREPARE,
     # extract
     "transformers.device": OPERATIONAL,
-    "transformers.dtype": ("extract",),
+    "transformers.dtype": ("extract",),  # under engine: sglang none (EFFECTIVE)
     "transformers.token_budget": OPERATIONAL,  # lowered after an out-of-memory: finished chunks stay
     "extract.threads": OPERATIONAL,
     "extract.mem_mb": OPERATIONAL,
@@ -127,12 +130,12 @@ KEYS: dict[str, tuple[str, ...]] = {
     "regenerate.think_start": ("regenerate_chunk",),
     "regenerate.think_end": ("regenerate_chunk",),
     "regenerate.device": OPERATIONAL,
-    "regenerate.dtype": ("regenerate_chunk",),
+    "regenerate.dtype": ("regenerate_chunk",),  # with its engine sglang none (EFFECTIVE)
     "regenerate.server_url": OPERATIONAL,
     "regenerate.api_key_file": OPERATIONAL,  # the key's file, as sglang.api_key_file
     "regenerate.request_timeout_s": OPERATIONAL,
     "regenerate.retries": OPERATIONAL,
-    "regenerate.send_seed": ("regenerate_chunk",),  # a sampled turn depends on its seed
+    "regenerate.send_seed": ("regenerate_chunk",),  # a sampled turn depends on its seed (sglang only: EFFECTIVE)
 }
 
 
@@ -157,6 +160,28 @@ def value(settings: Settings, key: str) -> Any:
     return plain(node)
 
 
+def regenerate_engine(settings: Settings) -> str:
+    """The engine regenerate generates with: `regenerate.engine`, else the run's `engine`."""
+    return settings.regenerate.engine or settings.extract.engine
+
+
+# Keys whose value decides their rules' outputs only in some runs: the value the rule's params take instead of the
+# key's (None where the key counts for nothing), so that a change that changes nothing reruns nothing.
+EFFECTIVE: dict[str, Callable[[Settings], Any]] = {
+    # the dtype of the captured hidden states: SGLang serves in bfloat16 whatever transformers.dtype says
+    "transformers.dtype": lambda s: s.extract.activation_dtype,
+    # the dtype regenerate loads the model in: only its transformers engine loads one (sglang asks a server)
+    "regenerate.dtype": lambda s: s.regenerate.dtype if regenerate_engine(s) == "transformers" else None,
+    # whether each request to the SGLang server carries its seed: the transformers engine seeds its own sampling
+    "regenerate.send_seed": lambda s: s.regenerate.send_seed if regenerate_engine(s) == "sglang" else None,
+}
+
+
+def effective(settings: Settings, key: str) -> Any:
+    """The value of `key` that its rules' outputs depend on: EFFECTIVE's, else the key's own (`value`)."""
+    return plain(EFFECTIVE[key](settings)) if key in EFFECTIVE else value(settings, key)
+
+
 # rules that do not lead to dataset.json (the manifest reads none of their outputs)
 BESIDE_MANIFEST = ("seq_length_hist", "export")
 
@@ -168,12 +193,13 @@ def beside_manifest() -> tuple[str, ...]:
 
 
 def params(settings: Settings, rule: str) -> dict[str, Any]:
-    """`rule`'s `params: settings=`: {dotted key: effective value} of the keys that decide its output.
+    """`rule`'s `params: settings=`: {dotted key: effective value} of the keys that decide its output (`effective`:
+    defaults filled, presets resolved, and EFFECTIVE's value for a key that counts only in some runs).
 
     Plain dicts, lists and scalars, keys sorted: Snakemake compares params by their repr, and silently leaves
     out a value of another type (a mapping proxy, a dataclass), which would then never trigger a rerun.
     """
-    return {key: value(settings, key) for key in sorted(keys_of(rule)) if key not in PATHS}
+    return {key: effective(settings, key) for key in sorted(keys_of(rule)) if key not in PATHS}
 
 
 def plain(value: Any) -> Any:
@@ -187,5 +213,5 @@ def plain(value: Any) -> Any:
     return value
 
 
-__all__ = ["BESIDE_MANIFEST", "KEYS", "OPERATIONAL", "PATHS", "RULES", "beside_manifest", "keys_of", "params", "plain",
-           "value"]
+__all__ = ["BESIDE_MANIFEST", "EFFECTIVE", "KEYS", "OPERATIONAL", "PATHS", "RULES", "beside_manifest", "effective",
+           "keys_of", "params", "plain", "regenerate_engine", "value"]
