@@ -5,6 +5,7 @@ run by tests/test_workflow.py::test_every_config_key_reruns_exactly_the_rules_it
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -117,3 +118,118 @@ def test_a_key_that_counts_for_nothing_in_a_run_is_no_param_there() -> None:
     s = from_config({**CONFIG, "engine": "sglang", "transformers": {"dtype": "float16"}})
     assert reruns.value(s, "transformers.dtype") == "float16"
 
+
+def real_model(root: Path) -> Path:
+    """A model directory as a checkpoint ships it (what file_params reads: names, sizes, mtimes, tokenizer files)."""
+    root.mkdir(parents=True)
+    (root / "config.json").write_text('{"model_type": "llama"}')
+    (root / "model-00001-of-00002.safetensors").write_bytes(b"w" * 64)
+    (root / "model-00002-of-00002.safetensors").write_bytes(b"v" * 64)
+    (root / "tokenizer.json").write_text('{"model": {}}')
+    (root / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    (root / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    (root / ".cache/huggingface").mkdir(parents=True)  # hf download --local-dir's bookkeeping
+    (root / ".cache/huggingface/x.metadata").write_text("1")
+    return root
+
+
+def moved(path: Path, seconds: int) -> None:
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+
+def test_file_params_follow_the_files_a_config_names(tmp_path: Path) -> None:
+    """A real model, its tokenizer, its template and a source changed in place under the same path change the params
+    of the rules that read them (hsextract.config.file_params), and only theirs; nothing changed, nothing differs."""
+    from hsextract.config import file_params
+
+    model = real_model(tmp_path / "model")
+    source = tmp_path / "data/conv.jsonl"
+    source.parent.mkdir()
+    source.write_text('{"messages": []}\n')
+    config = {**CONFIG, "make_tiny_model": False, "model": str(model), "sources": [{"path": str(source)}]}
+    produced = [str(tmp_path / "results/run")]
+
+    def files(rule: str, **over: Any) -> dict[str, Any]:
+        return file_params.params(from_config({**config, **over}), rule, produced)
+
+    before = {rule: files(rule) for rule in file_params.RULES}
+    assert before == {rule: files(rule) for rule in file_params.RULES}  # stable
+    for value in before.values():
+        assert ast.literal_eval(repr(value)) == value and list(value) == sorted(value)
+    assert set(before["prepare"]) == {"chat_template", "sources", "tokenizer"} and set(before["extract"]) == {"model"}
+    assert before["make_tiny_model"] == {"corpus": before["prepare"]["sources"][0]}
+    assert all(before["prepare"].values()) and before["extract"]["model"]
+    assert before["regenerate_chunk"] == {**before["prepare"], **before["extract"]}  # regenerate loads the model
+    assert "model" not in files("regenerate_chunk", engine="sglang", regenerate={"server_url": "http://127.0.0.1:1"})
+
+    def changed() -> set[str]:
+        return {rule for rule in file_params.RULES if files(rule) != before[rule]}
+
+    # a weight rewritten in place, same size: by mtime; the hub's bookkeeping and __pycache__ are no part of it
+    moved(model / "model-00002-of-00002.safetensors", -5)
+    (model / ".cache/huggingface/x.metadata").write_text("2")
+    (model / "__pycache__").mkdir()
+    (model / "__pycache__/m.pyc").write_bytes(b"0")
+    assert changed() == {"extract", "regenerate_chunk"}
+    before = {rule: files(rule) for rule in file_params.RULES}
+    # a tokenizer file or the template rewritten: by content (prepare's); touched alone, nothing
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        moved(model / name, 7)
+        assert changed() == set(), name
+        (model / name).write_text((model / name).read_text() + " ")
+        assert changed() == {"prepare", "regenerate_chunk"}, name
+        before = {rule: files(rule) for rule in file_params.RULES}
+    # a source replaced by other content of an older date (cp -p, rsync -a)
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"messages": [1]}\n')
+    os.utime(other, ns=(0, source.stat().st_mtime_ns - 10**10))
+    other.replace(source)
+    assert changed() == {"prepare", "regenerate_chunk", "make_tiny_model"}  # the tiny model's tokenizer corpus, too
+    # a chat_template given as a file, replaced by an older one: by content
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    before = {rule: files(rule, chat_template=str(template)) for rule in ("prepare", "regenerate_chunk")}
+    st = template.stat()
+    template.write_text("{{ messages[0] }}")
+    os.utime(template, ns=(st.st_atime_ns, st.st_mtime_ns - 10**10))
+    assert {r: files(r, chat_template=str(template)) != before[r] for r in before} == {"prepare": True,
+                                                                                         "regenerate_chunk": True}
+    # a separate tokenizer directory: its files, and the model's tokenizer files then count for extract
+    tok = real_model(tmp_path / "tok")
+    got = files("prepare", tokenizer=str(tok))
+    (tok / "tokenizer.json").write_text('{"model": {"x": 1}}')
+    assert files("prepare", tokenizer=str(tok)) != got
+    got = files("extract", tokenizer=str(tok))
+    moved(model / "tokenizer.json", 3)
+    assert files("extract", tokenizer=str(tok)) != got
+
+
+def test_file_params_leave_out_what_the_workflow_writes_and_hub_ids(tmp_path: Path) -> None:
+    """The tiny model make_tiny_model builds, the regenerated conversations prepare reads, a hub id, a path not there
+    yet: no signature (None), so that a first run's outputs appearing between two invocations rerun nothing."""
+    from hsextract.config import file_params
+
+    model = real_model(tmp_path / "resources/tiny-model")
+    produced = [str(tmp_path / "results/run"), str(model)]
+    regenerated = tmp_path / "results/run/regenerated/conversations.jsonl"
+    regenerated.parent.mkdir(parents=True)
+    regenerated.write_text("{}\n")
+    s = from_config({**CONFIG, "make_tiny_model": True, "model": str(model), "sources": [{"path": str(regenerated)}]})
+    assert file_params.params(s, "prepare", produced) == {"chat_template": None, "sources": [None], "tokenizer": None}
+    assert file_params.params(s, "extract", produced) == {"model": None}
+    assert file_params.params(s, "validate", produced) == {}
+    s = from_config({**CONFIG, "make_tiny_model": False, "model": "moonshotai/Kimi-K2.5",
+                     "sources": [{"path": str(tmp_path / "missing.jsonl")}]})
+    assert file_params.params(s, "prepare", produced) == {"chat_template": None, "sources": [None], "tokenizer": None}
+    assert file_params.params(s, "extract", produced) == {"model": None}
+    s = from_config({**CONFIG, "regenerate": {"enabled": True}, "sources": [{"path": str(regenerated.parent)}]})
+    assert file_params.params(s, "prepare", produced)["sources"] == []  # it reads the regenerated file
+
+
+def test_rules_take_their_file_params() -> None:
+    from hsextract.config import file_params
+
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "workflow/rules").glob("*.smk")))
+    for rule in reruns.RULES:
+        assert (f'files=FILES["{rule}"]' in text) == (rule in file_params.RULES), rule

@@ -545,6 +545,15 @@ def changed_value(key: str, prop: dict[str, Any], current: Any) -> dict[str, Any
     raise AssertionError(f"{key}: the test cannot make another value of it from the schema; add one to EXAMPLES")
 
 
+def tiny_reference(wd: Path) -> None:
+    """resources/reference/tiny.pt: a reference of the tiny model's width, for make_tiny_model: false (a real
+    model's must match it)."""
+    dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
+    hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1
+    torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden, dtype=torch.bfloat16)] * n,
+                "loss_mask": torch.ones(4, dtype=torch.int64)}, wd / "resources/reference/tiny.pt")
+
+
 class Plans:
     """tests/snakemake_plans.py, running in `workdir`: `plan(config, forcerun)`, `touch(config)`."""
 
@@ -599,11 +608,7 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
         (wd / "config/api-key").write_text("a-secret-of-16-chars-or-more\n")
         (wd / "config/api-key").chmod(0o600)
-        # a reference of the tiny model's width, for make_tiny_model: false (a real model's must match it)
-        dataset = json.loads((run_dir(wd) / "dataset.json").read_text())
-        hidden, n = dataset["hidden_size"], len(dataset["aux_layers"]) + 1
-        torch.save({"input_ids": torch.arange(4), "hidden_states": [torch.zeros(4, hidden, dtype=torch.bfloat16)] * n,
-                    "loss_mask": torch.ones(4, dtype=torch.int64)}, wd / "resources/reference/tiny.pt")
+        tiny_reference(wd)
         # the shipped reference in float16, for a transformers.dtype of float16 (validation compares dtypes)
         ref = torch.load(wd / "resources/reference/speculators-v1-data_0.pt", weights_only=True)
         torch.save({**ref, "hidden_states": [t.to(torch.float16) for t in ref["hidden_states"]]},
@@ -676,6 +681,90 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         plans.close()
     assert not wrong, "\n".join(wrong)
     assert set(reruns.RULES) <= seen_rules, set(reruns.RULES) - seen_rules
+
+
+def test_files_changed_in_place_rerun_the_rules_that_read_them(tmp_path: Path, full_run: Path) -> None:
+    """No config key changes, a file a key names does (hsextract.config.file_params): after a run recorded as made
+    (snakemake --touch), a real model (make_tiny_model: false, a copy of the tiny model) whose chat_template.jinja or
+    tokenizer file is rewritten plans prepare, whose weights are rewritten plans extract; a separate `tokenizer:`
+    directory edited plans prepare; a source, or the chat_template file, replaced by other content with an older
+    mtime (cp -p, rsync -a) plans prepare (and the tiny model, whose tokenizer is trained on the source). Each
+    plan is what forcing that rule plans; nothing changed plans nothing, at every invocation."""
+    wd = tmp_path / "inplace"
+    shutil.copytree(full_run, wd, symlinks=True)
+    plans = Plans(wd, tmp_path / "plans.log")
+    try:
+        tiny_reference(wd)
+        real = wd / "models/real"
+        shutil.copytree(wd / "resources/tiny-model", real)  # copy2: the files keep their mtimes
+        config: dict[str, Any] = {"make_tiny_model": False, "model": "models/real",
+                                  "reference_sample": "resources/reference/tiny.pt"}
+
+        def later(path: Path, seconds: int = 1) -> None:
+            """`path`'s mtime moved by `seconds` (whatever the clock's resolution)."""
+            st = path.stat()
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + seconds * 10**9))
+
+        def accepted(config: dict[str, Any]) -> None:
+            plans.ask({"touch": config})
+            assert plans.plan(config) == {}
+
+        def plans_rule(config: dict[str, Any], rule: str, what: str, then_accept: bool = True) -> None:
+            got = plans.plan(config)
+            assert got.get(rule) and got == plans.plan(config, (rule,)), (what, got)
+            if then_accept:
+                accepted(config)
+
+        accepted(config)
+        assert plans.plan(config) == {}  # again: the params are the same at every invocation
+        # (a) the template the model ships, (b) a tokenizer file: by content
+        template = real / "chat_template.jinja"
+        template.write_text(template.read_text() + "{# edited #}\n")
+        plans_rule(config, "prepare", "chat_template.jinja")
+        cfg = real / "tokenizer_config.json"
+        cfg.write_text(json.dumps({**json.loads(cfg.read_text()), "hsx_edited": True}, indent=2))
+        plans_rule(config, "prepare", "tokenizer_config.json")
+        # touched, not changed: prepare's content hash holds it, and extract leaves the tokenizer's files to it
+        later(real / "tiktoken.model")
+        assert plans.plan(config) == {}
+        # (c) the weights rewritten in place, the same size: by mtime
+        weights = real / "model.safetensors"
+        weights.write_bytes(weights.read_bytes())
+        later(weights)
+        got = plans.plan(config)
+        assert "prepare" not in got
+        plans_rule(config, "extract", "model.safetensors")
+        # a tokenizer of its own
+        shutil.copytree(real, wd / "models/tok")
+        with_tokenizer = {**config, "tokenizer": "models/tok"}
+        accepted(with_tokenizer)
+        (wd / "models/tok/chat_template.jinja").write_text(template.read_text() + "{# again #}\n")
+        plans_rule(with_tokenizer, "prepare", "tokenizer's chat_template.jinja", then_accept=False)
+
+        def older(path: Path, text: str) -> None:
+            """`path` replaced by `text` in a file dated before it (cp -p of an older file)."""
+            before = path.stat().st_mtime_ns
+            other = path.with_name(path.name + ".new")
+            other.write_text(text)
+            os.utime(other, ns=(before - 10**10, before - 10**10))
+            other.replace(path)
+
+        # a source replaced by an older file: the real model's run, then the tiny model's (trained on the source)
+        source = wd / "data/conversations.jsonl"
+        lines = source.read_text().splitlines(keepends=True)
+        older(source, "".join(reversed(lines)))
+        plans_rule(config, "prepare", "an older source")
+        accepted({})
+        older(source, "".join(lines))
+        plans_rule({}, "make_tiny_model", "an older source of the tiny model")
+        # a chat_template file replaced by an older one
+        (wd / "config/t.jinja").write_text(EXAMPLES["chat_template"]["chat_template"])
+        with_template = {**config, "chat_template": "config/t.jinja"}
+        accepted(with_template)
+        older(wd / "config/t.jinja", EXAMPLES["chat_template"]["chat_template"].replace(": ", " - "))
+        plans_rule(with_template, "prepare", "an older chat_template file", then_accept=False)
+    finally:
+        plans.close()
 
 
 def test_a_release_that_changes_the_tiny_model_rebuilds_it(tmp_path: Path, full_run: Path) -> None:

@@ -1,6 +1,6 @@
 import re
 
-from hsextract.config import chunks, reruns
+from hsextract.config import chunks, file_params, reruns
 from hsextract.config.checks import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
@@ -18,6 +18,14 @@ TOKENIZER = SETTINGS.extract.tokenizer_dir
 # (hsextract.config.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
 # trigger); operational keys (threads, memory, devices, token budget, servers) are in none and rerun nothing.
 RERUN = {name: reruns.params(SETTINGS, name) for name in reruns.RULES}
+# `params: files=FILES[name]` of the rules that read files the config names (hsextract.config.file_params): the
+# tokenizer's and chat template's content, the sources' and the real model's files by name, size and mtime, so that
+# one changed in place under the same path (which no input's mtime trigger sees) reruns them. What the workflow
+# writes (the run's results, the tiny model it builds) is left out: its rules rerun what follows it.
+PRODUCED = [f"results/{RUN}", *([MODEL] if SETTINGS.make_tiny_model else [])]
+FILES = {
+    name: file_params.params(SETTINGS, name, PRODUCED) for name in file_params.RULES
+}
 # the tiny model's architecture, make_tiny_model's param: a release that changes it rebuilds the model
 TINY_ARCHITECTURE = reruns.plain(TINY_CONFIG)
 
@@ -86,7 +94,7 @@ def run_hooks(hooks):
 
 
 def get_model_input(wildcards):
-    """The tiny model directory when the workflow builds it; a real model is not a DAG input."""
+    """The tiny model directory when the workflow builds it; a real model is not a DAG input (FILES: its files)."""
     return {"model": MODEL} if SETTINGS.make_tiny_model else {}
 
 

@@ -20,5 +20,6 @@ rule extract:
         chunk=lambda wildcards: int(wildcards.chunk),
         # the config values that decide a shard: a change reruns the chunk (params trigger)
         settings=RERUN["extract"],
+        files=FILES["extract"],
     script:
         "../scripts/extract.py"

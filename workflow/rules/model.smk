@@ -13,6 +13,7 @@ if SETTINGS.make_tiny_model:
             "../../envs/model.yaml"
         params:
             settings=RERUN["make_tiny_model"],
+            files=FILES["make_tiny_model"],
             architecture=TINY_ARCHITECTURE,
         script:
             "../scripts/make_tiny_model.py"

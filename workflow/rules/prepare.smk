@@ -15,5 +15,6 @@ rule prepare:
         num_chunks=N_CHUNKS,
         sources=PREPARE_SOURCES,
         settings=RERUN["prepare"],
+        files=FILES["prepare"],
     script:
         "../scripts/prepare.py"

@@ -23,6 +23,7 @@ rule regenerate_chunk:
     params:
         chunk=lambda wildcards: int(wildcards.chunk),
         settings=RERUN["regenerate_chunk"],
+        files=FILES["regenerate_chunk"],
     script:
         "../scripts/regenerate.py"
 

@@ -9,7 +9,8 @@ filled, presets resolved) of the keys that decide its output, so Snakemake's par
 after it through their inputs; an operational key is no rule's param and reruns nothing.
 
 A key that decides its rules only in some runs (transformers.dtype: the transformers engine's) takes in their params
-the value they see there (`EFFECTIVE`), so that a new value that changes nothing reruns nothing.
+the value they see there (`EFFECTIVE`), so that a new value that changes nothing reruns nothing. What the files a key
+names hold (a tokenizer, a model, a source changed in place) is hsextract.config.file_params's, `params: files=`.
 
 Listed are the first rules a key decides: those after them rerun anyway. A rule that exists only in some
 runs (make_tiny_model, regenerate_chunk, build_patched_server, export) decides nothing in the others.
