@@ -449,7 +449,7 @@ def test_frames_with_content_checksums_still_read(tmp_path, monkeypatch):
     monkeypatch.undo()
     data = path.read_bytes()
     r = ShardReader(path)
-    table = r._index["offsets"][0] + fmt.RECORD.size  # sample 0's frame table: u32 count, u64 lengths
+    table = r.index["offsets"][0] + fmt.RECORD.size  # sample 0's frame table: u32 count, u64 lengths
     n_frames = int.from_bytes(data[table:table + 4], "little")
     assert zstd.get_frame_parameters(data[table + 4 + 8 * n_frames:]).has_checksum
     new = write(tmp_path / "new.hss", samples).read_bytes()  # today's writer: no content checksum

@@ -220,19 +220,18 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
             report.setdefault("notes", []).append(
                 f"the reference holds {ref_tensors} hidden-state tensors, this shard {num_tensors} ({which}): each "
                 f"tensor compared with the reference's layout, the count with the shard's aux layers")
-        ids = reader.sample_ids
         report["num_samples"] = len(reader)
-        report["num_tokens"] = sum(reader.seq_lens)
+        report["num_tokens"] = reader.num_tokens
         report["distinct_tokens"] = reader.stored_tokens  # the rows stored: a shared prefix once
-        report["num_trained"] = sum(reader.index["num_trained"])
+        report["num_trained"] = reader.num_trained
         for i in range(len(reader)):
             try:
                 sample = reader[i]
             except CorruptShardError as e:
-                fail("checksum", i, ids[i], e.what)
+                fail("checksum", i, reader.sample_id(i), e.what)
                 continue
             for check, detail in check_sample(sample, layout, vocab_size, same_model, names, num_tensors):
-                fail(check, i, ids[i], detail)
+                fail(check, i, reader.sample_id(i), detail)
         reader.close()
     if vocab_size is None:
         report.setdefault("notes", []).append(

@@ -19,10 +19,9 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
     every record header and frame table) and raises CorruptShardError where it is damaged; reads no payload."""
     r = ShardReader(path)
     r.check_records()
-    ix = r.index
-    raw = sum(ix["raw_bytes"])
+    raw = r.raw_bytes
     stored = Path(path).stat().st_size
-    tokens = sum(ix["seq_lens"])
+    tokens = r.num_tokens
     row_bytes = (raw - 16 * tokens) // tokens if tokens else 0  # one token's hidden states, as the writer counts
     raw_of_stored = 16 * tokens + row_bytes * r.stored_tokens
     info: dict[str, Any] = {
@@ -30,11 +29,11 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
         "metadata": r.metadata,
         "num_samples": len(r),
         "format_version": r.metadata["format_version"],
-        "num_tokens": sum(ix["seq_lens"]),  # materialized: each sample whole
+        "num_tokens": tokens,  # materialized: each sample whole
         # shared prefixes (version 2): samples that take their first rows from an earlier one, and the rows stored
-        "shared_samples": sum(p >= 0 for p in r.parents),
+        "shared_samples": r.shared_samples,
         "distinct_tokens": r.stored_tokens,
-        "num_trained": sum(ix["num_trained"]),
+        "num_trained": r.num_trained,
         "raw_bytes": raw,
         "stored_bytes": stored,
         "stored_over_raw": round(stored / raw, 4) if raw else None,
@@ -45,7 +44,7 @@ def shard_info(path: str | os.PathLike[str], samples: bool = False) -> dict[str,
     if samples:
         info["samples"] = [
             {"index": i, "sample_id": sid, "seq_len": n, "num_trained": t, "parent": p, "prefix_len": k}
-            for i, (sid, n, t, p, k) in enumerate(zip(ix["sample_ids"], ix["seq_lens"], ix["num_trained"], r.parents,
+            for i, (sid, n, t, p, k) in enumerate(zip(r.sample_ids, r.seq_lens, r.column("num_trained"), r.parents,
                                                       r.prefix_lens, strict=True))
         ]
     r.close()

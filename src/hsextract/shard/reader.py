@@ -30,6 +30,7 @@ from hsextract.errors import CorruptShardError, ShardError
 from hsextract.shard import format as fmt
 from hsextract.shard import parse
 from hsextract.shard.codec import DTYPES, dequantize_fp8, join_planes
+from hsextract.shard.compact import CompactIndex
 
 Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
@@ -261,15 +262,16 @@ class ShardReader:
     def _corrupt(self, sample: int | None, what: str) -> CorruptShardError:
         return CorruptShardError(self.path, sample, what)
 
-    def _open(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    def _open(self) -> tuple[dict[str, Any], CompactIndex]:
         try:
             with self._file():  # held through the parse: every read of it from the file whose fstat is the identity
                 return self._parse()
         except parse.Malformed as e:
             raise self._corrupt(e.sample, e.what) from None
 
-    def _parse(self) -> tuple[dict[str, Any], dict[str, list[Any]]]:
-        """Header, metadata, footer and index, each checked before the next is sized by it."""
+    def _parse(self) -> tuple[dict[str, Any], CompactIndex]:
+        """Header, metadata, footer and index, each checked before the next is sized by it; the index kept in
+        arrays (compact.py), not as the JSON's lists."""
         assert self._identity is not None  # set by _open's first open of the file
         size = self._identity[2]
         head = self._pread(fmt.HEADER.size, 0)
@@ -302,11 +304,9 @@ class ShardReader:
         ix_raw = self._pread(ix_len, ix_off)
         if fmt.crc32(ix_raw) != ix_crc:
             raise self._corrupt(None, "index checksum mismatch")
-        index = parse.index(parse.index_bytes(ix_raw), metadata, n, self._data_start, ix_off)
+        index = CompactIndex(parse.index(parse.index_bytes(ix_raw), metadata, n, self._data_start, ix_off), metadata,
+                             ix_off)
         self._index_offset = ix_off
-        # (parent, prefix length) per sample; version 1: none has a parent
-        self._parents: list[int] = index.get("parents") or [fmt.NO_PARENT] * n
-        self._prefix_lens: list[int] = index.get("prefix_lens") or [0] * n
         return metadata, index
 
     def _truncated(self, size: int) -> CorruptShardError:
@@ -328,36 +328,90 @@ class ShardReader:
         )
 
     # -- samples --------------------------------------------------------------------------
+    # The index is kept in arrays (compact.py); what leaves the reader is Python ints, strs and fresh lists, so a
+    # caller may keep, change or json.dumps them. The lists are built at each call: a loop asks for one sample's
+    # value (sample_id, seq_len, ...) or a total (num_tokens, num_trained, stored_tokens), not a whole list per
+    # sample.
     def __len__(self) -> int:
-        return len(self._index["offsets"])
+        return len(self._index)
 
     @property
     def sample_ids(self) -> list[str]:
-        return list(self._index["sample_ids"])
+        return self._index.sample_id_list()
 
     @property
     def seq_lens(self) -> list[int]:
-        return list(self._index["seq_lens"])
+        return self._index.seq_lens.tolist()
 
     @property
     def parents(self) -> list[int]:
         """Per sample the earlier sample it takes its first rows from, or -1 (always -1 in a version-1 shard)."""
-        return list(self._parents)
+        return self._index.parent_list()
 
     @property
     def prefix_lens(self) -> list[int]:
         """Per sample the rows it takes from its parent (0 without one)."""
-        return list(self._prefix_lens)
+        return self._index.prefix_len_list()
+
+    def column(self, name: str) -> list[Any]:
+        """One index column (fmt.index_columns; parents and prefix_lens of a version-1 shard too), as `index`."""
+        if name not in fmt.index_columns(fmt.FORMAT_VERSION):
+            raise KeyError(f"{name!r}: the index columns are {list(fmt.index_columns(fmt.FORMAT_VERSION))}")
+        return self._index.column(name)
+
+    def _at(self, i: int) -> int:
+        i = int(i)
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
+        return i % n
+
+    def sample_id(self, i: int) -> str:
+        """Sample i's id."""
+        return self._index.sample_id(self._at(i))
+
+    def seq_len(self, i: int) -> int:
+        """Sample i's tokens."""
+        return self._index.seq_len(self._at(i))
+
+    def parent(self, i: int) -> int:
+        """Sample i's parent, or -1."""
+        return self._index.parent(self._at(i))
+
+    def prefix_len(self, i: int) -> int:
+        """The rows sample i takes from its parent (0 without one)."""
+        return self._index.prefix_len(self._at(i))
+
+    @property
+    def num_tokens(self) -> int:
+        """The samples' tokens (each sample whole)."""
+        return self._index.total("seq_lens")
+
+    @property
+    def num_trained(self) -> int:
+        """The samples' trained tokens."""
+        return self._index.total("num_trained")
+
+    @property
+    def raw_bytes(self) -> int:
+        """The samples' speculators v1 tensor bytes (the index's raw_bytes, summed)."""
+        return self._index.total("raw_bytes")
+
+    @property
+    def shared_samples(self) -> int:
+        """Samples that take their first rows from an earlier one."""
+        return self._index.shared_samples()
 
     @property
     def stored_tokens(self) -> int:
         """Rows the shard stores (distinct tokens): the samples' tokens less the prefixes they take from parents."""
-        return sum(self._index["seq_lens"]) - sum(self._prefix_lens)
+        return self._index.total("seq_lens") - self._index.total("prefix_lens")
 
     @property
     def index(self) -> dict[str, list[Any]]:
-        """The index columns (read-only view: do not modify)."""
-        return self._index
+        """The index columns as the file's JSON holds them, lists of Python ints and strs: a fresh copy at each call
+        (a few hundred bytes a sample while it is kept; the accessors above cost nothing per sample)."""
+        return self._index.columns()
 
     def prefetch(self, i: int) -> None:
         """Ask the kernel to start reading record i into the page cache (posix_fadvise WILLNEED, in pieces the
@@ -365,7 +419,7 @@ class ShardReader:
         disk's queue is full; a platform or file system that does not take the hint reads as before."""
         if not hasattr(os, "posix_fadvise"):
             return
-        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        off, rlen = self._index.span(i)
         step = hint_piece(self._dev)
         with self._file() as fd:
             try:
@@ -377,7 +431,7 @@ class ShardReader:
     def _record(self, i: int, pool: ThreadPoolExecutor | None = None) -> memoryview:
         """Record i read, its header checked (not yet its payload: _check_payload), in this thread's record
         buffer: valid until its next _record call. With a pool, slices of a large record are read in parallel."""
-        off, rlen = self._index["offsets"][i], self._index["record_lens"][i]
+        off, rlen = self._index.span(i)
         rec = self._record_buffer(rlen)
         if pool is None or rlen < PARALLEL_READ_MIN:
             got = self._read_into(rec, off)
@@ -390,27 +444,26 @@ class ShardReader:
         return rec
 
     def _check_payload(self, i: int, rec: memoryview) -> None:
-        seed = fmt.reference_seed(self._parents[i], self._prefix_lens[i])
-        if fmt.payload_hash(rec[fmt.RECORD.size:], seed) != self._index["payload_xxh3"][i]:
+        seed = fmt.reference_seed(self._index.parent(i), self._index.prefix_len(i))
+        if fmt.payload_hash(rec[fmt.RECORD.size:], seed) != self._index.digest(i):
             raise self._corrupt(i, "checksum mismatch")
 
     def _check_record_header(self, i: int, rec: bytes | memoryview) -> None:
         magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
         if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[: fmt.RECORD_CHECKED]) != hcrc:
             raise self._corrupt(i, "record header damaged")
-        if idx != i or plen + fmt.RECORD.size != self._index["record_lens"][i]:
+        if idx != i or plen + fmt.RECORD.size != self._index.record_len(i):
             raise self._corrupt(i, f"record belongs to sample {idx}, not {i} (index and records disagree)")
-        if phash != self._index["payload_xxh3"][i]:
+        if phash != self._index.digest(i):
             raise self._corrupt(i, "checksum mismatch")
 
     def _own(self, i: int) -> int:
         """Hidden rows record i holds."""
-        return self._index["seq_lens"][i] - self._prefix_lens[i]
+        return self._index.seq_len(i) - self._index.prefix_len(i)
 
     def _frames(self, i: int, payload: memoryview) -> list[memoryview]:
         try:
-            return parse.frames(payload, parse.frame_sizes(self._pieces, self._index["seq_lens"][i], self._own(i)),
-                                i)
+            return parse.frames(payload, parse.frame_sizes(self._pieces, self._index.seq_len(i), self._own(i)), i)
         except parse.Malformed as e:
             raise self._corrupt(i, e.what) from None
 
@@ -420,7 +473,7 @@ class ShardReader:
         nframes = parse.frame_count(self.metadata)
         table = fmt.RECORD.size + fmt.FRAME_COUNT.size + 8 * nframes
         for i in range(len(self)):
-            off = self._index["offsets"][i]
+            off, rlen = self._index.span(i)
             head = self._pread(table, off)
             if len(head) != table:
                 raise self._corrupt(i, f"record cut short: {len(head)} of {table} header bytes")
@@ -429,11 +482,10 @@ class ShardReader:
             if count != nframes:
                 raise self._corrupt(i, f"{count} frames, layout expects {nframes}")
             lens = struct.unpack_from(f"<{nframes}Q", head, fmt.RECORD.size + fmt.FRAME_COUNT.size)
-            if sum(lens) != self._index["record_lens"][i] - table:
-                raise self._corrupt(i, f"frame lengths add up to {sum(lens)} bytes, the payload holds "
-                                       f"{self._index['record_lens'][i] - table}")
+            if sum(lens) != rlen - table:
+                raise self._corrupt(i, f"frame lengths add up to {sum(lens)} bytes, the payload holds {rlen - table}")
             pos = off + table
-            sizes = parse.frame_sizes(self._pieces, self._index["seq_lens"][i], self._own(i))
+            sizes = parse.frame_sizes(self._pieces, self._index.seq_len(i), self._own(i))
             for k, (ln, size) in enumerate(zip(lens, sizes, strict=True)):
                 try:
                     parse.check_frame(self._pread(min(ln, parse.FRAME_HEADER_MAX), pos), k, ln, size, i)
@@ -505,7 +557,7 @@ class ShardReader:
         except CorruptShardError:
             self._check_payload(i, rec)  # a damaged payload says so first, as on the serial path
             raise
-        seq, own = self._index["seq_lens"][i], self._own(i)
+        seq, own = self._index.seq_len(i), self._own(i)
         jobs = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
         if pool is not None:
             # every future is waited for before returning: the frames point into this thread's record buffer
@@ -538,12 +590,8 @@ class ShardReader:
         that a DataLoader worker hands them to the loader's process without a copy (see
         HiddenStateDataset.stream); elsewhere it only costs the shared blocks' set-up. `records`: where the records
         of sample i's ancestors come from (`record(j)` by default; a stream's cache of its families' records)."""
-        i = int(i)
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"{self.path}: sample {i} out of range (shard holds {n})")
-        i %= n
-        if self._parents[i] == fmt.NO_PARENT:
+        i = self._at(i)
+        if self._index.parent(i) == fmt.NO_PARENT:
             return self.own_rows(i, shared_memory)
         return self._assemble(i, shared_memory, records)
 
@@ -563,15 +611,7 @@ class ShardReader:
     def supplies(self, i: int) -> list[tuple[int, int, int]]:
         """The ancestors whose rows sample i takes, from the index alone: (ancestor, lo, hi) per segment, rows
         [lo, hi) from that ancestor's own rows [0, hi - lo), nearest ancestor first (docs/SHARED_PREFIX.md)."""
-        out = []
-        node, hi = self._parents[i], self._prefix_lens[i]
-        while hi > 0:
-            lo = self._prefix_lens[node]
-            if lo < hi:
-                out.append((node, lo, hi))
-                hi = lo
-            node = self._parents[node]
-        return out
+        return self._index.supplies(i)
 
     def _check_prefix_ids(self, i: int, ids: torch.Tensor, j: int, theirs: torch.Tensor, n: int) -> None:
         """Sample i takes rows below token n from sample j: their ids must agree there."""
@@ -587,7 +627,7 @@ class ShardReader:
         rows has its ids checked against this sample's over every position below the segment's end, and only the
         rows it supplies are decoded (a sample decodes its seq rows, as in a flat shard)."""
         mine = self.own_rows(i, shared)
-        ids, seq, k = mine["input_ids"], self._index["seq_lens"][i], self._prefix_lens[i]
+        ids, seq, k = mine["input_ids"], self._index.seq_len(i), self._index.prefix_len(i)
         out = []
         for h in mine["hidden_states"]:
             t = (_shared_bytes(seq * h.shape[1] * h.element_size()).view(h.dtype).view(seq, h.shape[1]) if shared
@@ -610,7 +650,7 @@ class ShardReader:
         self._check_payload(i, rec)
         frames = self._frames(i, rec[fmt.RECORD.size:])
         units = [[(piece, frames[a:b]) for piece, a, b in unit] for unit in self._units]
-        seq, own, rows = self._index["seq_lens"][i], self._own(i), outs[0].shape[0]
+        seq, own, rows = self._index.seq_len(i), self._own(i), outs[0].shape[0]
         ids = self._decode_piece(i, *units[0][0], seq, rows=hi)
         for unit, t in zip(units[2:], outs, strict=True):
             if len(unit) == 1:
@@ -643,11 +683,12 @@ class ShardReader:
         """Read and check every sample (raises CorruptShardError at the first bad one): every record once, and every
         reference's ids against its parent's over the prefix (each assembled row then comes from the same ids)."""
         ids: dict[int, torch.Tensor] = {}
-        needed = {p for p in self._parents if p != fmt.NO_PARENT}
+        parents = self._index.parents
+        needed = set() if parents is None else set(np.unique(parents[parents >= 0]).tolist())
         for i in range(len(self)):
             got = self._decode(i, self._record(i))["input_ids"]
-            p = self._parents[i]
+            p = self._index.parent(i)
             if p != fmt.NO_PARENT:
-                self._check_prefix_ids(i, got, p, ids[p], self._prefix_lens[i])
+                self._check_prefix_ids(i, got, p, ids[p], self._index.prefix_len(i))
             if i in needed:
                 ids[i] = got
