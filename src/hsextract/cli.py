@@ -156,8 +156,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="tokens, bytes, GPU-hours and jobs of a run before it starts",
                        description="Estimate a run of RECORDS input records under a workflow config: tokens, raw "
-                                   "and stored bytes (the codec's measured ratio), shards, chunk jobs, GPU-hours, "
-                                   "disk per node.")
+                                   "and stored bytes (the codec's measured ratio), each export format's bytes, the "
+                                   "shared filesystem's total, shards, chunk jobs, GPU-hours, disk per node.")
     p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
                    help="workflow config file(s), later ones overriding earlier ones key by key (as snakemake does)")
     p.add_argument("--records", "--samples", dest="records", type=int, required=True,

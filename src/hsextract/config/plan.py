@@ -37,6 +37,20 @@ CODEC_RATIO_FP8_SOURCE = "bench/README.md codec table: fp8_e4m3 of synthetic H=7
 # figure, an upper bound. Not measured for fp8.
 WRITER_CEILINGS_RAW_BPS = {8: 1.64e9, 16: 1.98e9}
 WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, {threads} shard threads, a 1.2 GB/s disk"
+# What each export format (export_formats; src/hsextract/export/) writes besides the hidden rows, in bytes per token.
+# Every format writes each sample whole (materialized: share_prefixes' shared rows repeated in every sample),
+# uncompressed, all hidden tensors (aux layers and the final state) in the activations' dtype (fp8 shards decode to
+# it), so a token takes this + hidden_tensors x hidden_size x value bytes:
+#   speculators-v1           data/data_{i}.pt: input_ids, loss_mask int64                               16
+#   specforge                rows_*/data_{i}.ckpt: input_ids, loss_mask int64 (aux concatenated)         16
+#   speculators-safetensors  hidden_states/hs_{i}.safetensors: token_ids int64; the Arrow table's
+#                            input_ids, loss_mask int64                                                  24
+# Left out, 0.3 to 3 kB a sample: the files' headers (torch.save's zip, safetensors' JSON), the Arrow row offsets,
+# sample_lengths.json, data_config.json, token_freq.pt, layers.json. Measured: the tiny default run (294 samples,
+# 134,556 tokens, H = 256) exported 1.0028, 1.0024 and 1.0002 times this (v1, specforge, safetensors);
+# tests/test_plan.py checks every format within 2% on synthetic shards with shared prefixes. At Kimi-K2.5's width
+# a sample's overhead is under 1e-4 of its rows.
+EXPORT_IDS_BYTES = {"speculators-v1": 16, "specforge": 16, "speculators-safetensors": 24}
 
 
 def writer_ceiling(threads: int) -> tuple[float, str]:
@@ -69,6 +83,12 @@ def shard_bytes(computed: int, materialized: int, n_tensors: int, hidden_size: i
         ratio, source = CODEC_RATIO_BF16, CODEC_RATIO_SOURCE
     # exact: no float rounding up a whole byte
     return ShardBytes(raw_per_token, raw, ratio, source, math.ceil(raw * Fraction(str(ratio))))
+
+
+def export_bytes(fmt: str, materialized: int, n_tensors: int, hidden_size: int, dtype: str) -> tuple[int, int]:
+    """(bytes per token, bytes) of export format `fmt` of `materialized` tokens (every sample whole)."""
+    per_token = EXPORT_IDS_BYTES[fmt] + n_tensors * hidden_size * VALUE_BYTES[dtype]
+    return per_token, materialized * per_token
 
 
 def _tokens_per_record(summary_path: str, share_prefixes: bool) -> tuple[float, float | None]:
@@ -169,6 +189,12 @@ def plan(
         tokens, tokens if materialized is None else materialized, n_tensors, hidden_size,
         settings.extract.activation_dtype, precision)
 
+    # exports write every sample whole: the materialized tokens (--mean-tokens counts them so)
+    export_tokens = tokens if materialized is None else materialized
+    exports = {f: export_bytes(f, export_tokens, n_tensors, hidden_size, settings.extract.activation_dtype)
+               for f in settings.export_formats}
+    export_total = sum(b for _, b in exports.values())
+
     ppc = settings.prepare.prompts_per_chunk
     chunks = count_chunks(records, ppc)
     cpj = chunks_per_job
@@ -213,6 +239,15 @@ def plan(
         "codec_ratio": ratio,
         "codec_ratio_source": ratio_source,
         "stored_bytes": stored,
+        # export_formats: each format's folder under results/<run>/export/, uncompressed, every sample whole
+        "export_formats": list(settings.export_formats),
+        "export_tokens": export_tokens,
+        "export_bytes_per_token": {f: per for f, (per, _) in exports.items()},
+        "export_bytes": {f: b for f, (_, b) in exports.items()},
+        "export_bytes_total": export_total,
+        # what results/<run>/ needs on the shared filesystem (or bucket): the shards and the exports (the prompts,
+        # statistics and reports besides: small beside these)
+        "shared_fs_bytes": stored + export_total,
         "prompts_per_chunk": ppc,
         "shards": chunks,
         "chunks_per_job": cpj,
@@ -263,6 +298,23 @@ def _bound(p: Mapping[str, Any]) -> str:
             f"tokens/s per node (hours below at that rate); more shard threads or a faster disk")
 
 
+def _export_rows(p: Mapping[str, Any]) -> list[tuple[str, str]]:
+    formats = p["export_formats"]
+    if not formats:
+        return [("exports", "none (export_formats: [])"),
+                ("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: the shards, plus the prompts")]
+    rows = []
+    for f in formats:
+        per = p["export_bytes_per_token"][f]
+        rows.append((f"export {f}",
+                     f"{_bytes(p['export_bytes'][f])} = {p['export_tokens']:,} tokens (every sample whole) x "
+                     f"{per:,} B ({per - p['hidden_tensors'] * p['hidden_size'] * p['value_bytes']} + "
+                     f"{p['hidden_tensors']} x {p['hidden_size']} x {p['value_bytes']}), uncompressed"))
+    what = "shards + export" + ("s" if len(formats) > 1 else "")
+    rows.append(("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: {what}, plus the prompts"))
+    return rows
+
+
 def format_plan(p: Mapping[str, Any]) -> str:
     """A two-column table of the plan for a terminal (and docs/CLUSTER.md)."""
     no_rate = "- (give --tokens-per-s)"
@@ -287,6 +339,7 @@ def format_plan(p: Mapping[str, Any]) -> str:
          else "raw bytes (distinct rows)", _bytes(p["raw_bytes"])),
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
         ("stored bytes", _bytes(p["stored_bytes"])),
+        *_export_rows(p),
         ("shards (chunks)",
          f"{p['shards']:,} of {p['prompts_per_chunk']:,} records, ~{_bytes(p['stored_bytes_per_shard'])} each"),
         ("chunk jobs",
@@ -307,5 +360,5 @@ def format_plan(p: Mapping[str, Any]) -> str:
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
 
 
-__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_FP8", "CODEC_RATIO_SOURCE", "WRITER_CEILINGS_RAW_BPS", "format_plan",
-           "plan", "shard_bytes", "writer_ceiling"]
+__all__ = ["CODEC_RATIO_BF16", "CODEC_RATIO_FP8", "CODEC_RATIO_SOURCE", "EXPORT_IDS_BYTES", "WRITER_CEILINGS_RAW_BPS",
+           "export_bytes", "format_plan", "plan", "shard_bytes", "writer_ceiling"]
