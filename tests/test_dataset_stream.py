@@ -1,6 +1,7 @@
 """HiddenStateDataset.stream: every sample exactly once per epoch, in an order fixed by (seed, epoch), split
 among ranks and DataLoader workers, decoded ahead on threads; errors arrive at their sample."""
 
+import copy
 import threading
 
 import numpy as np
@@ -217,6 +218,20 @@ def test_set_epoch_reaches_persistent_workers_that_already_run(shards, context):
     assert [sample_no(s) for s in loader] == perm[0]
     assert [sample_no(s) for s in loader] == perm[1]
     del loader
+
+
+def test_a_worker_that_starts_a_peeks_pass_after_set_epoch_leaves_len_to_the_resumed_epoch(shards):
+    """What a loaded machine does to the test above, without the race: a persistent worker (a copy of the stream
+    sharing its state, made before set_epoch) comes to the peek's pass only after set_epoch(1, start=3). That pass
+    keeps the epoch it was made for, and the resumed epoch has not begun: len() still counts from its start."""
+    stream = open_dataset(shards).stream(seed=5, readahead=0, batch_size=None)
+    late = copy.copy(stream)  # shares _state (shared memory in a real worker), its own generation and passes
+    stream.set_epoch(1, start=3)
+    perm = [np.random.default_rng([5, e]).permutation(N).tolist() for e in range(2)]
+    assert [sample_no(s) for s in late] == perm[0]  # the peek's pass: epoch 0, whole
+    assert len(stream) == N - 3
+    assert [sample_no(s) for s in stream] == perm[1][3:]
+    assert len(stream) == N
 
 
 def test_ranks_must_be_named_under_torch_distributed(shards, monkeypatch):

@@ -373,7 +373,8 @@ class SampleStream(IterableDataset):
             self._base = (int(self._state[0]), int(self._state[1]))
         epoch, start = self._base[0] + self._passes, self._base[1] if self._passes == 0 else 0
         self._passes += 1
-        self._state[3] = 1
+        if self._generation == int(self._state[2]):  # not a pass made before a set_epoch (a worker that came late to
+            self._state[3] = 1  # a peek's pass): that one does not begin the resumed epoch, whose len() still counts
         return self._pass(self.order(epoch)[start:])
 
     def _pass(self, mine: np.ndarray) -> Iterator[dict[str, Any]]:
