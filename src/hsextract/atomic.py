@@ -205,6 +205,19 @@ def atomic_dir(path: str | os.PathLike[str], *, durable: bool = True) -> Iterato
         old.unlink()
 
 
+def blocked_parent(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
+    """Why `path` cannot be created: (its nearest existing ancestor, "not a folder" or "not writable"), the folders
+    between them being made on writing; None when it can."""
+    folder = Path(path).parent
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        return folder, "not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return folder, "not writable"
+    return None
+
+
 def remove_temps(path: str | os.PathLike[str]) -> list[Path]:
     """Delete the temporary files (and atomic_dir's folders) that killed writers of `path` left behind (never
     `path` itself)."""

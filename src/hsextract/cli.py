@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hsextract import atomic
 from hsextract.errors import HsxError
 
 
@@ -58,14 +59,9 @@ def _report_paths(args: argparse.Namespace) -> list[Path | None]:
             raise HsxError(f"{option}: {path} is a folder, where a report file would go; " + (
                 "name a file, or use --report-dir for a folder of reports" if args.report
                 else "move that folder away or choose another --report-dir"))
-        folder = path.parent
-        while not os.path.lexists(folder) and folder != folder.parent:  # the folders made on writing
-            folder = folder.parent
-        if not folder.is_dir():
-            raise HsxError(f"{option}: {folder} is not a folder, so the report {path} cannot be written; "
-                           f"choose another {kind}")
-        if not os.access(folder, os.W_OK | os.X_OK):
-            raise HsxError(f"{option}: {folder} is not writable, so the report {path} cannot be written; "
+        blocked = atomic.blocked_parent(path)
+        if blocked:
+            raise HsxError(f"{option}: {blocked[0]} is {blocked[1]}, so the report {path} cannot be written; "
                            f"choose another {kind}")
     return paths
 

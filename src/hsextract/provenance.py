@@ -64,6 +64,12 @@ def model_hash(model: str) -> str:
     return h.hexdigest()
 
 
+def tokenizer_file_names(root: Path) -> list[str]:
+    """The names tokenizer_hash reads in a tokenizer directory (those that exist among them): TOKENIZER_FILES and
+    its `tokenization_*.py` modules."""
+    return [*TOKENIZER_FILES, *sorted(p.name for p in root.glob("tokenization_*.py"))]
+
+
 def tokenizer_hash(tokenizer_dir: str) -> str:
     """sha256 over the tokenizer files that exist in the directory (names and contents).
 
@@ -74,8 +80,7 @@ def tokenizer_hash(tokenizer_dir: str) -> str:
     if not root.is_dir():
         return "name:" + hashlib.sha256(tokenizer_dir.encode()).hexdigest()
     h = hashlib.sha256()
-    names = [*TOKENIZER_FILES, *sorted(p.name for p in root.glob("tokenization_*.py"))]
-    for name in names:
+    for name in tokenizer_file_names(root):
         p = root / name
         if p.is_file():
             h.update(name.encode() + b"\0" + hashlib.sha256(p.read_bytes()).digest())

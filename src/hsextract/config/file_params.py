@@ -30,7 +30,7 @@ from typing import Any
 
 from hsextract.config.reruns import regenerate_engine
 from hsextract.config.settings import Settings, Source
-from hsextract.provenance import TOKENIZER_FILES, chat_template_text, text_hash, tokenizer_hash
+from hsextract.provenance import chat_template_text, text_hash, tokenizer_file_names, tokenizer_hash
 
 # the rules that take `params: files=` (workflow/rules/*.smk)
 RULES = ("make_tiny_model", "regenerate_chunk", "prepare", "extract")
@@ -84,7 +84,7 @@ def model_signature(model: str, produced: Sequence[str], exclude: Collection[str
 def tokenizer_files(tokenizer_dir: str) -> set[str]:
     """The files of a tokenizer directory that provenance.tokenizer_hash reads (by content)."""
     root = Path(tokenizer_dir)
-    return {*TOKENIZER_FILES, *(p.name for p in root.glob("tokenization_*.py"))} if root.is_dir() else set()
+    return set(tokenizer_file_names(root)) if root.is_dir() else set()
 
 
 def tokenizer_identity(tokenizer_dir: str, produced: Sequence[str]) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from hsextract.atomic import blocked_parent
 from hsextract.atomic import write_atomic as atomic_write
 from hsextract.errors import ConfigError
 
@@ -71,12 +72,10 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
     export only, which the new one replaces whole once complete)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise ConfigError(f"{out_dir}: exists and is not a folder; give an export folder")
-    folder = out_dir.parent
-    while not os.path.lexists(folder) and folder != folder.parent:  # the folders an export makes
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise ConfigError(f"{folder}: {'not writable' if folder.is_dir() else 'not a folder'}, so the export "
-                          f"{out_dir} cannot be made beside it; choose another OUT_DIR")
+    blocked = blocked_parent(out_dir)
+    if blocked:
+        raise ConfigError(f"{blocked[0]}: {blocked[1]}, so the export {out_dir} cannot be made beside it; choose "
+                          "another OUT_DIR")
     names = sorted(p.name for p in out_dir.iterdir()) if out_dir.is_dir() else []
     if names and not force:
         raise ConfigError(f"{out_dir}: folder is not empty; export into an empty folder, or pass --force to replace "
