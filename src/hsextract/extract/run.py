@@ -14,6 +14,7 @@ whole.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import sys
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
@@ -59,9 +61,11 @@ class ChunkPrompts:
 def read_prompts(path: str | Path) -> ChunkPrompts:
     """Read a prompts parquet (prepare's output) and its sha256; any unreadable file is a ShardError naming it."""
     try:
-        sha = provenance.sha256_file(path)  # before the rows: a file rewritten after this differs from the shard's
-        shared = set(REFERENCE_COLUMNS) <= set(pq.read_schema(path).names)
-        table = pq.read_table(path, columns=list(PROMPT_COLUMNS) + (list(REFERENCE_COLUMNS) if shared else []))
+        data = Path(path).read_bytes()  # read once: the rows are those of the bytes hashed
+        sha = hashlib.sha256(data).hexdigest()
+        shared = set(REFERENCE_COLUMNS) <= set(pq.read_schema(pa.BufferReader(data)).names)
+        table = pq.read_table(pa.BufferReader(data),
+                              columns=list(PROMPT_COLUMNS) + (list(REFERENCE_COLUMNS) if shared else []))
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for damaged files
         raise ShardError(
             f"{path}: cannot read the prompts parquet ({type(e).__name__}: {e}); "
