@@ -160,6 +160,26 @@ def test_reference_tensor_count_and_hidden_size(cfg: dict, tmp_path: Path) -> No
         check(cfg)
 
 
+def test_shipped_reference_gives_the_layout_alone_for_any_model(cfg: dict, tmp_path: Path) -> None:
+    """README: a real model's config may keep the shipped (Kimi-shaped, hidden 7168) reference. Its hidden size is
+    no error for a model of 64 (it was: a ConfigError before any job, for every model but Kimi's width), wherever
+    the file lies; validation then compares the layout alone. A reference of the user's own still must match."""
+    import shutil
+
+    from hsextract.config.settings import SHIPPED_REFERENCE_SHA256, from_config, is_shipped_reference
+    from hsextract.provenance import sha256_file
+
+    assert sha256_file(REFERENCE) == SHIPPED_REFERENCE_SHA256  # the constant follows the file
+    shutil.copy(REFERENCE, tmp_path / "copy.pt")
+    for ref in (str(REFERENCE), "copy.pt"):
+        cfg["reference_sample"] = ref
+        assert check(cfg).reference.hidden_size == 7168
+        assert is_shipped_reference(ref) and from_config(cfg).validate.same_model is False
+    cfg["reference_sample"] = "ref.pt"  # the user's own, of this model
+    assert from_config(cfg).validate.same_model is True
+    assert not is_shipped_reference("missing.pt")
+
+
 def test_shipped_reference_is_v1() -> None:
     ref = read_layout(REFERENCE)
     assert (ref.num_tensors, ref.hidden_size, ref.seq_len) == (4, 7168, 24)

@@ -36,7 +36,7 @@ from hsextract.config.guard import check_bounded
 from hsextract.config.model_info import model_shape
 from hsextract.config.redaction import UNQUOTED_KEYS, refuse_secret_keys
 from hsextract.errors import ConfigError
-from hsextract.provenance import config_hash
+from hsextract.provenance import config_hash, sha256_file
 
 # package data: in a checkout a symlink to workflow/schemas/config.schema.yaml (the one file; Snakemake validates
 # against it), in a built wheel a copy of it, so an installed hsextract builds Settings without the checkout
@@ -159,10 +159,24 @@ class ExtractSettings:
         return self.tokenizer or self.model
 
 
+# sha256 of the reference sample this project ships (resources/reference/speculators-v1-data_0.pt): synthetic and
+# Kimi-shaped (hidden 7168), so it gives the layout alone, whatever the model; any other file is the user's own.
+SHIPPED_REFERENCE_SHA256 = "56b89ffea98869c824d0827db6f4a1c09a7ae8a5e9d88979f5dfdb54802a43f7"
+
+
+def is_shipped_reference(path: str) -> bool:
+    """Whether `path` holds the shipped reference sample (by content: a copy anywhere counts)."""
+    try:
+        return sha256_file(path) == SHIPPED_REFERENCE_SHA256
+    except OSError:  # missing or unreadable: the parse-time check says so
+        return False
+
+
 @dataclass(frozen=True)
 class ValidateSettings:
     reference_sample: str
-    # the reference's hidden size counts only for a real model (the shipped sample is Kimi-shaped)
+    # the reference's hidden size counts only for a real model and a reference of the user's own (the shipped
+    # sample is Kimi-shaped: a Llama's 4096 or the tiny model's 256 are no error)
     same_model: bool
 
 
@@ -363,7 +377,9 @@ def from_config(config: Mapping[str, Any]) -> Settings:
         export_formats=tuple(c["export_formats"]),
         prepare=prepare,
         extract=extract,
-        validate=ValidateSettings(reference_sample=c["reference_sample"], same_model=not c["make_tiny_model"]),
+        validate=ValidateSettings(reference_sample=c["reference_sample"],
+                                  same_model=not c["make_tiny_model"]
+                                  and not is_shipped_reference(c["reference_sample"])),
         stats=_section(StatsSettings, c["stats"]),
         regenerate=_section(RegenerateSettings, rg, stop_token_ids=_tuple(rg["stop_token_ids"])),
         config=MappingProxyType(c),
@@ -371,7 +387,8 @@ def from_config(config: Mapping[str, Any]) -> Settings:
 
 
 __all__ = [
-    "ExtractSettings", "PrepareSettings", "RegenerateSettings", "SCHEMA_TO_TREE", "SGLangSettings", "Settings",
+    "ExtractSettings", "PrepareSettings", "RegenerateSettings", "SCHEMA_TO_TREE", "SGLangSettings",
+    "SHIPPED_REFERENCE_SHA256", "Settings",
     "ShardSettings", "Source", "StatsSettings", "TransformersSettings", "ValidateSettings", "fill_defaults",
-    "from_config", "schema",
+    "from_config", "is_shipped_reference", "schema",
 ]
