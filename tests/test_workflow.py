@@ -318,6 +318,40 @@ def test_default_run_exports_to_speculators_without_final_norm_warning(
     assert summary["warning"] is None and summary["final_norm_applied"] and capsys.readouterr().err == ""
 
 
+def test_export_job_without_a_shared_filesystem_reads_the_shards_in_place(full_run: Path, tmp_path: Path) -> None:
+    """profiles/kubernetes: each job starts in an empty folder and gets its declared inputs from the storage. The
+    export job, alone in a fresh working folder (what a pod is) over the full run's results in an `fs` storage:
+    it has every shard (it declared only dataset.json before, and failed with "listed ... but missing"), each
+    linked from the storage, not copied (shards are flagged sequential), and exports every sample.
+    rsync, which the fs plugin runs to copy the rest, is not on this machine: a stand-in copies as it would."""
+    pytest.importorskip("snakemake_storage_plugin_fs", reason="needs the cluster extra")
+    store = tmp_path / "store"
+    for name in ("results", "resources", "data"):
+        shutil.copytree(full_run / name, store / name, symlinks=True)  # copy2: times kept, nothing is out of date
+    assert not (store / "results" / RUN / "export").exists()  # TEST_CONFIG exports nothing: the export is to be made
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "rsync").write_text(
+        "#!/bin/bash\n# rsync --recursive --times --copy-links SRC DST, as snakemake-storage-plugin-fs calls it\n"
+        f'echo "$@" >> {tmp_path}/rsync.calls\n'
+        'src="${@: -2:1}"; dst="${@: -1}"; mkdir -p "$(dirname "$dst")"\n'
+        'if [ -d "$src" ]; then mkdir -p "$dst"; cp -rL --preserve=timestamps "${src%/}/." "$dst"\n'
+        'else cp -L --preserve=timestamps "$src" "$dst"; fi\n')
+    (bin_dir / "rsync").chmod(0o755)
+    pod = make_workdir(tmp_path / "pod")
+    proc = smk(pod, f"results/{RUN}/export/speculators-v1", "--default-storage-provider", "fs",
+               "--default-storage-prefix", str(store), "--allowed-rules", "export",
+               env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    out = proc.stdout + proc.stderr
+    shards = [f"{store}/results/{RUN}/shards/chunk-{c:05d}{SHARD_SUFFIX}" for c in range(N_CHUNKS)]
+    for shard in shards:
+        assert f"Creating symlink for on-demand retrieval of {shard}." in out
+    assert not any(SHARD_SUFFIX in line for line in (tmp_path / "rsync.calls").read_text().splitlines())
+    manifest = json.loads((store / "results" / RUN / "dataset.json").read_text())
+    exported = store / "results" / RUN / "export/speculators-v1/data"
+    assert len(list(exported.glob("*.pt"))) == manifest["counts"]["samples"] > 0
+
+
 def test_report_after_run(full_run: Path) -> None:
     smk(full_run, "--report", "report.html")
     html = (full_run / "report.html").read_text(errors="replace")

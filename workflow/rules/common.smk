@@ -130,8 +130,13 @@ def get_prompts(wildcards):
     return f"results/{wildcards.run}/prompts/chunk-{wildcards.chunk}.parquet"
 
 
+# Shards as inputs: read start to end (validate, stats, manifest, export), so flagged sequential. Without a shared
+# filesystem (profiles/kubernetes) a storage plugin may then serve them in place: the fs plugin links each one from
+# the claim into the pod instead of copying a whole shard (or, for the manifest and the export, every shard).
 def get_shard(wildcards):
-    return f"results/{wildcards.run}/shards/chunk-{wildcards.chunk}{SHARD_SUFFIX}"
+    return access.sequential(
+        f"results/{wildcards.run}/shards/chunk-{wildcards.chunk}{SHARD_SUFFIX}"
+    )
 
 
 def get_all_prompts(wildcards):
@@ -139,11 +144,13 @@ def get_all_prompts(wildcards):
 
 
 def get_all_shards(wildcards):
-    return expand(
-        "results/{run}/shards/chunk-{chunk}{suffix}",
-        run=RUN,
-        chunk=CHUNKS,
-        suffix=SHARD_SUFFIX,
+    return access.sequential(
+        expand(
+            "results/{run}/shards/chunk-{chunk}{suffix}",
+            run=RUN,
+            chunk=CHUNKS,
+            suffix=SHARD_SUFFIX,
+        )
     )
 
 

@@ -42,6 +42,8 @@ rule manifest:
 rule export:
     input:
         manifest="results/{run}/dataset.json",
+        # read through the manifest's paths; declared so that a job without a shared filesystem (a pod) has them
+        shards=get_all_shards,
     output:
         data=directory("results/{run}/export/{format}"),
     log:
