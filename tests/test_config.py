@@ -203,6 +203,22 @@ def test_tiny_model_must_live_under_resources(cfg: dict) -> None:
         check(cfg)
 
 
+def test_tiny_model_never_replaces_a_model_of_the_users(cfg: dict, tmp_path: Path) -> None:
+    """make_tiny_model is true in config/config.yaml: a user config that forgets to turn it off, its model under
+    resources/, was replaced by the tiny model (a rule's output) once its corpus was newer. Refused at the parse."""
+    mine = tmp_path / "resources/my-llama"
+    write_model(mine)
+    cfg.update(make_tiny_model=True, model="resources/my-llama")
+    with pytest.raises(ConfigError, match=r"^make_tiny_model: true builds a random-weight model at resources/my-llama "
+                                          r"and replaces what is there, but that folder holds files and no "
+                                          r"hsextract_tiny.json, so it is not a tiny model hsextract built .*nothing "
+                                          r"was changed. For a model of your own set make_tiny_model: false"):
+        check(cfg)
+    assert (mine / "config.json").is_file()
+    (mine / "hsextract_tiny.json").write_text("{}")  # one the workflow built: rebuilt as before
+    check(cfg)
+
+
 def test_tiny_model_depth_known_before_it_exists(cfg: dict) -> None:
     from hsextract.tinymodel.build import TINY_CONFIG
 

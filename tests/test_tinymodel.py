@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -157,3 +159,29 @@ def test_unknown_override_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown config override\(s\) \['num_layers'\]"):
         make_tiny_model(tmp_path / "x", CONVERSATIONS, num_layers=4)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_folder_not_built_as_a_tiny_model_is_never_replaced(built: tuple[Path, Path], tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's model where the tiny model would go (make_tiny_model left true, `model` under resources/): refused,
+    every file as it was; a tiny model (its marker) or an empty folder is replaced as before."""
+    mine = tmp_path / "my-llama"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"model_type": "llama"}')
+    (mine / "model.safetensors").write_bytes(b"weights")
+    msg = (f"tiny model: {mine} is in the way: the folder holds files and no hsextract_tiny.json, so it is not a "
+           "tiny model hsextract built")
+    with pytest.raises(ConfigError, match="^" + re.escape(msg)):
+        make_tiny_model(mine, CONVERSATIONS, **SMALL)
+    with pytest.raises(SystemExit, match="^error: " + re.escape(msg)):
+        main(["--out", str(mine), "--conversations", str(CONVERSATIONS)])
+    assert sorted(p.name for p in mine.iterdir()) == ["config.json", "model.safetensors"]
+    assert (mine / "model.safetensors").read_bytes() == b"weights"
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match=r"is in the way: the path is not a folder of its own"):
+        make_tiny_model(tmp_path / "f", CONVERSATIONS, **SMALL)
+    shutil.copytree(built[1], tmp_path / "again")
+    (tmp_path / "empty").mkdir()
+    for out in (tmp_path / "again", tmp_path / "empty"):
+        make_tiny_model(out, CONVERSATIONS, **SMALL)
+        assert _sha(out / "model.safetensors") == _sha(built[1] / "model.safetensors")

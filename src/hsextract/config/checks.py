@@ -21,6 +21,7 @@ from hsextract.config.reference import ReferenceLayout, read_layout
 from hsextract.config.settings import Settings, from_config
 from hsextract.errors import ConfigError
 from hsextract.layers import HIDDEN_STATES
+from hsextract.tinymodel import marker as tinymodel_marker
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,12 @@ def check_tiny_model_path(s: Settings) -> None:
             f"relative path under resources/ (got {s.extract.model!r}); for a real model set "
             f"make_tiny_model: false"
         )
+    foreign = tinymodel_marker.foreign_contents(model)
+    if foreign:
+        raise ConfigError(
+            f"make_tiny_model: true builds a random-weight model at {s.extract.model} and replaces what is there, "
+            f"but that {foreign}: nothing was changed. For a model of your own set make_tiny_model: false; for the "
+            f"tiny model, point `model` at another folder under resources/ (or delete this one)")
     if tiny_model_corpus(s) is None:
         raise ConfigError(
             "make_tiny_model: true trains the tiny model's tokenizer on the first .jsonl source, "

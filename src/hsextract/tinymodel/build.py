@@ -41,6 +41,7 @@ import torch
 
 from hsextract.atomic import atomic_dir
 from hsextract.errors import ConfigError
+from hsextract.tinymodel import marker
 from hsextract.tinymodel.chat_template import KIMI_STYLE_TEMPLATE, ROLE_TOKENS
 
 BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
@@ -211,7 +212,8 @@ def make_tiny_model(
     `vocab_size` counts every id, the kimi tokenizer's 256 reserved special ids included. `config_overrides`
     replace keys of TINY_CONFIG (e.g. num_hidden_layers=4, hidden_size=128 for tests). The directory is built under a
     temporary name next to `out_dir` and renamed into place, replacing any previous one: it exists
-    whole or not at all.
+    whole or not at all. A previous one must be a tiny model (marker.MARKER) or an empty folder: anything else
+    there (a user's model) is a ConfigError, and nothing is touched.
     """
     from transformers import DeepseekV3ForCausalLM
 
@@ -227,6 +229,10 @@ def make_tiny_model(
                               "pass tokenizer='kimi' (--tokenizer kimi)")
         config_overrides = {"rms_norm_eps": kimi_k25_checkpoint.RMS_NORM_EPS, **config_overrides}
     out = Path(out_dir)
+    foreign = marker.foreign_contents(out)
+    if foreign:
+        raise ConfigError(f"tiny model: {out} is in the way: the {foreign}; nothing was changed, choose another "
+                          f"folder")
     if tokenizer == "kimi":
         from hsextract.tinymodel import kimi_tokenizer
 
@@ -267,7 +273,7 @@ def make_tiny_model(
             "router_std": router_std,
             "conversations": str(conversations_path),
         }
-        (tmp / "hsextract_tiny.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        (tmp / marker.MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         for f in tmp.iterdir():  # safetensors writes owner-only files
             os.chmod(f, 0o644)
     return out
@@ -278,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     hf_logging.disable_progress_bar()
     p = argparse.ArgumentParser(prog="python -m hsextract.tinymodel", description="Build the tiny Kimi-shaped model.")
-    p.add_argument("--out", required=True, type=Path, help="model directory to write (replaced if present)")
+    p.add_argument("--out", required=True, type=Path,
+                   help="model directory to write (a tiny model there is replaced; any other files refused)")
     p.add_argument("--conversations", required=True, type=Path, help="JSONL of {'messages': [...]} for the BPE")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
@@ -293,7 +300,15 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="kimi-k25: leave out the compressed-tensors quantization_config (it covers no layer)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
-    out = make_tiny_model(
+    try:
+        out = _build_from_args(args)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
+
+
+def _build_from_args(args: argparse.Namespace) -> Path:
+    return make_tiny_model(
         args.out,
         args.conversations,
         seed=args.seed,
@@ -304,5 +319,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         packaging=args.packaging,
         quantization_config=args.quantization_config,
     )
-    print(f"tiny model written to {out} in {time.perf_counter() - t0:.1f} s")
 
