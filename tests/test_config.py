@@ -22,6 +22,8 @@ def write_model(d: Path, layers: int = 6, hidden: int = 64) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(
         json.dumps({"model_type": "llama", "num_hidden_layers": layers, "hidden_size": hidden}))
+    # what the parse reads of a tokenizer: that its files are there, and its chat template
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     return d
 
 

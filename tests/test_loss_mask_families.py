@@ -7,7 +7,19 @@ import datetime
 
 import pytest
 import transformers.utils.chat_template_utils as hf_templates
-from chatfix import EOS, SYS, A, U, make_slow_tokenizer, make_tokenizer, trained_segments
+from chatfix import (
+    BOS,
+    EOS,
+    SPECIALS,
+    SYS,
+    TEMPLATES,
+    A,
+    U,
+    make_slow_tokenizer,
+    make_tokenizer,
+    tokenizer_with,
+    trained_segments,
+)
 from mask_golden import EXPECTED
 
 from hsextract.masks.explain import marked
@@ -751,3 +763,20 @@ def test_the_locator_chain_finds_each_familys_turns_by_its_own_case(monkeypatch)
         ("rewritten_history", "own_sample"): rewritten, ("rewritten_history", "in_rendering"): rewritten,
         ("closed_block", "own_sample"): {"gemma4"}, ("closed_block", "in_rendering"): {"gemma4"},
         ("opened_block", "own_sample"): opened, ("opened_block", "in_rendering"): opened}
+
+
+def test_a_template_of_another_tokenizer_is_refused_naming_its_markers() -> None:
+    """Qwen3's template over Llama 3's tokenizer: `<|im_start|>` and `<|im_end|>` are no tokens of it, so every turn
+    would be trained without a stop token (prepare ran to the end, no word said). Refused, naming them; each family
+    with its own tokens still renders (the sweep above)."""
+    from hsextract.errors import ConfigError
+
+    template = (TEMPLATES / "qwen3.jinja").read_text()
+    tok = tokenizer_with(template, SPECIALS["llama3"], EOS["llama3"], BOS["llama3"])
+    with pytest.raises(ConfigError, match=r"^the chat template writes <\|im_end\|>, <\|im_start\|>, which the "
+                                          r"tokenizer does not have as tokens \(it cuts each into plain pieces\): a "
+                                          r"template of another model's tokenizer, whose turns would end in no stop "
+                                          r"token\. Use this model's own template"):
+        ChatMasker(tok)
+    for name in FAMILIES:
+        ChatMasker(make_tokenizer(name))

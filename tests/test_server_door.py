@@ -597,7 +597,8 @@ def test_a_folder_of_the_wrong_kind_is_named(tmp_path: Path, monkeypatch: pytest
 
 # ---- fixtures ---------------------------------------------------------------------------------------
 def door_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
-    """A config config.check accepts: a 6-layer model's config.json, a one-tensor reference (capture: mtp,
+    """A config config.check accepts: a 6-layer model's config.json (and a tokenizer_config.json with a chat
+    template), a one-tensor reference (capture: mtp,
     the final state alone, so no layer list), ten conversations."""
     import torch
 
@@ -605,6 +606,7 @@ def door_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model/config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 6,
                                                              "hidden_size": 16}))
+    (tmp_path / "model/tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     torch.save({"input_ids": torch.arange(3), "hidden_states": [torch.zeros(3, 16, dtype=torch.bfloat16)],
                 "loss_mask": torch.ones(3, dtype=torch.int64)}, tmp_path / "ref.pt")
     rows = [{"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 import yaml
-from chatfix import make_tokenizer
+from chatfix import TEMPLATES, make_tokenizer
 from test_config import write_model, write_reference
 
 from hsextract.config.checks import check
@@ -69,7 +69,7 @@ def test_parse_time_check_refuses_custom_code(tmp_path: Path, monkeypatch: pytes
     c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", capture="custom", aux_layers=[1, 2, 3],
              aux_layers_convention="hidden_states", sources=[{"path": "c.jsonl", "format": "messages"}],
-             trust_remote_code=False)
+             trust_remote_code=False, chat_template="{{ messages }}")
     with pytest.raises(ConfigError,
                        match=r"^trust_remote_code: the tokenizer of m is custom code \(m/tokenizer_config"):
         check(c)
@@ -136,3 +136,31 @@ def test_a_path_that_is_no_folder_is_said_so_not_taken_for_a_hub_id(tmp_path: Pa
             load_tokenizer(source)
         assert str(e.value) == (f"cannot load a tokenizer from {source}: {why}; give the model's (or tokenizer's) "
                                 "folder, or a hub id such as org/name")
+
+
+def test_parse_time_check_names_a_folder_without_tokenizer_or_template(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint folder of weights alone failed at prepare with transformers' word about sentencepiece or tiktoken
+    not installed, after the dry run had passed; one without a chat template failed at prepare too. Both now refused
+    at the parse, naming the key to set."""
+    monkeypatch.chdir(tmp_path)
+    write_model(tmp_path / "m")
+    (tmp_path / "m/tokenizer_config.json").unlink()  # config.json alone
+    write_reference(tmp_path / "ref.pt")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
+    c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", capture="custom", aux_layers=[1, 2, 3],
+             aux_layers_convention="hidden_states", sources=[{"path": "c.jsonl", "format": "messages"}])
+    with pytest.raises(ConfigError, match=r"^cannot load a tokenizer from m: the folder holds no tokenizer files "
+                                          r"\(none of tokenizer.json, tokenizer_config.json, .*\); set `tokenizer:` "):
+        check(c)
+    with pytest.raises(ConfigError, match=r"^cannot load a tokenizer from m: the folder holds no tokenizer files"):
+        load_tokenizer("m")
+    tok = make_tokenizer("llama3")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConfigError, match=r"^the tokenizer at m has no chat template \(no chat_template.jinja, no "
+                                          r"chat_template in tokenizer_config.json\): set `chat_template`"):
+        check(c)
+    c["chat_template"] = str(TEMPLATES / "llama3.jinja")
+    assert check(c).n_records == 1

@@ -149,7 +149,8 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
 def check_tokenizer(s: Settings) -> None:
     """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true; a chat_template
     that is a file or a template."""
-    from hsextract.prepare.tokenizer_loading import KEY, chat_template_file, check_tokenizer_source
+    from hsextract.masks.kwargs import stored_template
+    from hsextract.prepare.tokenizer_loading import KEY, chat_template_file, check_tokenizer_files, check_tokenizer_source
 
     chat_template_file(s.prepare.chat_template)
 
@@ -162,7 +163,13 @@ def check_tokenizer(s: Settings) -> None:
             f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
             f"tiny_model_tokenizer: fast")
     if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
+        check_tokenizer_files(source)
         check_tokenizer_source(source, s.extract.trust_remote_code)
+        if Path(source).is_dir() and not s.prepare.chat_template and not stored_template(source) \
+                and not (Path(source) / "chat_template.json").is_file():
+            raise ConfigError(
+                f"the tokenizer at {source} has no chat template (no chat_template.jinja, no chat_template in "
+                f"tokenizer_config.json): set `chat_template` to this model's template (a file, or its text)")
 
 
 def check_template_kwargs(s: Settings) -> None:

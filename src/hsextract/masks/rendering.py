@@ -142,13 +142,18 @@ def _template_words(e: BaseException, template: str) -> str:
     return f"{type(e).__name__}: {e}, at template line {at[-1]}: `{line[:200]}{' ...' if len(line) > 200 else ''}`"
 
 
+# A chat template's special markers: `<|im_end|>`, `<|eot_id|>`, DeepSeek's full-width `<｜end▁of▁sentence｜>`.
+MARKER = re.compile(r"<[|｜][^|｜\s<>]{1,64}[|｜]>")
+
+
 class TemplateRenderer:
     """Renders with one tokenizer, template and `chat_template_kwargs`; caches token ids per text."""
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ConfigError("the tokenizer has no chat_template: set one (tokenizer_config.json or `chat_template`)")
+            raise ConfigError("the tokenizer has no chat_template: set `chat_template` (a file, or its text), or put the "
+                              "model's template in the tokenizer folder's chat_template.jinja")
         if isinstance(template, dict):  # several named templates: the default one renders chats
             template = template.get("default") or next(iter(template.values()))
         self.tokenizer = tokenizer
@@ -170,6 +175,25 @@ class TemplateRenderer:
         self._split: re.Pattern[str] | None = (
             re.compile("(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")")
             if added else None)
+        self._refuse_foreign_markers()
+
+    def _refuse_foreign_markers(self) -> None:
+        """A template of another model family (ChatML's `<|im_end|>` over a Llama 3 tokenizer) renders its markers
+        as plain text the tokenizer cuts into pieces: no turn then ends in a stop token, and the masks would train
+        none, silently. Every `<|...|>` marker a plain chat renders must be one token of this tokenizer."""
+        chat = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "a"}, {"role": "user", "content": "u"}]
+        try:
+            text = self.render(chat, None, True)
+        except Exception:  # noqa: BLE001 - a template that refuses this chat is judged on the data, in its words
+            return
+        vocab = getattr(self.tokenizer, "get_vocab", dict)()
+        foreign = sorted({m for m in MARKER.findall(text) if m not in self.added and m not in vocab})
+        if foreign:
+            raise ConfigError(
+                f"the chat template writes {', '.join(foreign)}, which the tokenizer does not have as tokens (it "
+                f"cuts each into plain pieces): a template of another model's tokenizer, whose turns would end in no "
+                f"stop token. Use this model's own template (`chat_template`, or the tokenizer folder's)")
 
     # ------------------------------------------------------------------------------------------- text
 

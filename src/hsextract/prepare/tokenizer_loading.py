@@ -198,6 +198,7 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
             raise ConfigError(f"cannot load a tokenizer from {source}: "
                               f"{'not a folder' if os.path.exists(source) else 'no such folder'}; give the model's "
                               "(or tokenizer's) folder, or a hub id such as org/name")
+        check_tokenizer_files(source)
         code = check_tokenizer_source(source, trust_remote_code)
         from transformers import AutoTokenizer
 
@@ -216,6 +217,22 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
     return tokenizer
 
 
+# What a tokenizer folder holds its vocabulary in (one of these, else transformers fails with a word about
+# sentencepiece or tiktoken not installed, which misleads).
+VOCABULARY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
+                    "vocab.txt", "spiece.model")
+
+
+def check_tokenizer_files(source: str) -> None:
+    """A local folder without any tokenizer file (a checkpoint's weights alone): ConfigError naming `tokenizer`."""
+    root = Path(source)
+    if root.is_dir() and not any((root / name).is_file() for name in VOCABULARY_FILES):
+        raise ConfigError(
+            f"cannot load a tokenizer from {source}: the folder holds no tokenizer files (none of "
+            f"{', '.join(VOCABULARY_FILES)}); set `tokenizer:` to the folder (or hub id) that holds the model's "
+            f"tokenizer")
+
+
 def chat_template_file(chat_template: str | None) -> Path | None:
     """The file `chat_template` names, or None when it is the template text itself (or null). ConfigError for a
     value that is neither: no file there, and no Jinja in it (a mistyped path would be rendered as the text)."""
@@ -227,5 +244,6 @@ def chat_template_file(chat_template: str | None) -> Path | None:
     return None
 
 
-__all__ = ["KEY", "MOVED_IMPORTS", "RemoteCode", "chat_template_file", "check_tokenizer_source",
+__all__ = ["KEY", "MOVED_IMPORTS", "RemoteCode", "VOCABULARY_FILES", "chat_template_file", "check_tokenizer_files",
+           "check_tokenizer_source",
            "incompatible_code_error", "load_tokenizer", "refusal", "remote_tokenizer_code", "unresolved_imports"]
