@@ -150,7 +150,12 @@ def check_tokenizer(s: Settings) -> None:
     """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true; a chat_template
     that is a file or a template."""
     from hsextract.masks.kwargs import stored_template
-    from hsextract.prepare.tokenizer_loading import KEY, chat_template_file, check_tokenizer_files, check_tokenizer_source
+    from hsextract.prepare.tokenizer_loading import (
+        KEY,
+        chat_template_file,
+        check_tokenizer_files,
+        check_tokenizer_source,
+    )
 
     chat_template_file(s.prepare.chat_template)
 

@@ -152,8 +152,8 @@ class TemplateRenderer:
     def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
-            raise ConfigError("the tokenizer has no chat_template: set `chat_template` (a file, or its text), or put the "
-                              "model's template in the tokenizer folder's chat_template.jinja")
+            raise ConfigError("the tokenizer has no chat_template: set `chat_template` (a file, or its text), or "
+                              "put the model's template in the tokenizer folder's chat_template.jinja")
         if isinstance(template, dict):  # several named templates: the default one renders chats
             template = template.get("default") or next(iter(template.values()))
         self.tokenizer = tokenizer
