@@ -88,6 +88,7 @@ def test_speculators_v1_loads_in_eagle3_sample_file_dataset(run_dir, tmp_path):
                               "hidden_states", "generation", "format", "hsextract"]
     assert cfg["version"] == "2.0" and cfg["model"]["hidden_size"] == 16 and cfg["data"]["num_samples"] == 5
     assert cfg["format"]["file_pattern"] == "data_{idx}.pt"
+    assert cfg["reproducibility"]["package_versions"]["transformers"] is None  # engine_version "test" names none
     assert cfg["format"]["schema"]["hidden_states"]["num_tensors"] == 4
     freq = torch.load(out / "token_freq.pt", weights_only=True)
     assert type(freq) is dict and all(type(k) is int and type(v) is int for k, v in freq.items())
@@ -354,3 +355,13 @@ def test_five_aux_layer_capture_round_trips_and_exports(tmp_path):
     sds = data_mod.Eagle3SampleFileDataset(max_len=64, datapath=str(tmp_path / "v1" / "data"))
     got = [sds[k] for k in range(3)]
     assert sorted(g["hidden_states"].shape[1] for g in got) == [5 * 16] * 3
+
+
+def test_data_config_names_the_engines_version_alone() -> None:
+    """package_versions.transformers held the whole engine string ("transformers 5.25.0 / torch 2.13.0+cpu")."""
+    from hsextract.export.speculators_v1 import _version_of
+
+    meta = {"engine": "transformers", "engine_version": "transformers 5.25.0 / torch 2.13.0+cpu"}
+    assert _version_of("transformers", meta) == "5.25.0" and _version_of("vllm", meta) is None
+    assert _version_of("vllm", {"engine": "vllm", "engine_version": "vllm 0.11.0"}) == "0.11.0"
+    assert _version_of("transformers", {"engine": "sglang", "engine_version": "sglang 0.5.16"}) is None

@@ -14,6 +14,7 @@ Point the trainer's data path at OUT_DIR/data and its token-frequency path at OU
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +25,13 @@ import torch
 from hsextract import __version__, layers
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import own_storage, save_json, save_torch
+
+
+def _version_of(package: str, meta: dict[str, Any]) -> str | None:
+    """The version of `package` in the shard's engine_version ("transformers 5.25.0 / torch 2.13.0+cpu") when it is
+    the shard's engine; None otherwise."""
+    found = re.search(rf"\b{package} (\S+)", str(meta.get("engine_version") or ""))
+    return found[1] if found and meta.get("engine") == package else None
 
 
 def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[str, Any]:
@@ -41,8 +49,8 @@ def data_config(meta: dict[str, Any], num_samples: int, max_len: int) -> dict[st
             "command": f"hsextract export --format speculators-v1 (hsextract {__version__})",
             "package_versions": {
                 "torch": torch.__version__,
-                "vllm": meta.get("engine_version") if meta.get("engine") == "vllm" else None,
-                "transformers": meta.get("engine_version") if meta.get("engine") == "transformers" else None,
+                "vllm": _version_of("vllm", meta),
+                "transformers": _version_of("transformers", meta),
                 "speculators": None,
             },
             "gpu": meta.get("gpu"),
