@@ -238,3 +238,14 @@ def test_missing_source(cfg: dict) -> None:
     cfg["sources"] = [{"path": "nope.jsonl", "format": "messages"}]
     with pytest.raises(ConfigError, match=r"^sources\[0\]\.path: nope.jsonl does not exist"):
         check(cfg)
+
+
+def test_a_layer_output_id_beyond_depth_is_named_as_written(cfg: dict) -> None:
+    """The error named only the hidden_states id it converts to (7 for a written 6), not the number in the file."""
+    cfg.update(aux_layers=[1, 2, 6], aux_layers_convention="layer_output")
+    with pytest.raises(ConfigError, match=r"^aux_layers\[2\]: layer_output 6, i.e. hidden_states\[7\] is beyond the "
+                                          r"aux layers of m/config.json: it has 6 decoder layers"):
+        check(cfg)
+    cfg.update(aux_layers=[1, 2, 6], aux_layers_convention="hidden_states")
+    with pytest.raises(ConfigError, match=r"^aux_layers\[2\]: hidden_states\[6\] is beyond the aux layers of m/"):
+        check(cfg)

@@ -20,7 +20,7 @@ from hsextract.config.model_info import ModelShape, model_shape
 from hsextract.config.reference import ReferenceLayout, read_layout
 from hsextract.config.settings import Settings, from_config
 from hsextract.errors import ConfigError
-from hsextract.layers import HIDDEN_STATES
+from hsextract.layers import HIDDEN_STATES, LAYER_OUTPUT
 from hsextract.tinymodel import marker as tinymodel_marker
 
 
@@ -105,8 +105,10 @@ def check_layers(s: Settings, shape: ModelShape) -> list[int]:
         if layer >= shape.num_layers:
             last = (" (hidden_states[L] is the last layer's output: the final state, final_state: pre_norm)"
                     if layer == shape.num_layers else "")
+            given = (f"layer_output {s.config['aux_layers'][i]}, i.e. "
+                     if s.config.get("aux_layers_convention") == LAYER_OUTPUT and s.config.get("aux_layers") else "")
             raise ConfigError(
-                f"aux_layers[{i}]: hidden_states[{layer}] is beyond the aux layers of {shape.source}: it has "
+                f"aux_layers[{i}]: {given}hidden_states[{layer}] is beyond the aux layers of {shape.source}: it has "
                 f"{shape.num_layers} decoder layers, so hidden_states ids 0..{shape.num_layers - 1} are allowed"
                 f"{last}")
     return layers
