@@ -135,3 +135,26 @@ def test_the_lock_is_left_to_snakemake_when_its_run_cannot_be_told_gone(tmp_path
         clear_owner(tmp_path, pid)
     assert remove_stale_lock(tmp_path) is None
     assert all(p.exists() for p in paths)
+
+
+def test_a_run_whose_jobs_outlive_its_main_process_keeps_the_lock(tmp_path: Path) -> None:
+    """`kill -9` of Snakemake's process alone (the OOM killer picks one process) leaves its jobs running: the rerun
+    removed the lock and ran the same chunk a second time beside the orphan, which then lost its temporary shard.
+    The lock is kept, and the line names the orphans; once they have ended it is removed as before."""
+    paths = locks(tmp_path)
+    pid = dead_pid_owner(tmp_path)
+    script = tmp_path / ".snakemake/scripts/tmpk3x9.extract.py"
+    script.parent.mkdir(parents=True)
+    script.write_text("import sys\nsys.stdin.read()\n")
+    job = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, stdin=subprocess.PIPE)
+    try:
+        said = remove_stale_lock(tmp_path)
+        assert said == (
+            "hsextract: Snakemake's lock was left by a run whose main process is gone, but its jobs still run "
+            f"(pid {job.pid}: {sys.executable} {script}); the lock is kept, so that no job runs twice. Wait for them "
+            f"to end, or stop them (`kill {job.pid}`), then run the same command again")
+        assert all(p.exists() for p in paths) and record(tmp_path, pid).exists()
+    finally:
+        job.communicate(b"")
+    assert remove_stale_lock(tmp_path).startswith("hsextract: removed Snakemake's lock (2 files")
+    assert not any(p.exists() for p in paths)

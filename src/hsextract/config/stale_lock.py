@@ -11,10 +11,11 @@ by side); onsuccess and onerror remove the record. A kill at any moment after th
 environments of `--sdm conda` are created after the lock, before onstart) thus leaves a record. The lock files
 are removed only when all of these hold: there is a record, every record names this host and its process is
 gone (the machine rebooted since, no such pid, or the pid now belongs to a process started at another time),
-and no lock file is newer than the moment the records were read (a run whose record came later took its lock
-later). Anything else is left to Snakemake, whose error says to run `snakemake --unlock`. With no lock, the
-records of runs that are gone (dry runs, reports: no onsuccess) are tidied away. The db persistence backend
-keeps no lock files: nothing happens there.
+no lock file is newer than the moment the records were read (a run whose record came later took its lock
+later), and no job of that run still runs (`orphan_jobs`: a kill of Snakemake's process alone leaves them; the
+line said then names them). Anything else is left to Snakemake, whose error says to run `snakemake --unlock`.
+With no lock, the records of runs that are gone (dry runs, reports: no onsuccess) are tidied away. The db
+persistence backend keeps no lock files: nothing happens there.
 """
 
 from __future__ import annotations
@@ -93,6 +94,26 @@ def _gone(rec: dict[str, Any]) -> bool:
     return False
 
 
+def orphan_jobs(workdir: Path) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes that run a job script of a Snakemake in `workdir` (Snakemake runs a
+    `script:` rule as `python .../.snakemake/scripts/tmpXXXX.<name>.py` in the working folder). Asked at the parse,
+    before this run starts a job of its own: they are another run's, alive although its main process may not be
+    (the OOM killer, a `kill -9` of Snakemake's process alone, leave its jobs running)."""
+    found: list[tuple[int, str]] = []
+    here = workdir.resolve()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if Path(os.readlink(proc / "cwd")) != here:
+                continue
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        cmd = " ".join(a.decode(errors="replace") for a in argv if a)
+        if ".snakemake/scripts/" in cmd and int(proc.name) != os.getpid():
+            found.append((int(proc.name), cmd))
+    return sorted(found)
+
+
 def remove_stale_lock(workdir: Path) -> str | None:
     """Remove Snakemake's lock files when every run that may have taken them is gone (module docstring); the
     line to show the user, or None when nothing was removed."""
@@ -124,6 +145,11 @@ def remove_stale_lock(workdir: Path) -> str | None:
         return None
     if newest_lock >= read_at or not all(gone):
         return None
+    if jobs := orphan_jobs(workdir):
+        pids = " ".join(str(pid) for pid, _ in jobs)
+        return (f"hsextract: Snakemake's lock was left by a run whose main process is gone, but its jobs still run "
+                f"({'; '.join(f'pid {pid}: {cmd}' for pid, cmd in jobs)}); the lock is kept, so that no job "
+                f"runs twice. Wait for them to end, or stop them (`kill {pids}`), then run the same command again")
     for p in locks + owners:
         p.unlink(missing_ok=True)
     pids = ", ".join(str(r["pid"]) for r in recs)
