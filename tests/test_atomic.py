@@ -183,3 +183,47 @@ def test_no_other_rename_based_writer_in_the_package() -> None:
         if rel not in allowed and re.search(r"os\.replace\(|\.rename\(|tmp\.replace\(|mkstemp\(", p.read_text()):
             found.append(rel)
     assert found == []
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import make_sample, shard_metadata
+from hsextract.atomic import atomic_dir, exit_on_sigterm
+from hsextract.shard import ShardWriter
+if sys.argv[1] == "on":
+    exit_on_sigterm()
+with atomic_dir({out!r}) as tmp, ShardWriter({shard!r}, shard_metadata()) as w:
+    (tmp / "part").write_text("x")
+    w.add(*make_sample(64, seed=0), sample_id="s0")
+    print("ready", flush=True)
+    sys.stdin.read()  # until the signal
+"""
+
+
+@pytest.mark.parametrize("handled", [True, False])
+def test_sigterm_unwinds_the_writers_and_leaves_no_temporary_output(tmp_path: Path, handled: bool) -> None:
+    """A job stopped with SIGTERM (Snakemake's stop, a scheduler's preemption) left its temporary shard, up to a
+    whole shard's size: the default action ends the process at once. exit_on_sigterm (every workflow script that
+    writes, and the hsextract command) makes it SystemExit(143): the shard writer and atomic_dir remove theirs.
+    Without it (the control), the temporaries stay."""
+    import signal
+    import subprocess
+    import sys
+
+    out, shard = tmp_path / "export", tmp_path / "chunk-00000.hss"
+    code = CHILD.format(tests=str(Path(__file__).parent), out=str(out), shard=str(shard))
+    child = subprocess.Popen([sys.executable, "-c", code, "on" if handled else "off"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"  # the temporaries exist: waited on, not slept for
+        assert sorted(p.name.endswith(".tmp") for p in tmp_path.iterdir()) == [True, True]
+        child.send_signal(signal.SIGTERM)
+        child.wait(timeout=60)
+    finally:
+        child.kill()
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if handled:
+        assert child.returncode == 143 and left == []
+    else:
+        assert child.returncode == -signal.SIGTERM and len(left) == 2

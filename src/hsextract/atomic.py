@@ -27,6 +27,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -216,6 +217,16 @@ def blocked_parent(path: str | os.PathLike[str]) -> tuple[Path, str] | None:
     if not os.access(folder, os.W_OK | os.X_OK):
         return folder, "not writable"
     return None
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM (Snakemake stopping its jobs, a scheduler's preemption, `kill`) as SystemExit(143) in the main
+    thread: the `with` blocks of the writers unwind and remove their temporary files, which the default action
+    (the process ends at once) left behind, up to a whole shard's size, until that chunk ran again."""
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def remove_temps(path: str | os.PathLike[str]) -> list[Path]:

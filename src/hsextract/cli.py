@@ -299,5 +299,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def entry() -> int:
+    """The `hsextract` command: main, with SIGTERM unwinding the writers (no temporary output left behind)."""
+    atomic.exit_on_sigterm()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

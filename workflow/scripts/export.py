@@ -4,6 +4,10 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
+from hsextract.atomic import exit_on_sigterm
+
+exit_on_sigterm()  # a stopped job removes its temporary output
+
 from pathlib import Path
 
 from hsextract.export import export
