@@ -154,6 +154,7 @@ def check_tokenizer(s: Settings) -> None:
     from hsextract.masks.kwargs import stored_template
     from hsextract.prepare.tokenizer_loading import (
         KEY,
+        VOCABULARY_FILES,
         chat_template_file,
         check_tokenizer_files,
         check_tokenizer_source,
@@ -172,7 +173,9 @@ def check_tokenizer(s: Settings) -> None:
     if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
         check_tokenizer_files(source)
         check_tokenizer_source(source, s.extract.trust_remote_code)
-        if Path(source).is_dir() and not s.prepare.chat_template and not stored_template(source) \
+        # the whole tokenizer only: a dry run may read a copy of config.json and tokenizer_config.json (README)
+        whole = any((Path(source) / n).is_file() for n in VOCABULARY_FILES if n != "tokenizer_config.json")
+        if whole and not s.prepare.chat_template and not stored_template(source) \
                 and not (Path(source) / "chat_template.json").is_file():
             raise ConfigError(
                 f"the tokenizer at {source} has no chat template (no chat_template.jinja, no chat_template in "
