@@ -141,16 +141,18 @@ def test_a_path_that_is_no_folder_is_said_so_not_taken_for_a_hub_id(tmp_path: Pa
 def test_parse_time_check_names_a_folder_without_tokenizer_or_template(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A checkpoint folder of weights alone failed at prepare with transformers' word about sentencepiece or tiktoken
-    not installed, after the dry run had passed; one without a chat template failed at prepare too. Both now refused
-    at the parse, naming the key to set."""
+    not installed, after the dry run had passed; a whole tokenizer without a chat template failed at prepare too.
+    Both now refused at the parse, naming the key to set; a copy of config.json alone still plans."""
     monkeypatch.chdir(tmp_path)
     write_model(tmp_path / "m")
-    (tmp_path / "m/tokenizer_config.json").unlink()  # config.json alone
+    (tmp_path / "m/tokenizer_config.json").unlink()
     write_reference(tmp_path / "ref.pt")
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "q"}]}) + "\n")
     c = yaml.safe_load((ROOT / "config/config.yaml").read_text())
     c.update(model="m", make_tiny_model=False, reference_sample="ref.pt", capture="custom", aux_layers=[1, 2, 3],
              aux_layers_convention="hidden_states", sources=[{"path": "c.jsonl", "format": "messages"}])
+    assert check(c).n_records == 1  # config.json alone: a copy for a dry run without the weights (README)
+    (tmp_path / "m/model.safetensors").write_bytes(b"")  # a checkpoint: its tokenizer is expected beside it
     with pytest.raises(ConfigError, match=r"^cannot load a tokenizer from m: the folder holds no tokenizer files "
                                           r"\(none of tokenizer.json, tokenizer_config.json, .*\); set `tokenizer:` "):
         check(c)

@@ -171,10 +171,14 @@ def check_tokenizer(s: Settings) -> None:
             f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
             f"tiny_model_tokenizer: fast")
     if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
-        check_tokenizer_files(source)
+        root = Path(source)
+        # a checkpoint with its weights but no tokenizer (prepare's load says the same); a copy of config.json
+        # alone, or with tokenizer_config.json, is the README's dry run without the weights: not judged here
+        if any(next(root.glob(pattern), None) for pattern in ("*.safetensors", "*.bin")):
+            check_tokenizer_files(source)
         check_tokenizer_source(source, s.extract.trust_remote_code)
         # the whole tokenizer only: a dry run may read a copy of config.json and tokenizer_config.json (README)
-        whole = any((Path(source) / n).is_file() for n in VOCABULARY_FILES if n != "tokenizer_config.json")
+        whole = any((root / n).is_file() for n in VOCABULARY_FILES if n != "tokenizer_config.json")
         if whole and not s.prepare.chat_template and not stored_template(source) \
                 and not (Path(source) / "chat_template.json").is_file():
             raise ConfigError(
