@@ -150,7 +150,7 @@ def check_reference(s: Settings, shape: ModelShape, ref: ReferenceLayout) -> Non
 
 def check_tokenizer(s: Settings) -> None:
     """Custom tokenizer code (tokenizer_config.json auto_map) only with trust_remote_code: true; a chat_template
-    that is a file or a template."""
+    that is a file or a template; a checkpoint folder holds tokenizer files, and a whole tokenizer a template."""
     from hsextract.masks.kwargs import stored_template
     from hsextract.prepare.tokenizer_loading import (
         KEY,
@@ -180,7 +180,7 @@ def check_tokenizer(s: Settings) -> None:
         # the whole tokenizer only: a dry run may read a copy of config.json and tokenizer_config.json (README)
         whole = any((root / n).is_file() for n in VOCABULARY_FILES if n != "tokenizer_config.json")
         if whole and not s.prepare.chat_template and not stored_template(source) \
-                and not (Path(source) / "chat_template.json").is_file():
+                and not (root / "chat_template.json").is_file():
             raise ConfigError(
                 f"the tokenizer at {source} has no chat template (no chat_template.jinja, no chat_template in "
                 f"tokenizer_config.json): set `chat_template` to this model's template (a file, or its text)")

@@ -217,8 +217,8 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
     return tokenizer
 
 
-# What a tokenizer folder holds its vocabulary in (one of these, else transformers fails with a word about
-# sentencepiece or tiktoken not installed, which misleads).
+# A tokenizer folder holds one of these at least (else transformers fails with a word about sentencepiece or
+# tiktoken not being installed, which misleads).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "tiktoken.model", "vocab.json",
                     "vocab.txt", "spiece.model")
 
