@@ -300,3 +300,16 @@ def test_reference_with_pickled_objects_is_refused(tmp_path):
     with pytest.raises(ReferenceSampleError,
                        match=r"^reference_sample: .*pickled.pt cannot be loaded with weights_only=True"):
         load_reference(bad)
+
+
+def test_the_commands_report_equals_the_workflows_byte_for_byte(tmp_path, capsys, ref16):
+    """`hsextract validate --report-dir` recorded the reference as "<in memory>" and wrote indent 2, so its report
+    differed from the workflow's (validate_shard, then write_json_atomic) for the same shard."""
+    from hsextract.atomic import write_json_atomic
+
+    shard = write_shard(tmp_path / "S.hss", [make_sample(6, seed=1)])
+    code, _, _ = run_validate(capsys, "--reference", ref16, "--report-dir", tmp_path / "r", shard)
+    assert code == 0
+    write_json_atomic(tmp_path / "wf.json", validate_shard(shard, ref16))
+    assert (tmp_path / "r/S.json").read_bytes() == (tmp_path / "wf.json").read_bytes()
+    assert json.loads((tmp_path / "wf.json").read_text())["reference"] == str(ref16)

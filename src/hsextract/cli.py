@@ -85,7 +85,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     failed = samples = tokens = 0
     for shard, report_path in bar(list(zip(args.shards, report_paths, strict=True)), desc="validate", unit="shard"):
         report = validate_shard(shard, ref, vocab_size=args.vocab_size, report_path=report_path,
-                                same_model=args.same_model)
+                                same_model=args.same_model, reference_name=args.reference)
         samples += report["num_samples"] or 0
         tokens += report["num_tokens"] or 0
         line = failure_line(report)

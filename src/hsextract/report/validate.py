@@ -165,13 +165,14 @@ def _empty_checks() -> dict[str, dict[str, Any]]:
 def _write_report(report: dict[str, Any], report_path: str | os.PathLike[str] | None) -> None:
     if report_path is None:
         return
-    write_json_atomic(report_path, report, indent=2)
+    write_json_atomic(report_path, report)  # as the workflow writes its reports
 
 
 def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[str] | dict[str, Any],
                    vocab_size: int | None = None, report_path: str | os.PathLike[str] | None = None,
-                   same_model: bool = False) -> dict[str, Any]:
-    """Check every sample of one shard; return (and write, if report_path) the JSON report."""
+                   same_model: bool = False, reference_name: str | None = None) -> dict[str, Any]:
+    """Check every sample of one shard; return (and write, if report_path) the JSON report. `reference_name`: the
+    path to record for a reference given loaded (a dict)."""
     ref = reference if isinstance(reference, dict) else reference_sample.load(reference)
     layout = reference_layout(ref)
     checks = _empty_checks()
@@ -179,7 +180,7 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         "shard": str(path), "passed": True, "num_samples": None, "num_tokens": None, "distinct_tokens": None,
         "num_trained": None,
         "vocab_size": vocab_size, "same_model": same_model,
-        "reference": str(reference) if not isinstance(reference, dict) else "<in memory>",
+        "reference": str(reference) if not isinstance(reference, dict) else reference_name or "<in memory>",
         "checks": checks, "first_failure": None, "validator": f"hsextract {__version__}",
     }
     first: list[tuple[int, int, dict[str, Any]]] = []  # (sample order, check order, failure)
