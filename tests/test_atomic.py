@@ -214,16 +214,18 @@ def test_sigterm_unwinds_the_writers_and_leaves_no_temporary_output(tmp_path: Pa
     out, shard = tmp_path / "export", tmp_path / "chunk-00000.hss"
     code = CHILD.format(tests=str(Path(__file__).parent), out=str(out), shard=str(shard))
     child = subprocess.Popen([sys.executable, "-c", code, "on" if handled else "off"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "ready\n"  # the temporaries exist: waited on, not slept for
         assert sorted(p.name.endswith(".tmp") for p in tmp_path.iterdir()) == [True, True]
         child.send_signal(signal.SIGTERM)
-        child.wait(timeout=60)
+        err = child.communicate(timeout=60)[1]
     finally:
         child.kill()
     left = sorted(p.name for p in tmp_path.iterdir())
     if handled:
         assert child.returncode == 143 and left == []
+        assert err == ("hsextract: stopped by SIGTERM: removing this job's temporary output, nothing else is "
+                       "changed\n")
     else:
         assert child.returncode == -signal.SIGTERM and len(left) == 2

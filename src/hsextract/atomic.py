@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import signal
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -224,6 +225,8 @@ def exit_on_sigterm() -> None:
     thread: the `with` blocks of the writers unwind and remove their temporary files, which the default action
     (the process ends at once) left behind, up to a whole shard's size, until that chunk ran again."""
     def _exit(signum: int, frame: object) -> None:
+        print(f"hsextract: stopped by {signal.Signals(signum).name}: removing this job's temporary output, nothing "
+              "else is changed", file=sys.stderr, flush=True)  # the job's log says why it ends here
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
