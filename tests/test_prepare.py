@@ -12,6 +12,7 @@ from chatfix import make_tokenizer
 from hsextract.config.settings import from_config
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
+from hsextract.masks.refusals import TemplateError
 from hsextract.prepare.conversations import Conversation, MalformedRecordError
 from hsextract.prepare.run import SCHEMA, num_chunks, run_prepare
 from hsextract.prepare.vocab import load_token_freq, token_freq_from_prompts
@@ -315,3 +316,32 @@ def test_openai_messages_under_conversations_give_the_same_token_ids(tmp_path):
     assert len(rows["messages"]) == 2
     assert [(r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows["conversations"]] == [
         (r["sample_id"], r["input_ids"], r["loss_mask"]) for r in rows["messages"]]
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_workers_write_the_same_bytes_as_one(tmp_path, monkeypatch, share):
+    """prepare's conversations rendered and masked by 3 forked workers, in batches of 2 a worker (so records cross
+    many batch and chunk bounds): every file it writes is byte for byte the one of a single process, the drops,
+    split turns, the masker's counters and the shared prefixes included; a strict run stops with the same error."""
+    import hsextract.prepare.run as prep
+
+    monkeypatch.setattr(prep, "BATCH_PER_WORKER", 2)
+    lines = [*RECORDS, _multi(), _multi(reasoning=False), b"{not json\n", *RECORDS[:2], _multi()] * 3
+    src = _write(tmp_path, lines)
+    tok = make_tokenizer("qwen3")
+    cfg = _cfg(src, max_seq_len=40, truncate=False, strict=False, prompts_per_chunk=5, share_prefixes=share)
+    n = num_chunks(cfg)
+    one = run_prepare(cfg, tok, tmp_path / "one", n)
+    three = run_prepare(cfg, tok, tmp_path / "three", n, workers=3)
+    assert one == three and one["masks"]["split_conversations"] > 0 and len(one["dropped"]) >= 4
+    names = sorted(p.name for p in (tmp_path / "one").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "three").iterdir()) and len(names) == n + 2
+    for name in names:
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "three" / name).read_bytes(), name
+    strict = _cfg(src, max_seq_len=40, truncate=False, prompts_per_chunk=5, share_prefixes=share)
+    errors = []
+    for workers in (1, 3):
+        with pytest.raises((MalformedRecordError, TemplateError)) as e:
+            run_prepare(strict, tok, tmp_path / f"strict{workers}", n, workers=workers)
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1]

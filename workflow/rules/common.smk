@@ -81,6 +81,10 @@ REGENERATE_GPUS = (
     else 1
 )
 
+# Worker processes of prepare: the cores the run was given (Snakemake lowers a rule's threads to --cores), at
+# most 32; a cluster run that names no --cores gets 8.
+PREPARE_THREADS = min(32, workflow.cores) if isinstance(workflow.cores, int) else 8
+
 
 wildcard_constraints:
     run=re.escape(RUN),

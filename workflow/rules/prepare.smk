@@ -10,6 +10,9 @@ rule prepare:
         "benchmarks/{run}/prepare.tsv"
     conda:
         "../../envs/model.yaml"
+    # processes that render and mask conversations (the job's cost; the output is the same for any count): every
+    # core it is given, as it runs before any other job
+    threads: PREPARE_THREADS
     params:
         tokenizer=TOKENIZER,
         num_chunks=N_CHUNKS,

@@ -19,6 +19,7 @@ summary = run_prepare(
     out_dir,
     int(snakemake.params.num_chunks),
     regenerated=settings.regenerate.enabled,
+    workers=int(snakemake.threads),
 )
 missing = [p for p in snakemake.output.prompts if not Path(p).is_file()]
 if missing:

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -127,18 +129,70 @@ def _regenerated_origin(src: OpenSource, index: int) -> int | str:
     return m.group(1) if m else index
 
 
+# The masker of a worker process (inherited through fork: the tokenizer, its custom code and the template's clock
+# are the parent's own, so every worker renders exactly as the parent would).
+_WORKER_MASKER: ChatMasker | None = None
+
+
+def _encode(conv: Conversation) -> tuple[Any, Counter[str]]:
+    """(samples, or (failure text, reason) when the template refuses the conversation; the masker's counters that
+    this conversation added). Runs in a worker, or in the main process with one worker."""
+    m = _WORKER_MASKER
+    assert m is not None
+    before = Counter(m.stats)
+    try:
+        out: Any = m.encode(conv)
+    except Exception as e:  # noqa: BLE001 - jinja errors (raise_exception in templates) and TemplateError
+        out = (failure(e), getattr(e, "reason", TEMPLATE_ERROR))
+    added, m.stats = m.stats - before, before  # the caller counts them, in record order
+    return out, added
+
+
+def _start_workers(masker: ChatMasker, workers: int) -> ProcessPoolExecutor | None:
+    """`workers` forked processes holding `masker` (None for one worker: this process encodes). A worker that dies
+    (the OOM killer) breaks the pool: BrokenProcessPool, never a wait without end."""
+    global _WORKER_MASKER
+    _WORKER_MASKER = masker
+    if workers <= 1:
+        return None
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the Rust tokenizer's own threads do not survive a fork
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+
+
+def _stop_workers(pool: ProcessPoolExecutor | None) -> None:
+    global _WORKER_MASKER
+    _WORKER_MASKER = None
+    if pool is not None:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encoded(convs: list[Conversation], pool: ProcessPoolExecutor | None,
+             workers: int) -> list[tuple[Any, Counter[str]]]:
+    if pool is None:
+        return [_encode(c) for c in convs]
+    return list(pool.map(_encode, convs, chunksize=max(1, len(convs) // (4 * workers))))
+
+
+# Records read and encoded together: the workers' share of a batch, large enough to keep them busy, small enough
+# to bound the memory (a batch's samples are held until they are written in record order).
+BATCH_PER_WORKER = 64
+
+
 def _new_stats() -> dict[str, Any]:
     return {"read": 0, "kept": 0, "truncated": 0, "dropped": Counter(), "tokens": 0, "trained_tokens": 0}
 
 
 def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | os.PathLike[str],
-                num_chunks: int, *, regenerated: bool = False) -> dict[str, Any]:
+                num_chunks: int, *, regenerated: bool = False, workers: int = 1) -> dict[str, Any]:
     """Run the stage; returns the summary dict (also written to out_dir/summary.json).
 
     `num_chunks` is the count the workflow computed at parse time (`num_chunks(settings)`); a mismatch means
     the sources changed since, and is an error. `tokenizer_path` may also be a tokenizer object.
     `regenerated`: the sources are regenerate's conversation file, whose records' ids name the input record
     each line regenerates (a weight's repeats, lines of their own there, are then no duplicates either).
+    `workers`: processes that render and mask the conversations (the stage's cost: a long agentic conversation
+    takes seconds); records are read, filtered and written in order by this process, so every output is byte
+    for byte the one of `workers=1`.
     """
     cfg = settings
     sources = open_sources(cfg.sources)
@@ -186,59 +240,83 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         st["dropped"][reason] += 1
         total["dropped"][reason] += 1
 
-    for k, entry in enumerate(bar(order, desc="prepare", unit="record")):
-        while chunks.of_record(k, ppc) > chunk:
-            close_chunk()
-            rows, row_records, chunk = [], [], chunk + 1
+    def read(k: int) -> tuple[str, Any]:
+        """Record k of the mixture: ("conv", (location, conversation)), ("malformed", the error) or ("duplicate",)."""
+        entry = order[k]
         src = sources[entry.source]
-        st = per_source[src.spec.name]
-        st["read"] += 1
-        total["read"] += 1
         try:
             location, conv = src.read(entry.index)
         except MalformedRecordError as e:
-            if strict:
-                raise
-            drop(st, e.reason)
-            continue
+            return "malformed", e
         if cfg.dedup:
             h = conversation_hash(conv)
             origin = (entry.source, _regenerated_origin(src, entry.index) if regenerated else entry.index)
             if seen.setdefault(h, origin) != origin:  # repeats of one record (weight > 1) are not duplicates
+                return "duplicate", None
+        return "conv", (location, conv)
+
+    def outcomes(pool: ProcessPoolExecutor | None) -> Iterator[tuple[int, str, Any, Any]]:
+        """(k, what read gave, the encoding or None) of every record, in order; a batch encoded at once."""
+        step = BATCH_PER_WORKER * workers
+        for start in range(0, len(order), step):
+            got = [read(k) for k in range(start, min(start + step, len(order)))]
+            encoded = iter(_encoded([p[1] for kind, p in got if kind == "conv"], pool, workers))
+            for k, (kind, payload) in enumerate(got, start):
+                yield k, kind, payload, next(encoded) if kind == "conv" else None
+
+    pool = _start_workers(masker, workers)
+    try:
+        for k, kind, payload, encoding in bar(outcomes(pool), desc="prepare", unit="record", total=len(order)):
+            entry = order[k]
+            while chunks.of_record(k, ppc) > chunk:
+                close_chunk()
+                rows, row_records, chunk = [], [], chunk + 1
+            src = sources[entry.source]
+            st = per_source[src.spec.name]
+            st["read"] += 1
+            total["read"] += 1
+            if kind == "malformed":
+                if strict:
+                    raise payload
+                drop(st, payload.reason)
+                continue
+            if kind == "duplicate":
                 drop(st, DUPLICATE)
                 continue
-        try:
-            samples = masker.encode(conv)
-        except Exception as e:  # jinja errors (raise_exception in templates) and TemplateError
-            if strict:
-                raise TemplateError(f"{location}: {failure(e)}", getattr(e, "reason", TEMPLATE_ERROR)) from e
-            drop(st, getattr(e, "reason", TEMPLATE_ERROR))
-            continue
-        for sample in samples:  # several when the conversation is split into turns (`split_turns`)
-            ids, mask = sample.input_ids, sample.loss_mask
-            cut = msl is not None and len(ids) > msl
-            if cut:
-                if not cfg.truncate:
-                    drop(st, TOO_LONG)
-                    continue
-                ids, mask = ids[:msl], mask[:msl]
-            n_trained = sum(mask)
-            if n_trained < cfg.min_trained_tokens:
-                drop(st, TRUNCATED_UNTRAINED if cut and sum(sample.loss_mask) >= cfg.min_trained_tokens
-                     else NO_TRAINED_TOKENS)
+            samples, counted = encoding
+            masker.stats.update(counted)
+            if isinstance(samples, tuple):  # the template refused it: (failure text, reason)
+                if strict:
+                    raise TemplateError(f"{payload[0]}: {samples[0]}", samples[1])
+                drop(st, samples[1])
                 continue
-            if cut:  # kept samples only: a dropped one is counted once, under its reason
-                st["truncated"] += 1
-                total["truncated"] += 1
-            sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
-            rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
-                         "num_trained": n_trained, "source": src.spec.name})
-            row_records.append(k)
-            freq.update(t for t, m in zip(ids, mask, strict=True) if m)
-            for s in (st, total):
-                s["kept"] += 1
-                s["tokens"] += len(ids)
-                s["trained_tokens"] += n_trained
+            for sample in samples:  # several when the conversation is split into turns (`split_turns`)
+                ids, mask = sample.input_ids, sample.loss_mask
+                cut = msl is not None and len(ids) > msl
+                if cut:
+                    if not cfg.truncate:
+                        drop(st, TOO_LONG)
+                        continue
+                    ids, mask = ids[:msl], mask[:msl]
+                n_trained = sum(mask)
+                if n_trained < cfg.min_trained_tokens:
+                    drop(st, TRUNCATED_UNTRAINED if cut and sum(sample.loss_mask) >= cfg.min_trained_tokens
+                         else NO_TRAINED_TOKENS)
+                    continue
+                if cut:  # kept samples only: a dropped one is counted once, under its reason
+                    st["truncated"] += 1
+                    total["truncated"] += 1
+                sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
+                rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
+                             "num_trained": n_trained, "source": src.spec.name})
+                row_records.append(k)
+                freq.update(t for t, m in zip(ids, mask, strict=True) if m)
+                for s in (st, total):
+                    s["kept"] += 1
+                    s["tokens"] += len(ids)
+                    s["trained_tokens"] += n_trained
+    finally:
+        _stop_workers(pool)
     if total["read"] and not total["kept"]:  # strict: false, and every record dropped: extract would run for nothing
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(total["dropped"].items()))
         raise ConfigError(f"prepare kept no sample of the {total['read']} records read (dropped: {reasons}): "
