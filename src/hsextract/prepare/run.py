@@ -173,9 +173,10 @@ def _encoded(convs: list[Conversation], pool: ProcessPoolExecutor | None,
     return list(pool.map(_encode, convs, chunksize=max(1, len(convs) // (4 * workers))))
 
 
-# Records read and encoded together: the workers' share of a batch, large enough to keep them busy, small enough
-# to bound the memory (a batch's samples are held until they are written in record order).
-BATCH_PER_WORKER = 64
+# Records read and encoded together, per worker: enough to keep each busy across the batch's slowest conversation,
+# few enough to bound the memory, as a batch's samples are held until they are counted in record order (8 workers:
+# 64 records, config/kimi.yaml's prompts_per_chunk, whose rows a chunk holds anyway).
+BATCH_PER_WORKER = 8
 
 
 def _new_stats() -> dict[str, Any]:
