@@ -81,8 +81,8 @@ REGENERATE_GPUS = (
     else 1
 )
 
-# Worker processes of prepare: the cores the run was given (Snakemake lowers a rule's threads to --cores), at
-# most 32; a cluster run that names no --cores gets 8.
+# Worker processes of prepare: the cores the run was given (--cores), at most 32. A cluster run without --cores
+# has 1: a profile's `set-threads: {prepare: N}` gives its prepare job N (docs/CLUSTER.md).
 PREPARE_THREADS = min(32, workflow.cores) if isinstance(workflow.cores, int) else 8
 
 
