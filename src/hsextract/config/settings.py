@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
@@ -165,10 +166,20 @@ SHIPPED_REFERENCE_SHA256 = "56b89ffea98869c824d0827db6f4a1c09a7ae8a5e9d88979f5df
 
 
 def is_shipped_reference(path: str) -> bool:
-    """Whether `path` holds the shipped reference sample (by content: a copy anywhere counts)."""
+    """Whether `path` holds the shipped reference sample (by content: a copy anywhere counts). Hashed once per
+    file version: every Settings built (each parse, each job) asks."""
+    try:
+        st = os.stat(path)
+    except OSError:  # missing or unreadable: the parse-time check says so
+        return False
+    return _hashes_as_shipped(os.path.abspath(path), st.st_size, st.st_mtime_ns)
+
+
+@cache
+def _hashes_as_shipped(path: str, size: int, mtime_ns: int) -> bool:
     try:
         return sha256_file(path) == SHIPPED_REFERENCE_SHA256
-    except OSError:  # missing or unreadable: the parse-time check says so
+    except OSError:
         return False
 
 
