@@ -11,6 +11,8 @@
 # REPLICAS=N: sglang.replicas N, all on GPU 0 (gpus: [0, ...]; each server takes setup.sh's 0.3 of its memory),
 # and the pool --resources gpu=N: N extract jobs at once, each driving a server of its own (step a's verdict: the
 # most extract jobs Snakemake ran together, and the replica each chunk's job said it claimed). SKIP_B=1 leaves out b.
+# B_ONLY=1: b alone, from a clean state (no a, c, d): the first run killed in the middle of its extract jobs, and
+# the rerun given the rest of the call (each run's first extract job waits for a server start, 66-187 s so far).
 # Prepare here: bench/gpu/build-sglang-site.sh .whl/one, build-extra.sh, build-snakemake.sh (bench/gpu/README.md).
 #
 # The production run: `snakemake --cores 8 --resources gpu=1 --configfile config/kimi.yaml --configfile
@@ -271,6 +273,8 @@ if [ -n "${E_ONLY:-}" ]; then [ -z "$E_PID" ] || wait "$E_PID" || true; exit 0; 
 # ---- a: the production command from a clean state -------------------------------------------------------------
 # a leaves 200 s for the steps after it, unless all of them are skipped
 RESERVE=200; [ -n "${SKIP_D:-}" ] && [ -n "${SKIP_C:-}" ] && [ -n "${SKIP_B:-}" ] && RESERVE=20
+A_SHARDS=""; if [ -n "${B_ONLY:-}" ]; then SKIP_C=1 SKIP_D=1; fi
+if [ -z "${B_ONLY:-}" ]; then
 smk a $(( $(left) - RESERVE > 120 ? $(left) - RESERVE : 120 )) "${CMD[@]}"
 A_SHARDS=$(shards)
 N_CHUNKS=$(field "$(jobs_of a)" "d['by_rule'].get('extract', 0)")
@@ -279,6 +283,7 @@ CLAIMED=$(grep -ho "^chunk [0-9]*: sglang replica [0-9]* of [0-9]*" "logs/${RUN#
   | awk '{print $2 $5}' | sort -n | paste -sd' ' - || true)
 record a "$RC" "$SECS" "${CMD[*]}" "shards: $A_SHARDS; dataset all_valid: $(all_valid)" \
   "extract jobs at once (most): $(field "$(jobs_of a)" "d['extract_at_once']"); chunk:replica claimed: ${CLAIMED:-none said}"
+fi
 
 # ---- report (background) and d: fidelity -------------------------------------------------------------------------
 [ -n "${SKIP_D:-}" ] || ( t=$SECONDS; set +e
@@ -314,7 +319,7 @@ else
 fi
 
 # ---- b: kill -9 in the middle of an extract, then the same command ---------------------------------------------
-if [ -z "${SKIP_B:-}" ] && [ "$(left)" -gt 150 ] && [ -n "$A_SHARDS" ]; then
+if [ -z "${SKIP_B:-}" ] && [ "$(left)" -gt 150 ] && { [ -n "${B_ONLY:-}" ] || [ -n "$A_SHARDS" ]; }; then
   rm -f "$RUN"/shards/chunk-*.hss
   t=$SECONDS
   setsid "${CMD[@]}" >"$OUT/logs/b-kill.log" 2>&1 &
@@ -369,6 +374,8 @@ PYEOF
     fi
     # unfinished: every chunk whose extract job Snakemake had not finished (a shard renamed into place just before
     # the kill, its job not yet registered, is incomplete to Snakemake: rerun-incomplete redoes it)
+    # B_ONLY: the chunks are the prompts the killed run's prepare wrote (it finished before any extract job)
+    [ -z "${B_ONLY:-}" ] || N_CHUNKS=$(ls "$RUN"/prompts/ | grep -cE '^chunk-[0-9]+\.parquet$')
     EXPECT=$("$PY" -c "import sys, json; done = set(json.loads(sys.argv[2])['finished_extract_chunks']); print(' '.join(f'{i:05d}' for i in range(int(sys.argv[1])) if f'{i:05d}' not in done))" "$N_CHUNKS" "$(jobs_of b-kill)")
     smk b-rerun $(( $(left) - 60 > 60 ? $(left) - 60 : 60 )) "${CMD[@]}"
     if [ "$RC" != 0 ] && [ "$(field "$(jobs_of b-rerun)" "d['lock_error']")" = True ]; then
