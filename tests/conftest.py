@@ -41,9 +41,10 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_ke
              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=128)
 
 
-def tiny_checkpoint(model_type: str, path: Path, num_hidden_layers: int = 2):
+def tiny_checkpoint(model_type: str, path: Path, num_hidden_layers: int = 2, **config: Any):
     """A random-weight bf16 checkpoint of `model_type` (transformers' own modeling code) saved at `path`, hidden 64,
-    its final norm's weight drawn away from ones and zeros (so that the norm formulas differ); returns the model."""
+    its final norm's weight drawn away from ones and zeros (so that the norm formulas differ); returns the model.
+    `config`: further config keys (a sliding window, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base = AutoConfig.for_model(model_type)
@@ -51,7 +52,7 @@ def tiny_checkpoint(model_type: str, path: Path, num_hidden_layers: int = 2):
     if hasattr(base, "layer_types"):
         kw["layer_types"] = None  # recomputed for the small layer count
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model(model_type, pad_token_id=0, num_hidden_layers=num_hidden_layers, **kw)
+    cfg = AutoConfig.for_model(model_type, pad_token_id=0, num_hidden_layers=num_hidden_layers, **kw | config)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
         model.model.norm.weight.copy_(torch.randn(SMALL["hidden_size"]) * 0.3 + 1)

@@ -142,3 +142,35 @@ def test_kept_caches_stay_within_the_budget(model_dir: Path, family: list[Prompt
         for t, want in zip(c.hidden_states, [r[1], r[3], r[-1]], strict=True):
             assert t.shape == (len(p.input_ids) - c.start, 128)
             assert rel(t, want[c.start:]) <= TOL
+
+
+@pytest.mark.parametrize(("model_type", "config", "layers"), [
+    ("llama", {}, None),  # full attention: the child runs on the parent's cut cache
+    ("gemma3_text", {"sliding_window": 16}, "DynamicSlidingWindowLayer"),  # keeps the last 16 positions alone
+    ("qwen3_next", {}, "LinearAttentionLayer"),  # a recurrent state, no per-position keys
+])
+def test_a_cache_that_cannot_be_cut_to_a_prefix_runs_the_child_in_full(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model_type: str, config: dict[str, int],
+        layers: str | None) -> None:
+    """A sliding-window or linear-attention cache cut as a full one gave a child rows 0.2-1.3 off a full forward
+    (sliding windows), or an AttributeError (linear attention): such a model's children run in full and are stored
+    whole (start 0), said once; every child's rows equal its own forward alone."""
+    from conftest import tiny_checkpoint
+
+    tiny_checkpoint(model_type, tmp_path, num_hidden_layers=4, **config)  # Qwen3-Next: 3 linear, 1 full
+    g = torch.Generator().manual_seed(3)
+    parent = torch.randint(5, 300, (100,), generator=g).tolist()
+    child = parent[:70] + torch.randint(5, 300, (30,), generator=g).tolist()
+    with TransformersEngine(tmp_path, CaptureSpec((1,), "post_norm")) as eng:
+        (alone,) = list(eng.extract([Prompt(0, "c", child)]))
+        _, got = list(eng.extract([Prompt(0, "p", parent), Prompt(1, "c", child, parent=0, prefix_len=70)]))
+    note = capsys.readouterr().out
+    assert got.start == (70 if layers is None else 0)
+    for t, want in zip(got.hidden_states, alone.hidden_states, strict=True):
+        assert rel(t, want[got.start:]) <= TOL
+    if layers is None:
+        assert "NOTE" not in note
+    else:
+        assert note == (f"NOTE: {tmp_path}: its cache holds {layers} layers, which cannot be cut to a prefix; samples "
+                        "that share a prefix are computed in full and stored whole (share_prefixes saves nothing "
+                        "with this engine on this model)\n")

@@ -25,7 +25,8 @@ Captured holds those rows only (`start` = k). Parents keep their cache until the
 members run one at a time; prompts outside any family are batched as above. The kept caches hold at most
 `cache_tokens` positions together (default CACHE_BUDGET_FACTOR x token_budget): past that, the caches whose next
 child comes last are dropped (the one just computed included), and a child whose parent's cache was dropped runs in
-full, as a root (`start` 0), so the shard records the reference actually used.
+full, as a root (`start` 0), so the shard records the reference actually used. A model whose cache cannot be cut
+to a prefix (sliding-window or linear-attention layers: `_uncuttable`) keeps none: every child runs in full.
 
 Progress: pass `on_sample`, called with each Captured just before it is yielded (the
 caller can also count the yielded samples itself).
@@ -114,6 +115,7 @@ class TransformersEngine(Engine):
         # the parents' keys and values kept for their children, in positions of all layers together
         self.cache_tokens = CACHE_BUDGET_FACTOR * token_budget if cache_tokens is None else cache_tokens
         self.peak_cached_tokens = 0  # the most positions kept at once during the last extract()
+        self.no_reuse: str | None = None  # why no child can run on its parent's cache (this model's cache layers)
         self.model_path = str(model_path)
         self.spec = spec
         self.device = torch.device(device)
@@ -263,16 +265,26 @@ class TransformersEngine(Engine):
 
     # ------------------------------------------------------------------ shared prefixes
     @staticmethod
-    def _prefix_cache(cache: Any, k: int) -> Any:
-        """The parent's cache cut to its first k positions, sharing its tensors (views): the child's forward
-        appends by concatenation, which leaves the parent's tensors as they are for its other children."""
+    def _uncuttable(cache: Any) -> str | None:
+        """Why a parent's cache cannot be cut to a prefix (None: it can). Only full-attention layers hold every
+        position's keys and values: a sliding-window layer keeps the last window's (gpt-oss, Gemma 3, Mistral), a
+        linear-attention one a recurrent state (Qwen3-Next), and neither can be wound back to position k."""
+        from transformers.cache_utils import DynamicLayer
+
         layers = getattr(cache, "layers", None)
         if layers is None:
-            raise EngineError(f"{type(cache).__name__} has no per-layer keys and values (`.layers`): sharing "
-                              "prefixes needs transformers' DynamicCache of transformers 4.56 or later")
+            return f"its {type(cache).__name__} has no per-layer keys and values"
+        odd = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        return f"its cache holds {', '.join(odd)} layers, which cannot be cut to a prefix" if odd else None
+
+    @staticmethod
+    def _prefix_cache(cache: Any, k: int) -> Any:
+        """The parent's cache (`_uncuttable` None) cut to its first k positions, sharing its tensors (views): the
+        child's forward appends by concatenation, which leaves the parent's tensors as they are for its other
+        children."""
         cut = copy.copy(cache)
         cut.layers = []
-        for layer in layers:
+        for layer in cache.layers:
             c = copy.copy(layer)
             c.keys, c.values = layer.keys[..., :k, :], layer.values[..., :k, :]
             cut.layers.append(c)
@@ -326,8 +338,12 @@ class TransformersEngine(Engine):
                     cache = self._prefix_cache(caches[p.parent][0], p.prefix_len)
                     if not children[p.parent]:  # its last child: the parent's cache goes
                         del caches[p.parent]
-            captured, kept = self._forward_one(p, cache, keep=bool(children.get(p.index)))
+            captured, kept = self._forward_one(p, cache, keep=bool(children.get(p.index)) and not self.no_reuse)
             del cache
+            if kept is not None and (why := self._uncuttable(kept)):
+                self.no_reuse, kept = why, None
+                print(f"NOTE: {self.model_path}: {why}; samples that share a prefix are computed in full and "
+                      "stored whole (share_prefixes saves nothing with this engine on this model)", flush=True)
             if kept is not None:
                 caches[p.index] = (kept, len(p.input_ids))
                 self._fit_caches(caches, children)
