@@ -172,9 +172,10 @@ def ref16() -> dict:
     return {"input_ids": ids, "hidden_states": hs, "loss_mask": mask}
 
 
-def first_incomplete_sample(offsets: list[int], lens: list[int], end: int) -> int:
-    """The first sample whose record is not entirely in bytes [0, end); len(offsets) when all are."""
-    return next((k for k, (o, n) in enumerate(zip(offsets, lens, strict=True)) if o + n > end), len(offsets))
+def cut_sample(offsets: list[int], lens: list[int], end: int) -> int | None:
+    """The sample whose record a cut at byte `end` falls inside; None for a cut between records or past the last
+    (how many samples followed is in the lost footer)."""
+    return next((k for k, (o, n) in enumerate(zip(offsets, lens, strict=True)) if o < end < o + n), None)
 
 
 def test_random_flips_and_truncations_are_all_reported(tmp_path: Path, ref16: dict) -> None:
@@ -221,7 +222,7 @@ def test_random_flips_and_truncations_are_all_reported(tmp_path: Path, ref16: di
             first = rep["first_failure"]
             line = failure_line(rep)
             assert line.startswith(f"{bad}: ") and "truncated" in line, line
-            assert first["check"] == "integrity" and first["sample"] == first_incomplete_sample(offs, lens, end), line
+            assert first["check"] == "integrity" and first["sample"] == cut_sample(offs, lens, end), line
     assert tally["flips"] >= 200 and tally["cuts"] >= 20 and tally["accepted"] == 0
     assert tally["flips_in_a_sample"] > 150 and tally["flips_in_structure"] > 0  # both kinds were hit
     print("corruption tally:", json.dumps(tally))

@@ -307,10 +307,9 @@ def test_every_flipped_byte_is_an_error(tmp_path, monkeypatch, decode_threads):
             assert f"sample {e.value.sample}" in msg
             # the named sample is the one whose bytes were hit
             offs = r0.index["offsets"]
-            if pos < r0._index_offset:
-                assert first_record <= pos and e.value.sample == max(k for k in range(len(offs)) if offs[k] <= pos)
-            else:  # index or footer hit: every record intact, the damage is past the last one
-                assert e.value.sample == len(offs)
+            # (an index or footer hit names none: every record is intact; a missing footer: tested below)
+            assert first_record <= pos < r0._index_offset
+            assert e.value.sample == max(k for k in range(len(offs)) if offs[k] <= pos)
 
 
 def test_truncation_names_the_sample(tmp_path):
@@ -324,8 +323,16 @@ def test_truncation_names_the_sample(tmp_path):
         with pytest.raises(CorruptShardError) as e:
             ShardReader(cut)
         assert "truncated" in str(e.value) and str(cut) in str(e.value)
-        expect = {offs[2] + 30: 2, offs[1] + 3: 1, offs[0]: 0}.get(end, 4)
+        # cut between records or after the last one (in the footer): no sample named, the whole records said
+        expect = {offs[2] + 30: 2, offs[1] + 3: 1}.get(end)
         assert e.value.sample == expect, (end, str(e.value))
+    assert str(e.value) == (f"{cut}: shard structure: file truncated at byte {offs[0]} or its end damaged: no valid "
+                            f"footer; no record is complete, what followed byte {offs[0]} (any further samples, the "
+                            "index, the footer) is missing. The shard is damaged: delete it and rerun its chunk "
+                            "(snakemake reruns a missing shard).")
+    cut.write_bytes(good[:-3])
+    with pytest.raises(CorruptShardError, match=r"records 0\.\.3 are complete, what followed byte \d+ \(any"):
+        ShardReader(cut)
 
 
 def test_exception_inside_writer_leaves_nothing(tmp_path):

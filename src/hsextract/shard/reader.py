@@ -310,7 +310,9 @@ class ShardReader:
         return metadata, index
 
     def _truncated(self, size: int) -> CorruptShardError:
-        """Walk the records from the start to name the first sample the truncation damaged."""
+        """Walk the records from the start to name the sample the truncation damaged: the one whose record it
+        cuts. Cut between two records or after the last (in the index, say), none is named: how many samples
+        followed is in the lost footer."""
         off, sample = self._data_start, 0
         while off + fmt.RECORD.size <= size:
             magic, idx, plen, _, hcrc = fmt.RECORD.unpack(self._pread(fmt.RECORD.size, off))
@@ -321,10 +323,13 @@ class ShardReader:
                                              f"the record ends at byte {off + fmt.RECORD.size + plen}")
             off += fmt.RECORD.size + plen
             sample += 1
+        if 0 < size - off < fmt.RECORD.size:
+            return self._corrupt(sample, f"file truncated at byte {size}: inside the record's header")
+        whole = f"records 0..{sample - 1} are complete" if sample else "no record is complete"
         return self._corrupt(
-            sample,
-            f"file truncated at byte {size} or its end damaged: no valid footer; records 0..{sample - 1} are "
-            f"complete, sample {sample} onward is missing",
+            None,
+            f"file truncated at byte {size} or its end damaged: no valid footer; {whole}, what followed byte "
+            f"{off} (any further samples, the index, the footer) is missing",
         )
 
     # -- samples --------------------------------------------------------------------------
