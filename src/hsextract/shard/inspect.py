@@ -116,7 +116,9 @@ def format_info(info: dict[str, Any]) -> str:
         lines.append(f"{key:<14} {json.dumps(value) if isinstance(value, (dict, list)) else value}")
     ratio = "n/a" if info["stored_over_raw"] is None else f"{info['stored_over_raw']:.4f}"
     lines += [
-        f"samples        {info['num_samples']} ({info['shared_samples']} take a prefix from an earlier one)",
+        f"samples        {info['num_samples']} ({info['shared_samples']} take a prefix from an earlier one"
+        + ("; that their ids equal it over the prefix is checked by `hsextract validate`, not here)"
+           if info["shared_samples"] else ")"),
         f"tokens         {info['num_tokens']} materialized, {info['distinct_tokens']} distinct (stored)",
         f"trained tokens {info['num_trained']}",
         f"raw bytes      {info['raw_bytes']} ({_mb(info['raw_bytes'])})",
