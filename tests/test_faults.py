@@ -348,6 +348,8 @@ SCHEMA = ROOT / "workflow/schemas/config.schema.yaml"
 SCHEMA_CASES = {
     # kind: (key path, bad value, the one-line message (without the schema's path) a user sees first)
     "type": ("prompts_per_chunk", "8", "prompts_per_chunk: '8' is not of type 'integer'"),
+    # JSON Schema's integer takes 0.0, which numpy's SeedSequence then refused in the prepare job
+    "whole float": ("seed", 0.0, "seed: 0.0 is not of type 'integer'"),
     "enum": ("engine", "vllm", "engine: 'vllm' is not one of ['transformers', 'sglang']"),
     "minimum": ("prompts_per_chunk", 0, "prompts_per_chunk: 0 is less than the minimum of 1"),
     "maximum": ("shard.compression_level", 23, "shard.compression_level: 23 is greater than the maximum of 22"),

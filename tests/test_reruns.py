@@ -233,3 +233,17 @@ def test_rules_take_their_file_params() -> None:
     text = "\n".join(p.read_text() for p in sorted((ROOT / "workflow/rules").glob("*.smk")))
     for rule in reruns.RULES:
         assert (f'files=FILES["{rule}"]' in text) == (rule in file_params.RULES), rule
+
+
+def test_a_preset_and_its_own_list_written_out_are_the_same_params() -> None:
+    """capture: eagle3, and capture: custom with the layers it resolves to in either convention, store the same
+    layers: extract's params are equal, so a config rewritten that way reruns no extract (on Kimi, GPU-hours); a
+    list that differs by one layer is another param."""
+    tiny = {"model": "resources/no-such-model", "make_tiny_model": True}  # the tiny model's 10 layers, unbuilt
+    written = [{"capture": "eagle3"},
+               {"capture": "custom", "aux_layers": [2, 5, 7], "aux_layers_convention": "hidden_states"},
+               {"capture": "custom", "aux_layers": [1, 4, 6], "aux_layers_convention": "layer_output"}]
+    params = [reruns.params(settings_of({**tiny, **w}), "extract") for w in written]
+    assert params[0]["aux_layers"] == [2, 5, 7] and params[1] == params[0] and params[2] == params[0]
+    shifted = {"capture": "custom", "aux_layers": [2, 5, 7], "aux_layers_convention": "layer_output"}
+    assert reruns.params(settings_of({**tiny, **shifted}), "extract")["aux_layers"] == [3, 6, 8]

@@ -54,6 +54,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "tokenizer": _MODEL,
     "trust_remote_code": _MODEL,  # custom tokenizer code decides the ids
     "engine": ("regenerate_chunk", "extract"),  # regenerate.engine null: the run's
+    # capture and the convention decide which ids aux_layers resolves to, and nothing else (EFFECTIVE)
     "capture": ("extract",),
     "aux_layers": ("extract",),  # resolved: the hidden_states ids stored
     "aux_layers_convention": ("extract",),
@@ -169,6 +170,10 @@ def regenerate_engine(settings: Settings) -> str:
 # Keys whose value decides their rules' outputs only in some runs: the value the rule's params take instead of the
 # key's (None where the key counts for nothing), so that a change that changes nothing reruns nothing.
 EFFECTIVE: dict[str, Callable[[Settings], Any]] = {
+    # the shards hold the resolved ids (aux_layers' param) and no preset name nor convention: eagle3 and its own
+    # list written out, in either convention, store the same layers, and rerun nothing
+    "capture": lambda s: None,
+    "aux_layers_convention": lambda s: None,
     # the dtype of the captured hidden states: SGLang serves in bfloat16 whatever transformers.dtype says
     "transformers.dtype": lambda s: s.extract.activation_dtype,
     # the dtype regenerate loads the model in: only its transformers engine loads one (sglang asks a server)

@@ -296,7 +296,10 @@ def _validator() -> Any:
                     instance.setdefault(key, copy.deepcopy(prop["default"]))
         yield from check_properties(validator, properties, instance, sub)
 
-    return jsonschema.validators.extend(base, {"properties": fill_defaults})(schema())
+    # an integer is an int: JSON Schema's also takes 0.0, which the jobs then fail on (`seed: 0.0` in numpy's
+    # SeedSequence, `prompts_per_chunk: 10.0` in range()); bool is no int here either, as in jsonschema
+    strict = base.TYPE_CHECKER.redefine("integer", lambda _, x: isinstance(x, int) and not isinstance(x, bool))
+    return jsonschema.validators.extend(base, {"properties": fill_defaults}, type_checker=strict)(schema())
 
 
 def fill_defaults(config: Mapping[str, Any]) -> dict[str, Any]:
