@@ -93,6 +93,17 @@ def test_a_list_takes_its_convention_from_its_own_file_only() -> None:
                             ("--config", {"aux_layers": None}), ("sources.yaml", {"sources": []})])
     with pytest.raises(ConfigError, match=r"^aux_layers: \[4\] in --config does not say"):
         check_conventions_said([kimi, ("--config", {"aux_layers": [4]})])
+    # nor does a later file's convention apply to an earlier file's list (it read [3, 31, 59] here)
+    with pytest.raises(ConfigError) as e:
+        check_conventions_said([kimi, ("mine.yaml", {"aux_layers_convention": "layer_output"})])
+    assert str(e.value) == (
+        "aux_layers_convention: layer_output in mine.yaml would change what aux_layers [2, 30, 58] in "
+        "config/kimi.yaml means, said there as hidden_states (hidden_states[2, 30, 58] = outputs of decoder layers "
+        "1, 29, 57): a convention applies to the list of its own file; give the list and its convention together "
+        "in mine.yaml, or remove aux_layers_convention from it")
+    check_conventions_said([kimi, ("mine.yaml", {"aux_layers_convention": "hidden_states"}),
+                            ("--config", {"aux_layers": None}),
+                            ("late.yaml", {"aux_layers_convention": "layer_output"})])
 
 
 def test_a_list_without_its_convention_is_never_read_one_way_or_the_other() -> None:

@@ -89,15 +89,31 @@ def _unsaid(ids: list[int], where: str = "", note: str = "") -> ConfigError:
 
 
 def check_conventions_said(layers: Iterable[tuple[str, Any]]) -> None:
-    """Each config layer (a `--configfile` file or `--config`: name, mapping) that gives an `aux_layers` list says
-    its convention itself: one inherited from another file (config/kimi.yaml says hidden_states for its own list)
-    would silently reinterpret a list written before the convention was recorded."""
+    """Each config layer (a `--configfile` file or `--config`: name, mapping, in the order they apply) that gives an
+    `aux_layers` list says its convention itself, and no later layer changes it: one inherited from another file
+    (config/kimi.yaml says hidden_states for its own list) would silently reinterpret a list written before the
+    convention was recorded, and one set after a file's list would silently move that list's layers."""
+    listed: tuple[str, list[int], str] | None = None  # the list in effect: its layer's name, ids, convention
     for name, layer in layers:
-        if isinstance(layer, Mapping) and isinstance(layer.get("aux_layers"), list) \
-                and layer.get("aux_layers_convention") not in CONVENTIONS:
-            ids = [i for i in layer["aux_layers"] if isinstance(i, int)]
-            raise _unsaid(ids, f" in {name}", f"; in {name} itself: a convention set by another file is not taken for "
-                                              "this file's list")
+        if not isinstance(layer, Mapping):
+            continue
+        if "aux_layers" in layer:
+            listed = None
+            ids = layer["aux_layers"]
+            # a list of anything but ids (`--config aux_layers=[1,2]` gives strings) is the schema check's to refuse
+            if isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                if layer.get("aux_layers_convention") not in CONVENTIONS:
+                    raise _unsaid(ids, f" in {name}", f"; in {name} itself: a convention set by another file is not "
+                                                      "taken for this file's list")
+                listed = (name, ids, layer["aux_layers_convention"])
+        elif listed and layer.get("aux_layers_convention") in CONVENTIONS \
+                and layer["aux_layers_convention"] != listed[2]:
+            where, ids, said = listed
+            raise ConfigError(
+                f"aux_layers_convention: {layer['aux_layers_convention']} in {name} would change what aux_layers "
+                f"{ids} in {where} means, said there as {said} ({describe(to_hidden_states(ids, said))}): a "
+                f"convention applies to the list of its own file; give the list and its convention together in "
+                f"{name}, or remove aux_layers_convention from it")
 
 
 def resolve_aux_layers(config: Mapping[str, Any], num_layers: int) -> list[int]:

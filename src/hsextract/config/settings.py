@@ -333,6 +333,10 @@ def _message(where: str, error: Any) -> str:
             message = message.replace(quoted, "the value (not shown: it could hold a key)")
         elif isinstance(error.instance, str) and len(quoted) > 80:  # a 5,000-character run_name: its length
             message = message.replace(quoted, f"{quoted[:40]}... ({len(error.instance)} characters)")
+        if error.validator == "type" and where.endswith("]") and isinstance(error.instance, str) \
+                and error.instance.strip().lstrip("-").isdigit():
+            message += ("; a list given with --config reaches the workflow as text (Snakemake reads its items as "
+                        "strings): put the list in a --configfile")
         return f"{where or 'config'}: {message}"
     allowed = list(error.schema.get("properties", {}))
     unknown = [str(k) for k in error.instance if k not in allowed]
