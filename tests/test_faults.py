@@ -401,6 +401,30 @@ def test_run_name_cannot_leave_the_results_folder(run_name: str) -> None:
         validate(config, str(SCHEMA))
 
 
+def test_a_run_name_snakemake_takes_for_a_recursion_is_a_config_error() -> None:
+    """A name ending in one piece repeated 20 times passes the schema; Snakemake then stopped with its raw
+    PeriodicWildcardError. The check refuses exactly the names Snakemake's own detector flags."""
+    from snakemake.io import PeriodicityDetector
+
+    from hsextract.config.checks import check
+    from hsextract.errors import ConfigError
+
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    for name in ("r" + "x" * 99, "run-" + "ab" * 20, "run-" + "ab" * 19, "tiny-default", "a" * 20, "a" * 19):
+        flagged = PeriodicityDetector().is_periodic(name) is not None
+        assert flagged == (name in ("r" + "x" * 99, "run-" + "ab" * 20, "a" * 20)), name
+        try:
+            check({**config, "run_name": name})
+        except ConfigError as e:
+            assert flagged and str(e).startswith(f"run_name: {name[:40]}"), (name, str(e))
+        else:
+            assert not flagged, name
+    with pytest.raises(ConfigError) as e:
+        check({**config, "run_name": "r" + "x" * 99})
+    assert str(e.value) == ("run_name: rxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx... ends in 'x' repeated 99 times, "
+                            "which Snakemake refuses in a path's wildcard (20 or more); choose another name")
+
+
 # ---- 7. security ----------------------------------------------------------------------------------
 def test_server_binds_loopback_unless_configured() -> None:
     from hsextract.errors import ConfigError

@@ -13,7 +13,7 @@ from conftest import make_sample, shard_metadata
 
 from hsextract.dataset import open_dataset
 from hsextract.errors import ShardError
-from hsextract.layers import drafter_config, sglang_eagle3_ids
+from hsextract.layers import describe, drafter_config, sglang_eagle3_ids
 from hsextract.shard import ShardReader, ShardWriter
 from hsextract.shard.inspect import format_info, shard_info
 
@@ -137,3 +137,11 @@ def test_old_and_new_shards_mix_only_when_they_hold_the_same_layers(tmp_path: Pa
         f"{shifted}/chunk-00001.hss: holds hidden_states[1, 5, 7] = outputs of decoder layers 0, 4, 6 but "
         f"{shifted}/chunk-00000.hss holds hidden_states[2, 6, 8] = outputs of decoder layers 1, 5, 7; shards of one "
         "dataset must come from the same model and capture settings")
+
+
+def test_describe_says_both_conventions_and_the_embeddings_in_words() -> None:
+    assert describe([2, 30, 58]) == "hidden_states[2, 30, 58] = outputs of decoder layers 1, 29, 57"
+    # id 0 is no layer's output ("outputs of decoder layers embeddings, 4, 6" before)
+    assert describe([0, 5, 7]) == "hidden_states[0, 5, 7] = the embeddings, outputs of decoder layers 4, 6"
+    assert describe([0]) == "hidden_states[0] = the embeddings"
+    assert describe([]) == "hidden_states[] = no layer"

@@ -54,9 +54,11 @@ def to_layer_output(hs_ids: Sequence[int]) -> list[int]:
 
 
 def describe(hs_ids: Sequence[int]) -> str:
-    """'hidden_states[2, 30, 58] = outputs of decoder layers 1, 29, 57' (0 is the embeddings)."""
-    outs = ["embeddings" if i == 0 else str(i - 1) for i in hs_ids]
-    return f"hidden_states{list(hs_ids)} = outputs of decoder layers {', '.join(outs)}"
+    """'hidden_states[2, 30, 58] = outputs of decoder layers 1, 29, 57' ('hidden_states[0, 5] = the embeddings,
+    outputs of decoder layers 4')."""
+    parts = (["the embeddings"] if 0 in hs_ids else []) + \
+        ([f"outputs of decoder layers {', '.join(str(i - 1) for i in hs_ids if i != 0)}"] if any(hs_ids) else [])
+    return f"hidden_states{list(hs_ids)} = {', '.join(parts) or 'no layer'}"
 
 
 def shard_convention(meta: Mapping[str, Any]) -> str:

@@ -8,6 +8,7 @@ comparable with what the run will write. Every failure is a ConfigError that nam
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,20 @@ class Plan:
     model: ModelShape
     reference: ReferenceLayout
     aux_layers: list[int]  # resolved from `capture` and `aux_layers` (hsextract.capture); also in settings
+
+
+# Snakemake refuses a wildcard value that ends in one piece repeated 20 times or more (PeriodicWildcardError, its
+# guard against endless recursion; snakemake.io.PeriodicityDetector): run_name is the {run} wildcard of every rule
+_PERIODIC_END = re.compile(r"((?P<piece>.+?)(?P=piece){19,99})$")
+
+
+def check_run_name(s: Settings) -> None:
+    name = s.extract.run_name
+    if m := _PERIODIC_END.search(name):
+        piece, times = m.group("piece"), len(m.group(1)) // len(m.group("piece"))
+        raise ConfigError(f"run_name: {name[:40]}{'...' if len(name) > 40 else ''} ends in {piece!r} repeated "
+                          f"{times} times, which Snakemake refuses in a path's wildcard (20 or more); choose another "
+                          f"name")
 
 
 def check_tiny_model_path(s: Settings) -> None:
@@ -232,6 +247,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     check_bounded(config)
     s = from_config(config)  # first the schema (and no secret in the config: hsextract.config.redaction)
     check_remote(s.config)
+    check_run_name(s)
     check_tiny_model_path(s)
     check_engine(s)
     shape = model_shape(s.config)
