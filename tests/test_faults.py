@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from fractions import Fraction
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -761,3 +761,20 @@ def test_disk_full_in_an_extract_job(disk_full_started: Future[DiskFull]) -> Non
     assert kept == {i: (shard_file(wd, i).stat().st_mtime_ns,
                         hashlib.sha256(shard_file(wd, i).read_bytes()).hexdigest())
                     for i in (0, 1)}
+
+
+@pytest.mark.parametrize("change", [
+    {"sglang": {"servers": [{"url": "http://u:KEY-0123456789@h:1"}]}},  # a URL's credentials, in a mapping
+    {"sglang": {"server_url": ["http://u:KEY-0123456789@h:1"]}},
+    {"sglang": {"launch_args": "--api-key KEY-0123456789"}},
+    {"sglang": {"api_key_file": ["KEY-0123456789"]}},
+    {"regenerate": {"server_url": {"url": "http://u:KEY-0123456789@h"}}},
+])
+def test_a_schema_error_on_a_key_that_could_hold_a_secret_does_not_quote_it(change: dict[str, Any]) -> None:
+    from hsextract.config.settings import fill_defaults
+    from hsextract.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        fill_defaults(change)
+    section, (key, _) = next(iter(change.items())), next(iter(next(iter(change.values())).items()))
+    assert str(e.value).startswith(f"{section[0]}.{key}") and "KEY-0123456789" not in str(e.value), str(e.value)

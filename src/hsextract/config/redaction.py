@@ -30,7 +30,7 @@ SECRET_FLAGS: tuple[str, ...] = ("--api-key", "--admin-api-key", "--ssl-keyfile-
 # SGLang flags that begin another flag's name but are their own (an exact name wins in argparse)
 OWN_FLAGS = frozenset({"--ssl-keyfile"})
 # config keys whose values a schema error does not quote: a key mistakenly put there would be shown
-UNQUOTED_KEYS: tuple[str, ...] = ("sglang.launch_args", "sglang.api_key_file", "sglang.server_url",
+UNQUOTED_KEYS: tuple[str, ...] = ("sglang.launch_args", "sglang.api_key_file", "sglang.server_url", "sglang.servers",
                                    "regenerate.api_key_file", "regenerate.server_url")
 _ABSENT = object()
 
