@@ -93,6 +93,16 @@ def test_a_rendering_flag_or_a_quoted_boolean_is_refused():
                                 f"non-empty string for true ({value!r} included); write {value.strip().lower()} "
                                 "without quotes")
     check_kwargs(kimi, {"thinking": False})
+    # Kimi's `thinking is false` passes false alone: 0 left the data thinking-on
+    for value in (0, 1, 0.0):
+        with pytest.raises(ConfigError) as e:
+            check_kwargs(kimi, {"thinking": value})
+        assert str(e.value) == (f"chat_template_kwargs.thinking: {value!r} is a number, and the template tests "
+                                "`thinking is false` or `thinking is true`, which only false or true pass "
+                                f"({value!r} passes neither); write true or false")
+    # a template that takes the number as a number (`if x`, `x > 0`) keeps it
+    check_kwargs("{% if budget > 0 %}{{ budget }}{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}",
+                 {"budget": 0})
 
 
 def test_a_template_that_includes_others_is_checked_by_rendering_with_and_without_the_key():

@@ -42,6 +42,7 @@ class TemplateVariables:
     assigned: frozenset[str]
     complete: bool
     defaulted: frozenset[str] = frozenset()  # names it sets only where the caller did not: the caller's to set
+    identity_tested: frozenset[str] = frozenset()  # names it tests with `is true` / `is false` (bools alone pass)
 
     @property
     def kwargs(self) -> tuple[str, ...]:
@@ -73,8 +74,10 @@ def template_variables(template: str) -> TemplateVariables:
     names = frozenset(meta.find_undeclared_variables(tree))
     assigned = frozenset(n.name for n in tree.find_all(nodes.Name) if n.ctx in ("store", "param")) | frozenset(
         m.name for m in tree.find_all(nodes.Macro))
+    tested = frozenset(t.node.name for t in tree.find_all(nodes.Test)
+                       if t.name in ("true", "false") and isinstance(t.node, nodes.Name))
     return TemplateVariables(names, assigned, not any(True for _ in meta.find_referenced_templates(tree)),
-                             _defaulted(tree))
+                             _defaulted(tree), tested)
 
 
 def _defaulted(tree: nodes.Template) -> frozenset[str]:
@@ -116,6 +119,9 @@ def check_kwargs(template: str, kwargs: Mapping[str, Any],
         if isinstance(v, str) and v.strip().lower() in ("true", "false"):
             raise ConfigError(f"{KEY}.{k}: {v!r} is a string, and a template takes every non-empty string for true "
                               f"({v!r} included); write {v.strip().lower()} without quotes")
+        if k in found.identity_tested and isinstance(v, (int, float)) and not isinstance(v, bool):
+            raise ConfigError(f"{KEY}.{k}: {v!r} is a number, and the template tests `{k} is false` or `{k} is true`, "
+                              f"which only false or true pass ({v!r} passes neither); write true or false")
     unread = [k for k in kwargs if k not in found.names]
     if not found.complete:
         if renders is None:
