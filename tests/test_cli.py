@@ -127,6 +127,24 @@ def test_console_entry_runs_as_module(shard):
     assert r.returncode == 0 and json.loads(r.stdout)["num_samples"] == 3
 
 
+def test_a_closed_pipe_ends_the_command_quietly(shard):
+    """`hsextract inspect --samples ... | head -1`: the reader closed the pipe; no error about permissions or free
+    space (an OSError's advice), exit 141 as a process SIGPIPE ended. The pipe's read end is closed before the
+    command starts, so its first write fails whatever the timing."""
+    import os
+
+    path, _ = shard
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "hsextract.cli", "inspect", "--samples", str(path)], stdout=write,
+                           stderr=subprocess.PIPE, text=True, check=False,
+                           env={"PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")})
+    finally:
+        os.close(write)
+    assert (r.returncode, r.stderr) == (141, "")
+
+
 def test_masks_explain_marks_trained_spans(tmp_path, capsys):
     from chatfix import make_slow_tokenizer, make_tokenizer
 

@@ -178,6 +178,19 @@ def test_refusals(built: tuple[Path, Path], tmp_path: Path) -> None:
     with pytest.raises(EngineError, match=r"quantized \(language_model\.model\.layers\.1\.mlp\.experts\.0\.gate_proj"
                                           r"\.weight_packed and 0 more\).*Use engine: sglang"):
         load_causal_lm(str(packed), torch.bfloat16, "sdpa")
+    # ... and the config check says it before any job (it said so in every extract job, after prepare had run)
+    from hsextract.config.checks import check
+
+    config = {"model": str(packed), "make_tiny_model": False, "sources": [{"path": str(CONVERSATIONS)}],
+              "reference_sample": str(ROOT / "resources/reference/speculators-v1-data_0.pt"), "trust_remote_code": True}
+    with pytest.raises(ConfigError) as e:
+        check(config)
+    assert str(e.value) == (f"engine: transformers: {packed} (KimiK25ForConditionalGeneration): the text model's "
+                            "weights are quantized (language_model.model.layers.1.mlp.experts.0.gate_proj.weight_packed"
+                            " and 0 more); the transformers engine reads unquantized checkpoints only. Use engine: "
+                            "sglang")
+    with pytest.raises(ConfigError, match=r"^regenerate\.engine: transformers: "):
+        check({**config, "engine": "sglang", "regenerate": {"enabled": True, "engine": "transformers"}})
 
 
 # ---- the plugin on SGLang's KimiK25ForConditionalGeneration ------------------------------------------------------

@@ -288,10 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a closed pipe fails here, not in the interpreter's flush at exit
+        return rc
     except HsxError as e:
         print(f"hsextract {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `hsextract inspect --samples ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        return 141  # as a process SIGPIPE ended
     except OSError as e:  # the file system's refusal (permissions, a full disk, a path that cannot be made)
         where = f"{e.filename}: " if e.filename else ""
         print(f"hsextract {args.command}: error: {where}{e.strerror or e}; fix that path's permissions or free "

@@ -97,6 +97,17 @@ def check_engine(s: Settings) -> None:
 
         configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)
     regen = s.regenerate
+    engines = {"engine": s.extract.engine, **({"regenerate.engine": regen.engine or s.extract.engine}
+                                               if regen.enabled else {})}
+    loads = next((key for key, engine in engines.items() if engine == "transformers"), None)
+    if loads and not s.make_tiny_model:
+        # the transformers engine loads the model in the extract (or regenerate) jobs: a checkpoint it cannot load is
+        # refused now, not after prepare
+        from hsextract.extract.text_model import find_wrapped_text_model, quantized_refusal
+
+        wrapped = find_wrapped_text_model(s.extract.model)
+        if wrapped is not None and (refusal := quantized_refusal(s.extract.model, wrapped)):
+            raise ConfigError(f"{loads}: transformers: {refusal}")
     if regen.enabled:
         check_regenerate_server(regen.engine or s.extract.engine, regen.server_url)
     if regen.enabled and (regen.engine or s.extract.engine) == "sglang" and regen.api_key_file is not None:

@@ -105,6 +105,17 @@ def load_causal_lm(model: str, dtype: Any, attn_implementation: str | None = Non
     return load_wrapped_text_model(model, wrapped, dtype, attn_implementation)
 
 
+def quantized_refusal(model: str, wrapped: WrappedTextModel) -> str | None:
+    """Why this engine cannot load a wrapper's text model whose weights are packed (Kimi-K2.5's int4 experts), or
+    None: transformers has no kernel for them here (config.checks says so before any job, this at load)."""
+    packed = [n for n in wrapped.weight_names if n.startswith(wrapped.prefix)
+              and n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES]
+    if not packed:
+        return None
+    return (f"{model} ({wrapped.wrapper}): the text model's weights are quantized ({packed[0]} and {len(packed) - 1} "
+            "more); the transformers engine reads unquantized checkpoints only. Use engine: sglang")
+
+
 def load_wrapped_text_model(model: str, wrapped: WrappedTextModel, dtype: Any,
                             attn_implementation: str | None = None) -> Any:
     import transformers
@@ -116,11 +127,8 @@ def load_wrapped_text_model(model: str, wrapped: WrappedTextModel, dtype: Any,
     if cls is None:
         raise EngineError(f"{where}: its text model is a {wrapped.architecture}, which this transformers "
                           f"({transformers.__version__}) has no causal-LM class for")
-    packed = [n for n in wrapped.weight_names if n.startswith(wrapped.prefix)
-              and n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES]
-    if packed:
-        raise EngineError(f"{where}: the text model's weights are quantized ({packed[0]} and {len(packed) - 1} "
-                          "more); the transformers engine reads unquantized checkpoints only. Use engine: sglang")
+    if refusal := quantized_refusal(model, wrapped):
+        raise EngineError(refusal)
     cfg = {k: v for k, v in wrapped.config.items() if k not in ("model_type", "quantization_config")}
     config = cls.config_class.from_dict(cfg)
     # the weights outside the text model (vision tower, projector) are skipped, not reported as unexpected
@@ -133,4 +141,4 @@ def load_wrapped_text_model(model: str, wrapped: WrappedTextModel, dtype: Any,
 
 
 __all__ = ["WrappedTextModel", "find_wrapped_text_model", "load_causal_lm", "load_wrapped_text_model",
-           "weight_names"]
+           "quantized_refusal", "weight_names"]
