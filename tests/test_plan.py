@@ -329,6 +329,19 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
     assert capsys.readouterr().err.strip() == (
         f"hsextract plan: error: prompts_per_chunk: missing from {base}; the plan needs it")
+    # a preset's layers, from the model's depth: its local config.json, else the ids themselves
+    preset = {k: v for k, v in small.items() if not k.startswith("aux_layers")} | {"capture": "eagle3",
+                                                                                  "prompts_per_chunk": 19}
+    base.write_text(yaml.safe_dump(preset))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 0
+    assert "(hidden size 64, 4 stored tensors, " in capsys.readouterr().out  # eagle3 of 8 layers, and the final
+    base.write_text(yaml.safe_dump(preset | {"model": "moonshotai/Kimi-K2.5"}))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100",
+                 "--hidden-size", "7168"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hsextract plan: error: aux_layers: capture: eagle3 takes its layers from the model's depth, which "
+        "'moonshotai/Kimi-K2.5' does not give here (no local config.json); give aux_layers with its "
+        "aux_layers_convention")
     small.update(prompts_per_chunk=19, chunks_per_job=3)  # a key the schema does not know
     base.write_text(yaml.safe_dump(small))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2

@@ -217,7 +217,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from hsextract.errors import ConfigError
 
     config = _configfile_config(args.configfile)
-    for key in ("model", "aux_layers", "prompts_per_chunk"):
+    for key in ("model", "prompts_per_chunk"):  # aux_layers: a preset's come from the model's depth
         if key not in config:
             raise ConfigError(f"{key}: missing from {' + '.join(args.configfile)}; the plan needs it")
     result = plan(from_config(config), args.records, chunks_per_job=args.chunks_per_job, mean_tokens=args.mean_tokens,

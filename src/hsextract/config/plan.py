@@ -178,6 +178,10 @@ def plan(
     if gpus_per_node is not None and gpus_per_node <= 0:
         raise ConfigError(f"--gpus-per-node: {gpus_per_node} is not allowed; it must be >= 1")
 
+    if settings.extract.aux_layers is None:  # a preset, and no config.json to read the model's depth from
+        raise ConfigError(f"aux_layers: capture: {settings.config['capture']} takes its layers from the model's depth, "
+                          f"which {model!r} does not give here (no local config.json); give aux_layers with its "
+                          "aux_layers_convention")
     n_tensors = len(settings.extract.aux_layers) + 1
     precision = settings.extract.shard.precision
     tokens = round(records * per_record)
