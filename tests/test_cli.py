@@ -297,3 +297,13 @@ def test_inspect_text_shows_the_final_norm_weight_as_its_size_and_hash(tmp_path,
             in capsys.readouterr().out.splitlines())
     assert main(["inspect", "--json", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["metadata"]["final_norm"] == entry
+
+
+def test_a_file_that_is_no_shard_is_not_called_a_damaged_one(tmp_path, capsys):
+    """README.md given to inspect: not "the shard is damaged: delete it" (advice for a shard alone)."""
+    other = tmp_path / "README.md"
+    other.write_text("# notes\n" * 20)
+    assert main(["inspect", str(other)]) == 2
+    assert capsys.readouterr().err == (
+        f"hsextract inspect: error: {other}: not an hsextract shard (bad magic at byte 0); a shard damaged at its "
+        "start reads so too: if this is one of a run's shards, delete it and rerun its chunk\n")

@@ -276,7 +276,9 @@ class ShardReader:
         size = self._identity[2]
         head = self._pread(fmt.HEADER.size, 0)
         if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
-            raise self._corrupt(None, "not an hsextract shard (bad magic at byte 0)")
+            # not a plain "damaged" (whose advice is to delete the file): it may be any other file given by mistake
+            raise ShardError(f"{self.path}: not an hsextract shard (bad magic at byte 0); a shard damaged at its "
+                             "start reads so too: if this is one of a run's shards, delete it and rerun its chunk")
         _, version, reserved, meta_len, meta_crc = fmt.HEADER.unpack(head)
         if version not in fmt.READ_VERSIONS:
             raise ShardError(
