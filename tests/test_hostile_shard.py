@@ -417,6 +417,8 @@ def test_every_byte_of_header_metadata_record_headers_index_and_footer_is_checke
                 r.verify()
             if pos in (8, 9):  # the version: a clear "other version" message, not "damaged"
                 assert type(e.value) is ShardError and "shard format version" in str(e.value)
+            elif pos < 8:  # the magic: perhaps no shard at all, so no advice to delete the file without a condition
+                assert type(e.value) is ShardError and "not an hsextract shard (bad magic" in str(e.value)
             else:
                 assert type(e.value) is CorruptShardError, (pos, e.value)
             refused[type(e.value).__name__] = refused.get(type(e.value).__name__, 0) + 1
