@@ -196,6 +196,19 @@ def test_unreadable_model(cfg: dict, tmp_path: Path, monkeypatch: pytest.MonkeyP
     cfg["model"] = "no/such-model-dir"
     with pytest.raises(ConfigError, match=r"^model: 'no/such-model-dir' is not a readable model directory"):
         check(cfg)
+    # a path is no hub id: said at once (a file named there went through the hub's retries first)
+    (tmp_path / "conversations.jsonl").write_text("{}\n")
+    for model, message in (("conversations.jsonl", "model: 'conversations.jsonl' is a file, not a model directory; "
+                                                   "set `model` to the directory that holds the checkpoint's "
+                                                   "config.json"),
+                           ("./no-such-dir", "model: './no-such-dir': no such directory; set `model` to a local "
+                                             "Hugging Face model directory (config.json, weights, tokenizer) or a "
+                                             "hub id")):
+        monkeypatch.delenv("HF_HUB_OFFLINE")
+        with pytest.raises(ConfigError) as e:
+            check({**cfg, "model": model})
+        assert str(e.value) == message
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def test_tiny_model_must_live_under_resources(cfg: dict) -> None:

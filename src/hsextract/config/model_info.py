@@ -93,6 +93,13 @@ def read_model_shape(model: str) -> ModelShape:
     path = Path(model)
     if path.is_dir():
         return _shape(_read_local(path), str(path / "config.json"))
+    # a path, not a hub id ("org/name"): said at once, not after the hub's retries and its "check your connection"
+    if path.exists():
+        raise ModelInfoError(f"model: {model!r} is a file, not a model directory; set `model` to the directory that "
+                             "holds the checkpoint's config.json")
+    if model.startswith(("/", "./", "../", "~")):
+        raise ModelInfoError(f"model: {model!r}: no such directory; set `model` to a local Hugging Face model "
+                             "directory (config.json, weights, tokenizer) or a hub id")
     return _shape(_read_hub(model), f"hub config of {model}")
 
 
