@@ -330,6 +330,10 @@ def test_truncation_names_the_sample(tmp_path):
                             f"footer; no record is complete, what followed byte {offs[0]} (any further samples, the "
                             "index, the footer) is missing. The shard is damaged: delete it and rerun its chunk "
                             "(snakemake reruns a missing shard).")
+    # cut a few bytes into the index, fewer than a record header holds: still no sample named
+    cut.write_bytes(good[:ShardReader(path)._index_offset + 5])
+    with pytest.raises(CorruptShardError, match=r"records 0\.\.3 are complete, what followed byte \d+ \(any"):
+        ShardReader(cut)
     cut.write_bytes(good[:-3])
     with pytest.raises(CorruptShardError, match=r"records 0\.\.3 are complete, what followed byte \d+ \(any"):
         ShardReader(cut)

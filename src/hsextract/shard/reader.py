@@ -325,7 +325,8 @@ class ShardReader:
                                              f"the record ends at byte {off + fmt.RECORD.size + plen}")
             off += fmt.RECORD.size + plen
             sample += 1
-        if 0 < size - off < fmt.RECORD.size:
+        tail = self._pread(min(size - off, len(fmt.RECORD_MAGIC)), off) if 0 < size - off < fmt.RECORD.size else b""
+        if tail and fmt.RECORD_MAGIC.startswith(tail):  # the start of a record's header, not of the index
             return self._corrupt(sample, f"file truncated at byte {size}: inside the record's header")
         whole = f"records 0..{sample - 1} are complete" if sample else "no record is complete"
         return self._corrupt(
