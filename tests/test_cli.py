@@ -195,17 +195,26 @@ def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys)
     assert out[2:7] == [f"== {conv}:3: 25 tokens, 7 trained", "<bos><start_of_turn>user", "Hello there!<end_of_turn>",
                        "<start_of_turn>model", "⟦How are you today?<end_of_turn>⟧"]
     assert out[-1].endswith(", refused template_error 1") and out[-1].count("refused") == 2
-    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "r1")]) == 0
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "r1")]) == 2  # every one refused
     out = capsys.readouterr().out.splitlines()[1:]
     assert out[2] == (f"== {conv}:3: refused (not_prefix_stable): assistant turn 1: the generation prompt opens a "
                       "reasoning block ('<think>') that the template never renders for an assistant turn, and this "
                       "turn has no reasoning to fill it: give it `reasoning_content`, or its raw text with "
                       "'</think>' in `content` (or regenerate the responses with this model)")
+    # nothing explainable: the refusals shown, and an error (it exited 0)
+    conv.write_text("\n".join([json.dumps({"messages": tool}), "{not json"]) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "gemma")]) == 2
+    out, err = capsys.readouterr()
+    # (without the config's advice, `strict: false`: no option of this command)
+    assert out.splitlines()[2].startswith(f"== refused: {conv}:2: malformed record (bad_json): invalid JSON: ")
+    assert "strict" not in out
+    assert err == (f"hsextract masks: error: {conv}: no conversation of it could be explained (each refusal is shown "
+                   "above, with its reason)\n")
 
 
 def test_masks_explain_takes_a_split_and_speaks_of_its_options(tmp_path, capsys):
     """A DatasetDict of two splits is explained split by split (--split); errors about the file name the CLI's
-    options, not config keys; a file whose every record is refused ends with its counts alone."""
+    options, not config keys; a file whose every record is refused ends with its counts, and exits 2."""
     import datasets
     from chatfix import make_tokenizer
 
@@ -223,7 +232,7 @@ def test_masks_explain_takes_a_split_and_speaks_of_its_options(tmp_path, capsys)
     assert main([*args, str(dd), "--split", "train"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[1] == f"== {dd / 'train'}:record 1: 25 tokens, 7 trained"
-    assert main([*args, str(dd), "--split", "test"]) == 0
+    assert main([*args, str(dd), "--split", "test"]) == 2  # nothing explained: an error after the counts
     assert capsys.readouterr().out.splitlines()[-1] == "== refused template_error 1"
     assert main([*args, str(tmp_path / "none.jsonl")]) == 2
     err = capsys.readouterr().err

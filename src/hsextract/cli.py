@@ -266,6 +266,9 @@ def cmd_masks(args: argparse.Namespace) -> int:
                         train_on_reasoning=not args.no_train_on_reasoning, chat_template_kwargs=kwargs,
                         split_turns=args.split_turns)
     sys.stdout.write(explain(args.explain, masker, color=args.color, split=args.split))
+    if not masker.stats["samples"]:
+        raise ConfigError(f"{args.explain}: no conversation of it could be explained (each refusal is shown above, "
+                          "with its reason)")
     return 0
 
 

@@ -80,8 +80,8 @@ def explain(path: str | Path, masker: ChatMasker, color: bool = False, split: st
         try:
             location, conv = src.read(i)
         except MalformedRecordError as e:  # its message names the record
-            refused[e.reason] += 1
-            lines.append(f"== refused: {e}")
+            refused[e.reason] += 1  # (without its advice, which names config keys)
+            lines.append(f"== refused: {e.location}: malformed record ({e.reason}): {e.detail}")
             continue
         try:
             samples = masker.encode(conv)
