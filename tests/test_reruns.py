@@ -247,3 +247,14 @@ def test_a_preset_and_its_own_list_written_out_are_the_same_params() -> None:
     assert params[0]["aux_layers"] == [2, 5, 7] and params[1] == params[0] and params[2] == params[0]
     shifted = {"capture": "custom", "aux_layers": [2, 5, 7], "aux_layers_convention": "layer_output"}
     assert reruns.params(settings_of({**tiny, **shifted}), "extract")["aux_layers"] == [3, 6, 8]
+
+
+def test_a_source_path_spelled_another_way_is_the_same_param() -> None:
+    """`./data/x.jsonl` and `data//x.jsonl` name `data/x.jsonl`: prepare's params (and the tiny model's corpus) are
+    the same, so rewriting the path reruns nothing; another file is another param."""
+    def prepare(path: str) -> dict[str, Any]:
+        return reruns.params(settings_of({**CONFIG, "sources": [{"path": path}]}), "prepare")
+
+    assert prepare("./data/x.jsonl") == prepare("data//x.jsonl") == prepare("data/x.jsonl")
+    assert prepare("data/x.jsonl")["sources"][0]["path"] == "data/x.jsonl"
+    assert prepare("data/y.jsonl") != prepare("data/x.jsonl")

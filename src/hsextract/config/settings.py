@@ -375,7 +375,8 @@ def from_config(config: Mapping[str, Any]) -> Settings:
         aux = tuple(given)
     prepare = _section(
         PrepareSettings, c,
-        sources=tuple(_section(Source, s) for s in c["sources"]),
+        # `./data/x.jsonl` is `data/x.jsonl`: one spelling in the params, so that rewriting it reruns nothing
+        sources=tuple(_section(Source, {**s, "path": os.path.normpath(s["path"])}) for s in c["sources"]),
         chat_template_kwargs=MappingProxyType(dict(c["chat_template_kwargs"])),
     )
     sg = c["sglang"]
