@@ -127,3 +127,33 @@ def test_data_hash_covers_every_byte_of_the_files_a_source_reads(tmp_path: Path)
     assert data_hash(data_files(Source(str(copy), "auto", 1.0, None, None, "train"))) == before
     arrow.write_bytes(b"\x00" * 99 + b"\x01")  # one byte, deep in the data
     assert data_hash(data_files(split)) != before
+
+
+def test_shards_of_another_model_tokenizer_or_template_are_not_mixed(tmp_path):
+    """open_dataset over a list or a folder (no dataset.json to say they are one run): shards whose model, tokenizer or
+    chat template differ by content are refused, as the manifest refuses them in a run (they were read together,
+    the first shard's hashes reported for all); the same model named by another path is read."""
+    def shard(name: str, **meta) -> Path:
+        path = tmp_path / name
+        with ShardWriter(path, shard_metadata(**{"model_hash": "m0", **meta})) as w:
+            w.add(*make_sample(5), sample_id=name)
+        return path
+
+    base = shard("a.hss")
+    assert len(open_dataset([base, shard("b.hss", model="/abs/test-model")])) == 2  # another path, same content
+    for key, value in (("model_hash", "m1"), ("tokenizer_hash", "t1"), ("chat_template_hash", "h1")):
+        other = shard(f"{key}.hss", **{key: value})
+        with pytest.raises(ShardError) as e:
+            open_dataset([base, other])
+        first = {"model_hash": "m0", "tokenizer_hash": "t0", "chat_template_hash": "h0"}[key]
+        assert str(e.value) == (f"{other}: {key} = {value!r} (model 'test-model') but {base} has {first!r} (model "
+                                "'test-model'); shards of one dataset must come from the same model, tokenizer and "
+                                "chat template")
+    # shards that record no model hash (written before it was): the model's path decides
+    old = tmp_path / "old"
+    old.mkdir()
+    for name, model in (("a.hss", "m"), ("b.hss", "n")):
+        with ShardWriter(old / name, shard_metadata(model=model)) as w:
+            w.add(*make_sample(5), sample_id=name)
+    with pytest.raises(ShardError, match=r"b\.hss: model = 'n' \(model 'n'\) but .*a\.hss has 'm'"):
+        open_dataset(old)

@@ -30,7 +30,11 @@ from hsextract.shard.inspect import metadata_shown
 # Keys that must agree across shards for their samples to form one training set.
 # (aux layers are compared as hidden_states ids: a shard written before the convention was recorded holds the
 # same layers under other numbers)
-CONSISTENT_KEYS = ("model", "final_state", "final_norm", "hidden_size", "dtype", "num_hidden_tensors")
+CONSISTENT_KEYS = ("final_state", "final_norm", "hidden_size", "dtype", "num_hidden_tensors")
+# ... and what the states and ids were made from: by content where both shards record its hash (other weights or
+# another tokenizer under the same path are another model; the same under another path, as a run elsewhere names
+# it, is not), else by the key beside it (the model's path)
+IDENTITY_KEYS = (("model_hash", "model"), ("tokenizer_hash", None), ("chat_template_hash", None))
 
 
 MANIFEST_NAME = "dataset.json"
@@ -128,6 +132,14 @@ class HiddenStateDataset(Dataset):
                     f"{r.path}: holds {describe(shard_hidden_states(r.metadata))} but {self.readers[0].path} holds "
                     f"{describe(shard_hidden_states(first))}; shards of one dataset must come from the same model "
                     "and capture settings")
+            for k, fallback in IDENTITY_KEYS:
+                if r.metadata.get(k) is None or first.get(k) is None:
+                    k = fallback
+                if k is not None and r.metadata.get(k) != first.get(k):
+                    raise ShardError(
+                        f"{r.path}: {k} = {r.metadata.get(k)!r} (model {r.metadata.get('model')!r}) but "
+                        f"{self.readers[0].path} has {first.get(k)!r} (model {first.get('model')!r}); shards of one "
+                        "dataset must come from the same model, tokenizer and chat template")
             for k in CONSISTENT_KEYS:
                 if r.metadata.get(k) != first.get(k):
                     a, b = metadata_shown(k, r.metadata.get(k)), metadata_shown(k, first.get(k))
