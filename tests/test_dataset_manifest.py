@@ -157,3 +157,17 @@ def test_shards_of_another_model_tokenizer_or_template_are_not_mixed(tmp_path):
             w.add(*make_sample(5), sample_id=name)
     with pytest.raises(ShardError, match=r"b\.hss: model = 'n' \(model 'n'\) but .*a\.hss has 'm'"):
         open_dataset(old)
+
+
+def test_a_sample_index_is_an_integer(run):
+    """numpy's and torch's integers index (a sampler's); "1", 1.5 and True did too, as int() took them."""
+    import numpy as np
+    import torch
+
+    ds = open_dataset(run)
+    assert torch.equal(ds[np.int64(1)]["input_ids"], ds[1]["input_ids"])
+    assert torch.equal(ds[torch.tensor(2)]["input_ids"], ds[-1]["input_ids"])
+    for bad in ("1", 1.5, True, None):
+        with pytest.raises(TypeError) as e:
+            ds[bad]
+        assert str(e.value) == f"sample index must be an integer, not {type(bad).__name__} {bad!r}"

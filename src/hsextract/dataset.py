@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import operator
 import os
 import sys
 import threading
@@ -193,7 +194,10 @@ class HiddenStateDataset(Dataset):
                records: Callable[[int, int], bytes] | None = None) -> dict[str, Any]:
         """Sample i (as `ds[i]`); `shared_memory`: see ShardReader.sample; `records(shard, j)`: where record j of
         that shard comes from when sample i takes rows from it (a stream's cache; by default the file)."""
-        k, j = self.locate_shard(int(i))
+        # an integer (numpy's, a 0-d integer tensor too), not whatever int() takes: ds["3"], ds[1.5], ds[True]
+        if isinstance(i, bool) or not hasattr(type(i), "__index__"):
+            raise TypeError(f"sample index must be an integer, not {type(i).__name__} {i!r}")
+        k, j = self.locate_shard(operator.index(i))
         fetch = None if records is None else partial(records, k)
         return self.readers[k].sample(j, shared_memory=shared_memory, records=fetch)
 
