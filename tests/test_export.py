@@ -121,9 +121,9 @@ def test_specforge_keys_shapes_values(run_dir, tmp_path):
     with pytest.warns(FinalNormWarning):
         export(run_dir, out, "specforge")
     ds = open_dataset(run_dir)
-    assert sorted(p.name for p in out.iterdir()) == ["layers.json", "rows_0-5"]  # SpecForge reads rows_*/*.ckpt
+    assert sorted(p.name for p in out.iterdir()) == ["layers.json", "rows_0-2000"]  # SpecForge reads rows_*/*.ckpt
     for i in range(5):
-        d = torch.load(out / "rows_0-5" / f"data_{i}.ckpt", weights_only=True)
+        d = torch.load(out / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
         ours = ds[i]
         seq = 4 + 3 * i
         assert list(d) == ["input_ids", "loss_mask", "hidden_state", "aux_hidden_state"]
@@ -136,10 +136,10 @@ def test_specforge_keys_shapes_values(run_dir, tmp_path):
 
 
 def test_specforge_group_folders():
-    assert group_dir(0, 5) == "rows_0-5"
-    assert group_dir(1999, 4500) == "rows_0-2000"
-    assert group_dir(2000, 4500) == "rows_2000-4000"
-    assert group_dir(4499, 4500) == "rows_4000-4500"
+    """SpecForge's names: rows_{g}-{g + 2000}, the last folder's too (it wrote rows_4000-4500 for 4,500 samples)."""
+    assert group_dir(0) == group_dir(1999) == "rows_0-2000"
+    assert group_dir(2000) == "rows_2000-4000"
+    assert group_dir(4499) == "rows_4000-6000"
 
 
 def test_speculators_safetensors_values(run_dir, tmp_path):
@@ -233,13 +233,13 @@ def test_force_refuses_foreign_files_inside_an_exports_folders(run_dir, tmp_path
     (out / "data").mkdir(parents=True)
     (out / "data" / "data_0.pt").write_bytes(b"old")
     (out / "data" / "thesis.tex").write_text("mine")
-    (out / "rows_0-5").write_text("a file where an export writes a folder")
+    (out / "rows_0-2000").write_text("a file where an export writes a folder")
     with pytest.raises(ConfigError) as e:
         export(run_dir, out, "specforge", force=True)
-    assert str(e.value) == (f"{out}: holds data/thesis.tex, rows_0-5, which no export writes; --force replaces an "
+    assert str(e.value) == (f"{out}: holds data/thesis.tex, rows_0-2000, which no export writes; --force replaces an "
                             "earlier export whole, so move those out first or export into another folder")
     assert tree(out) == {"data": None, "data/data_0.pt": b"old", "data/thesis.tex": b"mine",
-                         "rows_0-5": b"a file where an export writes a folder"}
+                         "rows_0-2000": b"a file where an export writes a folder"}
 
 
 @pytest.mark.parametrize("where", ["the run", "above the run", "the shards"])
@@ -346,7 +346,7 @@ def test_five_aux_layer_capture_round_trips_and_exports(tmp_path):
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(raw["hidden_states"], samples[2][1], strict=True))
     with pytest.warns(FinalNormWarning):  # pre_norm without a recorded norm: exported as is, loudly
         export(tmp_path / "run", tmp_path / "sf", "specforge")
-    d = torch.load(tmp_path / "sf" / "rows_0-3" / "data_1.ckpt", weights_only=True)
+    d = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_1.ckpt", weights_only=True)
     assert d["aux_hidden_state"].shape == (1, 6, 5 * 16)
     assert torch.equal(bits(d["aux_hidden_state"][0]), bits(torch.cat(samples[1][1][:5], dim=-1)))
     assert torch.equal(bits(d["hidden_state"][0]), bits(samples[1][1][5]))
