@@ -69,7 +69,7 @@ def test_export_command(shard, tmp_path, capsys):
         "drafter config eagle_aux_hidden_state_layer_ids: vLLM [1, 2, 3], SGLang 0.5.16 (the target's architecture is "
         f"not recorded: its class decides SGLang's rule) (all in {out}/layers.json)\n")
     assert captured.err == ""  # post_norm data to SpecForge: nothing to warn about
-    d = torch.load(out / "rows_0-3" / "data_2.ckpt", weights_only=True)
+    d = torch.load(out / "rows_0-2000" / "data_2.ckpt", weights_only=True)
     assert torch.equal(d["input_ids"], samples[2][0])
     assert main(["export", "--format", "speculators-v1", str(path.parent), str(out)]) == 2
     err = capsys.readouterr().err

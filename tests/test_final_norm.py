@@ -167,7 +167,7 @@ def test_pre_norm_exported_to_specforge_equals_post_norm_capture(tmp_path: Path,
     assert summary["warning"] is None and summary["final_norm_applied"] is True
     assert capsys.readouterr().err == ""
     for i, post in enumerate(captures["post_norm"]):
-        got = torch.load(tmp_path / "sf" / "rows_0-12" / f"data_{i}.ckpt", weights_only=True)
+        got = torch.load(tmp_path / "sf" / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
         assert torch.equal(got["hidden_state"][0], post[-1])  # bitwise: see the module docstring
         assert torch.equal(got["aux_hidden_state"][0], torch.cat(post[:-1], dim=-1))
     # the same pre_norm data to speculators: as captured, and no final-norm warning
@@ -185,7 +185,7 @@ def test_pre_norm_without_recorded_norm_still_warns(tmp_path: Path, captures: di
         summary = export(run, tmp_path / "sf", "specforge")
     assert summary["final_norm_applied"] is False
     assert "expects final_state=post_norm" in capsys.readouterr().err
-    got = torch.load(tmp_path / "sf" / "rows_0-2" / "data_0.ckpt", weights_only=True)
+    got = torch.load(tmp_path / "sf" / "rows_0-2000" / "data_0.ckpt", weights_only=True)
     assert torch.equal(got["hidden_state"][0], captures["pre_norm"][0][-1])
 
 
