@@ -42,6 +42,7 @@ import torch
 
 from hsextract.capture import PRESETS, preset_layers
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
+from hsextract.export.specforge import group_dir
 from hsextract.extract.fidelity import (
     FLIP,
     FLIP_BOUND,
@@ -197,8 +198,7 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
         res["specforge_final_norm_applied"] = summary["final_norm_applied"]
         worst = 0.0
         for i, c in enumerate(got):
-            d = torch.load(out / f"{a.name}-specforge" / f"rows_0-{len(got)}" / f"data_{i}.ckpt",
-                           weights_only=True)
+            d = torch.load(out / f"{a.name}-specforge" / group_dir(i) / f"data_{i}.ckpt", weights_only=True)
             worst = max(worst, rel(d["hidden_state"][0], c.hidden_states[-1]))
         res["specforge_vs_post_norm_max_rel"] = worst
         shutil.rmtree(out / f"{a.name}-specforge")
