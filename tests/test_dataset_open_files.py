@@ -207,6 +207,21 @@ def test_a_shard_replaced_after_opening_is_refused(tmp_path, monkeypatch, how):
     assert type(ShardReader(a)[0]) is dict  # opened again: read as it is now
 
 
+def test_a_shard_deleted_after_opening_is_a_shard_error(tmp_path):
+    """Reopened (a worker, a read after close) once the file is gone: a ShardError saying so (it was a bare
+    FileNotFoundError); a reader opened then: no such shard file."""
+    a, _ = write_shards(tmp_path, 2)
+    r = ShardReader(a)
+    r.close()
+    a.unlink()
+    with pytest.raises(ShardError) as e:
+        r[0]
+    assert str(e.value) == (f"{a}: deleted since it was opened (a DataLoader worker, or a read after the file was "
+                            "closed, opens it again); rerun its chunk, and open the dataset again")
+    with pytest.raises(ShardError, match=f"^{a}: no such shard file"):
+        ShardReader(a)
+
+
 def test_a_shard_replaced_while_the_cache_had_closed_it_is_refused_not_called_damaged(tmp_path, monkeypatch):
     """With another shard's bytes at its path, the old code read them and called the shard damaged (checksum
     mismatch: "delete it and rerun its chunk"); the file is not damaged, the dataset must be opened again."""

@@ -180,7 +180,13 @@ class ShardReader:
         """The file opened, refused unless it is the regular file the index was read from (the first open: the one
         it is read from)."""
         # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            if self._identity is None:
+                raise
+            raise ShardError(f"{self.path}: deleted since it was opened (a DataLoader worker, or a read after the "
+                             "file was closed, opens it again); rerun its chunk, and open the dataset again") from None
         st = os.fstat(fd)
         identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         if not stat.S_ISREG(st.st_mode):
