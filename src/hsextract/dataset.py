@@ -133,9 +133,9 @@ class HiddenStateDataset(Dataset):
                     f"{r.path}: holds {describe(shard_hidden_states(r.metadata))} but {self.readers[0].path} holds "
                     f"{describe(shard_hidden_states(first))}; shards of one dataset must come from the same model "
                     "and capture settings")
-            for k, fallback in IDENTITY_KEYS:
-                if r.metadata.get(k) is None or first.get(k) is None:
-                    k = fallback
+            for hashed, fallback in IDENTITY_KEYS:
+                both = r.metadata.get(hashed) is not None and first.get(hashed) is not None
+                k = hashed if both else fallback
                 if k is not None and r.metadata.get(k) != first.get(k):
                     raise ShardError(
                         f"{r.path}: {k} = {r.metadata.get(k)!r} (model {r.metadata.get('model')!r}) but "

@@ -19,6 +19,7 @@ from hsextract.config import chunks
 from hsextract.config.guard import check_bounded, check_remote, check_source_path
 from hsextract.config.model_info import ModelShape, model_shape
 from hsextract.config.reference import ReferenceLayout, read_layout
+from hsextract.config.reruns import regenerate_engine
 from hsextract.config.settings import Settings, from_config
 from hsextract.errors import ConfigError
 from hsextract.layers import HIDDEN_STATES, LAYER_OUTPUT
@@ -97,9 +98,9 @@ def check_engine(s: Settings) -> None:
 
         configured_key(s.extract)  # the key file: there, ours, 0600, one key (the jobs read it again)
     regen = s.regenerate
-    engines = {"engine": s.extract.engine, **({"regenerate.engine": regen.engine or s.extract.engine}
-                                               if regen.enabled else {})}
-    loads = next((key for key, engine in engines.items() if engine == "transformers"), None)
+    regen_engine = regenerate_engine(s) if regen.enabled else None
+    loads = "engine" if s.extract.engine == "transformers" else \
+        "regenerate.engine" if regen_engine == "transformers" else None
     if loads and not s.make_tiny_model:
         # the transformers engine loads the model in the extract (or regenerate) jobs: a checkpoint it cannot load is
         # refused now, not after prepare
@@ -108,9 +109,9 @@ def check_engine(s: Settings) -> None:
         wrapped = find_wrapped_text_model(s.extract.model)
         if wrapped is not None and (refusal := quantized_refusal(s.extract.model, wrapped)):
             raise ConfigError(f"{loads}: transformers: {refusal}")
-    if regen.enabled:
-        check_regenerate_server(regen.engine or s.extract.engine, regen.server_url)
-    if regen.enabled and (regen.engine or s.extract.engine) == "sglang" and regen.api_key_file is not None:
+    if regen_engine:
+        check_regenerate_server(regen_engine, regen.server_url)
+    if regen_engine == "sglang" and regen.api_key_file is not None:
         from hsextract.sglang.keyfile import read_key_file
 
         read_key_file(regen.api_key_file, "regenerate.api_key_file")
