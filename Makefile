@@ -31,8 +31,9 @@ $(BIN)/.installed: pyproject.toml requirements/cpu.lock requirements/test-extra-
 run: $(BIN)/.installed
 	$(BIN)/snakemake --cores $(CORES)
 
+# one worker per core, a test module to a worker (its module-scoped runs and background threads stay together)
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

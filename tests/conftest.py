@@ -17,12 +17,22 @@ def listen_port(block: int) -> int:
     in that range), and per process, so that two runs of the suite on one machine differ. Blocks of 1000:
     0 and 1 the benches' dry runs, 2 the fake SGLang servers of test_sglang_client (the servers set
     SO_REUSEADDR, so one test's port is free again for the next), 3 those of test_server_door, 4 the server
-    a workflow of test_workflow_sglang starts, 5 the two replicas another one starts."""
+    a workflow of test_workflow_sglang starts, 5 the two replicas another one starts. Under pytest-xdist each
+    worker takes its own residue of the block's 500 slots, so that two workers of one run never share a port."""
     ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
     low = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
-    port = 20000 + 1000 * block + 2 * (os.getpid() % 500)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    port = 20000 + 1000 * block + 2 * (os.getpid() % (500 // workers) * workers + worker)
     assert port + 1 < low, f"port {port} is inside the ephemeral range from {low}"
     return port
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Modules with a slow test first (a stable sort: each module's tests stay together and in order), so that
+    `make test`'s workers (one module each, --dist loadfile) start the long ones early and finish together."""
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
 
 
 def shard_metadata(**over):
