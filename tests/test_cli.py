@@ -87,6 +87,15 @@ def test_errors_exit_2_with_a_message(shard, tmp_path, capsys):
     path, _ = shard
     assert main(["validate", "--reference", str(tmp_path / "nope.pt"), str(path)]) == 2
     assert f"hsextract validate: error: --reference: {tmp_path / 'nope.pt'}: no such file" in capsys.readouterr().err
+    folder = tmp_path / "speculators"  # a dataset's folder instead of one of its samples: the message names one
+    folder.mkdir()
+    assert main(["validate", "--reference", str(folder), str(path)]) == 2
+    assert capsys.readouterr().err == (f"hsextract validate: error: --reference: {folder} is a directory; point it at "
+                                       "one sample file (.pt, data_N.pt) of a speculators v1 dataset\n")
+    (folder / "data_7.pt").write_bytes(b"")
+    assert main(["validate", "--reference", str(folder), str(path)]) == 2
+    assert capsys.readouterr().err == (f"hsextract validate: error: --reference: {folder} is a directory; point it at "
+                                       f"one sample file in it (for example {folder / 'data_7.pt'})\n")
     assert main(["inspect", str(tmp_path / "missing.hss")]) == 2
     assert "no such shard file" in capsys.readouterr().err
     ref = tmp_path / "ref.pt"

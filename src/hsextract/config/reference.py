@@ -35,6 +35,12 @@ class ReferenceLayout:
 def load(path: str | os.PathLike[str], key: str = "reference_sample") -> dict[str, Any]:
     """The sample dict of a speculators v1 sample file; `key` (config key or CLI option) heads any error."""
     p = Path(path)
+    if p.is_dir():  # a speculators dataset's folder: name one of its samples (any one: the layout is the same)
+        one = next(iter(p.glob("data_*.pt")), None)
+        raise ReferenceSampleError(
+            f"{key}: {path} is a directory; point it at one sample file "
+            + (f"in it (for example {one})" if one else "(.pt, data_N.pt) of a speculators v1 dataset")
+        )
     if not p.is_file():
         raise ReferenceSampleError(
             f"{key}: {path}: no such file; point it at one sample (.pt, data_N.pt) of a speculators v1 dataset"
