@@ -58,19 +58,23 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
 
     ok: list[Path] = []
     problems: list[str] = []
+    damaged: list[str] = []  # present but not what was written: Snakemake sees no reason to redo their chunks
     for path, size, sha in listed:
         if not path.is_file():
             problems.append(f"{path}: listed in {manifest} but missing")
         elif path.stat().st_size != size:
             problems.append(f"{path}: {path.stat().st_size} bytes, {manifest} records {size}")
+            damaged.append(str(path))
         elif verify_checksums and sha256_file(path) != sha:
             problems.append(f"{path}: sha256 differs from the one {manifest} records")
+            damaged.append(str(path))
         else:
             ok.append(path)
     if problems:
         what = "; ".join(problems)
         if not allow_missing:
-            raise ShardError(f"{what}. Rerun the workflow (`snakemake --cores N`): only these chunks are "
+            delete = f"Delete {' '.join(damaged)}, then rerun" if damaged else "Rerun"
+            raise ShardError(f"{what}. {delete} the workflow (`snakemake --cores N`): only these chunks are "
                              f"extracted again; or, to read the other shards, pass allow_missing=True "
                              f"(hsextract export: --allow-missing)")
         print(f"WARNING: reading {len(ok)} of {len(listed)} shards: {what}", file=sys.stderr)
