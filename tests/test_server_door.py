@@ -591,6 +591,11 @@ def test_a_folder_of_the_wrong_kind_is_named(tmp_path: Path, monkeypatch: pytest
     cfg["sources"] = [cfg["sources"][0], {"path": str(folder), "format": "auto"}]
     with pytest.raises(ConfigError, match=r"^sources\[1\].path: .* is a folder but not"):
         check(cfg)
+    # the embedded default's tiny model trains its tokenizer on the first .jsonl source: the folder is still said
+    # as the source it is, not as "sources has no .jsonl"
+    tiny = {**cfg, "sources": cfg["sources"][1:], "make_tiny_model": True, "model": "resources/tiny-model"}
+    with pytest.raises(ConfigError, match=r"^sources\[0\].path: .* is a folder but not"):
+        check(tiny)
     (folder / "state.json").write_text("{}")
     check_source_path("sources[0].path", folder)
 

@@ -234,11 +234,15 @@ def check_template_kwargs(s: Settings) -> None:
 
 
 
+def check_sources(s: Settings) -> None:
+    """Each source a file or a dataset folder, said before the checks that read them (the tiny model's corpus)."""
+    for i, src in enumerate(s.prepare.sources):
+        check_source_path(f"sources[{i}].path", src.path)
+
+
 def count_records(s: Settings) -> int:
     from hsextract.prepare.conversations import count_records as count
 
-    for i, src in enumerate(s.prepare.sources):
-        check_source_path(f"sources[{i}].path", src.path)
     try:
         n_records = int(count(s.prepare.sources))
     except ConfigError:
@@ -260,6 +264,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     s = from_config(config)  # first the schema (and no secret in the config: hsextract.config.redaction)
     check_remote(s.config)
     check_run_name(s)
+    check_sources(s)
     check_tiny_model_path(s)
     check_engine(s)
     shape = model_shape(s.config)
