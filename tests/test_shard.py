@@ -348,6 +348,27 @@ def test_exception_inside_writer_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_writer_left_open_leaves_no_temp_file(tmp_path):
+    """A writer neither closed nor in a `with` block: dropped (its writer thread holds it, so no __del__ runs) or
+    held by a module when an uncaught error ends the process, its temp file goes at exit; no shard is written."""
+    path = tmp_path / "a.hss"
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from conftest import make_sample, shard_metadata
+        from hsextract.shard import ShardWriter
+        dropped = ShardWriter({str(tmp_path / "b.hss")!r}, shard_metadata())
+        dropped.add(*make_sample(4))
+        del dropped
+        w = ShardWriter({str(path)!r}, shard_metadata())
+        w.add(*make_sample(4))
+        w.add(*make_sample(4)[:2], None)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "loss_mask must be an integer tensor" in p.stderr, p.stderr[-2000:]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_killed_writer_leaves_no_shard_and_next_writer_cleans_up(tmp_path):
     path = tmp_path / "a.hss"
     code = textwrap.dedent(f"""
@@ -383,6 +404,16 @@ def test_bad_input_is_refused_with_the_sample_named(tmp_path):
             w.add(ids, hs[:3], mask)
         with pytest.raises(ShardError, match=r"sample 1: loss_mask must be an integer tensor of shape \(4,\)"):
             w.add(ids, hs, mask[:3])
+        with pytest.raises(ShardError) as e:  # not tensors at all: said as such, not an AttributeError
+            w.add(ids, hs, None)
+        assert str(e.value) == f"{path}: sample 1: loss_mask must be an integer tensor of shape (4,), got a NoneType"
+        with pytest.raises(ShardError) as e:
+            w.add(ids.tolist(), hs, mask)
+        assert str(e.value) == f"{path}: sample 1: input_ids must be a non-empty 1-D integer tensor, got a list"
+        with pytest.raises(ShardError) as e:
+            w.add(ids, [h.float().numpy() if k == 1 else h for k, h in enumerate(hs)], mask)
+        assert str(e.value) == (f"{path}: sample 1: hidden_states must be a list of 4 tensors, got a list of "
+                                "['Tensor', 'ndarray']")
     assert len(ShardReader(path)) == 1
     with pytest.raises(ShardError, match=r"metadata lacks \['tokenizer_hash'\]"):
         meta = shard_metadata()

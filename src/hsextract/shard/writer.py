@@ -13,6 +13,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -171,6 +172,9 @@ class ShardWriter:
         self._sync: Future[None] | None = None
         remove_temps(self.path)  # a killed writer's
         fd, self._tmp = create_temp(self.path)
+        # a writer neither closed nor aborted: its temp goes when it is collected or, as its writer thread holds it
+        # (so it is not collected before), when the process exits; only SIGKILL leaves one (the next writer's)
+        self._drop_temp = weakref.finalize(self, Path.unlink, self._tmp, missing_ok=True)
         self._file = os.fdopen(fd, "wb")  # closed in close() or abort()
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.index_columns(fmt.FORMAT_VERSION)}
         self._ids: list[torch.Tensor] | None = [] if share_prefixes else None  # to check references
@@ -270,14 +274,21 @@ class ShardWriter:
                  prefix_len: int = 0) -> tuple[list[torch.Tensor], int]:
         """The record's tensors, checked, and the sample's parent (-1 for none)."""
         where = f"{self.path}: sample {sample}"
-        if input_ids.dim() != 1 or input_ids.dtype.is_floating_point or input_ids.numel() == 0:
-            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, "
-                             f"got {input_ids.dtype} {tuple(input_ids.shape)}")
+
+        def got(x: object) -> str:
+            return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+        if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype.is_floating_point
+                or input_ids.numel() == 0):
+            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, got {got(input_ids)}")
         seq = input_ids.numel()
-        if loss_mask.shape != (seq,) or loss_mask.dtype.is_floating_point:
-            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), "
-                             f"got {loss_mask.dtype} {tuple(loss_mask.shape)}")
+        if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (seq,) or loss_mask.dtype.is_floating_point:
+            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), got {got(loss_mask)}")
         n = self.metadata["num_hidden_tensors"]
+        if not isinstance(hidden_states, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hidden_states):
+            raise ShardError(f"{where}: hidden_states must be a list of {n} tensors, got {got(hidden_states)}"
+                             + (f" of {sorted({type(h).__name__ for h in hidden_states})}"
+                                if isinstance(hidden_states, (list, tuple)) else ""))
         if len(hidden_states) != n:
             raise ShardError(f"{where}: {len(hidden_states)} hidden-state tensors, expected {n} "
                              f"(aux_layers {self.metadata['aux_layers']} + final)")
@@ -453,6 +464,7 @@ class ShardWriter:
                 os.pwrite(self._file.fileno(), head, 0)
             self._file.flush()
             commit(os.dup(self._file.fileno()), self._tmp, self.path)
+            self._drop_temp.detach()
             self._file.close()
         except OSError as e:
             self.abort()
@@ -487,7 +499,7 @@ class ShardWriter:
         except OSError:
             pass  # close() flushes the buffered tail, which fails again on a full disk; the temp goes anyway
         finally:
-            self._tmp.unlink(missing_ok=True)
+            self._drop_temp()
             self._pending.clear()
             if self._pool:
                 self._pool.shutdown(wait=False, cancel_futures=True)
@@ -500,8 +512,4 @@ class ShardWriter:
             if not self._closed:  # the block may have closed it itself (to time it, or for its summary)
                 self.close()
         else:
-            self.abort()
-
-    def __del__(self) -> None:  # a writer dropped without close() must not leave a temp file
-        if not getattr(self, "_closed", True):
             self.abort()
