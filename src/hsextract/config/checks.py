@@ -233,7 +233,6 @@ def check_template_kwargs(s: Settings) -> None:
         check_kwargs(template, kwargs)
 
 
-
 def check_sources(s: Settings) -> None:
     """Each source a file or a dataset folder, said before the checks that read them (the tiny model's corpus)."""
     for i, src in enumerate(s.prepare.sources):

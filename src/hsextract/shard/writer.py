@@ -115,6 +115,11 @@ class _RecordFrames:
                 self.done.set_exception(e)
 
 
+def _given(x: object) -> str:
+    """What add() was given, for its refusal: a tensor's dtype and shape, else the type."""
+    return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
+
+
 class ShardWriter:
     """Write samples to `path` through a temporary file; the shard appears only when complete.
 
@@ -274,19 +279,15 @@ class ShardWriter:
                  prefix_len: int = 0) -> tuple[list[torch.Tensor], int]:
         """The record's tensors, checked, and the sample's parent (-1 for none)."""
         where = f"{self.path}: sample {sample}"
-
-        def got(x: object) -> str:
-            return f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else f"a {type(x).__name__}"
-
         if (not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 1 or input_ids.dtype.is_floating_point
                 or input_ids.numel() == 0):
-            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, got {got(input_ids)}")
+            raise ShardError(f"{where}: input_ids must be a non-empty 1-D integer tensor, got {_given(input_ids)}")
         seq = input_ids.numel()
         if not isinstance(loss_mask, torch.Tensor) or loss_mask.shape != (seq,) or loss_mask.dtype.is_floating_point:
-            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), got {got(loss_mask)}")
+            raise ShardError(f"{where}: loss_mask must be an integer tensor of shape ({seq},), got {_given(loss_mask)}")
         n = self.metadata["num_hidden_tensors"]
         if not isinstance(hidden_states, (list, tuple)) or not all(isinstance(h, torch.Tensor) for h in hidden_states):
-            raise ShardError(f"{where}: hidden_states must be a list of {n} tensors, got {got(hidden_states)}"
+            raise ShardError(f"{where}: hidden_states must be a list of {n} tensors, got {_given(hidden_states)}"
                              + (f" of {sorted({type(h).__name__ for h in hidden_states})}"
                                 if isinstance(hidden_states, (list, tuple)) else ""))
         if len(hidden_states) != n:
