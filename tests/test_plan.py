@@ -227,6 +227,11 @@ def test_gpu_or_writer_bound(small: dict) -> None:
     assert fast["effective_tokens_per_s_per_node"] == pytest.approx(ceiling_tps)
     assert fast["node_hours"] == pytest.approx(2_000_000 / ceiling_tps / 3600)  # at the writer's rate
     assert "the writer: 34,519 of 100,000 tokens/s per node" in format_plan(fast)
+    # the transformers engine on a CPU: no GPU to be bound by
+    cpu = plan({**small, "engine": "transformers", "transformers": {"device": "cpu"}}, 1000, tokens_per_s=10_000, **kw)
+    assert cpu["bound"] == "CPU" and cpu["gpus_per_node"] is None
+    assert ("bound by                    the engine's CPU (transformers.device: cpu): the capture path keeps up"
+            in format_plan(cpu).splitlines())
     # four local replicas: four extract jobs at once, writing to the node's one disk, by which the ceiling was bound
     small["sglang"]["replicas"] = 4
     four = plan(small, 1000, tokens_per_s=100_000, **kw)

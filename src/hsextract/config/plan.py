@@ -213,7 +213,9 @@ def plan(
     if tokens_per_s is not None:
         effective = tokens_per_s
         if ceiling is not None:
-            bound = "writer" if tokens_per_s * raw_per_token > ceiling else "GPU"
+            # the transformers engine on a CPU computes there: no GPU bounds it
+            on_cpu = settings.extract.engine == "transformers" and settings.extract.transformers.device == "cpu"
+            bound = "writer" if tokens_per_s * raw_per_token > ceiling else ("CPU" if on_cpu else "GPU")
             effective = min(tokens_per_s, ceiling / raw_per_token)
         disk_bps = effective * raw_per_token * ratio
         node_hours = tokens / effective / 3600
@@ -298,6 +300,8 @@ def _bound(p: Mapping[str, Any]) -> str:
         return "- (no writer ceiling measured for this precision)"
     if p["bound"] == "GPU":
         return "the GPUs: the capture path keeps up"
+    if p["bound"] == "CPU":
+        return "the engine's CPU (transformers.device: cpu): the capture path keeps up"
     return (f"the writer: {p['effective_tokens_per_s_per_node']:,.0f} of {p['tokens_per_s_per_node']:,.0f} "
             f"tokens/s per node (hours below at that rate); more shard threads or a faster disk")
 
