@@ -121,6 +121,24 @@ def test_a_file_system_refusal_is_one_line_and_leaves_nothing(shard, tmp_path, c
                             r"are written whole or not at all\)\n", capsys.readouterr().err)
 
 
+def test_ctrl_c_is_one_line_and_leaves_nothing(shard, tmp_path, capsys, monkeypatch):
+    """Ctrl-C in the middle of an export (its first file written): exit 130 as SIGINT, one line, no traceback; no
+    export and no temporary folder left beside the input."""
+    from hsextract import export
+
+    def interrupted(pds, tmp, *args):
+        (tmp / "rows_0-2000").mkdir()
+        (tmp / "rows_0-2000" / "data_0.ckpt").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setitem(export.EXPORTERS, "specforge", interrupted)
+    path, _ = shard
+    assert main(["export", "--format", "specforge", str(path.parent), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == ("\nhsextract export: interrupted; nothing partial was left (outputs are "
+                                       "written whole or not at all)\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
+
+
 def test_parser_is_extensible():
     names = set(build_parser()._subparsers._group_actions[0].choices)
     assert {"validate", "export", "inspect"} <= names and len(SUBCOMMANDS) >= 3

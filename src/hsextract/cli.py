@@ -297,6 +297,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HsxError as e:
         print(f"hsextract {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback; the writers' temporary outputs unwound already
+        print(f"\nhsextract {args.command}: interrupted; nothing partial was left (outputs are written whole or not "
+              "at all)", file=sys.stderr)
+        return 130  # as a process SIGINT ended
     except BrokenPipeError:  # `hsextract inspect --samples ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
         return 141  # as a process SIGPIPE ended
