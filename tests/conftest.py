@@ -51,6 +51,19 @@ SMALL = dict(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_ke
              num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=128)
 
 
+def finish_run(run: Path) -> Path:
+    """`run` made a finished run folder: its dataset.json lists every shard of run/shards (path, size, sha256),
+    what the reader needs of the manifest job's file (a run folder without one is refused as unfinished)."""
+    import json
+
+    from hsextract.provenance import sha256_file
+
+    shards = sorted((run / "shards").glob("*.hss"))
+    entries = [{"path": f"shards/{s.name}", "bytes": s.stat().st_size, "sha256": sha256_file(s)} for s in shards]
+    (run / "dataset.json").write_text(json.dumps({"shards": entries}))
+    return run
+
+
 def tiny_checkpoint(model_type: str, path: Path, num_hidden_layers: int = 2, **config: Any):
     """A random-weight bf16 checkpoint of `model_type` (transformers' own modeling code) saved at `path`, hidden 64,
     its final norm's weight drawn away from ones and zeros (so that the norm formulas differ); returns the model.

@@ -59,7 +59,7 @@ def test_inspect_text(shard, capsys):
 def test_export_command(shard, tmp_path, capsys):
     path, samples = shard
     out = tmp_path / "out"
-    assert main(["export", "--format", "specforge", str(path.parent.parent), str(out)]) == 0
+    assert main(["export", "--format", "specforge", str(path.parent), str(out)]) == 0
     captured = capsys.readouterr()
     assert captured.out == (
         f"exported 3 samples (16 tokens) as specforge to {out}\n"

@@ -177,3 +177,38 @@ def test_a_sample_index_is_an_integer(run):
         with pytest.raises(TypeError) as e:
             ds[bad]
         assert str(e.value) == f"sample index must be an integer, not {type(bad).__name__} {bad!r}"
+
+
+def test_a_run_folder_without_its_dataset_json_is_unfinished_and_refused(run):
+    """No dataset.json (a run still going, or one whose chunk failed under keep-going): the shards present are not
+    a dataset; reading them takes naming the shards folder."""
+    (run / "dataset.json").unlink()
+    (run / "shards" / "chunk-00001.hss").unlink()
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert str(e.value) == (
+        f"{run}: no dataset.json: the run has not finished (its manifest job writes it once every shard is valid), "
+        f"so {run / 'shards'} may lack chunks. Finish the run (`snakemake --cores N`: only the missing chunks are "
+        "extracted), or name that shards folder to read the shards present as they are")
+    assert len(open_dataset(run / "shards")) == 2
+
+
+@pytest.mark.parametrize("recorded", ["prompts_sha256", "run, chunk and ids"])
+def test_a_copy_of_a_shard_beside_it_is_refused(tmp_path, recorded):
+    """`chunk-00001 (copy).hss` in a shards folder: its samples would come twice an epoch. A shard is known by its
+    prompts' sha256, or (written before shards recorded it) by its run, chunk and sample ids."""
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for chunk in range(2):
+        extra = {"prompts_sha256": f"{chunk}" * 64} if recorded == "prompts_sha256" else {}
+        with ShardWriter(folder / f"chunk-{chunk:05d}.hss",
+                         shard_metadata(run_name="r", chunk=chunk, **extra)) as w:
+            w.add(*make_sample(5, seed=chunk), sample_id="conversations:0")  # the same id: another chunk is no copy
+    assert len(open_dataset(folder)) == 2
+    shutil.copyfile(folder / "chunk-00001.hss", folder / "chunk-00001 (copy).hss")
+    with pytest.raises(ShardError) as e:
+        open_dataset(folder)
+    assert str(e.value) == (
+        f"{folder / 'chunk-00001.hss'} and {folder / 'chunk-00001 (copy).hss'} hold the same samples (chunk 1 of run "
+        "'r', made from the same prompts): one is a copy of the other, and a dataset holds each sample once. Move the "
+        "copy out of the shards, or name the shards to read")

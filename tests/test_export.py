@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import make_sample, shard_metadata
+from conftest import finish_run, make_sample, shard_metadata
 
 from hsextract import open_dataset
 from hsextract.errors import ConfigError, CorruptShardError, ShardError
@@ -35,7 +35,7 @@ def run_dir(tmp_path):
             for _ in range(n):
                 w.add(*make_sample(4 + 3 * k, seed=k), sample_id=f"id{k}")
                 k += 1
-    return tmp_path / "run"
+    return finish_run(tmp_path / "run")
 
 
 def expected_freq(ds):
@@ -291,11 +291,12 @@ def test_a_failed_export_leaves_no_output_and_the_earlier_export_as_it_was(run_d
     path = damage_last_sample(run_dir)
     want = (f"{path}: sample 1: checksum mismatch. The shard is damaged: delete it and rerun its chunk (snakemake "
             "reruns a missing shard).")
+    # the shards folder: no dataset.json whose checksums would refuse the damaged shard before the export starts
     with pytest.raises(CorruptShardError) as e:
-        export(run_dir, tmp_path / "fresh", fmt)
+        export(run_dir / "shards", tmp_path / "fresh", fmt)
     assert str(e.value) == want
     with pytest.raises(CorruptShardError) as e:
-        export(run_dir, earlier, fmt, force=True)
+        export(run_dir / "shards", earlier, fmt, force=True)
     assert str(e.value) == want
     assert tree(earlier) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "run"]  # no fresh/, no temporary folder
@@ -331,7 +332,7 @@ def test_five_aux_layer_capture_round_trips_and_exports(tmp_path):
     with ShardWriter(shards / "chunk-00000.hss", shard_metadata(final_state="pre_norm", aux_layers=aux)) as w:
         for i, s in enumerate(samples):
             w.add(*s, sample_id=f"id{i}")
-    ds = open_dataset(tmp_path / "run")
+    ds = open_dataset(finish_run(tmp_path / "run"))
     assert ds.metadata["aux_layers"] == aux and ds.metadata["num_hidden_tensors"] == 6
     for (ids, hs, mask), got in zip(samples, ds, strict=True):
         assert torch.equal(got["input_ids"], ids) and torch.equal(got["loss_mask"], mask)

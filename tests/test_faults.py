@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import yaml
-from conftest import make_sample, selected_tests_use, shard_metadata
+from conftest import finish_run, make_sample, selected_tests_use, shard_metadata
 
 from hsextract.errors import EngineError
 from hsextract.report.validate import failure_line, validate_shard
@@ -529,7 +529,7 @@ def test_reading_shards_never_unpickles(tmp_path: Path, ref16: dict, monkeypatch
     real_load = torch.load
     monkeypatch.setattr(torch, "load",
                         lambda *a, **kw: real_load(*a, **kw) if kw.get("weights_only") is True else refuse())
-    ds = hsextract.open_dataset(tmp_path)
+    ds = hsextract.open_dataset(finish_run(tmp_path))
     assert [tuple(ds[i]["input_ids"].shape) for i in range(len(ds))] == [(7,)] * 3
     assert validate_shard(path, ref16)["passed"]
 
@@ -544,6 +544,7 @@ def test_names_from_data_cannot_escape_the_export_folder(tmp_path: Path) -> None
                      shard_metadata(run_name="../../escaped", model="../../m", vocab_size=1000)) as w:
         for k, sid in enumerate(evil):
             w.add(*make_sample(5, seed=k), sample_id=sid)
+    finish_run(run)
     before = {p for p in tmp_path.rglob("*")}
     for fmt in ("speculators-v1", "specforge", "speculators-safetensors"):
         out = tmp_path / "deep" / "out" / fmt

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_sample, shard_metadata
+from conftest import finish_run, make_sample, shard_metadata
 
 from hsextract.dataset import open_dataset
 from hsextract.errors import ShardError
@@ -66,7 +66,7 @@ def _kimi_run(tmp_path: Path) -> Path:
     with ShardWriter(shards / "chunk-00000.hss", meta) as w:
         for k in range(2):
             w.add(*make_sample(5 + k, seed=k), sample_id=f"id{k}")
-    return tmp_path / "run"
+    return finish_run(tmp_path / "run")
 
 
 @pytest.mark.parametrize("fmt,consumer,ids", [

@@ -6,7 +6,7 @@ import io
 import sys
 
 import pytest
-from conftest import make_sample, shard_metadata
+from conftest import finish_run, make_sample, shard_metadata
 
 from hsextract.cli import main
 from hsextract.progress import ProgressDataset, bar
@@ -56,7 +56,7 @@ def run_dir(tmp_path):
     with ShardWriter(path, shard_metadata(run_name="t", vocab_size=1000)) as w:
         for k in range(3):
             w.add(*make_sample(4 + k, seed=k), sample_id=f"c{k}")
-    return path.parent.parent
+    return finish_run(path.parent.parent)
 
 
 def test_validate_and_export_bars_and_summaries_on_a_terminal(run_dir, tmp_path, monkeypatch, capsys) -> None:

@@ -96,8 +96,8 @@ def _each_once(shards: list[Path], where: str) -> list[Path]:
 
 def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                 verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
-    """A run's results folder (the shards its dataset.json lists; else its shards/), its dataset.json, a folder
-    of shards, one shard, or a list of shards."""
+    """A run's results folder (the shards its dataset.json lists; refused without one), its dataset.json, a
+    folder of shards, one shard, or a list of shards."""
     if isinstance(path, (str, os.PathLike)):
         p = Path(path)
         if p.name == MANIFEST_NAME and p.is_file():  # the run folder's manifest: the run folder
@@ -109,7 +109,12 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         if (p / MANIFEST_NAME).is_file():
             return _each_once(manifest_shards(p, verify_checksums=verify_checksums, allow_missing=allow_missing),
                               str(p / MANIFEST_NAME))
-        folder = p / "shards" if (p / "shards").is_dir() else p
+        if (p / "shards").is_dir():  # a run folder whose manifest is not written: the run is unfinished
+            raise ShardError(
+                f"{p}: no {MANIFEST_NAME}: the run has not finished (its manifest job writes it once every shard is "
+                f"valid), so {p / 'shards'} may lack chunks. Finish the run (`snakemake --cores N`: only the missing "
+                f"chunks are extracted), or name that shards folder to read the shards present as they are")
+        folder = p
         shards = sorted(folder.glob(f"*{SHARD_SUFFIX}"))
         if not shards:
             raise ShardError(f"{folder}: holds no *{SHARD_SUFFIX} shard; has the extract step run?")
@@ -118,6 +123,27 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     if not shards:
         raise ShardError("open_dataset was given an empty list of shards")
     return _each_once(shards, "the list of shards")
+
+
+def _no_copies(readers: Sequence[ShardReader]) -> None:
+    """ShardError where two shards are one chunk's (a copy, a hard link, a shard under another name): an epoch
+    would hold its samples twice. A chunk is known by the prompts file it was made from (its sha256); a shard too
+    old to record it, by its run, chunk and sample ids."""
+    seen: dict[Any, Path] = {}
+    for r in readers:
+        meta = r.metadata
+        if meta.get("prompts_sha256") is not None:
+            key: Any = meta["prompts_sha256"]
+        elif meta.get("chunk") is not None:
+            key = (meta.get("run_name"), meta["chunk"], tuple(r.sample_ids))
+        else:
+            continue
+        if key in seen:
+            raise ShardError(
+                f"{r.path} and {seen[key]} hold the same samples (chunk {meta.get('chunk')} of run "
+                f"{meta.get('run_name')!r}, made from the same prompts): one is a copy of the other, and a dataset "
+                f"holds each sample once. Move the copy out of the shards, or name the shards to read")
+        seen[key] = r.path
 
 
 class HiddenStateDataset(Dataset):
@@ -152,6 +178,7 @@ class HiddenStateDataset(Dataset):
                         f"{r.path}: {k} = {a!r} but {self.readers[0].path} has {b!r}; "
                         "shards of one dataset must come from the same model and capture settings"
                     )
+        _no_copies(self.readers)
         self._starts: list[int] = []
         total = 0
         for r in self.readers:
