@@ -293,6 +293,10 @@ def test_the_replicas_gpus_add_up_before_any_job(tmp_path: Path, monkeypatch: py
         assert str(e.value) == f"sglang.gpus lists {n} devices; 1 replicas x tp 3 use 3: list exactly those"
     with pytest.raises(ConfigError, match=r"^sglang.gpus lists 2 devices; 2 replicas x tp 2 use 4"):
         hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", tp=2, replicas=2, gpus=(0, 1))
+    cfg.update(sglang={"port": 65535, "replicas": 2})  # the ports too (an extract job's OverflowError otherwise)
+    with pytest.raises(ConfigError, match=r"^sglang.port: replica r listens on port \+ r, so 2 replicas from port "
+                                          r"65535 reach 65536"):
+        check(cfg)
 
 
 def test_a_url_with_credentials_is_refused_without_quoting_it() -> None:
@@ -629,3 +633,40 @@ def fake_server_python(where: Path) -> Path:
                    "-m fake_sglang \"$@\"\n")
     exe.chmod(0o755)
     return exe
+
+
+def test_servers_of_more_gpus_or_nodes_and_flag_value_items_are_refused() -> None:
+    """The launcher gives a replica sglang.tp GPUs: pipeline parallelism, data parallelism without DP attention and
+    several nodes need more (refused, each with its message); `--tp 4` as one item is an unknown argument to SGLang."""
+    gpus = ("runs {} x tp GPUs, but each replica is given sglang.tp of them (CUDA_VISIBLE_DEVICES); the capture was "
+            "never run under it: for more servers use sglang.replicas")
+    nodes = ("a server over several nodes is not one the launcher can start: start it yourself with the plugin and "
+             "give its address as sglang.server_url (config/README.md)")
+    for args, what, why in (
+            (["--pp-size", "2"], "--pp-size", gpus.format("pipeline parallelism: pp")),
+            (["--pipeline-parallel-size=2"], "--pipeline-parallel-size", gpus.format("pipeline parallelism: pp")),
+            (["--dp-size", "2"], "--dp-size", gpus.format("data parallelism without --enable-dp-attention: dp")),
+            (["--dp", "2"], "--dp (an abbreviation of --dp-size)",
+             gpus.format("data parallelism without --enable-dp-attention: dp")),
+            (["--nnodes", "2"], "--nnodes", nodes), (["--dist-init-addr", "h:5000"], "--dist-init-addr", nodes)):
+        with pytest.raises(ConfigError) as e:
+            hsrv.check_launch_args(args)
+        assert str(e.value) == f"sglang.launch_args[0]: {what} may not be given; {why}"
+    hsrv.check_launch_args(["--enable-dp-attention", "--dp-size", "2"])  # DP attention: dp within the tp GPUs
+    for item, flag in (("--tp 4", "--tp"), ("--mem-fraction-static 0.85", "--mem-fraction-static"),
+                       ("--api-key  secret", "--api-key")):
+        with pytest.raises(ConfigError) as e:
+            hsrv.check_launch_args(["--log-level", "info", item])
+        assert str(e.value) == (
+            f"sglang.launch_args[2]: {flag} and its value are one item, which SGLang's parser reads as one unknown "
+            f"argument; give them as two items ({flag}, then the value) or as {flag}=<value>")
+    hsrv.check_launch_args(["--served-model-name", "my model"])  # a value with a space is a value
+
+
+def test_replicas_ports_past_the_last_one_are_a_config_error() -> None:
+    want = ("sglang.port: replica r listens on port + r, so 2 replicas from port 65535 reach 65536, past the last "
+            "port (65535); choose sglang.port <= 65534")
+    with pytest.raises(ConfigError) as e:
+        hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", port=65535, replicas=2)
+    assert str(e.value) == want
+    hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", port=65534, replicas=2)

@@ -81,12 +81,13 @@ def tiny_model_corpus(s: Settings) -> str | None:
 
 
 def check_engine(s: Settings) -> None:
-    from hsextract.sglang.server import check_gpus, check_launch_args
+    from hsextract.sglang.server import check_gpus, check_launch_args, check_ports
 
     # with any engine: a key given there would otherwise stay in the config that dataset.json records
     check_launch_args(s.extract.sglang.launch_args)
     if s.extract.engine == "sglang":
         check_gpus(s.extract.sglang.tp, s.extract.sglang.replicas, s.extract.sglang.gpus)
+        check_ports(s.extract.sglang.port, s.extract.sglang.replicas)
         try:
             import hsextract.sglang.client  # noqa: F401 - importable is what is checked
         except ImportError as e:

@@ -109,6 +109,7 @@ class ServerConfig:
         if self.writer_threads < 1:
             raise ConfigError(f"sglang.writer_threads: {self.writer_threads}; must be >= 1")
         check_gpus(self.tp, self.replicas, self.gpus)
+        check_ports(self.port, self.replicas)
         check_launch_args(self.launch_args)
         check_server_env(self.env)
 
@@ -230,6 +231,23 @@ CLOSED_FLAGS: dict[str, str] = {
     "--crash-dump-folder": "SGLang pickles its arguments, the API key among them, and the last requests into "
                            "that folder on a crash or a stop; remove it",
 }
+# Flags that make a server of more GPUs than the replica is given (sglang.tp), or of several nodes
+_GPUS = ("runs {what} x tp GPUs, but each replica is given sglang.tp of them (CUDA_VISIBLE_DEVICES); the capture "
+         "was never run under it: for more servers use sglang.replicas")
+_NODES = ("a server over several nodes is not one the launcher can start: start it yourself with the plugin and "
+          "give its address as sglang.server_url (config/README.md)")
+PARALLEL_FLAGS: dict[str, str] = {
+    "--pp-size": _GPUS.format(what="pipeline parallelism: pp"),
+    "--pipeline-parallel-size": _GPUS.format(what="pipeline parallelism: pp"),
+    # with --enable-dp-attention, dp splits attention within the tp GPUs (allowed: check_launch_args)
+    "--dp-size": _GPUS.format(what="data parallelism without --enable-dp-attention: dp"),
+    "--data-parallel-size": _GPUS.format(what="data parallelism without --enable-dp-attention: dp"),
+    "--nnodes": _NODES,
+    "--node-rank": _NODES,
+    "--dist-init-addr": _NODES,
+    "--nccl-init-addr": _NODES,
+}
+_DP = ("--dp-size", "--data-parallel-size")
 # environment variables that open the same doors (SGLang reads SGLANG_GRPC_PORT as --grpc-port)
 LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
 
@@ -243,16 +261,31 @@ def check_gpus(tp: int, replicas: int, gpus: Sequence[int] | None) -> None:
                           f"{tp * replicas}: list exactly those")
 
 
+def check_ports(port: int, replicas: int) -> None:
+    """ConfigError when the replicas' ports (port + r) run past the last one (also at parse time)."""
+    if port + replicas - 1 > 65535:
+        raise ConfigError(f"sglang.port: replica r listens on port + r, so {replicas} replicas from port {port} "
+                          f"reach {port + replicas - 1}, past the last port (65535); choose sglang.port <= "
+                          f"{65536 - replicas}")
+
+
 def check_launch_args(launch_args: Sequence[str]) -> None:
     """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS or
     CLOSED_FLAGS flag."""
+    dp_attention = any(flag_meant(a, ["--enable-dp-attention"]) for a in launch_args)
+    flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS, **{f: m for f, m in PARALLEL_FLAGS.items()
+                                                  if not (dp_attention and f in _DP)}}
     for i, arg in enumerate(launch_args):  # the value is never shown (it may be a key)
-        flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS}
+        name = arg.split("=", 1)[0]
+        if arg.startswith("-") and len(name.split()) > 1:  # "--tp 4": one argument to SGLang's parser, unknown
+            first = name.split()[0]
+            raise ConfigError(f"sglang.launch_args[{i}]: {first} and its value are one item, which SGLang's parser "
+                              f"reads as one unknown argument; give them as two items ({first}, then the value) "
+                              f"or as {first}=<value>")
         flag = flag_meant(arg, flags)
         if flag is not None:
-            given = arg.split("=", 1)[0]
-            what = (given if flag == given else f"{given} (a spelling of {flag})"
-                    if flag == given.replace("_", "-") else f"{given} (an abbreviation of {flag})")
+            what = (name if flag == name else f"{name} (a spelling of {flag})"
+                    if flag == name.replace("_", "-") else f"{name} (an abbreviation of {flag})")
             how = "is set by the launcher itself" if flag in LAUNCHER_FLAGS else "may not be given"
             raise ConfigError(f"sglang.launch_args[{i}]: {what} {how}; {flags[flag]}")
 
