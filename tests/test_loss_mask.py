@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from chatfix import SYS, A, U, make_tokenizer, trained_segments
 
+from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
 from hsextract.masks.refusals import TemplateError
 from hsextract.prepare.conversations import Conversation
@@ -200,3 +201,38 @@ def test_the_piece_cache_is_bounded_by_tokens_and_changes_no_mask(monkeypatch):
         assert [(s.input_ids, s.loss_mask) for s in m.encode(c)] == w
         assert 0 < m.renderer._cached_tokens <= 400
         assert m.renderer._cached_tokens == sum(map(len, m.renderer._ids.values()))
+
+
+PLAIN = ("{% for m in messages %}{% if m.role != 'tool' %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+         "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_named_templates_render_a_record_with_tools_with_tool_use():
+    """A tokenizer of named templates (Hermes, Command-R): a record with tools is rendered with `tool_use`, as
+    transformers and SGLang choose, one without with `default`; a kwarg one of them reads is read."""
+    tok = make_tokenizer("qwen3")
+    qwen = tok.chat_template
+    tok.chat_template = {"default": PLAIN, "tool_use": qwen}
+    masker = ChatMasker(tok, chat_template_kwargs={"enable_thinking": False})  # read by tool_use alone
+    msgs = [U("What is the weather in Paris?"), A("", calls=[("get_weather", {"city": "Paris"})]),
+            {"role": "tool", "content": '{"temperature": 21}'}, A("The weather in Paris is sunny and warm.")]
+    call, answer = masker.encode(Conversation(msgs, WEATHER))  # one per turn: Qwen3 rewrites the history
+    for sample, upto in ((call, 2), (answer, 4)):
+        assert sample.text == tok.apply_chat_template(msgs[:upto], tools=WEATHER, chat_template=qwen, tokenize=False,
+                                                      enable_thinking=False)
+    assert trained_segments(call, tok) == [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>']
+    assert trained_segments(answer, tok) == ["The weather in Paris is sunny and warm.<|im_end|>"]
+    (plain,) = masker.encode(Conversation([U("Hello there!"), A("How are you today?")]))
+    assert plain.text == ("<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\nHow are you today?"
+                          "<|im_end|>\n")
+    assert trained_segments(plain, tok) == ["How are you today?<|im_end|>"]
+    with pytest.raises(ConfigError) as e:
+        ChatMasker(tok, chat_template_kwargs={"thinking": False})
+    assert str(e.value) == (
+        "chat_template_kwargs: the chat template never reads `thinking`, so it changes nothing (the data would be "
+        "rendered as without it); the template reads `enable_thinking` besides the variables every rendering passes. "
+        "Use that name, or remove the key")

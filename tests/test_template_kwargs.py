@@ -160,3 +160,21 @@ def test_config_check_refuses_a_key_the_template_never_reads(cfg: dict, tmp_path
         check(default)
     assert str(e.value) == KIMI_ENABLE_THINKING
     assert check({**default, "chat_template_kwargs": {"thinking": True}}).n_chunks == 1
+
+
+def test_config_check_reads_every_named_template(cfg: dict, tmp_path: Path):
+    """tokenizer_config.json's chat_template as a list of named templates: a key `tool_use` alone reads passes (the
+    records with tools are rendered with it), one none reads is refused."""
+    make_tokenizer("qwen3").save_pretrained(tmp_path / "m")
+    tc = json.loads((tmp_path / "m" / "tokenizer_config.json").read_text())
+    (tmp_path / "m" / "chat_template.jinja").unlink(missing_ok=True)
+    plain = "{% for m in messages %}{{ m.role }}: {{ m.content }}<|im_end|>{% endfor %}"
+    tc["chat_template"] = [{"name": "default", "template": plain},
+                           {"name": "tool_use", "template": make_tokenizer("qwen3").chat_template}]
+    (tmp_path / "m" / "tokenizer_config.json").write_text(json.dumps(tc))
+    cfg["chat_template_kwargs"] = {"enable_thinking": False}
+    assert check(cfg).settings.prepare.chat_template_kwargs == {"enable_thinking": False}
+    cfg["chat_template_kwargs"] = {"thinking": False}
+    with pytest.raises(ConfigError, match=r"^chat_template_kwargs: the chat template never reads `thinking`.* reads "
+                                          r"`enable_thinking` besides"):
+        check(cfg)

@@ -227,7 +227,8 @@ def check_template_kwargs(s: Settings) -> None:
         from hsextract.tinymodel.chat_template import KIMI_STYLE_TEMPLATE
         from hsextract.tinymodel.kimi_tokenizer import chat_template
 
-        template: str | None = chat_template() if s.tiny_model_tokenizer == "kimi" else KIMI_STYLE_TEMPLATE
+        template: str | dict[str, str] | None = (chat_template() if s.tiny_model_tokenizer == "kimi"
+                                                 else KIMI_STYLE_TEMPLATE)
     else:
         template = stored_template(s.extract.tokenizer_dir, s.prepare.chat_template)
     if template:

@@ -106,12 +106,23 @@ def _defaulted(tree: nodes.Template) -> frozenset[str]:
     return frozenset(out)
 
 
-def check_kwargs(template: str, kwargs: Mapping[str, Any],
+def named_variables(templates: Mapping[str, str]) -> TemplateVariables:
+    """The variables several named templates read (a tokenizer's `default` and `tool_use`: each record is rendered
+    with one of them, so a key any of them reads is read)."""
+    each = [template_variables(t) for t in templates.values()]
+    return TemplateVariables(frozenset().union(*(v.names for v in each)),
+                             frozenset().union(*(v.assigned for v in each)), all(v.complete for v in each),
+                             frozenset().union(*(v.defaulted for v in each)),
+                             frozenset().union(*(v.identity_tested for v in each)))
+
+
+def check_kwargs(template: str | Mapping[str, str], kwargs: Mapping[str, Any],
                  renders: Callable[[Mapping[str, Any]], object] | None = None) -> TemplateVariables:
     """Refuse a `chat_template_kwargs` key the template never reads (ConfigError naming it and the variables
-    the template reads). Where the template's variables cannot all be listed, a key is refused when `renders`
-    (the probe renderings under given kwargs) are the same with and without it; without `renders`, it passes."""
-    found = template_variables(template)
+    the template reads); `template` may be a tokenizer's named templates (a key one of them reads passes). Where
+    the template's variables cannot all be listed, a key is refused when `renders` (the probe renderings under
+    given kwargs) are the same with and without it; without `renders`, it passes."""
+    found = template_variables(template) if isinstance(template, str) else named_variables(template)
     for k, v in kwargs.items():
         if k in RENDER_ARGUMENTS:  # the render would get it twice (TypeError on every record)
             raise ConfigError(f"{KEY}: `{k}` is an argument of every rendering itself (the conversation and its "
@@ -141,9 +152,9 @@ def check_kwargs(template: str, kwargs: Mapping[str, Any],
                       f"{'it' if len(unread) == 1 else 'them'}); the template {found.describe()}. {fix}")
 
 
-def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None) -> str | None:
-    """The chat template a tokenizer directory holds (chat_template.jinja, else tokenizer_config.json's; of named
-    templates the `default` one), or `chat_template` (a file or the text) when set; None when there is none
+def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None) -> str | dict[str, str] | None:
+    """The chat template a tokenizer directory holds (chat_template.jinja, else tokenizer_config.json's; named
+    templates as {name: template}), or `chat_template` (a file or the text) when set; None when there is none
     to read without loading the tokenizer."""
     from hsextract.prepare.tokenizer_loading import chat_template_file
 
@@ -157,10 +168,12 @@ def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None)
         template = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(template, list):  # named templates: the default one renders chats
+    if isinstance(template, list):  # named templates: each renders the records it is chosen for
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        named = {k: v for k, v in named.items() if isinstance(k, str) and isinstance(v, str)}
+        return named or None
     return template if isinstance(template, str) else None
 
 
-__all__ = ["KEY", "SERVER_VARIABLES", "TemplateVariables", "check_kwargs", "stored_template", "template_variables"]
+__all__ = ["KEY", "SERVER_VARIABLES", "TemplateVariables", "check_kwargs", "named_variables", "stored_template",
+           "template_variables"]

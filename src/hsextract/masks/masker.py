@@ -79,14 +79,23 @@ class ChatMasker:
             raise ConfigError(f"config key `split_turns` must be one of {list(SPLIT_MODES)}, got {split_turns!r}")
         self.tokenizer = tokenizer
         self.renderer = TemplateRenderer(tokenizer, chat_template_kwargs)
+        # named templates with a `tool_use` one (Hermes, Command-R): records with tools are rendered with it, as
+        # transformers and SGLang choose (SGLang passes tools only when a request has some)
+        named = getattr(tokenizer, "chat_template", None)
+        self.tool_renderer = (TemplateRenderer(tokenizer, chat_template_kwargs, name="tool_use")
+                              if isinstance(named, dict) and "tool_use" in named else self.renderer)
         self.train_on_eot = train_on_eot
         self.train_on_reasoning = train_on_reasoning
         self.split_turns = split_turns
         self.stats: Counter[str] = Counter()
 
+    def renderer_for(self, tools: list[Any] | None) -> TemplateRenderer:
+        """The renderer of a conversation with these tools (the `tool_use` template where there is one)."""
+        return self.tool_renderer if tools else self.renderer
+
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
                add_generation_prompt: bool = False) -> str:
-        return self.renderer.render(messages, tools, add_generation_prompt)
+        return self.renderer_for(tools).render(messages, tools, add_generation_prompt)
 
     def _mask(self, n: int, spans: list[TurnSpan]) -> list[int]:
         mask = [0] * n
@@ -98,7 +107,7 @@ class ChatMasker:
 
     def _own(self, conv: Conversation, j: int, r_text: str) -> _OwnTurn:
         """Turn j's own sample (`r_text`: the whole conversation rendered, the turn's frame when it is last)."""
-        msgs, rd = conv.messages, self.renderer
+        msgs, rd = conv.messages, self.renderer_for(conv.tools)
         turn = PromptedTurn(rd, conv, j)
         e_text = r_text if j == len(msgs) - 1 else rd.render(msgs[:j + 1], conv.tools)
         frame = Frame(msgs[:j + 1], conv.tools, j, rd.ids(e_text), last=True)
@@ -107,11 +116,11 @@ class ChatMasker:
     def turn_ids(self, conv: Conversation, j: int) -> list[int]:
         """The ids of assistant turn j's own sample: the prompt the server saw, then the turn (as `split_turns`
         stores it)."""
-        return self._own(conv, j, self.renderer.render(conv.messages[:j + 1], conv.tools)).sample.ids
+        return self._own(conv, j, self.render(conv.messages[:j + 1], conv.tools)).sample.ids
 
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
-        msgs, tools, rd = conv.messages, conv.tools, self.renderer
+        msgs, tools, rd = conv.messages, conv.tools, self.renderer_for(conv.tools)
         refuse_unmaskable(rd, msgs, tools)
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
@@ -122,7 +131,7 @@ class ChatMasker:
         if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)
-            split = [self._with_next_stop(msgs, t.sample) for t in turns]
+            split = [self._with_next_stop(rd, msgs, t.sample) for t in turns]
             self._count_reasoning(msgs, [s.span for s in split])
             return [MaskedSample(s.ids, self._mask(len(s.ids), [s.span]), t.text, t.turn.index, [s.span])
                     for t, s in zip(turns, split, strict=True)]
@@ -149,11 +158,11 @@ class ChatMasker:
         self._count_reasoning(msgs, spans)
         return [MaskedSample(r, self._mask(len(r), spans), r_text, None, spans)]
 
-    def _with_next_stop(self, msgs: list[dict[str, Any]], sample: TurnSample) -> TurnSample:
+    def _with_next_stop(self, rd: TemplateRenderer, msgs: list[dict[str, Any]], sample: TurnSample) -> TurnSample:
         """A turn's own sample, ending with the stop token the model wrote after it where the template writes
         none (GLM-4.5: the header of the next message, `<|user|>` or `<|observation|>`, by its role)."""
         j, sp = sample.span.index, sample.span
-        nxt = dict(self.renderer.facts().next_stops).get(msgs[j + 1]["role"]) if j + 1 < len(msgs) else None
+        nxt = dict(rd.facts().next_stops).get(msgs[j + 1]["role"]) if j + 1 < len(msgs) else None
         if sp.stop is not None or nxt is None or sp.end != len(sample.ids):
             return sample
         return TurnSample(sample.ids + [nxt], sp.stopped_by_next())

@@ -147,23 +147,30 @@ MARKER = re.compile(r"<[|｜][^|｜\s<>]{1,64}[|｜]>")
 
 
 class TemplateRenderer:
-    """Renders with one tokenizer, template and `chat_template_kwargs`; caches token ids per text."""
+    """Renders with one tokenizer, template and `chat_template_kwargs`; caches token ids per text.
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+    A tokenizer of several named templates (`default` and `tool_use`: Hermes, Command-R): `name` picks one
+    (None: `default`), passed to every rendering; its kwargs are checked against all of them."""
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None,
+                 name: str | None = None) -> None:
         template = getattr(tokenizer, "chat_template", None)
         if not template:
             raise ConfigError("the tokenizer has no chat_template: set `chat_template` (a file, or its text), or "
                               "put the model's template in the tokenizer folder's chat_template.jinja")
-        if isinstance(template, dict):  # several named templates: the default one renders chats
-            template = template.get("default") or next(iter(template.values()))
+        named = dict(template) if isinstance(template, dict) else None
+        if named is not None:
+            template = named.get(name or "default") or next(iter(named.values()))
         self.tokenizer = tokenizer
         self.template: str = template
+        self._named_arg = {"chat_template": template} if named is not None else {}
         self.content_format = content_format(template)
         self._clock = datetime.datetime.now() if "strftime_now" in template else None  # see `_clock_at`
         self.kwargs = dict(chat_template_kwargs or {})
         self.reasoning_fields = tuple(f for f in REASONING_FIELDS if _reads_field(template, f)) or (
             "reasoning_content",)
-        self.variables = check_kwargs(template, self.kwargs, self._probe_renderings)  # a key it never reads: error
+        # a key it never reads (none of the named templates): error
+        self.variables = check_kwargs(named or template, self.kwargs, self._probe_renderings)
         self._ids: dict[str, list[int]] = {}  # piece -> its ids (`ids`)
         self._cached_tokens = 0
         self._facts: TemplateFacts | None = None
@@ -218,7 +225,7 @@ class TemplateRenderer:
                ) -> str:
         with _clock_at(self._clock) if self._clock else contextlib.nullcontext():
             out = self.tokenizer.apply_chat_template(msgs, tools=tools, add_generation_prompt=gen, tokenize=False,
-                                                     **(self.kwargs if kwargs is None else kwargs))
+                                                     **self._named_arg, **(self.kwargs if kwargs is None else kwargs))
         if not isinstance(out, str):
             raise TemplateError(f"apply_chat_template returned {type(out).__name__}, expected a string")
         return out
