@@ -234,3 +234,41 @@ def test_a_shard_replaced_while_the_cache_had_closed_it_is_refused_not_called_da
         ds[0]
     assert not isinstance(e.value, CorruptShardError)
     assert not reader_module._HANDLES
+
+
+def test_a_shard_rewritten_in_place_under_a_held_descriptor_is_refused_not_called_damaged(tmp_path):
+    """`cp` (or `rsync --inplace`) of another shard over one a dataset reads with a descriptor held: its records are
+    read from the new bytes and disagree with the index read before. Not damage (the message would have the user
+    delete a whole file): the file changed since it was opened, so the dataset must be opened again."""
+    a, b, c = write_shards(tmp_path, 3, per=3)
+    ds = open_dataset([a, b])
+    ds[0]
+    a.write_bytes(c.read_bytes())  # the same inode, the third shard's bytes (other samples at other offsets)
+    for i in (0, 1, 2):
+        with pytest.raises(ShardError) as e:
+            ds[i]
+        assert type(e.value) is ShardError
+        assert str(e.value).startswith(f"{a}: sample {i}: modified on disk since it was opened (device, inode, size, ")
+        assert str(e.value).endswith("Open the dataset (or shard) again to read the file as it is now")
+    assert len(open_dataset([a, b])) == 6 and type(open_dataset([a, b])[0]) is dict  # opened again: read as it is
+
+
+
+def test_a_record_of_another_length_than_its_index_says_is_said_by_the_lengths(tmp_path):
+    """A record header (its checksum intact) whose payload length disagrees with the index: said by the two lengths
+    (the message read "record belongs to sample 0, not 0")."""
+    from hsextract.shard import format as fmt
+
+    (a,) = write_shards(tmp_path, 1)
+    r = ShardReader(a)
+    off, rlen = r.index["offsets"][0], r._index.record_len(0)
+    data = bytearray(a.read_bytes())
+    magic, idx, plen, phash, _ = fmt.RECORD.unpack_from(data, off)
+    head = fmt.RECORD.pack(magic, idx, plen + 8, phash, 0)
+    fmt.RECORD.pack_into(data, off, magic, idx, plen + 8, phash, fmt.crc32(head[:fmt.RECORD_CHECKED]))
+    a.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError) as e:
+        ShardReader(a)[0]
+    assert str(e.value) == (f"{a}: sample 0: record of {rlen + 8} bytes, the index says {rlen} (index and records "
+                            "disagree). The shard is damaged: delete it and rerun its chunk (snakemake reruns a "
+                            "missing shard).")

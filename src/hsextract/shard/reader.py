@@ -265,7 +265,21 @@ class ShardReader:
         return got
 
     # -- structure ------------------------------------------------------------------------
-    def _corrupt(self, sample: int | None, what: str) -> CorruptShardError:
+    def _corrupt(self, sample: int | None, what: str) -> ShardError:
+        """The error of bytes that disagree with the index: the shard's damage, unless the file was rewritten in
+        place since the index was read (`cp` or `rsync --inplace` over it while a dataset holds it open: the file
+        is whole, and opening it again reads it)."""
+        if self._identity is not None:
+            try:
+                st = os.stat(self.path)
+            except OSError:
+                st = None
+            now = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            if now is not None and now != self._identity:
+                return ShardError(
+                    f"{self.path}: sample {sample}: modified on disk since it was opened (device, inode, size, "
+                    f"mtime_ns {self._identity} then, {now} now): the index read then does not describe it. Open "
+                    "the dataset (or shard) again to read the file as it is now")
         return CorruptShardError(self.path, sample, what)
 
     def _open(self) -> tuple[dict[str, Any], CompactIndex]:
@@ -466,8 +480,11 @@ class ShardReader:
         magic, idx, plen, phash, hcrc = fmt.RECORD.unpack_from(rec)
         if magic != fmt.RECORD_MAGIC or fmt.crc32(rec[: fmt.RECORD_CHECKED]) != hcrc:
             raise self._corrupt(i, "record header damaged")
-        if idx != i or plen + fmt.RECORD.size != self._index.record_len(i):
+        if idx != i:
             raise self._corrupt(i, f"record belongs to sample {idx}, not {i} (index and records disagree)")
+        if plen + fmt.RECORD.size != self._index.record_len(i):
+            raise self._corrupt(i, f"record of {plen + fmt.RECORD.size} bytes, the index says "
+                                   f"{self._index.record_len(i)} (index and records disagree)")
         if phash != self._index.digest(i):
             raise self._corrupt(i, "checksum mismatch")
 
