@@ -173,7 +173,7 @@ def test_export_estimates_match_real_exports(small: dict, tmp_path: Path) -> Non
     the files' headers, token_freq.pt and the json files), and an estimate over the stored (distinct) rows would
     fall 29% short."""
     import torch
-    from conftest import shard_metadata
+    from conftest import finish_run, shard_metadata
 
     from hsextract.export import FORMATS, export
     from hsextract.shard import ShardWriter
@@ -195,6 +195,7 @@ def test_export_estimates_match_real_exports(small: dict, tmp_path: Path) -> Non
                 else:
                     ids[:prefix] = first[:prefix]
                     w.add(ids, [h[prefix:] for h in hs], mask, f"c{chunk}-{k}", parent=0, prefix_len=prefix)
+    finish_run(tmp_path / "run")
     samples = 2 * per_chunk
     materialized, distinct = samples * seq, samples * seq - 2 * (per_chunk - 1) * prefix
     summary = tmp_path / "summary.json"
@@ -353,6 +354,28 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     assert capsys.readouterr().err.strip() == (
         "hsextract plan: error: chunks_per_job: unknown key; config/README.md lists every key "
         "(workflow/schemas/config.schema.yaml)")
+
+    # the checks that read no data, tokenizer, reference or key file: as `snakemake -n` would refuse them
+    del small["chunks_per_job"]
+    config = Path(small["model"]) / "config.json"
+    for over, said in (
+            ({"engine": "sglang", "sglang": {"tp": 2, "gpus": [0]}},
+             "sglang.gpus lists 1 devices; 1 replicas x tp 2 use 2: list exactly those"),
+            ({"engine": "sglang", "sglang": {"port": 65535, "replicas": 2}}, "sglang.port: replica r listens on port + "
+             "r, so 2 replicas from port 65535 reach 65536, past the last port (65535); choose sglang.port <= 65534"),
+            ({"sglang": {"launch_args": ["--tp 4"]}}, "sglang.launch_args[0]: --tp and its value are one item, which "
+             "SGLang's parser reads as one unknown argument; give them as two items (--tp, then the value) or as "
+             "--tp=<value>"),
+            ({"aux_layers": [1, 5, 8]}, f"aux_layers[2]: hidden_states[8] is beyond the aux layers of {config}: it has "
+             "8 decoder layers, so hidden_states ids 0..7 are allowed (hidden_states[L] is the last layer's output: "
+             "the final state, final_state: pre_norm)"),
+            ({"aux_layers": [0, 4, 7], "aux_layers_convention": "layer_output"},
+             f"aux_layers[2]: layer_output 7, i.e. hidden_states[8] is beyond the aux layers of {config}: it has 8 "
+             "decoder layers, so hidden_states ids 0..7 are allowed (layer_output ids 0..6) (hidden_states[L] is the "
+             "last layer's output: the final state, final_state: pre_norm)")):
+        base.write_text(yaml.safe_dump(small | over))
+        assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
+        assert capsys.readouterr().err.strip() == f"hsextract plan: error: {said}"
 
 
 def test_configfiles_merge_as_snakemake_merges_them(tmp_path: Path) -> None:

@@ -153,7 +153,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="tokens, bytes, GPU-hours and jobs of a run before it starts",
                        description="Estimate a run of RECORDS input records under a workflow config: tokens, raw "
                                    "and stored bytes (the codec's measured ratio), each export format's bytes, the "
-                                   "shared filesystem's total, shards, chunk jobs, GPU-hours, disk per node.")
+                                   "shared filesystem's total, shards, chunk jobs, GPU-hours, disk per node. The config "
+                                   "is checked as far as it can be without the data, tokenizer, reference sample and "
+                                   "key file (snakemake -n checks the rest).")
     p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
                    help="workflow config file(s), later ones overriding earlier ones key by key (as snakemake does)")
     p.add_argument("--records", "--samples", dest="records", type=int, required=True,
@@ -212,15 +214,15 @@ def _configfile_config(paths: Sequence[str]) -> dict:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from hsextract.config.checks import check_plan
     from hsextract.config.plan import format_plan, plan
-    from hsextract.config.settings import from_config
     from hsextract.errors import ConfigError
 
     config = _configfile_config(args.configfile)
     for key in ("model", "prompts_per_chunk"):  # aux_layers: a preset's come from the model's depth
         if key not in config:
             raise ConfigError(f"{key}: missing from {' + '.join(args.configfile)}; the plan needs it")
-    result = plan(from_config(config), args.records, chunks_per_job=args.chunks_per_job, mean_tokens=args.mean_tokens,
+    result = plan(check_plan(config), args.records, chunks_per_job=args.chunks_per_job, mean_tokens=args.mean_tokens,
                   prepare_summary=args.prepare_summary, tokens_per_s=args.tokens_per_s, nodes=args.nodes,
                   gpus_per_node=args.gpus_per_node, hidden_size=args.hidden_size)
     print(json.dumps(result, indent=2) if args.json else format_plan(result))

@@ -135,10 +135,11 @@ def check_layers(s: Settings, shape: ModelShape) -> list[int]:
                     if layer == shape.num_layers else "")
             given = (f"layer_output {s.config['aux_layers'][i]}, i.e. "
                      if s.config.get("aux_layers_convention") == LAYER_OUTPUT and s.config.get("aux_layers") else "")
+            theirs = f" (layer_output ids 0..{shape.num_layers - 2})" if given else ""
             raise ConfigError(
                 f"aux_layers[{i}]: {given}hidden_states[{layer}] is beyond the aux layers of {shape.source}: it has "
                 f"{shape.num_layers} decoder layers, so hidden_states ids 0..{shape.num_layers - 1} are allowed"
-                f"{last}")
+                f"{theirs}{last}")
     return layers
 
 
@@ -253,6 +254,29 @@ def count_records(s: Settings) -> int:
     if n_records == 0:
         raise ConfigError("sources: the sources hold no records; nothing to extract")
     return n_records
+
+
+def check_plan(config: Mapping[str, Any]) -> Settings:
+    """The checks `hsextract plan` runs: those that read no source, tokenizer, reference sample or key file (a run
+    may be planned away from them): the schema, the run name, the server's GPUs, ports and arguments, and the
+    layers against the model's depth where its config.json is local. `snakemake -n` runs them all (check)."""
+    from hsextract.config.model_info import ModelInfoError
+    from hsextract.sglang.server import check_gpus, check_launch_args, check_ports
+
+    check_bounded(config)
+    s = from_config(config)
+    check_remote(s.config)
+    check_run_name(s)
+    check_launch_args(s.extract.sglang.launch_args)
+    if s.extract.engine == "sglang":
+        check_gpus(s.extract.sglang.tp, s.extract.sglang.replicas, s.extract.sglang.gpus)
+        check_ports(s.extract.sglang.port, s.extract.sglang.replicas)
+    try:
+        shape = model_shape(s.config)
+    except ModelInfoError:  # not here: plan asks for --hidden-size, and the layers are checked where it is
+        return s
+    check_exports(s, check_layers(s, shape))
+    return s
 
 
 def check(config: Mapping[str, Any]) -> Plan:
