@@ -139,6 +139,17 @@ def test_ctrl_c_is_one_line_and_leaves_nothing(shard, tmp_path, capsys, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
 
 
+def test_validate_given_a_folder_names_its_shards(shard, tmp_path, capsys):
+    path, _ = shard
+    ref = tmp_path / "ref.pt"
+    ids, hs, mask = make_sample(4)
+    torch.save({"input_ids": ids, "hidden_states": hs, "loss_mask": mask}, ref)
+    for given, shards in ((tmp_path, tmp_path / "shards"), (path.parent, path.parent)):
+        assert main(["validate", "--reference", str(ref), str(path), str(given)]) == 2
+        assert capsys.readouterr().err == (f"hsextract validate: error: {given} is a folder; validate takes shard "
+                                           f"files: give {shards / '*.hss'}\n")
+
+
 def test_parser_is_extensible():
     names = set(build_parser()._subparsers._group_actions[0].choices)
     assert {"validate", "export", "inspect"} <= names and len(SUBCOMMANDS) >= 3

@@ -80,6 +80,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
                                f"{Path(args.report_dir) / (Path(shard).stem + '.json')}; validate them apart")
     from hsextract.progress import bar
 
+    for shard in args.shards:  # a run or shards folder: its shards are what was meant
+        if os.path.isdir(shard):
+            folder = Path(shard, "shards") if Path(shard, "shards").is_dir() else Path(shard)
+            raise HsxError(f"{shard} is a folder; validate takes shard files: give {folder / '*.hss'}")
     report_paths = _report_paths(args)
     ref = reference.load(args.reference, key="--reference")
     failed = samples = tokens = 0
@@ -153,9 +157,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="tokens, bytes, GPU-hours and jobs of a run before it starts",
                        description="Estimate a run of RECORDS input records under a workflow config: tokens, raw "
                                    "and stored bytes (the codec's measured ratio), each export format's bytes, the "
-                                   "shared filesystem's total, shards, chunk jobs, GPU-hours, disk per node. The config "
-                                   "is checked as far as it can be without the data, tokenizer, reference sample and "
-                                   "key file (snakemake -n checks the rest).")
+                                   "shared filesystem's total, shards, chunk jobs, GPU-hours, disk per node. The "
+                                   "config is checked as far as it can be without the data, tokenizer, reference "
+                                   "sample and key file (snakemake -n checks the rest).")
     p.add_argument("--configfile", nargs="+", required=True, metavar="YAML",
                    help="workflow config file(s), later ones overriding earlier ones key by key (as snakemake does)")
     p.add_argument("--records", "--samples", dest="records", type=int, required=True,
