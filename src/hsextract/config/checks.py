@@ -80,7 +80,8 @@ def tiny_model_corpus(s: Settings) -> str | None:
     return next((src.path for src in s.prepare.sources if src.path.endswith(".jsonl")), None)
 
 
-def check_engine(s: Settings) -> None:
+def check_server(s: Settings) -> None:
+    """The server's arguments, GPUs and ports (the launcher checks them again when it starts one)."""
     from hsextract.sglang.server import check_gpus, check_launch_args, check_ports
 
     # with any engine: a key given there would otherwise stay in the config that dataset.json records
@@ -88,6 +89,11 @@ def check_engine(s: Settings) -> None:
     if s.extract.engine == "sglang":
         check_gpus(s.extract.sglang.tp, s.extract.sglang.replicas, s.extract.sglang.gpus)
         check_ports(s.extract.sglang.port, s.extract.sglang.replicas)
+
+
+def check_engine(s: Settings) -> None:
+    check_server(s)
+    if s.extract.engine == "sglang":
         try:
             import hsextract.sglang.client  # noqa: F401 - importable is what is checked
         except ImportError as e:
@@ -261,16 +267,12 @@ def check_plan(config: Mapping[str, Any]) -> Settings:
     may be planned away from them): the schema, the run name, the server's GPUs, ports and arguments, and the
     layers against the model's depth where its config.json is local. `snakemake -n` runs them all (check)."""
     from hsextract.config.model_info import ModelInfoError
-    from hsextract.sglang.server import check_gpus, check_launch_args, check_ports
 
     check_bounded(config)
     s = from_config(config)
     check_remote(s.config)
     check_run_name(s)
-    check_launch_args(s.extract.sglang.launch_args)
-    if s.extract.engine == "sglang":
-        check_gpus(s.extract.sglang.tp, s.extract.sglang.replicas, s.extract.sglang.gpus)
-        check_ports(s.extract.sglang.port, s.extract.sglang.replicas)
+    check_server(s)
     try:
         shape = model_shape(s.config)
     except ModelInfoError:  # not here: plan asks for --hidden-size, and the layers are checked where it is
