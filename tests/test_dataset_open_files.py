@@ -253,22 +253,3 @@ def test_a_shard_rewritten_in_place_under_a_held_descriptor_is_refused_not_calle
     assert len(open_dataset([a, b])) == 6 and type(open_dataset([a, b])[0]) is dict  # opened again: read as it is
 
 
-
-def test_a_record_of_another_length_than_its_index_says_is_said_by_the_lengths(tmp_path):
-    """A record header (its checksum intact) whose payload length disagrees with the index: said by the two lengths
-    (the message read "record belongs to sample 0, not 0")."""
-    from hsextract.shard import format as fmt
-
-    (a,) = write_shards(tmp_path, 1)
-    r = ShardReader(a)
-    off, rlen = r.index["offsets"][0], r._index.record_len(0)
-    data = bytearray(a.read_bytes())
-    magic, idx, plen, phash, _ = fmt.RECORD.unpack_from(data, off)
-    head = fmt.RECORD.pack(magic, idx, plen + 8, phash, 0)
-    fmt.RECORD.pack_into(data, off, magic, idx, plen + 8, phash, fmt.crc32(head[:fmt.RECORD_CHECKED]))
-    a.write_bytes(bytes(data))
-    with pytest.raises(CorruptShardError) as e:
-        ShardReader(a)[0]
-    assert str(e.value) == (f"{a}: sample 0: record of {rlen + 8} bytes, the index says {rlen} (index and records "
-                            "disagree). The shard is damaged: delete it and rerun its chunk (snakemake reruns a "
-                            "missing shard).")

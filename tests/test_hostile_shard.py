@@ -240,7 +240,7 @@ CASES: dict[str, tuple[Callable[[Parts], bytes], str]] = {
     "index_seq_10^7_consistent": (long_claim, "index claims 10000000 tokens, more than a"),
     # records and frames
     "record_claims_other_sample": (record_header(sample=1), "record belongs to sample 1, not 0"),
-    "record_payload_len_off": (record_header(plen_delta=8), "record belongs to sample 0, not 0"),
+    "record_payload_len_off": (record_header(plen_delta=8), "record of 763 bytes, the index says 755"),
     "record_digest_differs": (record_header(digest_xor=1), "checksum mismatch"),
     "frames_3M": (payload0(lambda b: struct.pack("<I", 3_000_000) + b[4:]), "3000000 frames, layout expects 10"),
     "frames_none": (payload0(lambda b: b""), "index record length 28 outside [112,"),

@@ -68,9 +68,10 @@ def test_every_schema_key_has_one_field_and_every_field_a_key() -> None:
     assert [f.name for f in dataclasses.fields(st.Source)] == list(source_keys)
 
 
-def test_defaults_are_the_schemas() -> None:
+def test_defaults_are_the_schemas(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # the eagle3 preset (the default) needs the model's depth: the tiny model's, known before it is built;
-    # without a readable model it stays unresolved
+    # without a readable model it stays unresolved (in a folder where `make run` built none)
+    monkeypatch.chdir(tmp_path)
     assert st.from_config({}).extract.aux_layers is None
     s = st.from_config({"make_tiny_model": True})
     leaves = schema_leaves(st.schema()["properties"])
