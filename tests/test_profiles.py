@@ -126,6 +126,19 @@ def test_slurm_keeps_the_rules_gpu_count(scenario: str) -> None:
     assert {job["gpu"] for job in job_resources(out)["extract"]} == {"0"}
 
 
+def test_the_cluster_command_without_cores_parses(tmp_path: Path) -> None:
+    """`snakemake --workflow-profile profiles/slurm`, as docs/CLUSTER.md gives it: no --cores, so Snakemake's
+    workflow.cores raises (a dry run sets 1 and hides it). `--dag` parses the workflow as a run does and submits
+    nothing."""
+    wd = make_workdir(tmp_path / "wd", TEST_CONFIG)
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    proc = subprocess.run([*snakemake_cmd(), "--dag", "--workflow-profile", "profiles/slurm", "--configfile",
+                           "config/config.yaml", "config/test.yaml"], cwd=wd, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("digraph"), proc.stderr[-3000:]
+
+
 def run_kubernetes(tmp: Path) -> tuple[str, Path]:
     wd = make_workdir(tmp / "wd", TEST_CONFIG)
     # the storage (the claim in the profile): sources and reference at the config's relative paths

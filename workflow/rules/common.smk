@@ -81,9 +81,17 @@ REGENERATE_GPUS = (
     else 1
 )
 
-# Worker processes of prepare: the cores the run was given (--cores), at most 32. A cluster run without --cores
-# has 1: a profile's `set-threads: {prepare: N}` gives its prepare job N (docs/CLUSTER.md).
-PREPARE_THREADS = min(32, workflow.cores) if isinstance(workflow.cores, int) else 8
+
+# Worker processes of prepare: the cores the run was given (--cores), at most 32. A cluster run gives none
+# (workflow.cores raises): 8, and a profile's `set-threads: {prepare: N}` gives its prepare job N (docs/CLUSTER.md).
+def run_cores():
+    try:
+        return workflow.cores
+    except WorkflowError:
+        return None
+
+
+PREPARE_THREADS = min(32, run_cores()) if isinstance(run_cores(), int) else 8
 
 
 wildcard_constraints:
