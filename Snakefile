@@ -33,7 +33,7 @@ if workflow.is_main_process and (_unlocked := claim(Path.cwd())):
 
 
 from hsextract.config.guard import check_bounded
-from hsextract.config.files import earlier_configfiles
+from hsextract.config.files import check_report_ready, earlier_configfiles
 from hsextract.config.settings import fill_defaults
 
 # `--configfile config/kimi.yaml --configfile my-sources.yaml`: Snakemake keeps only the last flag's files.
@@ -79,6 +79,8 @@ PLAN = check_config(config)
 # ids: every rule and script sees that list (hsextract.layers).
 config["aux_layers"] = PLAN.aux_layers
 config["aux_layers_convention"] = "hidden_states"
+# `snakemake --report` of an unfinished run: said as such (Snakemake names one missing file)
+check_report_ready(sys.argv, Path("results") / PLAN.settings.extract.run_name)
 
 
 report: "workflow/report/workflow.rst"

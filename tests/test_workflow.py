@@ -352,6 +352,18 @@ def test_export_job_without_a_shared_filesystem_reads_the_shards_in_place(full_r
     assert len(list(exported.glob("*.pt"))) == manifest["counts"]["samples"] > 0
 
 
+def test_report_of_an_unfinished_run_says_so(tmp_path: Path) -> None:
+    """Before the run (or after a chunk failed under keep-going) there is no dataset.json to report: said as the
+    run being unfinished, not as Snakemake's "marked for report but does not exist"."""
+    wd = make_workdir(tmp_path / "wd")
+    proc = smk(wd, "--report", "report.html", check=False)
+    manifest = f"results/{RUN}/dataset.json"
+    assert proc.returncode != 0 and not (wd / "report.html").exists()
+    assert (f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, or it has "
+            f"not run yet), and the report shows the whole dataset. Finish the run first (`snakemake --cores N`: "
+            f"only the missing chunks are extracted; a failed job's log is under logs/{RUN}/)") in proc.stderr
+
+
 def test_report_after_run(full_run: Path) -> None:
     smk(full_run, "--report", "report.html")
     html = (full_run / "report.html").read_text(errors="replace")
