@@ -62,3 +62,28 @@ def test_remove_beyond_removes_exactly_the_later_chunks_files(tmp_path, capsys) 
     # nothing beyond the count: nothing removed, nothing printed; a missing folder holds nothing
     assert chunks.remove_beyond(d, ".parquet", 1) == [] == chunks.remove_beyond(tmp_path / "none", ".json", 0)
     assert capsys.readouterr().out == ""
+
+
+def test_an_incomplete_prepare_beside_shards_is_warned_of(tmp_path):
+    """prepare's output missing a file, shards there: the next extract reruns prepare and then every chunk."""
+    run = tmp_path / "run"
+    (run / "prompts").mkdir(parents=True)
+    (run / "shards").mkdir()
+    for c in range(3):
+        (run / "prompts" / f"chunk-{c:05d}.parquet").write_bytes(b"p")
+    (run / "prompts" / "summary.json").write_text("{}")
+    assert chunks.incomplete_prepare(run, 3, ".hss") is None  # nothing missing
+    (run / "prompts" / "chunk-00001.parquet").unlink()
+    assert chunks.incomplete_prepare(run, 3, ".hss") is None  # no shard yet: nothing to lose
+    (run / "shards" / "chunk-00000.hss").write_bytes(b"s")
+    (run / "shards" / "chunk-00002.hss").write_bytes(b"s")
+    assert chunks.incomplete_prepare(run, 3, ".hss") == (
+        f"hsextract: WARNING: {run}/prompts/chunk-00001.parquet is missing (prepare writes every chunk's prompts in "
+        "one job). Snakemake plans nothing for that, but the next run that extracts any chunk runs prepare again "
+        "first, and then all 3 chunks: the 2 shards there would be extracted again. To keep them, restore the "
+        "file(s) with their times (cp -p from a copy) before that run")
+    for p in (run / "prompts").iterdir():
+        p.unlink()
+    assert chunks.incomplete_prepare(run, 3, ".hss").startswith(
+        f"hsextract: WARNING: {run}/prompts/chunk-00000.parquet, {run}/prompts/chunk-00001.parquet, "
+        f"{run}/prompts/chunk-00002.parquet and 1 more are missing")

@@ -12,6 +12,10 @@ SETTINGS = PLAN.settings
 RUN = SETTINGS.extract.run_name
 N_CHUNKS = PLAN.n_chunks
 CHUNKS = chunks.labels(N_CHUNKS)
+if workflow.is_main_process and (
+    _lost := chunks.incomplete_prepare(f"results/{RUN}", N_CHUNKS, SHARD_SUFFIX)
+):
+    print(_lost, file=sys.stderr)
 MODEL = SETTINGS.extract.model
 TOKENIZER = SETTINGS.extract.tokenizer_dir
 # `params: settings=RERUN[name]` of the rules that config keys decide, the effective values of those keys

@@ -81,3 +81,20 @@ def remove_beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int, *,
 
 
 __all__ = ["WIDTH", "WILDCARD", "beyond", "count", "label", "labels", "name", "of_record", "records", "remove_beyond"]
+
+
+def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix: str) -> str | None:
+    """A warning when prepare's output (every chunk's prompts and summary.json, one job) lacks a file while shards
+    of the run are there: Snakemake plans nothing for it then, but the next run that extracts any chunk reruns
+    prepare first, and every chunk after it (their prompts rewritten): GPU hours for shards already made."""
+    run = Path(run_dir)
+    missing = [p for p in (*(run / "prompts" / name(c, ".parquet") for c in range(n_chunks)),
+                           run / "prompts" / "summary.json") if not p.is_file()]
+    shards = [c for c in range(n_chunks) if (run / "shards" / name(c, shard_suffix)).is_file()]
+    if not missing or not shards:
+        return None
+    shown = ", ".join(str(p) for p in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+    return (f"hsextract: WARNING: {shown} {'is' if len(missing) == 1 else 'are'} missing (prepare writes every "
+            f"chunk's prompts in one job). Snakemake plans nothing for that, but the next run that extracts any chunk "
+            f"runs prepare again first, and then all {n_chunks} chunks: the {len(shards)} shards there would be "
+            f"extracted again. To keep them, restore the file(s) with their times (cp -p from a copy) before that run")
