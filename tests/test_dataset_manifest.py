@@ -212,3 +212,15 @@ def test_a_copy_of_a_shard_beside_it_is_refused(tmp_path, recorded):
         f"{folder / 'chunk-00001.hss'} and {folder / 'chunk-00001 (copy).hss'} hold the same samples (chunk 1 of run "
         "'r', made from the same prompts): one is a copy of the other, and a dataset holds each sample once. Move the "
         "copy out of the shards, or name the shards to read")
+
+
+@pytest.mark.parametrize("path", ["/etc/hostname", "../elsewhere/chunk-00000.hss", "shards/../../x.hss"])
+def test_a_dataset_json_naming_a_file_outside_its_folder_is_refused(run, path):
+    """A shared dataset.json may not point the reader at files beside or above the dataset it describes."""
+    manifest = json.loads((run / "dataset.json").read_text())
+    manifest["shards"][1]["path"] = path
+    (run / "dataset.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert str(e.value) == (f"{run / 'dataset.json'}: shards[1].path {path!r} is not a path inside the run folder "
+                            "(dataset.json lists its shards relative to it); rerun the workflow to rewrite it")

@@ -54,6 +54,10 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{manifest}: not a readable hsextract dataset.json ({type(e).__name__}: {e}); "
                          f"rerun the workflow to rewrite it") from None
+    for i, e in enumerate(entries):  # relative, inside the folder: a dataset is moved and shared whole
+        if Path(e["path"]).is_absolute() or ".." in Path(e["path"]).parts:
+            raise ShardError(f"{manifest}: shards[{i}].path {e['path']!r} is not a path inside the run folder "
+                             "(dataset.json lists its shards relative to it); rerun the workflow to rewrite it")
     from hsextract.provenance import sha256_file
 
     ok: list[Path] = []
