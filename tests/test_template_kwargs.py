@@ -178,3 +178,25 @@ def test_config_check_reads_every_named_template(cfg: dict, tmp_path: Path):
     with pytest.raises(ConfigError, match=r"^chat_template_kwargs: the chat template never reads `thinking`.* reads "
                                           r"`enable_thinking` besides"):
         check(cfg)
+
+
+def test_named_templates_saved_by_transformers_5_are_read_and_hashed(tmp_path: Path):
+    """transformers 5 saves the default template as chat_template.jinja and the others as
+    additional_chat_templates/<name>.jinja: the config check reads them all, and the hashes that decide reruns
+    and a dataset's identity change with any of them."""
+    from hsextract import provenance
+    from hsextract.masks.kwargs import stored_template
+
+    tok = make_tokenizer("qwen3")
+    qwen = tok.chat_template
+    tok.chat_template = {"default": "{% for m in messages %}{{ m.content }}{% endfor %}", "tool_use": qwen}
+    tok.save_pretrained(tmp_path / "m")
+    tool_use = tmp_path / "m" / "additional_chat_templates" / "tool_use.jinja"
+    assert tool_use.read_text() == qwen
+    assert stored_template(tmp_path / "m") == {"default": "{% for m in messages %}{{ m.content }}{% endfor %}",
+                                               "tool_use": qwen}
+    check_kwargs(stored_template(tmp_path / "m"), {"enable_thinking": False})  # tool_use reads it
+    before = (provenance.tokenizer_hash(str(tmp_path / "m")), provenance.chat_template_text(str(tmp_path / "m")))
+    tool_use.write_text(qwen.replace("<tool_call>", "<tool_call> "))
+    after = (provenance.tokenizer_hash(str(tmp_path / "m")), provenance.chat_template_text(str(tmp_path / "m")))
+    assert before[0] != after[0] and before[1] != after[1]

@@ -64,10 +64,21 @@ def model_hash(model: str) -> str:
     return h.hexdigest()
 
 
+# transformers 5 saves a tokenizer's named templates other than the default beside chat_template.jinja, one file each
+ADDITIONAL_TEMPLATES = "additional_chat_templates"
+
+
+def additional_templates(root: Path) -> dict[str, str]:
+    """{name: text} of the named templates in `root`/additional_chat_templates/<name>.jinja."""
+    folder = root / ADDITIONAL_TEMPLATES
+    return {p.stem: p.read_text() for p in sorted(folder.glob("*.jinja")) if p.is_file()} if folder.is_dir() else {}
+
+
 def tokenizer_file_names(root: Path) -> list[str]:
-    """The names tokenizer_hash reads in a tokenizer directory (those that exist among them): TOKENIZER_FILES and
-    its `tokenization_*.py` modules."""
-    return [*TOKENIZER_FILES, *sorted(p.name for p in root.glob("tokenization_*.py"))]
+    """The names tokenizer_hash reads in a tokenizer directory (those that exist among them): TOKENIZER_FILES, its
+    `tokenization_*.py` modules and its additional named templates."""
+    return [*TOKENIZER_FILES, *sorted(p.name for p in root.glob("tokenization_*.py")),
+            *(f"{ADDITIONAL_TEMPLATES}/{name}.jinja" for name in additional_templates(root))]
 
 
 def tokenizer_hash(tokenizer_dir: str) -> str:
@@ -120,6 +131,8 @@ def chat_template_text(tokenizer_dir: str) -> str | None:
     root = Path(tokenizer_dir)
     jinja = root / "chat_template.jinja"
     if jinja.is_file():
+        if named := additional_templates(root):  # named templates: hash them all, the default as `default`
+            return json.dumps({"default": jinja.read_text(), **named}, sort_keys=True)
         return jinja.read_text()
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():

@@ -163,7 +163,11 @@ def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None)
         return path.read_text() if path else chat_template
     root = Path(tokenizer_dir)
     if (root / "chat_template.jinja").is_file():
-        return (root / "chat_template.jinja").read_text()
+        from hsextract.provenance import additional_templates
+
+        named = additional_templates(root)  # transformers 5's files of the named templates besides the default
+        text = (root / "chat_template.jinja").read_text()
+        return {"default": text, **named} if named else text
     try:
         template = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
     except (OSError, ValueError, AttributeError):
