@@ -807,3 +807,16 @@ def test_config_readme_gives_the_schemas_regenerate_defaults():
         documented.update(zip(names, values, strict=True))
     props = schema()["properties"]["regenerate"]["properties"]
     assert documented == {key: prop["default"] for key, prop in props.items()}
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_refused(tmp_path):
+    """An id the model never generates: every turn would run to max_new_tokens (junk, behind a warning)."""
+    tok = make_tok("deepseek_v3")
+    src = _write_jsonl(tmp_path / "in.jsonl", [CONVS[0]])
+    cfg = from_config(_config(src, stop_token_ids=[3, len(tok), 999_999]))
+    with pytest.raises(ConfigError) as e:
+        run_regenerate_chunk(cfg, 0, _chunk_paths(tmp_path, 1)[0], tokenizer=tok, generator=Scripted(tok, ["x"]))
+    assert str(e.value) == (
+        f"regenerate.stop_token_ids: [{len(tok)}, 999999] are not in the tokenizer's vocabulary (ids 0.."
+        f"{len(tok) - 1}), so no generation would stop there; give the ids of the tokens that end a turn (or leave "
+        "the key out: the template's are found)")

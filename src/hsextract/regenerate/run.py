@@ -71,6 +71,11 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
     if regen.stop_token_ids is None:
         regen = replace(regen, stop_token_ids=tuple(end_of_turn_ids(tok, kwargs)))
     stop_ids = list(regen.stop_token_ids or ())
+    unknown = [t for t in stop_ids if not 0 <= t < len(tok)]
+    if unknown:  # never generated: the turns would run to max_new_tokens
+        raise ConfigError(f"regenerate.stop_token_ids: {unknown} {'is' if len(unknown) == 1 else 'are'} not in the "
+                          f"tokenizer's vocabulary (ids 0..{len(tok) - 1}), so no generation would stop there; give "
+                          f"the ids of the tokens that end a turn (or leave the key out: the template's are found)")
     gen = generator if generator is not None else make_generator(settings, regen, tok, stop_ids)
 
     entries = [order[k] for k in chunks.records(chunk_index, ppc, len(order))]
