@@ -64,11 +64,19 @@ def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], tur
     """No locator finds turn j after the prompt the server saw: the first token where the two differ."""
     k = next(i for i in range(len(prompt)) if i >= len(turn) or prompt[i] != turn[i])
     dec = renderer.tokenizer.decode
+    at = (f"first difference at token {k}: prompt {dec(prompt[k:k + 4])!r} vs turn {dec(turn[k:k + 4])!r}")
+    if dec(turn[k:]).startswith(dec(prompt[k:])):  # the same text, cut into other tokens across the boundary
+        return TemplateError(
+            f"assistant turn {j}: the turn rendered holds the generation prompt the server saw as text, but the "
+            f"tokenizer joins the prompt's last characters to the turn's first ones into other tokens ({at}): the "
+            f"turn does not start at a token boundary of the prompt, so its tokens are not the ones the model "
+            f"generated after it. The template and the tokenizer do not fit (a prompt that ends in a special token "
+            f"or in text the tokenizer keeps apart does); neither chat_template_kwargs nor the data can change that",
+            reason=NOT_PREFIX_STABLE)
     return TemplateError(
         f"assistant turn {j}: the template is not prefix-stable: the turn rendered does not start with the "
-        f"generation prompt the server saw (first difference at token {k}: prompt {dec(prompt[k:k + 4])!r} vs "
-        f"turn {dec(turn[k:k + 4])!r}). Set `chat_template_kwargs` (e.g. enable_thinking / thinking) to match "
-        f"the data, or fix the data's reasoning fields", reason=NOT_PREFIX_STABLE)
+        f"generation prompt the server saw ({at}). Set `chat_template_kwargs` (e.g. enable_thinking / thinking) to "
+        f"match the data, or fix the data's reasoning fields", reason=NOT_PREFIX_STABLE)
 
 
 def refuse_unmaskable(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any) -> None:
