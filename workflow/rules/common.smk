@@ -1,5 +1,7 @@
 import re
 
+from snakemake.exceptions import WorkflowError
+
 from hsextract.config import chunks, file_params, reruns
 from hsextract.config.checks import tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
@@ -95,7 +97,8 @@ def run_cores():
         return None
 
 
-PREPARE_THREADS = min(32, run_cores()) if isinstance(run_cores(), int) else 8
+_CORES = run_cores()
+PREPARE_THREADS = min(32, _CORES) if isinstance(_CORES, int) else 8
 
 
 wildcard_constraints:

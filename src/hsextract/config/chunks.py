@@ -80,9 +80,6 @@ def remove_beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int, *,
     return removed
 
 
-__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "label", "labels", "name", "of_record", "records", "remove_beyond"]
-
-
 def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix: str) -> str | None:
     """A warning when prepare's output (every chunk's prompts and summary.json, one job) lacks a file while shards
     of the run are there: Snakemake plans nothing for it then, but the next run that extracts any chunk reruns
@@ -98,3 +95,7 @@ def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suf
             f"chunk's prompts in one job). Snakemake plans nothing for that, but the next run that extracts any chunk "
             f"runs prepare again first, and then all {n_chunks} chunks: the {len(shards)} shards there would be "
             f"extracted again. To keep them, restore the file(s) with their times (cp -p from a copy) before that run")
+
+
+__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "incomplete_prepare", "label", "labels", "name", "of_record",
+           "records", "remove_beyond"]

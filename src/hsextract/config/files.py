@@ -46,9 +46,6 @@ def earlier_configfiles(argv: Sequence[str], kept: Sequence[str | Path]) -> list
     return [Path(f).absolute() for g in groups[:-1] for f in g]
 
 
-__all__ = ["configfile_groups", "earlier_configfiles"]
-
-
 def check_report_ready(argv: Sequence[str], run_dir: str | Path) -> None:
     """`snakemake --report` (not --report-after-run) of a run without its dataset.json: ConfigError saying the run
     is unfinished (Snakemake's own words, "marked for report but does not exist", name a file, not the cause)."""
@@ -62,3 +59,6 @@ def check_report_ready(argv: Sequence[str], run_dir: str | Path) -> None:
             f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, or it has not "
             f"run yet), and the report shows the whole dataset. Finish the run first (`snakemake --cores N`: only "
             f"the missing chunks are extracted; a failed job's log is under logs/{Path(run_dir).name}/)")
+
+
+__all__ = ["check_report_ready", "configfile_groups", "earlier_configfiles"]

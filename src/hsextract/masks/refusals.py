@@ -64,7 +64,7 @@ def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], tur
     """No locator finds turn j after the prompt the server saw: the first token where the two differ."""
     k = next(i for i in range(len(prompt)) if i >= len(turn) or prompt[i] != turn[i])
     dec = renderer.tokenizer.decode
-    at = (f"first difference at token {k}: prompt {dec(prompt[k:k + 4])!r} vs turn {dec(turn[k:k + 4])!r}")
+    at = f"first difference at token {k}: prompt {dec(prompt[k:k + 4])!r} vs turn {dec(turn[k:k + 4])!r}"
     if dec(turn[k:]).startswith(dec(prompt[k:])):  # the same text, cut into other tokens across the boundary
         return TemplateError(
             f"assistant turn {j}: the turn rendered holds the generation prompt the server saw as text, but the "
