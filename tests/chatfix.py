@@ -66,27 +66,30 @@ CORPUS = [
 
 
 @functools.cache
-def _tokenizer_object() -> Tokenizer:
+def _tokenizer_object(extra_corpus: tuple[str, ...] = ()) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=400, min_frequency=1, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS * 3, trainer=trainer)
+    tok.train_from_iterator([*CORPUS, *extra_corpus] * 3, trainer=trainer)
     return tok
 
 
-def tokenizer_with(template: str, specials: list[str], eos: str, bos: str | None) -> PreTrainedTokenizerFast:
-    """The tiny BPE with a chat template and its special tokens (ids after the BPE vocab)."""
-    tok = Tokenizer.from_str(_tokenizer_object().to_str())
+def tokenizer_with(template: str, specials: list[str], eos: str, bos: str | None,
+                   extra_corpus: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+    """The tiny BPE (trained on CORPUS and `extra_corpus`) with a chat template and its special tokens (ids after
+    the BPE vocab)."""
+    tok = Tokenizer.from_str(_tokenizer_object(extra_corpus).to_str())
     tok.add_special_tokens(specials)
     kw = {"eos_token": eos} | ({"bos_token": bos} if bos else {})
     return PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=template, **kw)
 
 
-def make_tokenizer(name: str) -> PreTrainedTokenizerFast:
+def make_tokenizer(name: str, extra_corpus: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A fast tokenizer with the fixture template `name` and its special tokens."""
-    return tokenizer_with((TEMPLATES / f"{name}.jinja").read_text(), SPECIALS[name], EOS[name], BOS[name])
+    return tokenizer_with((TEMPLATES / f"{name}.jinja").read_text(), SPECIALS[name], EOS[name], BOS[name],
+                          extra_corpus)
 
 
 def trained_segments(sample, tokenizer) -> list[str]:

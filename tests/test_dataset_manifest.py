@@ -6,12 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import make_sample, shard_metadata
+from conftest import finish_run, make_sample, shard_metadata
 
 from hsextract import open_dataset
 from hsextract.errors import ShardError
 from hsextract.export import export
-from hsextract.provenance import sha256_file
 from hsextract.shard import ShardReader, ShardWriter
 
 
@@ -20,14 +19,11 @@ def run(tmp_path):
     """A run folder with three one-sample shards and the dataset.json that lists them."""
     run = tmp_path / "run"
     (run / "shards").mkdir(parents=True)
-    entries = []
     for chunk in range(3):
         path = run / "shards" / f"chunk-{chunk:05d}.hss"
         with ShardWriter(path, shard_metadata(final_state="pre_norm", chunk=chunk)) as w:
             w.add(*make_sample(5 + chunk, seed=chunk), sample_id=f"id{chunk}")
-        entries.append({"path": f"shards/{path.name}", "bytes": path.stat().st_size, "sha256": sha256_file(path)})
-    (run / "dataset.json").write_text(json.dumps({"shards": entries}))
-    return run
+    return finish_run(run)
 
 
 def test_reads_every_listed_shard(run):

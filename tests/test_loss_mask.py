@@ -241,18 +241,7 @@ def test_named_templates_render_a_record_with_tools_with_tool_use():
 def test_a_prompt_the_tokenizer_joins_to_the_turn_is_said_as_such():
     """A byte-level BPE that merges "\\n\\n" and the GPT-2 split: the prompt (Llama 3's, ending in "\\n\\n") is one
     token alone and two ("\\n", "\\n") before the turn's text. Not a reasoning or kwargs mismatch: said as such."""
-    from chatfix import BOS, CORPUS, EOS, SPECIALS, TEMPLATES
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator([*CORPUS, "Para one.\n\nPara two.\n\n"] * 5, trainer=trainers.BpeTrainer(
-        vocab_size=400, min_frequency=1, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    bpe.add_special_tokens(SPECIALS["llama3"])
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, chat_template=(TEMPLATES / "llama3.jinja").read_text(),
-                                  eos_token=EOS["llama3"], bos_token=BOS["llama3"])
+    tok = make_tokenizer("llama3", extra_corpus=("Para one.\n\nPara two.\n\n",))
     with pytest.raises(TemplateError) as e:
         ChatMasker(tok).encode(Conversation([U("Hello there!"), A("How are you today?")]))
     assert e.value.reason == "not_prefix_stable"

@@ -262,16 +262,23 @@ def count_records(s: Settings) -> int:
     return n_records
 
 
+def check_schema(config: Mapping[str, Any]) -> Settings:
+    """The config read safely, the schema (and no secret in the config: hsextract.config.redaction), remote
+    storage and the run name: the first checks of the workflow's and of the plan's."""
+    check_bounded(config)
+    s = from_config(config)
+    check_remote(s.config)
+    check_run_name(s)
+    return s
+
+
 def check_plan(config: Mapping[str, Any]) -> Settings:
     """The checks `hsextract plan` runs: those that read no source, tokenizer, reference sample or key file (a run
     may be planned away from them): the schema, the run name, the server's GPUs, ports and arguments, and the
     layers against the model's depth where its config.json is local. `snakemake -n` runs them all (check)."""
     from hsextract.config.model_info import ModelInfoError
 
-    check_bounded(config)
-    s = from_config(config)
-    check_remote(s.config)
-    check_run_name(s)
+    s = check_schema(config)
     check_server(s)
     try:
         shape = model_shape(s.config)
@@ -287,10 +294,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     The tree's aux_layers are the resolved ids (a `capture` preset's, or the explicit list), as are those
     of the config the workflow hands its jobs (the Snakefile sets them), so both hash alike.
     """
-    check_bounded(config)
-    s = from_config(config)  # first the schema (and no secret in the config: hsextract.config.redaction)
-    check_remote(s.config)
-    check_run_name(s)
+    s = check_schema(config)
     check_sources(s)
     check_tiny_model_path(s)
     check_engine(s)

@@ -277,8 +277,8 @@ def check_launch_args(launch_args: Sequence[str]) -> None:
                                                   if not (dp_attention and f in _DP)}}
     for i, arg in enumerate(launch_args):  # the value is never shown (it may be a key)
         name = arg.split("=", 1)[0]
-        if arg.startswith("-") and len(name.split()) > 1:  # "--tp 4": one argument to SGLang's parser, unknown
-            first = name.split()[0]
+        if arg.startswith("-") and len(words := name.split()) > 1:  # "--tp 4": one argument to SGLang's parser
+            first = words[0]
             raise ConfigError(f"sglang.launch_args[{i}]: {first} and its value are one item, which SGLang's parser "
                               f"reads as one unknown argument; give them as two items ({first}, then the value) "
                               f"or as {first}=<value>")

@@ -116,6 +116,12 @@ def _shared_bytes(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,))
 
 
+def _identity_of(st: os.stat_result) -> tuple[int, int, int, int]:
+    """A file's (st_dev, st_ino, st_size, st_mtime_ns): what a reader compares with the file its index was read
+    from."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 class ShardReader:
     """Read a shard written by ShardWriter.
 
@@ -188,7 +194,7 @@ class ShardReader:
             raise ShardError(f"{self.path}: deleted since it was opened (a DataLoader worker, or a read after the "
                              "file was closed, opens it again); rerun its chunk, and open the dataset again") from None
         st = os.fstat(fd)
-        identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        identity = _identity_of(st)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise ShardError(f"{self.path}: not a regular file; a shard is a regular *{fmt.SHARD_SUFFIX} file")
@@ -196,11 +202,15 @@ class ShardReader:
             self._identity = identity
         elif identity != self._identity:
             os.close(fd)
-            raise ShardError(
-                f"{self.path}: replaced or modified on disk since it was opened (device, inode, size, mtime_ns "
-                f"{self._identity} then, {identity} now): the index read then does not describe it. Open the "
-                "dataset (or shard) again to read the file as it is now")
+            raise self._changed("replaced or modified on disk", identity)
         return fd
+
+    def _changed(self, what: str, identity: tuple[int, int, int, int]) -> ShardError:
+        """The file at the path is not the one the index was read from (`identity` now, `_identity` then)."""
+        return ShardError(
+            f"{self.path}: {what} since it was opened (device, inode, size, mtime_ns {self._identity} then, "
+            f"{identity} now): the index read then does not describe it. Open the dataset (or shard) again to read "
+            "the file as it is now")
 
     @property
     def _dev(self) -> int:
@@ -271,15 +281,11 @@ class ShardReader:
         is whole, and opening it again reads it)."""
         if self._identity is not None:
             try:
-                st = os.stat(self.path)
+                now = _identity_of(os.stat(self.path))
             except OSError:
-                st = None
-            now = None if st is None else (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-            if now is not None and now != self._identity:
-                return ShardError(
-                    f"{self.path}: sample {sample}: modified on disk since it was opened (device, inode, size, "
-                    f"mtime_ns {self._identity} then, {now} now): the index read then does not describe it. Open "
-                    "the dataset (or shard) again to read the file as it is now")
+                now = self._identity
+            if now != self._identity:
+                return self._changed(f"sample {sample}: modified on disk", now)
         return CorruptShardError(self.path, sample, what)
 
     def _open(self) -> tuple[dict[str, Any], CompactIndex]:
