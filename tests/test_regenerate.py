@@ -64,7 +64,8 @@ def make_tok(name: str) -> PreTrainedTokenizerFast:
 def tiny_llama(vocab: int, eot: int) -> LlamaForCausalLM:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      eos_token_id=eot)  # saved: its generation_config.json names the tokenizer's eos, as a real one
     m = LlamaForCausalLM(cfg).eval()
     # Make the end-of-turn token likely enough that some turns stop on it and some run to max_new_tokens
     # (measured: at 0.04 half of the turns of CONVS stop; at 0.03 none of CONVS[:3], at 0.06 nearly all).
@@ -134,7 +135,9 @@ def _write_jsonl(path: Path, records) -> Path:
 
 
 def _config(src: Path, **regen) -> dict:
+    # `model` names no folder: the test tokenizers are no checkpoint's (no generation_config.json to read)
     return {"sources": [{"path": str(src), "name": "d"}], "seed": 5, "prompts_per_chunk": 2, "engine": "transformers",
+            "model": str(src.parent / "no-model"),
             "regenerate": {"enabled": True, "max_new_tokens": 6, "batch_size": 3, **regen}}
 
 
@@ -160,6 +163,34 @@ def test_stop_token_is_the_templates_end_of_turn():
     glm = make_tokenizer("glm45")
     assert glm.convert_ids_to_tokens(end_of_turn_ids(glm)) == ["<|user|>", "<|observation|>", "<|endoftext|>"]
     assert cut_at_stop([5, 6, 7, 6, 8], [6]) == [5, 6] and cut_at_stop([5, 7], [6]) == [5, 7]
+
+
+def test_stop_tokens_add_the_checkpoints_generation_config(tmp_path):
+    # gpt-oss ships eos_token_id [<|return|>, <|endoftext|>, <|call|>]: a turn that ends in a tool call stops at
+    # <|call|>, which the template does not write after a plain turn; SGLang stops there too
+    tok = make_tokenizer("harmony")
+    ids = tok.convert_tokens_to_ids(["<|return|>", "<|call|>"])
+    assert tok.convert_ids_to_tokens(end_of_turn_ids(tok)) == ["<|return|>"]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [ids[0], ids[1]]}))
+    assert tok.convert_ids_to_tokens(end_of_turn_ids(tok, model_dir=tmp_path)) == ["<|return|>", "<|call|>"]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[1]}))
+    assert tok.convert_ids_to_tokens(end_of_turn_ids(tok, model_dir=str(tmp_path))) == ["<|return|>", "<|call|>"]
+    assert end_of_turn_ids(tok, model_dir=tmp_path / "absent") == end_of_turn_ids(tok)  # a hub id: none read
+    for bad, why in (("{", "not a JSON object (Expecting property name enclosed in double quotes: line 1 column 2 "
+                           "(char 1))"),
+                     ('{"eos_token_id": [true]}', "eos_token_id = [True] is not a token id or a list of them"),
+                     ("[1]", "not a JSON object ('list' object has no attribute 'get')"),
+                     ('{"eos_token_id": 4096}', f"eos_token_id = 4096 is outside the tokenizer's vocabulary (ids "
+                                                f"0..{len(tok) - 1}): the tokenizer is not this model's (config keys "
+                                                "`tokenizer`, `model`)")):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(ConfigError) as e:
+            end_of_turn_ids(tok, model_dir=tmp_path)
+        assert str(e.value) == (f"{tmp_path / 'generation_config.json'}: {why}; it gives the ids generation stops "
+                                "at. Repair it, or set `regenerate.stop_token_ids`" if "JSON" in why else
+                                f"{tmp_path / 'generation_config.json'}: {why}" if "outside" in why else
+                                f"{tmp_path / 'generation_config.json'}: {why}. Repair it, or set "
+                                "`regenerate.stop_token_ids`")
 
 
 def test_turns_are_what_model_generate_gives_for_the_rendered_context():
@@ -255,7 +286,7 @@ def test_a_weights_repeats_stay_repeats_after_greedy_regeneration(tmp_path):
     tok = make_tok("deepseek_v3")
     src = _write_jsonl(tmp_path / "in.jsonl", [CONVS[0], CONVS[2]])
     base = {"sources": [{"path": str(src), "name": "d", "weight": 2.0}], "seed": 1, "prompts_per_chunk": 8,
-            "share_prefixes": False}
+            "share_prefixes": False, "model": str(tmp_path / "no-model")}
     cfg = from_config({**base, "regenerate": {"enabled": True}})
     paths = _chunk_paths(tmp_path, 1)
     run_regenerate_chunk(cfg, 0, paths[0], tokenizer=tok, generator=Scripted(tok, ["Same."] * 6))
@@ -370,6 +401,17 @@ def test_the_regenerated_file_keeps_the_key_order_the_template_rendered(tmp_path
     assert json.dumps(rec["messages"][1]["tool_calls"][0]["function"]["arguments"]) == json.dumps(
         call["function"]["arguments"])
     assert rec["messages"][3]["content"] == "It is warm."
+
+
+def test_a_chunk_stops_at_the_checkpoints_generation_config_ids_too(tmp_path):
+    tok = make_tok("deepseek_v3")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, 7]}))
+    src = _write_jsonl(tmp_path / "in.jsonl", CONVS)
+    st = run_regenerate_chunk(from_config({**_config(src), "model": str(model)}), 0, tmp_path / "out.jsonl",
+                              tokenizer=tok, generator=Scripted(tok, ["Fine."] * 4))
+    assert st["settings"]["stop_token_ids"] == [tok.eos_token_id, 7]
 
 
 def test_reasoning_split_tool_turns_and_cut_conversations():
@@ -496,7 +538,7 @@ def test_a_record_the_template_refuses_is_counted_as_prepare_counts_it(tmp_path)
                         {"role": "assistant", "content": "hi"}]}
     src.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     cfg = {"sources": [{"path": str(src), "name": "d"}], "prompts_per_chunk": 8, "strict": False,
-           "regenerate": {"enabled": True}}
+           "model": str(tmp_path / "no-model"), "regenerate": {"enabled": True}}
     prepared = run_prepare(from_config(cfg).prepare, tok, tmp_path / "p", 1)
     assert (prepared["kept"], dict(prepared["dropped"])) == (1, {"template_error": 1})
 

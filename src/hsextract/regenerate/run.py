@@ -69,7 +69,7 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
                          trust_remote_code=settings.extract.trust_remote_code)
     regen = settings.regenerate
     if regen.stop_token_ids is None:
-        regen = replace(regen, stop_token_ids=tuple(end_of_turn_ids(tok, kwargs)))
+        regen = replace(regen, stop_token_ids=tuple(end_of_turn_ids(tok, kwargs, settings.extract.model)))
     stop_ids = list(regen.stop_token_ids or ())
     unknown = [t for t in stop_ids if not 0 <= t < len(tok)]
     if unknown:  # never generated: the turns would run to max_new_tokens

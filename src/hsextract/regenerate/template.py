@@ -3,7 +3,10 @@ may be rendered back from."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from hsextract.config.settings import RegenerateSettings
@@ -11,10 +14,13 @@ from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
 
 
-def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None = None,
+                    model_dir: str | os.PathLike[str] | None = None) -> list[int]:
     """Stop tokens: the first token of the text the template writes after an assistant message (when it is
     a special/added token: <|eot_id|>, <|im_end|>, <｜end▁of▁sentence｜>), or, for a template that writes none
-    (GLM-4.5), the headers of the messages that follow a turn (`<|user|>`, `<|observation|>`); then eos."""
+    (GLM-4.5), the headers of the messages that follow a turn (`<|user|>`, `<|observation|>`); then eos; then
+    the eos ids of `model_dir`'s generation_config.json, which SGLang and transformers stop at too (gpt-oss's
+    `<|call|>`, Llama 3.1's `<|eom_id|>`: the turns that end in a tool call)."""
     masker = ChatMasker(tokenizer, chat_template_kwargs=dict(chat_template_kwargs or {}))
     sent = "\ue000"
     text = masker.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": sent}])
@@ -29,13 +35,33 @@ def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | No
         if t not in out:
             out.append(t)
     eos = tokenizer.eos_token_id
-    for t in eos if isinstance(eos, list) else [eos]:
+    for t in (eos if isinstance(eos, list) else [eos]) + generation_eos_ids(model_dir, len(tokenizer)):
         if t is not None and t not in out:
             out.append(t)
     if not out:
         raise ConfigError("regenerate: the chat template writes no special end-of-turn token and the tokenizer has "
                           "no eos_token: set `regenerate.stop_token_ids`")
     return out
+
+
+def generation_eos_ids(model_dir: str | os.PathLike[str] | None, vocab_size: int) -> list[int]:
+    """`eos_token_id` (an id or a list) of the checkpoint's generation_config.json; [] without one (a hub id)."""
+    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
+    if path is None or not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{path}: not a JSON object ({e}); it gives the ids generation stops at. Repair it, or set "
+                          "`regenerate.stop_token_ids`") from e
+    ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ConfigError(f"{path}: eos_token_id = {eos!r} is not a token id or a list of them. Repair it, or set "
+                          "`regenerate.stop_token_ids`")
+    if any(t >= vocab_size for t in ids):
+        raise ConfigError(f"{path}: eos_token_id = {eos!r} is outside the tokenizer's vocabulary (ids 0.."
+                          f"{vocab_size - 1}): the tokenizer is not this model's (config keys `tokenizer`, `model`)")
+    return ids
 
 
 def split_candidates(text: str, s: RegenerateSettings, in_reasoning: bool = False) -> list[dict[str, str]]:
