@@ -519,7 +519,8 @@ def test_a_misplaced_row_fails_the_comparison(tmp_path: Path) -> None:
     assert wrong_samples(tmp_path / "shared.hss", chunk) == ["s2", "s4", "s5", "s6"]
 
 
-def test_a_retry_that_hits_its_own_partial_pass_is_computed_again_under_a_fresh_key(tmp_path: Path) -> None:
+def test_a_retry_that_hits_its_own_partial_pass_is_computed_again_under_a_fresh_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """b (prefix 20 of a) is aborted after its first pass [20, 52): its retry hits that pass (52 > 20), so it is
     sent again under a fresh cache key and computed whole (the retry's rows from 52 are dropped), stored as a root;
     its child c then takes its 120 rows from b under b's new key. Rows byte-equal to the fake model's; prefill
@@ -538,6 +539,12 @@ def test_a_retry_that_hits_its_own_partial_pass_is_computed_again_under_a_fresh_
     assert (r.parents, r.prefix_lens) == ([-1, -1, 1], [0, 0, 120])
     assert wrong_samples(tmp_path / "shared.hss", chunk) == []
     assert out["computed_tokens"] == 100 + 150 + 40
+    assert (out["planned_computed_tokens"], out["lost_prefixes"]) == (100 + 130 + 40, 1)
+    assert capsys.readouterr().err.endswith(
+        "WARNING: shared.hss: 1 of 2 samples that share a prefix were computed from an earlier position than their "
+        "prefix (290 tokens computed and stored where prepare planned 270): the server's radix cache no longer held "
+        "the whole prefix when the sample ran (evicted for other requests, or cut to its page size): a larger "
+        "--mem-fraction-static, or fewer requests in flight, keeps more\n")
     assert srv.prefill_tokens == 100 + 32 + (150 - 52) + 150 + 40  # a, b's aborted pass, its retry from 52, b, c
     tails = [x.rsplit("-i", 1)[1] for x in srv.rids]
     assert tails == ["0-a0", "1-a0", "1-a1", "1-a1-full", "2-a0"]

@@ -144,6 +144,36 @@ def test_kept_caches_stay_within_the_budget(model_dir: Path, family: list[Prompt
             assert rel(t, want[c.start:]) <= TOL
 
 
+def test_a_chunk_says_which_samples_lost_their_parents_cache(model_dir: Path, family: list[Prompt], tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """At 200 positions 2, 3 and 5 lose their parent's cache (above): the chunk's summary and a warning say so, the
+    tokens computed against those prepare planned; the shard records the references used."""
+    from conftest import shard_metadata
+
+    from hsextract.extract.run import ChunkPrompts, extract_chunk
+    from hsextract.shard import ShardReader
+
+    chunk = ChunkPrompts([p.sample_id for p in family], [p.input_ids for p in family],
+                         [[1] * len(p.input_ids) for p in family], [p.parent for p in family],
+                         [p.prefix_len for p in family])
+    meta = shard_metadata(engine="transformers", aux_layers=[1, 3], hidden_size=128, final_state="post_norm")
+    with TransformersEngine(model_dir, CaptureSpec((1, 3), "post_norm"), token_budget=1024, cache_tokens=200) as eng:
+        out = extract_chunk(chunk, tmp_path / "c.hss", eng, meta, progress=False)
+    tokens = sum(len(p.input_ids) for p in family)
+    assert (out["computed_tokens"], out["planned_computed_tokens"], out["lost_prefixes"]) == \
+        (tokens - 120, tokens - 120 - 170 - 40 - 150, 3)
+    assert capsys.readouterr().err.endswith(
+        f"WARNING: c.hss: 3 of 4 samples that share a prefix were computed from an earlier position than their prefix "
+        f"({tokens - 120:,} tokens computed and stored where prepare planned {tokens - 480:,}): the transformers "
+        "engine keeps parents' keys and values for 200 positions at most and drops those whose next child comes "
+        "last: families that interleave in a chunk, or long parents, lose theirs\n")
+    with TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), token_budget=50) as eng:
+        assert "for 200 positions at most (4 x transformers.token_budget; a larger one keeps more) and drops" in \
+            eng.lost_prefixes()
+    r = ShardReader(tmp_path / "c.hss")
+    assert (r.parents, r.prefix_lens) == ([-1, 0, -1, -1, -1, -1], [0, 120, 0, 0, 0, 0])
+
+
 @pytest.mark.parametrize(("model_type", "config", "layers"), [
     ("llama", {}, None),  # full attention: the child runs on the parent's cut cache
     ("gemma3_text", {"sliding_window": 16}, "DynamicSlidingWindowLayer"),  # keeps the last 16 positions alone

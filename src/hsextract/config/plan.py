@@ -334,7 +334,9 @@ def format_plan(p: Mapping[str, Any]) -> str:
         ("tokens per record", f"{p['tokens_per_record']:,.1f} ({p['tokens_per_record_source']})"),
         ("tokens", f"{p['tokens']:,}"),
         *([("", f"distinct tokens (share_prefixes: each shared prefix stored and computed once); "
-                f"materialized {p['materialized_tokens']:,} ({p['share_saving']}x), as a trainer reads them")]
+                f"materialized {p['materialized_tokens']:,} ({p['share_saving']}x), as a trainer reads them; a sample "
+                "whose parent's keys and values the engine no longer held is computed and stored whole (a WARNING "
+                "in its extract log)")]
           if p.get("materialized_tokens") is not None else []),
         # --mean-tokens counts a record's samples whole: with sharing on, what is stored and computed is less
         *([("", "share_prefixes: each record's samples counted whole, an upper bound on the distinct tokens "

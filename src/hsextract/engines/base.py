@@ -98,6 +98,11 @@ class Engine(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional: a no-op for engines with nothing to release
         """Release the model or the server connection."""
 
+    def lost_prefixes(self) -> str:
+        """Why a sample may be computed from an earlier position than its prefix length (its parent's keys and
+        values no longer cached), said where that happened; "" for an engine that never does."""
+        return ""
+
     def __enter__(self) -> Engine:
         return self
 

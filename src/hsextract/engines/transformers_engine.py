@@ -360,6 +360,14 @@ class TransformersEngine(Engine):
             total -= caches.pop(last)[1]
         self.peak_cached_tokens = max(self.peak_cached_tokens, total)
 
+    def lost_prefixes(self) -> str:
+        rule = f" ({CACHE_BUDGET_FACTOR} x transformers.token_budget; a larger one keeps more)" \
+            if self.cache_tokens == CACHE_BUDGET_FACTOR * self.token_budget else ""
+        return self.no_reuse or (
+            f"the transformers engine keeps parents' keys and values for {self.cache_tokens:,} positions at "
+            f"most{rule} and drops those whose next child comes last: families that interleave in a chunk, or long "
+            "parents, lose theirs")
+
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         items = list(prompts)
         users = check_references(items)

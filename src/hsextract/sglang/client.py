@@ -133,6 +133,11 @@ class SGLangEngine(Engine):
             release, self._on_close = self._on_close, None
             release()
 
+    def lost_prefixes(self) -> str:
+        return ("the server's radix cache no longer held the whole prefix when the sample ran (evicted for other "
+                "requests, or cut to its page size): a larger --mem-fraction-static, or fewer requests in flight, "
+                "keeps more")
+
     # ---- info -----------------------------------------------------------------------------------------
     def plugin_info(self) -> dict:
         """The plugin's start-up marker in the dump dir; checks it captures this spec's layers."""
