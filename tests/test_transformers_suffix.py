@@ -128,7 +128,7 @@ def test_the_engine_refuses_references_it_cannot_use(model_dir: Path, family: li
 )
 def test_kept_caches_stay_within_the_budget(model_dir: Path, family: list[Prompt], cache_tokens: int | None,
                                             starts: list[int], peak: int) -> None:
-    """The parents' caches kept at once hold at most `cache_tokens` positions (default 4 x token_budget); a child
+    """The parents' caches kept at once hold at most `cache_tokens` positions (default: 1 GiB's worth); a child
     whose parent's cache was dropped is computed in full (start 0), and every sample's rows still match a full
     forward within the bound."""
     ref = full_forward(model_dir, family)
@@ -136,6 +136,9 @@ def test_kept_caches_stay_within_the_budget(model_dir: Path, family: list[Prompt
                             cache_tokens=cache_tokens) as eng:
         assert eng.cache_tokens == (4 * 1024 if cache_tokens is None else cache_tokens)
         got = list(eng.extract(family))
+        # by default, raised to 1 GiB of this model's keys and values once the first cache is kept: a position
+        # holds 4 layers x (kv_lora_rank 512 + qk_rope_head_dim 64) x 2 bytes (DeepseekV3 caches MLA's latent)
+        assert eng.cache_tokens == (2**30 // (4 * (512 + 64) * 2) if cache_tokens is None else cache_tokens)
         assert eng.peak_cached_tokens == peak
     assert [c.start for c in got] == starts
     for p, c, r in zip(family, got, ref, strict=True):
@@ -168,8 +171,8 @@ def test_a_chunk_says_which_samples_lost_their_parents_cache(model_dir: Path, fa
         "engine keeps parents' keys and values for 200 positions at most and drops those whose next child comes "
         "last: families that interleave in a chunk, or long parents, lose theirs\n")
     with TransformersEngine(model_dir, CaptureSpec((1,), "post_norm"), token_budget=50) as eng:
-        assert "for 200 positions at most (4 x transformers.token_budget; a larger one keeps more) and drops" in \
-            eng.lost_prefixes()
+        assert "for 200 positions at most (1 GiB of this model's keys and values, or 4 x transformers.token_budget " \
+            "if more) and drops" in eng.lost_prefixes()
     r = ShardReader(tmp_path / "c.hss")
     assert (r.parents, r.prefix_lens) == ([-1, 0, -1, -1, -1, -1], [0, 120, 0, 0, 0, 0])
 

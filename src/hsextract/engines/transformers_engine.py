@@ -23,9 +23,10 @@ Shared prefixes (docs/SHARED_PREFIX.md): a prompt with a parent (`Prompt.parent`
 tokens k..seq-1, at positions k..seq-1, on the parent's keys and values cut to k (`past_key_values`), and its
 Captured holds those rows only (`start` = k). Parents keep their cache until their last child has run. Family
 members run one at a time; prompts outside any family are batched as above. The kept caches hold at most
-`cache_tokens` positions together (default CACHE_BUDGET_FACTOR x token_budget): past that, the caches whose next
-child comes last are dropped (the one just computed included), and a child whose parent's cache was dropped runs in
-full, as a root (`start` 0), so the shard records the reference actually used. A model whose cache cannot be cut
+`cache_tokens` positions together (default: CACHE_BUDGET_BYTES of the model's keys and values, or CACHE_BUDGET_FACTOR
+x token_budget positions if more): past that, the caches whose next child comes last are dropped (the one just
+computed included), and a child whose parent's cache was dropped runs in full, as a root (`start` 0), so the shard
+records the reference actually used. A model whose cache cannot be cut
 to a prefix (sliding-window or linear-attention layers: `_uncuttable`) keeps none: every child runs in full.
 
 Progress: pass `on_sample`, called with each Captured just before it is yielded (the
@@ -47,8 +48,12 @@ from hsextract.capture import MAX_AUX_LAYERS
 from hsextract.engines.base import BOTH, Captured, CaptureSpec, Engine, Prompt, check_references
 from hsextract.errors import ConfigError, EngineError
 
-# kept parent caches, in positions, per token_budget (the positions one forward batch holds): a fixed rule
+# kept parent caches: the positions of CACHE_BUDGET_FACTOR forward batches (token_budget each), or as many as
+# CACHE_BUDGET_BYTES hold (measured on the first cache kept), whichever is more: a fixed rule. Positions alone cost
+# a small model its sharing (an agentic turn past 4 x 1,024 tokens kept no cache for the next), bytes alone a
+# large one its memory.
 CACHE_BUDGET_FACTOR = 4
+CACHE_BUDGET_BYTES = 1 << 30
 
 
 def resolve_device(device: str) -> str:
@@ -112,8 +117,10 @@ class TransformersEngine(Engine):
             raise ConfigError(f"max_batch: {max_batch} must be >= 1 (prompts per forward batch).")
         if cache_tokens is not None and cache_tokens < 0:
             raise ConfigError(f"cache_tokens: {cache_tokens} must be >= 0 (positions of parent caches kept).")
-        # the parents' keys and values kept for their children, in positions of all layers together
+        # the parents' keys and values kept for their children, in positions of all layers together (by default
+        # raised to CACHE_BUDGET_BYTES' worth once a cache's bytes per position are known: _fit_caches)
         self.cache_tokens = CACHE_BUDGET_FACTOR * token_budget if cache_tokens is None else cache_tokens
+        self._cache_rule = self._default_budget = cache_tokens is None
         self.peak_cached_tokens = 0  # the most positions kept at once during the last extract()
         self.no_reuse: str | None = None  # why no child can run on its parent's cache (this model's cache layers)
         self.model_path = str(model_path)
@@ -354,6 +361,11 @@ class TransformersEngine(Engine):
     def _fit_caches(self, caches: dict[int, tuple[Any, int]], children: dict[int, list[int]]) -> None:
         """Drop the caches whose next child comes last until the rest hold at most `cache_tokens` positions (the
         furthest next use first: the fewest children lose their parent's cache)."""
+        if self._cache_rule:  # the first cache kept gives the bytes per position
+            cache, n = next(iter(caches.values()))
+            per = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)) / max(n, 1)
+            self.cache_tokens = max(self.cache_tokens, int(CACHE_BUDGET_BYTES // max(per, 1)))
+            self._cache_rule = False
         total = sum(n for _, n in caches.values())
         while total > self.cache_tokens:
             last = max(caches, key=lambda q: children[q][0])
@@ -361,8 +373,8 @@ class TransformersEngine(Engine):
         self.peak_cached_tokens = max(self.peak_cached_tokens, total)
 
     def lost_prefixes(self) -> str:
-        rule = f" ({CACHE_BUDGET_FACTOR} x transformers.token_budget; a larger one keeps more)" \
-            if self.cache_tokens == CACHE_BUDGET_FACTOR * self.token_budget else ""
+        rule = f" ({CACHE_BUDGET_BYTES >> 30} GiB of this model's keys and values, or {CACHE_BUDGET_FACTOR} x " \
+            "transformers.token_budget if more)" if self._default_budget else ""
         return self.no_reuse or (
             f"the transformers engine keeps parents' keys and values for {self.cache_tokens:,} positions at "
             f"most{rule} and drops those whose next child comes last: families that interleave in a chunk, or long "
