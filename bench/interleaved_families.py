@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shared_prefix  # noqa: E402 - bench/'s own generator of agentic conversations
+import shared_prefix  # bench/'s own generator of agentic conversations
 
 
 class _Words:
