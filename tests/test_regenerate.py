@@ -361,7 +361,8 @@ def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
 def test_a_turn_that_ends_inside_its_reasoning_is_never_an_answer():
     """Kimi's generation prompt opens <think>: a turn that reaches max_new_tokens before </think> has no answer, and
     rendered back it would close the reasoning and end the turn where the model did neither: cut, whatever
-    drop_truncated says. One that ends there (its stop token) is stored as reasoning with an empty answer."""
+    drop_truncated says. One that ends there (its stop token) is cut too: rendered back, `</think>` would be
+    trained before the stop where the model wrote none."""
     tok = make_tok("kimi_k25")
     conv = Conversation([{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "4"},
                          {"role": "user", "content": "Hello there!"}, {"role": "assistant", "content": "Hi."}])
@@ -372,9 +373,11 @@ def test_a_turn_that_ends_inside_its_reasoning_is_never_an_answer():
         assert new.messages == [conv.messages[0], {"role": "assistant", "reasoning_content": "Let me think",
                                                    "content": "Two plus two is four."}, conv.messages[2]]
         assert stats.conversations_cut == {"max_new_tokens_in_reasoning": 1} and stats.turns_hit_max_new_tokens == 1
+    stats = RegenStats()
     (new,) = regenerate_chunk([Conversation(conv.messages[:2])], Scripted(tok, ["Let me think"]), regen_settings(),
-                              tokenizer=tok)
-    assert new.messages[1] == {"role": "assistant", "reasoning_content": "Let me think", "content": ""}
+                              tokenizer=tok, stats=stats)
+    assert new.messages == conv.messages[:1]
+    assert stats.conversations_cut == {"stopped_in_reasoning": 1, "no_assistant_turn": 1}
     # truncated after its reasoning closed: an answer, kept unless drop_truncated (as any truncated turn)
     stats = RegenStats()
     (new,) = regenerate_chunk([Conversation(conv.messages[:2])], Scripted(tok, ["Hm</think>Two plus"], stop=False),
@@ -412,6 +415,39 @@ def test_a_chunk_stops_at_the_checkpoints_generation_config_ids_too(tmp_path):
     st = run_regenerate_chunk(from_config({**_config(src), "model": str(model)}), 0, tmp_path / "out.jsonl",
                               tokenizer=tok, generator=Scripted(tok, ["Fine."] * 4))
     assert st["settings"]["stop_token_ids"] == [tok.eos_token_id, 7]
+
+
+class Fixed:
+    """Answers each prompt with the next of the given id lists, as they are."""
+
+    def __init__(self, outs: list[list[int]]) -> None:
+        self.outs = list(outs)
+
+    def generate(self, prompts, seeds=None):
+        return [self.outs.pop(0) for _ in prompts]
+
+
+def test_a_turn_whose_rendering_trains_other_ids_than_generated_counts_as_text(tmp_path, capsys):
+    """Prepare trains the rendering's ids: where they are not the generated ones and the stop token the model
+    wrote (ids the tokenizer merges otherwise, eos where the template writes its end-of-turn), the turn counts as
+    roundtrip "text" and the job says so."""
+    tok = make_tok("phi3")  # the template ends a turn with <|end|>; eos <|endoftext|> stops a generation too
+    end, eos = tok.convert_tokens_to_ids("<|end|>"), tok.eos_token_id
+    fine = tok("the answer", add_special_tokens=False)["input_ids"]
+    split = [tok.convert_tokens_to_ids(c) for c in "the"] + fine[2:]  # "t" "h" "e" where the tokenizer has "t" "he"
+    assert tok.decode(split) == tok.decode(fine) and split != fine
+    user = Conversation([{"role": "user", "content": "Hello there!"}])
+    for out, want in (([*fine, end], {"tokens": 1}), ([*fine, eos], {"text": 1}), ([*split, end], {"text": 1})):
+        stats = RegenStats()
+        (new,) = regenerate_chunk([user], Fixed([out]), regen_settings(), tokenizer=tok, stats=stats)
+        assert new.messages[1] == {"role": "assistant", "content": "the answer"} and stats.roundtrip == want
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"messages": user.messages}])
+    st = run_regenerate_chunk(from_config({**_config(src), "prompts_per_chunk": 1}), 0, tmp_path / "out.jsonl",
+                              tokenizer=tok, generator=Fixed([[*fine, eos]]))
+    assert st["roundtrip"] == {"text": 1}
+    assert capsys.readouterr().err == (
+        "WARNING: regenerate chunk 0: 1 turns whose rendering trains other ids than the generated ones (roundtrip "
+        f"text); {tmp_path / 'out.stats.json'}\n")
 
 
 def test_reasoning_split_tool_turns_and_cut_conversations():

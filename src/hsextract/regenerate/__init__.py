@@ -18,14 +18,17 @@ when the text holds a `</think>`). The split that the template renders back to e
 the generated text is chosen; where no rendering can hold it (a template that cuts the reasoning from every
 turn: DeepSeek-R1, QwQ), the split whose sample, as prepare makes it (`ChatMasker.turn_ids`), holds the
 prompt + generated ids. `stats.roundtrip` counts turns whose re-tokenized rendering or sample holds exactly
-the generated ids ("tokens"), a rendering only the same text ("text"), or neither ("none": e.g. a template
-that trims content).
+the generated ids and the stop token the model wrote ("tokens"), a rendering only the same text ("text": the
+text re-tokenizes to other ids, a sampled special or a split UTF-8 character, or the template writes another
+end-of-turn than the one the model stopped with; prepare trains the rendering's ids), or neither ("none": e.g.
+a template that trims content); a job with "text" or "none" turns says so in its log.
 
 One output line per input record, so the regenerated file holds as many records as the input mixture and
 `prepare` on it has the chunk count computed from the original sources:
   - regenerated conversation: {"id", "source", "messages", "tools"?}
-  - a turn that produced no text (or hit max_new_tokens with `drop_truncated`): the conversation is cut
-    before that turn; prepare then drops it if nothing is left to train (no_trained_tokens);
+  - a turn that produced no text (or hit max_new_tokens with `drop_truncated`), or that ended (stopped or hit
+    max_new_tokens) inside the reasoning block its generation prompt opened: the conversation is cut before
+    that turn; prepare then drops it if nothing is left to train (no_trained_tokens);
   - a malformed input record, or one whose context the chat template refuses (counted in `refused` by the
     reason prepare drops it under), in lenient mode: {"id", "source", "messages": [], "malformed": reason},
     which prepare counts under that reason; strict mode raises, naming the record's file:line.

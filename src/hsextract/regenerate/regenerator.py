@@ -24,6 +24,9 @@ TRUNCATED = "max_new_tokens"
 # rendered back would close the reasoning and end the turn where the model did neither. Cut whatever
 # drop_truncated says.
 TRUNCATED_IN_REASONING = "max_new_tokens_in_reasoning"
+# the stop token inside that block: no answer either, and rendered back the turn would close the reasoning where
+# the model did not (Kimi: `</think>` trained before `<|im_end|>`). Cut.
+STOPPED_IN_REASONING = "stopped_in_reasoning"
 NO_ASSISTANT_TURN = "no_assistant_turn"
 
 
@@ -99,8 +102,9 @@ class Regenerator:
         s = self.settings
         return prompt.prompt_text.rstrip().endswith(s.think_start) and s.think_end not in text
 
-    def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int], text: str,
-                 in_reasoning: bool, stats: RegenStats) -> dict[str, Any]:
+    def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int], stop: int | None,
+                 text: str, in_reasoning: bool, stats: RegenStats) -> dict[str, Any]:
+        """The message the turn is stored as; `stop`: the stop token the generation ended with (None: none)."""
         cands = split_candidates(text, self.settings, in_reasoning=in_reasoning)
         want_text = prompt.prompt_text + text
         for cand in cands:
@@ -111,7 +115,10 @@ class Regenerator:
                 continue
             if rendered.startswith(want_text):
                 ids = self._ids(rendered)
-                exact = ids[:len(prompt.prompt_ids) + len(body)] == prompt.prompt_ids + body
+                n = len(prompt.prompt_ids) + len(body)
+                # and the stop token the model wrote, where the template writes one after the turn (GLM's writes
+                # none: the next message's header, not rendered here, is the stop)
+                exact = ids[:n] == prompt.prompt_ids + body and (stop is None or len(ids) == n or ids[n] == stop)
                 stats.roundtrip["tokens" if exact else "text"] += 1
                 return msg
         # No rendering holds the text as generated (the template cuts or moves reasoning: Kimi, R1, QwQ): the
@@ -124,7 +131,8 @@ class Regenerator:
             except Exception:  # noqa: BLE001 - a candidate the masker refuses is just not the one
                 continue
             if ids[:len(want)] == want:
-                stats.roundtrip["tokens"] += 1
+                exact = stop is None or len(ids) == len(want) or ids[len(want)] == stop
+                stats.roundtrip["tokens" if exact else "text"] += 1
                 return msg
         stats.roundtrip["none"] += 1
         return msgs[0]
@@ -186,12 +194,12 @@ class Regenerator:
                     stats.turns_hit_max_new_tokens += 1
                 reason = None
                 in_reasoning = self._in_reasoning(t, text)
-                if not stopped and in_reasoning:
-                    reason = TRUNCATED_IN_REASONING
+                if in_reasoning:
+                    reason = STOPPED_IN_REASONING if stopped else TRUNCATED_IN_REASONING
                 elif not stopped and self.settings.drop_truncated:
                     reason = TRUNCATED
                 msg = None if reason is not None else self._message(
-                    msgs[:t.j], tools[t.conv], t, body, text, in_reasoning, stats)
+                    msgs[:t.j], tools[t.conv], t, body, out[-1] if stopped else None, text, in_reasoning, stats)
                 if msg is not None and not msg["content"].strip() and not msg.get("reasoning_content"):
                     reason = EMPTY_GENERATION
                 if reason is not None:

@@ -115,6 +115,8 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
     write_chunk(out_path, lines, summary)
     for what, n in (("turns reached max_new_tokens (kept unless drop_truncated; those inside their reasoning cut)",
                      stats.turns_hit_max_new_tokens),
+                    ("turns whose rendering trains other ids than the generated ones (roundtrip text)",
+                     stats.roundtrip["text"]),
                     ("turns no message renders back to the generated ids (roundtrip none)", stats.roundtrip["none"])):
         if n:
             print(f"WARNING: regenerate chunk {chunk_index}: {n} {what}; {stats_path(out_path)}", file=sys.stderr,
