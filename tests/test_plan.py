@@ -355,8 +355,22 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
         "hsextract plan: error: chunks_per_job: unknown key; config/README.md lists every key "
         "(workflow/schemas/config.schema.yaml)")
 
-    # the checks that read no data, tokenizer, reference or key file: as `snakemake -n` would refuse them
+    binary = tmp_path / "chunk.hss"
+    binary.write_bytes(b"HSS\x00\xff\xfe")
+    assert main(["plan", "--configfile", str(binary), "--samples", "95", "--mean-tokens", "100"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"hsextract plan: error: --configfile: cannot read {binary} ('utf-8' codec can't decode byte 0xff in "
+        "position 4: invalid start byte)")
+    # regeneration is said, not planned
     del small["chunks_per_job"]
+    base.write_text(yaml.safe_dump(small | {"regenerate": {"enabled": True, "max_new_tokens": 512}}))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split(None, 1) == [
+        "regenerate", "on, and not in these figures: each assistant turn generated first (up to 512 new tokens) by "
+        "the target, before prepare; the tokens above are the source's, not the regenerated ones; time it on a "
+        "sample"]
+
+    # the checks that read no data, tokenizer, reference or key file: as `snakemake -n` would refuse them
     config = Path(small["model"]) / "config.json"
     for over, said in (
             ({"engine": "sglang", "sglang": {"tp": 2, "gpus": [0]}},

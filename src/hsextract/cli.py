@@ -207,7 +207,7 @@ def _configfile_config(paths: Sequence[str]) -> dict:
     for path in paths:
         try:
             loaded = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ConfigError(f"--configfile: cannot read {path} ({e})") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"--configfile: {path} is not a mapping of config keys")

@@ -235,6 +235,8 @@ def plan(
         # these the materialized ones (each sample whole, what a trainer reads); else None
         "materialized_tokens": materialized,
         "share_prefixes": settings.prepare.share_prefixes,
+        # regeneration's cost is not planned: its max_new_tokens when on, else None
+        "regenerate_max_new_tokens": settings.regenerate.max_new_tokens if settings.regenerate.enabled else None,
         "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
@@ -365,6 +367,10 @@ def format_plan(p: Mapping[str, Any]) -> str:
          + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
         ("wall time", _hours(p["wall_hours"], no_rate) + f" on {p['nodes']} node(s), one job per node at a time"),
         ("disk per node", f"{_bytes(p['stored_bytes_per_node'])} of shards on the busiest of {p['nodes']} node(s)"),
+        *([("regenerate", f"on, and not in these figures: each assistant turn generated first (up to "
+                          f"{p['regenerate_max_new_tokens']:,} new tokens) by the target, before prepare; the "
+                          "tokens above are the source's, not the regenerated ones; time it on a sample")]
+          if p.get("regenerate_max_new_tokens") is not None else []),
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)

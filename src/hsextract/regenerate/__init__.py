@@ -41,7 +41,8 @@ Sampling is deterministic: each (sample_id, turn) gets its own seed derived from
 torch.Generator per sample (transformers) or sent as `sampling_seed` (sglang, whose server uses it only with
 --enable-deterministic-inference: hsextract.sglang.generate checks), so the draws do not depend on which samples
 share a batch. The logits can, in their last bits (a padded bfloat16 batch against one row), which may flip a
-near tie: the same config and batch_size give the same file, another batch_size may not (config/README.md).
+near tie: the same config, batch_size and CPU threads give the same file, another batch_size or thread count
+may not (config/README.md).
 
 Files: `run_regenerate_chunk` writes chunk-NNNNN.jsonl and chunk-NNNNN.stats.json (stats first, then the
 JSONL, each to a temporary name + rename): a failed chunk leaves no JSONL and reruns alone.
