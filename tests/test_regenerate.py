@@ -296,6 +296,13 @@ def test_a_weights_repeats_stay_repeats_after_greedy_regeneration(tmp_path):
     as_workflow = from_config({**base, "sources": [{"path": str(out), "name": "regenerated", "format": "messages"}]})
     kept = run_prepare(as_workflow.prepare, tok, tmp_path / "p", 1, regenerated=True)
     assert (kept["kept"], dict(kept["dropped"])) == (4, {})
+    # each sample keeps the id of the input record it regenerates, not its line in the regenerated file
+    rows = pq.read_table(tmp_path / "p" / "chunk-00000.parquet").to_pylist()
+    by_id = {r["id"]: r["messages"] for r in _read_jsonl(out)}
+    assert sorted(r["sample_id"] for r in rows) == ["d:0", "d:0#1", "d:1", "d:1#1"]
+    masker = ChatMasker(tok)
+    for r in rows:
+        assert r["input_ids"] == masker.encode(Conversation(by_id[r["sample_id"]]))[0].input_ids
     plain = run_prepare(as_workflow.prepare, tok, tmp_path / "q", 1)
     assert (plain["kept"], dict(plain["dropped"])) == (2, {"duplicate": 2})
 

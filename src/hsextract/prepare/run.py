@@ -121,11 +121,17 @@ def _source_hash(src: OpenSource) -> str:
                           f"{e}") from None
 
 
-def _regenerated_origin(src: OpenSource, index: int) -> int | str:
-    """The input record a line of regenerate's file regenerates: its id without a repeat's `#k`, else the line."""
+def _regenerated_id(src: OpenSource, index: int) -> re.Match[str] | None:
+    """The id of a line of regenerate's file: the input record's sample id (`source:index`, `#k` for a weight's
+    repeat), matched as (record, repeat); None for a line without one."""
     rec = decode_raw(src.reader.raw(index)[1])
     sid = rec.get("id") if isinstance(rec, dict) else None
-    m = re.fullmatch(r"(.+:\d+)(#\d+)?", sid) if isinstance(sid, str) else None
+    return re.fullmatch(r"(.+:\d+)(#\d+)?", sid) if isinstance(sid, str) else None
+
+
+def _regenerated_origin(src: OpenSource, index: int) -> int | str:
+    """The input record a line of regenerate's file regenerates: its id without a repeat's `#k`, else the line."""
+    m = _regenerated_id(src, index)
     return m.group(1) if m else index
 
 
@@ -286,6 +292,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                 continue
             samples, counted = encoding
             masker.stats.update(counted)
+            # a regenerated record keeps the sample id of the input record it regenerates (not its line there)
+            base = m.group(0) if regenerated and (m := _regenerated_id(src, entry.index)) else entry.sample_id
             if isinstance(samples, tuple):  # the template refused it: (failure text, reason)
                 if strict:
                     raise TemplateError(f"{payload[0]}: {samples[0]}", samples[1])
@@ -307,7 +315,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                 if cut:  # kept samples only: a dropped one is counted once, under its reason
                     st["truncated"] += 1
                     total["truncated"] += 1
-                sid = entry.sample_id if sample.turn is None else f"{entry.sample_id}:t{sample.turn}"
+                sid = base if sample.turn is None else f"{base}:t{sample.turn}"
                 rows.append({"sample_id": sid, "input_ids": ids, "loss_mask": mask, "num_tokens": len(ids),
                              "num_trained": n_trained, "source": src.spec.name})
                 row_records.append(k)
