@@ -309,6 +309,18 @@ def test_a_compressed_source_is_refused_as_a_whole(tmp_path, name, pack, what, f
                                 "as the source's `path`")
 
 
+def test_a_binary_source_is_refused_as_a_whole(tmp_path):
+    """A shard or another binary file named as a source was one non_utf8 record a line (thousands of lines from
+    `hsextract masks --explain`): refused as a whole at its first NUL byte."""
+    path = tmp_path / "chunk-00000.hss"
+    path.write_bytes(b"HSS1" + bytes(range(256)) * 4 + b"\n" + GOOD)
+    for read in (count_records, open_sources):
+        with pytest.raises(ConfigError) as e:
+            read([{"path": path}])
+        assert str(e.value) == (f"{path}: the file is binary (a NUL byte at offset 4), and a JSONL or JSON source is "
+                                "read as UTF-8 text: give the conversations file as the source's `path`")
+
+
 def test_a_json_file_of_one_object_is_refused_not_read_as_lines(tmp_path):
     """A .json file holds a list of records, or JSON lines (as `datasets` reads one): a pretty-printed object read
     as lines was one bad_json record a line. It is refused, saying whether it is one record."""
