@@ -103,9 +103,9 @@ class Regenerator:
         return prompt.prompt_text.rstrip().endswith(s.think_start) and s.think_end not in text
 
     def _message(self, head: list[dict[str, Any]], tools: Any, prompt: _Turn, body: list[int], stop: int | None,
-                 text: str, in_reasoning: bool, stats: RegenStats) -> dict[str, Any]:
+                 text: str, stats: RegenStats) -> dict[str, Any]:
         """The message the turn is stored as; `stop`: the stop token the generation ended with (None: none)."""
-        cands = split_candidates(text, self.settings, in_reasoning=in_reasoning)
+        cands = split_candidates(text, self.settings)
         want_text = prompt.prompt_text + text
         for cand in cands:
             msg = {"role": "assistant", **{k: v for k, v in cand.items() if v or k == "content"}}
@@ -193,13 +193,12 @@ class Regenerator:
                 if not stopped:
                     stats.turns_hit_max_new_tokens += 1
                 reason = None
-                in_reasoning = self._in_reasoning(t, text)
-                if in_reasoning:
+                if self._in_reasoning(t, text):
                     reason = STOPPED_IN_REASONING if stopped else TRUNCATED_IN_REASONING
                 elif not stopped and self.settings.drop_truncated:
                     reason = TRUNCATED
                 msg = None if reason is not None else self._message(
-                    msgs[:t.j], tools[t.conv], t, body, out[-1] if stopped else None, text, in_reasoning, stats)
+                    msgs[:t.j], tools[t.conv], t, body, out[-1] if stopped else None, text, stats)
                 if msg is not None and not msg["content"].strip() and not msg.get("reasoning_content"):
                     reason = EMPTY_GENERATION
                 if reason is not None:

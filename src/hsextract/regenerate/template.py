@@ -64,12 +64,9 @@ def generation_eos_ids(model_dir: str | os.PathLike[str] | None, vocab_size: int
     return ids
 
 
-def split_candidates(text: str, s: RegenerateSettings, in_reasoning: bool = False) -> list[dict[str, str]]:
-    """Messages the generated text may be rendered from, most faithful first. `in_reasoning`: the generation
-    prompt opened a reasoning block that the text never closed (a turn that ended there): all of it is
-    reasoning, none an answer."""
-    if in_reasoning:
-        return [{"reasoning_content": text.strip("\n"), "content": ""}, {"reasoning_content": text, "content": ""}]
+def split_candidates(text: str, s: RegenerateSettings) -> list[dict[str, str]]:
+    """Messages the generated text may be rendered from, most faithful first (a text still inside the reasoning
+    block its generation prompt opened never comes here: the regenerator cuts such a turn)."""
     cands: list[dict[str, str]] = []
     if s.think_end in text:
         reasoning, content = text.split(s.think_end, 1)
