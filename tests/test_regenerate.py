@@ -32,6 +32,7 @@ from hsextract.regenerate import (
     run_regenerate_chunk,
     stats_path,
 )
+from hsextract.regenerate.template import tool_call_opener
 from hsextract.sglang.generate import SGLangGenerator, request_id
 from hsextract.sglang_plugin import plugin
 
@@ -75,7 +76,14 @@ def tiny_llama(vocab: int, eot: int) -> LlamaForCausalLM:
 
 
 def model_for(tok) -> LlamaForCausalLM:
-    return tiny_llama(len(tok), tok.eos_token_id)
+    """A random model that never opens a tool call (the regenerator cuts a conversation where one does:
+    test_a_tool_call_the_target_makes_cuts_the_conversation_before_it): its logit is -inf."""
+    m = tiny_llama(len(tok), tok.eos_token_id)
+    opener = tool_call_opener(ChatMasker(tok))
+    if opener is not None:
+        m.lm_head.register_forward_hook(lambda _mod, _inp, out: out.index_fill_(-1, torch.tensor([opener]),
+                                                                                float("-inf")))
+    return m
 
 
 class Recording:
@@ -455,6 +463,28 @@ def test_a_turn_whose_rendering_trains_other_ids_than_generated_counts_as_text(t
     assert capsys.readouterr().err == (
         "WARNING: regenerate chunk 0: 1 turns whose rendering trains other ids than the generated ones (roundtrip "
         f"text); {tmp_path / 'out.stats.json'}\n")
+
+
+def test_a_tool_call_the_target_makes_cuts_the_conversation_before_it():
+    """Where the recorded turn is plain and the target calls a tool, the recorded messages after it answer no such
+    call, and the call as a plain message's content would not render back as written (this Kimi-shaped template
+    keeps reasoning in tool-call turns only): cut before the turn. A template that writes calls as plain text
+    (Llama 3) has no markup to find."""
+    tok = make_tok("kimi_k25")
+    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    conv = Conversation([{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": "Sunny."},
+                         {"role": "user", "content": "And tomorrow?"}, {"role": "assistant", "content": "Rain."}])
+    stats = RegenStats()
+    (new,) = regenerate_chunk([conv], Scripted(tok, ["Let me look.</think>It is sunny.", "Hm.</think>" + call]),
+                              regen_settings(), tokenizer=tok, stats=stats)
+    assert new.messages == [*conv.messages[:1], {"role": "assistant", "reasoning_content": "Let me look.",
+                                                 "content": "It is sunny."}, conv.messages[2]]
+    assert stats.conversations_cut == {"tool_call_generated": 1} and stats.turns_regenerated == 1
+    openers = {name: tool_call_opener(ChatMasker(make_tok(name))) for name in ("kimi_k25", "deepseek_v3", "qwen3")}
+    assert {name: make_tok(name).convert_ids_to_tokens(t) for name, t in openers.items()} == {
+        "kimi_k25": "<|tool_calls_section_begin|>", "deepseek_v3": "<｜tool▁calls▁begin｜>", "qwen3": "<tool_call>"}
+    assert tool_call_opener(ChatMasker(make_tok("llama3"))) is None
 
 
 def test_reasoning_split_tool_turns_and_cut_conversations():

@@ -15,7 +15,7 @@ from hsextract.errors import EngineError
 from hsextract.masks.masker import ChatMasker
 from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
 from hsextract.prepare.conversations import Conversation
-from hsextract.regenerate.template import end_of_turn_ids, split_candidates
+from hsextract.regenerate.template import end_of_turn_ids, split_candidates, tool_call_opener
 
 # Outcomes counted in the stats.
 EMPTY_GENERATION = "empty_generation"
@@ -28,6 +28,10 @@ TRUNCATED_IN_REASONING = "max_new_tokens_in_reasoning"
 # the model did not (Kimi: `</think>` trained before `<|im_end|>`). Cut.
 STOPPED_IN_REASONING = "stopped_in_reasoning"
 NO_ASSISTANT_TURN = "no_assistant_turn"
+# the target called a tool where the recorded turn did not: the recorded messages after it answer no such call,
+# and the call, markup in a plain message's content, would not render back as the target wrote it (a template that
+# keeps reasoning only in tool-call turns, Kimi's, drops it). Cut.
+TOOL_CALL_GENERATED = "tool_call_generated"
 
 
 def sample_seed(seed: int, sample_id: str, turn: int) -> int:
@@ -75,6 +79,7 @@ class Regenerator:
         self.generator = generator
         self.settings = settings
         self.stop_ids = list(settings.stop_token_ids or end_of_turn_ids(tokenizer, chat_template_kwargs))
+        self.tool_call = tool_call_opener(self.masker)
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -197,6 +202,8 @@ class Regenerator:
                     reason = STOPPED_IN_REASONING if stopped else TRUNCATED_IN_REASONING
                 elif not stopped and self.settings.drop_truncated:
                     reason = TRUNCATED
+                elif self.tool_call is not None and self.tool_call in body:
+                    reason = TOOL_CALL_GENERATED
                 msg = None if reason is not None else self._message(
                     msgs[:t.j], tools[t.conv], t, body, out[-1] if stopped else None, text, stats)
                 if msg is not None and not msg["content"].strip() and not msg.get("reasoning_content"):

@@ -64,6 +64,23 @@ def generation_eos_ids(model_dir: str | os.PathLike[str] | None, vocab_size: int
     return ids
 
 
+def tool_call_opener(masker: ChatMasker) -> int | None:
+    """The special token that opens the tool calls of an assistant turn (Kimi's `<|tool_calls_section_begin|>`,
+    DeepSeek's `<｜tool▁calls▁begin｜>`, Qwen's `<tool_call>`): the first the template writes in a turn with calls
+    and not in a plain one. A generated turn holding it called a tool. None for a template that writes calls as
+    plain text (Llama 3) or has none."""
+    tok = masker.tokenizer
+    user = [{"role": "user", "content": "hi"}]
+    call = {"type": "function", "function": {"name": "f", "arguments": {"x": "y"}}}
+    try:
+        with_call, plain = (tok(masker.render(user + [{"role": "assistant", "content": "ok", **extra}]),
+                                add_special_tokens=False)["input_ids"] for extra in ({"tool_calls": [call]}, {}))
+    except Exception:  # noqa: BLE001 - a template without tool calls: no markup to find
+        return None
+    special = set(tok.all_special_ids) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    return next((t for t in with_call if t in special and t not in plain), None)
+
+
 def split_candidates(text: str, s: RegenerateSettings) -> list[dict[str, str]]:
     """Messages the generated text may be rendered from, most faithful first (a text still inside the reasoning
     block its generation prompt opened never comes here: the regenerator cuts such a turn)."""
