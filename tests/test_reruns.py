@@ -114,6 +114,14 @@ def test_a_key_that_counts_for_nothing_in_a_run_is_no_param_there() -> None:
         assert params["regenerate.dtype"] == dtype, (engine, regen_engine)
         # the seed in each request to the SGLang server: none on transformers
         assert params["regenerate.send_seed"] == (None if dtype else True), (engine, regen_engine)
+    # regenerate.engine null is the run's engine; greedy decoding draws nothing, whatever its seed and cut-offs
+    sampling = {"seed": 7, "top_p": 0.5, "top_k": 3}
+    for temperature, engine, drawn in ((0.0, None, None), (0.0, "transformers", None), (0.7, None, sampling)):
+        s = from_config({**CONFIG, "regenerate": {"enabled": True, "temperature": temperature, "engine": engine,
+                                                  **sampling}})
+        params = reruns.params(s, "regenerate_chunk")
+        assert params["regenerate.engine"] == "transformers"
+        assert {k: params[f"regenerate.{k}"] for k in sampling} == (drawn or dict.fromkeys(sampling))
     # the recorded config keeps the key's own value
     s = from_config({**CONFIG, "engine": "sglang", "transformers": {"dtype": "float16"}})
     assert reruns.value(s, "transformers.dtype") == "float16"

@@ -502,18 +502,22 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "sglang": {"engine": "sglang"},
     "regenerate": {"regenerate": {"enabled": True}},
     "regenerate_sglang": {"regenerate": {"enabled": True, "engine": "sglang", "server_url": "http://127.0.0.1:30998"}},
+    "regenerate_sampled": {"regenerate": {"enabled": True, "temperature": 0.7}},
 }
 # Keys that decide their rules only in some runs (hsextract.config.reruns.EFFECTIVE), each changed alone in a variant
 # where it counts for nothing: it plans nothing there. SGLang serves in bfloat16 whatever transformers.dtype says; a
 # regeneration on sglang loads no model, whatever regenerate.dtype says; one on transformers sends no request, so no
-# seed in one (regenerate.send_seed).
+# seed in one (regenerate.send_seed); regenerate.engine transformers is the run's engine (null) in `regenerate`,
+# whose greedy decoding draws nothing, whatever its seed, top_p and top_k.
+_DRAWS = ("regenerate.seed", "regenerate.top_p", "regenerate.top_k")
 INERT: dict[str, tuple[str, ...]] = {
     "sglang": ("transformers.dtype",),
-    "regenerate": ("regenerate.send_seed",),
+    "regenerate": ("regenerate.send_seed", "regenerate.engine", *_DRAWS),
     "regenerate_sglang": ("regenerate.dtype",),
 }
 # ... and changed in a variant where they count (besides those of their section's variant)
-COUNTS: dict[str, tuple[str, ...]] = {"regenerate_sglang": ("regenerate.send_seed",)}
+COUNTS: dict[str, tuple[str, ...]] = {"regenerate_sglang": ("regenerate.send_seed", "regenerate.engine"),
+                                      "regenerate_sampled": _DRAWS}
 # Changed values the schema's types alone do not give: another value with the keys it needs, or a file that exists.
 EXAMPLES: dict[str, dict[str, Any]] = {
     "run_name": {"run_name": "another-run"},

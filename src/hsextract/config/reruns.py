@@ -180,6 +180,12 @@ EFFECTIVE: dict[str, Callable[[Settings], Any]] = {
     "regenerate.dtype": lambda s: s.regenerate.dtype if regenerate_engine(s) == "transformers" else None,
     # whether each request to the SGLang server carries its seed: the transformers engine seeds its own sampling
     "regenerate.send_seed": lambda s: s.regenerate.send_seed if regenerate_engine(s) == "sglang" else None,
+    # the engine regenerate generates with: null is the run's engine, so naming that one changes nothing
+    "regenerate.engine": regenerate_engine,
+    # greedy decoding (temperature 0) draws nothing: its seed and sampling cut-offs decide no token
+    "regenerate.seed": lambda s: s.regenerate.seed if s.regenerate.temperature > 0 else None,
+    "regenerate.top_p": lambda s: s.regenerate.top_p if s.regenerate.temperature > 0 else None,
+    "regenerate.top_k": lambda s: s.regenerate.top_k if s.regenerate.temperature > 0 else None,
 }
 
 
