@@ -271,6 +271,19 @@ def test_truncated_shard_gives_a_report_and_a_line(tmp_path, capsys, ref16):
     assert report["checks"]["integrity"]["failed"] == 1 and report["checks"]["integrity"]["first"]["sample"] == 2
 
 
+def test_a_shard_named_for_another_chunk_fails(tmp_path, capsys, ref16):
+    """Shards swapped between two chunks' names each validated (an outside audit: both passed): the name a shard has
+    must be the chunk its metadata says. A name of another pattern is not compared."""
+    a = write_shard(tmp_path / "chunk-00000.hss", [make_sample(6, seed=1)], chunk=1, run_name="r")
+    code, lines, _ = run_validate(capsys, "--reference", ref16, a)
+    assert (code, lines) == (1, [
+        f"{a}: shard structure: check integrity failed: named for chunk 0, it holds chunk 1 of run 'r' (its "
+        "metadata): renamed, or swapped with another chunk's shard; give it its name, chunk-00001.hss"])
+    b = write_shard(tmp_path / "chunk-00001.hss", [make_sample(6, seed=1)], chunk=1, run_name="r")
+    other = write_shard(tmp_path / "run-r-chunk-00000.hss", [make_sample(6, seed=1)], chunk=1, run_name="r")
+    assert validate_shard(b, ref16)["passed"] and validate_shard(other, ref16)["passed"]
+
+
 def test_damaged_header_names_the_shard_structure(tmp_path, ref16):
     path = write_shard(tmp_path / "a.hss", [make_sample(3)])
     data = bytearray(path.read_bytes())

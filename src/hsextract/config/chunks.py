@@ -50,19 +50,24 @@ def of_record(index: int, prompts_per_chunk: int) -> int:
     return index // prompts_per_chunk
 
 
+def of_name(file_name: str, suffix: str) -> int | None:
+    """The chunk a per-chunk file's name says (exactly `chunk-NNNNN<suffix>`, 5 digits), else None."""
+    m = re.fullmatch(rf"chunk-({WILDCARD}){re.escape(suffix)}", file_name)
+    return int(m[1]) if m else None
+
+
 def beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int) -> list[tuple[Path, int]]:
     """The per-chunk files in `folder` (named exactly `chunk-NNNNN<suffix>`, 5 digits) of a chunk >= `n_chunks`,
     with their chunk, in chunk order; nothing else (another name, a folder) is listed. A missing folder holds none."""
-    pattern = re.compile(rf"chunk-({WILDCARD}){re.escape(suffix)}")
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
         return []
     found = []
     for e in entries:
-        m = pattern.fullmatch(e.name)
-        if m and int(m[1]) >= n_chunks and not e.is_dir(follow_symlinks=False):
-            found.append((Path(folder) / e.name, int(m[1])))
+        chunk = of_name(e.name, suffix)
+        if chunk is not None and chunk >= n_chunks and not e.is_dir(follow_symlinks=False):
+            found.append((Path(folder) / e.name, chunk))
     return sorted(found, key=lambda f: f[1])
 
 
@@ -97,5 +102,5 @@ def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suf
             f"extracted again. To keep them, restore the file(s) with their times (cp -p from a copy) before that run")
 
 
-__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "incomplete_prepare", "label", "labels", "name", "of_record",
-           "records", "remove_beyond"]
+__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "incomplete_prepare", "label", "labels", "name", "of_name",
+           "of_record", "records", "remove_beyond"]

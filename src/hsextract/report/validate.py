@@ -35,11 +35,12 @@ import torch
 
 from hsextract import __version__
 from hsextract.atomic import write_json_atomic
+from hsextract.config import chunks
 from hsextract.config import reference as reference_sample
 from hsextract.errors import CorruptShardError, ShardError
 from hsextract.layers import shard_hidden_states
 from hsextract.report.stats import tensor_names
-from hsextract.shard import ShardReader
+from hsextract.shard import SHARD_SUFFIX, ShardReader
 
 CHECKS = ("integrity", "checksum", "layout", "seq_len", "finite", "zero_row", "loss_mask", "input_ids")
 
@@ -202,6 +203,11 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         reader = None
     if reader is not None:
         meta = reader.metadata
+        named = chunks.of_name(os.path.basename(path), SHARD_SUFFIX)
+        if named is not None and isinstance(meta.get("chunk"), int) and meta["chunk"] != named:
+            fail("integrity", None, None, f"named for chunk {named}, it holds chunk {meta['chunk']} of run "
+                 f"{meta.get('run_name')!r} (its metadata): renamed, or swapped with another chunk's shard; give it "
+                 f"its name, {chunks.name(meta['chunk'], SHARD_SUFFIX)}")
         if meta.get("vocab_size") is not None:  # the shard's own bound; a given one only where it is smaller
             own = int(meta["vocab_size"])
             if vocab_size is not None and int(vocab_size) != own:
