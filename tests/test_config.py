@@ -262,3 +262,33 @@ def test_a_layer_output_id_beyond_depth_is_named_as_written(cfg: dict) -> None:
     cfg.update(aux_layers=[1, 2, 6], aux_layers_convention="hidden_states")
     with pytest.raises(ConfigError, match=r"^aux_layers\[2\]: hidden_states\[6\] is beyond the aux layers of m/"):
         check(cfg)
+
+
+def test_a_tiny_model_another_run_names_is_not_rebuilt_under_it(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outside audit: a second run (another run_name) with another seed rebuilt resources/tiny-model, and the first
+    run, whose dataset.json names it, reran whole at its next command. Refused at parse time, naming that run; the
+    same settings, or no other run, or the run's own results, pass."""
+    from hsextract.config.checks import check_tiny_model_unshared
+    from hsextract.config.settings import from_config
+    from hsextract.tinymodel.marker import MARKER
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "resources/tiny-model"
+    model.mkdir(parents=True)
+    (model / MARKER).write_text(json.dumps({"seed": 0, "tokenizer": "kimi", "conversations": "data/c.jsonl"}))
+    base = {"make_tiny_model": True, "model": "resources/tiny-model", "tiny_model_tokenizer": "kimi",
+            "sources": [{"path": "data/c.jsonl"}]}
+    check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1}))  # no other run yet
+    (tmp_path / "results/a").mkdir(parents=True)
+    (tmp_path / "results/a/dataset.json").write_text(json.dumps({"model": "resources/tiny-model"}))
+    check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 0}))  # built as this run would build it
+    check_tiny_model_unshared(from_config({**base, "run_name": "a", "seed": 1}))  # run a's own rebuild
+    check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1, "make_tiny_model": False}))
+    with pytest.raises(ConfigError) as e:
+        check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1}))
+    assert str(e.value) == (
+        "make_tiny_model: resources/tiny-model was built with seed 0 for run(s) a (their results/<run>/dataset.json "
+        "name it), and run 'b' would rebuild it with seed 1: those runs would then rerun whole at their next command. "
+        "Give this run a model folder of its own (`model: resources/tiny-model-b`), or delete the other runs' results "
+        "first")

@@ -75,6 +75,48 @@ def check_tiny_model_path(s: Settings) -> None:
         )
 
 
+def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> None:
+    """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
+    corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
+    its dataset.json would name a model that made none of its shards. Main process only: the run's own make_tiny_model
+    job rewrites the marker this reads."""
+    import json
+
+    if not s.make_tiny_model:
+        return
+    model = Path(s.extract.model)
+    try:
+        built = json.loads((model / tinymodel_marker.MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # nothing built there yet (a damaged marker: the build replaces it)
+    wanted = {"seed": s.prepare.seed, "tokenizer": s.tiny_model_tokenizer, "conversations": tiny_model_corpus(s)}
+
+    def same(k: str, b: Any, v: Any) -> bool:
+        return b == v or (k == "conversations" and isinstance(b, str) and isinstance(v, str) and
+                          Path(b).resolve() == Path(v).resolve())
+
+    differ = {k: (built.get(k), v) for k, v in wanted.items() if not same(k, built.get(k), v)}
+    if not differ:
+        return
+    others = []
+    for manifest in sorted(Path(results).glob("*/dataset.json")):
+        try:
+            named = json.loads(manifest.read_text(encoding="utf-8")).get("model")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if manifest.parent.name != s.extract.run_name and isinstance(named, str) and \
+                Path(named).resolve() == model.resolve():
+            others.append(manifest.parent.name)
+    if others:
+        was = ", ".join(f"{k} {b!r}" for k, (b, _) in differ.items())
+        now = ", ".join(f"{k} {v!r}" for k, (_, v) in differ.items())
+        raise ConfigError(
+            f"make_tiny_model: {s.extract.model} was built with {was} for run(s) {', '.join(others)} (their "
+            f"results/<run>/dataset.json name it), and run {s.extract.run_name!r} would rebuild it with {now}: those "
+            f"runs would then rerun whole at their next command. Give this run a model folder of its own (`model: "
+            f"resources/tiny-model-{s.extract.run_name}`), or delete the other runs' results first")
+
+
 def tiny_model_corpus(s: Settings) -> str | None:
     """The text the tiny model's tokenizer is trained on: the first JSONL source."""
     return next((src.path for src in s.prepare.sources if src.path.endswith(".jsonl")), None)
