@@ -316,7 +316,8 @@ def test_kimi_example_text_is_the_commands_output(
     assert capsys.readouterr().out == output
 
 
-def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
     base.write_text(yaml.safe_dump(small))
     # a later file overrides key by key inside mappings, as snakemake merges --configfile
@@ -341,6 +342,20 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     base.write_text(yaml.safe_dump(preset))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 0
     assert "(hidden size 64, 4 stored tensors, " in capsys.readouterr().out  # eagle3 of 8 layers, and the final
+    # a hub id is not asked (an offline machine retried it 5 times, 25 s): --hidden-size, the layers as given
+    import huggingface_hub
+
+    asked: list[object] = []
+
+    def offline(*args: object, **kwargs: object) -> None:
+        asked.append(args)
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", offline)
+    base.write_text(yaml.safe_dump(small | {"model": "moonshotai/Kimi-K2.5", "prompts_per_chunk": 19}))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100",
+                 "--hidden-size", "7168"]) == 0
+    assert "(hidden size 7168, 4 stored tensors, " in capsys.readouterr().out and asked == []
     base.write_text(yaml.safe_dump(preset | {"model": "moonshotai/Kimi-K2.5"}))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100",
                  "--hidden-size", "7168"]) == 2

@@ -322,6 +322,8 @@ def check_plan(config: Mapping[str, Any]) -> Settings:
 
     s = check_schema(config)
     check_server(s)
+    if not (Path(s.extract.model) / "config.json").is_file():  # a hub id is not asked (offline: 5 retries, 25 s)
+        return s
     try:
         shape = model_shape(s.config)
     except ModelInfoError:  # not here: plan asks for --hidden-size, and the layers are checked where it is
