@@ -8,6 +8,7 @@ comparable with what the run will write. Every failure is a ConfigError that nam
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,8 +81,6 @@ def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> N
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
     its dataset.json would name a model that made none of its shards. Main process only: the run's own make_tiny_model
     job rewrites the marker this reads."""
-    import json
-
     if not s.make_tiny_model:
         return
     model = Path(s.extract.model)
