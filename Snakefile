@@ -85,7 +85,7 @@ if workflow.is_main_process:
     from hsextract.config.checks import check_tiny_model_unshared
 
     # another run's tiny model rebuilt under it with other settings: refused, naming that run
-    check_tiny_model_unshared(PLAN.settings, Path("results"))
+    check_tiny_model_unshared(PLAN.settings, Path("results"), sys.argv)
 
 
 report: "workflow/report/workflow.rst"

@@ -285,8 +285,10 @@ def test_a_tiny_model_another_run_names_is_not_rebuilt_under_it(tmp_path: Path,
     check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 0}))  # built as this run would build it
     check_tiny_model_unshared(from_config({**base, "run_name": "a", "seed": 1}))  # run a's own rebuild
     check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1, "make_tiny_model": False}))
+    for flag in ("--unlock", "--delete-all-output", "--touch"):  # clean-up and bookkeeping build nothing
+        check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1}), argv=["snakemake", flag])
     with pytest.raises(ConfigError) as e:
-        check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1}))
+        check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1}), argv=["snakemake", "-n"])
     assert str(e.value) == (
         "make_tiny_model: resources/tiny-model was built with seed 0 for run(s) a (their results/<run>/dataset.json "
         "name it), and run 'b' would rebuild it with seed 1: those runs would then rerun whole at their next command. "

@@ -311,14 +311,22 @@ def test_a_compressed_source_is_refused_as_a_whole(tmp_path, name, pack, what, f
 
 def test_a_binary_source_is_refused_as_a_whole(tmp_path):
     """A shard or another binary file named as a source was one non_utf8 record a line (thousands of lines from
-    `hsextract masks --explain`): refused as a whole at its first NUL byte."""
+    `hsextract masks --explain`): refused as a whole (a NUL byte, and bytes that are not UTF-8). A NUL in a UTF-8
+    file is one malformed record, the rest read."""
     path = tmp_path / "chunk-00000.hss"
     path.write_bytes(b"HSS1" + bytes(range(256)) * 4 + b"\n" + GOOD)
     for read in (count_records, open_sources):
         with pytest.raises(ConfigError) as e:
             read([{"path": path}])
-        assert str(e.value) == (f"{path}: the file is binary (a NUL byte at offset 4), and a JSONL or JSON source is "
-                                "read as UTF-8 text: give the conversations file as the source's `path`")
+        assert str(e.value) == (f"{path}: the file is binary (a NUL byte at offset 4, and bytes that are not UTF-8), "
+                                "and a JSONL or JSON source is read as UTF-8 text: give a conversations file as the "
+                                "source's `path`")
+    text = tmp_path / "d.jsonl"
+    text.write_bytes(GOOD.replace(b"Hello", b"He\x00llo", 1) + b"\n" + GOOD + b"\n")
+    (src,) = open_sources([{"path": text}])
+    with pytest.raises(MalformedRecordError):
+        src.read(0)
+    assert count_records([{"path": text}]) == 2 and src.read(1)[1].messages == json.loads(GOOD)["messages"]
 
 
 def test_a_json_file_of_one_object_is_refused_not_read_as_lines(tmp_path):

@@ -356,6 +356,13 @@ def test_cli_table_merge_and_errors(small: dict, tmp_path: Path, capsys: pytest.
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100",
                  "--hidden-size", "7168"]) == 0
     assert "(hidden size 7168, 4 stored tensors, " in capsys.readouterr().out and asked == []
+    # the tiny model, not built yet: its shape is known, its layers checked
+    base.write_text(yaml.safe_dump(small | {"model": str(tmp_path / "unbuilt"), "make_tiny_model": True,
+                                            "prompts_per_chunk": 19, "aux_layers": [2, 50]}))
+    assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "hsextract plan: error: aux_layers[1]: hidden_states[50] is beyond the aux layers of the tiny model "
+        "(hsextract.tinymodel): it has 10 decoder layers, so hidden_states ids 0..9 are allowed")
     base.write_text(yaml.safe_dump(preset | {"model": "moonshotai/Kimi-K2.5"}))
     assert main(["plan", "--configfile", str(base), "--samples", "95", "--mean-tokens", "100",
                  "--hidden-size", "7168"]) == 2

@@ -481,6 +481,15 @@ def test_a_tool_call_the_target_makes_cuts_the_conversation_before_it():
     assert new.messages == [*conv.messages[:1], {"role": "assistant", "reasoning_content": "Let me look.",
                                                  "content": "It is sunny."}, conv.messages[2]]
     assert stats.conversations_cut == {"tool_call_generated": 1} and stats.turns_regenerated == 1
+    # gpt-oss: the call's mark, <|call|>, is also a stop token (its generation_config): the turn ends on it
+    harmony = make_tok("harmony")
+    call_id, return_id = harmony.convert_tokens_to_ids(["<|call|>", "<|return|>"])
+    assert tool_call_opener(ChatMasker(harmony)) == call_id
+    stats = RegenStats()
+    fine = harmony("Sure", add_special_tokens=False)["input_ids"]
+    (new,) = regenerate_chunk([Conversation(conv.messages[:3])], Fixed([fine + [return_id], fine + [call_id]]),
+                              regen_settings(stop_token_ids=[return_id, call_id]), tokenizer=harmony, stats=stats)
+    assert len(new.messages) == 3 and stats.conversations_cut == {"tool_call_generated": 1}
     openers = {name: tool_call_opener(ChatMasker(make_tok(name))) for name in ("kimi_k25", "deepseek_v3", "qwen3")}
     assert {name: make_tok(name).convert_ids_to_tokens(t) for name, t in openers.items()} == {
         "kimi_k25": "<|tool_calls_section_begin|>", "deepseek_v3": "<｜tool▁calls▁begin｜>", "qwen3": "<tool_call>"}

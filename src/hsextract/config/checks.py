@@ -76,12 +76,17 @@ def check_tiny_model_path(s: Settings) -> None:
         )
 
 
-def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> None:
+# Snakemake invocations that build nothing (clean-up, bookkeeping): they may name a config that would rebuild
+NOT_BUILDING = ("--unlock", "--delete-all-output", "--delete-temp-output", "--cleanup-metadata", "--cleanup-shadow",
+                "--touch", "-t", "--report", "--list-rules", "-l", "--summary", "-S", "--detailed-summary", "-D")
+
+
+def check_tiny_model_unshared(s: Settings, results: str | Path = "results", argv: Sequence[str] = ()) -> None:
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
     its dataset.json would name a model that made none of its shards. Main process only: the run's own make_tiny_model
-    job rewrites the marker this reads."""
-    if not s.make_tiny_model:
+    job rewrites the marker this reads. `argv`: Snakemake's; an invocation that builds nothing (NOT_BUILDING) passes."""
+    if not s.make_tiny_model or any(a.split("=")[0] in NOT_BUILDING for a in argv):
         return
     model = Path(s.extract.model)
     try:
@@ -321,8 +326,8 @@ def check_plan(config: Mapping[str, Any]) -> Settings:
 
     s = check_schema(config)
     check_server(s)
-    if not (Path(s.extract.model) / "config.json").is_file():  # a hub id is not asked (offline: 5 retries, 25 s)
-        return s
+    if not s.make_tiny_model and not (Path(s.extract.model) / "config.json").is_file():
+        return s  # a hub id is not asked (offline: 5 retries, 25 s); the tiny model's shape is known unbuilt
     try:
         shape = model_shape(s.config)
     except ModelInfoError:  # not here: plan asks for --hidden-size, and the layers are checked where it is

@@ -53,7 +53,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "tiny_model_tokenizer": ("make_tiny_model",),
     "tokenizer": _MODEL,
     "trust_remote_code": _MODEL,  # custom tokenizer code decides the ids
-    "engine": ("regenerate_chunk", "extract"),  # regenerate.engine null: the run's
+    # regenerate: through regenerate.engine's effective value (null: this one), so a pinned one reruns nothing
+    "engine": ("extract",),
     # capture and the convention decide which ids aux_layers resolves to, and nothing else (EFFECTIVE)
     "capture": ("extract",),
     "aux_layers": ("extract",),  # resolved: the hidden_states ids stored

@@ -342,9 +342,19 @@ def _refuse_binary(p: Path, head: bytes) -> None:
         if head.startswith(magic):
             raise ConfigError(f"{p}: the file is {what} (it starts with the bytes {magic.hex(' ')}), and a JSONL or "
                               f"JSON source is read as UTF-8 text: {fix}")
-    if b"\x00" in head:  # JSON writes a NUL as \u0000: a raw one is a binary file (a shard, an archive)
-        raise ConfigError(f"{p}: the file is binary (a NUL byte at offset {head.index(0)}), and a JSONL or JSON "
-                          "source is read as UTF-8 text: give the conversations file as the source's `path`")
+    if b"\x00" in head and not _utf8(head):  # a shard, an archive (a NUL in UTF-8 text: one malformed record)
+        raise ConfigError(f"{p}: the file is binary (a NUL byte at offset {head.index(0)}, and bytes that are not "
+                          "UTF-8), and a JSONL or JSON source is read as UTF-8 text: give a conversations file as the "
+                          "source's `path`")
+
+
+def _utf8(head: bytes) -> bool:
+    """Whether `head` is UTF-8 (a character cut at its end allowed)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 _ONE_OBJECT_MAX_BYTES = 256 << 20

@@ -202,7 +202,7 @@ class Regenerator:
                     reason = STOPPED_IN_REASONING if stopped else TRUNCATED_IN_REASONING
                 elif not stopped and self.settings.drop_truncated:
                     reason = TRUNCATED
-                elif self.tool_call is not None and self.tool_call in body:
+                elif self.tool_call is not None and self.tool_call in out:  # gpt-oss: <|call|> also stops
                     reason = TOOL_CALL_GENERATED
                 msg = None if reason is not None else self._message(
                     msgs[:t.j], tools[t.conv], t, body, out[-1] if stopped else None, text, stats)
