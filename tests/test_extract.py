@@ -125,3 +125,41 @@ def test_read_prompts(tmp_path: Path) -> None:
     (tmp_path / "bad.parquet").write_bytes(b"garbage")
     with pytest.raises(ShardError, match=r"bad.parquet: cannot read the prompts parquet"):
         read_prompts(tmp_path / "bad.parquet")
+
+
+class PagedEngine(FakeEngine):
+    """Computes each child from its prefix rounded down to a page of `page` positions (SGLang's radix hit with a
+    page size above 1); a prefix shorter than a page is computed whole."""
+
+    def __init__(self, page: int) -> None:
+        super().__init__()
+        self.page = page
+
+    def lost_prefixes(self) -> str:
+        return "pages"
+
+    def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
+        for c, p in zip(super().extract(prompts), prompts, strict=True):
+            m = p.prefix_len // self.page * self.page
+            yield Captured(c.index, c.sample_id, [h[m:] for h in c.hidden_states], start=m)
+
+
+def test_a_chunk_counts_prefixes_computed_whole_or_from_inside(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A few positions recomputed per child (a page's worth) are counted, not warned; a prefix computed whole, or
+    more than 5% over the plan, is warned."""
+    root = list(range(1, 41))
+    ids = [root, root[:36] + [50, 51, 52, 53], root[:8] + [60] * 12]
+    chunk = ChunkPrompts(["a", "b", "c"], ids, [[1] * len(x) for x in ids], [-1, 0, 0], [0, 36, 8])
+    out = extract_chunk(chunk, tmp_path / "p.hss", PagedEngine(page=16), META, progress=False)
+    # b from 32 (4 of its 36 again), c whole (8 < a page)
+    assert (out["computed_tokens"], out["planned_computed_tokens"]) == (40 + 8 + 20, 40 + 4 + 12)
+    assert (out["lost_prefixes"], out["shortened_prefixes"]) == (1, 1)
+    assert capsys.readouterr().err == (
+        "WARNING: p.hss: of 2 samples that share a prefix, 1 were computed whole and 1 from inside their prefix "
+        "(68 tokens computed and stored where prepare planned 56): pages\n")
+    long = [k % 90 + 1 for k in range(200)]
+    chunk = ChunkPrompts(["a", "b"], [long, long[:196] + [95] * 4], [[1] * 200] * 2, [-1, 0], [0, 196])
+    out = extract_chunk(chunk, tmp_path / "q.hss", PagedEngine(page=16), META, progress=False)
+    assert (out["computed_tokens"], out["planned_computed_tokens"], out["shortened_prefixes"]) == (208, 204, 1)
+    assert capsys.readouterr().err == ""  # 2% over the plan, every reference kept

@@ -539,11 +539,11 @@ def test_a_retry_that_hits_its_own_partial_pass_is_computed_again_under_a_fresh_
     assert (r.parents, r.prefix_lens) == ([-1, -1, 1], [0, 0, 120])
     assert wrong_samples(tmp_path / "shared.hss", chunk) == []
     assert out["computed_tokens"] == 100 + 150 + 40
-    assert (out["planned_computed_tokens"], out["lost_prefixes"]) == (100 + 130 + 40, 1)
+    assert (out["planned_computed_tokens"], out["lost_prefixes"], out["shortened_prefixes"]) == (100 + 130 + 40, 1, 0)
     assert capsys.readouterr().err.endswith(
-        "WARNING: shared.hss: 1 of 2 samples that share a prefix were computed from an earlier position than their "
-        "prefix (290 tokens computed and stored where prepare planned 270): the server's radix cache no longer held "
-        "the whole prefix when the sample ran (evicted for other requests, or cut to its page size): a larger "
+        "WARNING: shared.hss: of 2 samples that share a prefix, 1 were computed whole and 0 from inside their prefix "
+        "(290 tokens computed and stored where prepare planned 270): the server's radix cache no longer held the "
+        "whole prefix when the sample ran (evicted for other requests, or cut to its page size): a larger "
         "--mem-fraction-static, or fewer requests in flight, keeps more\n")
     assert srv.prefill_tokens == 100 + 32 + (150 - 52) + 150 + 40  # a, b's aborted pass, its retry from 52, b, c
     tails = [x.rsplit("-i", 1)[1] for x in srv.rids]

@@ -163,10 +163,10 @@ def test_a_chunk_says_which_samples_lost_their_parents_cache(model_dir: Path, fa
     with TransformersEngine(model_dir, CaptureSpec((1, 3), "post_norm"), token_budget=1024, cache_tokens=200) as eng:
         out = extract_chunk(chunk, tmp_path / "c.hss", eng, meta, progress=False)
     tokens = sum(len(p.input_ids) for p in family)
-    assert (out["computed_tokens"], out["planned_computed_tokens"], out["lost_prefixes"]) == \
-        (tokens - 120, tokens - 120 - 170 - 40 - 150, 3)
+    assert (out["computed_tokens"], out["planned_computed_tokens"], out["lost_prefixes"], out["shortened_prefixes"]) \
+        == (tokens - 120, tokens - 120 - 170 - 40 - 150, 3, 0)
     assert capsys.readouterr().err.endswith(
-        f"WARNING: c.hss: 3 of 4 samples that share a prefix were computed from an earlier position than their prefix "
+        f"WARNING: c.hss: of 4 samples that share a prefix, 3 were computed whole and 0 from inside their prefix "
         f"({tokens - 120:,} tokens computed and stored where prepare planned {tokens - 480:,}): the transformers "
         "engine keeps parents' keys and values for 200 positions at most and drops those whose next child comes "
         "last: families that interleave in a chunk, or long parents, lose theirs\n")
