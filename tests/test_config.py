@@ -294,3 +294,17 @@ def test_a_tiny_model_another_run_names_is_not_rebuilt_under_it(tmp_path: Path,
         "name it), and run 'b' would rebuild it with seed 1: those runs would then rerun whole at their next command. "
         "Give this run a model folder of its own (`model: resources/tiny-model-b`), or delete the other runs' results "
         "first")
+
+
+def test_a_stop_token_id_past_the_models_vocabulary_is_refused_at_parse_time(cfg: dict, tmp_path: Path) -> None:
+    """An outside audit: `regenerate.stop_token_ids: [999999]` passed `snakemake -n` and failed in every job."""
+    config = json.loads((tmp_path / "m/config.json").read_text())
+    (tmp_path / "m/config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    check({**cfg, "regenerate": {"enabled": True, "stop_token_ids": [2, 999]}})
+    check({**cfg, "regenerate": {"enabled": False, "stop_token_ids": [999999]}})  # not regenerating: not read
+    with pytest.raises(ConfigError) as e:
+        check({**cfg, "regenerate": {"enabled": True, "stop_token_ids": [2, 1000, 999999]}})
+    assert str(e.value) == (
+        "regenerate.stop_token_ids: [1000, 999999] are past the vocabulary of m/config.json "
+        "(vocab_size 1000), so no generation would stop there; give the ids of the tokens that end a turn (or leave "
+        "the key out: the template's are found)")

@@ -81,6 +81,18 @@ NOT_BUILDING = ("--unlock", "--delete-all-output", "--delete-temp-output", "--cl
                 "--touch", "-t", "--report", "--list-rules", "-l", "--summary", "-S", "--detailed-summary", "-D")
 
 
+def check_stop_ids(s: Settings, shape: ModelShape) -> None:
+    """regenerate.stop_token_ids within the model's vocabulary (config.json's vocab_size): an id past it is never
+    generated, and every turn would run to max_new_tokens (the job checks the tokenizer's length again)."""
+    ids = s.regenerate.stop_token_ids if s.regenerate.enabled else None
+    beyond = [t for t in ids or () if shape.vocab_size is not None and t >= shape.vocab_size]
+    if beyond:
+        raise ConfigError(f"regenerate.stop_token_ids: {beyond} {'is' if len(beyond) == 1 else 'are'} past the "
+                          f"vocabulary of {shape.source} (vocab_size {shape.vocab_size}), so no generation would stop "
+                          "there; give the ids of the tokens that end a turn (or leave the key out: the template's are "
+                          "found)")
+
+
 def check_tiny_model_unshared(s: Settings, results: str | Path = "results", argv: Sequence[str] = ()) -> None:
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
@@ -349,6 +361,7 @@ def check(config: Mapping[str, Any]) -> Plan:
     shape = model_shape(s.config)
     aux_layers = check_layers(s, shape)
     check_exports(s, aux_layers)
+    check_stop_ids(s, shape)
     s = from_config({**s.config, "aux_layers": aux_layers, "aux_layers_convention": HIDDEN_STATES})
     check_tokenizer(s)
     check_template_kwargs(s)
