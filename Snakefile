@@ -81,11 +81,6 @@ config["aux_layers"] = PLAN.aux_layers
 config["aux_layers_convention"] = "hidden_states"
 # `snakemake --report` of an unfinished run: said as such (Snakemake names one missing file)
 check_report_ready(sys.argv, Path("results") / PLAN.settings.extract.run_name)
-if workflow.is_main_process:
-    from hsextract.config.checks import check_tiny_model_unshared
-
-    # another run's tiny model rebuilt under it with other settings: refused, naming that run
-    check_tiny_model_unshared(PLAN.settings, Path("results"), sys.argv)
 
 
 report: "workflow/report/workflow.rst"

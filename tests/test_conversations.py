@@ -318,10 +318,34 @@ def test_a_binary_source_is_refused_as_a_whole(tmp_path):
     for read in (count_records, open_sources):
         with pytest.raises(ConfigError) as e:
             read([{"path": path}])
-        assert str(e.value) == (f"{path}: the file is binary (a NUL byte at offset 4, and bytes that are not UTF-8), "
+        assert str(e.value) == (f"{path}: the file is binary (4 NUL bytes in its first 1,122, the first at offset 4), "
                                 "and a JSONL or JSON source is read as UTF-8 text: give a conversations file as the "
                                 "source's `path`")
-    text = tmp_path / "d.jsonl"
+    # a tar archive of a JSONL file: UTF-8 all through, NULs all over its headers
+    import io
+    import tarfile
+    tar = tmp_path / "d.jsonl"
+    with tarfile.open(tar, "w") as t:
+        info = tarfile.TarInfo("d.jsonl")
+        info.size = len(GOOD)
+        t.addfile(info, io.BytesIO(GOOD))
+    with pytest.raises(ConfigError, match=r"the file is binary \(\d+ NUL bytes in its first 4,096, the first at "
+                                          r"offset 7\)"):
+        open_sources([{"path": tar}])
+    # UTF-16 without a byte-order mark (UTF-32's: binary)
+    for codec in ("UTF-16LE", "UTF-16BE"):
+        wide = tmp_path / f"{codec}.jsonl"
+        wide.write_bytes(GOOD.decode().encode(codec))
+        with pytest.raises(ConfigError) as e:
+            open_sources([{"path": wide}])
+        assert str(e.value) == (f"{wide}: the file looks like {codec} text without a byte-order mark (a NUL every "
+                                "other byte), and a JSONL or JSON source is read as UTF-8 text: convert it to UTF-8 "
+                                f"(`iconv -f {codec} -t UTF-8`) and give that file as the source's `path`")
+    wide = tmp_path / "utf-32.jsonl"
+    wide.write_bytes(GOOD.decode().encode("utf-32-le"))
+    with pytest.raises(ConfigError, match="the file is binary"):
+        open_sources([{"path": wide}])
+    text = tmp_path / "text.jsonl"
     text.write_bytes(GOOD.replace(b"Hello", b"He\x00llo", 1) + b"\n" + GOOD + b"\n")
     (src,) = open_sources([{"path": text}])
     with pytest.raises(MalformedRecordError):

@@ -76,11 +76,6 @@ def check_tiny_model_path(s: Settings) -> None:
         )
 
 
-# Snakemake invocations that build nothing (clean-up, bookkeeping): they may name a config that would rebuild
-NOT_BUILDING = ("--unlock", "--delete-all-output", "--delete-temp-output", "--cleanup-metadata", "--cleanup-shadow",
-                "--touch", "-t", "--report", "--list-rules", "-l", "--summary", "-S", "--detailed-summary", "-D")
-
-
 def check_stop_ids(s: Settings, shape: ModelShape) -> None:
     """regenerate.stop_token_ids within the model's vocabulary (config.json's vocab_size): an id past it is never
     generated, and every turn would run to max_new_tokens (the job checks the tokenizer's length again)."""
@@ -93,12 +88,12 @@ def check_stop_ids(s: Settings, shape: ModelShape) -> None:
                           "found)")
 
 
-def check_tiny_model_unshared(s: Settings, results: str | Path = "results", argv: Sequence[str] = ()) -> None:
+def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> None:
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
-    its dataset.json would name a model that made none of its shards. Main process only: the run's own make_tiny_model
-    job rewrites the marker this reads. `argv`: Snakemake's; an invocation that builds nothing (NOT_BUILDING) passes."""
-    if not s.make_tiny_model or any(a.split("=")[0] in NOT_BUILDING for a in argv):
+    its dataset.json would name a model that made none of its shards. Run by the make_tiny_model job before it
+    builds (at parse time it would also stop --unlock, --lint, --dag and every other command that builds nothing)."""
+    if not s.make_tiny_model:
         return
     model = Path(s.extract.model)
     try:

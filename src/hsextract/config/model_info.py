@@ -75,7 +75,8 @@ def _shape(cfg: Any, source: str) -> ModelShape:
         vocab = text.get("vocab_size", cfg.get("vocab_size"))
         arch = cfg.get("architectures")
         return ModelShape(int(text["num_hidden_layers"]), int(text["hidden_size"]), source,
-                          int(vocab) if vocab is not None else None,
+                          # an odd value (true, 0, a string) is no bound: unknown
+                          vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None,
                           str(arch[0]) if isinstance(arch, list) and arch else None)
     except (KeyError, TypeError, ValueError):
         raise ModelInfoError(
@@ -132,6 +133,7 @@ def tiny_model_shape() -> ModelShape:
 
     cfg = tinymodel.TINY_CONFIG
     return ModelShape(int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), "the tiny model (hsextract.tinymodel)",
+                      vocab_size=tinymodel.DEFAULT_VOCAB_SIZE,  # the most ids it holds (its corpus may give fewer)
                       architecture="DeepseekV3ForCausalLM")
 
 

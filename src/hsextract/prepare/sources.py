@@ -342,10 +342,22 @@ def _refuse_binary(p: Path, head: bytes) -> None:
         if head.startswith(magic):
             raise ConfigError(f"{p}: the file is {what} (it starts with the bytes {magic.hex(' ')}), and a JSONL or "
                               f"JSON source is read as UTF-8 text: {fix}")
-    if b"\x00" in head and not _utf8(head):  # a shard, an archive (a NUL in UTF-8 text: one malformed record)
-        raise ConfigError(f"{p}: the file is binary (a NUL byte at offset {head.index(0)}, and bytes that are not "
-                          "UTF-8), and a JSONL or JSON source is read as UTF-8 text: give a conversations file as the "
-                          "source's `path`")
+    nul = head.count(0)
+    if not nul:
+        return
+    # ASCII in UTF-16 without a byte-order mark: NULs at every other byte, and nearly none between
+    at_even, at_odd = head[0::2].count(0), head[1::2].count(0)
+    if max(at_even, at_odd) * 4 > len(head) and min(at_even, at_odd) * 16 < len(head):
+        codec = "UTF-16LE" if at_odd > at_even else "UTF-16BE"
+        raise ConfigError(f"{p}: the file looks like {codec} text without a byte-order mark (a NUL every other byte), "
+                          f"and a JSONL or JSON source is read as UTF-8 text: convert it to UTF-8 (`iconv -f {codec} "
+                          "-t UTF-8`) and give that file as the source's `path`")
+    # a shard, an archive: bytes that are not UTF-8, or NULs all over (a tar's headers); one NUL in UTF-8 text is
+    # one malformed record
+    if not _utf8(head) or nul * 100 > len(head):
+        raise ConfigError(f"{p}: the file is binary ({nul} NUL bytes in its first {len(head):,}, the first at offset "
+                          f"{head.index(0)}), and a JSONL or JSON source is read as UTF-8 text: give a conversations "
+                          "file as the source's `path`")
 
 
 def _utf8(head: bytes) -> bool:
