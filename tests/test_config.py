@@ -267,8 +267,9 @@ def test_a_layer_output_id_beyond_depth_is_named_as_written(cfg: dict) -> None:
 def test_a_tiny_model_another_run_names_is_not_rebuilt_under_it(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """An outside audit: a second run (another run_name) with another seed rebuilt resources/tiny-model, and the first
-    run, whose dataset.json names it, reran whole at its next command. Refused (by the make_tiny_model job, before it
-    builds), naming that run; the same settings, or no other run, or the run's own results, pass."""
+    run, whose dataset.json names it, reran whole at its next command. Refused (as the DAG is built, by
+    make_tiny_model's input function), naming that run; the same settings, or no other run, or the run's own results,
+    pass."""
     from hsextract.config.checks import check_tiny_model_unshared
     from hsextract.config.settings import from_config
     from hsextract.tinymodel.marker import MARKER
@@ -288,10 +289,10 @@ def test_a_tiny_model_another_run_names_is_not_rebuilt_under_it(tmp_path: Path,
     with pytest.raises(ConfigError) as e:
         check_tiny_model_unshared(from_config({**base, "run_name": "b", "seed": 1}))
     assert str(e.value) == (
-        "make_tiny_model: resources/tiny-model was built with seed 0 for run(s) a (their results/<run>/dataset.json "
-        "name it), and run 'b' would rebuild it with seed 1: those runs would then rerun whole at their next command. "
-        "Give this run a model folder of its own (`model: resources/tiny-model-b`), or delete the other runs' results "
-        "first")
+        "make_tiny_model: resources/tiny-model holds a model built with seed 0, which run(s) a name "
+        "(results/<run>/dataset.json), and run 'b' would rebuild it with seed 1: those runs would then rerun whole at "
+        "their next command. Give this run a model folder of its own (`model: resources/tiny-model-b`), or delete the "
+        "other runs' results first")
 
 
 def test_a_stop_token_id_past_the_models_vocabulary_is_refused_at_parse_time(cfg: dict, tmp_path: Path) -> None:

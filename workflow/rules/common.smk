@@ -3,7 +3,7 @@ import re
 from snakemake.exceptions import WorkflowError
 
 from hsextract.config import chunks, file_params, reruns
-from hsextract.config.checks import tiny_model_corpus
+from hsextract.config.checks import check_tiny_model_unshared, tiny_model_corpus
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
 from hsextract.tinymodel.build import TINY_CONFIG
@@ -141,7 +141,10 @@ def get_extract_mem_mb(wildcards, attempt):
 
 
 def get_tiny_model_corpus(wildcards):
-    """Text the tiny model's tokenizer is trained on (config.check made sure there is one)."""
+    """Text the tiny model's tokenizer is trained on (config.check made sure there is one). Called where the DAG
+    holds make_tiny_model (a run, -n, --touch, --delete-all-output; not --unlock or --lint), before Snakemake
+    removes the model to rebuild it: another run's model is refused there."""
+    check_tiny_model_unshared(SETTINGS)
     return tiny_model_corpus(SETTINGS)
 
 

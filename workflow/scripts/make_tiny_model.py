@@ -4,12 +4,8 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
-from hsextract.config.checks import check_tiny_model_unshared
-from hsextract.config.settings import from_config
 from hsextract.tinymodel.build import make_tiny_model
 
-# another run's model, built with other settings: refused before anything is replaced
-check_tiny_model_unshared(from_config(snakemake.config))
 summary = make_tiny_model(
     snakemake.output.model,
     snakemake.input.conversations,

@@ -91,8 +91,9 @@ def check_stop_ids(s: Settings, shape: ModelShape) -> None:
 def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> None:
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
-    its dataset.json would name a model that made none of its shards. Run by the make_tiny_model job before it
-    builds (at parse time it would also stop --unlock, --lint, --dag and every other command that builds nothing)."""
+    its dataset.json would name a model that made none of its shards. Run by make_tiny_model's input function, as
+    the DAG is built (in the job it is too late: Snakemake removes the folder first; at parse time it would stop
+    --unlock and --lint too)."""
     if not s.make_tiny_model:
         return
     model = Path(s.extract.model)
@@ -122,8 +123,8 @@ def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> N
         was = ", ".join(f"{k} {b!r}" for k, (b, _) in differ.items())
         now = ", ".join(f"{k} {v!r}" for k, (_, v) in differ.items())
         raise ConfigError(
-            f"make_tiny_model: {s.extract.model} was built with {was} for run(s) {', '.join(others)} (their "
-            f"results/<run>/dataset.json name it), and run {s.extract.run_name!r} would rebuild it with {now}: those "
+            f"make_tiny_model: {s.extract.model} holds a model built with {was}, which run(s) {', '.join(others)} "
+            f"name (results/<run>/dataset.json), and run {s.extract.run_name!r} would rebuild it with {now}: those "
             f"runs would then rerun whole at their next command. Give this run a model folder of its own (`model: "
             f"resources/tiny-model-{s.extract.run_name}`), or delete the other runs' results first")
 
