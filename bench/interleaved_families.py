@@ -9,8 +9,8 @@ tool declaration; a second conversation and a cut of it. Then, with the embedded
     snakemake --cores 1 --configfile config/config.yaml /tmp/if/config.yaml
     grep -h '"computed_tokens"\\|"planned_computed_tokens"\\|"lost_prefixes"' logs/interleaved-families/extract/*.log
 
-computed_tokens = planned_computed_tokens (lost_prefixes 0) when the engine kept every parent's cache the plan
-needs; bench/README.md ("shared prefixes") has the figures.
+computed_tokens = planned_computed_tokens (lost_prefixes and shortened_prefixes 0) when the engine kept every
+parent's cache the plan needs; bench/README.md ("shared prefixes") has the figures.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main(out: Path) -> None:
     recs = records()
     (out / "conversations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
     (out / "config.yaml").write_text(
-        "run_name: interleaved-families\n"
+        # a tiny model of its own: its tokenizer is trained on these records (the first source), not on data/'s
+        "run_name: interleaved-families\nmodel: resources/tiny-model-interleaved-families\n"
         f"sources:\n  - {{path: {out / 'conversations.jsonl'}, format: messages}}\n"
         f"prompts_per_chunk: {len(recs)}\nshare_prefixes: true\ndedup: false\nseed: 0\n", encoding="utf-8")
     print(f"{len(recs)} records: {out / 'conversations.jsonl'}; config: {out / 'config.yaml'}")
