@@ -74,6 +74,16 @@ def additional_templates(root: Path) -> dict[str, str]:
     return {p.stem: p.read_text() for p in sorted(folder.glob("*.jinja")) if p.is_file()} if folder.is_dir() else {}
 
 
+def jinja_templates(root: Path) -> str | dict[str, str] | None:
+    """The chat template of `root`/chat_template.jinja, or with named templates beside it {"default": it, name:
+    template, ...}; None without that file."""
+    jinja = root / "chat_template.jinja"
+    if not jinja.is_file():
+        return None
+    named = additional_templates(root)
+    return {"default": jinja.read_text(), **named} if named else jinja.read_text()
+
+
 def tokenizer_file_names(root: Path) -> list[str]:
     """The names tokenizer_hash reads in a tokenizer directory (those that exist among them): TOKENIZER_FILES, its
     `tokenization_*.py` modules and its additional named templates."""
@@ -129,11 +139,9 @@ def versions() -> dict[str, str]:
 def chat_template_text(tokenizer_dir: str) -> str | None:
     """The chat template stored with a tokenizer (chat_template.jinja or tokenizer_config.json)."""
     root = Path(tokenizer_dir)
-    jinja = root / "chat_template.jinja"
-    if jinja.is_file():
-        if named := additional_templates(root):  # named templates: hash them all, the default as `default`
-            return json.dumps({"default": jinja.read_text(), **named}, sort_keys=True)
-        return jinja.read_text()
+    template = jinja_templates(root)
+    if template is not None:  # named templates: hash them all, the default as `default`
+        return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
         template = json.loads(cfg.read_text()).get("chat_template")

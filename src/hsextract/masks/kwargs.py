@@ -161,13 +161,11 @@ def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None)
     if chat_template:
         path = chat_template_file(chat_template)
         return path.read_text() if path else chat_template
-    root = Path(tokenizer_dir)
-    if (root / "chat_template.jinja").is_file():
-        from hsextract.provenance import additional_templates
+    from hsextract.provenance import jinja_templates
 
-        named = additional_templates(root)  # transformers 5's files of the named templates besides the default
-        text = (root / "chat_template.jinja").read_text()
-        return {"default": text, **named} if named else text
+    root = Path(tokenizer_dir)
+    if (template := jinja_templates(root)) is not None:  # transformers 5's files, named templates beside
+        return template
     try:
         template = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
     except (OSError, ValueError, AttributeError):

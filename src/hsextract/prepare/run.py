@@ -129,12 +129,6 @@ def _regenerated_id(src: OpenSource, index: int) -> re.Match[str] | None:
     return re.fullmatch(r"(.+:\d+)(#\d+)?", sid) if isinstance(sid, str) else None
 
 
-def _regenerated_origin(src: OpenSource, index: int) -> int | str:
-    """The input record a line of regenerate's file regenerates: its id without a repeat's `#k`, else the line."""
-    m = _regenerated_id(src, index)
-    return m.group(1) if m else index
-
-
 # The masker of a worker process (inherited through fork: the tokenizer, its custom code and the template's clock
 # are the parent's own, so every worker renders exactly as the parent would).
 _WORKER_MASKER: ChatMasker | None = None
@@ -248,19 +242,23 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         total["dropped"][reason] += 1
 
     def read(k: int) -> tuple[str, Any]:
-        """Record k of the mixture: ("conv", (location, conversation)), ("malformed", the error) or ("duplicate",)."""
+        """Record k of the mixture: ("conv", (location, conversation, sample id)), ("malformed", the error) or
+        ("duplicate",). A regenerated record's sample id is the one of the input record it regenerates (not its
+        line there)."""
         entry = order[k]
         src = sources[entry.source]
         try:
             location, conv = src.read(entry.index)
         except MalformedRecordError as e:
             return "malformed", e
+        rid = _regenerated_id(src, entry.index) if regenerated else None
         if cfg.dedup:
             h = conversation_hash(conv)
-            origin = (entry.source, _regenerated_origin(src, entry.index) if regenerated else entry.index)
-            if seen.setdefault(h, origin) != origin:  # repeats of one record (weight > 1) are not duplicates
+            # repeats of one record (weight > 1, lines of their own in regenerate's file) are not duplicates
+            origin = (entry.source, rid.group(1) if rid else entry.index)
+            if seen.setdefault(h, origin) != origin:
                 return "duplicate", None
-        return "conv", (location, conv)
+        return "conv", (location, conv, rid.group(0) if rid else entry.sample_id)
 
     def outcomes(pool: ProcessPoolExecutor | None) -> Iterator[tuple[int, str, Any, Any]]:
         """(k, what read gave, the encoding or None) of every record, in order; a batch encoded at once."""
@@ -292,8 +290,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                 continue
             samples, counted = encoding
             masker.stats.update(counted)
-            # a regenerated record keeps the sample id of the input record it regenerates (not its line there)
-            base = m.group(0) if regenerated and (m := _regenerated_id(src, entry.index)) else entry.sample_id
+            base = payload[2]
             if isinstance(samples, tuple):  # the template refused it: (failure text, reason)
                 if strict:
                     raise TemplateError(f"{payload[0]}: {samples[0]}", samples[1])
