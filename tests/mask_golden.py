@@ -152,13 +152,6 @@ EXPECTED = {
             '{"temperature": 21}<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
             '\n\n⟦The weather in Paris is sunny.<|eot_id|>⟧',
         ],
-        ('default', 'empty'): [
-            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
-            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
-            '⟦<|eot_id|>⟧<|start_header_id|>user<|end_header_id|>\n\n'
-            'What is two plus two?<|eot_id|><|start_header_id|>'
-            'assistant<|end_header_id|>\n\n⟦Four.<|eot_id|>⟧',
-        ],
         ('default', 'unicode'): [
             '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
             'Ça va? 日本語<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
@@ -191,13 +184,6 @@ EXPECTED = {
             '<|start_header_id|>ipython<|end_header_id|>\n\n'
             '{"temperature": 21}<|eot_id|><|start_header_id|>assistant<|end_header_id|>'
             '\n\n⟦The weather in Paris is sunny.⟧<|eot_id|>',
-        ],
-        ('neither', 'empty'): [
-            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
-            'Hello there!<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
-            '<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n'
-            'What is two plus two?<|eot_id|><|start_header_id|>'
-            'assistant<|end_header_id|>\n\n⟦Four.⟧<|eot_id|>',
         ],
         ('neither', 'unicode'): [
             '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n'
@@ -431,11 +417,6 @@ EXPECTED = {
             '<｜tool▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>'
             '⟦The weather in Paris is sunny.<｜end▁of▁sentence｜>⟧',
         ],
-        ('default', 'empty'): [
-            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think>'
-            '⟦<｜end▁of▁sentence｜>⟧<｜User｜>What is two plus two?<｜Assistant｜></think>'
-            '⟦Four.<｜end▁of▁sentence｜>⟧',
-        ],
         ('default', 'unicode'): [
             '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜></think>'
             '⟦Très bien ✓ 日本<｜end▁of▁sentence｜>⟧',
@@ -461,11 +442,6 @@ EXPECTED = {
             '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>⟧<｜end▁of▁sentence｜>'
             '<｜tool▁output▁begin｜>{"temperature": 21}<｜tool▁output▁end｜>'
             '⟦The weather in Paris is sunny.⟧<｜end▁of▁sentence｜>',
-        ],
-        ('neither', 'empty'): [
-            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜>'
-            '</think><｜end▁of▁sentence｜><｜User｜>What is two plus two?<｜Assistant｜>'
-            '</think>⟦Four.⟧<｜end▁of▁sentence｜>',
         ],
         ('neither', 'unicode'): [
             '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜></think>'
@@ -543,11 +519,6 @@ EXPECTED = {
             'us two?<end_of_turn>\n<start_of_turn>model\n⟦Two plus two is four.<end_o'
             'f_turn>⟧\n',
         ],
-        ('default', 'empty'): [
-            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
-            'l\n⟦<end_of_turn>⟧\n<start_of_turn>user\nWhat is two plus two?<end_of_tur'
-            'n>\n<start_of_turn>model\n⟦Four.<end_of_turn>⟧\n',
-        ],
         ('default', 'unicode'): [
             '<bos><start_of_turn>user\nÇa va? 日本語<end_of_turn>\n<start_of_turn>model\n'
             '⟦Très bien ✓ 日本<end_of_turn>⟧\n',
@@ -565,11 +536,6 @@ EXPECTED = {
             'l\n⟦How are you today?⟧<end_of_turn>\n<start_of_turn>user\nWhat is two pl'
             'us two?<end_of_turn>\n<start_of_turn>model\n⟦Two plus two is four.⟧<end_'
             'of_turn>\n',
-        ],
-        ('neither', 'empty'): [
-            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>mode'
-            'l\n<end_of_turn>\n<start_of_turn>user\nWhat is two plus two?<end_of_turn>'
-            '\n<start_of_turn>model\n⟦Four.⟧<end_of_turn>\n',
         ],
         ('neither', 'unicode'): [
             '<bos><start_of_turn>user\nÇa va? 日本語<end_of_turn>\n<start_of_turn>model\n'
@@ -846,10 +812,6 @@ EXPECTED = {
             '\n<|user|>\nWhat is two plus two?<|end|>\n<|assistant|>\n⟦Two plus two is '
             'four.<|end|>⟧\n<|endoftext|>',
         ],
-        ('default', 'empty'): [
-            '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦<|end|>⟧\n<|user|>\nWhat is '
-            'two plus two?<|end|>\n<|assistant|>\n⟦Four.<|end|>⟧\n<|endoftext|>',
-        ],
         ('default', 'unicode'): [
             '<|user|>\nÇa va? 日本語<|end|>\n<|assistant|>\n⟦Très bien ✓ 日本<|end|>⟧\n<|end'
             'oftext|>',
@@ -866,10 +828,6 @@ EXPECTED = {
             '<|user|>\nHello there!<|end|>\n<|assistant|>\n⟦How are you today?⟧<|end|>'
             '\n<|user|>\nWhat is two plus two?<|end|>\n<|assistant|>\n⟦Two plus two is '
             'four.⟧<|end|>\n<|endoftext|>',
-        ],
-        ('neither', 'empty'): [
-            '<|user|>\nHello there!<|end|>\n<|assistant|>\n<|end|>\n<|user|>\nWhat is tw'
-            'o plus two?<|end|>\n<|assistant|>\n⟦Four.⟧<|end|>\n<|endoftext|>',
         ],
         ('neither', 'unicode'): [
             '<|user|>\nÇa va? 日本語<|end|>\n<|assistant|>\n⟦Très bien ✓ 日本⟧<|end|>\n<|end'
@@ -893,13 +851,6 @@ EXPECTED = {
             'urn|>\n<|turn>user\nWhat is two plus two?<turn|>\n<|turn>model\n<|channel>'
             'thought\n<channel|>⟦Two plus two is four.<turn|>⟧',
         ],
-        ('default', 'empty'): [
-            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
-            'hannel|>⟦<turn|>⟧',
-            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<turn|>\n<|turn>user\n'
-            'What is two plus two?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>'
-            '⟦Four.<turn|>⟧',
-        ],
         ('default', 'unicode'): [
             '<bos><|turn>user\nÇa va? 日本語<turn|>\n<|turn>model\n<|channel>thought\n<cha'
             'nnel|>⟦Très bien ✓ 日本<turn|>⟧',
@@ -919,13 +870,6 @@ EXPECTED = {
             '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\nHow are you today?<t'
             'urn|>\n<|turn>user\nWhat is two plus two?<turn|>\n<|turn>model\n<|channel>'
             'thought\n<channel|>⟦Two plus two is four.⟧<turn|>',
-        ],
-        ('neither', 'empty'): [
-            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<|channel>thought\n<c'
-            'hannel|><turn|>',
-            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<turn|>\n<|turn>user\n'
-            'What is two plus two?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>'
-            '⟦Four.⟧<turn|>',
         ],
         ('neither', 'unicode'): [
             '<bos><|turn>user\nÇa va? 日本語<turn|>\n<|turn>model\n<|channel>thought\n<cha'

@@ -37,7 +37,8 @@ from typing import Any
 from hsextract.errors import ConfigError
 from hsextract.masks.ids import is_prefix
 from hsextract.masks.locators import PromptedTurn, in_rendering, own_sample
-from hsextract.masks.refusals import TemplateError, refuse_unmaskable
+from hsextract.masks.reasoning import reasoning_from_content
+from hsextract.masks.refusals import TemplateError, empty_turn, refuse_unmaskable
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 from hsextract.prepare.conversations import Conversation
@@ -120,11 +121,16 @@ class ChatMasker:
 
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
-        msgs, tools, rd = conv.messages, conv.tools, self.renderer_for(conv.tools)
+        rd = self.renderer_for(conv.tools)
+        conv = Conversation(reasoning_from_content(rd, conv.messages), conv.tools)
+        msgs, tools = conv.messages, conv.tools
         refuse_unmaskable(rd, msgs, tools)
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
         turns = [self._own(conv, j, r_text) for j, m in enumerate(msgs) if m["role"] == "assistant"]
+        empty = next((t.turn.index for t in turns if t.sample.span.generated_nothing), None)
+        if empty is not None:
+            raise empty_turn(msgs, empty)
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
         stable = [is_prefix(t.sample.ids, r) for t in turns]

@@ -15,6 +15,10 @@ like, and what the model wrote there.
   finds it (DeepSeek-V3.1 with `thinking` and GLM-4.7 render `</think>` + content; Kimi-K2.5, whose prompt is a
   prefix of its rendering, and Nemotron-3 render `<think></think>` + content): the model closed the prompt's
   block at once, and that closer is trained as the reasoning block it ends (`closed_at_once`).
+- **A block written into the content** (`<think>...</think>answer`, as raw generations and R1-style exports hold
+  it): moved to the reasoning field where the template renders both alike (Qwen3 cuts it out of the content
+  itself), left where the template expects it there (DeepSeek-R1), refused where the template would render it as
+  answer text beside a block of its own (Kimi-K2.5) (`reasoning_from_content`).
 - **An opener the turn as rendered never closes** (a template that reads no reasoning field and renders the
   content right after `<think>`): refused (`refuse_open_block`).
 """
@@ -26,9 +30,53 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hsextract.masks.ids import common_prefix
-from hsextract.masks.refusals import NOT_PREFIX_STABLE, REASONING_LEFT_OPEN, TemplateError
+from hsextract.masks.refusals import NOT_PREFIX_STABLE, REASONING_IN_CONTENT, REASONING_LEFT_OPEN, TemplateError
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
+
+
+# the closers of reasoning blocks (`</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax); tool-call markup such as
+# Qwen's `</tool_call>` is a pair of added tokens too, and may stand in a content more than once
+REASONING_CLOSER = re.compile(r"</(think|thinking|thought|reasoning)>")
+
+
+def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each assistant content that holds a reasoning block's closer (`<think>X</think>Y`, or
+    `X</think>Y` after a prompt that opened it) and no reasoning field given as reasoning X and content Y, where the
+    template renders the two alike and writes the reasoning (it cuts the block out of the content itself: Qwen3),
+    so the masker knows where the reasoning is. Where it renders no more closers than the content holds it expects the block there
+    (DeepSeek-R1 drops it, a template that reads no reasoning field writes it as is): left. Where it renders more,
+    it writes a block of its own beside the one in the content (Kimi-K2.5: `<think>` + field + `</think>` before
+    the content): the sample would train two blocks, which the model never writes: refused."""
+    out = list(msgs)
+    for j, m in enumerate(msgs):
+        content = m.get("content") if m["role"] == "assistant" else None
+        names = dict.fromkeys(REASONING_CLOSER.findall(content)) if isinstance(content, str) else {}
+        closer = next((f"</{n}>" for n in names if f"</{n}>" in rd.added), None)
+        if closer is None:
+            continue
+        try:  # the turn alone, as the last message: the template writes its reasoning block for it, if any
+            text = rd.render([{"role": "user", "content": "hi"}, m])
+        except Exception:  # noqa: BLE001 - a template that needs more context: judged on the data later
+            continue
+        if not m.get("reasoning_content"):
+            head, _, tail = content.partition(closer)
+            reasoning = head.split(f"<{closer[2:]}", 1)[-1]
+            for r, c in ((reasoning, tail), (reasoning.strip("\n"), tail.lstrip("\n"))):
+                moved = {**m, "reasoning_content": r, "content": c}
+                if r.strip() and r.strip() in text and rd.render([{"role": "user", "content": "hi"}, moved]) == text:
+                    out[j] = moved
+                    break
+            if out[j] is not m:
+                continue
+        if text.count(closer) > content.count(closer):
+            raise TemplateError(
+                f"assistant turn {j}: its content holds a reasoning block (`{closer}` at character "
+                f"{content.index(closer)}), which the chat template renders as answer text beside a reasoning "
+                f"block of its own: the sample would train two blocks. Move the reasoning to "
+                f"`reasoning_content` and keep the answer in `content` (as SGLang's reasoning parser returns "
+                f"a generation)", reason=REASONING_IN_CONTENT)
+    return out
 
 
 @dataclass(frozen=True)

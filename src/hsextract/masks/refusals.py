@@ -11,6 +11,8 @@ Reason codes, each raised where its case is told apart:
     tool_calls_after_stop      the calls rendered after the turn's stop token, as a message of their own (turns)
     tool_arguments_as_string   the template joins tool-call arguments to text as a string (rendering)
     reasoning_left_open        the prompt opens a reasoning block the turn never closes (reasoning)
+    reasoning_in_content       a reasoning block in the content, beside the template's own (reasoning)
+    empty_turn                 nothing of a turn rendered but its stop token (masker)
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ TOOL_RESULTS_NOT_RENDERED = "tool_results_not_rendered"
 TOOL_CALLS_AFTER_STOP = "tool_calls_after_stop"
 TOOL_ARGUMENTS_AS_STRING = "tool_arguments_as_string"
 REASONING_LEFT_OPEN = "reasoning_left_open"
+REASONING_IN_CONTENT = "reasoning_in_content"
+EMPTY_TURN = "empty_turn"
 
 
 class TemplateError(ConfigError):
@@ -112,6 +116,17 @@ def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, 
                 f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
 
 
+def empty_turn(msgs: list[dict[str, Any]], j: int) -> TemplateError:
+    """Assistant turn j renders as nothing but its stop token: its sample would teach the model to stop at once
+    (prepare refuses an empty content without reasoning before any rendering; this is the template's case)."""
+    why = ("its content is empty and the chat template does not render its reasoning (with these "
+           "`chat_template_kwargs`)" if msgs[j].get("reasoning_content") else "the chat template renders none of it")
+    return TemplateError(
+        f"assistant turn {j}: {why}, so its sample would train only the stop token right after the prompt. Give "
+        f"the turn content, have its reasoning rendered (`chat_template_kwargs`, e.g. thinking on), or leave it "
+        f"out", reason=EMPTY_TURN)
+
+
 def _refuse_unrendered_tool_calls(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any) -> None:
     """A template without tool calls (Phi-3) renders a tool-call turn as if it had none: its sample would
     train an empty turn (the stop token right after the prompt) or the content without the calls."""
@@ -143,6 +158,6 @@ def _refuse_unrendered_tool_results(renderer: TemplateRenderer, msgs: list[dict[
                 f"renders them, or leave conversations with tool messages out", reason=TOOL_RESULTS_NOT_RENDERED)
 
 
-__all__ = ["NOT_PREFIX_STABLE", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR",
+__all__ = ["EMPTY_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR",
            "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED", "TOOL_RESULTS_NOT_RENDERED",
-           "TemplateError", "failure", "not_prefix_stable", "refuse_unmaskable"]
+           "TemplateError", "empty_turn", "failure", "not_prefix_stable", "refuse_unmaskable"]

@@ -75,6 +75,11 @@ class TurnSpan:
     # the model wrote that closer, so it is trained as the reasoning block it ends (reasoning.closed_at_once)
     closes_prompt_block: bool = False
 
+    @property
+    def generated_nothing(self) -> bool:
+        """No token of the turn before its stop token."""
+        return (self.stop if self.stop is not None else self.end) <= self.prompt_end
+
     def labels(self, train_on_reasoning: bool, train_on_eot: bool) -> list[tuple[int, int, str]]:
         """[(start, end, kind)] of the turn's tokens; kind is reasoning, header, body, eot or untrained."""
         out: list[tuple[int, int, str]] = []
