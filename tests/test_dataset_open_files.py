@@ -253,3 +253,48 @@ def test_a_shard_rewritten_in_place_under_a_held_descriptor_is_refused_not_calle
     assert len(open_dataset([a, b])) == 6 and type(open_dataset([a, b])[0]) is dict  # opened again: read as it is
 
 
+
+
+def test_a_relative_path_reads_after_chdir_in_workers_and_reopens(tmp_path, monkeypatch):
+    """A dataset opened by a relative path (as the README shows), then the working directory changed (Hydra's
+    job folder): forked workers and a reopen after the cache closed a file read the same files, and no read
+    calls them deleted."""
+    write_shards(tmp_path / "shards", 3)
+    monkeypatch.chdir(tmp_path)
+    ds = open_dataset("shards")
+    want = [ds[i] for i in range(len(ds))]
+    monkeypatch.chdir(tmp_path.parent)
+    monkeypatch.setattr(reader_module, "MAX_OPEN", 1)  # every read of another shard closes and reopens one
+    assert all(same(ds[i], want[i]) for i in (0, 2, 4, 1, 5))
+    got = list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=120))
+    assert len(got) == len(want) and all(same(a, b) for a, b in zip(got, want, strict=True))
+    assert str(ds.readers[0].path) == "shards/chunk-00000.hss"  # named as given
+
+
+def test_a_damaged_shard_is_a_corrupt_shard_error_through_dataloader_workers_and_pickle(tmp_path):
+    """torch re-raises a worker's error as its type built from the message alone: CorruptShardError must stay
+    itself there (a trainer that skips damaged shards catches it), and survive pickling with its fields."""
+    (path,) = write_shards(tmp_path / "shards", 1)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ds = open_dataset(path)
+    with pytest.raises(CorruptShardError) as direct:
+        list(DataLoader(ds, batch_size=None, num_workers=0))
+    with pytest.raises(CorruptShardError) as worker:
+        list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork", timeout=120))
+    assert str(direct.value) in str(worker.value)  # torch adds the worker's traceback around the message
+    e = pickle.loads(pickle.dumps(direct.value))
+    assert (type(e), str(e), e.path, e.sample, e.what) == (
+        CorruptShardError, str(direct.value), direct.value.path, direct.value.sample, direct.value.what)
+    assert direct.value.path == str(path) and direct.value.sample is not None
+
+
+@pytest.mark.parametrize("cut", [3, 10, 25])
+def test_a_shard_cut_inside_its_header_or_metadata_is_called_truncated(tmp_path, cut):
+    (path,) = write_shards(tmp_path / "shards", 1)
+    path.write_bytes(path.read_bytes()[:cut])
+    with pytest.raises(CorruptShardError) as e:
+        ShardReader(path)
+    where = "inside the 20-byte header" if cut < 20 else "inside the header's metadata (bytes 20.."
+    assert str(e.value).startswith(f"{path}: shard structure: file truncated at byte {cut}: {where}"), str(e.value)

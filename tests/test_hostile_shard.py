@@ -160,7 +160,8 @@ CASES: dict[str, tuple[Callable[[Parts], bytes], str]] = {
     "header_reserved_10": (lambda p: p.build(reserved=1), "header bytes 10-11 (reserved) hold 1, not 0"),
     "header_reserved_11": (lambda p: p.build(reserved=0x100), "header bytes 10-11 (reserved) hold 256, not 0"),
     "meta_len_4GiB": (lambda p: p.build(meta_len=0xFFFFFFFF), "header metadata length 4294967295 exceeds 1048576"),
-    "meta_len_past_end": (lambda p: p.build(meta_len=(1 << 20) - 1), "header metadata checksum mismatch"),
+    "meta_len_past_end": (lambda p: p.build(meta_len=(1 << 20) - 1), "inside the header's metadata (bytes "
+                                                                      "20..1048594), or its length damaged"),
     # metadata
     "meta_not_utf8": (meta_raw(b'{"a":"\xff\xfe"}'), "metadata is not UTF-8"),
     "meta_utf16": (meta_raw('{"a":1}'.encode("utf-16")), "metadata is not UTF-8"),

@@ -21,7 +21,11 @@ class CorruptShardError(ShardError):
     `path` is the file, `sample` the sample index (or None for header, index and footer).
     """
 
-    def __init__(self, path: object, sample: int | None, what: str) -> None:
+    def __init__(self, path: object, sample: int | None = None, what: str | None = None) -> None:
+        if what is None:  # its message alone: how torch re-raises a DataLoader worker's error in the main process
+            super().__init__(str(path))
+            self.path, self.sample, self.what = None, None, None
+            return
         where = f"sample {sample}" if sample is not None else "shard structure"
         super().__init__(
             f"{path}: {where}: {what}. The shard is damaged: delete it and rerun its chunk "
@@ -30,6 +34,9 @@ class CorruptShardError(ShardError):
         self.path = str(path)
         self.sample = sample
         self.what = what
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), (self.path, self.sample, self.what) if self.what is not None else self.args
 
 
 class ValidationFailure(HsxError):

@@ -34,7 +34,6 @@ from hsextract.masks.refusals import NOT_PREFIX_STABLE, REASONING_IN_CONTENT, RE
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 
-
 # the closers of reasoning blocks (`</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax); tool-call markup such as
 # Qwen's `</tool_call>` is a pair of added tokens too, and may stand in a content more than once
 REASONING_CLOSER = re.compile(r"</(think|thinking|thought|reasoning)>")
@@ -44,10 +43,10 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
     """The messages with each assistant content that holds a reasoning block's closer (`<think>X</think>Y`, or
     `X</think>Y` after a prompt that opened it) and no reasoning field given as reasoning X and content Y, where the
     template renders the two alike and writes the reasoning (it cuts the block out of the content itself: Qwen3),
-    so the masker knows where the reasoning is. Where it renders no more closers than the content holds it expects the block there
-    (DeepSeek-R1 drops it, a template that reads no reasoning field writes it as is): left. Where it renders more,
-    it writes a block of its own beside the one in the content (Kimi-K2.5: `<think>` + field + `</think>` before
-    the content): the sample would train two blocks, which the model never writes: refused."""
+    so the masker knows where the reasoning is. Where it renders no more closers than the content holds it expects
+    the block there (DeepSeek-R1 drops it, a template that reads no reasoning field writes it as is): left. Where
+    it renders more, it writes a block of its own beside the one in the content (Kimi-K2.5: `<think>` + field +
+    `</think>` before the content): the sample would train two blocks, which the model never writes: refused."""
     out = list(msgs)
     for j, m in enumerate(msgs):
         content = m.get("content") if m["role"] == "assistant" else None

@@ -158,6 +158,7 @@ def _refuse_unrendered_tool_results(renderer: TemplateRenderer, msgs: list[dict[
                 f"renders them, or leave conversations with tool messages out", reason=TOOL_RESULTS_NOT_RENDERED)
 
 
-__all__ = ["EMPTY_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR",
-           "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED", "TOOL_RESULTS_NOT_RENDERED",
-           "TemplateError", "empty_turn", "failure", "not_prefix_stable", "refuse_unmaskable"]
+__all__ = ["EMPTY_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN",
+           "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED",
+           "TOOL_RESULTS_NOT_RENDERED", "TemplateError", "empty_turn", "failure", "not_prefix_stable",
+           "refuse_unmaskable"]

@@ -140,6 +140,8 @@ class ShardReader:
 
     def __init__(self, path: str | os.PathLike[str], *, decode_threads: int = 1) -> None:
         self.path = Path(path)
+        # opened by absolute path: a worker process or a reopen after the cache closed it may run after os.chdir
+        self._open_path = Path(path).absolute()
         if not self.path.exists():
             raise ShardError(f"{self.path}: no such shard file")
         if not isinstance(decode_threads, int) or decode_threads < 1:
@@ -187,7 +189,7 @@ class ShardReader:
         it is read from)."""
         # O_NONBLOCK: opening a FIFO must not wait for a writer; anything but a regular file is refused
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            fd = os.open(self._open_path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
             if self._identity is None:
                 raise
@@ -281,7 +283,7 @@ class ShardReader:
         is whole, and opening it again reads it)."""
         if self._identity is not None:
             try:
-                now = _identity_of(os.stat(self.path))
+                now = _identity_of(os.stat(self._open_path))
             except OSError:
                 now = self._identity
             if now != self._identity:
@@ -301,6 +303,8 @@ class ShardReader:
         assert self._identity is not None  # set by _open's first open of the file
         size = self._identity[2]
         head = self._pread(fmt.HEADER.size, 0)
+        if 0 < len(head) < fmt.HEADER.size and fmt.HEADER_MAGIC.startswith(head[:8]):  # a shard's start, cut
+            raise self._corrupt(None, f"file truncated at byte {size}: inside the {fmt.HEADER.size}-byte header")
         if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
             # not a plain "damaged" (whose advice is to delete the file): it may be any other file given by mistake
             raise ShardError(f"{self.path}: not an hsextract shard (bad magic at byte 0); a shard damaged at its "
@@ -316,7 +320,10 @@ class ShardReader:
         if meta_len > parse.MAX_META_BYTES:
             raise self._corrupt(None, f"header metadata length {meta_len} exceeds {parse.MAX_META_BYTES} bytes")
         meta_raw = self._pread(meta_len, fmt.HEADER.size)
-        if len(meta_raw) != meta_len or fmt.crc32(meta_raw) != meta_crc:
+        if len(meta_raw) != meta_len:
+            raise self._corrupt(None, f"file truncated at byte {size}: inside the header's metadata (bytes "
+                                      f"{fmt.HEADER.size}..{fmt.HEADER.size + meta_len - 1}), or its length damaged")
+        if fmt.crc32(meta_raw) != meta_crc:
             raise self._corrupt(None, "header metadata checksum mismatch")
         metadata = parse.metadata(meta_raw, version)
         self._data_start = fmt.HEADER.size + meta_len
