@@ -20,7 +20,7 @@ from hsextract.config.settings import from_config
 from hsextract.engines.transformers_generate import TransformersGenerator
 from hsextract.errors import ConfigError, EngineError
 from hsextract.masks.masker import ChatMasker
-from hsextract.prepare.conversations import Conversation
+from hsextract.prepare.conversations import Conversation, conversation_hash
 from hsextract.prepare.run import num_chunks, run_prepare
 from hsextract.regenerate import (
     RegenStats,
@@ -312,6 +312,52 @@ def test_a_weights_repeats_stay_repeats_after_greedy_regeneration(tmp_path):
         assert r["input_ids"] == masker.encode(Conversation(by_id[r["sample_id"]]))[0].input_ids
     plain = run_prepare(as_workflow.prepare, tok, tmp_path / "q", 1)
     assert (plain["kept"], dict(plain["dropped"])) == (2, {"duplicate": 2})
+
+
+def test_duplicate_inputs_stay_duplicates_when_their_sampled_generations_differ(tmp_path):
+    """Two equal input records (not a weight's repeats) sampled at temperature > 0 get different generations (each
+    record its own seed): prepare compares the inputs they were regenerated from (`input_sha256`), so the second
+    is a duplicate, as without regeneration."""
+    tok = make_tok("deepseek_v3")
+    src = _write_jsonl(tmp_path / "in.jsonl", [CONVS[2], CONVS[0], CONVS[2]])
+    base = {"sources": [{"path": str(src), "name": "d"}], "seed": 1, "prompts_per_chunk": 8,
+            "share_prefixes": False, "model": str(tmp_path / "no-model")}
+    cfg = from_config({**base, "regenerate": {"enabled": True, "temperature": 0.8}})
+    paths = _chunk_paths(tmp_path, 1)
+    run_regenerate_chunk(cfg, 0, paths[0], tokenizer=tok, generator=Scripted(tok, ["One.", "Two.", "Three.", "Four."]))
+    out = tmp_path / "conversations.jsonl"
+    concat_chunks(paths, out)
+    recs = {r["id"]: r for r in _read_jsonl(out)}
+    assert recs["d:0"]["messages"] != recs["d:2"]["messages"]  # the generations differ
+    assert recs["d:0"]["input_sha256"] == recs["d:2"]["input_sha256"] == conversation_hash(Conversation(
+        CONVS[2]["messages"])) != recs["d:1"]["input_sha256"]
+    as_workflow = from_config({**base, "sources": [{"path": str(out), "name": "regenerated", "format": "messages"}]})
+    kept = run_prepare(as_workflow.prepare, tok, tmp_path / "p", 1, regenerated=True)
+    assert (kept["kept"], dict(kept["dropped"])) == (2, {"duplicate": 1})
+    rows = pq.read_table(tmp_path / "p" / "chunk-00000.parquet").to_pylist()
+    assert sorted(r["sample_id"] for r in rows) == ["d:0", "d:1"]
+
+
+def test_a_turn_whose_context_reaches_max_seq_len_is_not_generated(tmp_path):
+    """A context of max_seq_len tokens or more leaves no room for a trained token in the sample (prepare drops or
+    truncates it) and may exhaust the engine's memory: the conversation is cut before that turn, no prompt of it is
+    sent, and the cut is counted."""
+    tok = make_tok("deepseek_v3")
+    long_user = {"role": "user", "content": "What is two plus two? " * 40}
+    recs = [CONVS[2], {"messages": [CONVS[0]["messages"][0], CONVS[0]["messages"][1], long_user,
+                                    {"role": "assistant", "content": "four"}]}]
+    src = _write_jsonl(tmp_path / "in.jsonl", recs)
+    cfg = from_config({"sources": [{"path": str(src), "name": "d"}], "seed": 1, "prompts_per_chunk": 8,
+                       "model": str(tmp_path / "no-model"), "max_seq_len": 100,
+                       "regenerate": {"enabled": True}})
+    long_ids = ChatMasker(tok).renderer.render_ids(recs[1]["messages"][:3], add_generation_prompt=True)
+    assert len(long_ids) >= 100
+    gen = Scripted(tok, ["A.", "B."])
+    stats = run_regenerate_chunk(cfg, 0, _chunk_paths(tmp_path, 1)[0], tokenizer=tok, generator=gen)
+    assert stats["conversations_cut"] == {"context_too_long": 1}
+    assert len(gen.prompts) == 2 and all(len(p) < 100 for p in gen.prompts)  # two first turns, the long one never
+    out = {r["id"]: r for r in _read_jsonl(_chunk_paths(tmp_path, 1)[0])}
+    assert [m["role"] for m in out["d:1"]["messages"]] == ["user", "assistant", "user"]  # cut before the long turn
 
 
 def test_same_config_identical_files_and_per_sample_seeds(tmp_path):

@@ -66,7 +66,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "sources": _REGENERATE_AND_PREPARE,
     "seed": ("make_tiny_model", *_REGENERATE_AND_PREPARE),
     "prompts_per_chunk": _REGENERATE_AND_PREPARE,
-    "max_seq_len": ("prepare",),
+    "max_seq_len": _REGENERATE_AND_PREPARE,  # regenerate cuts a conversation before a turn whose context reaches it
     "truncate": ("prepare",),
     "min_trained_tokens": ("prepare",),
     "train_on_eot": ("prepare",),

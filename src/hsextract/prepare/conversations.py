@@ -40,6 +40,7 @@ parsing of JSONL or parquet content, so `count_records` is cheap.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -91,6 +92,12 @@ class _Bad(Exception):
 class Conversation:
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
+
+
+def conversation_hash(conv: Conversation) -> str:
+    """What `dedup` compares: the messages and tools, key order aside."""
+    payload = json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -442,6 +449,6 @@ def iter_conversations(sources: Sequence[SourceEntry], seed: int = 0, strict: bo
 
 # MalformedRecordError (hsextract.prepare.sources) is what OpenSource.read and iter_conversations raise
 __all__ = [
-    "Conversation", "MalformedRecordError", "MixtureEntry", "OpenSource", "ROLES", "as_openai", "count_records",
-    "iter_conversations", "mixture", "normalize_record", "open_sources",
+    "Conversation", "MalformedRecordError", "MixtureEntry", "OpenSource", "ROLES", "as_openai", "conversation_hash",
+    "count_records", "iter_conversations", "mixture", "normalize_record", "open_sources",
 ]

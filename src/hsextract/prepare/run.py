@@ -53,6 +53,7 @@ from hsextract.prepare.conversations import (
     Conversation,
     MalformedRecordError,
     OpenSource,
+    conversation_hash,
     count_records,
     decode_raw,
     mixture,
@@ -83,11 +84,6 @@ def chunk_name(chunk: int) -> str:
 def num_chunks(settings: PrepareSettings) -> int:
     """Chunk count from the settings alone (cheap: counts records, parses nothing): what Snakemake needs."""
     return chunks.count(count_records(settings.sources), settings.prompts_per_chunk)
-
-
-def conversation_hash(conv: Conversation) -> str:
-    payload = json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
 def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]],
@@ -121,12 +117,15 @@ def _source_hash(src: OpenSource) -> str:
                           f"{e}") from None
 
 
-def _regenerated_id(src: OpenSource, index: int) -> re.Match[str] | None:
-    """The id of a line of regenerate's file: the input record's sample id (`source:index`, `#k` for a weight's
-    repeat), matched as (record, repeat); None for a line without one."""
+def _regenerated(src: OpenSource, index: int) -> tuple[re.Match[str] | None, str | None]:
+    """Of a line of regenerate's file: its id, the input record's sample id (`source:index`, `#k` for a weight's
+    repeat), matched as (record, repeat), and the hash of the input conversation it was regenerated from (what
+    dedup compares: sampled generations of two equal inputs differ); None for a line without one."""
     rec = decode_raw(src.reader.raw(index)[1])
     sid = rec.get("id") if isinstance(rec, dict) else None
-    return re.fullmatch(r"(.+:\d+)(#\d+)?", sid) if isinstance(sid, str) else None
+    h = rec.get("input_sha256") if isinstance(rec, dict) else None
+    return (re.fullmatch(r"(.+:\d+)(#\d+)?", sid) if isinstance(sid, str) else None,
+            h if isinstance(h, str) else None)
 
 
 # The masker of a worker process (inherited through fork: the tokenizer, its custom code and the template's clock
@@ -251,9 +250,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             location, conv = src.read(entry.index)
         except MalformedRecordError as e:
             return "malformed", e
-        rid = _regenerated_id(src, entry.index) if regenerated else None
+        rid, input_hash = _regenerated(src, entry.index) if regenerated else (None, None)
         if cfg.dedup:
-            h = conversation_hash(conv)
+            h = input_hash or conversation_hash(conv)
             # repeats of one record (weight > 1, lines of their own in regenerate's file) are not duplicates
             origin = (entry.source, rid.group(1) if rid else entry.index)
             if seen.setdefault(h, origin) != origin:

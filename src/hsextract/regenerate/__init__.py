@@ -28,8 +28,9 @@ One output line per input record, so the regenerated file holds as many records 
   - regenerated conversation: {"id", "source", "messages", "tools"?}
   - a turn that produced no text (or hit max_new_tokens with `drop_truncated`), that ended (stopped or hit
     max_new_tokens) inside the reasoning block its generation prompt opened, or that opened a tool call the
-    recorded turn did not make (`tool_call_opener`): the conversation is cut before that turn; prepare then
-    drops it if nothing is left to train (no_trained_tokens);
+    recorded turn did not make (`tool_call_opener`), or whose context already holds prepare's `max_seq_len`
+    tokens (its sample could train nothing, and an engine may run out of memory on it): the conversation is
+    cut before that turn; prepare then drops it if nothing is left to train (no_trained_tokens);
   - a malformed input record, or one whose context the chat template refuses (counted in `refused` by the
     reason prepare drops it under), in lenient mode: {"id", "source", "messages": [], "malformed": reason},
     which prepare counts under that reason; strict mode raises, naming the record's file:line.

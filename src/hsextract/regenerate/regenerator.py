@@ -32,6 +32,9 @@ NO_ASSISTANT_TURN = "no_assistant_turn"
 # and the call, markup in a plain message's content, would not render back as the target wrote it (a template that
 # keeps reasoning only in tool-call turns, Kimi's, drops it). Cut.
 TOOL_CALL_GENERATED = "tool_call_generated"
+# the context of a turn reaches `max_context` tokens (prepare's max_seq_len): its sample could hold no generated
+# token (dropped or truncated by prepare either way), and an engine given it may run out of memory or positions.
+CONTEXT_TOO_LONG = "context_too_long"
 
 
 def sample_seed(seed: int, sample_id: str, turn: int) -> int:
@@ -73,13 +76,14 @@ class Regenerator:
     """Regenerates the assistant turns of conversations with one tokenizer/template and one generator."""
 
     def __init__(self, tokenizer: Any, generator: Generator, settings: RegenerateSettings,
-                 chat_template_kwargs: Mapping[str, Any] | None = None) -> None:
+                 chat_template_kwargs: Mapping[str, Any] | None = None, max_context: int | None = None) -> None:
         self.masker = ChatMasker(tokenizer, chat_template_kwargs=dict(chat_template_kwargs or {}))
         self.tokenizer = tokenizer
         self.generator = generator
         self.settings = settings
         self.stop_ids = list(settings.stop_token_ids or end_of_turn_ids(tokenizer, chat_template_kwargs))
         self.tool_call = tool_call_opener(self.masker)
+        self.max_context = max_context
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -182,7 +186,13 @@ class Regenerator:
                     work[k] = None
                     del pos[k]
                     continue
-                turns.append(_Turn(k, j, text, self._ids(text), sample_seed(self.settings.seed, ids[k], j), append))
+                prompt_ids = self._ids(text)
+                if self.max_context is not None and len(prompt_ids) >= self.max_context:
+                    stats.conversations_cut[CONTEXT_TOO_LONG] += 1
+                    del msgs[j:]
+                    del pos[k]
+                    continue
+                turns.append(_Turn(k, j, text, prompt_ids, sample_seed(self.settings.seed, ids[k], j), append))
             if not turns:
                 break
             outs = self.generator.generate([t.prompt_ids for t in turns], [t.seed for t in turns])

@@ -17,7 +17,13 @@ from hsextract.config.checks import check_regenerate_server
 from hsextract.config.settings import RegenerateSettings, Settings
 from hsextract.engines.base import Generator
 from hsextract.errors import ConfigError
-from hsextract.prepare.conversations import Conversation, MalformedRecordError, mixture, open_sources
+from hsextract.prepare.conversations import (
+    Conversation,
+    MalformedRecordError,
+    conversation_hash,
+    mixture,
+    open_sources,
+)
 from hsextract.regenerate.files import record, stats_path, write_chunk
 from hsextract.regenerate.regenerator import Regenerator, RegenStats
 from hsextract.regenerate.template import end_of_turn_ids
@@ -94,7 +100,7 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
             location, conv = e.location, None
         convs.append(conv)
         locations.append(location)
-    regenerator = Regenerator(tok, gen, regen, kwargs)
+    regenerator = Regenerator(tok, gen, regen, kwargs, max_context=prep.max_seq_len)
     out = regenerator.regenerate(convs, [e.sample_id for e in entries], stats, strict=prep.strict,
                                  locations=locations)
     bad |= regenerator.refusals
@@ -105,7 +111,9 @@ def run_regenerate_chunk(settings: Settings, chunk_index: int, out_path: str | o
         if conv is None:
             rec = {"id": entry.sample_id, "source": name, "messages": [], "malformed": bad[k]}
         else:
-            rec = record(entry.sample_id, name, conv)
+            inp = convs[k]
+            assert inp is not None
+            rec = record(entry.sample_id, name, conv) | {"input_sha256": conversation_hash(inp)}
         # key order as rendered: a template's tojson keeps it (tool declarations, tool-call arguments), so sorted
         # keys would give prepare a context other than the one the target answered
         lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
