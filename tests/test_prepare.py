@@ -345,3 +345,27 @@ def test_workers_write_the_same_bytes_as_one(tmp_path, monkeypatch, share):
             run_prepare(strict, tok, tmp_path / f"strict{workers}", n, workers=workers)
         errors.append((type(e.value), str(e.value)))
     assert errors[0] == errors[1]
+
+
+def test_a_sample_another_record_already_gave_is_a_duplicate_sample(tmp_path):
+    """Agentic data recorded step by step: record 1 is record 0 and one more turn. Split per turn (Kimi's template
+    drops earlier reasoning), record 1's first sample is record 0's sample, token for token: with dedup it is
+    dropped as `duplicate_sample` (a sample, not the record: its second turn is kept); without dedup, kept. A
+    weight's repeats stay (one origin, as for records)."""
+    def a(content, reasoning):
+        return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+
+    step1 = [{"role": "user", "content": "Hello there!"}, a("How are you today?", "The user greets.")]
+    step2 = step1 + [{"role": "user", "content": "What is two plus two?"}, a("Four.", "Add them.")]
+    src = _write(tmp_path, [{"messages": step1}, {"messages": step2}])
+    tok = make_tokenizer("kimi_k25")
+    summary = run_prepare(_cfg(src, prompts_per_chunk=8), tok, tmp_path / "out", 1)
+    assert (summary["kept"], summary["dropped"], summary["dropped_samples"]) == (2, {"duplicate_sample": 1}, 1)
+    # the mixture (seed 3) reads record 1 first: record 0's one sample is the repeat
+    assert sorted(r["sample_id"] for r in _rows(tmp_path / "out", 1)[0]) == ["d:1:t1", "d:1:t3"]
+    assert run_prepare(_cfg(src, prompts_per_chunk=8, dedup=False), tok, tmp_path / "all", 1)["kept"] == 3
+    cfg = from_config({"sources": [{"path": str(src), "name": "d", "weight": 2.0}], "seed": 3,
+                       "prompts_per_chunk": 8, "share_prefixes": False}).prepare
+    repeats = run_prepare(cfg, tok, tmp_path / "w", 1)
+    assert (repeats["kept"], repeats["dropped"]) == (4, {"duplicate_sample": 2})
+    assert sorted(r["sample_id"] for r in _rows(tmp_path / "w", 1)[0]) == ["d:1#1:t1", "d:1#1:t3", "d:1:t1", "d:1:t3"]

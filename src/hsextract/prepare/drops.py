@@ -10,8 +10,11 @@ TOO_LONG = "too_long"
 NO_TRAINED_TOKENS = "no_trained_tokens"
 TRUNCATED_UNTRAINED = "truncated_untrained"  # cut to max_seq_len, which left fewer than min_trained_tokens
 DUPLICATE = "duplicate"
+# a sample equal (ids and mask) to one of another record: per-turn samples of agentic data recorded step by step
+# (record k+1 = record k and one more turn) repeat every turn of the record before
+DUPLICATE_SAMPLE = "duplicate_sample"
 # the filters applied to each sample; every other reason drops a record
-SAMPLE_REASONS = frozenset({TOO_LONG, NO_TRAINED_TOKENS, TRUNCATED_UNTRAINED})
+SAMPLE_REASONS = frozenset({TOO_LONG, NO_TRAINED_TOKENS, TRUNCATED_UNTRAINED, DUPLICATE_SAMPLE})
 
 
 def unit(reason: str) -> str:

@@ -37,6 +37,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -59,7 +60,7 @@ from hsextract.prepare.conversations import (
     mixture,
     open_sources,
 )
-from hsextract.prepare.drops import DUPLICATE, NO_TRAINED_TOKENS, TOO_LONG, TRUNCATED_UNTRAINED
+from hsextract.prepare.drops import DUPLICATE, DUPLICATE_SAMPLE, NO_TRAINED_TOKENS, TOO_LONG, TRUNCATED_UNTRAINED
 from hsextract.prepare.prefix_share import distinct_tokens, find_parents
 from hsextract.prepare.sources import data_files
 from hsextract.prepare.tokenizer_loading import load_tokenizer
@@ -218,6 +219,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     per_source = {s.spec.name: _new_stats() for s in sources}
     per_chunk: list[dict[str, int]] = []
     seen: dict[str, tuple[int, int | str]] = {}
+    seen_samples: dict[bytes, str] = {}  # a kept sample's ids and mask -> the record it came from (dedup)
     freq: Counter[int] = Counter()
     rows: list[dict[str, Any]] = []
     chunk = 0
@@ -308,6 +310,11 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                     drop(st, TRUNCATED_UNTRAINED if cut and sum(sample.loss_mask) >= cfg.min_trained_tokens
                          else NO_TRAINED_TOKENS)
                     continue
+                if cfg.dedup:  # a weight's repeats (`#k`) are one origin, as for records
+                    h = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes() + bytes(mask), digest_size=16)
+                    if seen_samples.setdefault(h.digest(), base.split("#")[0]) != base.split("#")[0]:
+                        drop(st, DUPLICATE_SAMPLE)
+                        continue
                 if cut:  # kept samples only: a dropped one is counted once, under its reason
                     st["truncated"] += 1
                     total["truncated"] += 1
