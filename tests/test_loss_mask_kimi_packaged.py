@@ -11,6 +11,7 @@ from test_kimi_tokenizer import CONV, model_dir, tok  # noqa: F401 - module fixt
 
 from hsextract.masks.explain import marked
 from hsextract.masks.masker import ChatMasker
+from hsextract.masks.refusals import TemplateError
 from hsextract.prepare.conversations import Conversation
 
 DONE = Conversation([*CONV, {"role": "assistant", "content": "21 C in Rome.", "reasoning_content": "Report."}])
@@ -73,3 +74,14 @@ def test_masks_explain_needs_trust_remote_code_for_custom_code(model_dir, tmp_pa
     assert "trust_remote_code" in capsys.readouterr().err
     assert main(["masks", "--explain", str(conv), "--model", str(model_dir), "--trust-remote-code"]) == 0
     assert "<think>⟦Look it up.</think>Sunny.<|im_end|>⟧" in capsys.readouterr().out
+
+
+def test_an_assistant_name_the_template_writes_in_the_header_is_named_as_the_cause(tok) -> None:  # noqa: F811
+    conv = Conversation([{"role": "user", "content": "Hi."}, {"role": "assistant", "name": "bot", "content": "b"}])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(tok).encode(conv)
+    assert e.value.reason == "not_prefix_stable" and str(e.value).startswith(
+        "assistant turn 1: the template writes its `name` field ('bot') where the generation prompt the server saw "
+        "has the plain assistant header (first difference at token ")
+    assert str(e.value).endswith("the model never wrote a turn after that header. Remove `name` from assistant "
+                                 "messages")

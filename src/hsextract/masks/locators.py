@@ -206,7 +206,7 @@ def own_sample(rd: TemplateRenderer, turn: PromptedTurn, frame: Frame, stats: Co
         sample = loc.own_sample(rd, turn, frame, found)
         if sample is not None:
             return TurnSample(sample.ids, closed_at_once(rd, turn.prompt, sample.ids, sample.span, turn.message))
-    raise not_prefix_stable(rd, frame.index, turn.prompt, frame.ids)
+    raise not_prefix_stable(rd, frame.index, turn.prompt, frame.ids, frame.message)
 
 
 def in_rendering(rd: TemplateRenderer, turn: PromptedTurn, frame: Frame) -> TurnSpan | None:

@@ -64,7 +64,8 @@ def failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], turn: list[int]) -> TemplateError:
+def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], turn: list[int],
+                      message: dict[str, Any] | None = None) -> TemplateError:
     """No locator finds turn j after the prompt the server saw: the first token where the two differ."""
     k = next(i for i in range(len(prompt)) if i >= len(turn) or prompt[i] != turn[i])
     dec = renderer.tokenizer.decode
@@ -77,6 +78,12 @@ def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], tur
             f"generated after it. The template and the tokenizer do not fit (a prompt that ends in a special token "
             f"or in text the tokenizer keeps apart does); neither chat_template_kwargs nor the data can change that",
             reason=NOT_PREFIX_STABLE)
+    name = (message or {}).get("name")
+    if isinstance(name, str) and name and name in dec(turn[k:]) and name not in dec(prompt[k:]):
+        return TemplateError(
+            f"assistant turn {j}: the template writes its `name` field ({name!r}) where the generation prompt the "
+            f"server saw has the plain assistant header ({at}): the model never wrote a turn after that header. "
+            f"Remove `name` from assistant messages", reason=NOT_PREFIX_STABLE)
     return TemplateError(
         f"assistant turn {j}: the template is not prefix-stable: the turn rendered does not start with the "
         f"generation prompt the server saw ({at}). Set `chat_template_kwargs` (e.g. enable_thinking / thinking) to "
