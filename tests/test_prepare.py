@@ -369,3 +369,17 @@ def test_a_sample_another_record_already_gave_is_a_duplicate_sample(tmp_path):
     repeats = run_prepare(cfg, tok, tmp_path / "w", 1)
     assert (repeats["kept"], repeats["dropped"]) == (4, {"duplicate_sample": 2})
     assert sorted(r["sample_id"] for r in _rows(tmp_path / "w", 1)[0]) == ["d:1#1:t1", "d:1#1:t3", "d:1:t1", "d:1:t3"]
+
+
+def test_a_conversation_opening_with_an_assistant_turn_is_refused_saying_why(tmp_path):
+    src = _write(tmp_path, [conv("Hello there!", "Hi."), {"messages": [
+        {"role": "assistant", "content": "Welcome!"}, {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "How are you today?"}]}])
+    with pytest.raises(TemplateError) as e:
+        run_prepare(_cfg(src), make_tokenizer("llama3"), tmp_path / "out", 1)
+    assert str(e.value) == (
+        f"{src}:2: messages[0] is an assistant turn: nothing comes before it for the model to have answered (a "
+        "conversation opens with a user or system message). Remove the opening assistant message, or set "
+        "`strict: false` to drop such records") and e.value.reason == "template_error"
+    summary = run_prepare(_cfg(src, strict=False), make_tokenizer("llama3"), tmp_path / "lenient", 1)
+    assert (summary["kept"], summary["dropped"]) == (1, {"template_error": 1})

@@ -989,3 +989,16 @@ def test_a_stop_token_id_outside_the_vocabulary_is_refused(tmp_path):
         f"regenerate.stop_token_ids: [{len(tok)}, 999999] are not in the tokenizer's vocabulary (ids 0.."
         f"{len(tok) - 1}), so no generation would stop there; give the ids of the tokens that end a turn (or leave "
         "the key out: the template's are found)")
+
+
+def test_a_conversation_opening_with_an_assistant_turn_is_refused_saying_why(tmp_path):
+    tok = make_tok("deepseek_v3")
+    src = _write_jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "assistant", "content": "Welcome!"},
+                                                              {"role": "user", "content": "Hi."}]}])
+    cfg = from_config(_config(src))
+    with pytest.raises(ConfigError) as e:
+        run_regenerate_chunk(cfg, 0, _chunk_paths(tmp_path, 1)[0], tokenizer=tok, generator=Scripted(tok, ["A."]))
+    assert str(e.value) == (
+        f"{src}:1: regenerate: the context of messages[0]: messages[0] is an assistant turn: nothing comes before "
+        "it for the model to have answered (a conversation opens with a user or system message). Remove the "
+        "opening assistant message, or set `strict: false` to drop such records")

@@ -33,7 +33,7 @@ from hsextract.masks.reasoning import (
     slot_reasoning,
     whole_block,
 )
-from hsextract.masks.refusals import TemplateError, not_prefix_stable
+from hsextract.masks.refusals import TemplateError, not_prefix_stable, opening_assistant_turn
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import After, Frame, TurnSample, TurnSpan, find_turn
 from hsextract.prepare.conversations import Conversation
@@ -45,6 +45,8 @@ class PromptedTurn:
 
     def __init__(self, renderer: TemplateRenderer, conv: Conversation, j: int) -> None:
         self.renderer, self.conv, self.index = renderer, conv, j
+        if j == 0:
+            raise opening_assistant_turn()
         try:
             self.prompt = renderer.render_ids(conv.messages[:j], conv.tools, add_generation_prompt=True)
         except Exception as e:

@@ -64,6 +64,13 @@ def failure(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def opening_assistant_turn() -> TemplateError:
+    """An assistant message first: no prompt came before it (chat templates refuse an empty conversation)."""
+    return TemplateError("messages[0] is an assistant turn: nothing comes before it for the model to have answered "
+                         "(a conversation opens with a user or system message). Remove the opening assistant "
+                         "message, or set `strict: false` to drop such records")
+
+
 def not_prefix_stable(renderer: TemplateRenderer, j: int, prompt: list[int], turn: list[int],
                       message: dict[str, Any] | None = None) -> TemplateError:
     """No locator finds turn j after the prompt the server saw: the first token where the two differ."""
@@ -168,4 +175,4 @@ def _refuse_unrendered_tool_results(renderer: TemplateRenderer, msgs: list[dict[
 __all__ = ["EMPTY_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN",
            "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED",
            "TOOL_RESULTS_NOT_RENDERED", "TemplateError", "empty_turn", "failure", "not_prefix_stable",
-           "refuse_unmaskable"]
+           "opening_assistant_turn", "refuse_unmaskable"]

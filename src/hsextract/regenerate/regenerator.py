@@ -13,7 +13,7 @@ from hsextract.config.settings import RegenerateSettings
 from hsextract.engines.base import Generator
 from hsextract.errors import EngineError
 from hsextract.masks.masker import ChatMasker
-from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure
+from hsextract.masks.refusals import TEMPLATE_ERROR, TemplateError, failure, opening_assistant_turn
 from hsextract.prepare.conversations import Conversation
 from hsextract.regenerate.template import end_of_turn_ids, split_candidates, tool_call_opener
 
@@ -175,6 +175,8 @@ class Regenerator:
                     continue
                 j, append = nxt
                 try:
+                    if j == 0:
+                        raise opening_assistant_turn()
                     text = self.masker.render(msgs[:j], tools[k], add_generation_prompt=True)
                 except Exception as e:  # jinja errors (the template's raise_exception) and TemplateError
                     reason = getattr(e, "reason", TEMPLATE_ERROR)
