@@ -190,6 +190,18 @@ EXPECTED = {
             'Ça va? 日本語<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n'
             '⟦Très bien ✓ 日本⟧<|eot_id|>',
         ],
+        ('default', 'empty'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHello there!<|eot_id|><|start'
+            '_header_id|>assistant<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id'
+            '|>\n\nWhat is two plus two?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n⟦Fou'
+            'r.<|eot_id|>⟧',
+        ],
+        ('neither', 'empty'): [
+            '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHello there!<|eot_id|><|start'
+            '_header_id|>assistant<|end_header_id|>\n\n<|eot_id|><|start_header_id|>user<|end_header_id'
+            '|>\n\nWhat is two plus two?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n⟦Fou'
+            'r.⟧<|eot_id|>',
+        ],
     },
     'qwen3': {
         ('default', 'single'): [
@@ -447,6 +459,14 @@ EXPECTED = {
             '<｜begin▁of▁sentence｜><｜User｜>Ça va? 日本語<｜Assistant｜></think>'
             '⟦Très bien ✓ 日本⟧<｜end▁of▁sentence｜>',
         ],
+        ('default', 'empty'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think><｜end▁of▁sentence｜><｜User｜>W'
+            'hat is two plus two?<｜Assistant｜></think>⟦Four.<｜end▁of▁sentence｜>⟧',
+        ],
+        ('neither', 'empty'): [
+            '<｜begin▁of▁sentence｜><｜User｜>Hello there!<｜Assistant｜></think><｜end▁of▁sentence｜><｜User｜>W'
+            'hat is two plus two?<｜Assistant｜></think>⟦Four.⟧<｜end▁of▁sentence｜>',
+        ],
     },
     'mistral': {
         ('default', 'single'): [
@@ -540,6 +560,16 @@ EXPECTED = {
         ('neither', 'unicode'): [
             '<bos><start_of_turn>user\nÇa va? 日本語<end_of_turn>\n<start_of_turn>model\n'
             '⟦Très bien ✓ 日本⟧<end_of_turn>\n',
+        ],
+        ('default', 'empty'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>model\n<end_of_turn>\n'
+            '<start_of_turn>user\nWhat is two plus two?<end_of_turn>\n<start_of_turn>model\n⟦Four.<end_'
+            'of_turn>⟧\n',
+        ],
+        ('neither', 'empty'): [
+            '<bos><start_of_turn>user\nHello there!<end_of_turn>\n<start_of_turn>model\n<end_of_turn>\n'
+            '<start_of_turn>user\nWhat is two plus two?<end_of_turn>\n<start_of_turn>model\n⟦Four.⟧<end'
+            '_of_turn>\n',
         ],
     },
     'deepseek_r1': {
@@ -833,6 +863,14 @@ EXPECTED = {
             '<|user|>\nÇa va? 日本語<|end|>\n<|assistant|>\n⟦Très bien ✓ 日本⟧<|end|>\n<|end'
             'oftext|>',
         ],
+        ('default', 'empty'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n<|end|>\n<|user|>\nWhat is two plus two?<|en'
+            'd|>\n<|assistant|>\n⟦Four.<|end|>⟧\n<|endoftext|>',
+        ],
+        ('neither', 'empty'): [
+            '<|user|>\nHello there!<|end|>\n<|assistant|>\n<|end|>\n<|user|>\nWhat is two plus two?<|en'
+            'd|>\n<|assistant|>\n⟦Four.⟧<|end|>\n<|endoftext|>',
+        ],
     },
     'gemma4': {
         ('default', 'single'): [
@@ -874,6 +912,14 @@ EXPECTED = {
         ('neither', 'unicode'): [
             '<bos><|turn>user\nÇa va? 日本語<turn|>\n<|turn>model\n<|channel>thought\n<cha'
             'nnel|>⟦Très bien ✓ 日本⟧<turn|>',
+        ],
+        ('default', 'empty'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<turn|>\n<|turn>user\nWhat is two plu'
+            's two?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>⟦Four.<turn|>⟧',
+        ],
+        ('neither', 'empty'): [
+            '<bos><|turn>user\nHello there!<turn|>\n<|turn>model\n<turn|>\n<|turn>user\nWhat is two plu'
+            's two?<turn|>\n<|turn>model\n<|channel>thought\n<channel|>⟦Four.⟧<turn|>',
         ],
     },
 }

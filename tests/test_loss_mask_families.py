@@ -59,17 +59,10 @@ THINKING_OFF = ("TemplateError: assistant turn 2: the template is not prefix-sta
                 "with the generation prompt the server saw (first difference at token 41: prompt '<channel|>' vs turn "
                 "'Let me think.'). Set `chat_template_kwargs` (e.g. enable_thinking / thinking) to match the data, or "
                 "fix the data's reasoning fields")
-# a turn of reasoning alone, which the template does not render: only its stop token would be trained
-EMPTY = ("TemplateError: assistant turn 1: its content is empty and the chat template does not render its reasoning "
-         "(with these `chat_template_kwargs`), so its sample would train only the stop token right after the prompt. "
-         "Give the turn content, have its reasoning rendered (`chat_template_kwargs`, e.g. thinking on), or leave it "
-         "out")
 REFUSED = {
-    "llama3": {"empty": EMPTY},
-    "deepseek_v31": {"empty": EMPTY},
-    "gemma3": {"tool": NO_TOOLS, "empty": EMPTY},
-    "gemma4": {"tool": THINKING_OFF, "empty": EMPTY},  # tool: reasoning, a prompt that closed the thought channel
-    "phi3": {"tool": NO_TOOLS, "empty": EMPTY},
+    "gemma3": {"tool": NO_TOOLS},
+    "gemma4": {"tool": THINKING_OFF},  # reasoning in a tool-call turn, a prompt that closed the thought channel
+    "phi3": {"tool": NO_TOOLS},
     "deepseek_r1": {"single": OPENED.format(1), "empty": OPENED.format(3)},
     "qwq": {"single": OPENED.format(1), "empty": OPENED.format(3)},
 }
@@ -149,7 +142,7 @@ def test_sentinels_change_nothing_outside_their_turn(family):
                 checked += 1
     # R1 and QwQ: a turn after a prompt that opens reasoning is no prefix of its rendering, nor is one after
     # Gemma-4's prompt that closes an empty thought channel (the exact masks cover those)
-    assert checked >= (0 if family in ("deepseek_r1", "qwq", "gemma4") else 5 if family in REFUSED else 6)
+    assert checked >= (0 if family in ("deepseek_r1", "qwq", "gemma4") else 6)
 
 
 def test_split_counts_and_cost_in_tokens():
@@ -186,20 +179,31 @@ def test_template_refusing_empty_content_with_thinking_gets_the_record_without_c
     assert "Let me think." in ChatMasker(tok).render(msgs[:3])
 
 
-def test_a_turn_rendered_as_its_stop_token_alone_is_refused():
+def test_a_turn_rendered_as_its_stop_token_alone_is_not_trained():
     """A turn of reasoning and no content: where the template renders the reasoning (Kimi-K2.5, thinking on), it is
     the turn (with train_on_reasoning false only its stop token is trained); where it does not (Llama 3,
-    DeepSeek-V3.1 and Kimi-K2.5 with thinking off), the sample would teach the model to stop right after the
-    prompt: refused, as prepare refuses an empty content without reasoning."""
+    DeepSeek-V3.1 and Kimi-K2.5 with thinking off), trained it would teach the model to stop right after the
+    prompt: it is not (its own sample not stored when split; untrained in the whole rendering), counted in
+    `turns_empty`. A conversation of such turns only is refused, as prepare refuses an empty content without
+    reasoning."""
     tok = make_tokenizer("kimi_k25")
     (s,) = ChatMasker(tok, train_on_reasoning=False, split_turns="never").encode(CONVS["empty"])
     assert marked(s, tok).count("⟦<|im_end|>⟧") == 1
-    for family, kwargs in [("llama3", {}), ("deepseek_v31", {}), ("kimi_k25", {"thinking": False})]:
+    for family, kwargs, stop in [("llama3", {}, "<|eot_id|>"), ("deepseek_v31", {}, "<｜end▁of▁sentence｜>"),
+                                 ("kimi_k25", {"thinking": False}, "<|im_end|>")]:
+        tok = make_tokenizer(family)
         for split in ("never", "auto", "always"):
+            m = ChatMasker(tok, chat_template_kwargs=kwargs, split_turns=split)
+            got = [marked(s, tok) for s in m.encode(CONVS["empty"])]
+            assert "".join(got).count("⟦") == 1 and got[-1].endswith(f"⟦Four.{stop}⟧"), (family, split, got)
+            assert m.stats["turns_empty"] == 1 and m.stats["samples"] == 1, (family, split)
             with pytest.raises(TemplateError) as e:
-                ChatMasker(make_tokenizer(family), chat_template_kwargs=kwargs, split_turns=split).encode(
-                    CONVS["empty"])
-            assert f"TemplateError: {e.value}" == EMPTY and e.value.reason == "empty_turn", (family, split)
+                m.encode(Conversation(CONVS["empty"].messages[:2]))
+            assert e.value.reason == "empty_turn" and str(e.value) == (
+                "assistant turn 1: its content is empty and the chat template does not render its reasoning (with "
+                "these `chat_template_kwargs`), so its sample would train only the stop token right after the "
+                "prompt, and the conversation has no other turn to train. Give the turn content, have its "
+                "reasoning rendered (`chat_template_kwargs`, e.g. thinking on), or leave it out")
 
 
 def test_thinking_switches():
@@ -767,9 +771,7 @@ def test_the_locator_chain_finds_each_familys_turns_by_its_own_case(monkeypatch)
                 ("gemma4", "tool"), ("kimi_k25 thinking=False", "tool")] + [
         ("qwen3 enable_thinking=False", name) for name in ("empty", "multi", "system", "tool", "unicode")]
     assert refused == {(f, name, "not_prefix_stable") for f, name in unstable} | {
-        (f, "tool", "tool_calls_not_rendered") for f in ("gemma3", "phi3")} | {
-        (f, "empty", "empty_turn") for f in ("llama3", "deepseek_v31", "gemma3", "phi3", "gemma4",
-                                             "gemma4 enable_thinking=True", "kimi_k25 thinking=False")}
+        (f, "tool", "tool_calls_not_rendered") for f in ("gemma3", "phi3")}
     assert [loc.name for loc in LOCATORS] == ["prefix", "rewritten_history", "closed_block", "opened_block"]
     assert used == {
         ("prefix", "own_sample"): {"deepseek_r1", "deepseek_v31", "deepseek_v31 thinking=True", "gemma3",
@@ -802,17 +804,23 @@ def test_a_template_of_another_tokenizer_is_refused_naming_its_markers() -> None
 def test_a_reasoning_block_written_into_the_content_is_refused_where_the_template_adds_its_own():
     """R1-style data: `<think>...</think>` + answer in `content`. Kimi-K2.5's template writes a block of its own
     from the reasoning field before the content, so the sample would train two (with thinking off, one after the
-    prompt's closed block): refused, naming the tag. Qwen3's and DeepSeek-R1's templates cut the block out of the
-    content themselves: the same masks as with the reasoning in its field."""
+    prompt's closed block): refused, naming the tag. A template that cuts the block out of the content itself (as
+    Qwen3's own does) gets the same masks as with the reasoning in its field; DeepSeek-R1's, which renders no
+    reasoning field, the raw text as written (also where the reasoning's words recur in the answer); a closer
+    alone in answer text is left as written."""
     inline = Conversation([U("Hello there!"), A("<think>The user greets.</think>How are you today?")])
     for kwargs in ({}, {"thinking": False}):
         with pytest.raises(TemplateError) as e:
             ChatMasker(make_tokenizer("kimi_k25"), chat_template_kwargs=kwargs).encode(inline)
         assert str(e.value) == (
-            "assistant turn 1: its content holds a reasoning block (`</think>` at character 23), which the chat "
-            "template renders as answer text beside a reasoning block of its own: the sample would train two "
-            "blocks. Move the reasoning to `reasoning_content` and keep the answer in `content` (as SGLang's "
+            "assistant turn 1: its content holds a reasoning block (`<think>` ... `</think>` at character 23), which "
+            "the chat template renders as answer text beside a reasoning block of its own: the sample would train "
+            "two blocks. Move the reasoning to `reasoning_content` and keep the answer in `content` (as SGLang's "
             "reasoning parser returns a generation)") and e.value.reason == "reasoning_in_content"
+    named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])
+    tok = make_tokenizer("kimi_k25")
+    (s,) = ChatMasker(tok).encode(named)
+    assert marked(s, tok).endswith("<think>⟦</think>To end it, write </think> and then answer.<|im_end|>⟧")
     with pytest.raises(TemplateError, match="reasoning block"):  # this Qwen3-shaped template does not cut it
         ChatMasker(make_tokenizer("qwen3")).encode(inline)
     # Qwen3's own template does: the reasoning field, or else the content cut at `</think>`
@@ -828,7 +836,13 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
         "<|im_start|>user\nHello there!<|im_end|>\n<|im_start|>assistant\n⟦<think>\nThe user greets.\n</think>"
         "\n\nHow are you today?<|im_end|>⟧\n"]
     # DeepSeek-R1's template drops the block from the content and prompts `<think>\n`: the raw text is what it
-    # expects (the model wrote the reasoning, the closer and the answer after that opener)
+    # expects (the model wrote the reasoning, the closer and the answer after that opener), as written
     tok = make_tokenizer("deepseek_r1")
-    (s,) = ChatMasker(tok).encode(inline)
-    assert marked(s, tok).endswith("<think>\n⟦The user greets.</think>How are you today?<｜end▁of▁sentence｜>⟧")
+    m = ChatMasker(tok)
+    for content, trained in [("<think>The user greets.</think>How are you today?",
+                              "⟦The user greets.</think>How are you today?<｜end▁of▁sentence｜>⟧"),
+                             ("<think>\nParis\n</think>\n\nParis", "⟦Paris\n</think>\n\nParis<｜end▁of▁sentence｜>⟧")]:
+        conv = Conversation([U("Hello there!"), A(content)])
+        (s,) = m.encode(conv)
+        assert marked(s, tok).endswith("<think>\n" + trained), marked(s, tok)
+        assert s.input_ids == m.turn_ids(conv, 1)  # the ids regenerate's round trip compares

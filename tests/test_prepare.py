@@ -364,6 +364,9 @@ def test_a_sample_another_record_already_gave_is_a_duplicate_sample(tmp_path):
     # the mixture (seed 3) reads record 1 first: record 0's one sample is the repeat
     assert sorted(r["sample_id"] for r in _rows(tmp_path / "out", 1)[0]) == ["d:1:t1", "d:1:t3"]
     assert run_prepare(_cfg(src, prompts_per_chunk=8, dedup=False), tok, tmp_path / "all", 1)["kept"] == 3
+    hashed = from_config({"sources": [{"path": str(src), "name": "d#x"}], "seed": 3, "prompts_per_chunk": 8,
+                          "share_prefixes": False}).prepare  # a `#` in the source's name is no weight's repeat
+    assert run_prepare(hashed, tok, tmp_path / "hashed", 1)["dropped"] == {"duplicate_sample": 1}
     cfg = from_config({"sources": [{"path": str(src), "name": "d", "weight": 2.0}], "seed": 3,
                        "prompts_per_chunk": 8, "share_prefixes": False}).prepare
     repeats = run_prepare(cfg, tok, tmp_path / "w", 1)

@@ -71,7 +71,7 @@ class ChatMasker:
     {"thinking": True} for Kimi-K2.5 / DeepSeek-V3.1). Any tokenizer with a chat template works.
     `stats` counts, over every `encode` call: conversations, split_conversations, samples, turns,
     turns_history_fallback, turns_unlocated, turns_after_rewritten_history, reasoning_inserted,
-    reasoning_not_rendered.
+    reasoning_not_rendered, turns_empty (rendered as the stop token alone: not trained).
     """
 
     def __init__(self, tokenizer: Any, *, train_on_eot: bool = True, train_on_reasoning: bool = True,
@@ -128,13 +128,18 @@ class ChatMasker:
         r_text = rd.render(msgs, tools)
         r = rd.verify(r_text)
         turns = [self._own(conv, j, r_text) for j, m in enumerate(msgs) if m["role"] == "assistant"]
-        empty = next((t.turn.index for t in turns if t.sample.span.generated_nothing), None)
-        if empty is not None:
-            raise empty_turn(msgs, empty)
+        # a turn rendered as its stop token alone is not trained (it would teach the model to stop at once); a
+        # conversation of such turns only is refused
+        empty = {t.turn.index for t in turns if t.sample.span.generated_nothing}
+        if turns and len(empty) == len(turns):
+            raise empty_turn(msgs, min(empty))
+        if empty:
+            self.stats["turns_empty"] += len(empty)
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
         stable = [is_prefix(t.sample.ids, r) for t in turns]
         if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):
+            turns = [t for t in turns if t.turn.index not in empty]
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)
             split = [self._with_next_stop(rd, msgs, t.sample) for t in turns]
@@ -144,6 +149,8 @@ class ChatMasker:
         spans: list[TurnSpan] = []
         facts = rd.facts()
         for t, ok in zip(turns, stable, strict=True):
+            if t.turn.index in empty:
+                continue
             sp = t.sample.span
             if not ok:
                 frame = Frame(msgs, tools, t.turn.index, r, lo=spans[-1].end if spans else 0)

@@ -37,16 +37,20 @@ from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 # the closers of reasoning blocks (`</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax); tool-call markup such as
 # Qwen's `</tool_call>` is a pair of added tokens too, and may stand in a content more than once
 REASONING_CLOSER = re.compile(r"</(think|thinking|thought|reasoning)>")
+SENTINEL = "\ue011"  # a private-use character: in a rendering, only where a field put it
 
 
 def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each assistant content that holds a reasoning block's closer (`<think>X</think>Y`, or
     `X</think>Y` after a prompt that opened it) and no reasoning field given as reasoning X and content Y, where the
-    template renders the two alike and writes the reasoning (it cuts the block out of the content itself: Qwen3),
-    so the masker knows where the reasoning is. Where it renders no more closers than the content holds it expects
-    the block there (DeepSeek-R1 drops it, a template that reads no reasoning field writes it as is): left. Where
-    it renders more, it writes a block of its own beside the one in the content (Kimi-K2.5: `<think>` + field +
-    `</think>` before the content): the sample would train two blocks, which the model never writes: refused."""
+    template renders the two alike and renders a reasoning field (it cuts the block out of the content itself, as
+    Qwen3's does), so the masker knows where the reasoning is. Where it renders no reasoning field (DeepSeek-R1
+    drops it; a template that reads none expects the block in the content), left. Where the content holds a whole
+    block (opener and closer) and the template renders more closers than the content holds, it writes a block of
+    its own beside it (Kimi-K2.5: `<think>` + field + `</think>` before the content): the sample would train two
+    blocks, which the model never writes: refused. A closer alone in answer text (a coding answer that names the
+    tag) is left as written."""
+    user = {"role": "user", "content": "hi"}
     out = list(msgs)
     for j, m in enumerate(msgs):
         content = m.get("content") if m["role"] == "assistant" else None
@@ -54,23 +58,25 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
         closer = next((f"</{n}>" for n in names if f"</{n}>" in rd.added), None)
         if closer is None:
             continue
+        opener = f"<{closer[2:]}"
         try:  # the turn alone, as the last message: the template writes its reasoning block for it, if any
-            text = rd.render([{"role": "user", "content": "hi"}, m])
+            text = rd.render([user, m])
+            renders_field = SENTINEL in rd.render([user, {**m, "content": "", "reasoning_content": SENTINEL}])
         except Exception:  # noqa: BLE001 - a template that needs more context: judged on the data later
             continue
-        if not m.get("reasoning_content"):
-            head, _, tail = content.partition(closer)
-            reasoning = head.split(f"<{closer[2:]}", 1)[-1]
+        head, _, tail = content.partition(closer)
+        if renders_field and not m.get("reasoning_content"):
+            reasoning = head.split(opener, 1)[-1]
             for r, c in ((reasoning, tail), (reasoning.strip("\n"), tail.lstrip("\n"))):
                 moved = {**m, "reasoning_content": r, "content": c}
-                if r.strip() and r.strip() in text and rd.render([{"role": "user", "content": "hi"}, moved]) == text:
+                if r.strip() and rd.render([user, moved]) == text:
                     out[j] = moved
                     break
             if out[j] is not m:
                 continue
-        if text.count(closer) > content.count(closer):
+        if opener in head and text.count(closer) > content.count(closer):
             raise TemplateError(
-                f"assistant turn {j}: its content holds a reasoning block (`{closer}` at character "
+                f"assistant turn {j}: its content holds a reasoning block (`{opener}` ... `{closer}` at character "
                 f"{content.index(closer)}), which the chat template renders as answer text beside a reasoning "
                 f"block of its own: the sample would train two blocks. Move the reasoning to "
                 f"`reasoning_content` and keep the answer in `content` (as SGLang's reasoning parser returns "

@@ -12,7 +12,7 @@ Reason codes, each raised where its case is told apart:
     tool_arguments_as_string   the template joins tool-call arguments to text as a string (rendering)
     reasoning_left_open        the prompt opens a reasoning block the turn never closes (reasoning)
     reasoning_in_content       a reasoning block in the content, beside the template's own (reasoning)
-    empty_turn                 nothing of a turn rendered but its stop token (masker)
+    empty_turn                 no turn rendered but as its stop token (masker: such a turn alone is not trained)
 """
 
 from __future__ import annotations
@@ -131,14 +131,15 @@ def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, 
 
 
 def empty_turn(msgs: list[dict[str, Any]], j: int) -> TemplateError:
-    """Assistant turn j renders as nothing but its stop token: its sample would teach the model to stop at once
-    (prepare refuses an empty content without reasoning before any rendering; this is the template's case)."""
+    """Every assistant turn renders as nothing but its stop token (turn j the first): trained, a turn would teach
+    the model to stop at once, so none is, and the conversation has nothing to train (prepare refuses an empty
+    content without reasoning before any rendering; this is the template's case)."""
     why = ("its content is empty and the chat template does not render its reasoning (with these "
            "`chat_template_kwargs`)" if msgs[j].get("reasoning_content") else "the chat template renders none of it")
     return TemplateError(
-        f"assistant turn {j}: {why}, so its sample would train only the stop token right after the prompt. Give "
-        f"the turn content, have its reasoning rendered (`chat_template_kwargs`, e.g. thinking on), or leave it "
-        f"out", reason=EMPTY_TURN)
+        f"assistant turn {j}: {why}, so its sample would train only the stop token right after the prompt, and the "
+        f"conversation has no other turn to train. Give the turn content, have its reasoning rendered "
+        f"(`chat_template_kwargs`, e.g. thinking on), or leave it out", reason=EMPTY_TURN)
 
 
 def _refuse_unrendered_tool_calls(renderer: TemplateRenderer, msgs: list[dict[str, Any]], tools: Any) -> None:

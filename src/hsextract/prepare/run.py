@@ -312,7 +312,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                     continue
                 if cfg.dedup:  # a weight's repeats (`#k`) are one origin, as for records
                     h = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes() + bytes(mask), digest_size=16)
-                    if seen_samples.setdefault(h.digest(), base.split("#")[0]) != base.split("#")[0]:
+                    origin = re.sub(r"#\d+$", "", base)  # `name:index#k`: a weight's repeat k of the record
+                    if seen_samples.setdefault(h.digest(), origin) != origin:
                         drop(st, DUPLICATE_SAMPLE)
                         continue
                 if cut:  # kept samples only: a dropped one is counted once, under its reason
