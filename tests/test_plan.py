@@ -55,10 +55,17 @@ def test_small_config_exact(small: dict) -> None:
     assert p["stored_bytes_per_shard"] == 349_365
     assert p["stored_bytes_per_job"] == 1_048_095
     assert p["stored_bytes_per_node"] == 2_096_190
-    # 9500 / 50 = 190 s of one node = 0.0527.. h; 4 GPUs; 4 jobs of 47.5 s, 2 rounds on 2 nodes = 95 s
+    # 9500 / 50 = 190 s of one node = 0.0527.. h; 4 GPUs; jobs of 3, 3, 3 and 1 chunks of 19 s: the busiest of 2
+    # nodes runs two of 3 (the other 3 + 1) = 114 s
     assert p["node_hours"] == pytest.approx(190 / 3600, rel=1e-12)
     assert p["gpu_hours"] == pytest.approx(760 / 3600, rel=1e-12)
-    assert p["wall_hours"] == pytest.approx(95 / 3600, rel=1e-12)
+    assert p["wall_hours"] == pytest.approx(114 / 3600, rel=1e-12)
+    # 5 chunks in jobs of 4 and 1 on 2 nodes: the busiest runs 4 chunks (the per-node disk line said so; the wall
+    # time was an even split of the jobs)
+    p = plan(small, 50, chunks_per_job=4, mean_tokens=100, tokens_per_s=50, nodes=2)
+    assert (p["shards"], p["chunk_jobs"]) == (5, 2)
+    assert p["wall_hours"] == pytest.approx(5000 / 50 * 4 / 5 / 3600, rel=1e-12)
+    assert p["stored_bytes_per_node"] == 4 * p["stored_bytes_per_shard"]
     # a float32 model's shards hold 4 B a value: 16 + 4 x 64 x 4 = 1,040 B a token
     small["transformers"]["dtype"] = "float32"
     p = plan(small, 95, mean_tokens=100)
@@ -449,3 +456,19 @@ def test_plan_without_snakemake_names_the_extra(tmp_path: Path, capsys: pytest.C
     assert capsys.readouterr().err.strip() == (
         "hsextract plan: error: snakemake is not installed; hsextract plan merges --configfile files as the "
         "workflow does and needs the workflow extra: pip install -e .[workflow]")
+
+
+def test_presets_beside_a_model_without_local_config_json(tmp_path: Path) -> None:
+    """A model whose depth is not known here (a path on the cluster): `capture: mtp` stores the final state alone
+    and needs no depth; a preset beside an explicit list of another length is refused without it."""
+    base = {"model": str(tmp_path / "on-the-cluster"), "aux_layers": None, "export_formats": [],
+            "share_prefixes": False}
+    p = plan({**base, "capture": "mtp"}, 10, mean_tokens=100, hidden_size=64)
+    assert (p["hidden_tensors"], p["raw_bytes_per_token"]) == (1, 16 + 64 * 2)
+    with pytest.raises(ConfigError) as e:
+        plan({**base, "capture": "dflash", "aux_layers": [2, 30, 58], "aux_layers_convention": "hidden_states"}, 10,
+             mean_tokens=100, hidden_size=64)
+    assert str(e.value) == (
+        "aux_layers: capture: dflash takes 5 layers from the model, but aux_layers lists 3 (hidden_states[2, 30, 58] "
+        "= outputs of decoder layers 1, 29, 57); set aux_layers: null to use the preset, or capture: custom to keep "
+        "the list")

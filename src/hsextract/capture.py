@@ -41,6 +41,21 @@ def dflash_layers(num_layers: int, n: int = DFLASH_NUM_LAYERS) -> list[int]:
     return [round(start + i * (end - start) / (n - 1)) + 1 for i in range(n)]
 
 
+def preset_count(preset: str) -> int | None:
+    """How many aux layers a preset stores, known without the model's depth (None: custom, the list's)."""
+    return {"eagle3": 3, "dflash": DFLASH_NUM_LAYERS, "mtp": 0}.get(preset)
+
+
+def check_count(preset: str, given: list[int]) -> None:
+    """An explicit list beside a preset of another length is refused without the model's depth (a hub id): the
+    check against the preset's very layers needs config.json (resolve_aux_layers)."""
+    n = preset_count(preset)
+    if n is not None and len(given) != n:
+        raise ConfigError(f"aux_layers: capture: {preset} takes {n} layers from the model, but aux_layers lists "
+                          f"{len(given)} ({describe(given)}); set aux_layers: null to use the preset, or capture: "
+                          "custom to keep the list")
+
+
 def preset_layers(preset: str, num_layers: int) -> list[int]:
     """The aux layer ids of a named preset for a model of `num_layers` decoder layers."""
     if preset == "eagle3":

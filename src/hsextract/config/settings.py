@@ -32,7 +32,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from hsextract.capture import explicit_layers, resolve_aux_layers
+from hsextract.capture import check_count, explicit_layers, resolve_aux_layers
 from hsextract.config.guard import check_bounded
 from hsextract.config.model_info import model_shape
 from hsextract.config.redaction import UNQUOTED_KEYS, refuse_secret_keys
@@ -366,12 +366,15 @@ def from_config(config: Mapping[str, Any]) -> Settings:
     digest = config_hash(c)  # no secret in it (fill_defaults refuses one)
     given = explicit_layers(c)  # hidden_states ids; a list must say its convention
     aux: tuple[int, ...] | None = None
-    if given is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
+    if given is None and c.get("capture") == "mtp":  # the final state alone: no depth needed
+        aux = ()
+    elif given is None:  # a preset (the Snakefile resolves it at parse time; a bare config here)
         try:
             aux = tuple(resolve_aux_layers(c, model_shape(c).num_layers))
         except ConfigError:  # no model to read the depth from, or too shallow: unresolved (config.check says why)
             aux = None
     else:
+        check_count(c.get("capture") or "custom", given)
         aux = tuple(given)
     prepare = _section(
         PrepareSettings, c,
