@@ -305,8 +305,8 @@ def test_a_compressed_source_is_refused_as_a_whole(tmp_path, name, pack, what, f
     for read in (count_records, open_sources):
         with pytest.raises(ConfigError) as e:
             read([{"path": path}])
-        assert str(e.value) == (f"{path}: the file is {what}, and a JSONL or JSON source is read as UTF-8 text: {fix} "
-                                "as the source's `path`")
+        assert str(e.value) == (f"sources[0].path: {path}: the file is {what}, and a JSONL or JSON source is read "
+                                f"as UTF-8 text: {fix} as the source's `path`")
 
 
 def test_a_binary_source_is_refused_as_a_whole(tmp_path):
@@ -318,9 +318,9 @@ def test_a_binary_source_is_refused_as_a_whole(tmp_path):
     for read in (count_records, open_sources):
         with pytest.raises(ConfigError) as e:
             read([{"path": path}])
-        assert str(e.value) == (f"{path}: the file is binary (4 NUL bytes in its first 1,122, the first at offset 4), "
-                                "and a JSONL or JSON source is read as UTF-8 text: give a conversations file as the "
-                                "source's `path`")
+        assert str(e.value) == (f"sources[0].path: {path}: the file is binary (4 NUL bytes in its first 1,122, the "
+                                "first at offset 4), and a JSONL or JSON source is read as UTF-8 text: give a "
+                                "conversations file as the source's `path`")
     # a tar archive of a JSONL file: UTF-8 all through, NULs all over its headers
     import io
     import tarfile
@@ -338,9 +338,10 @@ def test_a_binary_source_is_refused_as_a_whole(tmp_path):
         wide.write_bytes(GOOD.decode().encode(codec))
         with pytest.raises(ConfigError) as e:
             open_sources([{"path": wide}])
-        assert str(e.value) == (f"{wide}: the file looks like {codec} text without a byte-order mark (a NUL every "
-                                "other byte), and a JSONL or JSON source is read as UTF-8 text: convert it to UTF-8 "
-                                f"(`iconv -f {codec} -t UTF-8`) and give that file as the source's `path`")
+        assert str(e.value) == (f"sources[0].path: {wide}: the file looks like {codec} text without a byte-order "
+                                "mark (a NUL every other byte), and a JSONL or JSON source is read as UTF-8 text: "
+                                f"convert it to UTF-8 (`iconv -f {codec} -t UTF-8`) and give that file as the "
+                                "source's `path`")
     wide = tmp_path / "utf-32.jsonl"
     wide.write_bytes(GOOD.decode().encode("utf-32-le"))
     with pytest.raises(ConfigError, match="the file is binary"):
@@ -368,7 +369,7 @@ def test_a_json_file_of_one_object_is_refused_not_read_as_lines(tmp_path):
                                  "`train`, write that list as the file")):
         with pytest.raises(ConfigError) as e:
             count_records([{"path": path}])
-        assert str(e.value) == f"{path}: {head}{', ' if tail.startswith('which') else ' '}{tail}"
+        assert str(e.value) == f"sources[0].path: {path}: {head}{', ' if tail.startswith('which') else ' '}{tail}"
     # JSON lines in a .json file are read as such, one line or several
     for n in (1, 3):
         (tmp_path / "lines.json").write_bytes(GOOD * n)
@@ -594,7 +595,8 @@ def test_hf_disk_errors_are_the_same_with_and_without_datasets(hf_dirs, monkeypa
          f"{hf_dirs / 'plain'}: not a `datasets.save_to_disk` directory (no state.json or dataset_dict.json)"),
         ({"path": ds}, f"{ds}: state.json lists Arrow files that are missing: ['{ds / 'data-00001-of-00002.arrow'}']"),
     ]
-    for source, message in cases:
-        with pytest.raises(ConfigError) as e:
-            open_sources([source])
-        assert str(e.value) == message
+    for source, message in cases:  # named by its key, as the workflow's parse counts the records
+        for read in (count_records, open_sources):
+            with pytest.raises(ConfigError) as e:
+                read([source])
+            assert str(e.value) == f"sources[0].path: {message}"

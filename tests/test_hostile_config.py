@@ -104,7 +104,7 @@ def test_a_source_its_reader_cannot_count_is_named(tmp_path: Path) -> None:
     for bad, what in (("empty.parquet", "ArrowInvalid: "), ("ds", "JSONDecodeError: ")):
         with pytest.raises(ConfigError) as e:
             count_records([{"path": str(tmp_path / "a.jsonl")}, {"path": str(tmp_path / bad)}])
-        assert str(e.value).startswith(f"sources[1].path: cannot count the records of {tmp_path / bad} ({what}")
+        assert str(e.value).startswith(f"sources[1].path: cannot read the records of {tmp_path / bad} ({what}")
     assert count_records([{"path": str(tmp_path / "a.jsonl")}]) == 1
 
 

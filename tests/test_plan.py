@@ -138,7 +138,8 @@ def test_exports_count_every_sample_whole_uncompressed(small: dict, tmp_path: Pa
     assert none["shared_fs_bytes"] == none["stored_bytes"] == 3_493_644
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in format_plan(none).splitlines())
     assert rows["exports"] == "none (export_formats: [])"
-    assert rows["shared filesystem"] == "3.494 MB (3,493,644 B): the shards (and the prompts and reports, small beside them)"
+    assert rows["shared filesystem"] == ("3.494 MB (3,493,644 B): the shards (and the prompts and reports, small "
+                                         "beside them)")
 
     small["export_formats"] = list(FORMATS)
     p = plan(small, 95, mean_tokens=100)
@@ -153,7 +154,8 @@ def test_exports_count_every_sample_whole_uncompressed(small: dict, tmp_path: Pa
     rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in format_plan(p).splitlines())
     assert rows["export speculators-safetensors"] == (
         "5.092 MB (5,092,000 B) = 9,500 tokens (every sample whole) x 536 B (24 + 4 x 64 x 2), uncompressed")
-    assert rows["shared filesystem"] == "18.618 MB (18,617,644 B): shards + exports (and the prompts and reports, small beside them)"
+    assert rows["shared filesystem"] == ("18.618 MB (18,617,644 B): shards + exports (and the prompts and reports, "
+                                         "small beside them)")
 
     # fp8 shards decode to the activations' dtype: the export is as large; a float32 model's, twice as large
     fp8 = plan({**small, "shard": {"precision": "fp8_e4m3"}}, 95, mean_tokens=100)

@@ -311,11 +311,14 @@ def _bound(p: Mapping[str, Any]) -> str:
             f"tokens/s per node (hours below at that rate); more shard threads or a faster disk")
 
 
+BESIDES = "(and the prompts and reports, small beside them)"
+
+
 def _export_rows(p: Mapping[str, Any]) -> list[tuple[str, str]]:
     formats = p["export_formats"]
     if not formats:
         return [("exports", "none (export_formats: [])"),
-                ("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: the shards (and the prompts and reports, small beside them)")]
+                ("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: the shards {BESIDES}")]
     rows = []
     for f in formats:
         per = p["export_bytes_per_token"][f]
@@ -324,7 +327,7 @@ def _export_rows(p: Mapping[str, Any]) -> list[tuple[str, str]]:
                      f"{per:,} B ({per - p['hidden_tensors'] * p['hidden_size'] * p['value_bytes']} + "
                      f"{p['hidden_tensors']} x {p['hidden_size']} x {p['value_bytes']}), uncompressed"))
     what = "shards + export" + ("s" if len(formats) > 1 else "")
-    rows.append(("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: {what} (and the prompts and reports, small beside them)"))
+    rows.append(("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: {what} {BESIDES}"))
     return rows
 
 

@@ -57,8 +57,9 @@ def colored(sample: MaskedSample, tokenizer: Any, masker: ChatMasker) -> str:
 
 
 # the source's errors name config keys; the CLI's user gave options
-_CLI_WORDS = (("config key `sources[0].path`", "--explain"), ("config key `sources[0].split`", "--split"),
-              ("set `split:` on this source", "pass --split NAME"), ("remove `split`", "leave out --split"))
+_CLI_WORDS = (("config key `sources[0].path`", "--explain"), ("sources[0].path: ", ""),
+              ("config key `sources[0].split`", "--split"), ("set `split:` on this source", "pass --split NAME"),
+              ("remove `split`", "leave out --split"))
 
 
 def explain(path: str | Path, masker: ChatMasker, color: bool = False, split: str | None = None) -> str:

@@ -379,7 +379,22 @@ class OpenSource:
 
 
 def open_sources(sources: Sequence[SourceEntry]) -> list[OpenSource]:
-    return [OpenSource(spec, open_reader(spec)) for spec in parse_sources(sources)]
+    return [OpenSource(spec, _open(i, spec)) for i, spec in enumerate(parse_sources(sources))]
+
+
+def _open(i: int, spec: Source) -> Reader:
+    """Source i's reader; an error opening it names its key (`sources[i].path`) before what was wrong."""
+    try:
+        return open_reader(spec)
+    except MalformedRecordError:
+        raise
+    except ConfigError as e:
+        if str(e).startswith(("sources[", "config key `sources[")):
+            raise
+        raise ConfigError(f"sources[{i}].path: {e}") from None
+    except Exception as e:  # noqa: BLE001 - any reader error means this source is unusable: say which
+        raise ConfigError(f"sources[{i}].path: cannot read the records of {spec.path} "
+                          f"({type(e).__name__}: {e})") from None
 
 
 def source_contribution(n: int, spec: Source) -> int:
@@ -418,14 +433,7 @@ def count_records(sources: Sequence[SourceEntry]) -> int:
     content. This is what chunks are cut over: ceil(count_records / prompts_per_chunk) chunks."""
     total = 0
     for i, spec in enumerate(parse_sources(sources)):  # one spec per entry, in order
-        try:
-            n = len(open_reader(spec))
-        except (ConfigError, MalformedRecordError):
-            raise
-        except Exception as e:  # noqa: BLE001 - any reader error means this source is unusable: say which
-            raise ConfigError(f"sources[{i}].path: cannot count the records of {spec.path} "
-                              f"({type(e).__name__}: {e})") from None
-        total += source_contribution(n, spec)
+        total += source_contribution(len(_open(i, spec)), spec)
     return total
 
 
