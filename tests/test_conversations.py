@@ -599,4 +599,5 @@ def test_hf_disk_errors_are_the_same_with_and_without_datasets(hf_dirs, monkeypa
         for read in (count_records, open_sources):
             with pytest.raises(ConfigError) as e:
                 read([source])
-            assert str(e.value) == f"sources[0].path: {message}"
+            key = "split" if "split" in message else "path"
+            assert str(e.value) == f"sources[0].{key}: {message}"

@@ -817,6 +817,14 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
             "the chat template renders as answer text beside a reasoning block of its own: the sample would train "
             "two blocks. Move the reasoning to `reasoning_content` and keep the answer in `content` (as SGLang's "
             "reasoning parser returns a generation)") and e.value.reason == "reasoning_in_content"
+    # a template that refuses an empty assistant content (the probe of its reasoning field fails): refused still
+    guarded = tokenizer_with("{%- for m in messages %}{% if m.role == 'assistant' and not m.content %}"
+                             "{{ raise_exception('empty') }}{% endif %}{% endfor %}"
+                             + (TEMPLATES / "kimi_k25.jinja").read_text(), SPECIALS["kimi_k25"], EOS["kimi_k25"],
+                             BOS["kimi_k25"])
+    with pytest.raises(TemplateError, match="reasoning block") as e:
+        ChatMasker(guarded).encode(inline)
+    assert e.value.reason == "reasoning_in_content"
     named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])
     tok = make_tokenizer("kimi_k25")
     (s,) = ChatMasker(tok).encode(named)

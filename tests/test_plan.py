@@ -66,6 +66,11 @@ def test_small_config_exact(small: dict) -> None:
     assert (p["shards"], p["chunk_jobs"]) == (5, 2)
     assert p["wall_hours"] == pytest.approx(5000 / 50 * 4 / 5 / 3600, rel=1e-12)
     assert p["stored_bytes_per_node"] == 4 * p["stored_bytes_per_shard"]
+    # more nodes than jobs: the busiest runs the longest job; 10^8 chunks are counted, not listed
+    p = plan(small, 50, chunks_per_job=4, mean_tokens=100, tokens_per_s=50, nodes=3)
+    assert p["wall_hours"] == pytest.approx(5000 / 50 * 4 / 5 / 3600, rel=1e-12)
+    p = plan({**small, "prompts_per_chunk": 1}, 10**8, chunks_per_job=3, mean_tokens=1, tokens_per_s=1, nodes=7)
+    assert p["wall_hours"] == pytest.approx(3 * 4761905 / 3600, rel=1e-12)  # 33,333,333 jobs of 3 and one of 1
     # a float32 model's shards hold 4 B a value: 16 + 4 x 64 x 4 = 1,040 B a token
     small["transformers"]["dtype"] = "float32"
     p = plan(small, 95, mean_tokens=100)

@@ -205,8 +205,8 @@ def plan(
     jobs = math.ceil(chunks / cpj)
     # the chunks of the busiest node: jobs of cpj chunks and one of the rest, dealt largest first, one job per node
     # at a time (10 chunks in jobs of 3 on 2 nodes: 3 + 3 on one, 3 + 1 on the other)
-    sizes = [cpj] * (chunks // cpj) + ([chunks % cpj] if chunks % cpj else [])
-    busiest = sum(sizes[0::nodes]) if sizes else 0
+    full, rest = divmod(chunks, cpj)  # the first node gets jobs 0, nodes, 2 nodes, ...; the short one is job `full`
+    busiest = cpj * math.ceil(full / nodes) + (rest if full % nodes == 0 else 0)
 
     # one job's ceiling, not multiplied by the local replicas' jobs running at once: it was measured against the
     # node's disk (disk-bound at 16 threads), which they share
@@ -223,7 +223,7 @@ def plan(
             effective = min(tokens_per_s, ceiling / raw_per_token)
         disk_bps = effective * raw_per_token * ratio
         node_hours = tokens / effective / 3600
-        wall_hours = node_hours / chunks * busiest if chunks else 0.0  # chunks of equal size
+        wall_hours = node_hours / chunks * busiest  # chunks of equal size
         if gpus_per_node is not None:
             gpu_hours = node_hours * gpus_per_node
     return {
@@ -277,7 +277,7 @@ def plan(
         "gpu_hours": gpu_hours,
         "wall_hours": wall_hours,
         # shards written by the busiest node (what a node-local staging disk must hold at most)
-        "stored_bytes_per_node": min(stored, math.ceil(stored / chunks) * busiest) if chunks else 0,
+        "stored_bytes_per_node": min(stored, math.ceil(stored / chunks) * busiest),
     }
 
 

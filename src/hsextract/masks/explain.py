@@ -57,7 +57,7 @@ def colored(sample: MaskedSample, tokenizer: Any, masker: ChatMasker) -> str:
 
 
 # the source's errors name config keys; the CLI's user gave options
-_CLI_WORDS = (("config key `sources[0].path`", "--explain"), ("sources[0].path: ", ""),
+_CLI_WORDS = (("config key `sources[0].path`", "--explain"), ("sources[0].path: ", ""), ("sources[0].split: ", ""),
               ("config key `sources[0].split`", "--split"), ("set `split:` on this source", "pass --split NAME"),
               ("remove `split`", "leave out --split"))
 

@@ -138,7 +138,8 @@ class ChatMasker:
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
         stable = [is_prefix(t.sample.ids, r) for t in turns]
-        if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not all(stable))):
+        trained_stable = all(ok for t, ok in zip(turns, stable, strict=True) if t.turn.index not in empty)
+        if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not trained_stable)):
             turns = [t for t in turns if t.turn.index not in empty]
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)

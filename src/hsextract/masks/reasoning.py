@@ -61,9 +61,12 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
         opener = f"<{closer[2:]}"
         try:  # the turn alone, as the last message: the template writes its reasoning block for it, if any
             text = rd.render([user, m])
-            renders_field = SENTINEL in rd.render([user, {**m, "content": "", "reasoning_content": SENTINEL}])
         except Exception:  # noqa: BLE001 - a template that needs more context: judged on the data later
             continue
+        try:
+            renders_field = SENTINEL in rd.render([user, {**m, "content": "\ue012", "reasoning_content": SENTINEL}])
+        except Exception:  # noqa: BLE001 - not moved then; the two-block check below still applies
+            renders_field = False
         head, _, tail = content.partition(closer)
         if renders_field and not m.get("reasoning_content"):
             reasoning = head.split(opener, 1)[-1]

@@ -391,7 +391,8 @@ def _open(i: int, spec: Source) -> Reader:
     except ConfigError as e:
         if str(e).startswith(("sources[", "config key `sources[")):
             raise
-        raise ConfigError(f"sources[{i}].path: {e}") from None
+        key = "split" if "split" in str(e) else "path"  # a DatasetDict's split missing or not there
+        raise ConfigError(f"sources[{i}].{key}: {e}") from None
     except Exception as e:  # noqa: BLE001 - any reader error means this source is unusable: say which
         raise ConfigError(f"sources[{i}].path: cannot read the records of {spec.path} "
                           f"({type(e).__name__}: {e})") from None
