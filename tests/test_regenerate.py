@@ -183,7 +183,7 @@ def test_stop_tokens_add_the_checkpoints_generation_config(tmp_path):
     assert tok.convert_ids_to_tokens(end_of_turn_ids(tok, model_dir=tmp_path)) == ["<|return|>", "<|call|>"]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": ids[1]}))
     assert tok.convert_ids_to_tokens(end_of_turn_ids(tok, model_dir=str(tmp_path))) == ["<|return|>", "<|call|>"]
-    assert end_of_turn_ids(tok, model_dir=tmp_path / "absent") == end_of_turn_ids(tok)  # a hub id: none read
+    assert end_of_turn_ids(tok, model_dir=tmp_path / "absent") == end_of_turn_ids(tok)  # no folder: none read
     repair = ". Repair it, or set `regenerate.stop_token_ids`"
     for bad, said in (
             ("{", "not a JSON object (Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
@@ -198,6 +198,37 @@ def test_stop_tokens_add_the_checkpoints_generation_config(tmp_path):
         with pytest.raises(ConfigError) as e:
             end_of_turn_ids(tok, model_dir=tmp_path)
         assert str(e.value) == f"{tmp_path / 'generation_config.json'}: {said}"
+
+
+def test_stop_tokens_of_a_hub_id_come_from_the_hubs_cache(tmp_path, monkeypatch, capsys):
+    """A hub id (`org/name`): its generation_config.json is read from the hub's cache (huggingface_hub's own
+    layout, read by its own function), as the tokenizer is; one the cache knows the repo lacks adds nothing; the hub
+    unreachable adds nothing, with a warning that says what to set."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    tok = make_tokenizer("harmony")
+    call = tok.convert_tokens_to_ids("<|call|>")
+    repo = tmp_path / "hub" / "models--org--gpt-tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    (repo / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    (repo / "snapshots" / ("0" * 40) / "generation_config.json").write_text(json.dumps({"eos_token_id": call}))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert tok.convert_ids_to_tokens(end_of_turn_ids(tok, model_dir="org/gpt-tiny")) == ["<|return|>", "<|call|>"]
+    (repo / "snapshots" / ("0" * 40) / "generation_config.json").unlink()
+    (repo / ".no_exist" / ("0" * 40)).mkdir(parents=True)
+    (repo / ".no_exist" / ("0" * 40) / "generation_config.json").touch()
+    assert end_of_turn_ids(tok, model_dir="org/gpt-tiny") == end_of_turn_ids(tok)
+
+    def unreachable(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", unreachable)
+    assert end_of_turn_ids(tok, model_dir="org/other") == end_of_turn_ids(tok)
+    assert capsys.readouterr().err == (
+        "WARNING: regenerate: generation_config.json of 'org/other' not read (OSError): its eos ids are not among "
+        "the stop ids; set `regenerate.stop_token_ids` if the model stops at others\n")
 
 
 def test_turns_are_what_model_generate_gives_for_the_rendered_context():

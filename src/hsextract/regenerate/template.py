@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,36 @@ def end_of_turn_ids(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | No
     return out
 
 
+def _generation_config(model: str | os.PathLike[str]) -> Path | None:
+    """The checkpoint's generation_config.json: in its folder, or, for a hub id (`org/name`), from the hub's cache
+    or the hub, as its tokenizer is read; None where it has none."""
+    path = Path(model) / "generation_config.json"
+    name = str(model)
+    if path.is_file():
+        return path
+    if Path(model).exists() or name.startswith(("/", ".", "~")) or name.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import hf_hub_download, try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "generation_config.json")
+        if isinstance(cached, str):
+            return Path(cached)
+        if cached is not None:  # the cache knows the repo has none
+            return None
+        return Path(hf_hub_download(name, "generation_config.json"))
+    except Exception as e:  # noqa: BLE001 - the hub unreachable, or the repo without one: say so, go on
+        if type(e).__name__ != "EntryNotFoundError":
+            print(f"WARNING: regenerate: generation_config.json of {name!r} not read ({type(e).__name__}): its eos "
+                  "ids are not among the stop ids; set `regenerate.stop_token_ids` if the model stops at others",
+                  file=sys.stderr, flush=True)
+        return None
+
+
 def generation_eos_ids(model_dir: str | os.PathLike[str] | None, vocab_size: int) -> list[int]:
-    """`eos_token_id` (an id or a list) of the checkpoint's generation_config.json; [] without one (a hub id)."""
-    path = Path(model_dir) / "generation_config.json" if model_dir is not None else None
-    if path is None or not path.is_file():
+    """`eos_token_id` (an id or a list) of the checkpoint's generation_config.json; [] without one."""
+    path = _generation_config(model_dir) if model_dir is not None else None
+    if path is None:
         return []
     try:
         eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
