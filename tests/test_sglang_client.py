@@ -360,8 +360,8 @@ def test_prefill_cuda_graphs_off_by_default_and_on_from_the_config(tmp_path: Pat
     from hsextract.config.settings import from_config
     from hsextract.sglang.config import server_config_from
 
-    base = {"model": "/m", "aux_layers": [1, 3], "aux_layers_convention": "hidden_states", "run_name": "r",
-            "final_state": "post_norm"}
+    base = {"model": "/m", "capture": "custom", "aux_layers": [1, 3], "aux_layers_convention": "hidden_states",
+            "run_name": "r", "final_state": "post_norm"}
     tail = ["--skip-tokenizer-init", "--enable-return-hidden-states"]
     off = server_config_from(from_config(base).extract, python="/py")
     assert off.prefill_cuda_graph is False
@@ -391,9 +391,9 @@ def test_trust_remote_code_reaches_the_server_command() -> None:
     from hsextract.sglang.config import server_config_from
 
     def server(**kw):
-        return server_config_from(from_config({"model": "/m", "aux_layers": [1, 3], "aux_layers_convention":
-                                               "hidden_states", "run_name": "r", **kw}).extract,
-                                  python="/py")
+        config = {"model": "/m", "capture": "custom", "aux_layers": [1, 3], "aux_layers_convention": "hidden_states",
+                  "run_name": "r", **kw}
+        return server_config_from(from_config(config).extract, python="/py")
 
     assert "--trust-remote-code" not in hsrv.build_command(server())
     trusted = server(trust_remote_code=True)
