@@ -372,7 +372,7 @@ def test_report_after_run(full_run: Path) -> None:
     # the sources' list ends with a space before the sentence goes on (a template whitespace bug)
     assert f"(messages, at most {RECORDS} records) were rendered" in html and ")were" not in html
     # what decides the masks, said in the report (and in dataset.json's provenance)
-    for text in ("reasoning trained", "chat template the tokenizer", "split_turns: auto", "shared prefix stored once"):
+    for text in ("reasoning trained", "chat template the tokenizer", "split_turns: auto", "once where they share"):
         assert text in html, text
     # the tables and the validation summary are HTML pages embedded in the report (base64 data URIs)
     pages = {}
