@@ -37,19 +37,18 @@ from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 # the closers of reasoning blocks (`</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax); tool-call markup such as
 # Qwen's `</tool_call>` is a pair of added tokens too, and may stand in a content more than once
 REASONING_CLOSER = re.compile(r"</(think|thinking|thought|reasoning)>")
-SENTINEL = "\ue011"  # a private-use character: in a rendering, only where a field put it
 
 
 def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages with each assistant content that holds a reasoning block's closer (`<think>X</think>Y`, or
     `X</think>Y` after a prompt that opened it) and no reasoning field given as reasoning X and content Y, where the
-    template renders the two alike and renders a reasoning field (it cuts the block out of the content itself, as
-    Qwen3's does), so the masker knows where the reasoning is. Where it renders no reasoning field (DeepSeek-R1
-    drops it; a template that reads none expects the block in the content), left. Where the content holds a whole
-    block (opener and closer) and the template renders more closers than the content holds, it writes a block of
-    its own beside it (Kimi-K2.5: `<think>` + field + `</think>` before the content): the sample would train two
-    blocks, which the model never writes: refused. A closer alone in answer text (a coding answer that names the
-    tag) is left as written."""
+    template renders a reasoning field (TemplateFacts.renders_reasoning) and the two alike (it cuts the block out
+    of the content itself, as Qwen3's does), so the masker knows where the reasoning is. Where it renders no
+    reasoning field (DeepSeek-R1 drops it; a template that reads none expects the block in the content), left.
+    Where the content holds a whole block (opener and closer) and the template renders more closers than the
+    content holds, it writes a block of its own beside it (Kimi-K2.5: `<think>` + field + `</think>` before the
+    content): the sample would train two blocks, which the model never writes: refused. A closer alone in answer
+    text (a coding answer that names the tag) is left as written."""
     user = {"role": "user", "content": "hi"}
     out = list(msgs)
     for j, m in enumerate(msgs):
@@ -63,12 +62,8 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
             text = rd.render([user, m])
         except Exception:  # noqa: BLE001 - a template that needs more context: judged on the data later
             continue
-        try:
-            renders_field = SENTINEL in rd.render([user, {**m, "content": "\ue012", "reasoning_content": SENTINEL}])
-        except Exception:  # noqa: BLE001 - not moved then; the two-block check below still applies
-            renders_field = False
         head, _, tail = content.partition(closer)
-        if renders_field and not m.get("reasoning_content"):
+        if rd.facts().renders_reasoning and not m.get("reasoning_content"):
             reasoning = head.split(opener, 1)[-1]
             for r, c in ((reasoning, tail), (reasoning.strip("\n"), tail.lstrip("\n"))):
                 moved = {**m, "reasoning_content": r, "content": c}
