@@ -219,7 +219,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     per_source = {s.spec.name: _new_stats() for s in sources}
     per_chunk: list[dict[str, int]] = []
     seen: dict[str, tuple[int, int | str]] = {}
-    seen_samples: dict[bytes, str] = {}  # a kept sample's ids and mask -> the record it came from (dedup)
+    seen_samples: dict[bytes, tuple[int, int | str]] = {}  # a kept sample's ids and mask -> its record (dedup)
     freq: Counter[int] = Counter()
     rows: list[dict[str, Any]] = []
     chunk = 0
@@ -243,9 +243,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         total["dropped"][reason] += 1
 
     def read(k: int) -> tuple[str, Any]:
-        """Record k of the mixture: ("conv", (location, conversation, sample id)), ("malformed", the error) or
-        ("duplicate",). A regenerated record's sample id is the one of the input record it regenerates (not its
-        line there)."""
+        """Record k of the mixture: ("conv", (location, conversation, sample id, input record)), ("malformed", the
+        error) or ("duplicate",). A regenerated record's sample id and input record are those of the input record
+        it regenerates (not its line there)."""
         entry = order[k]
         src = sources[entry.source]
         try:
@@ -253,13 +253,11 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         except MalformedRecordError as e:
             return "malformed", e
         rid, input_hash = _regenerated(src, entry.index) if regenerated else (None, None)
-        if cfg.dedup:
-            h = input_hash or conversation_hash(conv)
-            # repeats of one record (weight > 1, lines of their own in regenerate's file) are not duplicates
-            origin = (entry.source, rid.group(1) if rid else entry.index)
-            if seen.setdefault(h, origin) != origin:
-                return "duplicate", None
-        return "conv", (location, conv, rid.group(0) if rid else entry.sample_id)
+        # the input record: repeats of one (weight > 1, lines of their own in regenerate's file) are no duplicates
+        origin = (entry.source, rid.group(1) if rid else entry.index)
+        if cfg.dedup and seen.setdefault(input_hash or conversation_hash(conv), origin) != origin:
+            return "duplicate", None
+        return "conv", (location, conv, rid.group(0) if rid else entry.sample_id, origin)
 
     def outcomes(pool: ProcessPoolExecutor | None) -> Iterator[tuple[int, str, Any, Any]]:
         """(k, what read gave, the encoding or None) of every record, in order; a batch encoded at once."""
@@ -310,10 +308,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
                     drop(st, TRUNCATED_UNTRAINED if cut and sum(sample.loss_mask) >= cfg.min_trained_tokens
                          else NO_TRAINED_TOKENS)
                     continue
-                if cfg.dedup:  # a weight's repeats (`#k`) are one origin, as for records
+                if cfg.dedup:  # of another input record (a weight's repeats are one, as for records)
                     h = hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes() + bytes(mask), digest_size=16)
-                    origin = re.sub(r"#\d+$", "", base)  # `name:index#k`: a weight's repeat k of the record
-                    if seen_samples.setdefault(h.digest(), origin) != origin:
+                    if seen_samples.setdefault(h.digest(), payload[3]) != payload[3]:
                         drop(st, DUPLICATE_SAMPLE)
                         continue
                 if cut:  # kept samples only: a dropped one is counted once, under its reason
