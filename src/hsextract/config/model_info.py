@@ -8,6 +8,7 @@ planner. Failures are ModelInfoError (a ConfigError: the `model` key points at s
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,15 @@ def _shape(cfg: Any, source: str) -> ModelShape:
         ) from None
 
 
+PATH_PREFIXES = ("/", "./", "../", "~")  # a `model` written so is a path, never a hub id
+
+
+def hub_id(model: str | os.PathLike[str]) -> str | None:
+    """`model` as a hub id ("org/name"), or None where it is a path: one here, or one written as a path."""
+    name = str(model)
+    return None if Path(name).exists() or name.startswith(PATH_PREFIXES) else name
+
+
 def read_model_shape(model: str) -> ModelShape:
     """Depth and hidden size of a local model directory, or of a hub id (its config.json, fetched or cached).
 
@@ -98,7 +108,7 @@ def read_model_shape(model: str) -> ModelShape:
     if path.exists():
         raise ModelInfoError(f"model: {model!r} is a file, not a model directory; set `model` to the directory that "
                              "holds the checkpoint's config.json")
-    if model.startswith(("/", "./", "../", "~")):
+    if model.startswith(PATH_PREFIXES):
         raise ModelInfoError(f"model: {model!r}: no such directory; set `model` to a local Hugging Face model "
                              "directory (config.json, weights, tokenizer) or a hub id")
     return _shape(_read_hub(model), f"hub config of {model}")
@@ -137,5 +147,5 @@ def tiny_model_shape() -> ModelShape:
                       architecture="DeepseekV3ForCausalLM")
 
 
-__all__ = ["ModelInfoError", "ModelShape", "NESTED_KEYS", "local_hidden_size", "model_shape", "read_model_shape",
-           "text_config", "tiny_model_shape"]
+__all__ = ["NESTED_KEYS", "PATH_PREFIXES", "ModelInfoError", "ModelShape", "hub_id", "local_hidden_size",
+           "model_shape", "read_model_shape", "text_config", "tiny_model_shape"]

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from hsextract.config.model_info import hub_id
 from hsextract.config.settings import RegenerateSettings
 from hsextract.errors import ConfigError
 from hsextract.masks.masker import ChatMasker
@@ -49,10 +50,9 @@ def _generation_config(model: str | os.PathLike[str]) -> Path | None:
     """The checkpoint's generation_config.json: in its folder, or, for a hub id (`org/name`), from the hub's cache
     or the hub, as its tokenizer is read; None where it has none."""
     path = Path(model) / "generation_config.json"
-    name = str(model)
     if path.is_file():
         return path
-    if Path(model).exists() or name.startswith(("/", ".", "~")) or name.count("/") != 1:
+    if (name := hub_id(model)) is None:
         return None
     try:
         from huggingface_hub import hf_hub_download, try_to_load_from_cache
