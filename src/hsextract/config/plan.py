@@ -204,8 +204,9 @@ def plan(
     cpj = chunks_per_job
     jobs = math.ceil(chunks / cpj)
     # the chunks of the busiest node: jobs of cpj chunks and one of the rest, dealt largest first, one job per node
-    # at a time (10 chunks in jobs of 3 on 2 nodes: 3 + 3 on one, 3 + 1 on the other)
-    full, rest = divmod(chunks, cpj)  # the first node gets jobs 0, nodes, 2 nodes, ...; the short one is job `full`
+    # at a time (10 chunks in jobs of 3 on 2 nodes: 3 + 3 on the first, 3 + 1 on the other); the first node gets
+    # jobs 0, nodes, 2 nodes, ..., and the short one, job `full`, where full % nodes == 0
+    full, rest = divmod(chunks, cpj)
     busiest = cpj * math.ceil(full / nodes) + (rest if full % nodes == 0 else 0)
 
     # one job's ceiling, not multiplied by the local replicas' jobs running at once: it was measured against the
