@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # fake_sglang lives here
@@ -98,7 +99,12 @@ def test_the_key_file_holds_the_key_alone_and_only_its_owner_reads_it(tmp_path: 
     path.unlink()
     with pytest.raises(ConfigError) as e:
         keyfile.read_key_file(path)
-    assert str(e.value) == f"sglang.api_key_file: {path} does not exist; {fix}"
+    unquoted = "(its value is not shown: a key written there by mistake would be)"
+    assert str(e.value) == (f"sglang.api_key_file: names no existing file {unquoted}; give the path of a file of "
+                            "mode 0600 that holds the server's API key alone")
+    with pytest.raises(ConfigError) as e:  # the key itself, pasted as the path: too long a name
+        keyfile.read_key_file("k" * 5000)
+    assert str(e.value) == f"sglang.api_key_file: cannot be read (File name too long) {unquoted}"
     path.mkdir()
     with pytest.raises(ConfigError) as e:
         keyfile.read_key_file(path)
@@ -139,7 +145,7 @@ def test_the_config_check_reads_the_key_file(tmp_path: Path, monkeypatch: pytest
     from hsextract.sglang import config as sc
 
     cfg = {**door_config(tmp_path, monkeypatch), "engine": "sglang", "sglang": {"api_key_file": "k/api-key"}}
-    with pytest.raises(ConfigError, match=r"^sglang.api_key_file: k/api-key does not exist; "):
+    with pytest.raises(ConfigError, match=r"^sglang.api_key_file: names no existing file \(its value is not shown"):
         check(cfg)
     (tmp_path / "k").mkdir()
     key_file(tmp_path / "k", mode=0o644)
@@ -173,8 +179,6 @@ OVERRIDES = {
     "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
                              "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
-    "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
-    "--ssl-keyfile-password": "a password on the command line is visible to every local user (ps); remove it",
 }
 
 
@@ -233,6 +237,15 @@ def test_other_doors_and_written_keys_are_closed() -> None:
         "sglang.launch_args[1]: --crash_dump_folder (a spelling of --crash-dump-folder) may not be given; SGLang "
         "pickles its arguments, the API key among them, and the last requests into that folder on a crash or a "
         "stop; remove it")
+    # secrets the launcher does not set: refused as such, not as its own flags
+    with pytest.raises(ConfigError) as e:
+        hsrv.check_launch_args(["--admin_api_key", KEY])
+    assert str(e.value) == ("sglang.launch_args[0]: --admin_api_key (a spelling of --admin-api-key) may not be given; "
+                            "a key on the command line is visible to every local user (ps); remove it")
+    with pytest.raises(ConfigError) as e:
+        hsrv.check_launch_args(["--ssl-keyfile-password=x"])
+    assert str(e.value) == ("sglang.launch_args[0]: --ssl-keyfile-password may not be given; a password on the "
+                            "command line is visible to every local user (ps); remove it")
     # --api_key: SGLang's parser refuses it, and the failed start's command would show the value
     with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --api_key \(a spelling of --api-key\) is set"):
         hsrv.check_launch_args(["--api_key", KEY])
@@ -497,6 +510,62 @@ def test_a_port_taken_while_the_server_loads_gets_no_key(tmp_path: Path) -> None
     assert "not the server started here" in str(e.value) and "the key was not sent" in str(e.value)
     assert seen and all("Authorization" not in h and KEY not in h for h in seen)
     assert list(state.glob("replica-*.json")) == [] and not (state / "private/replica-0.yaml").exists()
+
+
+def test_a_port_taken_after_the_server_died_gets_no_key(tmp_path: Path) -> None:
+    """The server dies mid-chunk (OOM, a CUDA fault) and another local user binds its port, answering /health:
+    the engine sends that port no key, neither in a new request nor in a retry, and the chunk fails saying so."""
+    import http.server
+    import signal
+    import threading
+
+    state = tmp_path / "server"
+    cfg = door_cfg(tmp_path, api_key=KEY)
+    h = hsrv.ensure_server(state, cfg)
+    seen: list[tuple[str, str | None]] = []
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def answer(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        do_GET = do_POST = answer
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    try:
+        engine = SGLangEngine(h, SPEC, timeout_s=10, concurrency=2, retries=2, backoff_s=0.01)
+        assert len(list(engine.extract([Prompt(0, "s0", list(range(3, 30)))]))) == 1
+        os.killpg(h.pid, signal.SIGKILL)
+        os.waitpid(h.pid, 0)  # this process started it: reaped, the port is free
+        squatter = http.server.ThreadingHTTPServer((cfg.host, cfg.port), Squatter)
+        t = threading.Thread(target=squatter.serve_forever)
+        t.start()
+        try:
+            assert h.gone() == f"its process {h.pid} has exited"
+            with pytest.raises(EngineError) as e:
+                list(engine.extract([Prompt(9, "s9", list(range(5, 40)))]))
+            # a retry's health check sees the port held by another process (were the server itself alive)
+            alive = subprocess.Popen(["sleep", "600"], process_group=0)
+            try:
+                assert hsrv.ServerHandle(url=h.url, dump_dir=h.dump_dir, pid=alive.pid).gone(thorough=True) == (
+                    f"its port is held by process {os.getpid()} ({psutil.Process().name()})")
+            finally:
+                alive.kill()
+                alive.wait()
+            request(h.url, "GET", "/health", None)
+        finally:
+            squatter.shutdown()
+            squatter.server_close()
+            t.join()
+    finally:
+        hsrv.stop_servers(state, grace_s=5)
+    assert str(e.value).startswith(f"sample 's9' (index 9): POST /generate not sent: the server at {h.url} is gone "
+                                   f"(its process {h.pid} has exited), and whatever holds its port now must not read "
+                                   "the key. The chunk fails, no shard is written; rerun to restart the server.")
+    assert seen == [("/health", None)]  # the test's own probe: no request of the engine reached the port
 
 
 def test_a_workflow_job_starts_the_server_with_a_key_and_sends_it(tmp_path: Path,

@@ -6,7 +6,8 @@ kept-alive connection goes stale while its thread waits for dump files (the serv
 after a few seconds) and the next POST on it fails with BrokenPipe; on loopback a connect costs ~0.1 ms.
 
 Errors: `TransientError` (connection error, timeout, HTTP 5xx, a body that is not JSON) is worth retrying;
-`RequestRefused` (HTTP 4xx) is not. `retrying` builds the tenacity policy both callers use.
+`RequestRefused` (HTTP 4xx) and `ServerGone` (the key's server has died: nothing is sent) are not. `retrying`
+builds the tenacity policy both callers use.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from hsextract.errors import ConfigError, EngineError
 
 class TransientError(EngineError):
     """A request failure worth retrying (connection error, timeout, HTTP 5xx, non-JSON answer)."""
+
+
+class ServerGone(EngineError):
+    """The server a key was made for is gone (`SGLangAPI`'s `gone`): the key is not sent to its port."""
 
 
 class RequestRefused(EngineError):
@@ -46,12 +51,14 @@ def split_url(url: str) -> tuple[str, int, str]:
 class SGLangAPI:
     """`/health` and `/generate` of one server at `url` (http://host:port, optionally with a path prefix)."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+    def __init__(self, url: str, timeout_s: float = 600.0, api_key: str | None = None,
+                 gone: Callable[[], str | None] | None = None) -> None:
         self.url = url.rstrip("/")
         self.host, self.port, self.prefix = split_url(self.url)
         self.timeout_s = timeout_s
         # sglang.api_key: the server was started with --api-key and refuses requests without the token
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._gone = gone  # why the key's server no longer holds the port (ServerHandle.gone), asked before each send
 
     def health(self, timeout_s: float = 5.0) -> str | None:
         """None when GET /health answers 200, else why not. Without the key: SGLang lets /health through
@@ -73,6 +80,9 @@ class SGLangAPI:
         5xx, not JSON) or RequestRefused (any other status). `echo`: quote the answer in errors (not one that may
         hold the key)."""
         what = f"{method} {path}"
+        if self._auth and self._gone is not None and (why := self._gone()) is not None:
+            raise ServerGone(f"{what} not sent: the server at {self.url} is gone ({why}), and whatever holds its "
+                             "port now must not read the key")
         headers = {**({"Content-Type": "application/json"} if body is not None else {}), **self._auth}
         c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from hsextract.engines.base import Captured, CaptureSpec, Engine, Prompt, check_references
 from hsextract.errors import ConfigError, EngineError
 from hsextract.layers import HIDDEN_STATES, UNRECORDED, describe
-from hsextract.sglang.api import RequestRefused, SGLangAPI, TransientError, retrying
+from hsextract.sglang.api import RequestRefused, ServerGone, SGLangAPI, TransientError, retrying
 from hsextract.sglang_plugin import dumpcheck, dumpfiles
 from hsextract.sglang_plugin.dumpcheck import verify_dir
 from hsextract.sglang_plugin.settings import DEFAULT_RID_PREFIX as RID_PREFIX  # the plugin dumps these rids only
@@ -80,13 +80,16 @@ class SGLangEngine(Engine):
         on_close: Callable[[], Any] | None = None,
     ) -> None:
         self._on_close = on_close  # the launcher's replica claim, released when the job is done with it
+        self._gone: Callable[[bool], str | None] | None = None
         if isinstance(server, str):
             url = server
         else:
             url = server.url
             dump_dir = dump_dir or server.dump_dir
-            # a server started by the launcher: the key it made or was given (ServerHandle.api_key)
+            # a server started by the launcher: the key it made or was given (ServerHandle.api_key), sent only
+            # while that server lives (ServerHandle.gone)
             api_key = api_key if api_key is not None else getattr(server, "api_key", None)
+            self._gone = getattr(server, "gone", None)
         if dump_dir is None:
             raise ConfigError("sglang engine: dump_dir is required with server_url (the directory the server's "
                               "HSEXTRACT_DUMP_DIR names, on this machine)")
@@ -94,7 +97,7 @@ class SGLangEngine(Engine):
             raise ConfigError(f"final_state: {spec.final_state!r}; use pre_norm or post_norm")
         if concurrency < 1 or retries < 0 or timeout_s <= 0:
             raise ConfigError("sglang engine: concurrency >= 1, retries >= 0 and timeout_s > 0 are required")
-        self.api = SGLangAPI(url, timeout_s, api_key=api_key)
+        self.api = SGLangAPI(url, timeout_s, api_key=api_key, gone=self._gone)
         self.url = self.api.url
         self.spec = spec
         self.dump_dir = Path(dump_dir)
@@ -207,8 +210,10 @@ class SGLangEngine(Engine):
                                  should_stop=stop.is_set, allow_start=self.share_prefixes)
 
     def health(self) -> str | None:
-        """None when GET /health answers 200, else why not."""
-        return self.api.health(self.health_timeout_s)
+        """None when the server started for this run still holds its port and GET /health answers 200, else why
+        not (a port another process took after the server died answers /health too)."""
+        gone = self._gone(True) if self._gone is not None else None
+        return gone if gone is not None else self.api.health(self.health_timeout_s)
 
     # ---- one prompt -----------------------------------------------------------------------------------
     def _attempt(self, p: Prompt, ids: list[int], rid: str, stop: threading.Event,
@@ -255,6 +260,10 @@ class SGLangEngine(Engine):
                         if cache_key is None:
                             return self._attempt(p, ids, rid, stop), cache_key
                         return self._shared_attempt(p, ids, rid, stop, cache_key)
+                    except ServerGone as e:
+                        self._remove(rid)
+                        raise EngineError(f"{where}: {e}. The chunk fails, no shard is written; rerun to restart "
+                                          "the server.") from e
                     except _Fatal as e:
                         self._remove(rid)
                         raise EngineError(f"{where}: {e} (server {self.url}); the chunk fails, no shard is "

@@ -105,12 +105,15 @@ def read_key_file(path: str | os.PathLike[str], key: str = "sglang.api_key_file"
     owner only, holding the key alone (surrounding whitespace, a final newline, ignored). ConfigError naming the
     config key (`key`) and what to do otherwise; no message holds the file's text."""
     fix = f"write the server's API key alone into it and run `chmod 600 {path}`"
+    # a value that names no file is not quoted: it may be the key itself, written there by mistake
+    unquoted = "(its value is not shown: a key written there by mistake would be)"
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0))  # FIFO: no wait
     except FileNotFoundError:
-        raise ConfigError(f"{key}: {path} does not exist; {fix}") from None
+        raise ConfigError(f"{key}: names no existing file {unquoted}; give the path of a file of mode 0600 that "
+                          "holds the server's API key alone") from None
     except OSError as e:
-        raise ConfigError(f"{key}: {path} cannot be read ({e.strerror})") from None
+        raise ConfigError(f"{key}: cannot be read ({e.strerror}) {unquoted}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -142,6 +142,19 @@ class ServerHandle:
         d["dump_dir"] = Path(d["dump_dir"])
         return cls(**d)
 
+    def gone(self, thorough: bool = False) -> str | None:
+        """Why the key may no longer go to this server's port, else None. Once a server started here dies, anyone
+        may bind its port, answer /health and read the key from the next request: its process must be alive
+        (cheap: before every keyed request) and, `thorough` (after a failed request), its process group the port's
+        only listener. An external server (pid None) is its owner's to guard."""
+        if self.pid is None:
+            return None
+        if not _alive(self.pid):
+            return f"its process {self.pid} has exited"
+        if thorough and (other := _listener_owner(split_url(self.url)[1], self.pid)) is not None:
+            return f"its port is held by {other}"
+        return None
+
 
 def external_server(url: str, dump_dir: str | Path) -> ServerHandle:
     """A server that runs elsewhere (config `server_url`); `dump_dir` is its HSEXTRACT_DUMP_DIR."""
@@ -218,12 +231,12 @@ LAUNCHER_FLAGS: dict[str, str] = {
     "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
                              "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
-    # secrets: a command line is readable by every local user
+}
+# Flags that open another door or write a secret down (SGLang 0.5.16 server_args.py): refused too
+CLOSED_FLAGS: dict[str, str] = {
+    # a command line is readable by every local user
     "--admin-api-key": "a key on the command line is visible to every local user (ps); remove it",
     "--ssl-keyfile-password": "a password on the command line is visible to every local user (ps); remove it",
-}
-# Flags that open another door or write the key down (SGLang 0.5.16 server_args.py): refused too
-CLOSED_FLAGS: dict[str, str] = {
     "--grpc-port": _GRPC,
     "--grpc-mode": _GRPC,
     "--smg-grpc-mode": _GRPC,
