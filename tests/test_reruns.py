@@ -213,6 +213,40 @@ def test_file_params_follow_the_files_a_config_names(tmp_path: Path) -> None:
     assert files("extract", tokenizer=str(tok)) != got
 
 
+def test_the_modules_custom_tokenizer_code_imports_are_the_tokenizers(tmp_path: Path) -> None:
+    """Kimi-K2.5's tokenization_kimi.py renders tool declarations with `from .tool_declaration_ts import ...`: the
+    modules the tokenizer's code (tokenization_*.py, auto_map's) imports relatively, as far as those go, decide the
+    ids as it does, so a change reruns prepare; the model's own code stays extract's."""
+    from hsextract.config import file_params
+    from hsextract.provenance import tokenizer_code
+
+    model = real_model(tmp_path / "model")
+    (model / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": ["org/repo--custom_tok.T", null]}}')
+    code = {"tokenization_kimi.py": "from .tool_declaration_ts import encode\nfrom . import helpers, absent\n",
+            "tool_declaration_ts.py": "import json\nfrom .util.deep import x\n", "helpers.py": "",
+            "util/__init__.py": "", "util/deep.py": "", "custom_tok.py": "def f():\n    from .later import y\n",
+            "later.py": "from tokenization_kimi import z\n", "modeling_m.py": "from .helpers import h\n",
+            "broken.py": "from .x import (", "tokenization_bad.py": "def (:\n"}
+    for name, text in code.items():
+        (model / name).parent.mkdir(exist_ok=True)
+        (model / name).write_text(text)
+    assert tokenizer_code(model) == ["custom_tok.py", "helpers.py", "later.py", "tokenization_bad.py",
+                                     "tokenization_kimi.py", "tool_declaration_ts.py", "util/__init__.py",
+                                     "util/deep.py"]
+    config = {**CONFIG, "make_tiny_model": False, "model": str(model), "sources": [{"path": str(model / "x.py")}]}
+
+    def files() -> dict[str, Any]:
+        return {rule: file_params.params(from_config(config), rule, []) for rule in ("prepare", "extract")}
+
+    before = files()
+    for name, rules in (("tool_declaration_ts.py", {"prepare"}), ("util/deep.py", {"prepare"}),
+                        ("modeling_m.py", {"extract"})):
+        (model / name).write_text((model / name).read_text() + "# changed, a longer file\n")
+        now = files()
+        assert {rule for rule in now if now[rule] != before[rule]} == rules, name
+        before = now
+
+
 def test_file_params_leave_out_what_the_workflow_writes_and_hub_ids(tmp_path: Path) -> None:
     """The tiny model make_tiny_model builds, the regenerated conversations prepare reads, a hub id, a path not there
     yet: no signature (None), so that a first run's outputs appearing between two invocations rerun nothing."""
@@ -266,3 +300,27 @@ def test_a_source_path_spelled_another_way_is_the_same_param() -> None:
     assert prepare("./data/x.jsonl") == prepare("data//x.jsonl") == prepare("data/x.jsonl")
     assert prepare("data/x.jsonl")["sources"][0]["path"] == "data/x.jsonl"
     assert prepare("data/y.jsonl") != prepare("data/x.jsonl")
+
+
+def test_a_value_written_another_way_is_the_same_param() -> None:
+    """A source's weight `1` (`1.0`), its name written out as the one it gets anyway (its file's stem), a tokenizer
+    naming the model's own directory (null), a model directory with a trailing slash: the same params, so the
+    rewritten config reruns no prepare and no extract; another value is another param."""
+    def params(**over: Any) -> dict[str, dict[str, Any]]:
+        config = {**CONFIG, "model": "models/m", "make_tiny_model": False,
+                  "sources": [{"path": "data/x.jsonl"}, {"path": "data/y.jsonl", "weight": 0.5}], **over}
+        return {rule: reruns.params(settings_of(config), rule) for rule in ("prepare", "extract")}
+
+    first = params()
+    assert first["prepare"]["sources"][0] == {"path": "data/x.jsonl", "format": "auto", "weight": 1.0,
+                                              "max_records": None, "name": None, "split": None}
+    for same in ({"sources": [{"path": "data/x.jsonl", "weight": 1, "name": "x"}, {"path": "data/y.jsonl",
+                                                                                   "weight": 0.5, "name": "y"}]},
+                 {"tokenizer": "models/m"}, {"tokenizer": "./models/m/"}, {"model": "models/m/"},
+                 {"model": "./models//m", "tokenizer": "models/m"}):
+        assert params(**same) == first, same
+    for other in ({"sources": [{"path": "data/x.jsonl", "weight": 2}, {"path": "data/y.jsonl", "weight": 0.5}]},
+                  {"sources": [{"path": "data/x.jsonl", "name": "z"}, {"path": "data/y.jsonl", "weight": 0.5}]},
+                  {"tokenizer": "models/t"}, {"model": "models/n"}):
+        assert params(**other)["prepare"] != first["prepare"], other
+    assert params(tokenizer="models/t/")["prepare"]["tokenizer"] == "models/t"

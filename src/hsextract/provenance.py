@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import platform
@@ -84,18 +85,58 @@ def jinja_templates(root: Path) -> str | dict[str, str] | None:
     return {"default": jinja.read_text(), **named} if named else jinja.read_text()
 
 
+def _auto_map_modules(root: Path) -> list[str]:
+    """The files of the modules tokenizer_config.json's `auto_map` names ("module.Class", "repo--module.Class")."""
+    try:
+        auto_map = json.loads((root / "tokenizer_config.json").read_text()).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return []
+    refs = [r for v in (auto_map.values() if isinstance(auto_map, dict) else ())
+            for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
+    return [f"{r.split('--')[-1].rsplit('.', 1)[0]}.py" for r in refs if "." in r]
+
+
+def tokenizer_code(root: Path) -> list[str]:
+    """The tokenizer's code in `root`, by file name: its `tokenization_*.py` and `auto_map` modules, and the modules
+    of `root` they import relatively (`from .x import y`, `from . import x`; of a package, its every `.py`), as far as
+    those go: custom code may keep part of itself beside it (Kimi-K2.5's tokenization_kimi.py renders tool
+    declarations with tool_declaration_ts.py), and it decides the ids as much as the vocabulary does."""
+    seen: set[str] = set()
+    todo = [n for n in {*(p.name for p in root.glob("tokenization_*.py")), *_auto_map_modules(root)}
+            if (root / n).is_file()]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            tree = ast.parse((root / name).read_bytes())
+        except (OSError, SyntaxError, ValueError):
+            continue  # unreadable code fails where it loads, not here
+        base = (root / name).parent
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 1):
+                continue
+            for module in [node.module] if node.module else [a.name for a in node.names]:
+                target = base / module.split(".")[0]
+                if target.with_suffix(".py").is_file():
+                    todo.append(target.with_suffix(".py").relative_to(root).as_posix())
+                elif target.is_dir():
+                    seen.update(p.relative_to(root).as_posix() for p in target.rglob("*.py") if p.is_file())
+    return sorted(seen)
+
+
 def tokenizer_file_names(root: Path) -> list[str]:
     """The names tokenizer_hash reads in a tokenizer directory (those that exist among them): TOKENIZER_FILES, its
-    `tokenization_*.py` modules and its additional named templates."""
-    return [*TOKENIZER_FILES, *sorted(p.name for p in root.glob("tokenization_*.py")),
+    code (tokenizer_code) and its additional named templates."""
+    return [*TOKENIZER_FILES, *tokenizer_code(root),
             *(f"{ADDITIONAL_TEMPLATES}/{name}.jinja" for name in additional_templates(root))]
 
 
 def tokenizer_hash(tokenizer_dir: str) -> str:
     """sha256 over the tokenizer files that exist in the directory (names and contents).
 
-    A tokenizer shipped as custom code (Kimi-K2.5's tokenization_kimi.py) counts its `tokenization_*.py`
-    modules too: the code decides the ids as much as the vocabulary does.
+    A tokenizer shipped as custom code (Kimi-K2.5's tokenization_kimi.py) counts its code too (tokenizer_code).
     """
     root = Path(tokenizer_dir)
     if not root.is_dir():

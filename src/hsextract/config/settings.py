@@ -352,6 +352,21 @@ def _message(where: str, error: Any) -> str:
     return "; ".join(parts)
 
 
+def source_stem(path: str | os.PathLike[str]) -> str:
+    """The name a source gets where it has none: its file name up to the first dot."""
+    return Path(path).name.split(".")[0]
+
+
+def canonical_source(entry: Mapping[str, Any]) -> dict[str, Any]:
+    """A `sources` entry in one spelling, so that rewriting it another way reruns nothing: its path normalized
+    (`./data/x.jsonl` is `data/x.jsonl`), its weight a float (`1` is `1.0`), a name that is the one it would get
+    anyway (source_stem) none."""
+    path, weight = os.path.normpath(entry["path"]), entry["weight"]
+    return {**entry, "path": path,
+            "weight": float(weight) if isinstance(weight, int) and not isinstance(weight, bool) else weight,
+            "name": None if entry["name"] == source_stem(path) else entry["name"]}
+
+
 def _tuple(value: Any) -> tuple[Any, ...] | None:
     return None if value is None else tuple(value)
 
@@ -378,13 +393,18 @@ def from_config(config: Mapping[str, Any]) -> Settings:
         aux = tuple(given)
     prepare = _section(
         PrepareSettings, c,
-        # `./data/x.jsonl` is `data/x.jsonl`: one spelling in the params, so that rewriting it reruns nothing
-        sources=tuple(_section(Source, {**s, "path": os.path.normpath(s["path"])}) for s in c["sources"]),
+        sources=tuple(_section(Source, canonical_source(s)) for s in c["sources"]),
         chat_template_kwargs=MappingProxyType(dict(c["chat_template_kwargs"])),
     )
     sg = c["sglang"]
+    # one spelling of each in the params: `resources/m/` is `resources/m`, and a tokenizer naming the model's
+    # directory is none (the model's), so that rewriting them reruns nothing
+    model = os.path.normpath(c["model"])
+    tokenizer = None if c["tokenizer"] is None or os.path.normpath(c["tokenizer"]) == model else c["tokenizer"]
     extract = _section(
         ExtractSettings, {**c, **c["extract"]},
+        model=model,
+        tokenizer=tokenizer if tokenizer is None else os.path.normpath(tokenizer),
         aux_layers=aux,
         config_hash=digest,
         transformers=_section(TransformersSettings, c["transformers"]),
@@ -411,6 +431,6 @@ def from_config(config: Mapping[str, Any]) -> Settings:
 __all__ = [
     "ExtractSettings", "PrepareSettings", "RegenerateSettings", "SCHEMA_TO_TREE", "SGLangSettings",
     "SHIPPED_REFERENCE_SHA256", "Settings",
-    "ShardSettings", "Source", "StatsSettings", "TransformersSettings", "ValidateSettings", "fill_defaults",
-    "from_config", "is_shipped_reference", "schema",
+    "ShardSettings", "Source", "StatsSettings", "TransformersSettings", "ValidateSettings", "canonical_source",
+    "fill_defaults", "from_config", "is_shipped_reference", "schema", "source_stem",
 ]

@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from hsextract.config.settings import Source
+from hsextract.config.settings import Source, source_stem
 from hsextract.errors import ConfigError
 
 FORMATS = ("auto", "messages", "sharegpt", "ultrachat", "hf_disk")
@@ -94,7 +94,7 @@ def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
         if s.get("split") is not None and not (path / "dataset_dict.json").is_file():
             raise ConfigError(f"config key `{key}.split`: {path} is no DatasetDict (a save_to_disk folder with a "
                               "dataset_dict.json), so a split means nothing there: remove `split`")
-        name = str(s.get("name") or path.name.split(".")[0] or f"source{i}")
+        name = str(s.get("name") or source_stem(path) or f"source{i}")
         if name in names:
             first, name = names[name], f"{name}{i}"
             if name in names:  # sample ids are <name>:<record>: two sources of one name would share them
