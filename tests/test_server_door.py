@@ -31,6 +31,7 @@ from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang import keyfile
 from hsextract.sglang import server as hsrv
+from hsextract.sglang.api import ServerGone, SGLangAPI
 from hsextract.sglang.client import SGLangEngine
 from hsextract.sglang.logscrub import copy_scrubbed
 
@@ -551,7 +552,7 @@ def test_a_port_taken_after_the_server_died_gets_no_key(tmp_path: Path) -> None:
             alive = subprocess.Popen(["sleep", "600"], process_group=0)
             try:
                 assert hsrv.ServerHandle(url=h.url, dump_dir=h.dump_dir, pid=alive.pid).gone(thorough=True) == (
-                    f"its port is held by process {os.getpid()} ({psutil.Process().name()})")
+                    f"port {cfg.port} is no longer its own alone (process {os.getpid()} ({psutil.Process().name()}))")
             finally:
                 alive.kill()
                 alive.wait()
@@ -563,9 +564,53 @@ def test_a_port_taken_after_the_server_died_gets_no_key(tmp_path: Path) -> None:
     finally:
         hsrv.stop_servers(state, grace_s=5)
     assert str(e.value).startswith(f"sample 's9' (index 9): POST /generate not sent: the server at {h.url} is gone "
-                                   f"(its process {h.pid} has exited), and whatever holds its port now must not read "
-                                   "the key. The chunk fails, no shard is written; rerun to restart the server.")
+                                   f"(its process {h.pid} has exited), and whatever takes its port could read the "
+                                   "key. The chunk fails, no shard is written; rerun to restart the server.")
     assert seen == [("/health", None)]  # the test's own probe: no request of the engine reached the port
+
+
+def test_a_port_the_live_server_no_longer_holds_gets_no_key() -> None:
+    """The server's process lives, but its port is another's (a server that closed its socket to shut down; a pid
+    another process reuses, which its start time tells apart): no keyed request goes there."""
+    import http.server
+    import threading
+
+    seen: list[str | None] = []
+
+    class Squatter(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            seen.append(self.headers.get("Authorization"))
+            self.send_response(503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = subprocess.Popen(["sleep", "600"], process_group=0)  # alive, in a group of its own, no socket
+    squatter = http.server.ThreadingHTTPServer(("127.0.0.1", listen_port(3)), Squatter)
+    t = threading.Thread(target=squatter.serve_forever)
+    t.start()
+    try:
+        url = f"http://127.0.0.1:{squatter.server_address[1]}"
+        started = psutil.Process(server.pid).create_time()
+        h = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started, api_key=KEY)
+        why = f"port {squatter.server_address[1]} is no longer its own alone (process {os.getpid()} ("
+        assert h.gone().startswith(why) and h.gone(thorough=True).startswith(why)
+        api = SGLangAPI(url, 10.0, api_key=KEY, gone=h.gone)
+        with pytest.raises(ServerGone) as e:
+            api.generate({"rid": "x"})
+        assert str(e.value).startswith(f"POST /generate not sent: the server at {url} is gone ({why}")
+        # another process under the server's pid: not the server, whatever it listens on
+        reused = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started - 1.0)
+        assert reused.gone() == f"its process {server.pid} has exited"
+        assert hsrv.ServerHandle.from_json(h.to_json()) == h  # the start time is kept with the handle
+    finally:
+        squatter.shutdown()
+        squatter.server_close()
+        t.join()
+        server.kill()
+        server.wait()
+    assert seen == []
 
 
 def test_a_workflow_job_starts_the_server_with_a_key_and_sends_it(tmp_path: Path,

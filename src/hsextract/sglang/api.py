@@ -81,8 +81,8 @@ class SGLangAPI:
         hold the key)."""
         what = f"{method} {path}"
         if self._auth and self._gone is not None and (why := self._gone()) is not None:
-            raise ServerGone(f"{what} not sent: the server at {self.url} is gone ({why}), and whatever holds its "
-                             "port now must not read the key")
+            raise ServerGone(f"{what} not sent: the server at {self.url} is gone ({why}), and whatever takes its "
+                             "port could read the key")
         headers = {**({"Content-Type": "application/json"} if body is not None else {}), **self._auth}
         c = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout_s)
         try:

@@ -80,7 +80,7 @@ class SGLangEngine(Engine):
         on_close: Callable[[], Any] | None = None,
     ) -> None:
         self._on_close = on_close  # the launcher's replica claim, released when the job is done with it
-        self._gone: Callable[[bool], str | None] | None = None
+        self._gone: Callable[..., str | None] | None = None  # ServerHandle.gone
         if isinstance(server, str):
             url = server
         else:

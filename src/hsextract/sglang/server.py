@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -61,6 +62,8 @@ from hsextract.sglang_plugin import settings as ps
 from hsextract.sglang_plugin.dumpcheck import DumpDirError, private_dir, verify_dir
 
 DUMP_DIR_PREFIX = "hsx-"
+# the longest a started server's port goes unchecked while its key is sent (ServerHandle.gone)
+PORT_CHECK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -126,12 +129,17 @@ class ServerHandle:
     # the dump dir as created (lstat st_dev, st_ino): stop removes it only if that very directory is there
     dump_dir_dev: int | None = None
     dump_dir_ino: int | None = None
+    # the server process's start time (psutil create_time): a pid reused by another process is not the server
+    started: float | None = None
     # the key the server requires (read from its key file; never written into the state file)
     api_key: str | None = field(default=None, repr=False, compare=False)
+    # when gone() last found the port the server's alone (time.monotonic; this process's, not the state file's)
+    _port_seen: float = field(default=-math.inf, repr=False, compare=False)
 
     def to_json(self) -> str:
         d = asdict(self)
         d.pop("api_key")
+        d.pop("_port_seen")
         d["dump_dir"] = str(self.dump_dir)
         return json.dumps(d, indent=1)
 
@@ -143,16 +151,21 @@ class ServerHandle:
         return cls(**d)
 
     def gone(self, thorough: bool = False) -> str | None:
-        """Why the key may no longer go to this server's port, else None. Once a server started here dies, anyone
-        may bind its port, answer /health and read the key from the next request: its process must be alive
-        (cheap: before every keyed request) and, `thorough` (after a failed request), its process group the port's
-        only listener. An external server (pid None) is its owner's to guard."""
+        """Why the key may no longer go to this server's port, else None. Once a server started here stops, anyone
+        may bind its port, answer /health and read the key from the next request. Before every keyed request: its
+        process (pid and start time) must live (35 us), and its process group must be the port's only listener
+        (8 ms: at most every PORT_CHECK_S, and always when `thorough`, after a failed request). An external server
+        (pid None) is its owner's to guard."""
         if self.pid is None:
             return None
-        if not _alive(self.pid):
+        if not _alive(self.pid, self.started):
             return f"its process {self.pid} has exited"
-        if thorough and (other := _listener_owner(split_url(self.url)[1], self.pid)) is not None:
-            return f"its port is held by {other}"
+        now = time.monotonic()
+        if thorough or now - self._port_seen > PORT_CHECK_S:
+            port = split_url(self.url)[1]
+            if (other := _listener_owner(port, self.pid)) is not None:
+                return f"port {port} is no longer its own alone ({other})"
+            self._port_seen = now
         return None
 
 
@@ -391,16 +404,26 @@ def _has_marker(dump_dir: Path) -> bool:
     return any(dump_dir.glob(f"{dumpfiles.PLUGIN_MARKER_PREFIX}*.json"))
 
 
-def _alive(pid: int | None) -> bool:
-    """pid names a process that is not a zombie (one we may not inspect counts as alive)."""
+def _alive(pid: int | None, started: float | None = None) -> bool:
+    """pid names a process that is not a zombie (one we may not inspect counts as alive) and, given `started`, was
+    started then (not another process that reuses the pid)."""
     if not pid:
         return False
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        p = psutil.Process(pid)
+        return p.status() != psutil.STATUS_ZOMBIE and started in (None, p.create_time())
     except (psutil.NoSuchProcess, ValueError):  # ValueError: a negative pid
         return False
     except psutil.AccessDenied:
         return True
+
+
+def _started(pid: int) -> float | None:
+    """The start time of process `pid` (psutil's create_time), None where it cannot be read."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, ValueError):
+        return None
 
 
 def _is_ours(pid: int, dump_dir: Path) -> bool:
@@ -504,7 +527,7 @@ def _stop_handle(h: ServerHandle, grace_s: float, started_here: bool = False) ->
     """Kill h's process group. A pid read from a file must prove it is ours (pid reuse); one this process
     started itself need not (its environment may not name the dump dir, e.g. HSEXTRACT_DUMP_DIR overridden)."""
     killed = False
-    if h.pid and _alive(h.pid) and (started_here or _is_ours(h.pid, h.dump_dir)):
+    if h.pid and _alive(h.pid, h.started) and (started_here or _is_ours(h.pid, h.dump_dir)):
         _kill_group(h.pid, grace_s)
         killed = True
     _remove_dump_dir(h)
@@ -563,8 +586,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
             old = ServerHandle.from_json(ep.read_text())
             old.api_key = keyfile.read_key(key_file)
             if (old.config_hash == h_cfg and old.api_key is not None and cfg.api_key in (None, old.api_key)
-                    and _alive(old.pid) and health(old.url) is None
-                    and _has_marker(old.dump_dir) and _listener_owner(split_url(old.url)[1], old.pid) is None):
+                    and old.gone(thorough=True) is None and health(old.url) is None and _has_marker(old.dump_dir)):
                 return old
             _stop_handle(old, cfg.stop_grace_s)  # stale, dead, another configuration or another key
             ep.unlink()
@@ -590,7 +612,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
         st = os.lstat(dump_dir)
         h = ServerHandle(url=f"http://{cfg.host}:{port}", dump_dir=dump_dir, pid=proc.pid, replica=replica,
                          config_hash=h_cfg, command=redact(cmd), log=str(log_path), dump_dir_dev=st.st_dev,
-                         dump_dir_ino=st.st_ino, api_key=key)
+                         dump_dir_ino=st.st_ino, started=_started(proc.pid), api_key=key)
         write_bytes_atomic(ep, h.to_json().encode())  # written before waiting: a stop during start-up finds the pid
 
         def failed(why: str, grace_s: float, tail: bool = True) -> EngineError:
