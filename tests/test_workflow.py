@@ -526,7 +526,8 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "run_name": {"run_name": "another-run"},
     "model": {"model": "resources/another-tiny-model"},
     "make_tiny_model": {"make_tiny_model": False, "reference_sample": "resources/reference/tiny.pt"},
-    "tokenizer": {"tokenizer": "resources/tiny-model"},
+    # the model's tokenizer, copied (the model's own directory, named, is null: the same param)
+    "tokenizer": {"tokenizer": "resources/tiny-tokenizer"},
     # the tiny model's kimi tokenizer is custom code
     "trust_remote_code": {"trust_remote_code": False, "tiny_model_tokenizer": "fast"},
     # the shipped reference sample holds 3 aux layers
@@ -659,6 +660,8 @@ def test_every_config_key_reruns_exactly_the_rules_it_decides(tmp_path: Path, fu
         assert plan["prepare"] == 1 and plan["extract"] == N_CHUNKS and plan["manifest"] == 1, plan
 
         shutil.copy2(wd / "resources/reference/speculators-v1-data_0.pt", wd / "resources/reference/copy.pt")
+        shutil.copytree(wd / "resources/tiny-model", wd / "resources/tiny-tokenizer",
+                        ignore=shutil.ignore_patterns("*.safetensors"))
         (wd / "config/api-key").write_text("a-secret-of-16-chars-or-more\n")
         (wd / "config/api-key").chmod(0o600)
         tiny_reference(wd)
