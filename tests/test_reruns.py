@@ -181,6 +181,17 @@ def test_file_params_follow_the_files_a_config_names(tmp_path: Path) -> None:
     (model / "__pycache__/m.pyc").write_bytes(b"0")
     assert changed() == {"extract", "regenerate_chunk"}
     before = {rule: files(rule) for rule in file_params.RULES}
+    # what the checkpoint ships for people (a fresh `hf download` rewrites it): nothing; its generation defaults:
+    # regenerate's alone
+    for name in ("README.md", "LICENSE", "docs/deploy_guidance.md", "figures/kimi-logo.PNG"):
+        (model / name).parent.mkdir(exist_ok=True)
+        (model / name).write_text("new")
+    assert changed() == set()
+    (model / "generation_config.json").write_text('{"temperature": 1.0}')
+    assert changed() == {"regenerate_chunk"}
+    (model / "modeling_kimi.py").write_text("")  # the model's own code: a forward's
+    assert changed() == {"extract", "regenerate_chunk"}
+    before = {rule: files(rule) for rule in file_params.RULES}
     # a tokenizer file or the template rewritten: by content (prepare's); touched alone, nothing
     for name in ("tokenizer_config.json", "chat_template.jinja"):
         moved(model / name, 7)

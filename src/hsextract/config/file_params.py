@@ -68,8 +68,21 @@ def _local(path: str | None, produced: Sequence[str]) -> Path | None:
     return Path(path)
 
 
+# What a checkpoint ships for people, which no model load reads (Kimi-K2.5's README.md, LICENSE, figures/*.png,
+# docs/*.md): rewritten by a fresh `hf download`, they would rerun every extract job (GPU-days on Kimi).
+DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp", ".pdf")
+DOC_NAMES = ("LICENSE", "NOTICE")
+# the generation defaults: regenerate's, no forward's
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _for_people(name: str) -> bool:
+    return name.lower().endswith(DOC_SUFFIXES) or name.split(".")[0] in DOC_NAMES
+
+
 def model_signature(model: str, produced: Sequence[str], exclude: Collection[str] = ()) -> str | None:
-    """The model directory's files by relative name, size and mtime_ns, `exclude` (names at its top) left out.
+    """The model directory's files by relative name, size and mtime_ns; `exclude` (names at its top) and the files
+    for people (DOC_SUFFIXES, DOC_NAMES) left out.
 
     By mtime and not by content: a real checkpoint is hundreds of GB (Kimi-K2.5's about 600), read at every parse
     of the Snakefile it would take minutes; and not by size alone: a checkpoint fine-tuned in place keeps every
@@ -78,7 +91,8 @@ def model_signature(model: str, produced: Sequence[str], exclude: Collection[str
     root = _local(model, produced)
     if root is None or not root.is_dir():
         return None
-    return stat_signature(root, [p for p in _tree(root) if p.relative_to(root).as_posix() not in exclude])
+    return stat_signature(root, [p for p in _tree(root) if not _for_people(p.name)
+                                 and p.relative_to(root).as_posix() not in exclude])
 
 
 def tokenizer_files(tokenizer_dir: str) -> set[str]:
@@ -142,9 +156,10 @@ def params(settings: Settings, rule: str, produced: Sequence[str]) -> dict[str, 
     if rule == "extract" or (rule == "regenerate_chunk" and regenerate_engine(settings) == "transformers"):
         # the tokenizer's own files in the model's directory: prepare's (regenerate's) content hash holds them
         same = Path(tok).resolve() == Path(s.model).resolve()
-        out["model"] = model_signature(s.model, produced, exclude=tokenizer_files(tok) if same else ())
+        exclude = {*(tokenizer_files(tok) if same else ()), *([GENERATION_CONFIG] if rule == "extract" else [])}
+        out["model"] = model_signature(s.model, produced, exclude=exclude)
     return dict(sorted(out.items()))
 
 
-__all__ = ["RULES", "inside", "model_signature", "params", "source_signature", "stat_signature", "template_identity",
-           "tokenizer_files", "tokenizer_identity"]
+__all__ = ["DOC_NAMES", "DOC_SUFFIXES", "GENERATION_CONFIG", "RULES", "inside", "model_signature", "params",
+           "source_signature", "stat_signature", "template_identity", "tokenizer_files", "tokenizer_identity"]
