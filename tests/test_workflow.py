@@ -839,6 +839,25 @@ def test_a_release_that_changes_the_tiny_model_rebuilds_it(tmp_path: Path, full_
                       "stats": N_CHUNKS, "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "all": 1}, counts
 
 
+def test_another_runs_tiny_model_is_not_rebuilt_under_it(tmp_path: Path, full_run: Path) -> None:
+    """Another run's dataset.json names this run's tiny model folder, and a new seed would rebuild that model: the
+    dry run stops as the Snakefile is read, with the config error naming the other run, and plans nothing (raised
+    from make_tiny_model's input function, Snakemake took the refusal for "no job makes the model" and planned
+    prepare without the extract jobs). --unlock is no command that plans jobs; the model's own seed plans nothing."""
+    wd = tmp_path / "shared-model"
+    shutil.copytree(full_run, wd, symlinks=True)
+    (wd / "results/other").mkdir()
+    (wd / "results/other/dataset.json").write_text(json.dumps({"model": "resources/tiny-model"}))
+    proc = smk(wd, "-n", "--config", "seed=1", check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Job stats" not in out, out[-3000:]
+    assert ("make_tiny_model: resources/tiny-model holds a model built with seed 0, which run(s) other name "
+            f"(results/<run>/dataset.json), and run '{RUN}' would rebuild it with seed 1: those runs would then rerun "
+            "whole at their next command.") in " ".join(out.split())
+    assert smk(wd, "--unlock", "--config", "seed=1").returncode == 0
+    assert "Nothing to be done" in smk(wd, "-n").stdout
+
+
 def _schema_leaves(props: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Dotted key -> its schema, for every key that is not an object with fixed properties."""
     out: dict[str, Any] = {}

@@ -4,6 +4,7 @@ from snakemake.exceptions import WorkflowError
 
 from hsextract.config import chunks, file_params, reruns
 from hsextract.config.checks import check_tiny_model_unshared, tiny_model_corpus
+from hsextract.extract.gpu_pool import plans_jobs
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
 from hsextract.tinymodel.build import TINY_CONFIG
@@ -18,6 +19,11 @@ if workflow.is_main_process and (
     _lost := chunks.incomplete_prepare(f"results/{RUN}", N_CHUNKS, SHARD_SUFFIX)
 ):
     print(_lost, file=sys.stderr)
+# Another run's tiny model is not rebuilt under it, in a command that runs or plans jobs (not --unlock, --lint):
+# refused here, before the DAG. Raised from make_tiny_model's input function, the error was taken by Snakemake as
+# "no job makes the model", and the run went on without the extract jobs that read it.
+if workflow.is_main_process and plans_jobs(sys.argv):
+    check_tiny_model_unshared(SETTINGS)
 MODEL = SETTINGS.extract.model
 TOKENIZER = SETTINGS.extract.tokenizer_dir
 # `params: settings=RERUN[name]` of the rules that config keys decide, the effective values of those keys
@@ -141,10 +147,7 @@ def get_extract_mem_mb(wildcards, attempt):
 
 
 def get_tiny_model_corpus(wildcards):
-    """Text the tiny model's tokenizer is trained on (config.check made sure there is one). Called where the DAG
-    holds make_tiny_model (a run, -n, --touch, --delete-all-output; not --unlock or --lint), before Snakemake
-    removes the model to rebuild it: another run's model is refused there."""
-    check_tiny_model_unshared(SETTINGS)
+    """Text the tiny model's tokenizer is trained on (config.check made sure there is one)."""
     return tiny_model_corpus(SETTINGS)
 
 

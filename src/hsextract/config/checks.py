@@ -91,9 +91,9 @@ def check_stop_ids(s: Settings, shape: ModelShape) -> None:
 def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> None:
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
-    its dataset.json would name a model that made none of its shards. Run by make_tiny_model's input function, as
-    the DAG is built (in the job it is too late: Snakemake removes the folder first; at parse time it would stop
-    --unlock and --lint too)."""
+    its dataset.json would name a model that made none of its shards. Run as the Snakefile is read, by a command
+    that runs or plans jobs (workflow/rules/common.smk; in the job it is too late: Snakemake removes the folder
+    first)."""
     if not s.make_tiny_model:
         return
     model = Path(s.extract.model)
