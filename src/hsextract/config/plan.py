@@ -17,6 +17,7 @@ from hsextract.config.chunks import count as count_chunks
 from hsextract.config.model_info import ModelInfoError, local_hidden_size
 from hsextract.config.settings import Settings
 from hsextract.errors import ConfigError
+from hsextract.layers import describe
 
 # Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
 IDS_MASK_BYTES = 16
@@ -244,6 +245,9 @@ def plan(
         "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
+        # hidden_states ids (hsextract.layers), and the final state stored after them
+        "aux_layers": list(settings.extract.aux_layers),
+        "final_state": settings.extract.final_state,
         # of one hidden value: the activations' dtype (fp8 precision: its raw bf16)
         "value_bytes": VALUE_BYTES[settings.extract.activation_dtype],
         "raw_bytes_per_token": raw_per_token,
@@ -332,6 +336,9 @@ def _export_rows(p: Mapping[str, Any]) -> list[tuple[str, str]]:
     return rows
 
 
+FINAL_STATE_SAID = {"pre_norm": ": before the model's final norm", "post_norm": ": after the model's final norm"}
+
+
 def format_plan(p: Mapping[str, Any]) -> str:
     """A two-column table of the plan for a terminal (and docs/CLUSTER.md)."""
     no_rate = "- (give --tokens-per-s)"
@@ -339,6 +346,8 @@ def format_plan(p: Mapping[str, Any]) -> str:
     rows = [
         ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, "
                   f"{p['dtype'] if p['precision'] == 'bf16' else p['precision']})"),
+        ("layers", f"{describe(p['aux_layers'])}, then the final state ({p['final_state']}"
+                   f"{FINAL_STATE_SAID.get(p['final_state'], '')})"),
         ("records", f"{p['records']:,} (input records)"),
         ("tokens per record", f"{p['tokens_per_record']:,.1f} ({p['tokens_per_record_source']})"),
         ("tokens", f"{p['tokens']:,}"),
