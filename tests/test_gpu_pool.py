@@ -73,6 +73,11 @@ def test_commands_that_run_no_job_are_not_checked() -> None:
     assert gpu_pool.plans_jobs(["snakemake", "--cores", "8", "--configfile", "config/kimi.yaml"])
     for flag in ("--report", "--report=r.html", "--unlock", "--lint", "--summary", "--cleanup-metadata", "--touch"):
         assert not gpu_pool.plans_jobs(["snakemake", flag, "--configfile", "config/kimi.yaml"])
+    # ... but --touch and the deletions mark or remove outputs (a tiny model another run names: common.smk)
+    for flag in ("-n", "--touch", "-t", "--delete-all-output", "--delete-temp-output"):
+        assert gpu_pool.changes_outputs(["snakemake", flag, "--cores", "1"]), flag
+    for flag in ("--report", "--unlock", "--lint", "--list-rules", "--summary"):
+        assert not gpu_pool.changes_outputs(["snakemake", flag, "--cores", "1"]), flag
 
 
 def test_executor_from_the_command_line_and_its_profiles(tmp_path: Path) -> None:

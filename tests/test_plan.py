@@ -472,6 +472,8 @@ def test_presets_beside_a_model_without_local_config_json(tmp_path: Path) -> Non
             "share_prefixes": False}
     p = plan({**base, "capture": "mtp"}, 10, mean_tokens=100, hidden_size=64)
     assert (p["hidden_tensors"], p["raw_bytes_per_token"]) == (1, 16 + 64 * 2)
+    assert "\nlayers                      the final state alone (pre_norm: before the model's final norm)\n" in \
+        format_plan(p)
     with pytest.raises(ConfigError) as e:
         plan({**base, "capture": "dflash", "aux_layers": [2, 30, 58], "aux_layers_convention": "hidden_states"}, 10,
              mean_tokens=100, hidden_size=64)

@@ -5,6 +5,7 @@ run by tests/test_workflow.py::test_every_config_key_reruns_exactly_the_rules_it
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 from pathlib import Path
@@ -168,8 +169,10 @@ def test_file_params_follow_the_files_a_config_names(tmp_path: Path) -> None:
     assert set(before["prepare"]) == {"chat_template", "sources", "tokenizer"} and set(before["extract"]) == {"model"}
     assert before["make_tiny_model"] == {"corpus": before["prepare"]["sources"][0]}
     assert all(before["prepare"].values()) and before["extract"]["model"]
-    assert before["regenerate_chunk"] == {**before["prepare"], **before["extract"]}  # regenerate loads the model
-    assert "model" not in files("regenerate_chunk", engine="sglang", regenerate={"server_url": "http://127.0.0.1:1"})
+    # regenerate loads the model, and reads its generation_config.json (none here) on either engine
+    assert before["regenerate_chunk"] == {**before["prepare"], **before["extract"], "generation_config": None}
+    on_sglang = files("regenerate_chunk", engine="sglang", regenerate={"server_url": "http://127.0.0.1:1"})
+    assert "model" not in on_sglang and on_sglang["generation_config"] is None
 
     def changed() -> set[str]:
         return {rule for rule in file_params.RULES if files(rule) != before[rule]}
@@ -187,8 +190,9 @@ def test_file_params_follow_the_files_a_config_names(tmp_path: Path) -> None:
         (model / name).parent.mkdir(exist_ok=True)
         (model / name).write_text("new")
     assert changed() == set()
-    (model / "generation_config.json").write_text('{"temperature": 1.0}')
+    (model / "generation_config.json").write_text('{"eos_token_id": 7}')
     assert changed() == {"regenerate_chunk"}
+    assert files("regenerate_chunk", engine="sglang", regenerate={"server_url": "http://127.0.0.1:1"}) != on_sglang
     (model / "modeling_kimi.py").write_text("")  # the model's own code: a forward's
     assert changed() == {"extract", "regenerate_chunk"}
     before = {rule: files(rule) for rule in file_params.RULES}
@@ -232,18 +236,22 @@ def test_the_modules_custom_tokenizer_code_imports_are_the_tokenizers(tmp_path: 
     from hsextract.provenance import tokenizer_code
 
     model = real_model(tmp_path / "model")
-    (model / "tokenizer_config.json").write_text('{"auto_map": {"AutoTokenizer": ["org/repo--custom_tok.T", null]}}')
+    (model / "tokenizer_config.json").write_text(json.dumps({"auto_map": {
+        "AutoTokenizer": ["custom_tok.T", None], "AutoProcessor": "org/repo--remote_proc.P",  # another repo's code
+        "AutoConfig": "../../outside.C"}}))  # no module name: nothing outside the folder is read
     code = {"tokenization_kimi.py": "from .tool_declaration_ts import encode\nfrom . import helpers, absent\n",
             "tool_declaration_ts.py": "import json\nfrom .util.deep import x\n", "helpers.py": "",
             "util/__init__.py": "", "util/deep.py": "", "custom_tok.py": "def f():\n    from .later import y\n",
             "later.py": "from tokenization_kimi import z\n", "modeling_m.py": "from .helpers import h\n",
-            "broken.py": "from .x import (", "tokenization_bad.py": "def (:\n"}
+            "broken.py": "from .x import (", "tokenization_bad.py": "def (:\n",
+            "tokenization_deep.py": "x = " + "1+" * 200_000 + "1\n",  # ast's recursion limit: skipped, not raised
+            "remote_proc.py": ""}
     for name, text in code.items():
         (model / name).parent.mkdir(exist_ok=True)
         (model / name).write_text(text)
     assert tokenizer_code(model) == ["custom_tok.py", "helpers.py", "later.py", "tokenization_bad.py",
-                                     "tokenization_kimi.py", "tool_declaration_ts.py", "util/__init__.py",
-                                     "util/deep.py"]
+                                     "tokenization_deep.py", "tokenization_kimi.py", "tool_declaration_ts.py",
+                                     "util/__init__.py", "util/deep.py"]
     config = {**CONFIG, "make_tiny_model": False, "model": str(model), "sources": [{"path": str(model / "x.py")}]}
 
     def files() -> dict[str, Any]:
@@ -335,3 +343,8 @@ def test_a_value_written_another_way_is_the_same_param() -> None:
                   {"tokenizer": "models/t"}, {"model": "models/n"}):
         assert params(**other)["prepare"] != first["prepare"], other
     assert params(tokenizer="models/t/")["prepare"]["tokenizer"] == "models/t"
+    # `..` after a symbolic link is not the folder before it: another spelling of another path, kept
+    assert params(model="models/link/../m")["extract"]["model"] == "models/link/../m"
+    # the jobs load the model as written: only the params take the one spelling
+    assert settings_of({**CONFIG, "model": "./models/m/", "tokenizer": "models/m"}).extract.tokenizer_dir == "models/m"
+    assert settings_of({**CONFIG, "model": "./models/m/"}).extract.model == "./models/m/"

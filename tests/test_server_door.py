@@ -592,7 +592,8 @@ def test_a_port_the_live_server_no_longer_holds_gets_no_key() -> None:
     t.start()
     try:
         url = f"http://127.0.0.1:{squatter.server_address[1]}"
-        started = psutil.Process(server.pid).create_time()
+        started = hsrv._started(server.pid)
+        assert started == int(Path(f"/proc/{server.pid}/stat").read_text().split(") ")[1].split()[19])
         h = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started, api_key=KEY)
         why = f"port {squatter.server_address[1]} is no longer its own alone (process {os.getpid()} ("
         assert h.gone().startswith(why) and h.gone(thorough=True).startswith(why)
@@ -601,7 +602,7 @@ def test_a_port_the_live_server_no_longer_holds_gets_no_key() -> None:
             api.generate({"rid": "x"})
         assert str(e.value).startswith(f"POST /generate not sent: the server at {url} is gone ({why}")
         # another process under the server's pid: not the server, whatever it listens on
-        reused = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started - 1.0)
+        reused = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started - 1)
         assert reused.gone() == f"its process {server.pid} has exited"
         assert hsrv.ServerHandle.from_json(h.to_json()) == h  # the start time is kept with the handle
     finally:

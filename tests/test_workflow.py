@@ -854,6 +854,9 @@ def test_another_runs_tiny_model_is_not_rebuilt_under_it(tmp_path: Path, full_ru
     assert ("make_tiny_model: resources/tiny-model holds a model built with seed 0, which run(s) other name "
             f"(results/<run>/dataset.json), and run '{RUN}' would rebuild it with seed 1: those runs would then rerun "
             "whole at their next command.") in " ".join(out.split())
+    for flag in ("--touch", "--delete-all-output"):  # they mark or remove the model: refused too
+        assert smk(wd, flag, "--config", "seed=1", check=False).returncode != 0, flag
+    assert (wd / "resources/tiny-model/config.json").is_file()
     assert smk(wd, "--unlock", "--config", "seed=1").returncode == 0
     assert "Nothing to be done" in smk(wd, "-n").stdout
 

@@ -86,14 +86,16 @@ def jinja_templates(root: Path) -> str | dict[str, str] | None:
 
 
 def _auto_map_modules(root: Path) -> list[str]:
-    """The files of the modules tokenizer_config.json's `auto_map` names ("module.Class", "repo--module.Class")."""
+    """The files of the modules tokenizer_config.json's `auto_map` names here ("module.Class"; not
+    "repo--module.Class", another repository's code)."""
     try:
         auto_map = json.loads((root / "tokenizer_config.json").read_text()).get("auto_map")
     except (OSError, ValueError, AttributeError):
         return []
     refs = [r for v in (auto_map.values() if isinstance(auto_map, dict) else ())
-            for r in (v if isinstance(v, list) else [v]) if isinstance(r, str)]
-    return [f"{r.split('--')[-1].rsplit('.', 1)[0]}.py" for r in refs if "." in r]
+            for r in (v if isinstance(v, list) else [v]) if isinstance(r, str) and "--" not in r]
+    modules = [r.rsplit(".", 1)[0] for r in refs if "." in r]
+    return [m.replace(".", "/") + ".py" for m in modules if all(part.isidentifier() for part in m.split("."))]
 
 
 def tokenizer_code(root: Path) -> list[str]:
@@ -111,8 +113,8 @@ def tokenizer_code(root: Path) -> list[str]:
         seen.add(name)
         try:
             tree = ast.parse((root / name).read_bytes())
-        except (OSError, SyntaxError, ValueError):
-            continue  # unreadable code fails where it loads, not here
+        except (OSError, SyntaxError, ValueError, RecursionError, MemoryError):
+            continue  # unreadable code fails where it loads, not here (this runs as the Snakefile is read)
         base = (root / name).parent
         for node in ast.walk(tree):
             if not (isinstance(node, ast.ImportFrom) and node.level == 1):

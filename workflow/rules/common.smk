@@ -4,7 +4,7 @@ from snakemake.exceptions import WorkflowError
 
 from hsextract.config import chunks, file_params, reruns
 from hsextract.config.checks import check_tiny_model_unshared, tiny_model_corpus
-from hsextract.extract.gpu_pool import plans_jobs
+from hsextract.extract.gpu_pool import changes_outputs
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
 from hsextract.tinymodel.build import TINY_CONFIG
@@ -19,10 +19,11 @@ if workflow.is_main_process and (
     _lost := chunks.incomplete_prepare(f"results/{RUN}", N_CHUNKS, SHARD_SUFFIX)
 ):
     print(_lost, file=sys.stderr)
-# Another run's tiny model is not rebuilt under it, in a command that runs or plans jobs (not --unlock, --lint):
-# refused here, before the DAG. Raised from make_tiny_model's input function, the error was taken by Snakemake as
-# "no job makes the model", and the run went on without the extract jobs that read it.
-if workflow.is_main_process and plans_jobs(sys.argv):
+# Another run's tiny model is not rebuilt (touched, deleted) under it, by a command that runs or plans jobs or
+# marks outputs (not --unlock, --lint, --report): refused here, before the DAG. Raised from make_tiny_model's
+# input function, the error was taken by Snakemake as "no job makes the model", and the run went on without the
+# extract jobs that read it.
+if workflow.is_main_process and changes_outputs(sys.argv):
     check_tiny_model_unshared(SETTINGS)
 MODEL = SETTINGS.extract.model
 TOKENIZER = SETTINGS.extract.tokenizer_dir

@@ -30,7 +30,7 @@ from typing import Any
 
 from hsextract.config.reruns import regenerate_engine
 from hsextract.config.settings import Settings, Source
-from hsextract.provenance import chat_template_text, text_hash, tokenizer_file_names, tokenizer_hash
+from hsextract.provenance import chat_template_text, sha256_file, text_hash, tokenizer_file_names, tokenizer_hash
 
 # the rules that take `params: files=` (workflow/rules/*.smk)
 RULES = ("make_tiny_model", "regenerate_chunk", "prepare", "extract")
@@ -72,7 +72,7 @@ def _local(path: str | None, produced: Sequence[str]) -> Path | None:
 # docs/*.md): rewritten by a fresh `hf download`, they would rerun every extract job (GPU-days on Kimi).
 DOC_SUFFIXES = (".md", ".png", ".jpg", ".jpeg", ".gif", ".svg", ".webp", ".pdf")
 DOC_NAMES = ("LICENSE", "NOTICE")
-# the generation defaults: regenerate's, no forward's
+# the generation defaults (its end-of-turn ids): regenerate's, whatever its engine, and no forward's
 GENERATION_CONFIG = "generation_config.json"
 
 
@@ -156,8 +156,12 @@ def params(settings: Settings, rule: str, produced: Sequence[str]) -> dict[str, 
     if rule == "extract" or (rule == "regenerate_chunk" and regenerate_engine(settings) == "transformers"):
         # the tokenizer's own files in the model's directory: prepare's (regenerate's) content hash holds them
         same = Path(tok).resolve() == Path(s.model).resolve()
-        exclude = {*(tokenizer_files(tok) if same else ()), *([GENERATION_CONFIG] if rule == "extract" else [])}
+        exclude = {*(tokenizer_files(tok) if same else ()), GENERATION_CONFIG}
         out["model"] = model_signature(s.model, produced, exclude=exclude)
+    if rule == "regenerate_chunk":  # its end-of-turn ids, on either engine (regenerate.run: end_of_turn_ids)
+        root = _local(s.model, produced)
+        path = root / GENERATION_CONFIG if root is not None else None
+        out["generation_config"] = sha256_file(path) if path is not None and path.is_file() else None
     return dict(sorted(out.items()))
 
 

@@ -346,8 +346,8 @@ def format_plan(p: Mapping[str, Any]) -> str:
     rows = [
         ("model", f"{p['model']} (hidden size {p['hidden_size']}, {p['hidden_tensors']} stored tensors, "
                   f"{p['dtype'] if p['precision'] == 'bf16' else p['precision']})"),
-        ("layers", f"{describe(p['aux_layers'])}, then the final state ({p['final_state']}"
-                   f"{FINAL_STATE_SAID.get(p['final_state'], '')})"),
+        ("layers", (f"{describe(p['aux_layers'])}, then the final state" if p["aux_layers"] else
+                    "the final state alone") + f" ({p['final_state']}{FINAL_STATE_SAID.get(p['final_state'], '')})"),
         ("records", f"{p['records']:,} (input records)"),
         ("tokens per record", f"{p['tokens_per_record']:,.1f} ({p['tokens_per_record_source']})"),
         ("tokens", f"{p['tokens']:,}"),

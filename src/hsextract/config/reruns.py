@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from hsextract.config.settings import SCHEMA_TO_TREE, Settings
+from hsextract.config.settings import SCHEMA_TO_TREE, Settings, path_spelling
 
 OPERATIONAL: tuple[str, ...] = ()
 
@@ -171,6 +171,11 @@ def regenerate_engine(settings: Settings) -> str:
 # Keys whose value decides their rules' outputs only in some runs: the value the rule's params take instead of the
 # key's (None where the key counts for nothing), so that a change that changes nothing reruns nothing.
 EFFECTIVE: dict[str, Callable[[Settings], Any]] = {
+    # one spelling (`resources/m/` is `resources/m`), and a tokenizer naming the model's own folder is none (the
+    # model's); the jobs load them as written
+    "model": lambda s: path_spelling(s.extract.model),
+    "tokenizer": lambda s: None if s.extract.tokenizer is None or path_spelling(s.extract.tokenizer) ==
+    path_spelling(s.extract.model) else path_spelling(s.extract.tokenizer),
     # the shards hold the resolved ids (aux_layers' param) and no preset name nor convention: eagle3 and its own
     # list written out, in either convention, store the same layers, and rerun nothing
     "capture": lambda s: None,

@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
@@ -352,16 +352,21 @@ def _message(where: str, error: Any) -> str:
     return "; ".join(parts)
 
 
+def path_spelling(path: str) -> str:
+    """`path` in one spelling, naming what it names: `./data/x.jsonl`, `data//x.jsonl/` are `data/x.jsonl` (`..` is
+    kept: after a symbolic link it is not the folder before it)."""
+    return str(PurePosixPath(path))
+
+
 def source_stem(path: str | os.PathLike[str]) -> str:
     """The name a source gets where it has none: its file name up to the first dot."""
     return Path(path).name.split(".")[0]
 
 
 def canonical_source(entry: Mapping[str, Any]) -> dict[str, Any]:
-    """A `sources` entry in one spelling, so that rewriting it another way reruns nothing: its path normalized
-    (`./data/x.jsonl` is `data/x.jsonl`), its weight a float (`1` is `1.0`), a name that is the one it would get
-    anyway (source_stem) none."""
-    path, weight = os.path.normpath(entry["path"]), entry["weight"]
+    """A `sources` entry in one spelling, so that rewriting it another way reruns nothing: its path_spelling, its
+    weight a float (`1` is `1.0`), a name that is the one it would get anyway (source_stem) none."""
+    path, weight = path_spelling(entry["path"]), entry["weight"]
     return {**entry, "path": path,
             "weight": float(weight) if isinstance(weight, int) and not isinstance(weight, bool) else weight,
             "name": None if entry["name"] == source_stem(path) else entry["name"]}
@@ -397,14 +402,8 @@ def from_config(config: Mapping[str, Any]) -> Settings:
         chat_template_kwargs=MappingProxyType(dict(c["chat_template_kwargs"])),
     )
     sg = c["sglang"]
-    # one spelling of each in the params: `resources/m/` is `resources/m`, and a tokenizer naming the model's
-    # directory is none (the model's), so that rewriting them reruns nothing
-    model = os.path.normpath(c["model"])
-    tokenizer = None if c["tokenizer"] is None or os.path.normpath(c["tokenizer"]) == model else c["tokenizer"]
     extract = _section(
         ExtractSettings, {**c, **c["extract"]},
-        model=model,
-        tokenizer=tokenizer if tokenizer is None else os.path.normpath(tokenizer),
         aux_layers=aux,
         config_hash=digest,
         transformers=_section(TransformersSettings, c["transformers"]),
@@ -432,5 +431,5 @@ __all__ = [
     "ExtractSettings", "PrepareSettings", "RegenerateSettings", "SCHEMA_TO_TREE", "SGLangSettings",
     "SHIPPED_REFERENCE_SHA256", "Settings",
     "ShardSettings", "Source", "StatsSettings", "TransformersSettings", "ValidateSettings", "canonical_source",
-    "fill_defaults", "from_config", "is_shipped_reference", "schema", "source_stem",
+    "fill_defaults", "from_config", "is_shipped_reference", "path_spelling", "schema", "source_stem",
 ]

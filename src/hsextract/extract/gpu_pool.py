@@ -75,6 +75,16 @@ def plans_jobs(argv: Sequence[str]) -> bool:
     return not any(word.partition("=")[0] in NO_JOB_FLAGS for word in argv[1:])
 
 
+# Flags of NO_JOB_FLAGS that still mark or delete outputs (a model another run names among them)
+OUTPUT_FLAGS = frozenset({"--touch", "-t", "--delete-all-output", "--delete-temp-output"})
+
+
+def changes_outputs(argv: Sequence[str]) -> bool:
+    """Whether a Snakemake command line runs or plans jobs, or marks or deletes outputs (`--touch`,
+    `--delete-all-output`); not `--unlock`, `--lint`, `--report`, the listings."""
+    return plans_jobs(argv) or any(word.partition("=")[0] in OUTPUT_FLAGS for word in argv[1:])
+
+
 def pool_on_command_line(argv: Sequence[str]) -> bool:
     """Whether the command line gives `--resources` (Snakemake also takes `--res`) with a `gpu` entry."""
     return any(v.split("=", 1)[0] == "gpu" for v in _values(argv, ("--resources", "--res")))

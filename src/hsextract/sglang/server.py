@@ -129,8 +129,8 @@ class ServerHandle:
     # the dump dir as created (lstat st_dev, st_ino): stop removes it only if that very directory is there
     dump_dir_dev: int | None = None
     dump_dir_ino: int | None = None
-    # the server process's start time (psutil create_time): a pid reused by another process is not the server
-    started: float | None = None
+    # the server process's start (_started): a pid reused by another process is not the server
+    started: int | None = None
     # the key the server requires (read from its key file; never written into the state file)
     api_key: str | None = field(default=None, repr=False, compare=False)
     # when gone() last found the port the server's alone (time.monotonic; this process's, not the state file's)
@@ -153,7 +153,7 @@ class ServerHandle:
     def gone(self, thorough: bool = False) -> str | None:
         """Why the key may no longer go to this server's port, else None. Once a server started here stops, anyone
         may bind its port, answer /health and read the key from the next request. Before every keyed request: its
-        process (pid and start time) must live (35 us), and its process group must be the port's only listener
+        process (pid and start time) must live (50 us), and its process group must be the port's only listener
         (8 ms: at most every PORT_CHECK_S, and always when `thorough`, after a failed request). An external server
         (pid None) is its owner's to guard."""
         if self.pid is None:
@@ -404,25 +404,28 @@ def _has_marker(dump_dir: Path) -> bool:
     return any(dump_dir.glob(f"{dumpfiles.PLUGIN_MARKER_PREFIX}*.json"))
 
 
-def _alive(pid: int | None, started: float | None = None) -> bool:
+def _alive(pid: int | None, started: int | None = None) -> bool:
     """pid names a process that is not a zombie (one we may not inspect counts as alive) and, given `started`, was
-    started then (not another process that reuses the pid)."""
+    started then (_started: not another process that reuses the pid)."""
     if not pid:
         return False
     try:
-        p = psutil.Process(pid)
-        return p.status() != psutil.STATUS_ZOMBIE and started in (None, p.create_time())
+        if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return False
     except (psutil.NoSuchProcess, ValueError):  # ValueError: a negative pid
         return False
     except psutil.AccessDenied:
         return True
+    return started is None or (now := _started(pid)) is None or now == started
 
 
-def _started(pid: int) -> float | None:
-    """The start time of process `pid` (psutil's create_time), None where it cannot be read."""
+def _started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (/proc/<pid>/stat's starttime; psutil's create_time
+    adds the boot time, which a step of the wall clock moves), None where it cannot be read."""
     try:
-        return psutil.Process(pid).create_time()
-    except (psutil.Error, ValueError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; the command name may hold spaces and ")"
+    except (OSError, ValueError, IndexError):
         return None
 
 
@@ -527,7 +530,7 @@ def _stop_handle(h: ServerHandle, grace_s: float, started_here: bool = False) ->
     """Kill h's process group. A pid read from a file must prove it is ours (pid reuse); one this process
     started itself need not (its environment may not name the dump dir, e.g. HSEXTRACT_DUMP_DIR overridden)."""
     killed = False
-    if h.pid and _alive(h.pid, h.started) and (started_here or _is_ours(h.pid, h.dump_dir)):
+    if h.pid and _alive(h.pid) and (started_here or _is_ours(h.pid, h.dump_dir)):
         _kill_group(h.pid, grace_s)
         killed = True
     _remove_dump_dir(h)
