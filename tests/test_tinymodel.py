@@ -115,6 +115,26 @@ def test_loads_offline_with_kimi_shape(built: tuple[Path, Path]) -> None:
     assert logits.shape == (1, ids.shape[1], cfg.vocab_size) and torch.isfinite(logits).all()
 
 
+def test_norm_weights_are_not_ones(built: tuple[Path, Path]) -> None:
+    """Every RMSNorm weight drawn in [0.5, 1.5], each tensor its own: with ones, norm(norm(x)) would equal norm(x),
+    so a final norm applied twice, skipped on a weight, or read from another layer's tensor would leave the numbers
+    the tests compare unchanged."""
+    from safetensors.torch import load_file
+
+    norms = {k: v.float() for k, v in load_file(built[0] / "model.safetensors").items() if k.endswith("norm.weight")}
+    assert len(norms) == 4 * 4 + 1  # per layer: input, post-attention, q_a, kv_a; and the final one
+    for name, w in norms.items():
+        assert 0.5 <= w.min() and w.max() <= 1.5 and w.std() > 0.2, name
+    final = norms.pop("model.norm.weight")
+    assert all(w.shape != final.shape or not torch.equal(w, final) for w in norms.values())
+
+    def rms(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * final
+
+    x = torch.randn(3, final.numel(), generator=torch.Generator().manual_seed(0))
+    assert (rms(rms(x)) - rms(x)).abs().max() > 0.1
+
+
 def test_chat_template_renders_kimi_format(built: tuple[Path, Path]) -> None:
     from transformers import AutoTokenizer
 

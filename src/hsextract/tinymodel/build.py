@@ -3,7 +3,8 @@
 The embedded default workflow runs on a laptop CPU, so it needs a target model that has
 Kimi's *structure* (MLA attention with low-rank q and kv, MoE with sigmoid top-k routing
 and one shared expert, dense first layer(s), final RMSNorm, untied lm_head, Kimi's chat
-format) but is tiny. Weights are random from a fixed seed; a BPE tokenizer is trained on
+format) but is tiny. Weights are random from a fixed seed (the RMSNorm weights too, uniform in [0.5, 1.5]: with
+ones, a norm applied twice or read from the wrong tensor would go unseen); a BPE tokenizer is trained on
 the shipped conversations, in one of two packagings (`tokenizer=`):
 
 - `fast`: a `tokenizers` tokenizer.json with the Kimi-style template of hsextract.tinymodel.chat_template;
@@ -167,7 +168,9 @@ def _init_weights(model: torch.nn.Module, seed: int, std: float, router_std: flo
         if name.endswith("e_score_correction_bias"):
             t.zero_()
         elif name.endswith("norm.weight"):  # every RMSNorm (input/post-attn, q_a, kv_a, final)
-            t.fill_(1.0)
+            # away from ones: a norm applied twice, skipped, or read from another tensor changes the numbers
+            g = torch.Generator().manual_seed(_param_seed(seed, name))
+            t.copy_(torch.empty(t.shape, dtype=torch.float32).uniform_(0.5, 1.5, generator=g))
         elif t.is_floating_point() and "rotary_emb" not in name:
             g = torch.Generator().manual_seed(_param_seed(seed, name))
             s = router_std if name.endswith("mlp.gate.weight") else std
