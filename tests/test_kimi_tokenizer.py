@@ -168,6 +168,9 @@ def test_tiny_kimi_without_trust_stops_at_parse_time(tmp_path: Path, monkeypatch
         "tokenizer that is custom code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as "
         "Kimi-K2.5's is), which transformers runs only with trust_remote_code: true. Set `trust_remote_code: true` "
         "in the config, or tiny_model_tokenizer: fast")
+    for spelled in ("resources/tiny-kimi-not-built/", "./resources/tiny-kimi-not-built"):  # the model's own folder
+        with pytest.raises(ConfigError, match=r"^trust_remote_code: make_tiny_model builds "):
+            check({**c, "tokenizer": spelled})
     c["trust_remote_code"] = True
     assert check(c).model.num_layers == 10
 

@@ -345,6 +345,11 @@ def test_a_value_written_another_way_is_the_same_param() -> None:
     assert params(tokenizer="models/t/")["prepare"]["tokenizer"] == "models/t"
     # `..` after a symbolic link is not the folder before it: another spelling of another path, kept
     assert params(model="models/link/../m")["extract"]["model"] == "models/link/../m"
+    # prepare's `tokenizer=` param (common.smk: path_spelling(tokenizer_dir)) alike too
+    from hsextract.config.settings import path_spelling
+
+    assert {path_spelling(settings_of({**CONFIG, "model": m, "tokenizer": t}).extract.tokenizer_dir)
+            for m, t in (("models/m", None), ("./models/m/", None), ("models/m", "models/m/"))} == {"models/m"}
     # the jobs load the model as written: only the params take the one spelling
     assert settings_of({**CONFIG, "model": "./models/m/", "tokenizer": "models/m"}).extract.tokenizer_dir == "models/m"
     assert settings_of({**CONFIG, "model": "./models/m/"}).extract.model == "./models/m/"

@@ -27,6 +27,7 @@ from fake_sglang import expected_states
 from hsextract.config.guard import check_source_path
 from hsextract.config.redaction import REDACTED, SECRET_KEYS, redact_command, redact_text
 from hsextract.config.settings import fill_defaults
+from hsextract.config.stale_lock import process_start
 from hsextract.engines.base import CaptureSpec, Prompt
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang import keyfile
@@ -569,6 +570,26 @@ def test_a_port_taken_after_the_server_died_gets_no_key(tmp_path: Path) -> None:
     assert seen == [("/health", None)]  # the test's own probe: no request of the engine reached the port
 
 
+def test_a_process_start_is_read_whatever_its_name() -> None:
+    """process_start (a started server's identity) reads /proc/<pid>/stat's field 22 behind a command name of any
+    bytes (a process sets its own: ")", spaces, no UTF-8), equal to psutil's start time less the boot time; a pid
+    gone is None, so a handle that recorded a start calls it not alive."""
+    code = ("import ctypes, sys; ctypes.CDLL(None).prctl(15, b'a) b 1 2 \\xff\\xfe', 0, 0, 0); print(flush=True); "
+            "sys.stdin.read()")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        proc.stdout.readline()  # its name is set
+        assert Path(f"/proc/{proc.pid}/comm").read_bytes() == b"a) b 1 2 \xff\xfe\n"
+        started = process_start(proc.pid)
+        since_boot = psutil.Process(proc.pid).create_time() - psutil.boot_time()
+        assert abs(int(started) / os.sysconf("SC_CLK_TCK") - since_boot) < 0.05
+        assert hsrv._alive(proc.pid, started) and not hsrv._alive(proc.pid, started + "0")
+    finally:
+        proc.stdin.close()
+        proc.wait()
+    assert process_start(proc.pid) is None and not hsrv._alive(proc.pid, started)
+
+
 def test_a_port_the_live_server_no_longer_holds_gets_no_key() -> None:
     """The server's process lives, but its port is another's (a server that closed its socket to shut down; a pid
     another process reuses, which its start time tells apart): no keyed request goes there."""
@@ -592,8 +613,7 @@ def test_a_port_the_live_server_no_longer_holds_gets_no_key() -> None:
     t.start()
     try:
         url = f"http://127.0.0.1:{squatter.server_address[1]}"
-        started = hsrv._started(server.pid)
-        assert started == int(Path(f"/proc/{server.pid}/stat").read_text().split(") ")[1].split()[19])
+        started = process_start(server.pid)
         h = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started, api_key=KEY)
         why = f"port {squatter.server_address[1]} is no longer its own alone (process {os.getpid()} ("
         assert h.gone().startswith(why) and h.gone(thorough=True).startswith(why)
@@ -602,7 +622,7 @@ def test_a_port_the_live_server_no_longer_holds_gets_no_key() -> None:
             api.generate({"rid": "x"})
         assert str(e.value).startswith(f"POST /generate not sent: the server at {url} is gone ({why}")
         # another process under the server's pid: not the server, whatever it listens on
-        reused = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=started - 1)
+        reused = hsrv.ServerHandle(url=url, dump_dir=Path("/nonexistent"), pid=server.pid, started=f"{started}0")
         assert reused.gone() == f"its process {server.pid} has exited"
         assert hsrv.ServerHandle.from_json(h.to_json()) == h  # the start time is kept with the handle
     finally:

@@ -4,6 +4,7 @@ from snakemake.exceptions import WorkflowError
 
 from hsextract.config import chunks, file_params, reruns
 from hsextract.config.checks import check_tiny_model_unshared, tiny_model_corpus
+from hsextract.config.settings import path_spelling
 from hsextract.extract.gpu_pool import changes_outputs
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
@@ -26,7 +27,8 @@ if workflow.is_main_process and (
 if workflow.is_main_process and changes_outputs(sys.argv):
     check_tiny_model_unshared(SETTINGS)
 MODEL = SETTINGS.extract.model
-TOKENIZER = SETTINGS.extract.tokenizer_dir
+# prepare's param: one spelling (`models/t/` is `models/t`), as its settings params
+TOKENIZER = path_spelling(SETTINGS.extract.tokenizer_dir)
 # `params: settings=RERUN[name]` of the rules that config keys decide, the effective values of those keys
 # (hsextract.config.reruns.KEYS classifies every key); a changed value reruns the rules it decides (the params
 # trigger); operational keys (threads, memory, devices, token budget, servers) are in none and rerun nothing.

@@ -252,7 +252,7 @@ def check_tokenizer(s: Settings) -> None:
     chat_template_file(s.prepare.chat_template)
 
     source = s.extract.tokenizer_dir
-    built_here = s.make_tiny_model and not s.extract.tokenizer
+    built_here = s.make_tiny_model and not s.extract.own_tokenizer
     if built_here and s.tiny_model_tokenizer == "kimi" and not s.extract.trust_remote_code:
         raise ConfigError(
             f"{KEY}: make_tiny_model builds {source} with tiny_model_tokenizer: kimi, a tokenizer that is custom "
@@ -284,7 +284,7 @@ def check_template_kwargs(s: Settings) -> None:
     kwargs = s.prepare.chat_template_kwargs
     if not kwargs:
         return
-    if not s.prepare.chat_template and s.make_tiny_model and not s.extract.tokenizer:
+    if not s.prepare.chat_template and s.make_tiny_model and not s.extract.own_tokenizer:
         from hsextract.tinymodel.chat_template import KIMI_STYLE_TEMPLATE
         from hsextract.tinymodel.kimi_tokenizer import chat_template
 

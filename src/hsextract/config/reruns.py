@@ -174,8 +174,7 @@ EFFECTIVE: dict[str, Callable[[Settings], Any]] = {
     # one spelling (`resources/m/` is `resources/m`), and a tokenizer naming the model's own folder is none (the
     # model's); the jobs load them as written
     "model": lambda s: path_spelling(s.extract.model),
-    "tokenizer": lambda s: None if s.extract.tokenizer is None or path_spelling(s.extract.tokenizer) ==
-    path_spelling(s.extract.model) else path_spelling(s.extract.tokenizer),
+    "tokenizer": lambda s: path_spelling(s.extract.tokenizer) if s.extract.own_tokenizer else None,
     # the shards hold the resolved ids (aux_layers' param) and no preset name nor convention: eagle3 and its own
     # list written out, in either convention, store the same layers, and rerun nothing
     "capture": lambda s: None,

@@ -159,6 +159,11 @@ class ExtractSettings:
         """The tokenizer's directory or hub id: `tokenizer`, else the model's."""
         return self.tokenizer or self.model
 
+    @property
+    def own_tokenizer(self) -> bool:
+        """Whether `tokenizer` names one other than the model's (a path spelled another way names the model's)."""
+        return self.tokenizer is not None and path_spelling(self.tokenizer) != path_spelling(self.model)
+
 
 # sha256 of the reference sample this project ships (resources/reference/speculators-v1-data_0.pt): synthetic and
 # Kimi-shaped (hidden 7168), so it gives the layout alone, whatever the model; any other file is the user's own.

@@ -39,22 +39,22 @@ def _boot_id() -> str:
         return ""
 
 
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks after boot (/proc/PID/stat, field 22); None if there is no such
-    process, "" where /proc is not there."""
+def process_start(pid: int) -> str | None:
+    """The process's start time in clock ticks after boot (/proc/PID/stat, field 22: a step of the wall clock does
+    not move it); None if there is no such process, "" where /proc is not there."""
     if not Path("/proc/self/stat").exists():
         return ""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = Path(f"/proc/{pid}/stat").read_bytes()  # the command name is any bytes, ")" and spaces among them
     except OSError:
         return None
-    return stat.rsplit(")", 1)[1].split()[19]  # fields after the command name start at field 3
+    return stat.rsplit(b")", 1)[1].split()[19].decode()  # fields after the command name start at field 3
 
 
 def record_owner(workdir: Path, pid: int | None = None) -> None:
     """Who may hold the lock: a run that has parsed the Snakefile (before Snakemake takes the lock)."""
     pid = os.getpid() if pid is None else pid
-    write_json_atomic(workdir / OWNERS / f"{pid}.json", {"pid": pid, "start": _start_time(pid),
+    write_json_atomic(workdir / OWNERS / f"{pid}.json", {"pid": pid, "start": process_start(pid),
                                                         "host": socket.gethostname(), "boot": _boot_id()},
                       durable=False)
 
@@ -80,7 +80,7 @@ def _gone(rec: dict[str, Any]) -> bool:
     boot = _boot_id()
     if boot and rec.get("boot") and rec["boot"] != boot:
         return True
-    start = _start_time(pid)
+    start = process_start(pid)
     if start is None:
         return True
     if start:

@@ -54,6 +54,7 @@ import psutil
 from hsextract.atomic import write_bytes_atomic
 from hsextract.config.guard import is_loopback
 from hsextract.config.redaction import flag_meant, redact_command, redact_text
+from hsextract.config.stale_lock import process_start
 from hsextract.errors import ConfigError, EngineError
 from hsextract.sglang import keyfile
 from hsextract.sglang.api import health, split_url
@@ -129,8 +130,9 @@ class ServerHandle:
     # the dump dir as created (lstat st_dev, st_ino): stop removes it only if that very directory is there
     dump_dir_dev: int | None = None
     dump_dir_ino: int | None = None
-    # the server process's start (_started): a pid reused by another process is not the server
-    started: int | None = None
+    # the server process's start (stale_lock.process_start; "" without /proc): a pid another process reuses is not
+    # the server
+    started: str | None = None
     # the key the server requires (read from its key file; never written into the state file)
     api_key: str | None = field(default=None, repr=False, compare=False)
     # when gone() last found the port the server's alone (time.monotonic; this process's, not the state file's)
@@ -153,9 +155,9 @@ class ServerHandle:
     def gone(self, thorough: bool = False) -> str | None:
         """Why the key may no longer go to this server's port, else None. Once a server started here stops, anyone
         may bind its port, answer /health and read the key from the next request. Before every keyed request: its
-        process (pid and start time) must live (50 us), and its process group must be the port's only listener
-        (8 ms: at most every PORT_CHECK_S, and always when `thorough`, after a failed request). An external server
-        (pid None) is its owner's to guard."""
+        process (pid and, on Linux, start time) must live (50 us), and its process group must be the port's only
+        listener (8 ms: at most every PORT_CHECK_S, and always when `thorough`, after a failed request). An external
+        server (pid None) is its owner's to guard."""
         if self.pid is None:
             return None
         if not _alive(self.pid, self.started):
@@ -404,9 +406,9 @@ def _has_marker(dump_dir: Path) -> bool:
     return any(dump_dir.glob(f"{dumpfiles.PLUGIN_MARKER_PREFIX}*.json"))
 
 
-def _alive(pid: int | None, started: int | None = None) -> bool:
-    """pid names a process that is not a zombie (one we may not inspect counts as alive) and, given `started`, was
-    started then (_started: not another process that reuses the pid)."""
+def _alive(pid: int | None, started: str | None = None) -> bool:
+    """pid names a process that is not a zombie (one we may not inspect counts as alive) and, given `started` (its
+    process_start), was started then: not another process that reuses the pid."""
     if not pid:
         return False
     try:
@@ -416,17 +418,7 @@ def _alive(pid: int | None, started: int | None = None) -> bool:
         return False
     except psutil.AccessDenied:
         return True
-    return started is None or (now := _started(pid)) is None or now == started
-
-
-def _started(pid: int) -> int | None:
-    """When process `pid` started, in clock ticks after boot (/proc/<pid>/stat's starttime; psutil's create_time
-    adds the boot time, which a step of the wall clock moves), None where it cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat[stat.rindex(")") + 2:].split()[19])  # field 22; the command name may hold spaces and ")"
-    except (OSError, ValueError, IndexError):
-        return None
+    return not started or process_start(pid) == started  # None: gone since the status was read
 
 
 def _is_ours(pid: int, dump_dir: Path) -> bool:
@@ -615,7 +607,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
         st = os.lstat(dump_dir)
         h = ServerHandle(url=f"http://{cfg.host}:{port}", dump_dir=dump_dir, pid=proc.pid, replica=replica,
                          config_hash=h_cfg, command=redact(cmd), log=str(log_path), dump_dir_dev=st.st_dev,
-                         dump_dir_ino=st.st_ino, started=_started(proc.pid), api_key=key)
+                         dump_dir_ino=st.st_ino, started=process_start(proc.pid), api_key=key)
         write_bytes_atomic(ep, h.to_json().encode())  # written before waiting: a stop during start-up finds the pid
 
         def failed(why: str, grace_s: float, tail: bool = True) -> EngineError:
