@@ -267,8 +267,8 @@ def test_a_layer_output_id_beyond_depth_is_named_as_written(cfg: dict) -> None:
 def test_a_tiny_model_another_run_names_is_not_rebuilt_under_it(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """An outside audit: a second run (another run_name) with another seed rebuilt resources/tiny-model, and the first
-    run, whose dataset.json names it, reran whole at its next command. Refused (as the DAG is built, by
-    make_tiny_model's input function), naming that run; the same settings, or no other run, or the run's own results,
+    run, whose dataset.json names it, reran whole at its next command. Refused (as the Snakefile is read:
+    workflow/rules/common.smk), naming that run; the same settings, or no other run, or the run's own results,
     pass."""
     from hsextract.config.checks import check_tiny_model_unshared
     from hsextract.config.settings import from_config

@@ -92,8 +92,8 @@ def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> N
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
     corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
     its dataset.json would name a model that made none of its shards. Run as the Snakefile is read, by a command
-    that runs or plans jobs (workflow/rules/common.smk; in the job it is too late: Snakemake removes the folder
-    first)."""
+    that runs or plans jobs or marks or deletes outputs (workflow/rules/common.smk; in the job it is too late:
+    Snakemake removes the folder first)."""
     if not s.make_tiny_model:
         return
     model = Path(s.extract.model)

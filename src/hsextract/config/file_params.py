@@ -12,12 +12,15 @@ recorded with the outputs):
                                each source's files (relative name, size, mtime_ns: a source can be many GB)
     extract                    the model's files (relative name, size, mtime_ns); regenerate_chunk too when it loads
                                the model (its transformers engine)
+    regenerate_chunk           also the model's generation_config.json (by content: its end-of-turn ids), on either
+                               engine
     make_tiny_model            the source its tokenizer is trained on (name, size, mtime_ns)
 
 Left out, so that a path the workflow itself writes reruns through its rules, never because it appeared between two
 invocations: paths under `produced` (the run's results, and the tiny model when make_tiny_model builds it), a name
 that is no local file or directory (a hub id: nothing to stat), and in the model's directory the tokenizer files
-whose content prepare's signature already holds (a `touch` of one does not re-extract).
+whose content prepare's signature already holds (a `touch` of one does not re-extract), generation_config.json
+(regenerate's own param) and the files for people (DOC_SUFFIXES, DOC_NAMES: README.md, images, LICENSE).
 """
 
 from __future__ import annotations
