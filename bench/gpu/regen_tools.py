@@ -72,7 +72,13 @@ def same(a: Path, b: Path) -> int:
     if la == lb:
         print(f"identical: {len(la)} lines")
         return 0
-    print(f"differ: {len(la)} vs {len(lb)} lines; lines {diff[:20]} differ")
+    # where each differing record parts: its first assistant turn whose text differs (0: one whose context is the
+    # input's alone, so the engine's numerics, not an earlier sampled turn, made the difference)
+    first = {}
+    for i in diff[:20]:
+        ta, tb = _assistant_texts(json.loads(la[i])), _assistant_texts(json.loads(lb[i]))
+        first[i] = next((k for k, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), None)
+    print(f"differ: {len(la)} vs {len(lb)} lines; lines {diff[:20]} differ; first differing assistant turn {first}")
     return 1
 
 

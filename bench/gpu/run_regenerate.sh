@@ -12,6 +12,9 @@
 #   g3a/b   S2, temperature 0.8, seed 0, batch_size 16 then 1: byte-identical conversations.jsonl (the seed, not
 #           how requests were batched, decides what is sampled)
 #   g3c     S2, seed 1: must differ from g3a
+#   g3d     (G3_MORE=1) S2, g3a's config again: run to run at the same batch_size
+#   g3e/f   (G3_MORE=1) S3 (--enable-deterministic-inference --disable-radix-cache), seed 0, batch_size 16 then 1
+#           g3's files are kept under $OUT/g3-files/
 #   g1-ref  (last) g1's regeneration with regenerate.engine: transformers (on the GPU): each record's first assistant
 #           turn (whose context is the input's alone) compared with g1's (regen_tools.py compare), as information:
 #           two engines' bf16 numerics may part on a near-tie of a random model's logits
@@ -87,6 +90,9 @@ want() { [[ "$WANT" == *" $1 "* ]]; }
 PORTS="30100"
 start_server s1 30100 ""
 if want g3; then start_server s2 30200 "--enable-deterministic-inference"; PORTS="$PORTS 30200"; fi
+if want g3 && [ -n "${G3_MORE:-}" ]; then
+  start_server s3 30300 "--enable-deterministic-inference --disable-radix-cache"; PORTS="$PORTS 30300"
+fi
 up() { "$PY" -c "import sys; from hsextract.sglang.api import health; sys.exit(health(sys.argv[1]) is not None)" "$1"; }
 for port in $PORTS; do
   until up "http://127.0.0.1:$port"; do
@@ -167,6 +173,18 @@ V="rc $A_RC/$B_RC/$C_RC; seed 0 batch 16 vs 1: $SAME_AB; seed 0 vs 1: $SAME_AC"
 case "$SAME_AB|$SAME_AC|$A_RC$B_RC$C_RC" in identical*"|differ"*"|000") V="PASS: $V" ;; *) V="FAIL: $V" ;; esac
 stats g3a >"$OUT/g3a-stats.json"
 record g3 "$A_RC" "$A_S" "$V" "$OUT/g3a-stats.json"
+if [ -n "${G3_MORE:-}" ]; then
+  S3=http://127.0.0.1:30300
+  config g3d sglang "$S2" 0.8 0 16; run g3d 60 "$(regen g3d)"; D_RC=$RC D_S=$SECS
+  SAME_AD=$("$PY" "$HERE/regen_tools.py" same "$(regen g3a)" "$(regen g3d)" 2>&1 || true)
+  record g3d "$D_RC" "$D_S" "seed 0 batch 16, run again: $SAME_AD"
+  config g3e sglang "$S3" 0.8 0 16; run g3e 60 "$(regen g3e)"; E_RC=$RC E_S=$SECS
+  config g3f sglang "$S3" 0.8 0 1; run g3f 90 "$(regen g3f)"; F_RC=$RC
+  SAME_EF=$("$PY" "$HERE/regen_tools.py" same "$(regen g3e)" "$(regen g3f)" 2>&1 || true)
+  record g3ef "$E_RC" "$E_S" "radix cache off, rc $E_RC/$F_RC; seed 0 batch 16 vs 1: $SAME_EF"
+fi
+mkdir -p "$OUT/g3-files"
+for r in g3a g3b g3c g3d g3e g3f; do [ ! -f "$(regen $r)" ] || cp "$(regen $r)" "$OUT/g3-files/$r.jsonl"; done
 fi
 
 if want g1-ref; then
