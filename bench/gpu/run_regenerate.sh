@@ -19,7 +19,7 @@
 #           turn (whose context is the input's alone) compared with g1's (regen_tools.py compare), as information:
 #           two engines' bf16 numerics may part on a near-tie of a random model's logits
 # Steps run in that order, each under a limit cut to what is left of BUDGET_S (default 540); STEPS="g1 g1-ref"
-# (say) runs those alone (S2 only for g3).
+# (say) runs those alone (S1 only for g1 and g2, S2 only for g3).
 #   bash bench/gpu/run_regenerate.sh   (with .whl/one, .whl/extra, .whl/smk beside the checkout)
 # Results: regenerate.md (a row a step), steps.jsonl, logs/, server logs (packed into all.tgz on exit).
 # CPU rehearsal (regen_tools.py serve stands in for both servers, this project's transformers generator behind
@@ -87,8 +87,8 @@ finish() {
 trap finish EXIT
 WANT=" ${STEPS:-g1 g2 g3 g1-ref} "
 want() { [[ "$WANT" == *" $1 "* ]]; }
-PORTS="30100"
-start_server s1 30100 ""
+PORTS=""
+if want g1 || want g2; then start_server s1 30100 ""; PORTS="30100"; fi
 if want g3; then start_server s2 30200 "--enable-deterministic-inference"; PORTS="$PORTS 30200"; fi
 if want g3 && [ -n "${G3_MORE:-}" ]; then
   start_server s3 30300 "--enable-deterministic-inference --disable-radix-cache"; PORTS="$PORTS 30300"
