@@ -124,7 +124,10 @@ def serve(model: str, port: int, deterministic: bool) -> None:
         def log_message(self, *a: object) -> None:
             pass
 
-    ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+    class Server(ThreadingHTTPServer):
+        request_queue_size = 128  # the default 5 reset connections when two chunks' 32 requests came at once
+
+    Server(("127.0.0.1", port), H).serve_forever()
 
 
 def summary(steps: Path, out: Path) -> None:
