@@ -297,6 +297,44 @@ def test_config_check_refuses_an_override_before_any_job(tmp_path: Path, monkeyp
     check(cfg)
 
 
+@pytest.mark.parametrize("flag", sorted(hsrv.CAPTURE_FLAGS))
+def test_flags_under_which_the_capture_misses_rows_are_refused(flag: str) -> None:
+    """SGLang 0.5.16 runs rows outside the capture under two-batch overlap (DeepSeek's layers after the dense ones
+    outside the capturing loop), PD multiplexing (forward_batch_split_prefill, not hooked) and context
+    parallelism (a request's rows over the ranks)."""
+    assert set(hsrv.CAPTURE_FLAGS) == {"--enable-two-batch-overlap", "--enable-pdmux", "--enable-prefill-cp",
+                                       "--attn-cp-size"}
+    for args in (["--mem-fraction-static", "0.8", flag], ["--mem-fraction-static", "0.8", f"{flag}=2"]):
+        with pytest.raises(ConfigError) as e:
+            hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", launch_args=tuple(args))
+        assert str(e.value) == f"sglang.launch_args[2]: {flag} may not be given; {hsrv.CAPTURE_FLAGS[flag]}"
+    with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --enable-two-batch \(an abbreviation of "
+                                          r"--enable-two-batch-overlap\) may not be given; two-batch overlap runs "):
+        hsrv.check_launch_args(["--enable-two-batch"])
+
+
+def test_prefill_graphs_with_a_pre_norm_state_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pre-norm state comes from a hook on the final norm, inside the graphed decoder, which SGLang 0.5.16's
+    breakable prefill graphs replay without running it."""
+    from hsextract.config.checks import check
+
+    want = ("sglang.prefill_cuda_graph: true with final_state {}: SGLang replays its prefill CUDA graphs without the "
+            "final norm's hook that takes the pre-norm state (never run here); set sglang.prefill_cuda_graph: false "
+            "(the default) or final_state: post_norm")
+    for final_state in ("pre_norm", "both"):
+        with pytest.raises(ConfigError) as e:
+            hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state=final_state, prefill_cuda_graph=True)
+        assert str(e.value) == want.format(final_state)
+    assert hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", prefill_cuda_graph=True)
+    cfg = door_config(tmp_path, monkeypatch)
+    cfg.update(engine="sglang", sglang={"prefill_cuda_graph": True})
+    with pytest.raises(ConfigError) as e:  # before any job
+        check(cfg)
+    assert str(e.value) == want.format("pre_norm")
+    cfg["sglang"] = {"prefill_cuda_graph": False}
+    check(cfg)
+
+
 def test_the_replicas_gpus_add_up_before_any_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hsextract.config.checks import check
 

@@ -136,13 +136,14 @@ def tiny_model_corpus(s: Settings) -> str | None:
 
 def check_server(s: Settings) -> None:
     """The server's arguments, GPUs and ports (the launcher checks them again when it starts one)."""
-    from hsextract.sglang.server import check_gpus, check_launch_args, check_ports
+    from hsextract.sglang.server import check_gpus, check_launch_args, check_ports, check_prefill_graph
 
     # with any engine: a key given there would otherwise stay in the config that dataset.json records
     check_launch_args(s.extract.sglang.launch_args)
     if s.extract.engine == "sglang":
         check_gpus(s.extract.sglang.tp, s.extract.sglang.replicas, s.extract.sglang.gpus)
         check_ports(s.extract.sglang.port, s.extract.sglang.replicas)
+        check_prefill_graph(s.extract.sglang.prefill_cuda_graph, s.extract.final_state)
 
 
 def check_engine(s: Settings) -> None:

@@ -110,6 +110,7 @@ class ServerConfig:
             what = "final_state both" if self.final_state == "both" else "capture: mtp (no aux layers)"
             raise ConfigError(f"{what} needs sglang.capture: plugin; SGLang's builtin capture "
                               "(--enable-return-aux-hidden-states) needs aux layers and stores one final state")
+        check_prefill_graph(self.prefill_cuda_graph, self.final_state)
         if self.writer_threads < 1:
             raise ConfigError(f"sglang.writer_threads: {self.writer_threads}; must be >= 1")
         check_gpus(self.tp, self.replicas, self.gpus)
@@ -276,6 +277,17 @@ PARALLEL_FLAGS: dict[str, str] = {
     "--nccl-init-addr": _NODES,
 }
 _DP = ("--dp-size", "--data-parallel-size")
+# Flags under which SGLang 0.5.16 runs rows where the capture does not see them (never run here with it)
+CAPTURE_FLAGS: dict[str, str] = {
+    "--enable-two-batch-overlap": "two-batch overlap runs DeepSeek's layers after the dense ones outside the loop "
+                                  "that captures the aux layers (deepseek_v2.py, can_run_tbo); remove it",
+    "--enable-pdmux": "PD multiplexing prefills through forward_batch_split_prefill, which the capture does not "
+                      "hook; remove it",
+    "--enable-prefill-cp": "prefill context parallelism splits a request's rows over the ranks and gathers them "
+                           "after the final norm; the capture was never run under it: remove it",
+    "--attn-cp-size": "attention context parallelism splits a request's rows over the ranks; the capture was never "
+                      "run under it: remove it",
+}
 # environment variables that open the same doors (SGLang reads SGLANG_GRPC_PORT as --grpc-port)
 LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
 
@@ -289,6 +301,16 @@ def check_gpus(tp: int, replicas: int, gpus: Sequence[int] | None) -> None:
                           f"{tp * replicas}: list exactly those")
 
 
+def check_prefill_graph(prefill_cuda_graph: bool, final_state: str) -> None:
+    """ConfigError for prefill CUDA graphs with a pre-norm final state (also at parse time). The plugin takes that
+    state with a hook on the final norm, inside the graphed decoder; SGLang 0.5.16's breakable prefill graphs
+    replay the decoder without running it, so every graphed batch would fail."""
+    if prefill_cuda_graph and final_state != "post_norm":
+        raise ConfigError(f"sglang.prefill_cuda_graph: true with final_state {final_state}: SGLang replays its "
+                          "prefill CUDA graphs without the final norm's hook that takes the pre-norm state (never "
+                          "run here); set sglang.prefill_cuda_graph: false (the default) or final_state: post_norm")
+
+
 def check_ports(port: int, replicas: int) -> None:
     """ConfigError when the replicas' ports (port + r) run past the last one (also at parse time)."""
     if port + replicas - 1 > 65535:
@@ -298,11 +320,11 @@ def check_ports(port: int, replicas: int) -> None:
 
 
 def check_launch_args(launch_args: Sequence[str]) -> None:
-    """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS or
-    CLOSED_FLAGS flag."""
+    """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS,
+    CLOSED_FLAGS, CAPTURE_FLAGS or PARALLEL_FLAGS flag."""
     dp_attention = any(flag_meant(a, ["--enable-dp-attention"]) for a in launch_args)
-    flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS, **{f: m for f, m in PARALLEL_FLAGS.items()
-                                                  if not (dp_attention and f in _DP)}}
+    flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS, **CAPTURE_FLAGS, **{f: m for f, m in PARALLEL_FLAGS.items()
+                                                                   if not (dp_attention and f in _DP)}}
     for i, arg in enumerate(launch_args):  # the value is never shown (it may be a key)
         name = arg.split("=", 1)[0]
         if arg.startswith("-") and len(words := name.split()) > 1:  # "--tp 4": one argument to SGLang's parser

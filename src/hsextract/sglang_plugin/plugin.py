@@ -46,8 +46,12 @@ once as the fused kernel rounds the residual it writes; hidden states alone when
 (DeepSeek after a gather). The hook keeps that tensor for the logits processor of the SAME forward, which
 stores it instead of the post-norm state: plugin mode appends it in _get_hidden_states_to_store (or stores
 it alone, capture: mtp), builtin mode returns it from _get_last_hidden_states_to_store. Both calls run
-inside the model's forward, so under CUDA graphs the add and the copy are recorded in the graph and replayed
-with it (a Python-side stash read after the forward would hold a capture-time tensor).
+inside the model's forward, so a graph that takes in the logits processor records the add and the copy and
+replays them (a Python-side stash read after the forward would hold a capture-time tensor). SGLang 0.5.16's
+prefill graphs do not (read in prefill_cuda_graph_runner.py): they capture the decoder body alone, replay it
+in place of its forward (its pre-hook, which clears the tap, still runs; the norm's does not) and run the
+logits processor eagerly after it, so the tap is empty and every request of the batch would get an `.err`
+marker; the launcher refuses prefill graphs with a pre-norm state (server.check_prefill_graph).
 
 Hooks: AROUND TpModelWorker.forward_batch_generation (outside the CUDA graphs), AFTER
 ModelRunner.load_model (set up capture), AFTER ModelRunner.init_attention_backends (verify, allocate the
