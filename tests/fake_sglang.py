@@ -247,7 +247,8 @@ class FakeServer:
                  hidden: int = HIDDEN, staging_bytes: int = 4 << 20, write_delay_s: float = 0.0,
                  gather: int = 0, gather_after: int = 0, final_state: str = "post_norm", api_key: str | None = None,
                  model: torch.nn.Module | None = None, radix: bool = False, shared_prefix: bool | None = None,
-                 abort_after_first_pass: tuple[str, ...] = (), misplace_rows: bool = False) -> None:
+                 abort_after_first_pass: tuple[str, ...] = (), misplace_rows: bool = False,
+                 abort_first: int = 0) -> None:
         cfg = plg.PluginConfig(dump_dir=Path(dump_dir), aux_layers=tuple(aux_layers), final_state=final_state,
                                staging_bytes=staging_bytes,
                                shared_prefix=radix if shared_prefix is None else shared_prefix)
@@ -258,6 +259,7 @@ class FakeServer:
         self.k1 = len(aux_layers) + (2 if final_state == "both" else 1)  # tensors per row
         self.chunk, self.builtin = chunk, builtin
         self.fail_first, self.hang_first, self.skip_first = fail_first, hang_first, skip_dump_first
+        self.abort_first = abort_first  # after fail_first: answered 200 with finish_reason abort, nothing dumped
         self.die_after, self.wrong, self.exit_on_die = die_after, wrong_prompt_tokens, exit_on_die
         self.pass_delay_s = pass_delay_s
         # the first pass waits for `gather` requests (5 s at most) and takes them in rid order: a test whose
@@ -459,14 +461,18 @@ class FakeServer:
                     return
                 if k <= srv.fail_first:
                     return self._send(500, {"error": "injected failure"})
-                if k <= srv.fail_first + srv.hang_first:
+                if k <= srv.fail_first + srv.abort_first:  # SGLang's /abort_request: 200, nothing computed
+                    return self._send(200, {"output_ids": [], "meta_info": {
+                        "id": req.get("rid"), "finish_reason": {"type": "abort", "message": "Abort before prefill",
+                                                                "status_code": None, "err_type": None}}})
+                if k <= srv.fail_first + srv.abort_first + srv.hang_first:
                     srv._stop.wait(3600)
                     return
                 ids = req["input_ids"]
                 r = _Req(req.get("rid") or f"plain-{k}", ids, extra_key=req.get("extra_key"))  # no rid: random hex
                 with srv._lock:
                     srv.extra_keys.append(r.extra_key)
-                r.skip = k <= srv.fail_first + srv.hang_first + srv.skip_first
+                r.skip = k <= srv.fail_first + srv.abort_first + srv.hang_first + srv.skip_first
                 with srv._cv:
                     srv._queue.append(r)
                     srv._cv.notify_all()

@@ -320,7 +320,7 @@ def test_misattribution_without_retries_fails_the_chunk_without_a_shard(tmp_path
             extract_chunk(cp, tmp_path / "chunk-00000.hss",
                           sglang_engine(srv, concurrency=4, retries=0, timeout_s=10.0), fake_meta(), progress=False)
         assert re.fullmatch(
-            r"sample 's00[01]' \(index [01]\): failed 1 times "
+            r"sample 's00[01]' \(index [01]\): failed once "
             r"although the server at http://127\.0\.0\.1:\d+ is healthy; "
             r"last error: request hsx-\S+: (the server dumped \d+ tokens, the prompt has \d+; a rid was reused or the "
             r"server tokenized differently|the token ids the server saw differ from the prompt's "

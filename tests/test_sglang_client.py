@@ -104,6 +104,21 @@ def test_http_errors_are_retried_then_succeed(server: FakeServer) -> None:
     assert server.n_requests == 8 + 3
 
 
+@pytest.mark.parametrize("server", [{"abort_first": 2}], indirect=True)
+def test_a_request_aborted_with_200_is_retried_at_once(server: FakeServer) -> None:
+    """SGLang answers 200 with finish_reason abort for a request aborted without a status (/abort_request): no dump
+    will come, so the attempt fails at once instead of waiting timeout_s for one."""
+    ps = prompts(5, seed=3)
+    check(list(engine(server, concurrency=1, timeout_s=600.0, retries=2).extract(ps)), ps)
+    assert server.n_requests == 5 + 2
+    server.abort_first, server.n_requests = 100, 0
+    with pytest.raises(EngineError) as e:
+        list(engine(server, concurrency=1, timeout_s=600.0, retries=0).extract(ps[:1]))
+    assert str(e.value) == (
+        f"sample 's000' (index 0): failed once although the server at {server.url} is healthy; last error: the "
+        f"server aborted request {server.rids[-1]}: Abort before prefill. The chunk fails, no shard is written.")
+
+
 @pytest.mark.parametrize("server", [{"skip_dump_first": 2}], indirect=True)
 def test_missing_dump_is_retried_after_the_collect_timeout(server: FakeServer) -> None:
     ps = prompts(5, seed=3)

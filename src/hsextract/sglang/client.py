@@ -199,7 +199,12 @@ class SGLangEngine(Engine):
             out = self.api.generate(payload)
         except RequestRefused as e:
             raise _Fatal(str(e)) from e
-        got = (out.get("meta_info") or {}).get("prompt_tokens")
+        meta = out.get("meta_info") or {}
+        finish = meta.get("finish_reason")
+        if isinstance(finish, dict) and finish.get("type") == "abort":
+            # SGLang answers 200 for a request aborted without a status (/abort_request): nothing will be dumped
+            raise TransientError(f"the server aborted request {rid}: {finish.get('message') or 'no reason given'}")
+        got = meta.get("prompt_tokens")
         if got is not None and got != len(ids):
             raise _Fatal(f"the server counted {got} prompt tokens, the prompt has {len(ids)}")
         return out
@@ -281,9 +286,10 @@ class SGLangEngine(Engine):
                             ) from e
                         raise
         except RETRYABLE as last:
+            times = "once" if self.retries == 0 else f"{self.retries + 1} times"
             raise EngineError(
-                f"{where}: failed {self.retries + 1} times although the server at {self.url} is healthy; last "
-                f"error: {last}. The chunk fails, no shard is written."
+                f"{where}: failed {times} although the server at {self.url} is healthy; last error: {last}. The "
+                "chunk fails, no shard is written."
             ) from last
         raise AssertionError("unreachable: retrying() returns or raises")
 
