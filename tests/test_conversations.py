@@ -16,6 +16,7 @@ from hsextract.errors import ConfigError, HsxError
 from hsextract.prepare.conversations import (
     MalformedRecordError,
     as_openai,
+    conversation_hash,
     count_records,
     iter_conversations,
     mixture,
@@ -601,3 +602,40 @@ def test_hf_disk_errors_are_the_same_with_and_without_datasets(hf_dirs, monkeypa
                 read([source])
             key = "split" if "split" in message else "path"
             assert str(e.value) == f"sources[0].{key}: {message}"
+
+
+def test_message_weight_zero_marks_an_assistant_turn_untrained():
+    """OpenAI's fine-tuning format: `weight` 0 or 1 per message; an assistant message of weight 0 is context
+    (Conversation.untrained, by message index after a `system` inserted in front); other roles are never trained."""
+    msgs = [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "bad", "weight": 0},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "good", "weight": 1.0},
+            {"role": "assistant", "content": "more", "weight": False}]
+    conv = normalize_record({"messages": msgs})
+    assert conv.untrained == frozenset({1, 4}) and all("weight" not in m for m in conv.messages)
+    assert normalize_record({"messages": msgs, "system": "be brief"}).untrained == frozenset({2, 5})
+    assert normalize_record({"messages": msgs[2:4]}).untrained == frozenset()
+    # the same messages without weights are another record for dedup; records without weights hash as before
+    assert conversation_hash(conv) != conversation_hash(normalize_record({"messages": [
+        {k: v for k, v in m.items() if k != "weight"} for m in msgs]}))
+    for bad in (0.5, "0", 2, [0]):
+        with pytest.raises(Exception) as e:
+            normalize_record({"messages": [msgs[0], {**msgs[1], "weight": bad}]})
+        assert (e.value.reason, e.value.detail) == (
+            "wrong_type", f"messages[1].weight must be 0 or 1 (whether the message is trained, as in OpenAI's "
+                          f"fine-tuning format), got {bad!r}")
+
+
+def test_a_json_list_under_a_jsonl_name_is_refused_saying_to_rename_it(tmp_path):
+    """Read as lines, a pretty-printed list would be one malformed record a line; a one-line list one record."""
+    for name, text in (("pretty.jsonl", json.dumps([OPENAI, OPENAI], indent=1)), ("one.jsonl", json.dumps([OPENAI])),
+                       ("bom.txt", "\ufeff  " + json.dumps([OPENAI]))):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ConfigError) as e:
+            _read_all([{"path": tmp_path / name}])
+        suffix = name[name.index("."):]
+        assert str(e.value) == (
+            f"sources[0].path: {tmp_path / name}: this file holds a JSON list (it opens with `[`), which is read as "
+            f"JSON lines by its name ({suffix}): name it `.json` to read it as a list of records, or write one record "
+            "a line")
+    (tmp_path / "pretty.json").write_text(json.dumps([OPENAI, OPENAI], indent=1))
+    assert len(_read_all([{"path": tmp_path / "pretty.json"}])) == 2

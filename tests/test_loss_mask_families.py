@@ -206,6 +206,29 @@ def test_a_turn_rendered_as_its_stop_token_alone_is_not_trained():
                 "reasoning rendered (`chat_template_kwargs`, e.g. thinking on), or leave it out")
 
 
+def test_turns_given_weight_zero_are_context_in_every_split_mode():
+    """OpenAI's `weight: 0` on an assistant message: the turn stays in the context of later ones, never trained
+    (counted in `turns_weight_0`); a conversation whose every turn has weight 0 trains nothing (prepare drops it:
+    no_trained_tokens)."""
+    record = {"messages": [{"role": "user", "content": "Hello there!"},
+                           {"role": "assistant", "content": "Go away.", "weight": 0},
+                           {"role": "user", "content": "What is two plus two?"},
+                           {"role": "assistant", "content": "Two plus two is four.", "weight": 1}]}
+    conv = normalize_record(record)
+    for family, stop in [("llama3", "<|eot_id|>"), ("kimi_k25", "<|im_end|>")]:
+        tok = make_tokenizer(family)
+        for split in ("never", "auto", "always"):
+            m = ChatMasker(tok, split_turns=split)
+            got = [marked(s, tok) for s in m.encode(conv)]
+            assert len(got) == 1 and got[0].count("⟦") == 1, (family, split, got)
+            assert "Go away." in got[0] and f"Two plus two is four.{stop}⟧" in got[0], (family, split, got)
+            assert m.stats["turns_weight_0"] == 1 and m.stats["samples"] == 1, (family, split)
+            none = normalize_record({"messages": [*record["messages"][:3],
+                                                  {**record["messages"][3], "weight": 0}]})
+            (s,) = m.encode(none)
+            assert sum(s.loss_mask) == 0 and m.stats["turns_weight_0"] == 3, (family, split)
+
+
 def test_thinking_switches():
     # Kimi with thinking off: the empty block is in the prompt, nothing of it is trained.
     tok = make_tokenizer("kimi_k25")

@@ -71,7 +71,8 @@ class ChatMasker:
     {"thinking": True} for Kimi-K2.5 / DeepSeek-V3.1). Any tokenizer with a chat template works.
     `stats` counts, over every `encode` call: conversations, split_conversations, samples, turns,
     turns_history_fallback, turns_unlocated, turns_after_rewritten_history, reasoning_inserted,
-    reasoning_not_rendered, turns_empty (rendered as the stop token alone: not trained).
+    reasoning_not_rendered, turns_empty (rendered as the stop token alone: not trained), turns_weight_0 (given
+    `weight: 0`: context, not trained).
     """
 
     def __init__(self, tokenizer: Any, *, train_on_eot: bool = True, train_on_reasoning: bool = True,
@@ -122,7 +123,7 @@ class ChatMasker:
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         rd = self.renderer_for(conv.tools)
-        conv = Conversation(reasoning_from_content(rd, conv.messages), conv.tools)
+        conv = Conversation(reasoning_from_content(rd, conv.messages), conv.tools, conv.untrained)
         msgs, tools = conv.messages, conv.tools
         refuse_unmaskable(rd, msgs, tools)
         r_text = rd.render(msgs, tools)
@@ -135,12 +136,20 @@ class ChatMasker:
             raise empty_turn(msgs, min(empty))
         if empty:
             self.stats["turns_empty"] += len(empty)
+        # turns given weight 0 stay context; a conversation of such turns only gives a sample with nothing trained
+        # (prepare drops it: no_trained_tokens)
+        weight_0 = {t.turn.index for t in turns} & conv.untrained - empty
+        if weight_0:
+            self.stats["turns_weight_0"] += len(weight_0)
+        skip = empty | weight_0
         self.stats["conversations"] += 1
         self.stats["turns"] += len(turns)
         stable = [is_prefix(t.sample.ids, r) for t in turns]
-        trained_stable = all(ok for t, ok in zip(turns, stable, strict=True) if t.turn.index not in empty)
-        if turns and (self.split_turns == "always" or (self.split_turns == "auto" and not trained_stable)):
-            turns = [t for t in turns if t.turn.index not in empty]
+        trained_stable = all(ok for t, ok in zip(turns, stable, strict=True) if t.turn.index not in skip)
+        per_turn = len(skip) < len(turns) and (self.split_turns == "always" or
+                                               (self.split_turns == "auto" and not trained_stable))
+        if per_turn:
+            turns = [t for t in turns if t.turn.index not in skip]
             self.stats["split_conversations"] += 1
             self.stats["samples"] += len(turns)
             split = [self._with_next_stop(rd, msgs, t.sample) for t in turns]
@@ -150,7 +159,7 @@ class ChatMasker:
         spans: list[TurnSpan] = []
         facts = rd.facts()
         for t, ok in zip(turns, stable, strict=True):
-            if t.turn.index in empty:
+            if t.turn.index in skip:
                 continue
             sp = t.sample.span
             if not ok:

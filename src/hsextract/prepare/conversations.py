@@ -92,11 +92,16 @@ class _Bad(Exception):
 class Conversation:
     messages: list[dict[str, Any]]
     tools: list[Any] | None = None
+    # indices of assistant messages given `weight: 0` (OpenAI's fine-tuning format): context, never trained
+    untrained: frozenset[int] = frozenset()
 
 
 def conversation_hash(conv: Conversation) -> str:
     """What `dedup` compares: the messages and tools, key order aside."""
-    payload = json.dumps({"messages": conv.messages, "tools": conv.tools}, sort_keys=True, ensure_ascii=False)
+    body: dict[str, Any] = {"messages": conv.messages, "tools": conv.tools}
+    if conv.untrained:  # only then: the hashes of records without weights stay what they were
+        body["untrained"] = sorted(conv.untrained)
+    payload = json.dumps(body, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()
 
 
@@ -262,7 +267,16 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
             msg[key] = v
     if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content"):
         raise _Bad(EMPTY_CONTENT, f"{where} ({role}) has empty content")
+    weight = raw.get("weight")
+    if weight is not None and not (isinstance(weight, int | float) and weight in (0, 1)):
+        raise _Bad(WRONG_TYPE, f"{where}.weight must be 0 or 1 (whether the message is trained, as in OpenAI's "
+                               f"fine-tuning format), got {weight!r}")
     return msg
+
+
+def _weight_zero(raw: Any) -> bool:
+    """A message given `weight: 0` (checked by _message)."""
+    return isinstance(raw, Mapping) and raw.get("weight") is not None and raw["weight"] == 0
 
 
 def _alternating(items: list[Any], key: str) -> list[dict[str, Any]]:
@@ -319,6 +333,7 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
         msgs = _alternating(items, key)
     else:
         msgs = [_message(m, _OPENAI_ROLES, "role", "content", f"{key}[{k}]") for k, m in enumerate(items)]
+    untrained = [k for k, m in enumerate(items) if _weight_zero(m) and msgs[k]["role"] == "assistant"]
     system = obj.get("system")  # a record's system prompt beside its messages, in any format
     if system is not None:
         if not isinstance(system, str):
@@ -326,6 +341,7 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
         _check_text(system, "system")
         if system.strip() and msgs[0]["role"] != "system":
             msgs.insert(0, {"role": "system", "content": system})
+            untrained = [k + 1 for k in untrained]
         elif system.strip() and msgs[0]["content"] != system:
             raise _Bad(WRONG_TYPE, f"`system` and `{key}[0]`, a system message, differ: which one the target saw "
                                    "is not known; keep one")
@@ -338,7 +354,7 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
     if tools is not None and not isinstance(tools, list):
         raise _Bad(WRONG_TYPE, f"`tools` must be a list, got {type(tools).__name__}")
     _check_text(tools, "tools")
-    return Conversation(messages=msgs, tools=tools or None)
+    return Conversation(messages=msgs, tools=tools or None, untrained=frozenset(untrained))
 
 
 def decode_raw(raw: Any) -> Any:

@@ -192,7 +192,7 @@ def table_row(row: dict[str, Any]) -> dict[str, Any]:
     of dicts is one struct type, so every dict holds the keys of all the others, null where it had none. In the
     free-form dicts a template prints whole (a row's `tools`, a tool call's `arguments`), those nulls would
     become trained text (`{"city": "Paris", "query": null}`): dropped there. A null meant as a value cannot be
-    told apart; store such arguments as a JSON string."""
+    told apart, nor a record's own key order (a struct has the column's): store such arguments as a JSON string."""
     row = dict(row)
     if isinstance(row.get("tools"), list):
         row["tools"] = _drop_nulls(row["tools"])
@@ -430,6 +430,10 @@ def open_reader(spec: Source) -> Reader:
         return _JsonListReader(p)
     if p.suffix == ".json" and head.startswith(b"{"):
         _refuse_json_object(p)
+    if head.startswith(b"["):  # read as lines, a list would be one malformed record a line
+        raise ConfigError(f"{p}: this file holds a JSON list (it opens with `[`), which is read as JSON lines by its "
+                          f"name ({p.suffix or 'no suffix'}): name it `.json` to read it as a list of records, or "
+                          "write one record a line")
     return _JsonlReader(p)
 
 
