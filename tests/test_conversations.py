@@ -639,3 +639,20 @@ def test_a_json_list_under_a_jsonl_name_is_refused_saying_to_rename_it(tmp_path)
             "a line")
     (tmp_path / "pretty.json").write_text(json.dumps([OPENAI, OPENAI], indent=1))
     assert len(_read_all([{"path": tmp_path / "pretty.json"}])) == 2
+
+
+def test_an_empty_mixture_names_each_source_and_what_it_gave(tmp_path):
+    from hsextract.config.checks import count_records
+    from hsextract.config.settings import from_config
+    from hsextract.prepare.conversations import no_records
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    full = _jsonl(tmp_path / "full.jsonl", [OPENAI, OPENAI, OPENAI])
+    sources = [{"path": str(empty)}, {"path": str(full), "weight": 0}, {"path": str(full), "max_records": 0}]
+    assert no_records(sources) == (
+        f"sources[0].path {empty}: 0 records; sources[1].path {full}: 3 records, 0 taken (weight, max_records); "
+        f"sources[2].path {full}: 3 records, 0 taken (weight, max_records)")
+    with pytest.raises(ConfigError) as e:
+        count_records(from_config({"sources": sources}))
+    assert str(e.value) == f"sources: the sources hold no records; nothing to extract ({no_records(sources)})"

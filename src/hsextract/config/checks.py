@@ -305,6 +305,7 @@ def check_sources(s: Settings) -> None:
 
 def count_records(s: Settings) -> int:
     from hsextract.prepare.conversations import count_records as count
+    from hsextract.prepare.conversations import no_records
 
     try:
         n_records = int(count(s.prepare.sources))
@@ -313,7 +314,7 @@ def count_records(s: Settings) -> int:
     except Exception as e:  # noqa: BLE001 - a reader error means the source is unusable
         raise ConfigError(f"sources: cannot count records ({type(e).__name__}: {e})") from None
     if n_records == 0:
-        raise ConfigError("sources: the sources hold no records; nothing to extract")
+        raise ConfigError(f"sources: the sources hold no records; nothing to extract ({no_records(s.prepare.sources)})")
     return n_records
 
 

@@ -448,10 +448,23 @@ def mixture(sources: Sequence[OpenSource], seed: int) -> list[MixtureEntry]:
 def count_records(sources: Sequence[SourceEntry]) -> int:
     """Number of input records the mixture holds (caps and weights applied), without parsing JSONL/parquet
     content. This is what chunks are cut over: ceil(count_records / prompts_per_chunk) chunks."""
-    total = 0
+    return sum(taken for _, _, taken in source_records(sources))
+
+
+def source_records(sources: Sequence[SourceEntry]) -> list[tuple[str, int, int]]:
+    """Per source, in order: its path, the records it holds, the records the mixture takes from it."""
+    out = []
     for i, spec in enumerate(parse_sources(sources)):  # one spec per entry, in order
-        total += source_contribution(len(_open(i, spec)), spec)
-    return total
+        n = len(_open(i, spec))
+        out.append((str(spec.path), n, source_contribution(n, spec)))
+    return out
+
+
+def no_records(sources: Sequence[SourceEntry]) -> str:
+    """Why the mixture is empty, source by source (for the error that says so)."""
+    return "; ".join(f"sources[{i}].path {path}: {n} records" + ("" if taken == n else f", {taken} taken (weight, "
+                                                                  "max_records)")
+                     for i, (path, n, taken) in enumerate(source_records(sources)))
 
 
 def iter_conversations(sources: Sequence[SourceEntry], seed: int = 0, strict: bool = True,

@@ -58,6 +58,7 @@ from hsextract.prepare.conversations import (
     count_records,
     decode_raw,
     mixture,
+    no_records,
     open_sources,
 )
 from hsextract.prepare.drops import DUPLICATE, DUPLICATE_SAMPLE, NO_TRAINED_TOKENS, TOO_LONG, TRUNCATED_UNTRAINED
@@ -201,7 +202,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     ppc = cfg.prompts_per_chunk
     expected = chunks.count(len(order), ppc)
     if not order:
-        raise ConfigError("config key `sources`: the sources hold no records (after weights and max_records)")
+        raise ConfigError(f"config key `sources`: the sources hold no records after weights and max_records "
+                          f"({no_records(cfg.sources)})")
     if num_chunks != expected:
         raise ConfigError(
             f"num_chunks is {num_chunks} but the sources now hold {len(order)} records = {expected} chunks of "
