@@ -386,3 +386,16 @@ def test_a_conversation_opening_with_an_assistant_turn_is_refused_saying_why(tmp
         "`strict: false` to drop such records") and e.value.reason == "template_error"
     summary = run_prepare(_cfg(src, strict=False), make_tokenizer("llama3"), tmp_path / "lenient", 1)
     assert (summary["kept"], summary["dropped"]) == (1, {"template_error": 1})
+
+
+def test_a_strict_refusal_says_how_to_drop_such_records_instead(tmp_path):
+    src = _write(tmp_path, [{"messages": [{"role": "user", "content": "Hello there!"},
+                                          {"role": "assistant", "content": "", "reasoning_content": "Greet back."}]}])
+    with pytest.raises(TemplateError) as e:
+        run_prepare(_cfg(src), make_tokenizer("llama3"), tmp_path / "out", 1)
+    assert str(e.value) == (
+        f"{src}:1: assistant turn 1: its content is empty and the chat template does not render its reasoning (with "
+        "these `chat_template_kwargs`), so its sample would train only the stop token right after the prompt, and "
+        "the conversation has no other turn to train. Give the turn content, have its reasoning rendered "
+        "(`chat_template_kwargs`, e.g. thinking on), or leave it out (or set `strict: false` to drop such records, "
+        "counted as empty_turn)") and e.value.reason == "empty_turn"

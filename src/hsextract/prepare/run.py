@@ -294,7 +294,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
             base = payload[2]
             if isinstance(samples, tuple):  # the template refused it: (failure text, reason)
                 if strict:
-                    raise TemplateError(f"{payload[0]}: {samples[0]}", samples[1])
+                    text = samples[0] if "strict: false" in samples[0] else (
+                        f"{samples[0]} (or set `strict: false` to drop such records, counted as {samples[1]})")
+                    raise TemplateError(f"{payload[0]}: {text}", samples[1])
                 drop(st, samples[1])
                 continue
             for sample in samples:  # several when the conversation is split into turns (`split_turns`)
