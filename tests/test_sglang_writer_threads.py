@@ -259,3 +259,27 @@ def test_server_config_passes_writer_threads(tmp_path: Path) -> None:
     assert server.config_hash(cfg, 0) != server.config_hash(cfg8, 0)
     with pytest.raises(ConfigError, match=r"sglang.writer_threads: 0; must be >= 1"):
         server.ServerConfig(model="m", aux_layers=(1, 2), writer_threads=0, final_state="pre_norm")
+
+
+def test_the_passes_after_a_failed_one_are_dropped_not_dumped_again(tmp_path: Path) -> None:
+    """A request over three chunked-prefill passes whose first could not be staged (fail()): its `.err` is the
+    answer; the later passes write nothing, count no rid come again and leave no second marker. A new request
+    under that rid later (a pass from 0) is dumped."""
+    w = DumpWriter(tmp_path, StagingRing(1 << 20, pin=False), threads=2)
+    ids, ref = token_ids(9, 30), states(9, 30)
+    w.fail([("hsx-m", 30)], "RuntimeError: staging failed")
+    submit_piece(w, "hsx-m", ids, ref, 10, 20)
+    submit_piece(w, "hsx-m", ids, ref, 20, 30)
+    w.flush()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("stats-")) == [
+        dumpfiles.err_name("hsx-m")]
+    assert (w.stats.requests_failed, w.stats.rids_reused, w.stats.pieces) == (1, 0, 0)
+    with pytest.raises(EngineError, match="the server-side dumper reported: RuntimeError: staging failed"):
+        dumpfiles.collect(tmp_path, "hsx-m", ids, NT, 1.0)
+    for start, end in ((0, 15), (15, 30)):
+        submit_piece(w, "hsx-m", ids, ref, start, end)
+    w.flush()
+    got = dumpfiles.collect(tmp_path, "hsx-m", ids, NT, 5.0)
+    assert got.pieces == 2 and torch.equal(torch.cat(got.hidden_states, dim=1), ref)
+    assert (w.stats.requests_failed, w.stats.requests_done, w.stats.pieces) == (1, 1, 2)
+    w.close()

@@ -83,6 +83,8 @@ class _Lane:
         self.q: queue.Queue[_Job | None] = queue.Queue()
         self.chains: dict[str, list[tuple[int, int]]] = {}
         self.completed: OrderedDict[str, None] = OrderedDict()
+        # rids given an `.err` before their last piece: the pieces of theirs still to come are dropped
+        self.failed: OrderedDict[str, None] = OrderedDict()
         self.remember = remember
         self.thread: threading.Thread | None = None
 
@@ -247,6 +249,7 @@ class DumpWriter:
                     self.stats.last_error = f"{job.rid} [{job.start},{job.end}): {type(e).__name__}: {e}"[:500]
                 log.exception("hsextract: writing %s [%d,%d) failed", job.rid, job.start, job.end)
                 try:
+                    self._give_up(lane, job)
                     dumpfiles.write_err(self.dump_dir, job.rid, f"writing piece [{job.start},{job.end}) failed: {e}")
                 except Exception:  # noqa: BLE001 - the failure is logged above; the client times out
                     pass
@@ -292,6 +295,13 @@ class DumpWriter:
             log.warning("hsextract: cannot write %s", path)
 
     def _handle(self, lane: _Lane, job: _Job) -> None:
+        if job.rid in lane.failed and job.error is None and job.start > 0:
+            # a later chunked-prefill pass of a request already failed (its `.err` written, the client told):
+            # nothing to write, nor a rid come again
+            if job.end == job.n_tokens:
+                del lane.failed[job.rid]
+            return
+        lane.failed.pop(job.rid, None)
         if job.rid in lane.completed:
             # A new request with the rid of a completed one (retraction re-runs of the same request are
             # dropped in the scheduler, by request object). It is dumped again: ignoring it would leave
@@ -303,7 +313,7 @@ class DumpWriter:
             if first:  # once; the stats file counts them
                 log.warning("hsextract: rid %s came again after it was completed; dumping it again", job.rid)
         if job.error is not None:
-            self._finish(lane, job.rid)
+            self._give_up(lane, job)
             with self._lock:
                 self.stats.requests_failed += 1
             dumpfiles.write_err(self.dump_dir, job.rid, job.error)
@@ -368,6 +378,15 @@ class DumpWriter:
         )
         with self._lock:
             self.stats.requests_done += 1
+
+    def _give_up(self, lane: _Lane, job: _Job) -> None:
+        """The request of `job` is failed (its `.err` follows): forgotten, and its passes still to come dropped
+        (fail() names no end, a failed write its own)."""
+        self._finish(lane, job.rid)
+        if job.end < job.n_tokens:
+            lane.failed[job.rid] = None
+            while len(lane.failed) > lane.remember:
+                lane.failed.popitem(last=False)
 
     def _finish(self, lane: _Lane, rid: str) -> None:
         lane.chains.pop(rid, None)
