@@ -162,6 +162,46 @@ def test_a_disk_too_small_for_the_shard_is_refused_before_the_server_starts(tmp_
         run.run_extract(from_config({**config, "shard": {"check_free_space": False}}).extract, prompts, shard, chunk=3)
 
 
+def test_a_prompts_file_that_is_not_the_one_prepare_wrote_is_refused_before_the_engine(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bit flipped in a compressed parquet page can still read cleanly, as other token ids: extract compares the
+    file with the sha256 prepare recorded in summary.json (per_chunk) before anything is computed."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import hsextract.extract.run as run
+    from hsextract.config.settings import from_config
+    from hsextract.errors import ShardError
+    from hsextract.provenance import sha256_file
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 100}))
+    prompts = tmp_path / "chunk-00001.parquet"
+    pq.write_table(pa.table({"sample_id": ["a"], "input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]}), prompts)
+    summary = tmp_path / "summary.json"
+    config = from_config({"model": str(model), "make_tiny_model": False, "capture": "mtp"}).extract
+
+    def engine(*_):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(run, "build_engine", engine)
+    written = sha256_file(prompts)
+    same = [{"chunk": 0, "sha256": "0" * 64}, {"chunk": 1, "sha256": written}]
+    for per_chunk in ([], [{"chunk": 1, "rows": 1}], same):
+        summary.write_text(json.dumps({"per_chunk": per_chunk}))  # before prepare recorded it, or the same file
+        with pytest.raises(AssertionError, match="the engine was built"):
+            run.run_extract(config, prompts, tmp_path / "s.hss", chunk=1, prepare_summary=summary)
+    pq.write_table(pa.table({"sample_id": ["a"], "input_ids": [[1, 2, 4]], "loss_mask": [[0, 1, 1]]}), prompts)
+    with pytest.raises(ShardError) as e:
+        run.run_extract(config, prompts, tmp_path / "s.hss", chunk=1, prepare_summary=summary)
+    assert str(e.value) == (
+        f"{prompts}: its sha256 is {sha256_file(prompts)}, but prepare wrote chunk 1's prompts with sha256 {written} "
+        f"({summary}): the file was damaged or changed after prepare, and would be extracted as other tokens. Restore "
+        "it (`cp -p` from a copy), or delete it and run the same command: prepare writes every chunk's prompts "
+        "again, and every chunk is then extracted again")
+
+
 # ---- 4. corruption: random byte flips and truncations, each reported by validate --------------------
 N_SHARDS, N_SAMPLES, FLIPS_PER_SHARD, CUTS_PER_SHARD = 3, 5, 70, 8
 

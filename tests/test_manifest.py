@@ -92,6 +92,30 @@ def test_a_shard_older_than_its_rewritten_prompts_is_an_error_naming_the_chunk(t
         "time, so Snakemake did not rerun the chunk). Delete the shard and rerun: only its chunk is extracted again.")
 
 
+def test_damaged_prompts_are_told_from_rewritten_ones_by_what_prepare_recorded(tmp_path: Path) -> None:
+    """prepare's summary.json records each prompts file's sha256: a file that differs from it and from the shard's
+    record, while those two agree, was damaged after the shard was made (bit rot keeps the modification time): the
+    shard is good, the prompts are to restore."""
+    run = make_run(tmp_path, 2)
+    prompts, shard = run / "prompts" / "chunk-00001.parquet", run / "shards" / "chunk-00001.hss"
+    summary = run / "prompts" / "summary.json"
+    recorded, st = sha256_file(prompts), prompts.stat()
+    summary.write_text(json.dumps({"read": 4, "per_chunk": [
+        {"chunk": c, "sha256": sha256_file(run / "prompts" / f"chunk-0000{c}.parquet")} for c in (0, 1)]}))
+    assert manifest(run, 2)["all_valid"] is True
+    data = bytearray(prompts.read_bytes())
+    data[len(data) // 2] ^= 1
+    prompts.write_bytes(bytes(data))
+    os.utime(prompts, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(ValidationFailure) as e:
+        manifest(run, 2)
+    assert str(e.value) == (
+        f"{shard}: chunk 1 was extracted from prompts of sha256 {recorded}, which prepare wrote, but {prompts} now "
+        f"has sha256 {sha256_file(prompts)}: the prompts file was damaged or changed since, the shard is good. "
+        f"Restore {prompts} (`cp -p` from a copy); or delete it and run the same command, which writes every "
+        "chunk's prompts again and extracts every chunk again.")
+
+
 def test_a_shard_written_before_prompts_were_recorded_is_accepted_and_listed(tmp_path: Path, capsys) -> None:
     """A shard without `prompts_sha256` (an earlier release's) passes, uncompared: dataset.json and a warning say so;
     the shards that record it are still compared."""

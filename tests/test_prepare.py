@@ -16,6 +16,7 @@ from hsextract.masks.refusals import TemplateError
 from hsextract.prepare.conversations import Conversation, MalformedRecordError
 from hsextract.prepare.run import SCHEMA, num_chunks, run_prepare
 from hsextract.prepare.vocab import load_token_freq, token_freq_from_prompts
+from hsextract.provenance import sha256_file
 
 
 def conv(q, a):
@@ -77,6 +78,8 @@ def test_chunks_filters_and_summary(tmp_path):
     assert summary["per_source"]["d"]["kept"] == 2
     assert [c["records"] for c in summary["per_chunk"]] == [2, 2, 2]
     assert [c["rows"] for c in summary["per_chunk"]] == [len(c) for c in chunks]
+    assert [c["sha256"] for c in summary["per_chunk"]] == [  # what extract compares its prompts file with
+        sha256_file(tmp_path / "out" / f"chunk-{k:05d}.parquet") for k in range(3)]
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert (written["dropped_records"], written["dropped_samples"]) == (2, 2)  # bad_json, duplicate; the filters'
     # the data itself, for dataset.json's provenance (a source edited in place later no longer matches)
@@ -224,7 +227,8 @@ def test_an_error_inside_the_chat_template_is_named_as_the_templates(tmp_path):
         run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "out", 1)
     assert str(e.value) == (f"{src}:1: the chat template failed on it (UndefinedError: 'dict object' has no "
                             "attribute 'name'); a field it reads may be missing from the record (a tool message's "
-                            "name, a tool call's id) or hold another type")
+                            "name, a tool call's id) or hold another type (or set `strict: false` to drop such "
+                            "records, counted as template_error)")
 
 
 def test_a_template_joining_tool_call_arguments_as_a_string_is_named_and_counted(tmp_path):
@@ -240,7 +244,8 @@ def test_a_template_joining_tool_call_arguments_as_a_string_is_named_and_counted
     tok.chat_template = CONCATENATING_TEMPLATE
     with pytest.raises(ConfigError) as e:
         run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "strict", 1)
-    assert str(e.value) == f"{src}:1: {STRING_ARGUMENTS}"
+    assert str(e.value) == (f"{src}:1: {STRING_ARGUMENTS} (or set `strict: false` to drop such records, counted "
+                            "as tool_arguments_as_string)")
     summary = run_prepare(_cfg(src, prompts_per_chunk=4, strict=False), tok, tmp_path / "out", 1)
     assert summary["dropped"] == {"tool_arguments_as_string": 1} and summary["kept"] == 1
 
@@ -266,7 +271,8 @@ def test_turn_holding_a_stop_token_dropped_and_counted(tmp_path):
         run_prepare(_cfg(src, prompts_per_chunk=4), tok, tmp_path / "strict", 1)
     assert str(e.value) == (f"{src}:2: assistant turn 1: its content holds '<|im_end|>' (at character 18), a token "
                             "that ends a turn: the model stops there, so this is not one generated turn (a runaway "
-                            "generation?). Cut the text at it, or regenerate the responses with this model")
+                            "generation?). Cut the text at it, or regenerate the responses with this model (or set "
+                            "`strict: false` to drop such records, counted as stop_token_in_turn)")
     summary = run_prepare(_cfg(src, prompts_per_chunk=4, strict=False), tok, tmp_path / "out", 1)
     # dropped: the runaway only; a user message may hold the token (the server sees it there as well)
     assert summary["dropped"] == {"stop_token_in_turn": 1} and summary["kept"] == 3

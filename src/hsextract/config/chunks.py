@@ -1,9 +1,10 @@
 """Chunks: the unit of work. Input record k of the mixture (0-based) belongs to chunk k // prompts_per_chunk,
 so the chunk count is known from the record count alone, before anything is parsed.
 
-One place for the count, the 5-digit label in every per-chunk file name (`chunk-00007.parquet`) and the
-records of a chunk; used by the config checks, prepare and the workflow rules. `remove_beyond`: the per-chunk files
-an earlier configuration of more chunks left (prepare's prompts, the manifest step's shards, reports, statistics).
+One place for the count, the 5-digit label in every per-chunk file name (`chunk-00007.parquet`), the records of
+a chunk and the sha256 prepare recorded for its prompts; used by the config checks, prepare, extract, the manifest
+and the workflow rules. `remove_beyond`: the per-chunk files an earlier configuration of more chunks left
+(prepare's prompts, the manifest step's shards, reports, statistics).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 WIDTH = 5
 # the `chunk` wildcard of the rules: a label
@@ -23,6 +25,12 @@ WILDCARD = rf"\d{{{WIDTH}}}"
 def count(n_records: int, prompts_per_chunk: int) -> int:
     """Chunks of `n_records` input records: ceil(n_records / prompts_per_chunk)."""
     return math.ceil(n_records / prompts_per_chunk)
+
+
+def written_sha256(summary: Mapping[str, Any], chunk: int) -> str | None:
+    """The sha256 prepare recorded for chunk's prompts file (its summary.json's per_chunk; None before it did)."""
+    entry = next((c for c in summary.get("per_chunk", ()) if c.get("chunk") == chunk), None)
+    return entry.get("sha256") if entry is not None else None
 
 
 def label(chunk: int) -> str:

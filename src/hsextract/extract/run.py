@@ -31,7 +31,7 @@ from tqdm import tqdm
 
 from hsextract import provenance
 from hsextract.atomic import remove_temps
-from hsextract.config import plan
+from hsextract.config import chunks, plan
 from hsextract.config.model_info import read_model_shape
 from hsextract.config.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec, Engine, Prompt
@@ -80,6 +80,19 @@ def read_prompts(path: str | Path) -> ChunkPrompts:
         return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks, sha256=sha)
     return ChunkPrompts([str(s) for s in cols["sample_id"]], ids, masks, [int(p) for p in cols["parent"]],
                         [int(k) for k in cols["prefix_len"]], sha256=sha)
+
+
+def check_written(path: str | Path, sha256: str | None, chunk: int, summary: Mapping[str, Any],
+                  summary_path: str | Path) -> None:
+    """ShardError when the prompts file is not the one prepare wrote: a damaged parquet can still read cleanly (a
+    bit flipped in a compressed page), and its chunk would then be extracted from other tokens."""
+    want = chunks.written_sha256(summary, chunk)
+    if want is not None and sha256 != want:
+        raise ShardError(
+            f"{path}: its sha256 is {sha256}, but prepare wrote chunk {chunk}'s prompts with sha256 {want} "
+            f"({summary_path}): the file was damaged or changed after prepare, and would be extracted as other "
+            f"tokens. Restore it (`cp -p` from a copy), or delete it and run the same command: prepare writes "
+            f"every chunk's prompts again, and every chunk is then extracted again")
 
 
 def capture_spec(settings: ExtractSettings) -> CaptureSpec:
@@ -302,7 +315,9 @@ def run_extract(
     prompts = read_prompts(prompts_path)
     template_hash = None
     if prepare_summary is not None:
-        template_hash = json.loads(Path(prepare_summary).read_text()).get("chat_template_sha256")
+        summary = json.loads(Path(prepare_summary).read_text())
+        template_hash = summary.get("chat_template_sha256")
+        check_written(prompts_path, prompts.sha256, chunk, summary, prepare_summary)
     spec = capture_spec(settings)
     shape = read_model_shape(settings.model)
     shard = settings.shard

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from hsextract import provenance
-from hsextract.atomic import write_atomic, write_bytes_atomic
+from hsextract.atomic import write_bytes_atomic
 from hsextract.config import chunks
 from hsextract.config.reruns import plain
 from hsextract.config.settings import PrepareSettings
@@ -89,9 +89,10 @@ def num_chunks(settings: PrepareSettings) -> int:
 
 
 def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]],
-                 records: list[int] | None = None) -> list[tuple[int, int]] | None:
+                 records: list[int] | None = None) -> tuple[list[tuple[int, int]] | None, str]:
     """Write a chunk's rows; `records` (share_prefixes: the record each row came from) adds each row's parent and
-    prefix length, and the (parent, prefix length) of each row are returned (None without `records`)."""
+    prefix length. Returns the (parent, prefix length) of each row (None without `records`) and the file's sha256
+    (summary.json's per_chunk: extract refuses a prompts file that is not the one written here)."""
     if records is None:
         table = pa.Table.from_pylist(rows, schema=SCHEMA) if rows else SCHEMA.empty_table()
         refs = None
@@ -99,8 +100,11 @@ def _write_chunk(out_dir: Path, chunk: int, rows: list[dict[str, Any]],
         refs = find_parents([r["input_ids"] for r in rows], records)
         shared = [r | {"parent": p, "prefix_len": k} for r, (p, k) in zip(rows, refs, strict=True)]
         table = pa.Table.from_pylist(shared, schema=SHARED_SCHEMA) if rows else SHARED_SCHEMA.empty_table()
-    write_atomic(out_dir / chunk_name(chunk), lambda f: pq.write_table(table, f))
-    return refs
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    data = sink.getvalue().to_pybytes()
+    write_bytes_atomic(out_dir / chunk_name(chunk), data)
+    return refs, hashlib.sha256(data).hexdigest()
 
 
 def _count_shared(st: dict[str, Any], rows: Sequence[Mapping[str, Any]], refs: Sequence[tuple[int, int]]) -> None:
@@ -219,7 +223,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     strict, msl = cfg.strict, cfg.max_seq_len
     total = _new_stats()
     per_source = {s.spec.name: _new_stats() for s in sources}
-    per_chunk: list[dict[str, int]] = []
+    per_chunk: list[dict[str, Any]] = []
     seen: dict[str, tuple[int, int | str]] = {}
     seen_samples: dict[bytes, tuple[int, int | str]] = {}  # a kept sample's ids and mask -> its record (dedup)
     freq: Counter[int] = Counter()
@@ -229,9 +233,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     row_records: list[int] = []  # the record (mixture entry) of each row: its turns share a conversation
 
     def close_chunk() -> None:
-        refs = _write_chunk(out, chunk, rows, row_records if cfg.share_prefixes else None)
-        entry = {"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))), "rows": len(rows),
-                 "tokens": sum(r["num_tokens"] for r in rows)}
+        refs, sha = _write_chunk(out, chunk, rows, row_records if cfg.share_prefixes else None)
+        entry: dict[str, Any] = {"chunk": chunk, "records": len(chunks.records(chunk, ppc, len(order))),
+                                 "rows": len(rows), "tokens": sum(r["num_tokens"] for r in rows), "sha256": sha}
         if refs is not None:  # share_prefixes: the chunk's, the total's and each source's (a saving counts for
             _count_shared(entry, rows, refs)  # the source of the sample that takes the prefix)
             _count_shared(total, rows, refs)

@@ -52,9 +52,11 @@ def remove_stale_chunks(run_dir: str | Path, n_chunks: int) -> list[Path]:
     return removed
 
 
-def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Path) -> bool:
+def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Path, written: str | None = None) -> bool:
     """Whether the shard's recorded `prompts_sha256` could be compared with `prompts` (False: the shard was written
-    before shards recorded it); a ValidationFailure naming the chunk where they differ."""
+    before shards recorded it); a ValidationFailure naming the chunk where they differ. `written`: the sha256
+    prepare recorded for the file (summary.json), which tells a damaged prompts file (the shard good) from one
+    prepare rewrote (the shard stale)."""
     recorded = meta.get("prompts_sha256")
     if recorded is None:
         return False
@@ -65,6 +67,12 @@ def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Pat
                                 f"from ({type(e).__name__}: {e}); rerun the workflow") from None
     if current != recorded:
         chunk = meta.get("chunk")
+        if written == recorded:
+            raise ValidationFailure(
+                f"{shard}: chunk {chunk} was extracted from prompts of sha256 {recorded}, which prepare wrote, but "
+                f"{prompts} now has sha256 {current}: the prompts file was damaged or changed since, the shard is "
+                f"good. Restore {prompts} (`cp -p` from a copy); or delete it and run the same command, which "
+                f"writes every chunk's prompts again and extracts every chunk again.")
         raise ValidationFailure(
             f"{shard}: chunk {chunk} was extracted from prompts of sha256 {recorded}, but {prompts} now has sha256 "
             f"{current}: the prompts changed after the shard was written (and kept an older modification time, so "
@@ -122,6 +130,7 @@ def build_manifest(
     raw_of_stored = 0.0  # NaN once a chunk's is unknown (statistics of an older release)
     versions: set[int] = set()
     unchecked: list[Any] = []  # chunks whose shards were written before shards recorded their prompts' sha256
+    prep = _load_json(prepare_summary)
     for i, (shard, report_path, stats_path) in enumerate(zip(shards, validation, chunk_stats, strict=True)):
         meta = ShardReader(shard).metadata
         if layers.shard_hidden_states(meta) != list(settings.extract.aux_layers):
@@ -137,7 +146,7 @@ def build_manifest(
                     f"{shard}: {key} is {meta.get(key)!r} but {shards[0]} has {first_meta.get(key)!r}; "
                     f"a dataset mixes shards of different runs. Delete the odd shard and rerun its chunk."
                 )
-        if prompts is not None and not check_prompts(shard, meta, prompts[i]):
+        if prompts is not None and not check_prompts(shard, meta, prompts[i], chunks.written_sha256(prep, i)):
             unchecked.append(meta.get("chunk", i))
         report = _load_json(report_path)
         stats = _load_json(stats_path)
@@ -172,7 +181,6 @@ def build_manifest(
               "prompts: not compared with the prompts files (dataset.json: prompts_unchecked); delete them and rerun "
               "to have them checked", file=sys.stderr, flush=True)
     meta = first_meta or {}
-    prep = _load_json(prepare_summary)
     dropped = {str(k): int(v) for k, v in (prep.get("dropped") or {}).items()}
     s = settings
     return {
