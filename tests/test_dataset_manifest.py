@@ -219,4 +219,27 @@ def test_a_dataset_json_naming_a_file_outside_its_folder_is_refused(run, path):
     with pytest.raises(ShardError) as e:
         open_dataset(run)
     assert str(e.value) == (f"{run / 'dataset.json'}: shards[1].path {path!r} is not a path inside the run folder "
-                            "(dataset.json lists its shards relative to it); rerun the workflow to rewrite it")
+                            "(dataset.json lists its shards relative to it); delete it and run the workflow's "
+                            "command again, which writes it again")
+
+
+def test_a_damaged_dataset_json_or_a_folder_in_a_shards_place_says_what_to_delete(run):
+    """A dataset.json cut short: Snakemake sees nothing to redo while it is there, so the advice is to delete it. A
+    folder where a shard was is no missing shard (the rules fail on it; nothing reruns until it goes)."""
+    good = (run / "dataset.json").read_text()
+    (run / "dataset.json").write_text(good[: len(good) // 2])
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert str(e.value).startswith(f"{run / 'dataset.json'}: not a readable hsextract dataset.json (JSONDecodeError: ")
+    assert str(e.value).endswith("; delete it and run the workflow's command again, which writes it again (no chunk "
+                                 "is extracted again)")
+    (run / "dataset.json").write_text(good)
+    shard = run / json.loads(good)["shards"][1]["path"]
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert str(e.value) == (
+        f"{shard}: listed in {run / 'dataset.json'} but not a regular file. Delete {shard}, then rerun the workflow "
+        "(`snakemake --cores N`): only these chunks are extracted again; or, to read the other shards, pass "
+        "allow_missing=True (hsextract export: --allow-missing)")

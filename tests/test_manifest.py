@@ -116,6 +116,21 @@ def test_damaged_prompts_are_told_from_rewritten_ones_by_what_prepare_recorded(t
         "chunk's prompts again and extracts every chunk again.")
 
 
+def test_a_shard_of_another_run_is_named_as_such(tmp_path: Path) -> None:
+    run = make_run(tmp_path, 2)
+    shard, prompts = run / "shards" / "chunk-00001.hss", run / "prompts" / "chunk-00001.parquet"
+    meta = shard_metadata(final_state="pre_norm", chunk=1, layer_convention="hidden_states", model_hash="m0",
+                          run_name="tiny-b", prompts_sha256="f" * 64)
+    with ShardWriter(shard, meta) as w:
+        w.add(*make_sample(4, seed=3), sample_id="b:0")
+    with pytest.raises(ValidationFailure) as e:
+        manifest(run, 2)
+    assert str(e.value) == (
+        f"{shard}: chunk 1 of run 'tiny-b', extracted from prompts of sha256 {'f' * 64}, but this run "
+        f"'{SETTINGS.extract.run_name}' has {prompts} of sha256 {sha256_file(prompts)}: a shard copied from another "
+        "run? Delete the shard and rerun: only its chunk is extracted again.")
+
+
 def test_a_shard_written_before_prompts_were_recorded_is_accepted_and_listed(tmp_path: Path, capsys) -> None:
     """A shard without `prompts_sha256` (an earlier release's) passes, uncompared: dataset.json and a warning say so;
     the shards that record it are still compared."""

@@ -61,6 +61,11 @@ def test_hidden_size_is_compared_only_for_the_same_model(tmp_path):
     assert not report["passed"]
     assert failure_line(report) == (
         f"{shard}: sample 0 (id s0): check layout failed: hidden_states[0] has hidden size 16, reference has 7168")
+    # the workflow's validate rule: the shard stays, so the same command alone would fail again
+    assert failure_line(report, advice=True) == (
+        f"{shard}: sample 0 (id s0): check layout failed: hidden_states[0] has hidden size 16, reference has 7168. "
+        f"Delete {shard} and run the same command: its chunk alone is extracted again")
+    assert failure_line(validate_shard(shard, REFERENCE), advice=True) is None
 
 
 def _break(kind):

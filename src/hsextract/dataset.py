@@ -53,18 +53,23 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
         listed = [(run_dir / e["path"], int(e["bytes"]), str(e["sha256"])) for e in entries]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{manifest}: not a readable hsextract dataset.json ({type(e).__name__}: {e}); "
-                         f"rerun the workflow to rewrite it") from None
+                         f"delete it and run the workflow's command again, which writes it again (no chunk is "
+                         f"extracted again)") from None
     for i, e in enumerate(entries):  # relative, inside the folder: a dataset is moved and shared whole
         if Path(e["path"]).is_absolute() or ".." in Path(e["path"]).parts:
             raise ShardError(f"{manifest}: shards[{i}].path {e['path']!r} is not a path inside the run folder "
-                             "(dataset.json lists its shards relative to it); rerun the workflow to rewrite it")
+                             "(dataset.json lists its shards relative to it); delete it and run the workflow's "
+                             "command again, which writes it again")
     from hsextract.provenance import sha256_file
 
     ok: list[Path] = []
     problems: list[str] = []
     damaged: list[str] = []  # present but not what was written: Snakemake sees no reason to redo their chunks
     for path, size, sha in listed:
-        if not path.is_file():
+        if path.exists() and not path.is_file():  # a folder where the shard was: nothing reruns until it goes
+            problems.append(f"{path}: listed in {manifest} but not a regular file")
+            damaged.append(str(path))
+        elif not path.is_file():
             problems.append(f"{path}: listed in {manifest} but missing")
         elif path.stat().st_size != size:
             problems.append(f"{path}: {path.stat().st_size} bytes, {manifest} records {size}")

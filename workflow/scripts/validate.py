@@ -18,5 +18,5 @@ report = validate_shard(
 print(json.dumps(report, indent=1))
 if not report["passed"]:
     # no report file: the chunk counts as failed and reruns (delete its shard to re-extract it)
-    raise ValidationFailure(failure_line(report))
+    raise ValidationFailure(failure_line(report, advice=True))
 write_json_atomic(snakemake.output.report, report)

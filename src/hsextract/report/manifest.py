@@ -52,11 +52,12 @@ def remove_stale_chunks(run_dir: str | Path, n_chunks: int) -> list[Path]:
     return removed
 
 
-def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Path, written: str | None = None) -> bool:
+def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Path, written: str | None = None,
+                  run_name: str | None = None) -> bool:
     """Whether the shard's recorded `prompts_sha256` could be compared with `prompts` (False: the shard was written
     before shards recorded it); a ValidationFailure naming the chunk where they differ. `written`: the sha256
     prepare recorded for the file (summary.json), which tells a damaged prompts file (the shard good) from one
-    prepare rewrote (the shard stale)."""
+    prepare rewrote (the shard stale); `run_name`: this run's, named where the shard says another."""
     recorded = meta.get("prompts_sha256")
     if recorded is None:
         return False
@@ -73,6 +74,12 @@ def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Pat
                 f"{prompts} now has sha256 {current}: the prompts file was damaged or changed since, the shard is "
                 f"good. Restore {prompts} (`cp -p` from a copy); or delete it and run the same command, which "
                 f"writes every chunk's prompts again and extracts every chunk again.")
+        other = meta.get("run_name")
+        if run_name is not None and other is not None and other != run_name:
+            raise ValidationFailure(
+                f"{shard}: chunk {chunk} of run {other!r}, extracted from prompts of sha256 {recorded}, but this run "
+                f"{run_name!r} has {prompts} of sha256 {current}: a shard copied from another run? Delete the shard "
+                f"and rerun: only its chunk is extracted again.")
         raise ValidationFailure(
             f"{shard}: chunk {chunk} was extracted from prompts of sha256 {recorded}, but {prompts} now has sha256 "
             f"{current}: the prompts changed after the shard was written (and kept an older modification time, so "
@@ -146,7 +153,8 @@ def build_manifest(
                     f"{shard}: {key} is {meta.get(key)!r} but {shards[0]} has {first_meta.get(key)!r}; "
                     f"a dataset mixes shards of different runs. Delete the odd shard and rerun its chunk."
                 )
-        if prompts is not None and not check_prompts(shard, meta, prompts[i], chunks.written_sha256(prep, i)):
+        if prompts is not None and not check_prompts(shard, meta, prompts[i], chunks.written_sha256(prep, i),
+                                                     settings.extract.run_name):
             unchecked.append(meta.get("chunk", i))
         report = _load_json(report_path)
         stats = _load_json(stats_path)

@@ -146,8 +146,9 @@ def check_sample(sample: dict[str, Any], layout: dict[str, Any], vocab_size: int
     return failed
 
 
-def failure_line(report: dict[str, Any]) -> str | None:
-    """The one line that names the file, the first failing sample and its check; None when passed."""
+def failure_line(report: dict[str, Any], advice: bool = False) -> str | None:
+    """The one line that names the file, the first failing sample and its check; None when passed. `advice`: what
+    the workflow's user does next (the failed chunk's shard stays, so the same command alone redoes nothing)."""
     if report["passed"]:
         return None
     first = report["first_failure"]
@@ -156,7 +157,10 @@ def failure_line(report: dict[str, Any]) -> str | None:
         sample += f" (id {first['sample_id']})"
     others = sorted(c for c, v in report["checks"].items() if v["failed"] and c != first["check"])
     more = f" [also failed: {', '.join(others)}]" if others else ""
-    return f"{report['shard']}: {sample}: check {first['check']} failed: {first['detail']}{more}"
+    line = f"{report['shard']}: {sample}: check {first['check']} failed: {first['detail']}{more}"
+    if advice:
+        line += f". Delete {report['shard']} and run the same command: its chunk alone is extracted again"
+    return line
 
 
 def _empty_checks() -> dict[str, dict[str, Any]]:
