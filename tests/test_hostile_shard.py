@@ -507,3 +507,14 @@ def test_validate_reports_every_crafted_case_without_crashing(crafted: dict[str,
         assert failure_line(report).startswith(f"{crafted[name]}: "), name
         checks[report["first_failure"]["check"]] = checks.get(report["first_failure"]["check"], 0) + 1
     assert set(checks) <= {"integrity", "checksum"} and sum(checks.values()) == len(CASES)
+
+
+def test_an_empty_shard_file_is_a_damaged_shard(tmp_path: Path) -> None:
+    """Zero bytes (a crash of a writer that was not this package's, a full disk's copy): cut before its header, so
+    damaged, not another kind of file."""
+    empty = tmp_path / "chunk-00000.hss"
+    empty.write_bytes(b"")
+    with pytest.raises(CorruptShardError) as e:
+        ShardReader(empty)
+    assert str(e.value) == (f"{empty}: shard structure: file truncated at byte 0: inside the 20-byte header. The "
+                            "shard is damaged: delete it and rerun its chunk (snakemake reruns a missing shard).")

@@ -303,7 +303,7 @@ class ShardReader:
         assert self._identity is not None  # set by _open's first open of the file
         size = self._identity[2]
         head = self._pread(fmt.HEADER.size, 0)
-        if 0 < len(head) < fmt.HEADER.size and fmt.HEADER_MAGIC.startswith(head[:8]):  # a shard's start, cut
+        if len(head) < fmt.HEADER.size and fmt.HEADER_MAGIC.startswith(head[:8]):  # a shard's start, cut (or empty)
             raise self._corrupt(None, f"file truncated at byte {size}: inside the {fmt.HEADER.size}-byte header")
         if len(head) < fmt.HEADER.size or head[:8] != fmt.HEADER_MAGIC:
             # not a plain "damaged" (whose advice is to delete the file): it may be any other file given by mistake
