@@ -331,3 +331,11 @@ def test_the_commands_report_equals_the_workflows_byte_for_byte(tmp_path, capsys
     write_json_atomic(tmp_path / "wf.json", validate_shard(shard, ref16))
     assert (tmp_path / "r/S.json").read_bytes() == (tmp_path / "wf.json").read_bytes()
     assert json.loads((tmp_path / "wf.json").read_text())["reference"] == str(ref16)
+
+
+def test_a_file_that_is_no_shard_is_named_once(tmp_path):
+    other = tmp_path / "notes.hss"
+    other.write_bytes(b"not a shard, and long enough to hold a header")
+    assert failure_line(validate_shard(other, REFERENCE)) == (
+        f"{other}: shard structure: check integrity failed: not an hsextract shard (bad magic at byte 0); a shard "
+        "damaged at its start reads so too: if this is one of a run's shards, delete it and rerun its chunk")

@@ -203,7 +203,7 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         fail("integrity", e.sample, None, e.what)
         reader = None
     except ShardError as e:
-        fail("integrity", None, None, str(e))
+        fail("integrity", None, None, str(e).removeprefix(f"{path}: "))  # the report names the file already
         reader = None
     if reader is not None:
         meta = reader.metadata
