@@ -609,7 +609,7 @@ def test_message_weight_zero_marks_an_assistant_turn_untrained():
     (Conversation.untrained, by message index after a `system` inserted in front); other roles are never trained."""
     msgs = [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "bad", "weight": 0},
             {"role": "user", "content": "again"}, {"role": "assistant", "content": "good", "weight": 1.0},
-            {"role": "assistant", "content": "more", "weight": False}]
+            {"role": "assistant", "content": "more", "weight": 0.0}]
     conv = normalize_record({"messages": msgs})
     assert conv.untrained == frozenset({1, 4}) and all("weight" not in m for m in conv.messages)
     assert normalize_record({"messages": msgs, "system": "be brief"}).untrained == frozenset({2, 5})
@@ -617,7 +617,7 @@ def test_message_weight_zero_marks_an_assistant_turn_untrained():
     # the same messages without weights are another record for dedup; records without weights hash as before
     assert conversation_hash(conv) != conversation_hash(normalize_record({"messages": [
         {k: v for k, v in m.items() if k != "weight"} for m in msgs]}))
-    for bad in (0.5, "0", 2, [0]):
+    for bad in (0.5, "0", 2, [0], False, True):  # a bool is no number here, as in the config's schema
         with pytest.raises(Exception) as e:
             normalize_record({"messages": [msgs[0], {**msgs[1], "weight": bad}]})
         assert (e.value.reason, e.value.detail) == (
@@ -639,6 +639,12 @@ def test_a_json_list_under_a_jsonl_name_is_refused_saying_to_rename_it(tmp_path)
             "a line")
     (tmp_path / "pretty.json").write_text(json.dumps([OPENAI, OPENAI], indent=1))
     assert len(_read_all([{"path": tmp_path / "pretty.json"}])) == 2
+    # JSON lines whose first record is a list: that record malformed, the others read
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps([OPENAI]) + "\n" + json.dumps(OPENAI) + "\n")
+    counts = {}
+    assert len([c for c in _read_all([{"path": mixed}], strict=False, counts=counts) if c is not None]) == 1
+    assert counts == {"wrong_type": 1}
 
 
 def test_an_empty_mixture_names_each_source_and_what_it_gave(tmp_path):

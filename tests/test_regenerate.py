@@ -1033,3 +1033,22 @@ def test_a_conversation_opening_with_an_assistant_turn_is_refused_saying_why(tmp
         f"{src}:1: regenerate: the context of messages[0]: messages[0] is an assistant turn: nothing comes before "
         "it for the model to have answered (a conversation opens with a user or system message). Remove the "
         "opening assistant message, or set `strict: false` to drop such records")
+
+
+def test_weight_zero_stays_on_the_turns_kept_as_they_were():
+    """`weight: 0` marks a turn of the input as not to train: a turn regenerated is the target's own and trained; a
+    tool-call turn kept word for word (tool_turns: keep) stays untrained, written back with its weight."""
+    from hsextract.prepare.conversations import normalize_record
+    from hsextract.regenerate.files import record
+
+    tok = make_tok("deepseek_v3")
+    msgs = [dict(m) for m in CONVS[3]["messages"]]
+    msgs[1]["weight"] = msgs[3]["weight"] = 0
+    conv = normalize_record({"messages": msgs})
+    assert conv.untrained == frozenset({1, 3})
+    (out,) = regenerate_chunk([conv], Scripted(tok, ["It is warm."]), regen_settings(max_new_tokens=6),
+                              tokenizer=tok, sample_ids=["w"])
+    assert out.messages[3]["content"] == "It is warm." and out.untrained == frozenset({1})
+    rec = record("w", "d", out)
+    assert [m.get("weight") for m in rec["messages"]] == [None, 0, None, None]
+    assert normalize_record(json.loads(json.dumps(rec))).untrained == frozenset({1})

@@ -178,6 +178,9 @@ OVERRIDES = {
     "--speculative-algorithm": "set `sglang.capture`",
     "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
     "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
+    "--cuda-graph-backend-prefill": "set `sglang.prefill_cuda_graph`",
+    "--cuda-graph-config": "it can turn on the prefill CUDA graphs, which `sglang.prefill_cuda_graph` decides; give "
+                           "the decode graphs' settings with their own flags (--cuda-graph-max-bs-decode, ...)",
     "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
                              "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
@@ -302,8 +305,11 @@ def test_flags_under_which_the_capture_misses_rows_are_refused(flag: str) -> Non
     """SGLang 0.5.16 runs rows outside the capture under two-batch overlap (DeepSeek's layers after the dense ones
     outside the capturing loop), PD multiplexing (forward_batch_split_prefill, not hooked) and context
     parallelism (a request's rows over the ranks)."""
-    assert set(hsrv.CAPTURE_FLAGS) == {"--enable-two-batch-overlap", "--enable-pdmux", "--enable-prefill-cp",
-                                       "--attn-cp-size"}
+    assert set(hsrv.CAPTURE_FLAGS) == {
+        "--enable-two-batch-overlap", "--enable-pdmux", "--enable-prefill-cp", "--attn-cp-size",
+        # 0.5.16's alias and deprecated spellings
+        "--attention-context-parallel-size", "--enable-prefill-context-parallel",
+        "--enable-nsa-prefill-context-parallel", "--enable-dsa-prefill-context-parallel"}
     for args in (["--mem-fraction-static", "0.8", flag], ["--mem-fraction-static", "0.8", f"{flag}=2"]):
         with pytest.raises(ConfigError) as e:
             hsrv.ServerConfig(model="/m", aux_layers=AUX, final_state="post_norm", launch_args=tuple(args))
@@ -332,6 +338,9 @@ def test_prefill_graphs_with_a_pre_norm_state_are_refused(tmp_path: Path, monkey
         check(cfg)
     assert str(e.value) == want.format("pre_norm")
     cfg["sglang"] = {"prefill_cuda_graph": False}
+    check(cfg)
+    # an external server is started by its owner: the key starts nothing (config/README.md says what to pass)
+    cfg["sglang"] = {"prefill_cuda_graph": True, "server_url": "http://127.0.0.1:1", "dump_dir": str(tmp_path / "d")}
     check(cfg)
 
 

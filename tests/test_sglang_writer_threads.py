@@ -283,3 +283,28 @@ def test_the_passes_after_a_failed_one_are_dropped_not_dumped_again(tmp_path: Pa
     assert got.pieces == 2 and torch.equal(torch.cat(got.hidden_states, dim=1), ref)
     assert (w.stats.requests_failed, w.stats.requests_done, w.stats.pieces) == (1, 1, 2)
     w.close()
+
+
+def test_a_failed_write_drops_the_requests_later_passes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pass's piece cannot be written (a full disk, say): its `.err` answers the request, the two passes
+    after it are dropped, not written as pieces of a request that can no longer complete."""
+    real = dumpfiles.write_piece
+    calls = []
+
+    def failing(d, rid, start, end, n, blocks):
+        calls.append((start, end))
+        if start == 0:
+            raise OSError(28, "No space left on device")
+        return real(d, rid, start, end, n, blocks)
+
+    monkeypatch.setattr(wmod.dumpfiles, "write_piece", failing)
+    w = DumpWriter(tmp_path, StagingRing(1 << 20, pin=False), threads=2)
+    ids, ref = token_ids(5, 30), states(5, 30)
+    for start, end in ((0, 10), (10, 20), (20, 30)):
+        submit_piece(w, "hsx-w", ids, ref, start, end)
+    w.flush()
+    assert calls == [(0, 10)] and [p.name for p in request_files(tmp_path)] == [dumpfiles.err_name("hsx-w")]
+    assert (w.stats.write_errors, w.stats.rids_reused, w.stats.pieces) == (1, 0, 0)
+    with pytest.raises(EngineError, match=r"writing piece \[0,10\) failed: \[Errno 28\] No space left on device"):
+        dumpfiles.collect(tmp_path, "hsx-w", ids, NT, 1.0)
+    w.close()

@@ -64,7 +64,8 @@ def test_hidden_size_is_compared_only_for_the_same_model(tmp_path):
     # the workflow's validate rule: the shard stays, so the same command alone would fail again
     assert failure_line(report, advice=True) == (
         f"{shard}: sample 0 (id s0): check layout failed: hidden_states[0] has hidden size 16, reference has 7168. "
-        f"Delete {shard} and run the same command: its chunk alone is extracted again")
+        f"The shard holds what the engine computed, so extracting it again gives the same: check the model, the "
+        f"reference sample and the config (then delete {shard} and run the same command)")
     assert failure_line(validate_shard(shard, REFERENCE), advice=True) is None
 
 
@@ -339,3 +340,8 @@ def test_a_file_that_is_no_shard_is_named_once(tmp_path):
     assert failure_line(validate_shard(other, REFERENCE)) == (
         f"{other}: shard structure: check integrity failed: not an hsextract shard (bad magic at byte 0); a shard "
         "damaged at its start reads so too: if this is one of a run's shards, delete it and rerun its chunk")
+    empty = tmp_path / "chunk-00000.hss"
+    empty.write_bytes(b"")
+    assert failure_line(validate_shard(empty, REFERENCE), advice=True) == (
+        f"{empty}: shard structure: check integrity failed: file truncated at byte 0: inside the 20-byte header. "
+        f"Delete {empty} and run the same command: its chunk alone is extracted again")

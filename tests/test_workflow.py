@@ -464,9 +464,10 @@ def test_fewer_chunks_remove_the_earlier_chunks_files(tmp_path: Path, full_run: 
 
 
 def test_prompts_rewritten_under_their_old_mtime_stop_the_manifest(tmp_path: Path, full_run: Path) -> None:
-    """Chunk 1's prompts rewritten with every input id changed, their modification time kept: Snakemake plans
-    nothing (it compares times), but the manifest step, when it runs, stops naming the chunk; deleting the shard, as
-    it says, reruns that chunk alone and the dataset is whole again."""
+    """Chunk 1's prompts rewritten with every input id changed, their modification time kept, and prepare's record
+    of them (summary.json's per_chunk sha256) with them, as a prepare of a release that kept times would: Snakemake
+    plans nothing (it compares times), but the manifest step, when it runs, stops naming the chunk; deleting the
+    shard, as it says, reruns that chunk alone and the dataset is whole again."""
     wd = copy_of(full_run, tmp_path)
     rd = run_dir(wd)
     prompts, shard = rd / "prompts/chunk-00001.parquet", shard_path(wd, 1)
@@ -477,6 +478,11 @@ def test_prompts_rewritten_under_their_old_mtime_stop_the_manifest(tmp_path: Pat
     pq.write_table(table.set_column(table.schema.get_field_index("input_ids"), field,
                                     pyarrow.array(ids, field.type)), prompts)
     os.utime(prompts, ns=(st.st_atime_ns, st.st_mtime_ns))
+    summary_path = rd / "prompts/summary.json"
+    summary, st_summary = json.loads(summary_path.read_text()), summary_path.stat()
+    summary["per_chunk"][1]["sha256"] = sha256_file(prompts)
+    summary_path.write_text(json.dumps(summary))
+    os.utime(summary_path, ns=(st_summary.st_atime_ns, st_summary.st_mtime_ns))
     dry = smk(wd, "-n")
     assert "Nothing to be done" in dry.stdout + dry.stderr
     failed = smk(wd, "--forcerun", "manifest", check=False)
@@ -502,7 +508,8 @@ def test_prompts_rewritten_under_their_old_mtime_stop_the_manifest(tmp_path: Pat
 # full run recorded as made under `engine: sglang` or `regenerate.enabled` (snakemake --touch: nothing runs).
 VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
-    "sglang": {"engine": "sglang"},
+    # post-norm: sglang.prefill_cuda_graph, changed with the other operational keys, is refused with a pre-norm state
+    "sglang": {"engine": "sglang", "final_state": "post_norm"},
     "regenerate": {"regenerate": {"enabled": True}},
     "regenerate_sglang": {"regenerate": {"enabled": True, "engine": "sglang", "server_url": "http://127.0.0.1:30998"}},
     "regenerate_sampled": {"regenerate": {"enabled": True, "temperature": 0.7}},

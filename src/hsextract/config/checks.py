@@ -143,7 +143,10 @@ def check_server(s: Settings) -> None:
     if s.extract.engine == "sglang":
         check_gpus(s.extract.sglang.tp, s.extract.sglang.replicas, s.extract.sglang.gpus)
         check_ports(s.extract.sglang.port, s.extract.sglang.replicas)
-        check_prefill_graph(s.extract.sglang.prefill_cuda_graph, s.extract.final_state)
+        from hsextract.sglang.config import external_urls
+
+        if not external_urls(s.extract):  # the key starts no external server (config/README.md says what to pass)
+            check_prefill_graph(s.extract.sglang.prefill_cuda_graph, s.extract.final_state)
 
 
 def check_engine(s: Settings) -> None:

@@ -268,7 +268,7 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
     if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content"):
         raise _Bad(EMPTY_CONTENT, f"{where} ({role}) has empty content")
     weight = raw.get("weight")
-    if weight is not None and not (isinstance(weight, int | float) and weight in (0, 1)):
+    if weight is not None and (isinstance(weight, bool) or not (isinstance(weight, int | float) and weight in (0, 1))):
         raise _Bad(WRONG_TYPE, f"{where}.weight must be 0 or 1 (whether the message is trained, as in OpenAI's "
                                f"fine-tuning format), got {weight!r}")
     return msg

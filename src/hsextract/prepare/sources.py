@@ -413,6 +413,19 @@ def data_files(spec: Source) -> list[Path]:
     return [p]
 
 
+def _opens_with_a_list(p: Path) -> bool:
+    """A JSON list written over several lines (its first line no JSON value alone), or one line holding it all; a
+    JSON-lines file whose first record is a list, malformed, is read as JSON lines (that record counted)."""
+    with open(p, "rb") as f:
+        first = f.readline(_ONE_OBJECT_MAX_BYTES)
+        more = f.read(1 << 16).strip()
+    try:
+        json.loads(first.decode("utf-8-sig"))
+    except ValueError:
+        return True
+    return not more
+
+
 def open_reader(spec: Source) -> Reader:
     """The reader of a source's file (or save_to_disk directory), by its format and suffix."""
     p = Path(spec.path)
@@ -430,7 +443,7 @@ def open_reader(spec: Source) -> Reader:
         return _JsonListReader(p)
     if p.suffix == ".json" and head.startswith(b"{"):
         _refuse_json_object(p)
-    if head.startswith(b"["):  # read as lines, a list would be one malformed record a line
+    if head.startswith(b"[") and _opens_with_a_list(p):  # read as lines: one malformed record a line
         raise ConfigError(f"{p}: this file holds a JSON list (it opens with `[`), which is read as JSON lines by its "
                           f"name ({p.suffix or 'no suffix'}): name it `.json` to read it as a list of records, or "
                           "write one record a line")

@@ -25,7 +25,8 @@ def stats_path(out_path: str | os.PathLike[str]) -> Path:
 
 
 def record(sample_id: str, source: str, conv: Conversation) -> dict[str, Any]:
-    rec: dict[str, Any] = {"id": sample_id, "source": source, "messages": [as_openai(m) for m in conv.messages]}
+    msgs = [as_openai(m) | ({"weight": 0} if i in conv.untrained else {}) for i, m in enumerate(conv.messages)]
+    rec: dict[str, Any] = {"id": sample_id, "source": source, "messages": msgs}
     if conv.tools:
         rec["tools"] = conv.tools
     return rec

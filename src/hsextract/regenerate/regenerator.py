@@ -162,6 +162,9 @@ class Regenerator:
         work: list[list[dict[str, Any]] | None] = [
             None if c is None else [dict(m) for m in c.messages] for c in conversations]
         tools = [None if c is None else c.tools for c in conversations]
+        # the turns given weight 0 that stay as they were (kept tool-call turns): still untrained; a regenerated turn
+        # is the target's own and trained
+        untrained = [set() if c is None else set(c.untrained) for c in conversations]
         pos: dict[int, int] = {k: 0 for k, w in enumerate(work) if w is not None}
         stats.conversations += len(pos)
         while pos:
@@ -231,6 +234,7 @@ class Regenerator:
                     stats.turns_appended += 1
                 else:
                     msgs[t.j] = msg
+                    untrained[t.conv].discard(t.j)
                     stats.turns_regenerated += 1
                 pos[t.conv] = t.j + 1
         out: list[Conversation | None] = []
@@ -240,7 +244,8 @@ class Regenerator:
                 continue
             if not any(m["role"] == "assistant" for m in w):
                 stats.conversations_cut[NO_ASSISTANT_TURN] += 1
-            out.append(Conversation(messages=w, tools=tools[k]))
+            out.append(Conversation(messages=w, tools=tools[k],
+                                    untrained=frozenset(i for i in untrained[k] if i < len(w))))
         return out
 
 

@@ -158,8 +158,12 @@ def failure_line(report: dict[str, Any], advice: bool = False) -> str | None:
     others = sorted(c for c, v in report["checks"].items() if v["failed"] and c != first["check"])
     more = f" [also failed: {', '.join(others)}]" if others else ""
     line = f"{report['shard']}: {sample}: check {first['check']} failed: {first['detail']}{more}"
-    if advice:
+    if advice and first["check"] in ("integrity", "checksum"):
         line += f". Delete {report['shard']} and run the same command: its chunk alone is extracted again"
+    elif advice:  # the shard holds what the engine computed: extracted again, it would fail again
+        line += (f". The shard holds what the engine computed, so extracting it again gives the same: check the "
+                 f"model, the reference sample and the config (then delete {report['shard']} and run the same "
+                 f"command)")
     return line
 
 

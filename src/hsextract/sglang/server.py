@@ -244,6 +244,10 @@ LAUNCHER_FLAGS: dict[str, str] = {
     "--speculative-algorithm": "set `sglang.capture`",
     "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
     "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
+    # both override --disable-prefill-cuda-graph (0.5.16 server_args.py, _parse_cuda_graph_config)
+    "--cuda-graph-backend-prefill": "set `sglang.prefill_cuda_graph`",
+    "--cuda-graph-config": "it can turn on the prefill CUDA graphs, which `sglang.prefill_cuda_graph` decides; give "
+                           "the decode graphs' settings with their own flags (--cuda-graph-max-bs-decode, ...)",
     "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
                              "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
@@ -287,6 +291,13 @@ CAPTURE_FLAGS: dict[str, str] = {
                            "after the final norm; the capture was never run under it: remove it",
     "--attn-cp-size": "attention context parallelism splits a request's rows over the ranks; the capture was never "
                       "run under it: remove it",
+}
+# 0.5.16's other spellings of the same (server_args.py: an alias, and deprecated flags that set enable_prefill_cp)
+CAPTURE_FLAGS |= {
+    "--attention-context-parallel-size": CAPTURE_FLAGS["--attn-cp-size"],
+    "--enable-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
+    "--enable-nsa-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
+    "--enable-dsa-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
 }
 # environment variables that open the same doors (SGLang reads SGLANG_GRPC_PORT as --grpc-port)
 LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
