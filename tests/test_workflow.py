@@ -831,19 +831,21 @@ def test_files_changed_in_place_rerun_the_rules_that_read_them(tmp_path: Path, f
 
 
 def test_a_release_that_changes_the_tiny_model_rebuilds_it(tmp_path: Path, full_run: Path) -> None:
-    """The tiny model's architecture (hsextract.tinymodel.build.TINY_CONFIG) is make_tiny_model's param: after a
-    finished run, the same config under a release with other head widths (here: a sitecustomize that changes
-    TINY_CONFIG in the Snakemake process) plans the model and everything after it; the same release plans nothing."""
+    """The tiny model's architecture (hsextract.tinymodel.build.TINY_CONFIG) and its weights' recipe (WEIGHTS_RECIPE)
+    are make_tiny_model's param: after a finished run, the same config under a release with other head widths, or
+    another recipe (here: a sitecustomize that changes them in the Snakemake process), plans the model and
+    everything after it; the same release plans nothing."""
     wd = tmp_path / "release"
     shutil.copytree(full_run, wd, symlinks=True)
     assert "Nothing to be done" in smk(wd, "-n").stdout
     shim = tmp_path / "shim"
     shim.mkdir()
-    (shim / "sitecustomize.py").write_text(
-        "from hsextract.tinymodel.build import TINY_CONFIG\nTINY_CONFIG['v_head_dim'] = 64\n")
-    counts = job_counts(smk(wd, "-n", env={"PYTHONPATH": str(shim)}).stdout)
-    assert counts == {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_CHUNKS,
-                      "stats": N_CHUNKS, "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1, "all": 1}, counts
+    for change in ("TINY_CONFIG['v_head_dim'] = 64", "WEIGHTS_RECIPE += 1"):
+        (shim / "sitecustomize.py").write_text(f"import hsextract.tinymodel.build as b\nb.{change}\n")
+        counts = job_counts(smk(wd, "-n", env={"PYTHONPATH": str(shim)}).stdout)
+        assert counts == {"make_tiny_model": 1, "prepare": 1, "extract": N_CHUNKS, "validate": N_CHUNKS,
+                          "stats": N_CHUNKS, "aggregate_stats": 1, "seq_length_hist": 1, "manifest": 1,
+                          "all": 1}, (change, counts)
 
 
 def test_another_runs_tiny_model_is_not_rebuilt_under_it(tmp_path: Path, full_run: Path) -> None:

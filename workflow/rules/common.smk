@@ -8,7 +8,7 @@ from hsextract.config.settings import path_spelling
 from hsextract.extract.gpu_pool import changes_outputs
 from hsextract.shard import SHARD_SUFFIX
 from hsextract.prepare.tokenizer_loading import chat_template_file
-from hsextract.tinymodel.build import TINY_CONFIG
+from hsextract.tinymodel.build import TINY_CONFIG, WEIGHTS_RECIPE
 
 # Every value the rule files read, computed once here from the checked settings (the Snakefile's
 # PLAN); rule files only read them, so the order of the includes does not matter.
@@ -41,8 +41,9 @@ PRODUCED = [f"results/{RUN}", *([MODEL] if SETTINGS.make_tiny_model else [])]
 FILES = {
     name: file_params.params(SETTINGS, name, PRODUCED) for name in file_params.RULES
 }
-# the tiny model's architecture, make_tiny_model's param: a release that changes it rebuilds the model
-TINY_ARCHITECTURE = reruns.plain(TINY_CONFIG)
+# the tiny model's architecture and how its weights are drawn, make_tiny_model's param: a release that changes
+# either rebuilds the model
+TINY_ARCHITECTURE = reruns.plain({**TINY_CONFIG, "weights_recipe": WEIGHTS_RECIPE})
 
 # regenerate.enabled (workflow/rules/regenerate.smk): the assistant turns are rewritten into
 # REGEN_DIR, and prepare reads the regenerated conversations instead of the configured sources.

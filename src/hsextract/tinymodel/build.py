@@ -53,6 +53,11 @@ SPECIAL_TOKENS: tuple[str, ...] = (BOS, EOS, PAD, *ROLE_TOKENS)
 # q_lora_rank/kv_lora_rank present (MLA), qk_head = nope + rope, v_head != qk_head,
 # n_group = topk_group = 1 (Kimi has no group-limited routing), sigmoid scores with
 # a correction bias, norm_topk_prob, routed scaling factor, first layer dense.
+# How the weights are drawn, beside TINY_CONFIG in make_tiny_model's params (workflow/rules/common.smk): bump it when
+# that changes, so that a release drawing them otherwise rebuilds the model and reruns what it made
+# (2: RMSNorm weights uniform in [0.5, 1.5], ones before).
+WEIGHTS_RECIPE = 2
+
 TINY_CONFIG: dict[str, Any] = {
     "num_hidden_layers": 10,
     "hidden_size": 256,
@@ -275,6 +280,7 @@ def make_tiny_model(
             "init_std": init_std,
             "router_std": router_std,
             "conversations": str(conversations_path),
+            "weights_recipe": WEIGHTS_RECIPE,
         }
         (tmp / marker.MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
         for f in tmp.iterdir():  # safetensors writes owner-only files
