@@ -77,43 +77,36 @@ def test_shards_made_from_the_prompts_there_pass(tmp_path: Path) -> None:
         sha256_file(run / "prompts" / f"chunk-0000{c}.parquet") for c in (0, 1)]
 
 
-def test_a_shard_older_than_its_rewritten_prompts_is_an_error_naming_the_chunk(tmp_path: Path) -> None:
-    """Every input id of chunk 1's prompts changed, the file's modification time kept (Snakemake plans nothing)."""
+@pytest.mark.parametrize("by", ["prepare", "damage"])
+def test_prompts_changed_under_their_old_time_are_an_error_naming_the_chunk(tmp_path: Path, by: str) -> None:
+    """Chunk 1's prompts changed, the file's modification time kept (Snakemake plans nothing). prepare's summary.json
+    records each prompts file's sha256: rewritten by prepare (every input id, the record with them), the shard is
+    stale; changed behind prepare's back (a bit flipped: the record still the shard's), the shard is good and the
+    prompts file is to restore."""
     run = make_run(tmp_path, 2)
     prompts, shard = run / "prompts" / "chunk-00001.parquet", run / "shards" / "chunk-00001.hss"
     recorded, st = sha256_file(prompts), prompts.stat()
-    write_prompts(prompts, 1, shift=1)
+    if by == "prepare":
+        write_prompts(prompts, 1, shift=1)
+    else:
+        (run / "prompts" / "summary.json").write_text(json.dumps({"read": 4, "per_chunk": [
+            {"chunk": c, "sha256": sha256_file(run / "prompts" / f"chunk-0000{c}.parquet")} for c in (0, 1)]}))
+        assert manifest(run, 2)["all_valid"] is True
+        data = bytearray(prompts.read_bytes())
+        data[len(data) // 2] ^= 1
+        prompts.write_bytes(bytes(data))
     os.utime(prompts, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(ValidationFailure) as e:
         manifest(run, 2)
+    now = sha256_file(prompts)
     assert str(e.value) == (
-        f"{shard}: chunk 1 was extracted from prompts of sha256 {recorded}, but {prompts} now has sha256 "
-        f"{sha256_file(prompts)}: the prompts changed after the shard was written (and kept an older modification "
-        "time, so Snakemake did not rerun the chunk). Delete the shard and rerun: only its chunk is extracted again.")
-
-
-def test_damaged_prompts_are_told_from_rewritten_ones_by_what_prepare_recorded(tmp_path: Path) -> None:
-    """prepare's summary.json records each prompts file's sha256: a file that differs from it and from the shard's
-    record, while those two agree, was damaged after the shard was made (bit rot keeps the modification time): the
-    shard is good, the prompts are to restore."""
-    run = make_run(tmp_path, 2)
-    prompts, shard = run / "prompts" / "chunk-00001.parquet", run / "shards" / "chunk-00001.hss"
-    summary = run / "prompts" / "summary.json"
-    recorded, st = sha256_file(prompts), prompts.stat()
-    summary.write_text(json.dumps({"read": 4, "per_chunk": [
-        {"chunk": c, "sha256": sha256_file(run / "prompts" / f"chunk-0000{c}.parquet")} for c in (0, 1)]}))
-    assert manifest(run, 2)["all_valid"] is True
-    data = bytearray(prompts.read_bytes())
-    data[len(data) // 2] ^= 1
-    prompts.write_bytes(bytes(data))
-    os.utime(prompts, ns=(st.st_atime_ns, st.st_mtime_ns))
-    with pytest.raises(ValidationFailure) as e:
-        manifest(run, 2)
-    assert str(e.value) == (
+        f"{shard}: chunk 1 was extracted from prompts of sha256 {recorded}, but {prompts} now has sha256 {now}: the "
+        "prompts changed after the shard was written (and kept an older modification time, so Snakemake did not "
+        "rerun the chunk). Delete the shard and rerun: only its chunk is extracted again." if by == "prepare" else
         f"{shard}: chunk 1 was extracted from prompts of sha256 {recorded}, which prepare wrote, but {prompts} now "
-        f"has sha256 {sha256_file(prompts)}: the prompts file was damaged or changed since, the shard is good. "
-        f"Restore {prompts} (`cp -p` from a copy); or delete it and run the same command, which writes every "
-        "chunk's prompts again and extracts every chunk again.")
+        f"has sha256 {now}: the prompts file was damaged or changed since, the shard is good. Restore {prompts} "
+        "(`cp -p` from a copy); or delete it and run the same command, which writes every chunk's prompts again and "
+        "extracts every chunk again.")
 
 
 def test_a_shard_of_another_run_is_named_as_such(tmp_path: Path) -> None:
