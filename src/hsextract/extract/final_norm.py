@@ -42,7 +42,7 @@ NORM_KINDS = {
                      "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_vl", "glm4", "glm4_moe",
                      "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "exaone4"), RMS_NORM),
     "gpt_oss": RMS_NORM_F32,
-    **dict.fromkeys(("gemma2", "gemma3_text", "qwen3_next"), RMS_NORM_OFFSET),
+    **dict.fromkeys(("gemma", "gemma2", "gemma3_text", "qwen3_next"), RMS_NORM_OFFSET),
 }
 _KINDS = sorted(set(NORM_KINDS.values()))
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
