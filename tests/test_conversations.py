@@ -641,7 +641,7 @@ def test_a_json_list_under_a_jsonl_name_is_refused_saying_to_rename_it(tmp_path)
     assert len(_read_all([{"path": tmp_path / "pretty.json"}])) == 2
     # JSON lines whose first record is a list: that record malformed, the others read
     mixed = tmp_path / "mixed.jsonl"
-    mixed.write_text(json.dumps([OPENAI]) + "\n" + json.dumps(OPENAI) + "\n")
+    mixed.write_text("\n" + json.dumps([OPENAI]) + "\n" + json.dumps(OPENAI) + "\n")  # a blank line first too
     counts = {}
     assert len([c for c in _read_all([{"path": mixed}], strict=False, counts=counts) if c is not None]) == 1
     assert counts == {"wrong_type": 1}

@@ -178,9 +178,6 @@ OVERRIDES = {
     "--speculative-algorithm": "set `sglang.capture`",
     "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
     "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
-    "--cuda-graph-backend-prefill": "set `sglang.prefill_cuda_graph`",
-    "--cuda-graph-config": "it can turn on the prefill CUDA graphs, which `sglang.prefill_cuda_graph` decides; give "
-                           "the decode graphs' settings with their own flags (--cuda-graph-max-bs-decode, ...)",
     "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
                              "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
@@ -317,6 +314,21 @@ def test_flags_under_which_the_capture_misses_rows_are_refused(flag: str) -> Non
     with pytest.raises(ConfigError, match=r"^sglang.launch_args\[0\]: --enable-two-batch \(an abbreviation of "
                                           r"--enable-two-batch-overlap\) may not be given; two-batch overlap runs "):
         hsrv.check_launch_args(["--enable-two-batch"])
+
+
+@pytest.mark.parametrize("flag", ["--cuda-graph-backend-prefill", "--enable-breakable-cuda-graph",
+                                  "--enforce-piecewise-cuda-graph", "--cuda-graph-config"])
+def test_flags_that_turn_the_prefill_graphs_back_on_are_refused(flag: str) -> None:
+    """SGLang 0.5.16 applies the per-phase backend (and its deprecated spellings) and an explicit graph config over
+    --disable-prefill-cuda-graph: whether prefills run on graphs is sglang.prefill_cuda_graph's alone."""
+    what = ("it turns on SGLang's prefill CUDA graphs, which `sglang.prefill_cuda_graph` decides (the launcher passes "
+            "--disable-prefill-cuda-graph unless it is true)")
+    if flag == "--cuda-graph-config":
+        what += "; give the decode graphs' settings with their own flags (--cuda-graph-max-bs-decode, ...)"
+    with pytest.raises(ConfigError) as e:
+        hsrv.check_launch_args(["--cuda-graph-max-bs-decode", "16", flag, "x"])
+    assert str(e.value) == f"sglang.launch_args[2]: {flag} may not be given; {what}"
+    hsrv.check_launch_args(["--cuda-graph-max-bs-decode", "16", "--disable-piecewise-cuda-graph"])
 
 
 def test_prefill_graphs_with_a_pre_norm_state_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

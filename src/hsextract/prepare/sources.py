@@ -417,7 +417,9 @@ def _opens_with_a_list(p: Path) -> bool:
     """A JSON list written over several lines (its first line no JSON value alone), or one line holding it all; a
     JSON-lines file whose first record is a list, malformed, is read as JSON lines (that record counted)."""
     with open(p, "rb") as f:
-        first = f.readline(_ONE_OBJECT_MAX_BYTES)
+        first = b""
+        while not first.strip() and (line := f.readline(_ONE_OBJECT_MAX_BYTES)):  # blank lines are no record
+            first = line
         more = f.read(1 << 16).strip()
     try:
         json.loads(first.decode("utf-8-sig"))

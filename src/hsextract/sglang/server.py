@@ -244,10 +244,6 @@ LAUNCHER_FLAGS: dict[str, str] = {
     "--speculative-algorithm": "set `sglang.capture`",
     "--return-aux-hidden-state-layer-ids": "set `aux_layers`",
     "--disable-prefill-cuda-graph": "set `sglang.prefill_cuda_graph`",
-    # both override --disable-prefill-cuda-graph (0.5.16 server_args.py, _parse_cuda_graph_config)
-    "--cuda-graph-backend-prefill": "set `sglang.prefill_cuda_graph`",
-    "--cuda-graph-config": "it can turn on the prefill CUDA graphs, which `sglang.prefill_cuda_graph` decides; give "
-                           "the decode graphs' settings with their own flags (--cuda-graph-max-bs-decode, ...)",
     "--disable-radix-cache": "the launcher passes it unless share_prefixes is on (which needs the radix cache); "
                              "remove it",
     "--skip-tokenizer-init": "the client sends token ids; remove it",
@@ -299,6 +295,18 @@ CAPTURE_FLAGS |= {
     "--enable-nsa-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
     "--enable-dsa-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
 }
+# Flags that turn SGLang's prefill CUDA graphs back on over the launcher's --disable-prefill-cuda-graph (0.5.16
+# server_args.py, _parse_cuda_graph_config: the per-phase backend and an explicit config win; the deprecated flags set
+# that backend)
+_PREFILL_GRAPHS = ("it turns on SGLang's prefill CUDA graphs, which `sglang.prefill_cuda_graph` decides (the "
+                   "launcher passes --disable-prefill-cuda-graph unless it is true)")
+GRAPH_FLAGS: dict[str, str] = {
+    "--cuda-graph-backend-prefill": _PREFILL_GRAPHS,
+    "--enable-breakable-cuda-graph": _PREFILL_GRAPHS,
+    "--enforce-piecewise-cuda-graph": _PREFILL_GRAPHS,
+    "--cuda-graph-config": f"{_PREFILL_GRAPHS}; give the decode graphs' settings with their own flags "
+                           "(--cuda-graph-max-bs-decode, ...)",
+}
 # environment variables that open the same doors (SGLang reads SGLANG_GRPC_PORT as --grpc-port)
 LAUNCHER_ENV: dict[str, str] = {"SGLANG_GRPC_PORT": _GRPC}
 
@@ -332,10 +340,10 @@ def check_ports(port: int, replicas: int) -> None:
 
 def check_launch_args(launch_args: Sequence[str]) -> None:
     """ConfigError naming the first item of `sglang.launch_args` that sets (or abbreviates) a LAUNCHER_FLAGS,
-    CLOSED_FLAGS, CAPTURE_FLAGS or PARALLEL_FLAGS flag."""
+    CLOSED_FLAGS, CAPTURE_FLAGS, GRAPH_FLAGS or PARALLEL_FLAGS flag."""
     dp_attention = any(flag_meant(a, ["--enable-dp-attention"]) for a in launch_args)
-    flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS, **CAPTURE_FLAGS, **{f: m for f, m in PARALLEL_FLAGS.items()
-                                                                   if not (dp_attention and f in _DP)}}
+    flags = {**LAUNCHER_FLAGS, **CLOSED_FLAGS, **CAPTURE_FLAGS, **GRAPH_FLAGS,
+             **{f: m for f, m in PARALLEL_FLAGS.items() if not (dp_attention and f in _DP)}}
     for i, arg in enumerate(launch_args):  # the value is never shown (it may be a key)
         name = arg.split("=", 1)[0]
         if arg.startswith("-") and len(words := name.split()) > 1:  # "--tp 4": one argument to SGLang's parser
