@@ -137,7 +137,7 @@ class ChatMasker:
         if empty:
             self.stats["turns_empty"] += len(empty)
         # turns given weight 0 stay context; a conversation of such turns only gives a sample with nothing trained
-        # (prepare drops it: no_trained_tokens)
+        # (prepare drops it as no_trained_tokens, unless min_trained_tokens is 0)
         weight_0 = {t.turn.index for t in turns} & conv.untrained - empty
         if weight_0:
             self.stats["turns_weight_0"] += len(weight_0)
