@@ -63,9 +63,11 @@ def test_export_command(shard, tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == (
         f"exported 3 samples (16 tokens) as specforge to {out}\n"
-        "layers: hidden_states[1, 2, 3] = outputs of decoder layers 0, 1, 2; specforge: {'hf_backend': "
-        "{'aux_hidden_states_layers': [0, 1, 2]}, 'sglang_backend': {'aux_hidden_states_layers': None, 'note': \"the "
-        "target's architecture is not recorded: its class decides SGLang's rule\"}}\n"
+        "layers: hidden_states[1, 2, 3] = outputs of decoder layers 0, 1, 2; specforge: {'0.2.0': "
+        "{'aux_hidden_state_layer_ids': None, 'note': \"the target's architecture is not recorded: its class decides "
+        "SGLang's rule\"}, 'hf_backend': {'aux_hidden_states_layers': [0, 1, 2]}, 'sglang_backend': "
+        "{'aux_hidden_states_layers': None, 'note': \"the target's architecture is not recorded: its class decides "
+        "SGLang's rule\"}}\n"
         "drafter config eagle_aux_hidden_state_layer_ids: vLLM [1, 2, 3], SGLang 0.5.16 (the target's architecture is "
         f"not recorded: its class decides SGLang's rule) (all in {out}/layers.json)\n")
     assert captured.err == ""  # post_norm data to SpecForge: nothing to warn about

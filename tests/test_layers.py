@@ -29,8 +29,10 @@ def test_each_consumer_gets_its_own_ids_for_kimi_k25() -> None:
     # SGLang 0.5.16's DeepseekV2 (KimiK25 delegates): ids as given unless the first is 1
     assert d["sglang_0.5.16"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]
     assert d["sglang_dflash"] == {"target_layer_ids": [1, 29, 57]}
-    # SpecForge: its HF backend hooks layer outputs, its SGLang backend hands the list to SGLang's rule
-    assert d["specforge"] == {"hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
+    # SpecForge 0.2.0 hands its ids to SGLang's rule; before it, an HF backend hooked layer outputs and an SGLang
+    # backend handed the list to SGLang's rule
+    assert d["specforge"] == {"0.2.0": {"aux_hidden_state_layer_ids": [2, 30, 58]},
+                              "hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
                               "sglang_backend": {"aux_hidden_states_layers": [2, 30, 58]}}
     assert d["speculators_0.4_data_config"] == {"layer_ids": [1, 29, 57, 60]}
 
@@ -47,8 +49,10 @@ def test_sglangs_rules_per_class() -> None:
            "capture [1, 5, 7]")
     assert d["sglang_0.5.16"]["note"] == why
     assert d["specforge"]["sglang_backend"] == {"aux_hidden_states_layers": None, "note": why}
+    assert d["specforge"]["0.2.0"] == {"aux_hidden_state_layer_ids": None, "note": why}
     # the older choice for Kimi (outputs of layers 2, 30, 58): the backends' values differ by one
     assert drafter_config([3, 31, 59], 61, KIMI)["specforge"] == {
+        "0.2.0": {"aux_hidden_state_layer_ids": [3, 31, 59]},
         "hf_backend": {"aux_hidden_states_layers": [2, 30, 58]},
         "sglang_backend": {"aux_hidden_states_layers": [3, 31, 59]}}
     # the embeddings are no layer's output
@@ -72,7 +76,8 @@ def _kimi_run(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("fmt,consumer,ids", [
     ("speculators-v1", "speculators_0.4_data_config", {"layer_ids": [1, 29, 57, 60]}),
     ("speculators-safetensors", "vllm", {"eagle_aux_hidden_state_layer_ids": [2, 30, 58]}),
-    ("specforge", "specforge", {"hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
+    ("specforge", "specforge", {"0.2.0": {"aux_hidden_state_layer_ids": [2, 30, 58]},
+                                "hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
                                 "sglang_backend": {"aux_hidden_states_layers": [2, 30, 58]}}),
 ])
 def test_every_export_writes_its_consumers_ids_and_the_drafter_config(
@@ -107,6 +112,8 @@ def test_a_shard_written_before_the_convention_reads_with_its_recorded_meaning(t
         "               = hidden_states[2, 6, 8] = outputs of decoder layers 1, 5, 7"]
     assert text[i + 2] == ("drafter config eagle_aux_hidden_state_layer_ids: vLLM [2, 6, 8]; SGLang 0.5.16 the "
                            "target's architecture is not recorded: its class decides SGLang's rule")
+    assert text[i + 3] == ("               SpecForge 0.2.0 aux_hidden_state_layer_ids None; earlier SpecForge "
+                           "aux_hidden_states_layers: HF backend [1, 5, 7], SGLang backend None")
     # in a dataset: the same layers under their hidden_states ids, the recorded convention kept beside
     (tmp_path / "a").mkdir()
     shutil.copy(OLD_SHARD, tmp_path / "a" / "chunk-00000.hss")

@@ -230,7 +230,8 @@ def test_full_run_validates(full_run: Path) -> None:
     assert manifest["layer_convention"] == "hidden_states"
     assert manifest["layers"]["vllm"] == {"eagle_aux_hidden_state_layer_ids": [2, 5, 7]}
     assert manifest["layers"]["sglang_0.5.16"]["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]  # DeepseekV3: raw
-    assert manifest["layers"]["specforge"] == {"hf_backend": {"aux_hidden_states_layers": [1, 4, 6]},
+    assert manifest["layers"]["specforge"] == {"0.2.0": {"aux_hidden_state_layer_ids": [2, 5, 7]},
+                                               "hf_backend": {"aux_hidden_states_layers": [1, 4, 6]},
                                                "sglang_backend": {"aux_hidden_states_layers": [2, 5, 7]}}
     assert manifest["provenance"]["config"]["run_name"] == RUN
     assert len(manifest["provenance"]["model_hash"]) == 64

@@ -110,9 +110,12 @@ def drafter_config(hs_ids: Sequence[int], num_layers: int | None, architecture: 
             **no_sglang,
         },
         "sglang_dflash": {"target_layer_ids": out, **no_output},
-        # SpecForge's HF backend hooks the outputs of layers[i]; its SGLang backend hands the same list (and a
-        # drafter config's eagle_aux_hidden_state_layer_ids) to SGLang's set_eagle3_layers_to_capture
+        # SpecForge 0.2.0: `model.aux_hidden_state_layer_ids` (else the draft config's
+        # eagle_aux_hidden_state_layer_ids) goes to SGLang's set_eagle3_layers_to_capture, its only capture
+        # backend. Earlier SpecForge: `aux_hidden_states_layers`, whose HF backend hooked the outputs of layers[i]
+        # and whose SGLang backend handed the list to SGLang
         "specforge": {
+            "0.2.0": {"aux_hidden_state_layer_ids": sglang, **no_sglang},
             "hf_backend": {"aux_hidden_states_layers": out, **no_output},
             "sglang_backend": {"aux_hidden_states_layers": sglang, **no_sglang},
         },

@@ -77,7 +77,9 @@ def _layers_text(li: dict[str, Any]) -> list[str]:
                  f"{li['vllm']['eagle_aux_hidden_state_layer_ids']}; SGLang 0.5.16 {sgl_text}")
     sf = li["specforge"]
     hf, sgl_backend = (sf[k]["aux_hidden_states_layers"] for k in ("hf_backend", "sglang_backend"))
-    lines.append(f"               SpecForge aux_hidden_states_layers: HF backend {hf}, SGLang backend {sgl_backend}")
+    now = sf.get("0.2.0", {}).get("aux_hidden_state_layer_ids", sgl_backend)  # layers recorded before it said so
+    lines.append(f"               SpecForge 0.2.0 aux_hidden_state_layer_ids {now}; earlier SpecForge "
+                 f"aux_hidden_states_layers: HF backend {hf}, SGLang backend {sgl_backend}")
     return lines
 
 
