@@ -135,6 +135,21 @@ def test_specforge_keys_shapes_values(run_dir, tmp_path):
             assert torch.equal(bits(d["aux_hidden_state"][0, :, 16 * k:16 * (k + 1)]), bits(ours["hidden_states"][k]))
 
 
+def test_specforge_is_told_of_an_aux_layer_count_its_model_does_not_take(tmp_path, capsys):
+    """SpecForge 0.2.0's EAGLE-3 draft model takes exactly 3 aux layers (read in its model_providers.py): an export
+    of another count says so (a note: the data is exported all the same)."""
+    shards = tmp_path / "run" / "shards"
+    shards.mkdir(parents=True)
+    with ShardWriter(shards / "chunk-00000.hss", shard_metadata(aux_layers=[1, 2], final_state="post_norm")) as w:
+        w.add(*make_sample(5, n=3), sample_id="a")
+    run = finish_run(tmp_path / "run")
+    note = f"{run} holds 2 aux layers, and SpecForge 0.2.0's EAGLE-3 draft model takes exactly 3 (its trainer would " \
+           "refuse this data); capture: eagle3 stores 3"
+    assert export(run, tmp_path / "sf", "specforge")["notes"] == [note]
+    assert capsys.readouterr().err == f"WARNING: export specforge: {note}\n"
+    assert export(run, tmp_path / "v1", "speculators-safetensors")["notes"] == []
+
+
 def test_specforge_group_folders():
     """SpecForge's names: rows_{g}-{g + 2000}, the last folder's too (it wrote rows_4000-4500 for 4,500 samples)."""
     assert group_dir(0) == group_dir(1999) == "rows_0-2000"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,12 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
             raise ConfigError(f"{out_dir}: holds {held}, which this export reads (an export replaces its folder "
                               f"whole); export into a folder outside {run_dir}")
     check_out_dir(out, force)
+    notes = []
+    if fmt == "specforge" and len(meta["aux_layers"]) != 3:
+        # read in SpecForge 0.2.0's code (algorithms/model_providers.py), not run: a note, not a refusal
+        notes.append(f"{run_dir} holds {len(meta['aux_layers'])} aux layers, and SpecForge 0.2.0's EAGLE-3 draft "
+                     f"model takes exactly 3 (its trainer would refuse this data); capture: eagle3 stores 3")
+        print(f"WARNING: export {fmt}: {notes[-1]}", file=sys.stderr, flush=True)
     final_state = meta["final_state"]
     want = CONSUMER_FINAL_STATE[fmt]
     # pre -> post is computable from the recorded norm (the exporter applies it); post -> pre is not
@@ -86,7 +93,7 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
         if key in summary:
             summary[key] = str(out / summary[key])
     summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
-                   warning=warning, final_norm_applied=norm is not None, layers=layer_ids)
+                   warning=warning, final_norm_applied=norm is not None, layers=layer_ids, notes=notes)
     return summary
 
 
