@@ -277,23 +277,23 @@ PARALLEL_FLAGS: dict[str, str] = {
     "--nccl-init-addr": _NODES,
 }
 _DP = ("--dp-size", "--data-parallel-size")
-# Flags under which SGLang 0.5.16 runs rows where the capture does not see them (never run here with it)
+# Flags under which SGLang 0.5.16 runs rows where the capture does not see them (never run here with it), with their
+# other spellings there (server_args.py: an alias, and deprecated flags that set enable_prefill_cp)
+_PREFILL_CP = ("prefill context parallelism splits a request's rows over the ranks and gathers them after the final "
+               "norm; the capture was never run under it: remove it")
+_ATTN_CP = ("attention context parallelism splits a request's rows over the ranks; the capture was never run under "
+            "it: remove it")
 CAPTURE_FLAGS: dict[str, str] = {
     "--enable-two-batch-overlap": "two-batch overlap runs DeepSeek's layers after the dense ones outside the loop "
                                   "that captures the aux layers (deepseek_v2.py, can_run_tbo); remove it",
     "--enable-pdmux": "PD multiplexing prefills through forward_batch_split_prefill, which the capture does not "
                       "hook; remove it",
-    "--enable-prefill-cp": "prefill context parallelism splits a request's rows over the ranks and gathers them "
-                           "after the final norm; the capture was never run under it: remove it",
-    "--attn-cp-size": "attention context parallelism splits a request's rows over the ranks; the capture was never "
-                      "run under it: remove it",
-}
-# 0.5.16's other spellings of the same (server_args.py: an alias, and deprecated flags that set enable_prefill_cp)
-CAPTURE_FLAGS |= {
-    "--attention-context-parallel-size": CAPTURE_FLAGS["--attn-cp-size"],
-    "--enable-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
-    "--enable-nsa-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
-    "--enable-dsa-prefill-context-parallel": CAPTURE_FLAGS["--enable-prefill-cp"],
+    "--enable-prefill-cp": _PREFILL_CP,
+    "--enable-prefill-context-parallel": _PREFILL_CP,
+    "--enable-nsa-prefill-context-parallel": _PREFILL_CP,
+    "--enable-dsa-prefill-context-parallel": _PREFILL_CP,
+    "--attn-cp-size": _ATTN_CP,
+    "--attention-context-parallel-size": _ATTN_CP,
 }
 # Flags that turn SGLang's prefill CUDA graphs back on over the launcher's --disable-prefill-cuda-graph (0.5.16
 # server_args.py, _parse_cuda_graph_config: the per-phase backend and an explicit config win; the deprecated flags set
