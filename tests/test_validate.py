@@ -1,6 +1,7 @@
 """Validation: the reference validates; every check fails on a sample crafted to break it, with its exact line."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,9 @@ def test_a_file_that_is_no_shard_is_named_once(tmp_path):
     assert failure_line(validate_shard(other, REFERENCE)) == (
         f"{other}: shard structure: check integrity failed: not an hsextract shard (bad magic at byte 0); a shard "
         "damaged at its start reads so too: if this is one of a run's shards, delete it and rerun its chunk")
+    dotted = f"./{os.path.relpath(other)}"  # ShardError spells it without "./": still named once
+    assert failure_line(validate_shard(dotted, REFERENCE)).startswith(
+        f"{dotted}: shard structure: check integrity failed: not an hsextract shard (bad magic at byte 0); ")
     empty = tmp_path / "chunk-00000.hss"
     empty.write_bytes(b"")
     assert failure_line(validate_shard(empty, REFERENCE), advice=True) == (

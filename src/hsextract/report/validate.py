@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -207,7 +208,7 @@ def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[st
         fail("integrity", e.sample, None, e.what)
         reader = None
     except ShardError as e:
-        fail("integrity", None, None, str(e).removeprefix(f"{path}: "))  # the report names the file already
+        fail("integrity", None, None, str(e).removeprefix(f"{Path(path)}: "))  # named by the report
         reader = None
     if reader is not None:
         meta = reader.metadata
