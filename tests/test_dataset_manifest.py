@@ -69,6 +69,11 @@ def test_the_missing_shard_message_names_the_cli_option_too(run, tmp_path, capsy
     assert not out.exists()
     assert main(["export", "--format", "speculators-v1", "--allow-missing", str(run), str(out)]) == 0
     assert capsys.readouterr().out.startswith(f"exported 2 samples (12 tokens) as speculators-v1 to {out / 'data'}\n")
+    from hsextract.export import export  # the summary says it too, not only the warning on stderr
+
+    assert export(run, tmp_path / "again", "speculators-v1", allow_missing=True)["notes"] == [
+        f"{run}: exported from 2 of the 3 shards its dataset.json lists (--allow-missing): the others' samples are "
+        "not in this export"]
 
 
 def test_allow_missing_reads_the_rest_with_a_warning(run, capsys):

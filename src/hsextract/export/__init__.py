@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -72,6 +73,10 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
                               f"whole); export into a folder outside {run_dir}")
     check_out_dir(out, force)
     notes = []
+    listed = _listed_shards(Path(run_dir)) if allow_missing else None
+    if listed is not None and len(ds.readers) < listed:  # said in the summary too, not only on stderr
+        notes.append(f"{run_dir}: exported from {len(ds.readers)} of the {listed} shards its dataset.json lists "
+                     f"(--allow-missing): the others' samples are not in this export")
     if fmt == "specforge" and len(meta["aux_layers"]) != 3:
         # read in SpecForge 0.2.0's code (algorithms/model_providers.py), not run: a note, not a refusal
         notes.append(f"{run_dir} holds {len(meta['aux_layers'])} aux layers, and SpecForge 0.2.0's EAGLE-3 draft "
@@ -95,6 +100,14 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
                    warning=warning, final_norm_applied=norm is not None, layers=layer_ids, notes=notes)
     return summary
+
+
+def _listed_shards(run_dir: Path) -> int | None:
+    """How many shards a run folder's dataset.json lists (None for a shards folder or shard list)."""
+    from hsextract.dataset import MANIFEST_NAME
+
+    manifest = run_dir if run_dir.name == MANIFEST_NAME else run_dir / MANIFEST_NAME
+    return len(json.loads(manifest.read_text())["shards"]) if manifest.is_file() else None
 
 
 __all__ = ["CONSUMER_FINAL_STATE", "FORMATS", "FinalNormWarning", "export", "final_norm_message"]
