@@ -35,28 +35,32 @@ def test_records_partition_the_input() -> None:
 
 def test_remove_beyond_removes_exactly_the_later_chunks_files(tmp_path, capsys) -> None:
     """An earlier configuration's per-chunk files (chunk >= the count now) are removed, one line each; nothing that
-    is not named exactly `chunk-NNNNN<suffix>` is touched: other names, other suffixes, folders, a link's target."""
+    is not named exactly `chunk-NNNNN<suffix>` (or a killed write's temporary file of one) is touched: other names,
+    other suffixes, folders, a link's target."""
     d = tmp_path / "prompts"
     d.mkdir()
     for name in ("chunk-00000.parquet", "chunk-00001.parquet", "chunk-00002.parquet", "chunk-00010.parquet",
                  "chunk-00003.parquet.bak", "chunk-3.parquet", "chunk-000004.parquet", "chunk-00005.json",
-                 ".chunk-00006.parquet.x1.tmp", "summary.json", "xchunk-00007.parquet"):
+                 ".chunk-00006.parquet.x1.tmp", "summary.json", "xchunk-00007.parquet",
+                 ".chunk-00006.parquet.0123456789abcdef.tmp", ".chunk-00000.parquet.0123456789abcdef.tmp"):
         (d / name).write_text("x")
     (d / "chunk-00008.parquet").mkdir()  # a folder of that name: not a per-chunk file
     target = tmp_path / "elsewhere.parquet"
     target.write_text("keep me")
     (d / "chunk-00009.parquet").symlink_to(target)
     assert [(p.name, c) for p, c in chunks.beyond(d, ".parquet", 1)] == [
-        ("chunk-00001.parquet", 1), ("chunk-00002.parquet", 2), ("chunk-00009.parquet", 9),
-        ("chunk-00010.parquet", 10)]
+        ("chunk-00001.parquet", 1), ("chunk-00002.parquet", 2), (".chunk-00006.parquet.0123456789abcdef.tmp", 6),
+        ("chunk-00009.parquet", 9), ("chunk-00010.parquet", 10)]
+    gone = ("chunk-00001.parquet", "chunk-00002.parquet", ".chunk-00006.parquet.0123456789abcdef.tmp",
+            "chunk-00009.parquet", "chunk-00010.parquet")
     removed = chunks.remove_beyond(d, ".parquet", 1)
-    assert [p.name for p in removed] == ["chunk-00001.parquet", "chunk-00002.parquet", "chunk-00009.parquet",
-                                         "chunk-00010.parquet"]
+    assert tuple(p.name for p in removed) == gone
     assert capsys.readouterr().out.splitlines() == [
-        f"removed {d / n}: chunk {int(n[6:11])} of an earlier configuration (now 1 chunks)"
-        for n in ("chunk-00001.parquet", "chunk-00002.parquet", "chunk-00009.parquet", "chunk-00010.parquet")]
-    assert sorted(p.name for p in d.iterdir()) == [
-        ".chunk-00006.parquet.x1.tmp", "chunk-00000.parquet", "chunk-000004.parquet", "chunk-00003.parquet.bak",
+        f"removed {d / n}: chunk {c} of an earlier configuration (now 1 chunks)"
+        for n, c in zip(gone, (1, 2, 6, 9, 10), strict=True)]
+    assert sorted(p.name for p in d.iterdir()) == [  # chunk 0's temporary file: its next write removes it
+        ".chunk-00000.parquet.0123456789abcdef.tmp", ".chunk-00006.parquet.x1.tmp", "chunk-00000.parquet",
+        "chunk-000004.parquet", "chunk-00003.parquet.bak",
         "chunk-00005.json", "chunk-00008.parquet", "chunk-3.parquet", "summary.json", "xchunk-00007.parquet"]
     assert target.read_text() == "keep me"
     # nothing beyond the count: nothing removed, nothing printed; a missing folder holds nothing

@@ -65,8 +65,9 @@ def of_name(file_name: str, suffix: str) -> int | None:
 
 
 def beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int) -> list[tuple[Path, int]]:
-    """The per-chunk files in `folder` (named exactly `chunk-NNNNN<suffix>`, 5 digits) of a chunk >= `n_chunks`,
-    with their chunk, in chunk order; nothing else (another name, a folder) is listed. A missing folder holds none."""
+    """The per-chunk files in `folder` (named exactly `chunk-NNNNN<suffix>`, 5 digits, or a killed write's temporary
+    file of one) of a chunk >= `n_chunks`, with their chunk, in chunk order; nothing else (another name, a folder)
+    is listed. A missing folder holds none."""
     try:
         entries = list(os.scandir(folder))
     except FileNotFoundError:
@@ -74,6 +75,8 @@ def beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int) -> list[t
     found = []
     for e in entries:
         chunk = of_name(e.name, suffix)
+        if chunk is None and (m := re.fullmatch(r"\.(.+)\.[0-9a-f]{16}\.tmp", e.name)):  # a killed write's
+            chunk = of_name(m[1], suffix)  # temporary file (hsextract.atomic.temp_name): GBs of a partial shard
         if chunk is not None and chunk >= n_chunks and not e.is_dir(follow_symlinks=False):
             found.append((Path(folder) / e.name, chunk))
     return sorted(found, key=lambda f: f[1])
