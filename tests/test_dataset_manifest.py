@@ -46,6 +46,34 @@ def test_a_shard_named_twice_is_refused_not_read_twice(run):
                             "holds each shard once")
 
 
+def test_a_later_run_under_way_is_told_from_damage(run):
+    """A later run (another config) killed part way: prepare rewrote the prompts, some chunks were extracted again,
+    dataset.json is the earlier run's. Deleting the "changed" shards, the advice for damage, would throw away the
+    later run's finished chunks."""
+    manifest = json.loads((run / "dataset.json").read_text())
+    for c, e in enumerate(manifest["shards"]):  # as the workflow's manifest records them
+        e["chunk"], e["prompts_sha256"] = c, str(c) * 64
+    (run / "dataset.json").write_text(json.dumps(manifest))
+    (run / "prompts").mkdir()
+    summary = {"per_chunk": [{"chunk": c, "sha256": e["prompts_sha256"]} for c, e in enumerate(manifest["shards"])]}
+    summary["per_chunk"][2]["sha256"] = "0" * 64  # chunk 2's prompts rewritten, and its shard extracted again
+    (run / "prompts" / "summary.json").write_text(json.dumps(summary))
+    again = run / "shards" / "chunk-00002.hss"
+    with ShardWriter(again, shard_metadata(final_state="pre_norm", chunk=2)) as w:
+        w.add(*make_sample(9, seed=5), sample_id="id2")
+    with pytest.raises(ShardError) as e:
+        open_dataset(run)
+    assert str(e.value) == (
+        f"{again}: {again.stat().st_size} bytes, {run / 'dataset.json'} records {manifest['shards'][2]['bytes']}. "
+        f"{run} is part way through a later run: prepare rewrote the prompts of chunk 2 after {run / 'dataset.json'}"
+        " was written, and that run extracts them again. Finish it (its command and config file: dataset.json is "
+        "written again once every chunk is done); deleting shards would throw away chunks it already extracted")
+    summary["per_chunk"][2]["sha256"] = manifest["shards"][2]["prompts_sha256"]  # the same prompts: damage
+    (run / "prompts" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ShardError, match=f"Delete {again}, then rerun the workflow"):
+        open_dataset(run)
+
+
 def test_deleted_shard_is_an_error_naming_it(run):
     gone = run / "shards" / "chunk-00001.hss"
     gone.unlink()

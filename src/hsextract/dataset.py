@@ -81,6 +81,13 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
             ok.append(path)
     if problems:
         what = "; ".join(problems)
+        rewritten = _prompts_rewritten(run_dir, entries)
+        if rewritten and not allow_missing:  # not damage: a later run of the folder is under way
+            raise ShardError(
+                f"{what}. {run_dir} is part way through a later run: prepare rewrote the prompts of chunk "
+                f"{', '.join(map(str, rewritten))} after {manifest} was written, and that run extracts them again. "
+                f"Finish it (its command and config file: {MANIFEST_NAME} is written again once every chunk is done)"
+                f"; deleting shards would throw away chunks it already extracted")
         if not allow_missing:
             delete = f"Delete {' '.join(damaged)}, then rerun" if damaged else "Rerun"
             raise ShardError(f"{what}. {delete} the workflow (`snakemake --cores N`): only these chunks are "
@@ -90,6 +97,26 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
     if not ok:
         raise ShardError(f"{manifest}: none of its {len(listed)} shards can be read")
     return ok
+
+
+def _prompts_rewritten(run_dir: Path, entries: list[dict[str, Any]]) -> list[int]:
+    """The chunks whose prompts prepare recorded (prompts/summary.json) with another sha256 than the manifest's
+    shard was made from: a later run rewrote them. Unknown (an older summary, none at all): none."""
+    from hsextract.config import chunks
+
+    try:
+        summary = json.loads((run_dir / "prompts" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for e in entries:
+        try:
+            now = chunks.written_sha256(summary, e.get("chunk"))
+        except (AttributeError, TypeError):  # not prepare's summary: nothing known
+            return []
+        if now is not None and e.get("prompts_sha256") is not None and now != e["prompts_sha256"]:
+            out.append(e["chunk"])
+    return out
 
 
 def _each_once(shards: list[Path], where: str) -> list[Path]:
