@@ -55,6 +55,33 @@ def test_a_failing_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None
     assert (tmp_path / "a.json").read_text() == "old" and listing(tmp_path) == ["a.json"]
 
 
+def test_a_folder_that_refuses_the_clean_up_does_not_hide_the_first_error(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A folder made read-only mid-write (audit, `chattr +i`) refused the rename, then the temp's removal: the
+    removal's PermissionError was raised, chained to the rename's, and the cause showed only as its context."""
+    from conftest import make_sample, shard_metadata
+
+    from hsextract.shard import ShardWriter
+
+    def refused(*args, **kwargs):
+        raise PermissionError(13, "Operation not permitted (folder made read-only)")
+
+    real_unlink = Path.unlink
+    monkeypatch.setattr(os, "replace", refused)
+    monkeypatch.setattr(Path, "unlink", lambda self, missing_ok=False: refused() if self.name.endswith(".tmp")
+                        else real_unlink(self, missing_ok=missing_ok))
+    with pytest.raises(PermissionError) as e:
+        write_bytes_atomic(tmp_path / "a.bin", b"data")
+    assert e.value.__context__ is None  # the rename's refusal itself, nothing raised while handling it
+    with pytest.raises(PermissionError) as e, ShardWriter(tmp_path / "s.hss", shard_metadata()) as w:
+        w.add(*make_sample(5))
+        raise PermissionError(13, "written half")
+    assert str(e.value) == "[Errno 13] written half" and e.value.__context__ is None
+    monkeypatch.undo()  # the folder writable again: the next writer of each path removes what was left
+    assert len(remove_temps(tmp_path / "a.bin")) == 1 and len(remove_temps(tmp_path / "s.hss")) == 1
+    assert listing(tmp_path) == []
+
+
 def test_a_planted_symlink_at_the_temporary_name_is_never_followed(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     victim = tmp_path / "victim"

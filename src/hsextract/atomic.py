@@ -20,6 +20,7 @@ beside the plugin package and the other leaves listed in `hsextract.sglang.confi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import glob
@@ -66,6 +67,13 @@ def create_temp(path: str | os.PathLike[str], mode: int = 0o666) -> tuple[int, P
     return _fresh_temp(Path(path), lambda tmp: (os.open(tmp, _FLAGS, mode), tmp))
 
 
+def discard(tmp: Path) -> None:
+    """Remove a failed write's temporary file. A folder that refuses it (made read-only mid-write) must not hide
+    the error that failed the write behind this one: the next writer of the path removes it (remove_temps)."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
+
+
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -85,7 +93,7 @@ def commit(fd: int, tmp: Path, path: str | os.PathLike[str], durable: bool = Tru
             os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
     if durable:
         fsync_dir(Path(path).parent)
@@ -111,7 +119,7 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: Buffer | Sequence[Buf
         _writev_all(fd, chunks)
     except BaseException:
         os.close(fd)
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
     commit(fd, tmp, path, durable)
 
@@ -128,7 +136,7 @@ def atomic_file(path: str | os.PathLike[str], *, durable: bool = True) -> Iterat
     except BaseException:
         f.close()
         os.close(fd)
-        tmp.unlink(missing_ok=True)
+        discard(tmp)
         raise
     f.close()
     commit(fd, tmp, path, durable)

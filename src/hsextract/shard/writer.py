@@ -25,7 +25,7 @@ import xxhash
 import zstandard as zstd
 
 from hsextract import __version__, layers
-from hsextract.atomic import commit, create_temp, remove_temps
+from hsextract.atomic import commit, create_temp, discard, remove_temps
 from hsextract.errors import ShardError
 from hsextract.shard import format as fmt
 from hsextract.shard.codec import (
@@ -179,7 +179,7 @@ class ShardWriter:
         fd, self._tmp = create_temp(self.path)
         # a writer neither closed nor aborted: its temp goes when it is collected or, as its writer thread holds it
         # (so it is not collected before), when the process exits; only SIGKILL leaves one (the next writer's)
-        self._drop_temp = weakref.finalize(self, Path.unlink, self._tmp, missing_ok=True)
+        self._drop_temp = weakref.finalize(self, discard, self._tmp)
         self._file = os.fdopen(fd, "wb")  # closed in close() or abort()
         self._index: dict[str, list[Any]] = {c: [] for c in fmt.index_columns(fmt.FORMAT_VERSION)}
         self._ids: list[torch.Tensor] | None = [] if share_prefixes else None  # to check references
