@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -122,6 +123,17 @@ def test_a_shard_of_another_run_is_named_as_such(tmp_path: Path) -> None:
         f"{shard}: chunk 1 of run 'tiny-b', extracted from prompts of sha256 {'f' * 64}, but this run "
         f"'{SETTINGS.extract.run_name}' has {prompts} of sha256 {sha256_file(prompts)}: a shard copied from another "
         "run? Delete the shard and rerun: only its chunk is extracted again.")
+
+
+def test_a_shard_copied_over_another_chunks_is_named_as_such(tmp_path: Path) -> None:
+    """`cp -p chunk-00000.hss chunk-00001.hss` (audit): said to be a changed prompts file before."""
+    run = make_run(tmp_path, 2)
+    shard = run / "shards" / "chunk-00001.hss"
+    shutil.copy2(run / "shards" / "chunk-00000.hss", shard)
+    with pytest.raises(ValidationFailure) as e:
+        manifest(run, 2)
+    assert str(e.value) == (f"{shard}: holds chunk 0 (its metadata says so) under chunk 1's name: a shard copied or "
+                            "renamed over another. Delete it and rerun: only chunk 1 is extracted again.")
 
 
 def test_a_shard_written_before_prompts_were_recorded_is_accepted_and_listed(tmp_path: Path, capsys) -> None:

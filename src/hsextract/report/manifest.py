@@ -68,6 +68,11 @@ def check_prompts(shard: str | Path, meta: Mapping[str, Any], prompts: str | Pat
                                 f"from ({type(e).__name__}: {e}); rerun the workflow") from None
     if current != recorded:
         chunk = meta.get("chunk")
+        named = chunks.of_name(Path(shard).name, SHARD_SUFFIX)
+        if isinstance(chunk, int) and named is not None and chunk != named:
+            raise ValidationFailure(
+                f"{shard}: holds chunk {chunk} (its metadata says so) under chunk {named}'s name: a shard copied or "
+                f"renamed over another. Delete it and rerun: only chunk {named} is extracted again.")
         if written == recorded:
             raise ValidationFailure(
                 f"{shard}: chunk {chunk} was extracted from prompts of sha256 {recorded}, which prepare wrote, but "
