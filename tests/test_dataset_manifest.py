@@ -46,7 +46,7 @@ def test_a_shard_named_twice_is_refused_not_read_twice(run):
                             "holds each shard once")
 
 
-def test_a_later_run_under_way_is_told_from_damage(run):
+def test_a_later_run_under_way_is_told_from_damage(run, capsys):
     """A later run (another config) killed part way: prepare rewrote the prompts, some chunks were extracted again,
     dataset.json is the earlier run's. Deleting the "changed" shards, the advice for damage, would throw away the
     later run's finished chunks."""
@@ -66,12 +66,19 @@ def test_a_later_run_under_way_is_told_from_damage(run):
     assert str(e.value) == (
         f"{again}: {again.stat().st_size} bytes, {run / 'dataset.json'} records {manifest['shards'][2]['bytes']}. "
         f"{run} is part way through a later run: prepare rewrote the prompts of chunk 2 after {run / 'dataset.json'}"
-        " was written, and that run extracts them again. Finish it (its command and config file: dataset.json is "
-        "written again once every chunk is done); deleting shards would throw away chunks it already extracted")
-    summary["per_chunk"][2]["sha256"] = manifest["shards"][2]["prompts_sha256"]  # the same prompts: damage
-    (run / "prompts" / "summary.json").write_text(json.dumps(summary))
-    with pytest.raises(ShardError, match=f"Delete {again}, then rerun the workflow"):
-        open_dataset(run)
+        " was written, and that run extracts every chunk again. Finish it (its command and config file: "
+        "dataset.json is written again once every chunk is done); deleting shards would throw away chunks it "
+        "already extracted")
+    assert len(open_dataset(run, allow_missing=True)) == 2
+    assert capsys.readouterr().err.endswith("that run extracts every chunk again: the shards read may be either "
+                                            "run's\n")
+    # the same prompts, or a summary.json that is not prepare's (hand-edited, hostile): damage, as before
+    for text in (json.dumps({"per_chunk": [{"chunk": 2, "sha256": manifest["shards"][2]["prompts_sha256"]}]}),
+                 json.dumps({"per_chunk": [{"chunk": 2, "sha256": ["0" * 64]}]}),
+                 json.dumps({"per_chunk": [3]}), "[" * 100_000 + "]" * 100_000):
+        (run / "prompts" / "summary.json").write_text(text)
+        with pytest.raises(ShardError, match=f"Delete {again}, then rerun the workflow"):
+            open_dataset(run)
 
 
 def test_deleted_shard_is_an_error_naming_it(run):

@@ -69,7 +69,9 @@ def create_temp(path: str | os.PathLike[str], mode: int = 0o666) -> tuple[int, P
 
 def discard(tmp: Path) -> None:
     """Remove a failed write's temporary file. A folder that refuses it (made read-only mid-write) must not hide
-    the error that failed the write behind this one: the next writer of the path removes it (remove_temps)."""
+    the error that failed the write behind this one. Left there, it is hidden and never read; the shard writer
+    and atomic_dir remove their path's leftovers before writing (remove_temps), and the stale-chunk clean-up
+    those of chunks a configuration no longer has."""
     with contextlib.suppress(OSError):
         tmp.unlink(missing_ok=True)
 

@@ -81,19 +81,22 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
             ok.append(path)
     if problems:
         what = "; ".join(problems)
+        # prepare writes every chunk's prompts in one job, after which the workflow extracts every chunk again
         rewritten = _prompts_rewritten(run_dir, entries)
-        if rewritten and not allow_missing:  # not damage: a later run of the folder is under way
+        later = (f"{run_dir} is part way through a later run: prepare rewrote the prompts of chunk "
+                 f"{', '.join(map(str, rewritten))} after {manifest} was written, and that run extracts every chunk "
+                 f"again") if rewritten else None
+        if later and not allow_missing:  # not damage (or not only): finishing that run redoes every chunk
             raise ShardError(
-                f"{what}. {run_dir} is part way through a later run: prepare rewrote the prompts of chunk "
-                f"{', '.join(map(str, rewritten))} after {manifest} was written, and that run extracts them again. "
-                f"Finish it (its command and config file: {MANIFEST_NAME} is written again once every chunk is done)"
-                f"; deleting shards would throw away chunks it already extracted")
+                f"{what}. {later}. Finish it (its command and config file: {MANIFEST_NAME} is written again once "
+                f"every chunk is done); deleting shards would throw away chunks it already extracted")
         if not allow_missing:
             delete = f"Delete {' '.join(damaged)}, then rerun" if damaged else "Rerun"
             raise ShardError(f"{what}. {delete} the workflow (`snakemake --cores N`): only these chunks are "
                              f"extracted again; or, to read the other shards, pass allow_missing=True "
                              f"(hsextract export: --allow-missing)")
-        print(f"WARNING: reading {len(ok)} of {len(listed)} shards: {what}", file=sys.stderr)
+        print(f"WARNING: reading {len(ok)} of {len(listed)} shards: {what}"
+              + (f". {later}: the shards read may be either run's" if later else ""), file=sys.stderr)
     if not ok:
         raise ShardError(f"{manifest}: none of its {len(listed)} shards can be read")
     return ok
@@ -106,7 +109,7 @@ def _prompts_rewritten(run_dir: Path, entries: list[dict[str, Any]]) -> list[int
 
     try:
         summary = json.loads((run_dir / "prompts" / "summary.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return []
     out = []
     for e in entries:
@@ -114,7 +117,7 @@ def _prompts_rewritten(run_dir: Path, entries: list[dict[str, Any]]) -> list[int
             now = chunks.written_sha256(summary, e.get("chunk"))
         except (AttributeError, TypeError):  # not prepare's summary: nothing known
             return []
-        if now is not None and e.get("prompts_sha256") is not None and now != e["prompts_sha256"]:
+        if isinstance(now, str) and isinstance(e.get("prompts_sha256"), str) and now != e["prompts_sha256"]:
             out.append(e["chunk"])
     return out
 
