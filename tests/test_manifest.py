@@ -125,6 +125,21 @@ def test_a_shard_of_another_run_is_named_as_such(tmp_path: Path) -> None:
         "run? Delete the shard and rerun: only its chunk is extracted again.")
 
 
+def test_an_earlier_releases_shard_of_the_same_layers_passes_beside_a_new_one(tmp_path: Path) -> None:
+    """Chunk 0 in layer-output ids (0, 1, 2: as an earlier release's shard, which recorded no convention, is read),
+    chunk 1 extracted again now (hidden_states 1, 2, 3): the same layers. The manifest compared the ids as written
+    and refused, and deleting the "odd" (new) shard as it advised made the same shard again (upgrade audit)."""
+    run = make_run(tmp_path, 2, recorded=(1,))
+    old = shard_metadata(final_state="pre_norm", chunk=0, aux_layers=[0, 1, 2], layer_convention="layer_output",
+                         model_hash="m0")
+    with ShardWriter(run / "shards" / "chunk-00000.hss", old) as w:
+        for k in range(2):
+            w.add(*make_sample(5, seed=k), sample_id=f"d:{k}")
+    (run / "stats" / "chunk-00000.json").write_text(json.dumps(chunk_stats(run / "shards" / "chunk-00000.hss")))
+    m = manifest(run, 2)
+    assert m["all_valid"] is True and m["aux_layers"] == [1, 2, 3] and m["layer_convention"] == "hidden_states"
+
+
 def test_a_shard_copied_over_another_chunks_is_named_as_such(tmp_path: Path) -> None:
     """`cp -p chunk-00000.hss chunk-00001.hss` (audit): said to be a changed prompts file before."""
     run = make_run(tmp_path, 2)

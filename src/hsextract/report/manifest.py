@@ -33,8 +33,10 @@ MANIFEST_FORMAT = "hsextract-dataset"
 MANIFEST_VERSION = 1
 # Shard metadata every shard of one dataset must share. Not format_version: with share_prefixes a shard whose
 # samples took no prefix is version 1 beside version-2 shards (docs/SHARED_PREFIX.md), and a reader reads both.
+# Not aux_layers as written: each shard's layers are compared with the run's by meaning (an earlier release's
+# shard names the same layers in another convention), before these.
 SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "engine",
-               "aux_layers", "layer_convention", "final_state", "hidden_size", "dtype", "precision")
+               "final_state", "hidden_size", "dtype", "precision")
 
 
 # The run folder's per-chunk files (results/<run>/<folder>/chunk-NNNNN<suffix>): what remove_stale_chunks may delete.
