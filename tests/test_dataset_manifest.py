@@ -250,6 +250,23 @@ def test_a_copy_of_a_shard_beside_it_is_refused(tmp_path, recorded):
         "copy out of the shards, or name the shards to read")
 
 
+@pytest.mark.parametrize("first", ["earlier release", "this release"])
+def test_a_chunk_from_an_earlier_release_beside_its_new_copy_is_refused(tmp_path, first):
+    """A shards folder kept from before the upgrade globbed with the new one (upgrade audit): the earlier shard
+    records no prompts' sha256, the new one does; the two were keyed differently and both were read."""
+    shards = []
+    for k, extra in enumerate(({}, {"prompts_sha256": "1" * 64})):
+        shards.append(tmp_path / f"{k}" / "chunk-00000.hss")
+        shards[-1].parent.mkdir()
+        with ShardWriter(shards[-1], shard_metadata(run_name="r", chunk=0, **extra)) as w:
+            w.add(*make_sample(5, seed=0), sample_id="conversations:0")
+    if first == "this release":
+        shards.reverse()
+    with pytest.raises(ShardError) as e:
+        open_dataset(shards)
+    assert str(e.value).startswith(f"{shards[1]} and {shards[0]} hold the same samples (chunk 0 of run 'r'")
+
+
 @pytest.mark.parametrize("path", ["/etc/hostname", "../elsewhere/chunk-00000.hss", "shards/../../x.hss"])
 def test_a_dataset_json_naming_a_file_outside_its_folder_is_refused(run, path):
     """A shared dataset.json may not point the reader at files beside or above the dataset it describes."""

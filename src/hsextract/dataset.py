@@ -167,22 +167,29 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 def _no_copies(readers: Sequence[ShardReader]) -> None:
     """ShardError where two shards are one chunk's (a copy, a hard link, a shard under another name): an epoch
     would hold its samples twice. A chunk is known by the prompts file it was made from (its sha256); a shard too
-    old to record it, by its run, chunk and sample ids."""
-    seen: dict[Any, Path] = {}
+    old to record it, by its run, chunk and sample ids, against every other shard (a new copy of its chunk too)."""
+    by_sha: dict[str, Path] = {}
+    by_ids: dict[Any, Path] = {}  # every shard's (run, chunk, sample ids)
+    by_ids_unhashed: dict[Any, Path] = {}  # those of shards without the sha256
     for r in readers:
         meta = r.metadata
-        if meta.get("prompts_sha256") is not None:
-            key: Any = meta["prompts_sha256"]
-        elif meta.get("chunk") is not None:
-            key = (meta.get("run_name"), meta["chunk"], tuple(r.sample_ids))
+        sha = meta.get("prompts_sha256")
+        ids = (meta.get("run_name"), meta["chunk"], tuple(r.sample_ids)) if meta.get("chunk") is not None else None
+        if sha is not None:  # a shard of an earlier release is the same chunk by its ids
+            other = by_sha.get(sha) or by_ids_unhashed.get(ids)
         else:
-            continue
-        if key in seen:
+            other = by_ids.get(ids)
+        if other is not None:
             raise ShardError(
-                f"{r.path} and {seen[key]} hold the same samples (chunk {meta.get('chunk')} of run "
+                f"{r.path} and {other} hold the same samples (chunk {meta.get('chunk')} of run "
                 f"{meta.get('run_name')!r}, made from the same prompts): one is a copy of the other, and a dataset "
                 f"holds each sample once. Move the copy out of the shards, or name the shards to read")
-        seen[key] = r.path
+        if sha is not None:
+            by_sha[sha] = r.path
+        if ids is not None:
+            by_ids.setdefault(ids, r.path)
+            if sha is None:
+                by_ids_unhashed.setdefault(ids, r.path)
 
 
 class HiddenStateDataset(Dataset):
