@@ -242,12 +242,14 @@ def test_a_copy_of_a_shard_beside_it_is_refused(tmp_path, recorded):
             w.add(*make_sample(5, seed=chunk), sample_id="conversations:0")  # the same id: another chunk is no copy
     assert len(open_dataset(folder)) == 2
     shutil.copyfile(folder / "chunk-00001.hss", folder / "chunk-00001 (copy).hss")
+    same = "made from the same prompts" if recorded == "prompts_sha256" else \
+        "the same sample ids, both too old to record their prompts' sha256"
     with pytest.raises(ShardError) as e:
         open_dataset(folder)
     assert str(e.value) == (
         f"{folder / 'chunk-00001.hss'} and {folder / 'chunk-00001 (copy).hss'} hold the same samples (chunk 1 of run "
-        "'r', made from the same prompts): one is a copy of the other, and a dataset holds each sample once. Move the "
-        "copy out of the shards, or name the shards to read")
+        f"'r', {same}): one is a copy of the other, and a dataset holds each sample once. Move the copy out of the "
+        "shards, or name the shards to read")
 
 
 @pytest.mark.parametrize("first", ["earlier release", "this release"])
@@ -264,7 +266,17 @@ def test_a_chunk_from_an_earlier_release_beside_its_new_copy_is_refused(tmp_path
         shards.reverse()
     with pytest.raises(ShardError) as e:
         open_dataset(shards)
-    assert str(e.value).startswith(f"{shards[1]} and {shards[0]} hold the same samples (chunk 0 of run 'r'")
+    assert str(e.value).startswith(f"{shards[1]} and {shards[0]} hold the same samples (chunk 0 of run 'r', the "
+                                   "same sample ids; one too old to record its prompts' sha256): one is a copy")
+
+
+@pytest.mark.parametrize("meta", [{"chunk": [0]}, {"run_name": ["r"]}, {"prompts_sha256": ["f" * 64]}])
+def test_odd_identity_metadata_is_read_not_a_crash(tmp_path, meta):
+    """A hand-made shard whose chunk, run or sha256 is a list: no copy can be told by it (a TypeError before)."""
+    shard = tmp_path / "chunk-00000.hss"
+    with ShardWriter(shard, shard_metadata(**{"run_name": "r", "chunk": 0, "prompts_sha256": "1" * 64, **meta})) as w:
+        w.add(*make_sample(5, seed=0), sample_id="conversations:0")
+    assert len(open_dataset([shard])) == 1
 
 
 @pytest.mark.parametrize("path", ["/etc/hostname", "../elsewhere/chunk-00000.hss", "shards/../../x.hss"])

@@ -174,16 +174,21 @@ def _no_copies(readers: Sequence[ShardReader]) -> None:
     for r in readers:
         meta = r.metadata
         sha = meta.get("prompts_sha256")
-        ids = (meta.get("run_name"), meta["chunk"], tuple(r.sample_ids)) if meta.get("chunk") is not None else None
-        if sha is not None:  # a shard of an earlier release is the same chunk by its ids
-            other = by_sha.get(sha) or by_ids_unhashed.get(ids)
-        else:
-            other = by_ids.get(ids)
+        sha = sha if isinstance(sha, str) else None
+        run, chunk = meta.get("run_name"), meta.get("chunk")
+        ids = (run, chunk, tuple(r.sample_ids)) if isinstance(chunk, int) and isinstance(run, (str, type(None))) \
+            else None
+        same = "made from the same prompts"
+        other = by_sha.get(sha) if sha is not None else None
+        if other is None and ids is not None:  # a shard of an earlier release is the same chunk by its ids
+            other = (by_ids_unhashed if sha is not None else by_ids).get(ids)
+            same = ("the same sample ids, both too old to record their prompts' sha256" if sha is None and ids
+                    in by_ids_unhashed else "the same sample ids; one too old to record its prompts' sha256")
         if other is not None:
             raise ShardError(
-                f"{r.path} and {other} hold the same samples (chunk {meta.get('chunk')} of run "
-                f"{meta.get('run_name')!r}, made from the same prompts): one is a copy of the other, and a dataset "
-                f"holds each sample once. Move the copy out of the shards, or name the shards to read")
+                f"{r.path} and {other} hold the same samples (chunk {chunk} of run {run!r}, {same}): one is a "
+                f"copy of the other, and a dataset holds each sample once. Move the copy out of the shards, or "
+                f"name the shards to read")
         if sha is not None:
             by_sha[sha] = r.path
         if ids is not None:
