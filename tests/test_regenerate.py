@@ -445,6 +445,15 @@ def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
     assert paths[2].read_bytes() == clean.read_bytes()
     concat_chunks(paths, tmp_path / "all.jsonl")
     assert [r["id"] for r in _read_jsonl(tmp_path / "all.jsonl")] == ["d:4", "d:3", "d:1", "d:2", "d:0"]
+    # a whole line lost from a chunk file (by hand: no write cuts one): its stats' count tells, not a smaller dataset
+    whole = paths[0].read_bytes()
+    paths[0].write_bytes(whole.split(b"\n", 1)[1])
+    with pytest.raises(ConfigError) as e:
+        concat_chunks(paths, tmp_path / "all.jsonl")
+    assert str(e.value) == (f"{paths[0]}: 1 lines, but its chunk-00000.stats.json records 2 (one line per input "
+                            "record): the file was edited or damaged since. Delete it and rerun its chunk")
+    assert len(_read_jsonl(tmp_path / "all.jsonl")) == 5  # the joined file as it was
+    paths[0].write_bytes(whole)
     with pytest.raises(ConfigError, match="chunk 3 does not exist: the sources hold 5 records = 3 chunks of 2"):
         run_regenerate_chunk(cfg, 3, tmp_path / "x.jsonl", tokenizer=tok, generator=base)
 

@@ -40,6 +40,15 @@ def write_chunk(out_path: str | os.PathLike[str], lines: Sequence[str], summary:
     write_atomic(out, lambda f: f.writelines(line.encode() for line in lines))
 
 
+def _records(stats: Path) -> int | None:
+    """The records a chunk's stats say its file holds (one line each); None without a readable count."""
+    try:
+        n = json.loads(stats.read_text()).get("records")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str | os.PathLike[str]) -> dict[str, Any]:
     """Join chunk JSONL files (in the given order) into one conversation file; also sums their stats into
     `<out>.stats.json` when every chunk has one. Returns the summed stats."""
@@ -56,6 +65,11 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
             if data and not data.endswith(b"\n"):
                 raise ConfigError(f"{p}: the chunk file does not end with a newline: truncated? delete it and "
                                   f"rerun its chunk")
+            written, lines = _records(stats_path(p)), data.count(b"\n")
+            if written is not None and lines != written:  # a whole line lost or added: no other sign of it
+                raise ConfigError(f"{p}: {lines} lines, but its {stats_path(p).name} records {written} "
+                                  f"(one line per input record): the file was edited or damaged since. Delete it "
+                                  f"and rerun its chunk")
             f.write(data)
 
     write_atomic(out, write)
