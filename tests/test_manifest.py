@@ -170,17 +170,23 @@ def test_a_shard_written_before_prompts_were_recorded_is_accepted_and_listed(tmp
 
 def test_fewer_chunks_than_before_removes_the_earlier_chunks_files(tmp_path: Path, capsys) -> None:
     """A run folder of 3 chunks whose configuration now makes 1: the manifest step removes chunks 1 and 2's
-    prompts, shards, validation reports and statistics (one line each) and nothing else; the shard folder then
-    reads as the current chunk alone."""
+    prompts, shards, validation reports, statistics and regenerated chunks (one line each) and nothing else; the
+    shard folder then reads as the current chunk alone."""
     run = make_run(tmp_path, 3)
     others = {"stats/chunks.tsv", "stats/summary.tsv", "prompts/summary.json", "token_freq.pt",
               "shards/chunk-00001.hss.bak", "validation/notes.json"}
+    (run / "regenerated" / "chunks").mkdir(parents=True)
+    for c in range(3):  # a run with regeneration: its chunk files too
+        for suffix in (".jsonl", ".stats.json"):
+            (run / "regenerated" / "chunks" / f"chunk-0000{c}{suffix}").write_text("x")
+    others |= {"regenerated/chunks/chunk-00000.jsonl", "regenerated/chunks/chunk-00000.stats.json"}
     for name in others - {"prompts/summary.json", "token_freq.pt"}:
         (run / name).write_text("x")
     before = len(open_dataset(run / "shards"))
     removed = remove_stale_chunks(run, 1)
     gone = [f"{folder}/chunk-0000{c}{suffix}" for folder, suffix in (
-        ("prompts", ".parquet"), ("shards", ".hss"), ("validation", ".json"), ("stats", ".json")) for c in (1, 2)]
+        ("prompts", ".parquet"), ("shards", ".hss"), ("validation", ".json"), ("stats", ".json"),
+        ("regenerated/chunks", ".jsonl"), ("regenerated/chunks", ".stats.json")) for c in (1, 2)]
     assert removed == [run / g for g in gone]
     assert capsys.readouterr().out.splitlines() == [
         f"removed {run / g}: chunk {int(g.split('chunk-')[1][:5])} of an earlier configuration (now 1 chunks)"

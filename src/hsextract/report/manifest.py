@@ -40,8 +40,10 @@ SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "e
 
 
 # The run folder's per-chunk files (results/<run>/<folder>/chunk-NNNNN<suffix>): what remove_stale_chunks may delete.
-# (prompts/: prepare removes its own; listed here too, for the leftovers of a run made before it did.)
-PER_CHUNK_FILES = (("prompts", ".parquet"), ("shards", SHARD_SUFFIX), ("validation", ".json"), ("stats", ".json"))
+# (prompts/: prepare removes its own; listed here too, for the leftovers of a run made before it did.) Regeneration
+# has the same chunks (one line per input record).
+PER_CHUNK_FILES = (("prompts", ".parquet"), ("shards", SHARD_SUFFIX), ("validation", ".json"), ("stats", ".json"),
+                   ("regenerated/chunks", ".jsonl"), ("regenerated/chunks", ".stats.json"))
 
 
 def remove_stale_chunks(run_dir: str | Path, n_chunks: int) -> list[Path]:
