@@ -473,12 +473,12 @@ class FakeServer:
                 with srv._lock:
                     srv.extra_keys.append(r.extra_key)
                 r.skip = k <= srv.fail_first + srv.abort_first + srv.hang_first + srv.skip_first
+                with srv._lock:  # counted before it is queued: no pass can answer it first
+                    srv.inflight += 1
+                    srv.max_inflight = max(srv.max_inflight, srv.inflight)
                 with srv._cv:
                     srv._queue.append(r)
                     srv._cv.notify_all()
-                with srv._lock:
-                    srv.inflight += 1
-                    srv.max_inflight = max(srv.max_inflight, srv.inflight)
                 # a dead server's connections close (a real one's process exit resets them): without this,
                 # a request in flight when the fake "died" hung until the client's timeout
                 while not r.done.wait(0.05):
