@@ -270,13 +270,19 @@ def test_a_chunk_from_an_earlier_release_beside_its_new_copy_is_refused(tmp_path
                                    "same sample ids; one too old to record its prompts' sha256): one is a copy")
 
 
-@pytest.mark.parametrize("meta", [{"chunk": [0]}, {"run_name": ["r"]}, {"prompts_sha256": ["f" * 64]}])
+@pytest.mark.parametrize("meta", [{"chunk": [0]}, {"run_name": ["r"]}, {"prompts_sha256": ["f" * 64]},
+                                  {"run_name": 7, "prompts_sha256": None}])
 def test_odd_identity_metadata_is_read_not_a_crash(tmp_path, meta):
-    """A hand-made shard whose chunk, run or sha256 is a list: no copy can be told by it (a TypeError before)."""
+    """A hand-made shard whose chunk, run or sha256 is a list: no copy can be told by it (a TypeError before);
+    one whose run is a number still is."""
     shard = tmp_path / "chunk-00000.hss"
     with ShardWriter(shard, shard_metadata(**{"run_name": "r", "chunk": 0, "prompts_sha256": "1" * 64, **meta})) as w:
         w.add(*make_sample(5, seed=0), sample_id="conversations:0")
     assert len(open_dataset([shard])) == 1
+    if meta.get("run_name") == 7:
+        shutil.copyfile(shard, tmp_path / "copy.hss")
+        with pytest.raises(ShardError, match="hold the same samples"):
+            open_dataset([shard, tmp_path / "copy.hss"])
 
 
 @pytest.mark.parametrize("path", ["/etc/hostname", "../elsewhere/chunk-00000.hss", "shards/../../x.hss"])

@@ -77,9 +77,8 @@ def test_many_concurrent_samples_chunked_and_batched(server: FakeServer) -> None
 
 @pytest.mark.parametrize("server", [{"write_delay_s": 0.05, "gather": 4}], indirect=True)
 def test_concurrency_bounds_requests_in_flight_not_dump_collection(server: FakeServer) -> None:
-    """`concurrency` requests at the server at most, and reached, although every dump lags its answer by
-    50 ms: a request frees its slot when answered, while its thread still waits for the dump. The first pass
-    waits for 4 requests (`gather`): reached on a loaded machine too (CI saw 3 without it)."""
+    """`concurrency` requests at the server at most, although every dump lags its answer by 50 ms; and reached:
+    the first pass waits for 4 requests (`gather`), so that a loaded machine reaches it too (CI saw 3 without)."""
     ps = prompts(40, seed=4)
     check(list(engine(server, concurrency=4).extract(ps)), ps)
     assert server.max_inflight == 4

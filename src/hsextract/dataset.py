@@ -176,8 +176,7 @@ def _no_copies(readers: Sequence[ShardReader]) -> None:
         sha = meta.get("prompts_sha256")
         sha = sha if isinstance(sha, str) else None
         run, chunk = meta.get("run_name"), meta.get("chunk")
-        ids = (run, chunk, tuple(r.sample_ids)) if isinstance(chunk, int) and isinstance(run, (str, type(None))) \
-            else None
+        ids = (run, chunk, tuple(r.sample_ids)) if _hashable(run) and _hashable(chunk) and chunk is not None else None
         same = "made from the same prompts"
         other = by_sha.get(sha) if sha is not None else None
         if other is None and ids is not None:  # a shard of an earlier release is the same chunk by its ids
@@ -195,6 +194,15 @@ def _no_copies(readers: Sequence[ShardReader]) -> None:
             by_ids.setdefault(ids, r.path)
             if sha is None:
                 by_ids_unhashed.setdefault(ids, r.path)
+
+
+def _hashable(value: Any) -> bool:
+    """A hand-made shard's run or chunk may be a list: no key, not a crash."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
 
 
 class HiddenStateDataset(Dataset):
