@@ -367,6 +367,13 @@ def test_duplicate_inputs_stay_duplicates_when_their_sampled_generations_differ(
     assert (kept["kept"], dict(kept["dropped"])) == (2, {"duplicate": 1})
     rows = pq.read_table(tmp_path / "p" / "chunk-00000.parquet").to_pylist()
     assert sorted(r["sample_id"] for r in rows) == ["d:0", "d:1"]
+    # the joined file with a line lost (by hand): its stats say 3 were joined; refused, not a smaller dataset
+    out.write_bytes(b"".join(out.read_bytes().splitlines(keepends=True)[1:]))
+    with pytest.raises(ConfigError) as e:
+        run_prepare(as_workflow.prepare, tok, tmp_path / "r", 1, regenerated=True)
+    assert str(e.value) == (f"{out}: 2 records, but conversations.stats.json beside it says regenerate joined 3 (one "
+                            "line per input record): the file was edited or damaged since. Delete it and rerun: its "
+                            "chunks are joined again")
 
 
 def test_a_turn_whose_context_reaches_max_seq_len_is_not_generated(tmp_path):
@@ -454,6 +461,10 @@ def test_failed_chunk_leaves_nothing_and_reruns_alone(tmp_path):
                             "record): the file was edited or damaged since. Delete it and rerun its chunk")
     assert len(_read_jsonl(tmp_path / "all.jsonl")) == 5  # the joined file as it was
     paths[0].write_bytes(whole)
+    # a chunk without stats (by hand): joined, and no total of records that prepare would hold the file to
+    assert concat_chunks(paths, tmp_path / "all.jsonl")["records"] == 5
+    stats_path(paths[0]).unlink()
+    assert "records" not in concat_chunks(paths, tmp_path / "all.jsonl")
     with pytest.raises(ConfigError, match="chunk 3 does not exist: the sources hold 5 records = 3 chunks of 2"):
         run_regenerate_chunk(cfg, 3, tmp_path / "x.jsonl", tokenizer=tok, generator=base)
 

@@ -123,6 +123,19 @@ def _source_hash(src: OpenSource) -> str:
                           f"{e}") from None
 
 
+def _check_regenerated_count(sources: list[OpenSource], n: int) -> None:
+    """ConfigError where regenerate's joined file holds another number of records than its stats say it wrote."""
+    from hsextract.regenerate.files import records_written, stats_path
+
+    for src in sources:
+        written = records_written(stats_path(src.spec.path))
+        if written is not None and written != n:
+            raise ConfigError(
+                f"{src.spec.path}: {n} records, but {stats_path(src.spec.path).name} beside it says regenerate "
+                f"joined {written} (one line per input record): the file was edited or damaged since. Delete it and "
+                f"rerun: its chunks are joined again")
+
+
 def _regenerated(src: OpenSource, index: int) -> tuple[re.Match[str] | None, str | None]:
     """Of a line of regenerate's file: its id, the input record's sample id (`source:index`, `#k` for a weight's
     repeat), matched as (record, repeat), and the hash of the input conversation it was regenerated from (what
@@ -208,6 +221,8 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     if not order:
         raise ConfigError(f"config key `sources`: the sources hold no records after weights and max_records "
                           f"({no_records(cfg.sources)})")
+    if regenerated:  # one line per input record: a count off by a line is an edited or damaged joined file
+        _check_regenerated_count(sources, len(order))
     if num_chunks != expected:
         raise ConfigError(
             f"num_chunks is {num_chunks} but the sources now hold {len(order)} records = {expected} chunks of "

@@ -40,7 +40,7 @@ def write_chunk(out_path: str | os.PathLike[str], lines: Sequence[str], summary:
     write_atomic(out, lambda f: f.writelines(line.encode() for line in lines))
 
 
-def _records(stats: Path) -> int | None:
+def records_written(stats: Path) -> int | None:
     """The records a chunk's stats say its file holds (one line each); None without a readable count."""
     try:
         n = json.loads(stats.read_text()).get("records")
@@ -65,7 +65,7 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
             if data and not data.endswith(b"\n"):
                 raise ConfigError(f"{p}: the chunk file does not end with a newline: truncated? delete it and "
                                   f"rerun its chunk")
-            written, lines = _records(stats_path(p)), data.count(b"\n")
+            written, lines = records_written(stats_path(p)), data.count(b"\n")
             if written is not None and lines != written:  # a whole line lost or added: no other sign of it
                 raise ConfigError(f"{p}: {lines} lines, but its {stats_path(p).name} records {written} "
                                   f"(one line per input record): the file was edited or damaged since. Delete it "
@@ -74,9 +74,11 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
 
     write_atomic(out, write)
     summed: dict[str, Any] = {"chunks": len(paths)}
+    uncounted = False
     for p in paths:
         sp = stats_path(p)
         if not sp.is_file():
+            uncounted = True
             continue
         st = json.loads(sp.read_text())
         summed.setdefault("settings", st.get("settings"))
@@ -89,5 +91,7 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
                     acc[kk] = acc.get(kk, 0) + vv
             elif isinstance(v, int):
                 summed[k] = summed.get(k, 0) + v
+    if uncounted:  # the records of the chunks without stats are unknown: no total that prepare could check
+        summed.pop("records", None)
     write_atomic(stats_path(out), lambda f: f.write((json.dumps(summed, indent=2, sort_keys=True) + "\n").encode()))
     return summed
