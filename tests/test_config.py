@@ -131,6 +131,14 @@ def test_sizes_must_be_positive(cfg: dict, key: str, value: int) -> None:
     assert str(e.value) == f"{key}: {value} is less than the minimum of 1 (workflow/schemas/config.schema.yaml)"
 
 
+def test_a_seed_torch_cannot_take_is_refused_at_parse_time(cfg: dict) -> None:
+    """Audit: `seed: 1e23` passed, the make_tiny_model job deleted the built model and died in torch.manual_seed."""
+    with pytest.raises(ConfigError) as e:
+        check({**cfg, "seed": 2**63})
+    assert str(e.value) == ("seed: 9223372036854775808 is greater than the maximum of 9223372036854775807 "
+                            "(workflow/schemas/config.schema.yaml)")
+
+
 def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
     torch.save({"input_ids": torch.arange(3), "hidden_state": []}, tmp_path / "bad.pt")
     cfg["reference_sample"] = "bad.pt"
