@@ -139,6 +139,25 @@ def test_a_seed_torch_cannot_take_is_refused_at_parse_time(cfg: dict) -> None:
                             "(workflow/schemas/config.schema.yaml)")
 
 
+@pytest.mark.parametrize("tokenizer, said", [
+    ("/nope/tok", "tokenizer: '/nope/tok': no such directory; set `tokenizer` to a local tokenizer folder, a hub id, "
+                  "or null (the model's)"),
+    ("conv.jsonl", "tokenizer: 'conv.jsonl' is a file, not a tokenizer directory; set `tokenizer` to the folder that "
+                   "holds tokenizer_config.json (or null: the model's)"),
+    ("empty", "tokenizer: 'empty' holds no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model, "
+              "tiktoken.model, vocab.json, vocab.txt, spiece.model); set `tokenizer` to the folder that holds them, "
+              "or null (the model's)"),
+])
+def test_a_tokenizer_path_that_holds_none_is_refused_at_parse_time(cfg: dict, tokenizer: str, said: str) -> None:
+    """Audit: each passed the dry run, and prepare's job failed (after the tiny model was built) without naming
+    the key. A hub id is left to the load."""
+    Path("empty").mkdir()
+    with pytest.raises(ConfigError) as e:
+        check({**cfg, "tokenizer": tokenizer})
+    assert str(e.value) == said
+    check({**cfg, "tokenizer": "m"})  # the model's folder, named: its tokenizer files
+
+
 def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
     torch.save({"input_ids": torch.arange(3), "hidden_state": []}, tmp_path / "bad.pt")
     cfg["reference_sample"] = "bad.pt"

@@ -263,6 +263,8 @@ def check_tokenizer(s: Settings) -> None:
             f"code (tokenization_kimi.py behind a tokenizer_config.json auto_map, packaged as Kimi-K2.5's is), "
             f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
             f"tiny_model_tokenizer: fast")
+    if s.extract.own_tokenizer:  # as `model` is checked: said now, not by prepare's job after the model is built
+        _check_tokenizer_folder(source, VOCABULARY_FILES)
     if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
         root = Path(source)
         # a checkpoint with its weights but no tokenizer (prepare's load says the same); a copy of config.json
@@ -277,6 +279,24 @@ def check_tokenizer(s: Settings) -> None:
             raise ConfigError(
                 f"the tokenizer at {source} has no chat template (no chat_template.jinja, no chat_template in "
                 f"tokenizer_config.json): set `chat_template` to this model's template (a file, or its text)")
+
+
+def _check_tokenizer_folder(source: str, vocabulary_files: tuple[str, ...]) -> None:
+    """ConfigError where `tokenizer` is a path but no folder of tokenizer files (a hub id is left to the load)."""
+    from hsextract.config.model_info import hub_id
+
+    root = Path(source).expanduser()
+    if hub_id(source) is not None:
+        return
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"tokenizer: {source!r} is a file, not a tokenizer directory; set `tokenizer` to the folder "
+                          "that holds tokenizer_config.json (or null: the model's)")
+    if not root.is_dir():
+        raise ConfigError(f"tokenizer: {source!r}: no such directory; set `tokenizer` to a local tokenizer folder, a "
+                          "hub id, or null (the model's)")
+    if not any((root / n).is_file() for n in vocabulary_files):
+        raise ConfigError(f"tokenizer: {source!r} holds no tokenizer files ({', '.join(vocabulary_files)}); set "
+                          "`tokenizer` to the folder that holds them, or null (the model's)")
 
 
 def check_template_kwargs(s: Settings) -> None:
