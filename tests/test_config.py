@@ -158,6 +158,20 @@ def test_a_tokenizer_path_that_holds_none_is_refused_at_parse_time(cfg: dict, to
     check({**cfg, "tokenizer": "m"})  # the model's folder, named: its tokenizer files
 
 
+def test_a_chat_template_that_does_not_parse_is_refused_at_parse_time(cfg: dict) -> None:
+    """Audit: `chat_template: "{% if %}"` passed the dry run; prepare then blamed the first record."""
+    with pytest.raises(ConfigError) as e:
+        check({**cfg, "chat_template": "{% if %}"})
+    assert str(e.value) == ("chat_template: the template text, line 1: not a Jinja template that parses (Expected an "
+                            "expression, got 'end of statement block'); fix the template, or set chat_template: null "
+                            "for the tokenizer's own")
+    Path("t.jinja").write_text("{{ bos_token }}\n{% for m in messages %}{{ m.content }\n{% endfor %}")
+    with pytest.raises(ConfigError, match=r"^chat_template: t.jinja, line 2: not a Jinja template that parses"):
+        check({**cfg, "chat_template": "t.jinja"})
+    Path("t.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}{% endgeneration %}{% endfor %}")
+    check({**cfg, "chat_template": "t.jinja"})  # transformers' own tag: parses
+
+
 def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
     torch.save({"input_ids": torch.arange(3), "hidden_state": []}, tmp_path / "bad.pt")
     cfg["reference_sample"] = "bad.pt"

@@ -253,7 +253,9 @@ def check_tokenizer(s: Settings) -> None:
         check_tokenizer_source,
     )
 
-    chat_template_file(s.prepare.chat_template)
+    template_path = chat_template_file(s.prepare.chat_template)
+    if s.prepare.chat_template:
+        _check_template_parses(s.prepare.chat_template, template_path)
 
     source = s.extract.tokenizer_dir
     built_here = s.make_tiny_model and not s.extract.own_tokenizer
@@ -279,6 +281,23 @@ def check_tokenizer(s: Settings) -> None:
             raise ConfigError(
                 f"the tokenizer at {source} has no chat template (no chat_template.jinja, no chat_template in "
                 f"tokenizer_config.json): set `chat_template` to this model's template (a file, or its text)")
+
+
+def _check_template_parses(template: str, path: Path | None) -> None:
+    """ConfigError where `chat_template` is no Jinja that parses: said now, naming the key, not by prepare's job
+    as a failure on the first record (whose advice, strict: false, would drop every record)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        text = path.read_text(encoding="utf-8") if path is not None else template
+        _compile_jinja_template(text)  # the environment apply_chat_template renders with (`{% generation %}`)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"chat_template: cannot read {path} ({type(e).__name__}: {e})") from None
+    except jinja2.TemplateSyntaxError as e:
+        where = f"{path}, line {e.lineno}" if path is not None else f"the template text, line {e.lineno}"
+        raise ConfigError(f"chat_template: {where}: not a Jinja template that parses ({e.message}); fix the "
+                          "template, or set chat_template: null for the tokenizer's own") from None
 
 
 def _check_tokenizer_folder(source: str, vocabulary_files: tuple[str, ...]) -> None:
