@@ -87,8 +87,13 @@ def test_openai_messages_under_conversations_read_as_under_messages(tmp_path):
     with pytest.raises(MalformedRecordError) as e:
         _read_all([{"path": p, "format": "messages"}])
     assert (e.value.reason, e.value.detail) == (
-        "missing_messages", "no `messages` list in the record; it has `conversations`: format `sharegpt` (or `auto`) "
-                            "reads them")
+        "missing_messages", "no `messages` list in the record; it has `conversations`: the source's `format: "
+                            "sharegpt` (or `auto`) reads them")
+    with pytest.raises(Exception) as e:  # and the other way round (audit: no hint then)
+        normalize_record({"messages": pair}, "sharegpt")
+    assert (e.value.reason, e.value.detail) == (
+        "missing_messages", "no `conversations` list in the record; it has `messages`: the source's `format: "
+                            "messages` (or `auto`) reads them")
     with pytest.raises(Exception) as e:  # an entry of neither kind: named as a ShareGPT one
         normalize_record({"conversations": [{"content": "hi"}]})
     assert (e.value.reason, e.value.detail) == ("missing_role", "conversations[0] has no `from`")

@@ -318,8 +318,10 @@ def normalize_record(obj: Any, fmt: str = "auto") -> Conversation:
     else:
         key = "messages" if "messages" in obj else "data"
         items = obj.get(key)
-    if items is None:
-        other = "; it has `conversations`: format `sharegpt` (or `auto`) reads them" if "conversations" in obj else ""
+    if items is None:  # the source's format names another layout than its records': say which reads them
+        other = next((f"; it has `{k}`: the source's `format: {f}` (or `auto`) reads them" for k, f in
+                      (("conversations", "sharegpt"), ("messages", "messages"), ("data", "ultrachat"))
+                      if k != key and k in obj), "")
         raise _Bad(MISSING_MESSAGES, f"no `{key}` list in the record{other}")
     if not isinstance(items, list):
         raise _Bad(WRONG_TYPE, f"`{key}` must be a list, got {type(items).__name__}")
