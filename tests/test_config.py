@@ -172,6 +172,15 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_parse_time(cfg: dict)
     check({**cfg, "chat_template": "t.jinja"})  # transformers' own tag: parses
 
 
+@pytest.mark.parametrize("key, value", [("regenerate.temperature", float("nan")), ("sglang.timeout_s", float("inf"))])
+def test_a_number_that_is_not_finite_is_refused_naming_its_key(cfg: dict, key: str, value: float) -> None:
+    """Audit: `temperature: .nan` reached the settings (NaN passes every bound), `.inf` a timeout."""
+    section, name = key.split(".")
+    with pytest.raises(ConfigError) as e:
+        check({**cfg, section: {name: value}})
+    assert str(e.value) == f"{key}: {value} is not a finite number (YAML reads .nan and .inf as numbers); give a number"
+
+
 def test_reference_not_v1(cfg: dict, tmp_path: Path) -> None:
     torch.save({"input_ids": torch.arange(3), "hidden_state": []}, tmp_path / "bad.pt")
     cfg["reference_sample"] = "bad.pt"

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import stat
 import sys
@@ -29,7 +30,8 @@ MAX_CONFIG_DEPTH = 64
 
 def check_bounded(config: Any, limit: int = MAX_CONFIG_VALUES, max_depth: int = MAX_CONFIG_DEPTH) -> int:
     """The number of values in `config` counted as a tree (aliases counted at every use); ConfigError as soon
-    as it passes `limit` or nesting passes `max_depth`. Walks at most `limit` values: never expands."""
+    as it passes `limit` or nesting passes `max_depth`, or at a NaN or infinite number. Walks at most `limit`
+    values: never expands."""
     count = 0
     stack: list[tuple[Any, str, int]] = [(config, "", 0)]
     while stack:
@@ -42,6 +44,9 @@ def check_bounded(config: Any, limit: int = MAX_CONFIG_VALUES, max_depth: int = 
             )
         if depth > max_depth:
             raise ConfigError(f"config: {where}: nested more than {max_depth} levels deep")
+        if isinstance(value, float) and not math.isfinite(value):  # the schema's bounds let NaN through
+            raise ConfigError(f"{where or 'config'}: {value} is not a finite number (YAML reads .nan and .inf as "
+                              "numbers); give a number")
         if isinstance(value, Mapping):
             stack.extend((v, f"{where}.{k}" if where else str(k), depth + 1) for k, v in value.items())
         elif isinstance(value, (list, tuple)):
