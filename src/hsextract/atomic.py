@@ -26,6 +26,7 @@ import errno
 import glob
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -44,6 +45,12 @@ _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | g
 def temp_name(path: Path) -> Path:
     """`.<name>.<16 hex>.tmp` beside `path`: hidden, unpredictable, recognisable as ours for clean-up."""
     return path.with_name(f".{path.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}")
+
+
+def temp_target(name: str) -> str | None:
+    """The file name a temp_name() was made for (`chunk-00003.hss` of `.chunk-00003.hss.<16 hex>.tmp`), else None."""
+    m = re.fullmatch(rf"\.(.+)\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}", name)
+    return m[1] if m else None
 
 
 def _fresh_temp(path: Path, make: Callable[[Path], T]) -> T:

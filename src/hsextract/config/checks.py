@@ -253,9 +253,9 @@ def check_tokenizer(s: Settings) -> None:
         check_tokenizer_source,
     )
 
-    template_path = chat_template_file(s.prepare.chat_template)
+    chat_template_file(s.prepare.chat_template)
     if s.prepare.chat_template:
-        _check_template_parses(s.prepare.chat_template, template_path)
+        _check_template_parses(s.prepare.chat_template)
 
     source = s.extract.tokenizer_dir
     built_here = s.make_tiny_model and not s.extract.own_tokenizer
@@ -266,7 +266,7 @@ def check_tokenizer(s: Settings) -> None:
             f"which transformers runs only with {KEY}: true. Set `{KEY}: true` in the config, or "
             f"tiny_model_tokenizer: fast")
     if s.extract.own_tokenizer:  # as `model` is checked: said now, not by prepare's job after the model is built
-        _check_tokenizer_folder(source, VOCABULARY_FILES)
+        _check_tokenizer_folder(source)
     if not built_here:  # a tiny model on disk may be stale: the rule rebuilds it as configured
         root = Path(source)
         # a checkpoint with its weights but no tokenizer (prepare's load says the same); a copy of config.json
@@ -283,14 +283,18 @@ def check_tokenizer(s: Settings) -> None:
                 f"tokenizer_config.json): set `chat_template` to this model's template (a file, or its text)")
 
 
-def _check_template_parses(template: str, path: Path | None) -> None:
+def _check_template_parses(chat_template: str) -> None:
     """ConfigError where `chat_template` is no Jinja that parses: said now, naming the key, not by prepare's job
     as a failure on the first record (whose advice, strict: false, would drop every record)."""
     import jinja2
     from transformers.utils.chat_template_utils import _compile_jinja_template
 
+    from hsextract.masks.kwargs import stored_template
+    from hsextract.prepare.tokenizer_loading import chat_template_file
+
+    path = chat_template_file(chat_template)
     try:
-        text = path.read_text(encoding="utf-8") if path is not None else template
+        text = stored_template("", chat_template)  # read as prepare reads it
         _compile_jinja_template(text)  # the environment apply_chat_template renders with (`{% generation %}`)
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"chat_template: cannot read {path} ({type(e).__name__}: {e})") from None
@@ -300,9 +304,10 @@ def _check_template_parses(template: str, path: Path | None) -> None:
                           "template, or set chat_template: null for the tokenizer's own") from None
 
 
-def _check_tokenizer_folder(source: str, vocabulary_files: tuple[str, ...]) -> None:
+def _check_tokenizer_folder(source: str) -> None:
     """ConfigError where `tokenizer` is a path but no folder of tokenizer files (a hub id is left to the load)."""
     from hsextract.config.model_info import hub_id
+    from hsextract.prepare.tokenizer_loading import VOCABULARY_FILES
 
     root = Path(source).expanduser()
     if hub_id(source) is not None:
@@ -313,8 +318,8 @@ def _check_tokenizer_folder(source: str, vocabulary_files: tuple[str, ...]) -> N
     if not root.is_dir():
         raise ConfigError(f"tokenizer: {source!r}: no such directory; set `tokenizer` to a local tokenizer folder, a "
                           "hub id, or null (the model's)")
-    if not any((root / n).is_file() for n in vocabulary_files):
-        raise ConfigError(f"tokenizer: {source!r} holds no tokenizer files ({', '.join(vocabulary_files)}); set "
+    if not any((root / n).is_file() for n in VOCABULARY_FILES):
+        raise ConfigError(f"tokenizer: {source!r} holds no tokenizer files ({', '.join(VOCABULARY_FILES)}); set "
                           "`tokenizer` to the folder that holds them, or null (the model's)")
 
 

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from hsextract.atomic import temp_target
+
 WIDTH = 5
 # the `chunk` wildcard of the rules: a label
 WILDCARD = rf"\d{{{WIDTH}}}"
@@ -75,8 +77,8 @@ def beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int) -> list[t
     found = []
     for e in entries:
         chunk = of_name(e.name, suffix)
-        if chunk is None and (m := re.fullmatch(r"\.(.+)\.[0-9a-f]{16}\.tmp", e.name)):  # a killed write's
-            chunk = of_name(m[1], suffix)  # temporary file (hsextract.atomic.temp_name): GBs of a partial shard
+        if chunk is None and (target := temp_target(e.name)):  # a killed write's temporary file: GBs of a shard
+            chunk = of_name(target, suffix)
         if chunk is not None and chunk >= n_chunks and not e.is_dir(follow_symlinks=False):
             found.append((Path(folder) / e.name, chunk))
     return sorted(found, key=lambda f: f[1])
