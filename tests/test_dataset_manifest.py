@@ -99,8 +99,9 @@ def test_the_missing_shard_message_names_the_cli_option_too(run, tmp_path, capsy
     assert main(["export", "--format", "speculators-v1", str(run), str(out)]) == 2
     assert capsys.readouterr().err == (
         f"hsextract export: error: {gone}: listed in {run / 'dataset.json'} but missing. Rerun the workflow "
-        "(`snakemake --cores N`): only these chunks are extracted again; or, to read the other shards, pass "
-        "allow_missing=True (hsextract export: --allow-missing)\n")
+        "(`snakemake --cores N`): only these chunks are extracted again; in a copy of a run folder, copy the files "
+        "named here again from the original instead; or, to read the other shards, pass allow_missing=True "
+        "(hsextract export: --allow-missing)\n")
     assert not out.exists()
     assert main(["export", "--format", "speculators-v1", "--allow-missing", str(run), str(out)]) == 0
     assert capsys.readouterr().out.startswith(f"exported 2 samples (12 tokens) as speculators-v1 to {out / 'data'}\n")
@@ -109,6 +110,20 @@ def test_the_missing_shard_message_names_the_cli_option_too(run, tmp_path, capsy
     assert export(run, tmp_path / "again", "speculators-v1", allow_missing=True)["notes"] == [
         f"{run}: exported from 2 of the 3 shards its dataset.json lists (--allow-missing): the others' samples are "
         "not in this export"]
+
+
+def test_a_run_s_shards_folder_is_read_through_its_dataset_json(run, capsys):
+    """A partial copy of a run (rsync of shards/ cut short, a shard lost on the way): the shards folder named
+    alone is the run's, and a shard missing from it an error, not a smaller dataset."""
+    gone = run / "shards" / "chunk-00001.hss"
+    gone.unlink()
+    for path in (run / "shards", str(run / "shards") + "/"):
+        with pytest.raises(ShardError) as e:
+            open_dataset(path)
+        assert str(e.value).startswith(f"{gone}: listed in {run / 'dataset.json'} but missing. Rerun the workflow")
+    assert len(open_dataset(run / "shards", allow_missing=True)) == 2
+    assert "WARNING: reading 2 of 3 shards" in capsys.readouterr().err
+    assert len(open_dataset([run / "shards" / "chunk-00000.hss", run / "shards" / "chunk-00002.hss"])) == 2
 
 
 def test_allow_missing_reads_the_rest_with_a_warning(run, capsys):
@@ -127,7 +142,8 @@ def test_truncated_shard_is_an_error(run):
         open_dataset(run)
     # a rerun alone would not redo it (the file is there): the advice says to delete it first
     assert str(e.value) == (f"{path}: {size - 10} bytes, {run / 'dataset.json'} records {size}. Delete {path}, then "
-                            "rerun the workflow (`snakemake --cores N`): only these chunks are extracted again; or, to "
+                            "rerun the workflow (`snakemake --cores N`): only these chunks are extracted again; in a "
+                            "copy of a run folder, copy the files named here again from the original instead; or, to "
                             "read the other shards, pass allow_missing=True (hsextract export: --allow-missing)")
 
 
@@ -307,7 +323,8 @@ def test_a_damaged_dataset_json_or_a_folder_in_a_shards_place_says_what_to_delet
         open_dataset(run)
     assert str(e.value).startswith(f"{run / 'dataset.json'}: not a readable hsextract dataset.json (JSONDecodeError: ")
     assert str(e.value).endswith("; delete it and run the workflow's command again, which writes it again (no chunk "
-                                 "is extracted again)")
+                                 "is extracted again); in a copy of a run folder, copy the files named here again from "
+                                 "the original instead")
     (run / "dataset.json").write_text(good)
     shard = run / json.loads(good)["shards"][1]["path"]
     shard.unlink()
@@ -316,5 +333,6 @@ def test_a_damaged_dataset_json_or_a_folder_in_a_shards_place_says_what_to_delet
         open_dataset(run)
     assert str(e.value) == (
         f"{shard}: listed in {run / 'dataset.json'} but not a regular file. Delete {shard}, then rerun the workflow "
-        "(`snakemake --cores N`): only these chunks are extracted again; or, to read the other shards, pass "
-        "allow_missing=True (hsextract export: --allow-missing)")
+        "(`snakemake --cores N`): only these chunks are extracted again; in a copy of a run folder, copy the files "
+        "named here again from the original instead; or, to read the other shards, pass allow_missing=True "
+        "(hsextract export: --allow-missing)")

@@ -4,6 +4,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import sys
 import types
 import warnings
@@ -304,14 +305,16 @@ def test_a_failed_export_leaves_no_output_and_the_earlier_export_as_it_was(run_d
     before = tree(earlier)
     assert len(before) > 5
     path = damage_last_sample(run_dir)
-    want = (f"{path}: sample 1: checksum mismatch. The shard is damaged: delete it and rerun its chunk (snakemake "
-            "reruns a missing shard).")
-    # the shards folder: no dataset.json whose checksums would refuse the damaged shard before the export starts
+    # a folder of the shards outside a run: no dataset.json whose checksums would refuse the damaged shard first
+    shards = run_dir / "loose"
+    shutil.copytree(run_dir / "shards", shards)
+    want = (f"{shards / path.name}: sample 1: checksum mismatch. The shard is damaged: delete it and rerun its chunk "
+            "(snakemake reruns a missing shard).")
     with pytest.raises(CorruptShardError) as e:
-        export(run_dir / "shards", tmp_path / "fresh", fmt)
+        export(shards, tmp_path / "fresh", fmt)
     assert str(e.value) == want
     with pytest.raises(CorruptShardError) as e:
-        export(run_dir / "shards", earlier, fmt, force=True)
+        export(shards, earlier, fmt, force=True)
     assert str(e.value) == want
     assert tree(earlier) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["earlier", "run"]  # no fresh/, no temporary folder

@@ -39,6 +39,8 @@ IDENTITY_KEYS = (("model_hash", "model"), ("tokenizer_hash", None), ("chat_templ
 
 
 MANIFEST_NAME = "dataset.json"
+# a trainer reads a copy, on a machine without the workflow: the producer's run folder is whole
+COPY_AGAIN = "in a copy of a run folder, copy the files named here again from the original instead"
 
 
 def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
@@ -54,7 +56,7 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{manifest}: not a readable hsextract dataset.json ({type(e).__name__}: {e}); "
                          f"delete it and run the workflow's command again, which writes it again (no chunk is "
-                         f"extracted again)") from None
+                         f"extracted again); {COPY_AGAIN}") from None
     for i, e in enumerate(entries):  # relative, inside the folder: a dataset is moved and shared whole
         if Path(e["path"]).is_absolute() or ".." in Path(e["path"]).parts:
             raise ShardError(f"{manifest}: shards[{i}].path {e['path']!r} is not a path inside the run folder "
@@ -93,7 +95,7 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
         if not allow_missing:
             delete = f"Delete {' '.join(damaged)}, then rerun" if damaged else "Rerun"
             raise ShardError(f"{what}. {delete} the workflow (`snakemake --cores N`): only these chunks are "
-                             f"extracted again; or, to read the other shards, pass allow_missing=True "
+                             f"extracted again; {COPY_AGAIN}; or, to read the other shards, pass allow_missing=True "
                              f"(hsextract export: --allow-missing)")
         print(f"WARNING: reading {len(ok)} of {len(listed)} shards: {what}"
               + (f". {later}: the shards read may be either run's" if later else ""), file=sys.stderr)
@@ -135,8 +137,8 @@ def _each_once(shards: list[Path], where: str) -> list[Path]:
 
 def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                 verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
-    """A run's results folder (the shards its dataset.json lists; refused without one), its dataset.json, a
-    folder of shards, one shard, or a list of shards."""
+    """A run's results folder (the shards its dataset.json lists; refused without one), its dataset.json or its
+    shards/ folder (the same), a folder of shards, one shard, or a list of shards."""
     if isinstance(path, (str, os.PathLike)):
         p = Path(path)
         if p.name == MANIFEST_NAME and p.is_file():  # the run folder's manifest: the run folder
@@ -145,6 +147,8 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
             return [p]
         if not p.is_dir():
             raise ShardError(f"{p}: no such shard, run folder or shard folder")
+        if p.name == "shards" and (p.parent / MANIFEST_NAME).is_file():  # a run's shards: through its manifest,
+            p = p.parent  # so that a shard missing from a partial copy is an error, not a smaller dataset
         if (p / MANIFEST_NAME).is_file():
             return _each_once(manifest_shards(p, verify_checksums=verify_checksums, allow_missing=allow_missing),
                               str(p / MANIFEST_NAME))
@@ -591,7 +595,8 @@ class _FamilyRecords:
 def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                  verify_checksums: bool = False, allow_missing: bool = False,
                  decode_threads: int = 1) -> HiddenStateDataset:
-    """All samples of a run folder (as its dataset.json lists them), a shard folder, a shard or a list.
+    """All samples of a run folder (as its dataset.json lists them; its shards/ folder too), a shard folder, a
+    shard or a list.
 
     A run folder's listed shards must all be present with their recorded size; `verify_checksums` also
     compares each whole file's sha256 (reads every byte); `allow_missing` reads what is there, warning.
