@@ -55,6 +55,35 @@ def test_a_failing_write_leaves_the_old_file_and_no_temp(tmp_path: Path) -> None
     assert (tmp_path / "a.json").read_text() == "old" and listing(tmp_path) == ["a.json"]
 
 
+FULL_DISK = """
+import os, resource, sys, torch
+from hsextract.atomic import write_atomic, write_bytes_atomic
+resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # a file over 100 kB: EFBIG, as a full disk's ENOSPC
+out = sys.argv[1]
+for name, write in (("a.bin", lambda p: write_atomic(p, lambda f: [f.write(b"y" * 1000) for _ in range(300)])),
+                    ("b.bin", lambda p: write_bytes_atomic(p, b"x" * 300_000)),
+                    ("c.pt", lambda p: write_atomic(p, lambda f: torch.save(torch.zeros(100_000), f)))):
+    try:
+        write(os.path.join(out, name))
+    except OSError as e:
+        print(type(e).__name__, e.errno, e.filename, e.strerror, sep="|")
+print(sorted(os.listdir(out)), len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else -1)
+"""
+
+
+def test_a_full_disk_is_an_oserror_naming_the_file_and_leaves_no_temp(tmp_path: Path) -> None:
+    """A write that fails for space (here the file-size limit: EFBIG, without root for a small file system): the
+    error names the file (write(2) names none), torch.save's "unexpected pos" is the OSError under it, and the
+    temporary file goes (a buffered file's close flushes again and failed again, skipping the clean-up)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FULL_DISK, str(tmp_path)], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out[:3] == [f"OSError|27|{tmp_path / n}|File too large" for n in ("a.bin", "b.bin", "c.pt")]
+    assert out[3].startswith("[] ")
+
+
 def test_a_folder_that_refuses_the_clean_up_does_not_hide_the_first_error(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A folder made read-only mid-write (audit, `chattr +i`) refused the rename, then the temp's removal: the
@@ -63,8 +92,9 @@ def test_a_folder_that_refuses_the_clean_up_does_not_hide_the_first_error(tmp_pa
 
     from hsextract.shard import ShardWriter
 
-    def refused(*args, **kwargs):
-        raise PermissionError(13, "Operation not permitted (folder made read-only)")
+    def refused(*args, **kwargs):  # naming the files, as the system calls' errors do
+        raise PermissionError(13, "Operation not permitted (folder made read-only)", *map(str, args[:1]), None,
+                              *map(str, args[1:2]))
 
     real_unlink = Path.unlink
     monkeypatch.setattr(os, "replace", refused)

@@ -83,6 +83,16 @@ def discard(tmp: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def failed_write(e: BaseException, path: str | os.PathLike[str]) -> BaseException:
+    """The error to raise for a failed write of `path`: an OSError naming no file (write(2) or fsync(2) on a full
+    disk) as the same error naming `path`; a RuntimeError a writer made of one (torch.save: "unexpected pos") as
+    that OSError; anything else as it is. So the message says what and where."""
+    cause = (e.__cause__ or e.__context__) if type(e) is RuntimeError else e
+    if isinstance(cause, OSError) and cause.errno is not None and (cause is not e or cause.filename is None):
+        return OSError(cause.errno, cause.strerror, cause.filename or os.fspath(path))  # the errno's subclass
+    return e
+
+
 def fsync_dir(folder: str | os.PathLike[str]) -> None:
     fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -101,9 +111,11 @@ def commit(fd: int, tmp: Path, path: str | os.PathLike[str], durable: bool = Tru
         finally:
             os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         discard(tmp)
-        raise
+        if failed_write(e, path) is e:
+            raise
+        raise failed_write(e, path) from e
     if durable:
         fsync_dir(Path(path).parent)
 
@@ -126,10 +138,12 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: Buffer | Sequence[Buf
     fd, tmp = create_temp(path, mode)
     try:
         _writev_all(fd, chunks)
-    except BaseException:
+    except BaseException as e:
         os.close(fd)
         discard(tmp)
-        raise
+        if failed_write(e, path) is e:
+            raise
+        raise failed_write(e, path) from e
     commit(fd, tmp, path, durable)
 
 
@@ -142,11 +156,14 @@ def atomic_file(path: str | os.PathLike[str], *, durable: bool = True) -> Iterat
     try:
         yield f
         f.flush()
-    except BaseException:
-        f.close()
+    except BaseException as e:
+        with contextlib.suppress(OSError):  # close flushes again, and fails again on a full disk: closed all the same
+            f.close()
         os.close(fd)
         discard(tmp)
-        raise
+        if failed_write(e, path) is e:
+            raise
+        raise failed_write(e, path) from e
     f.close()
     commit(fd, tmp, path, durable)
 
