@@ -53,6 +53,8 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python bench/interleaved_families.py OUT_DIR")
-    main(Path(sys.argv[1]))
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", type=Path, help="folder for conversations.jsonl and config.yaml")
+    main(ap.parse_args().out_dir)

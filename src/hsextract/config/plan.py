@@ -24,9 +24,9 @@ IDS_MASK_BYTES = 16
 VALUE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}  # a hidden value, by the activations' dtype
 # Stored / raw of the shard codec on LLM-like bf16 activations at H = 7168, level 3, every byte of
 # the file counted (bench/README.md, codec table, "(synth)", row "ours, threads=1"). The real
-# forward at H = 1024 gave 0.6673: the synthetic figure is the larger, so the plan errs on the safe side.
+# forward at H = 1024 gave 0.6670: the synthetic figure is the larger, so the plan errs on the safe side.
 CODEC_RATIO_BF16 = 0.6965
-CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations, ours threads=1 (real H=1024: 0.6673)"
+CODEC_RATIO_SOURCE = "bench/README.md codec table: synthetic H=7168 activations, ours threads=1 (real H=1024: 0.6670)"
 # fp8_e4m3 (one float32 scale per token and tensor), then the same codec: stored bytes over the raw bf16
 # bytes of the same samples (bench/README.md, codec table, "(synth)", row "ours, fp8_e4m3").
 CODEC_RATIO_FP8 = 0.4433
