@@ -257,10 +257,25 @@ def test_failing_background_sync_leaves_no_shard(tmp_path, monkeypatch):
     w._sync_every = 1024
     # raised by the next write after the sync failed, or by close() if the sync thread had not finished by then
     with pytest.raises(ShardError, match=r"a\.hss: (writing failed after \d+ samples \(Input/output error\)|"
-                                         r"finishing the shard failed \(\[Errno 5\] Input/output error\)); no shard "):
+                                         r"finishing the shard failed \(Input/output error\)); no shard "):
         with w:
             for k in range(20):
                 w.add(*make_sample(20, seed=k))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shard_that_fails_at_its_commit_says_what_to_do(tmp_path, monkeypatch):
+    """The close's fsync on a full disk (ENOSPC there, not in a write): the same advice as a failed write."""
+    def enospc(fd):
+        raise OSError(28, "No space left on device")
+
+    w = ShardWriter(tmp_path / "a.hss", shard_metadata(), threads=1)
+    w.add(*make_sample(20))
+    monkeypatch.setattr(os, "fsync", enospc)
+    with pytest.raises(ShardError) as e:
+        w.close()
+    assert str(e.value) == (f"{tmp_path / 'a.hss'}: finishing the shard failed (No space left on device); no shard "
+                            f"was left behind. Free space in {tmp_path} (or fix the error) and rerun the chunk.")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -469,7 +469,8 @@ class ShardWriter:
             self._file.close()
         except OSError as e:
             self.abort()
-            raise ShardError(f"{self.path}: finishing the shard failed ({e}); no shard was left behind") from e
+            raise ShardError(f"{self.path}: finishing the shard failed ({e.strerror or e}); no shard was left behind. "
+                             f"Free space in {self.path.parent} (or fix the error) and rerun the chunk.") from e
         self._closed = True
         if self._pool:
             self._pool.shutdown()
