@@ -84,6 +84,30 @@ def test_a_full_disk_is_an_oserror_naming_the_file_and_leaves_no_temp(tmp_path: 
     assert out[3].startswith("[] ")
 
 
+def test_an_error_of_the_writer_s_own_is_not_blamed_on_the_output(tmp_path: Path) -> None:
+    """Only a space error is the output's: a read's error inside the callback (a shard's EIO while exporting), or a
+    RuntimeError raised `from None` over an unrelated OSError, comes through as it was raised."""
+    def reads(f):
+        fd = os.open(tmp_path, os.O_RDONLY)
+        try:
+            os.pread(fd, 10, 0)
+        finally:
+            os.close(fd)
+
+    def config(f):
+        try:
+            open(tmp_path / "missing.cfg")
+        except OSError:
+            raise RuntimeError("bad config value") from None
+
+    with pytest.raises(IsADirectoryError) as e:
+        write_atomic(tmp_path / "out.bin", reads)
+    assert e.value.filename is None
+    with pytest.raises(RuntimeError, match="^bad config value$"):
+        write_atomic(tmp_path / "out.bin", config)
+    assert listing(tmp_path) == []
+
+
 def test_a_folder_that_refuses_the_clean_up_does_not_hide_the_first_error(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A folder made read-only mid-write (audit, `chattr +i`) refused the rename, then the temp's removal: the

@@ -124,6 +124,10 @@ def test_a_run_s_shards_folder_is_read_through_its_dataset_json(run, capsys):
     assert len(open_dataset(run / "shards", allow_missing=True)) == 2
     assert "WARNING: reading 2 of 3 shards" in capsys.readouterr().err
     assert len(open_dataset([run / "shards" / "chunk-00000.hss", run / "shards" / "chunk-00002.hss"])) == 2
+    # and the export's summary counts against that manifest too
+    assert export(run / "shards", run.parent / "out", "speculators-v1", allow_missing=True)["notes"] == [
+        f"{run / 'shards'}: exported from 2 of the 3 shards its dataset.json lists (--allow-missing): the others' "
+        "samples are not in this export"]
 
 
 def test_allow_missing_reads_the_rest_with_a_warning(run, capsys):

@@ -83,13 +83,19 @@ def discard(tmp: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+NO_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})  # only a write gets these
+
+
 def failed_write(e: BaseException, path: str | os.PathLike[str]) -> BaseException:
-    """The error to raise for a failed write of `path`: an OSError naming no file (write(2) or fsync(2) on a full
-    disk) as the same error naming `path`; a RuntimeError a writer made of one (torch.save: "unexpected pos") as
-    that OSError; anything else as it is. So the message says what and where."""
-    cause = (e.__cause__ or e.__context__) if type(e) is RuntimeError else e
-    if isinstance(cause, OSError) and cause.errno is not None and (cause is not e or cause.filename is None):
-        return OSError(cause.errno, cause.strerror, cause.filename or os.fspath(path))  # the errno's subclass
+    """The error to raise for a failed write of `path`: a full disk's (or quota's, or file-size limit's) OSError,
+    which names no file (write(2), fsync(2)), as the same error naming `path`, also where a writer made a
+    RuntimeError of it (torch.save: "unexpected pos"); anything else as it is (an error of the caller's own, a read's
+    EIO, is not the output's)."""
+    cause: BaseException | None = e
+    if type(e) is RuntimeError:  # what it was raised from, or during (not `from None`)
+        cause = e.__cause__ if e.__cause__ is not None else None if e.__suppress_context__ else e.__context__
+    if isinstance(cause, OSError) and cause.errno in NO_SPACE and cause.filename is None:
+        return OSError(cause.errno, cause.strerror, os.fspath(path))
     return e
 
 

@@ -43,6 +43,15 @@ MANIFEST_NAME = "dataset.json"
 COPY_AGAIN = "in a copy of a run folder, copy the files named here again from the original instead"
 
 
+def run_folder(path: str | os.PathLike[str]) -> Path | None:
+    """The run folder `path` names, itself, its dataset.json or its shards/ folder, where one holds a dataset.json;
+    else None. Read through its manifest: a shard missing from a partial copy is an error, not a smaller dataset."""
+    p = Path(path)
+    if p.name == MANIFEST_NAME and p.is_file() or p.name == "shards" and p.is_dir():
+        p = p.parent
+    return p if (p / MANIFEST_NAME).is_file() else None
+
+
 def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
     """The shards dataset.json lists, each checked to exist with the recorded size (and sha256 if asked).
 
@@ -140,18 +149,15 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     """A run's results folder (the shards its dataset.json lists; refused without one), its dataset.json or its
     shards/ folder (the same), a folder of shards, one shard, or a list of shards."""
     if isinstance(path, (str, os.PathLike)):
+        run = run_folder(path)
+        if run is not None:
+            return _each_once(manifest_shards(run, verify_checksums=verify_checksums, allow_missing=allow_missing),
+                              str(run / MANIFEST_NAME))
         p = Path(path)
-        if p.name == MANIFEST_NAME and p.is_file():  # the run folder's manifest: the run folder
-            p = p.parent
         if p.exists() and not p.is_dir():  # a FIFO or a device too: the reader refuses it, saying why
             return [p]
         if not p.is_dir():
             raise ShardError(f"{p}: no such shard, run folder or shard folder")
-        if p.name == "shards" and (p.parent / MANIFEST_NAME).is_file():  # a run's shards: through its manifest,
-            p = p.parent  # so that a shard missing from a partial copy is an error, not a smaller dataset
-        if (p / MANIFEST_NAME).is_file():
-            return _each_once(manifest_shards(p, verify_checksums=verify_checksums, allow_missing=allow_missing),
-                              str(p / MANIFEST_NAME))
         if (p / "shards").is_dir():  # a run folder whose manifest is not written: the run is unfinished
             raise ShardError(
                 f"{p}: no {MANIFEST_NAME}: the run has not finished (its manifest job writes it once every shard is "

@@ -102,12 +102,12 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     return summary
 
 
-def _listed_shards(run_dir: Path) -> int | None:
-    """How many shards a run folder's dataset.json lists (None for a shards folder or shard list)."""
-    from hsextract.dataset import MANIFEST_NAME
+def _listed_shards(path: Path) -> int | None:
+    """How many shards a run folder's dataset.json lists (None for a folder of shards outside a run, or a list)."""
+    from hsextract.dataset import MANIFEST_NAME, run_folder
 
-    manifest = run_dir if run_dir.name == MANIFEST_NAME else run_dir / MANIFEST_NAME
-    return len(json.loads(manifest.read_text())["shards"]) if manifest.is_file() else None
+    run = run_folder(path)
+    return len(json.loads((run / MANIFEST_NAME).read_text())["shards"]) if run is not None else None
 
 
 __all__ = ["CONSUMER_FINAL_STATE", "FORMATS", "FinalNormWarning", "export", "final_norm_message"]

@@ -48,8 +48,8 @@ PER_CHUNK_FILES = (("prompts", ".parquet"), ("shards", SHARD_SUFFIX), ("validati
 
 def remove_stale_chunks(run_dir: str | Path, n_chunks: int) -> list[Path]:
     """Delete the per-chunk files (PER_CHUNK_FILES, exact names) of chunks >= `n_chunks` in the run folder: an
-    earlier configuration's, which `open_dataset('results/<run>/shards')` or `hsextract validate
-    results/<run>/shards/*.hss` would read with the current ones. One line on stdout per file removed."""
+    earlier configuration's, which `hsextract validate results/<run>/shards/*.hss` (and open_dataset on that folder
+    before a dataset.json is written) would read with the current ones. One line on stdout per file removed."""
     removed: list[Path] = []
     for folder, suffix in PER_CHUNK_FILES:
         removed += chunks.remove_beyond(Path(run_dir) / folder, suffix, n_chunks)
