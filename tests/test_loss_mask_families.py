@@ -507,6 +507,63 @@ def test_turn_whose_text_holds_a_stop_token_is_refused(family):
     assert "Four." in trained_segments(s, tok)[-1]
 
 
+# the markup each template writes around a plain exchange's messages (TemplateRenderer.markup_texts)
+MARKUP = {
+    "harmony": ["<|start|>", "<|message|>", "<|channel|>"],
+    "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
+    "qwen3": ["<|im_start|>"], "qwq": ["<|im_start|>"],
+    "kimi_k25": ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"],
+    "deepseek_v31": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+    "deepseek_r1": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
+    "mistral": ["<s>", "[INST]", "[/INST]"], "gemma3": ["<bos>", "<start_of_turn>"], "gemma4": ["<bos>", "<|turn>"],
+    "glm45": ["[gMASK]", "<sop>", "<|assistant|>"], "glm47": ["[gMASK]", "<sop>", "<|assistant|>"],
+    "phi3": ["<|user|>", "<|assistant|>"],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_turn_whose_text_holds_the_template_s_markup_is_refused(family):
+    """An answer followed by a made-up next turn whose stop was cut (`Answer.<|im_user|>user<|im_middle|>more?`):
+    the tokenizer reads the header as its special token, which the model writes only after a stop; trained, it
+    would teach a turn that goes on into the next. A user message may hold it (the server's prompt does too)."""
+    from hsextract.masks.rendering import TemplateRenderer
+
+    tok = make_tokenizer(family)
+    assert TemplateRenderer(tok).markup_texts() == MARKUP[family]
+    m = ChatMasker(tok)
+    mark = MARKUP[family][-1]
+    for key, turn in (("content", A(f"Answer.{mark}user more?")), ("reasoning_content", A("Four.", f"x{mark}y"))):
+        with pytest.raises(TemplateError) as e:
+            m.encode(Conversation([U("What is two plus two?"), turn]))
+        assert str(e.value) == (
+            f"assistant turn 1: its {key} holds {mark!r} (at character {turn[key].index(mark)}), the template's own "
+            "markup around messages, which the tokenizer reads as that special token: the model writes it only "
+            "after a turn's stop, so this is not one generated turn (a made-up next turn?). Cut the text at it, or "
+            "regenerate the responses with this model") and e.value.reason == "markup_in_turn"
+    (s,) = m.encode(Conversation([U(f"Say {mark}"), A("Four.", "Add.")]))
+    assert "Four." in trained_segments(s, tok)[-1]
+
+
+@pytest.mark.parametrize("family", ["kimi_k25", "qwen3"])
+def test_a_tool_call_whose_arguments_hold_a_stop_token_or_a_closer_in_reasoning_is_refused(family):
+    """The calls' names and arguments are the turn's own text too (refused naming them, not blaming the template);
+    a reasoning closer inside the reasoning ends it there: the rest was not generated as reasoning."""
+    tok = make_tokenizer(family)
+    m = ChatMasker(tok)
+    eos = EOS[family]
+    turn = A("", None, [("get_weather", {"city": f"Paris{eos}"})])
+    with pytest.raises(TemplateError) as e:
+        m.encode(Conversation([U("Weather?"), turn, {"role": "tool", "content": "21"}, A("Sunny.")]))
+    assert str(e.value).startswith(f"assistant turn 1: its tool_calls[0].function.arguments holds {eos!r} (at "
+                                   "character 15), a token that ends a turn") and e.value.reason == "stop_token_in_turn"
+    with pytest.raises(TemplateError) as e:
+        m.encode(Conversation([U("Weather?"), A("Sunny.", "It is </think> fake answer")]))
+    assert str(e.value) == (
+        "assistant turn 1: its reasoning_content holds '</think>' (at character 6), the token that ends a reasoning "
+        "block: the model's reasoning ends at the first, so the rest was not generated as reasoning. Move the text "
+        "after it to the content, or cut it") and e.value.reason == "reasoning_in_content"
+
+
 def test_tool_calls_and_results_a_template_drops_are_refused():
     """Phi-3's template renders a tool-call turn as if it had no calls (trained, its sample would teach the stop
     token right after the prompt, or the content without the calls) and drops the `tool` role (the turn after a

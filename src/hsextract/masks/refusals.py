@@ -6,6 +6,7 @@ Reason codes, each raised where its case is told apart:
     template_error             anything not named otherwise (the template's own `raise_exception` among them)
     not_prefix_stable          the template cannot render the prompt the server saw before a turn (locators)
     stop_token_in_turn         a turn's own text holds a token that ends a turn (below)
+    markup_in_turn             a turn's own text holds the template's markup around messages (below)
     tool_calls_not_rendered    a tool-call turn rendered as if it had no calls (below)
     tool_results_not_rendered  the template drops tool messages (below)
     tool_calls_after_stop      the calls rendered after the turn's stop token, as a message of their own (turns)
@@ -17,6 +18,8 @@ Reason codes, each raised where its case is told apart:
 
 from __future__ import annotations
 
+import json
+import re
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +30,13 @@ from hsextract.errors import ConfigError
 if TYPE_CHECKING:
     from hsextract.masks.rendering import TemplateRenderer
 
+# a think tag that is an added token (Kimi's, Qwen3's: the tokenizer reads it as that token wherever it is written)
+REASONING_TAG = re.compile(r"</?(think|thinking|thought|reasoning)>")
+
 TEMPLATE_ERROR = "template_error"
 NOT_PREFIX_STABLE = "not_prefix_stable"
 STOP_TOKEN_IN_TURN = "stop_token_in_turn"
+MARKUP_IN_TURN = "markup_in_turn"
 TOOL_CALLS_NOT_RENDERED = "tool_calls_not_rendered"
 TOOL_RESULTS_NOT_RENDERED = "tool_results_not_rendered"
 TOOL_CALLS_AFTER_STOP = "tool_calls_after_stop"
@@ -105,29 +112,59 @@ def refuse_unmaskable(renderer: TemplateRenderer, msgs: list[dict[str, Any]], to
     _refuse_unrendered_tool_results(renderer, msgs)
 
 
+def _fields(m: dict[str, Any]) -> list[tuple[str, str]]:
+    """An assistant message's own text, (where, text): what the model wrote, the tool calls' names and arguments
+    (as the JSON a call's object arguments are written in) included."""
+    out = [(k, m[k]) for k in ("reasoning_content", "content") if isinstance(m.get(k), str)]
+    for c, call in enumerate(m.get("tool_calls") or []):
+        fn = call.get("function") if isinstance(call, dict) else None
+        for key in ("name", "arguments") if isinstance(fn, dict) else ():
+            v = fn.get(key)
+            text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False) if v is not None else None
+            if text is not None:
+                out.append((f"tool_calls[{c}].function.{key}", text))
+    return out
+
+
 def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, Any]]) -> None:
     """An assistant turn whose own text holds a token that ends a turn (`<|im_end|>`, GLM's `<|user|>`, eos)
     was not generated as one turn: the model stops at that token. Runaway generations copied into datasets
     (an answer, `<|im_end|>`, a made-up next user turn) look like this; trained, they would teach the
-    drafter to go on after the stop."""
+    drafter to go on after the stop. So does one that holds the template's markup around messages (Kimi's
+    `<|im_user|>`, ChatML's `<|im_start|>`, Llama 3's `<|start_header_id|>`): a made-up turn whose stop was cut."""
     stop_texts = renderer.stop_texts()
+    markup = renderer.markup_texts()
     for j, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        for key in ("reasoning_content", "content"):
-            text = m.get(key)
-            hits = sorted((text.index(t), t) for t in stop_texts if isinstance(text, str) and t in text)
-            if not hits:
-                continue
-            at, hit = hits[0]
-            if key == "content" and not text[at:].removeprefix(hit).strip():  # exported with its stop token
+        for key, text in _fields(m):
+            hits = sorted((text.index(t), t) for t in stop_texts if t in text)
+            if hits:
+                at, hit = hits[0]
+                if key == "content" and not text[at:].removeprefix(hit).strip():  # exported with its stop token
+                    raise TemplateError(
+                        f"assistant turn {j}: its {key} ends with {hit!r}, a token that ends a turn, which the "
+                        f"template writes itself: strip it from the data", reason=STOP_TOKEN_IN_TURN)
                 raise TemplateError(
-                    f"assistant turn {j}: its {key} ends with {hit!r}, a token that ends a turn, which the "
-                    f"template writes itself: strip it from the data", reason=STOP_TOKEN_IN_TURN)
-            raise TemplateError(
-                f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), a token that ends a turn: "
-                f"the model stops there, so this is not one generated turn (a runaway generation?). Cut the "
-                f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
+                    f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), a token that ends a turn: "
+                    f"the model stops there, so this is not one generated turn (a runaway generation?). Cut the "
+                    f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
+            closers = [t for t in renderer.added if t.startswith("</") and REASONING_TAG.fullmatch(t)]
+            hits = sorted((text.index(t), t) for t in closers if key == "reasoning_content" and t in text)
+            if hits:
+                at, hit = hits[0]
+                raise TemplateError(
+                    f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), the token that ends a "
+                    f"reasoning block: the model's reasoning ends at the first, so the rest was not generated as "
+                    f"reasoning. Move the text after it to the content, or cut it", reason=REASONING_IN_CONTENT)
+            hits = sorted((text.index(t), t) for t in markup if t in text)
+            if hits:
+                at, hit = hits[0]
+                raise TemplateError(
+                    f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), the template's own markup "
+                    f"around messages, which the tokenizer reads as that special token: the model writes it only "
+                    f"after a turn's stop, so this is not one generated turn (a made-up next turn?). Cut the text "
+                    f"at it, or regenerate the responses with this model", reason=MARKUP_IN_TURN)
 
 
 def empty_turn(msgs: list[dict[str, Any]], j: int) -> TemplateError:
@@ -173,7 +210,7 @@ def _refuse_unrendered_tool_results(renderer: TemplateRenderer, msgs: list[dict[
                 f"renders them, or leave conversations with tool messages out", reason=TOOL_RESULTS_NOT_RENDERED)
 
 
-__all__ = ["EMPTY_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN", "STOP_TOKEN_IN_TURN",
-           "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED",
-           "TOOL_RESULTS_NOT_RENDERED", "TemplateError", "empty_turn", "failure", "not_prefix_stable",
-           "opening_assistant_turn", "refuse_unmaskable"]
+__all__ = ["EMPTY_TURN", "MARKUP_IN_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN",
+           "REASONING_TAG", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP",
+           "TOOL_CALLS_NOT_RENDERED", "TOOL_RESULTS_NOT_RENDERED", "TemplateError", "empty_turn", "failure",
+           "not_prefix_stable", "opening_assistant_turn", "refuse_unmaskable"]

@@ -40,7 +40,7 @@ from transformers.utils.chat_template_utils import _compile_jinja_template
 from hsextract.errors import ConfigError
 from hsextract.masks.kwargs import check_kwargs
 from hsextract.masks.probe import TemplateFacts, probe
-from hsextract.masks.refusals import TOOL_ARGUMENTS_AS_STRING, TemplateError
+from hsextract.masks.refusals import REASONING_TAG, TOOL_ARGUMENTS_AS_STRING, TemplateError
 from hsextract.prepare.conversations import as_openai
 
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -176,6 +176,7 @@ class TemplateRenderer:
         self._facts: TemplateFacts | None = None
         self._special: frozenset[int] | None = None
         self._stop_texts: list[str] | None = None
+        self._markup_texts: list[str] | None = None
         self.notes: list[str] = []
         added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
         self.added = added  # text of each added token -> its id (the tokenizer splits these out of any text)
@@ -352,6 +353,22 @@ class TemplateRenderer:
             stop_ids = self.facts().stop_ids
             self._stop_texts = [t for t, i in self.added.items() if i in stop_ids]
         return self._stop_texts
+
+    def markup_texts(self) -> list[str]:
+        """The added tokens the template writes around the messages of a plain exchange (role headers, separators,
+        begin-of-text), less its stop tokens and reasoning tags, as text (once per renderer): markup that a
+        generated turn's fields never hold. (Tool-call markup is not among them: data that writes its calls as
+        text in the content renders as the model generates them.)"""
+        if self._markup_texts is None:
+            try:
+                seen = set(self.render_ids([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]))
+            except Exception:  # noqa: BLE001 - a template that cannot render it has other refusals to make
+                seen = set()
+            facts = self.facts()
+            skip = set(facts.stop_ids) | {i for part in (facts.reasoning_slot or ()) for i in part}
+            self._markup_texts = [t for t, i in self.added.items()
+                                  if i in seen and i not in skip and not REASONING_TAG.fullmatch(t)]
+        return self._markup_texts
 
 
 __all__ = ["REASONING_FIELDS", "TemplateRenderer", "content_format"]
