@@ -205,3 +205,15 @@ def test_a_folder_not_built_as_a_tiny_model_is_never_replaced(built: tuple[Path,
     for out in (tmp_path / "again", tmp_path / "empty"):
         make_tiny_model(out, CONVERSATIONS, **SMALL)
         assert _sha(out / "model.safetensors") == _sha(built[1] / "model.safetensors")
+
+
+def test_the_tokenizer_trains_on_content_parts_and_null_content(tmp_path: Path) -> None:
+    """A first source in OpenAI's shapes the prepare step reads (content parts, null content beside tool calls):
+    the texts are the parts' texts; nothing else is a text (the build crashed on a part's dict)."""
+    from hsextract.tinymodel.build import _iter_texts
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "image_url", "image_url": {}}]},
+        {"role": "assistant", "content": None, "tool_calls": []}, {"role": "assistant", "content": "Hi"}]}) + "\n")
+    assert list(_iter_texts(path)) == ["user", "Hello", "assistant", "assistant", "Hi"]

@@ -117,7 +117,9 @@ def _iter_texts(conversations_path: Path) -> Iterator[str]:
                 rec = json.loads(line)
                 for m in rec["messages"]:
                     yield m["role"]
-                    yield m["content"]
+                    content = m["content"]  # a string, null, or OpenAI's content parts (their texts)
+                    parts = content if isinstance(content, list) else [{"text": content}]
+                    yield from (p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise ConfigError(
                     f"{conversations_path}:{lineno}: not a {{'messages': [{{'role', 'content'}}]}} record "
