@@ -509,15 +509,14 @@ def test_turn_whose_text_holds_a_stop_token_is_refused(family):
 
 # the markup each template writes around a plain exchange's messages (TemplateRenderer.markup_texts)
 MARKUP = {
-    "harmony": ["<|start|>", "<|message|>", "<|channel|>"],
-    "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>"],
+    "harmony": ["<|start|>", "<|message|>", "<|channel|>"], "llama3": ["<|start_header_id|>", "<|end_header_id|>"],
     "qwen3": ["<|im_start|>"], "qwq": ["<|im_start|>"],
     "kimi_k25": ["<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>"],
-    "deepseek_v31": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
-    "deepseek_r1": ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"],
-    "mistral": ["<s>", "[INST]", "[/INST]"], "gemma3": ["<bos>", "<start_of_turn>"], "gemma4": ["<bos>", "<|turn>"],
-    "glm45": ["[gMASK]", "<sop>", "<|assistant|>"], "glm47": ["[gMASK]", "<sop>", "<|assistant|>"],
-    "phi3": ["<|user|>", "<|assistant|>"],
+    "deepseek_v31": ["<｜User｜>", "<｜Assistant｜>"], "deepseek_r1": ["<｜User｜>", "<｜Assistant｜>"],
+    "mistral": ["[INST]", "[/INST]"], "gemma3": ["<start_of_turn>"], "gemma4": ["<|turn>"],
+    "glm45": ["[gMASK]", "<sop>", "<|system|>", "<|assistant|>"],
+    "glm47": ["[gMASK]", "<sop>", "<|system|>", "<|assistant|>"],
+    "phi3": ["<|system|>", "<|user|>", "<|assistant|>"],
 }
 
 
@@ -537,9 +536,10 @@ def test_turn_whose_text_holds_the_template_s_markup_is_refused(family):
             m.encode(Conversation([U("What is two plus two?"), turn]))
         assert str(e.value) == (
             f"assistant turn 1: its {key} holds {mark!r} (at character {turn[key].index(mark)}), the template's own "
-            "markup around messages, which the tokenizer reads as that special token: the model writes it only "
-            "after a turn's stop, so this is not one generated turn (a made-up next turn?). Cut the text at it, or "
-            "regenerate the responses with this model") and e.value.reason == "markup_in_turn"
+            "markup around messages, which the tokenizer reads as that special token wherever it is written: the "
+            "model writes it only between turns, so the turn was not generated as written (a made-up next turn, or "
+            "text that quotes the markup). Cut or rewrite the text there, or regenerate the responses with this "
+            "model") and e.value.reason == "markup_in_turn"
     (s,) = m.encode(Conversation([U(f"Say {mark}"), A("Four.", "Add.")]))
     assert "Four." in trained_segments(s, tok)[-1]
 
@@ -562,6 +562,12 @@ def test_a_tool_call_whose_arguments_hold_a_stop_token_or_a_closer_in_reasoning_
         "assistant turn 1: its reasoning_content holds '</think>' (at character 6), the token that ends a reasoning "
         "block: the model's reasoning ends at the first, so the rest was not generated as reasoning. Move the text "
         "after it to the content, or cut it") and e.value.reason == "reasoning_in_content"
+    for exported in ("<think>\nLook.\n</think>", "Look.\n</think>\n", "<think>Look."):  # the template's own tags
+        with pytest.raises(TemplateError) as e:
+            m.encode(Conversation([U("Weather?"), A("Sunny.", exported)]))
+        tag = "<think>" if exported.startswith("<think>") else "</think>"
+        assert str(e.value) == (f"assistant turn 1: its reasoning_content is written with the tag {tag!r}, which the "
+                                "template writes around it itself: strip the tags from the data")
 
 
 def test_tool_calls_and_results_a_template_drops_are_refused():

@@ -30,13 +30,19 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hsextract.masks.ids import common_prefix
-from hsextract.masks.refusals import NOT_PREFIX_STABLE, REASONING_IN_CONTENT, REASONING_LEFT_OPEN, TemplateError
+from hsextract.masks.refusals import (
+    NOT_PREFIX_STABLE,
+    REASONING_IN_CONTENT,
+    REASONING_LEFT_OPEN,
+    REASONING_NAMES,
+    TemplateError,
+)
 from hsextract.masks.rendering import TemplateRenderer
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 
 # the closers of reasoning blocks (`</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax); tool-call markup such as
 # Qwen's `</tool_call>` is a pair of added tokens too, and may stand in a content more than once
-REASONING_CLOSER = re.compile(r"</(think|thinking|thought|reasoning)>")
+REASONING_CLOSER = re.compile(rf"</({REASONING_NAMES})>")
 
 
 def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:

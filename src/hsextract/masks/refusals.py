@@ -30,8 +30,9 @@ from hsextract.errors import ConfigError
 if TYPE_CHECKING:
     from hsextract.masks.rendering import TemplateRenderer
 
-# a think tag that is an added token (Kimi's, Qwen3's: the tokenizer reads it as that token wherever it is written)
-REASONING_TAG = re.compile(r"</?(think|thinking|thought|reasoning)>")
+# the names of reasoning blocks' tags (`<think>`, `</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax)
+REASONING_NAMES = "think|thinking|thought|reasoning"
+REASONING_TAG = re.compile(rf"</?({REASONING_NAMES})>")
 
 TEMPLATE_ERROR = "template_error"
 NOT_PREFIX_STABLE = "not_prefix_stable"
@@ -149,22 +150,38 @@ def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, 
                     f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), a token that ends a turn: "
                     f"the model stops there, so this is not one generated turn (a runaway generation?). Cut the "
                     f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
-            closers = [t for t in renderer.added if t.startswith("</") and REASONING_TAG.fullmatch(t)]
-            hits = sorted((text.index(t), t) for t in closers if key == "reasoning_content" and t in text)
-            if hits:
-                at, hit = hits[0]
-                raise TemplateError(
-                    f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), the token that ends a "
-                    f"reasoning block: the model's reasoning ends at the first, so the rest was not generated as "
-                    f"reasoning. Move the text after it to the content, or cut it", reason=REASONING_IN_CONTENT)
+            if key == "reasoning_content" and renderer.facts().renders_reasoning:
+                _refuse_tags_in_reasoning(renderer, j, text)
             hits = sorted((text.index(t), t) for t in markup if t in text)
             if hits:
                 at, hit = hits[0]
                 raise TemplateError(
                     f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), the template's own markup "
-                    f"around messages, which the tokenizer reads as that special token: the model writes it only "
-                    f"after a turn's stop, so this is not one generated turn (a made-up next turn?). Cut the text "
-                    f"at it, or regenerate the responses with this model", reason=MARKUP_IN_TURN)
+                    f"around messages, which the tokenizer reads as that special token wherever it is written: the "
+                    f"model writes it only between turns, so the turn was not generated as written (a made-up next "
+                    f"turn, or text that quotes the markup). Cut or rewrite the text there, or regenerate the "
+                    f"responses with this model", reason=MARKUP_IN_TURN)
+
+
+def _refuse_tags_in_reasoning(renderer: TemplateRenderer, j: int, text: str) -> None:
+    """A reasoning field the template renders, holding a think tag that is an added token: exported with the tags
+    the template writes around it itself (it would train two of each), or holding the closer inside (the model's
+    reasoning ends at the first: the rest was not generated as reasoning)."""
+    hits = sorted((text.index(t), t) for t in renderer.reasoning_tag_texts() if t in text)
+    if not hits:
+        return
+    at, hit = hits[0]
+    inner = text.strip()
+    if any(inner.startswith(t) and not t.startswith("</") or inner.endswith(t) and t.startswith("</")
+           for t in renderer.reasoning_tag_texts()):
+        raise TemplateError(
+            f"assistant turn {j}: its reasoning_content is written with the tag {hit!r}, which the template writes "
+            f"around it itself: strip the tags from the data", reason=REASONING_IN_CONTENT)
+    if hit.startswith("</"):
+        raise TemplateError(
+            f"assistant turn {j}: its reasoning_content holds {hit!r} (at character {at}), the token that ends a "
+            f"reasoning block: the model's reasoning ends at the first, so the rest was not generated as "
+            f"reasoning. Move the text after it to the content, or cut it", reason=REASONING_IN_CONTENT)
 
 
 def empty_turn(msgs: list[dict[str, Any]], j: int) -> TemplateError:
@@ -211,6 +228,6 @@ def _refuse_unrendered_tool_results(renderer: TemplateRenderer, msgs: list[dict[
 
 
 __all__ = ["EMPTY_TURN", "MARKUP_IN_TURN", "NOT_PREFIX_STABLE", "REASONING_IN_CONTENT", "REASONING_LEFT_OPEN",
-           "REASONING_TAG", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING", "TOOL_CALLS_AFTER_STOP",
-           "TOOL_CALLS_NOT_RENDERED", "TOOL_RESULTS_NOT_RENDERED", "TemplateError", "empty_turn", "failure",
-           "not_prefix_stable", "opening_assistant_turn", "refuse_unmaskable"]
+           "REASONING_NAMES", "REASONING_TAG", "STOP_TOKEN_IN_TURN", "TEMPLATE_ERROR", "TOOL_ARGUMENTS_AS_STRING",
+           "TOOL_CALLS_AFTER_STOP", "TOOL_CALLS_NOT_RENDERED", "TOOL_RESULTS_NOT_RENDERED", "TemplateError",
+           "empty_turn", "failure", "not_prefix_stable", "opening_assistant_turn", "refuse_unmaskable"]

@@ -177,6 +177,7 @@ class TemplateRenderer:
         self._special: frozenset[int] | None = None
         self._stop_texts: list[str] | None = None
         self._markup_texts: list[str] | None = None
+        self._reasoning_tags: list[str] | None = None
         self.notes: list[str] = []
         added = {str(t): i for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
         self.added = added  # text of each added token -> its id (the tokenizer splits these out of any text)
@@ -355,20 +356,30 @@ class TemplateRenderer:
         return self._stop_texts
 
     def markup_texts(self) -> list[str]:
-        """The added tokens the template writes around the messages of a plain exchange (role headers, separators,
-        begin-of-text), less its stop tokens and reasoning tags, as text (once per renderer): markup that a
-        generated turn's fields never hold. (Tool-call markup is not among them: data that writes its calls as
-        text in the content renders as the model generates them.)"""
+        """The added tokens the template writes around the messages of a plain exchange (with and without a system
+        message: role headers, separators), less its stop tokens, think tags and begin-of-text, as text (once per
+        renderer): markup that a generated turn's fields never hold. (Tool-call markup is not among them: data
+        that writes its calls as text in the content renders as the model generates them.)"""
         if self._markup_texts is None:
-            try:
-                seen = set(self.render_ids([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]))
-            except Exception:  # noqa: BLE001 - a template that cannot render it has other refusals to make
-                seen = set()
+            seen: set[int] = set()
+            exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+            for msgs in (exchange, [{"role": "system", "content": "s"}, *exchange]):
+                try:
+                    seen |= set(self.render_ids(msgs))
+                except Exception:  # noqa: BLE001 - a template that refuses one is judged on the data, in its words
+                    continue
             facts = self.facts()
             skip = set(facts.stop_ids) | {i for part in (facts.reasoning_slot or ()) for i in part}
+            skip.add(getattr(self.tokenizer, "bos_token_id", None))
             self._markup_texts = [t for t, i in self.added.items()
                                   if i in seen and i not in skip and not REASONING_TAG.fullmatch(t)]
         return self._markup_texts
+
+    def reasoning_tag_texts(self) -> list[str]:
+        """The think tags (`<think>`, `</think>`) that are added tokens (once per renderer)."""
+        if self._reasoning_tags is None:
+            self._reasoning_tags = [t for t in self.added if REASONING_TAG.fullmatch(t)]
+        return self._reasoning_tags
 
 
 __all__ = ["REASONING_FIELDS", "TemplateRenderer", "content_format"]
