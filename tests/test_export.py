@@ -384,3 +384,24 @@ def test_data_config_names_the_engines_version_alone() -> None:
     assert _version_of("transformers", meta) == "5.25.0" and _version_of("vllm", meta) is None
     assert _version_of("vllm", {"engine": "vllm", "engine_version": "vllm 0.11.0"}) == "0.11.0"
     assert _version_of("transformers", {"engine": "sglang", "engine_version": "sglang 0.5.16"}) is None
+
+
+def test_a_second_export_into_the_same_folder_at_once_is_refused(run_dir, tmp_path):
+    """Two exports into one folder at once replaced each other unasked, and the later one's start removed the
+    earlier one's folder in the making: the one that comes second is refused while the first holds the lock."""
+    import fcntl
+
+    out = tmp_path / "out"
+    lock = tmp_path / ".out.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an export of another process, running
+        with pytest.raises(ConfigError) as e:
+            export(run_dir, out, "speculators-v1")
+        assert str(e.value) == (f"{out}: another export into this folder is running (it holds {lock}); wait for it "
+                                "to end, or export into another folder")
+        assert not out.exists()
+    finally:
+        os.close(fd)
+    assert export(run_dir, out, "speculators-v1")["out_dir"] == str(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # the lock file removed after

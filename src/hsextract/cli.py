@@ -108,7 +108,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("export", help="rewrite a run's shards in another trainer's layout",
                        description="Stream every sample of RUN_DIR (a run's results folder, or a shards folder) "
-                                   "into OUT_DIR.")
+                                   "into OUT_DIR, built beside it and renamed onto it once whole; one export into "
+                                   "a folder at a time (another, running, holds .<OUT_DIR's name>.lock beside it).")
     p.add_argument("--format", required=True, choices=FORMATS, dest="fmt")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("out_dir", metavar="OUT_DIR")

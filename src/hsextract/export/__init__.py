@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,7 +93,8 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     # every consumer's ids for the stored layers (hsextract.layers), this format's own first
     ids = layers.drafter_config(meta["aux_layers"], meta.get("num_hidden_layers"), meta.get("architecture"))
     layer_ids = {"format": fmt, "consumer": CONSUMER_LAYER_KEY[fmt], **ids}
-    with atomic_dir(out) as tmp:
+    with _one_export(out), atomic_dir(out) as tmp:
+        check_out_dir(out, force)  # again, now that no other export into `out` can be running
         summary = EXPORTERS[fmt](pds, tmp, norm) if norm is not None else EXPORTERS[fmt](pds, tmp)
         save_json(tmp / LAYERS_FILE, layer_ids)
     for key in ("data_path", "token_freq_path"):
@@ -100,6 +103,31 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     summary.update(format=fmt, out_dir=str(out), final_state=final_state, consumer_final_state=want,
                    warning=warning, final_norm_applied=norm is not None, layers=layer_ids, notes=notes)
     return summary
+
+
+@contextlib.contextmanager
+def _one_export(out: Path) -> Iterator[None]:
+    """One export into `out` at a time: two at once would replace each other unasked, and the later one's start
+    would remove the earlier one's folder in the making (atomic_dir cleans a killed build's leftovers). An advisory
+    lock (flock: released by the kernel when its holder dies) on `.<name>.lock` beside `out`, removed after."""
+    import fcntl
+
+    out = Path(os.path.abspath(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock = out.parent / f".{out.name}.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"{out}: another export into this folder is running (it holds {lock}); wait for it to "
+                              "end, or export into another folder") from None
+        try:
+            yield
+        finally:
+            lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def _listed_shards(path: Path) -> int | None:
