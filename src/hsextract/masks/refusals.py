@@ -127,6 +127,11 @@ def _fields(m: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def _first(text: str, tokens: list[str]) -> tuple[int, str] | None:
+    """(where, which) of the first of `tokens` written in `text`, else None."""
+    return min(((text.index(t), t) for t in tokens if t in text), default=None)
+
+
 def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, Any]]) -> None:
     """An assistant turn whose own text holds a token that ends a turn (`<|im_end|>`, GLM's `<|user|>`, eos)
     was not generated as one turn: the model stops at that token. Runaway generations copied into datasets
@@ -139,9 +144,8 @@ def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, 
         if m["role"] != "assistant":
             continue
         for key, text in _fields(m):
-            hits = sorted((text.index(t), t) for t in stop_texts if t in text)
-            if hits:
-                at, hit = hits[0]
+            if found := _first(text, stop_texts):
+                at, hit = found
                 if key == "content" and not text[at:].removeprefix(hit).strip():  # exported with its stop token
                     raise TemplateError(
                         f"assistant turn {j}: its {key} ends with {hit!r}, a token that ends a turn, which the "
@@ -152,9 +156,8 @@ def _refuse_stop_tokens_inside(renderer: TemplateRenderer, msgs: list[dict[str, 
                     f"text at it, or regenerate the responses with this model", reason=STOP_TOKEN_IN_TURN)
             if key == "reasoning_content" and renderer.facts().renders_reasoning:
                 _refuse_tags_in_reasoning(renderer, j, text)
-            hits = sorted((text.index(t), t) for t in markup if t in text)
-            if hits:
-                at, hit = hits[0]
+            if found := _first(text, markup):
+                at, hit = found
                 raise TemplateError(
                     f"assistant turn {j}: its {key} holds {hit!r} (at character {at}), the template's own markup "
                     f"around messages, which the tokenizer reads as that special token wherever it is written: the "
@@ -167,13 +170,13 @@ def _refuse_tags_in_reasoning(renderer: TemplateRenderer, j: int, text: str) -> 
     """A reasoning field the template renders, holding a think tag that is an added token: exported with the tags
     the template writes around it itself (it would train two of each), or holding the closer inside (the model's
     reasoning ends at the first: the rest was not generated as reasoning)."""
-    hits = sorted((text.index(t), t) for t in renderer.reasoning_tag_texts() if t in text)
-    if not hits:
+    tags = renderer.reasoning_tag_texts()
+    found = _first(text, tags)
+    if found is None:
         return
-    at, hit = hits[0]
+    at, hit = found
     inner = text.strip()
-    if any(inner.startswith(t) and not t.startswith("</") or inner.endswith(t) and t.startswith("</")
-           for t in renderer.reasoning_tag_texts()):
+    if any(inner.startswith(t) and not t.startswith("</") or inner.endswith(t) and t.startswith("</") for t in tags):
         raise TemplateError(
             f"assistant turn {j}: its reasoning_content is written with the tag {hit!r}, which the template writes "
             f"around it itself: strip the tags from the data", reason=REASONING_IN_CONTENT)

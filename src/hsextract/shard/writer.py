@@ -418,11 +418,13 @@ class ShardWriter:
         if e is None:
             return
         self.abort()
+        raise self._failed(f"writing failed after {len(self._index['offsets'])} samples", e) from e
+
+    def _failed(self, what: str, e: BaseException) -> ShardError:
+        """The error of a shard that failed (aborted: nothing left behind), with what to do."""
         strerror = e.strerror if isinstance(e, OSError) else None
-        raise ShardError(
-            f"{self.path}: writing failed after {len(self._index['offsets'])} samples ({strerror or e}); "
-            f"no shard was left behind. Free space in {self.path.parent} (or fix the error) and rerun the chunk."
-        ) from e
+        return ShardError(f"{self.path}: {what} ({strerror or e}); no shard was left behind. Free space in "
+                          f"{self.path.parent} (or fix the error) and rerun the chunk.")
 
     def _stop_writer(self) -> None:
         """Let the writer thread finish what it holds (the consumer waits: write_s) and end."""
@@ -469,8 +471,7 @@ class ShardWriter:
             self._file.close()
         except OSError as e:
             self.abort()
-            raise ShardError(f"{self.path}: finishing the shard failed ({e.strerror or e}); no shard was left behind. "
-                             f"Free space in {self.path.parent} (or fix the error) and rerun the chunk.") from e
+            raise self._failed("finishing the shard failed", e) from e
         self._closed = True
         if self._pool:
             self._pool.shutdown()
