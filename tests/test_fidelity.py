@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hsextract.config.model_info import read_model_shape
 from hsextract.engines.base import Captured, Prompt
 from hsextract.extract import fidelity
 
@@ -138,8 +139,8 @@ def test_fractions_are_compared_exactly() -> None:
 
 
 def test_is_moe_and_neighbours(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text('{"n_routed_experts": 8, "num_hidden_layers": 10}')
-    assert fidelity.is_moe(str(tmp_path)) and fidelity.num_layers_of(str(tmp_path)) == 10
+    (tmp_path / "config.json").write_text('{"n_routed_experts": 8, "num_hidden_layers": 10, "hidden_size": 64}')
+    assert fidelity.is_moe(str(tmp_path)) and read_model_shape(str(tmp_path)).num_layers == 10
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 8}')
     assert not fidelity.is_moe(str(tmp_path))
     assert fidelity.neighbours((1, 3, 7), 8) == [2, 4, 6]

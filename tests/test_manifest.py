@@ -17,9 +17,10 @@ from hsextract import open_dataset
 from hsextract.config.settings import from_config
 from hsextract.errors import ValidationFailure
 from hsextract.prepare.run import SCHEMA
+from hsextract.prepare.vocab import save_token_freq
 from hsextract.provenance import sha256_file
 from hsextract.report.manifest import build_manifest, remove_stale_chunks
-from hsextract.report.stats import chunk_stats, token_freq, write_token_freq
+from hsextract.report.stats import ChunkTotals, chunk_stats
 from hsextract.shard import ShardWriter
 
 SETTINGS = from_config({"capture": "custom", "aux_layers": [1, 2, 3], "aux_layers_convention": "hidden_states"})
@@ -53,8 +54,8 @@ def make_run(root: Path, n_chunks: int, *, recorded: tuple[int, ...] | None = No
         (run / "validation" / f"chunk-{c:05d}.json").write_text(json.dumps({"passed": True}))
         (run / "stats" / f"chunk-{c:05d}.json").write_text(json.dumps(chunk_stats(shard)))
     (run / "prompts" / "summary.json").write_text(json.dumps({"read": 2 * n_chunks}))
-    write_token_freq(token_freq([json.loads((run / "stats" / f"chunk-{c:05d}.json").read_text())
-                                 for c in range(n_chunks)]), run / "token_freq.pt")
+    save_token_freq(ChunkTotals([json.loads((run / "stats" / f"chunk-{c:05d}.json").read_text())
+                                 for c in range(n_chunks)]).token_freq(), run / "token_freq.pt")
     return run
 
 

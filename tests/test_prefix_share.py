@@ -231,8 +231,9 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     """docs/SHARED_PREFIX.md, "What is reported": chunk stats, the aggregate tables, inspect, validate and
     dataset.json give materialized and distinct tokens and their ratio, exactly; a dataset of a version-1 and a
     version-2 shard is one dataset (a chunk without references is written as version 1)."""
+    from hsextract.prepare.vocab import save_token_freq
     from hsextract.report.manifest import build_manifest
-    from hsextract.report.stats import aggregate, chunk_stats, token_freq, write_token_freq
+    from hsextract.report.stats import ChunkTotals, chunk_stats
     from hsextract.report.tables import table_html
     from hsextract.report.validate import validate_shard
     from hsextract.shard.inspect import format_info, shard_info
@@ -245,7 +246,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     stats = [chunk_stats(p) for p in paths]
     assert [(s["format_version"], s["tokens"], s["stored_tokens"]) for s in stats] == [(1, tokens, tokens),
                                                                                         (2, tokens, distinct)]
-    tables = aggregate(stats, {})
+    tables = ChunkTotals(stats).tables({})
     summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
     assert (summary["tokens"], summary["stored_tokens"], summary["share_saving"]) == (
         2 * tokens, tokens + distinct, round(2 * tokens / (tokens + distinct), 4))
@@ -260,7 +261,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
     assert list(tables["chunks"]["stored_over_raw"]) == [round(n / raw_of[0], 4) for n in size]
     assert summary["codec_ratio"] == round(sum(size) / sum(raw_of), 4)
     older = [{k: v for k, v in s.items() if k != "bytes_raw_stored"} for s in stats]  # an earlier release's stats
-    old = aggregate(older, {})
+    old = ChunkTotals(older).tables({})
     assert list(old["chunks"]["codec_ratio"].isna()) == [False, True]
     assert dict(zip(old["summary"]["metric"], old["summary"]["value"], strict=True))["codec_ratio"] is None
 
@@ -285,7 +286,7 @@ def test_stats_inspect_validate_manifest_and_report_count_distinct_tokens(extrac
         stat_files.append(tmp_path / f"s{k}.json")
         stat_files[-1].write_text(json.dumps(s))
     (tmp_path / "summary.json").write_text(json.dumps({"read": 6, "tokens": 2 * tokens}))
-    write_token_freq(token_freq(stats), tmp_path / "token_freq.pt")
+    save_token_freq(ChunkTotals(stats).token_freq(), tmp_path / "token_freq.pt")
     settings = from_config({"model": str(extracted["model"]), "capture": "custom", "aux_layers": [1, 3],
                             "aux_layers_convention": "hidden_states", "final_state": "post_norm"})
     manifest = build_manifest(settings, shards=paths, validation=reports, chunk_stats=stat_files, prompts=None,

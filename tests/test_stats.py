@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 import torch
 
+from hsextract.prepare.vocab import save_token_freq
 from hsextract.report.plots import plot_rms_by_position, plot_seq_length_hist
-from hsextract.report.stats import aggregate, chunk_stats, token_freq, write_table, write_token_freq
+from hsextract.report.stats import ChunkTotals, chunk_stats, write_table
 from hsextract.shard import ShardWriter
 
 HIDDEN = 8
@@ -62,7 +63,7 @@ def test_chunk_stats_values(shards: list[Path]) -> None:
 
 def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> None:
     stats = [chunk_stats(p, position_bins=2) for p in shards]
-    tables = aggregate(stats, {"dropped": {"too_long": 2, "no_trained_tokens": 5, "duplicate": 1}})
+    tables = ChunkTotals(stats).tables({"dropped": {"too_long": 2, "no_trained_tokens": 5, "duplicate": 1}})
     summary = dict(zip(tables["summary"]["metric"], tables["summary"]["value"], strict=True))
     # a duplicate drops a whole record (all its samples), the filters one sample each: never added up
     assert (summary["chunks"], summary["samples"], summary["tokens"], summary["trained_tokens"],
@@ -91,14 +92,14 @@ def test_aggregate_is_exact_over_chunks(shards: list[Path], tmp_path: Path) -> N
 
 def test_token_freq_over_trained_tokens(shards: list[Path], tmp_path: Path) -> None:
     stats = [chunk_stats(p) for p in shards]
-    assert token_freq(stats) == {6: 1, 7: 4, 8: 1, 9: 1}
-    write_token_freq(token_freq(stats), tmp_path / "token_freq.pt")
+    assert ChunkTotals(stats).token_freq() == {6: 1, 7: 4, 8: 1, 9: 1}
+    save_token_freq(ChunkTotals(stats).token_freq(), tmp_path / "token_freq.pt")
     assert torch.load(tmp_path / "token_freq.pt", weights_only=True) == {6: 1, 7: 4, 8: 1, 9: 1}
 
 
 def test_plots_are_pngs(shards: list[Path], tmp_path: Path) -> None:
     stats = [chunk_stats(p, position_bins=2) for p in shards]
-    tables = aggregate(stats, {"dropped": {}})
+    tables = ChunkTotals(stats).tables({"dropped": {}})
     plot_seq_length_hist(stats, tmp_path / "h.png", bins=5)
     plot_rms_by_position(tables["rms_by_position"], tmp_path / "r.png")
     for name in ("h.png", "r.png"):
@@ -128,7 +129,7 @@ def assert_legend_outside(fig) -> None:
 def test_rms_plot_legend_is_off_the_data(shards: list[Path]) -> None:
     from hsextract.report.plots import rms_figure
 
-    tables = aggregate([chunk_stats(p, position_bins=2) for p in shards], {"dropped": {}})
+    tables = ChunkTotals([chunk_stats(p, position_bins=2) for p in shards]).tables({"dropped": {}})
     assert_legend_outside(rms_figure(tables["rms_by_position"]))
 
 
@@ -138,7 +139,7 @@ def test_report_pages_hold_the_tables_and_the_validation_summary(shards: list[Pa
     from hsextract.report.tables import write_report_pages
     from hsextract.report.validate import CHECKS
 
-    tables = aggregate([chunk_stats(p) for p in shards], {"dropped": {"too_long": 2, "duplicate": 1}})
+    tables = ChunkTotals([chunk_stats(p) for p in shards]).tables({"dropped": {"too_long": 2, "duplicate": 1}})
     reports = []
     for i, (passed, failed) in enumerate([(True, {}), (False, {"finite": 3, "zero_row": 1})]):
         r = {"shard": f"shards/chunk-{i:05d}.hss", "passed": passed, "num_samples": 10 + i,
@@ -327,9 +328,9 @@ def test_chunk_totals_over_files_equal_the_whole_list(name: str, tmp_path: Path)
         before.update({int(t): int(n) for t, n in c["token_freq"].items()})
     saved = io.BytesIO()
     torch.save(dict(sorted(before.items())), saved)
-    write_token_freq(totals.token_freq(), tmp_path / "token_freq.pt")
+    save_token_freq(totals.token_freq(), tmp_path / "token_freq.pt")
     assert (tmp_path / "token_freq.pt").read_bytes() == saved.getvalue()
-    assert token_freq(iter_json_files(paths)) == totals.token_freq()
+    assert ChunkTotals(iter_json_files(paths)).token_freq() == totals.token_freq()
 
     lengths = np.asarray([n for c in whole for n in c["seq_lengths"]], dtype=np.int64)
     trained = np.asarray([n for c in whole for n in c["trained_lengths"]], dtype=np.int64)

@@ -19,7 +19,7 @@ import torch
 
 from hsextract.errors import ConfigError
 from hsextract.tinymodel.build import SPECIAL_TOKENS, main, make_tiny_model
-from hsextract.tinymodel.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE, chat_template_hash
+from hsextract.tinymodel.chat_template import DEFAULT_SYSTEM_PROMPT, KIMI_STYLE_TEMPLATE
 
 CONVERSATIONS = Path(__file__).resolve().parents[1] / "data" / "conversations.jsonl"
 SMALL = {"num_hidden_layers": 4, "hidden_size": 128}
@@ -167,12 +167,6 @@ def test_chat_template_renders_kimi_format(built: tuple[Path, Path]) -> None:
     assert text_ids[-1] == tok.convert_tokens_to_ids("<|im_middle|>")
     assert ids.count(tok.convert_tokens_to_ids("<|im_end|>")) == 5
     assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
-
-
-def test_chat_template_hash() -> None:
-    assert chat_template_hash(KIMI_STYLE_TEMPLATE) == hashlib.sha256(KIMI_STYLE_TEMPLATE.encode()).hexdigest()
-    assert chat_template_hash(None) == "none"
-    assert chat_template_hash(KIMI_STYLE_TEMPLATE + " ") != chat_template_hash(KIMI_STYLE_TEMPLATE)
 
 
 def test_unknown_override_is_a_config_error(tmp_path: Path) -> None:

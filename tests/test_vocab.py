@@ -12,7 +12,7 @@ import zipfile
 import pytest
 import torch
 
-from hsextract.prepare.vocab import build_vocab_mapping, load_token_freq, save_token_freq, token_freq
+from hsextract.prepare.vocab import save_token_freq, token_freq
 
 
 def _speculators_fn():
@@ -54,27 +54,22 @@ def test_token_freq_file_round_trip(tmp_path):
     save_token_freq({3: 10, 1: 2}, tmp_path / "token_freq.pt")
     raw = torch.load(tmp_path / "token_freq.pt", weights_only=True)
     assert raw == {3: 10, 1: 2} and all(type(k) is int and type(v) is int for k, v in raw.items())
-    assert load_token_freq(tmp_path / "token_freq.pt") == {3: 10, 1: 2}
     assert [p.name for p in tmp_path.iterdir()] == ["token_freq.pt"]  # no temp file left
-
-
-def test_build_vocab_mapping_values():
-    d2t, t2d = build_vocab_mapping({7: 5, 3: 5, 9: 1, 2: 8}, target_vocab_size=12, draft_vocab_size=3)
-    # top 3: 2 (8), then 3 and 7 (5 each, smaller id first); sorted -> [2, 3, 7]
-    assert d2t.tolist() == [2 - 0, 3 - 1, 7 - 2] and d2t.dtype == torch.long
-    assert t2d.dtype == torch.bool and t2d.nonzero().flatten().tolist() == [2, 3, 7]
-    d2t, t2d = build_vocab_mapping({5: 1}, target_vocab_size=8, draft_vocab_size=4)  # filled with 0, 1, 2
-    assert (torch.arange(4) + d2t).tolist() == [0, 1, 2, 5]
 
 
 @pytest.mark.parametrize("seed,n_seen,draft,target", [(0, 500, 64, 1000), (1, 20, 64, 1000), (2, 64, 64, 64),
                                                       (3, 300, 100, 300)])
-def test_equal_to_speculators(seed, n_seen, draft, target):
+def test_speculators_builds_its_draft_vocabulary_from_our_file(seed, n_seen, draft, target, tmp_path):
+    """token_freq.pt as written, loaded as speculators loads it, into its own d2t / t2d builder: the draft
+    vocabulary is the `draft` most frequent trained ids (ties to the smaller id), filled with the smallest unseen."""
     reference = _speculators_fn()
     g = torch.Generator().manual_seed(seed)
     ids = torch.randperm(target, generator=g)[:n_seen].tolist()
     counts = torch.randint(1, 6, (n_seen,), generator=g).tolist()  # many ties
-    freq = dict(zip(ids, counts, strict=True))
-    d2t, t2d = build_vocab_mapping(freq, target_vocab_size=target, draft_vocab_size=draft)
-    rd2t, rt2d = reference(freq, draft_vocab_size=draft, target_vocab_size=target)
-    assert torch.equal(d2t, rd2t) and torch.equal(t2d, rt2d)
+    save_token_freq(dict(zip(ids, counts, strict=True)), tmp_path / "token_freq.pt")
+    d2t, t2d = reference(torch.load(tmp_path / "token_freq.pt", weights_only=True), draft_vocab_size=draft,
+                         target_vocab_size=target)
+    chosen = [t for t, _ in sorted(zip(ids, counts, strict=True), key=lambda tc: (-tc[1], tc[0]))][:draft]
+    chosen += [t for t in range(target) if t not in set(chosen)][:draft - len(chosen)]
+    assert (torch.arange(draft) + d2t).tolist() == sorted(chosen)
+    assert t2d.nonzero().flatten().tolist() == sorted(chosen)

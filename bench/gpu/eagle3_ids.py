@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 
 from hsextract.capture import preset_layers
+from hsextract.config.model_info import read_model_shape
 from hsextract.engines.base import CaptureSpec
-from hsextract.extract.fidelity import num_layers_of, rel
+from hsextract.extract.fidelity import rel
 from hsextract.layers import describe, sglang_eagle3_ids
 from hsextract.sglang_plugin.settings import ENV_EAGLE3_IDS
 
@@ -78,7 +79,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     cfg_json = json.loads((Path(a.model) / "config.json").read_text())
     arch = (cfg_json.get("architectures") or [None])[0]
-    n_layers = num_layers_of(a.model)
+    n_layers = read_model_shape(a.model).num_layers
     aux = preset_layers(a.preset, n_layers)
     drafter = sglang_eagle3_ids(aux, arch)
     res: dict = {"model": a.name, "architecture": arch, "preset": a.preset, "stored": describe(aux),

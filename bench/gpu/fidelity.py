@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from hsextract.capture import PRESETS, preset_layers
+from hsextract.config.model_info import read_model_shape
 from hsextract.engines.base import Captured, CaptureSpec, Prompt
 from hsextract.export.specforge import group_dir
 from hsextract.extract.fidelity import (
@@ -50,7 +51,6 @@ from hsextract.extract.fidelity import (
     evaluate,
     is_moe,
     neighbours,
-    num_layers_of,
     rel,
 )
 from hsextract.extract.final_norm import read_final_norm
@@ -73,7 +73,7 @@ def engine_reference(
     """The transformers engine, one prompt per forward: aux, neighbouring layers, pre- and post-norm final."""
     from hsextract.engines.transformers_engine import TransformersEngine
 
-    nb = neighbours(aux, num_layers_of(model_dir))
+    nb = neighbours(aux, read_model_shape(model_dir).num_layers)
     ids = sorted(set(aux) | set(nb))
     eng = TransformersEngine(model_dir, CaptureSpec(aux_layers=tuple(ids), final_state="both"), device=device,
                              token_budget=1, max_batch=1)
@@ -284,7 +284,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = os.environ.get("HSX_DEVICE", "cuda")
     if len(a.aux) == 1 and a.aux[0] in PRESETS:
-        aux = tuple(preset_layers(a.aux[0], num_layers_of(a.model)))
+        aux = tuple(preset_layers(a.aux[0], read_model_shape(a.model).num_layers))
     else:
         aux = tuple(int(x) for x in a.aux)
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]

@@ -76,11 +76,11 @@ def reference_sample(model: str, out: Path) -> list[int]:
     import torch
 
     from hsextract.capture import preset_layers
+    from hsextract.config.model_info import read_model_shape
     from hsextract.engines.base import CaptureSpec, Prompt
     from hsextract.engines.transformers_engine import TransformersEngine
-    from hsextract.extract.fidelity import num_layers_of
 
-    aux = tuple(preset_layers("eagle3", num_layers_of(model)))
+    aux = tuple(preset_layers("eagle3", read_model_shape(model).num_layers))
     ids = list(range(10, 42))
     with TransformersEngine(model, CaptureSpec(aux_layers=aux, final_state="pre_norm"), device="cpu") as eng:
         (c,) = list(eng.extract([Prompt(0, "ref", ids)]))
@@ -160,9 +160,10 @@ def parse_jobs(text: str) -> dict:
 def fidelity(run: Path, model: str, device: str, tol: float, max_samples: int | None = None) -> dict:
     import torch
 
+    from hsextract.config.model_info import read_model_shape
     from hsextract.engines.base import CaptureSpec, Prompt
     from hsextract.engines.transformers_engine import TransformersEngine
-    from hsextract.extract.fidelity import neighbours, num_layers_of, rel
+    from hsextract.extract.fidelity import neighbours, rel
     from hsextract.shard import ShardReader
 
     shards = sorted((run / "shards").glob("chunk-*.hss"))
@@ -171,7 +172,7 @@ def fidelity(run: Path, model: str, device: str, tol: float, max_samples: int | 
     meta = ShardReader(shards[0]).metadata
     aux = tuple(int(a) for a in meta["aux_layers"])
     final = meta["final_state"]
-    nb = neighbours(aux, num_layers_of(model))
+    nb = neighbours(aux, read_model_shape(model).num_layers)
     ids = tuple(sorted(set(aux) | set(nb)))
     samples = []
     for path in shards:

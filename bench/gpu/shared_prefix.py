@@ -43,8 +43,9 @@ from pathlib import Path
 import torch
 
 from hsextract.capture import preset_layers
+from hsextract.config.model_info import read_model_shape
 from hsextract.engines.base import CaptureSpec, Prompt
-from hsextract.extract.fidelity import TOL, num_layers_of, rel
+from hsextract.extract.fidelity import TOL, rel
 from hsextract.extract.run import ChunkPrompts, extract_chunk
 from hsextract.prepare.prefix_share import distinct_tokens, find_parents
 
@@ -281,7 +282,7 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     device = os.environ.get("HSX_DEVICE", "cuda")
-    aux = (tuple(preset_layers(a.aux, num_layers_of(a.model))) if not a.aux[0].isdigit()
+    aux = (tuple(preset_layers(a.aux, read_model_shape(a.model).num_layers)) if not a.aux[0].isdigit()
            else tuple(int(x) for x in a.aux.split(",")))
     vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
     chunk = synthetic_chunk(a, vocab)

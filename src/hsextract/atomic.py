@@ -181,11 +181,11 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], Any]
         write(f)
 
 
-def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1,
+def write_json_atomic(path: str | os.PathLike[str], obj: Any, *, indent: int | None = 1, sort_keys: bool = False,
                       durable: bool = True) -> None:
     """JSON of `obj` (and a newline) written atomically; parent folders are created."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(path, (json.dumps(obj, indent=indent) + "\n").encode(), durable=durable)
+    write_bytes_atomic(path, (json.dumps(obj, indent=indent, sort_keys=sort_keys) + "\n").encode(), durable=durable)
 
 
 _RENAME_EXCHANGE = 2

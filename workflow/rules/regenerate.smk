@@ -25,7 +25,7 @@ rule regenerate_chunk:
         settings=RERUN["regenerate_chunk"],
         files=FILES["regenerate_chunk"],
     script:
-        "../scripts/regenerate.py"
+        "../scripts/regenerate_chunk.py"
 
 
 rule regenerate_concat:
@@ -39,4 +39,4 @@ rule regenerate_concat:
     conda:
         "../../envs/model.yaml"
     script:
-        "../scripts/regenerate.py"
+        "../scripts/regenerate_concat.py"

@@ -5,14 +5,10 @@ import sys
 
 sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
 
-from pathlib import Path
-
-from hsextract.atomic import write_json_atomic
 from hsextract.config.settings import from_config
-from hsextract.report.manifest import build_manifest, remove_stale_chunks
+from hsextract.report.manifest import write_manifest
 
-remove_stale_chunks(Path(snakemake.output.manifest).parent, len(snakemake.input.shards))
-manifest = build_manifest(
+manifest = write_manifest(
     from_config(snakemake.config),
     shards=list(snakemake.input.shards),
     validation=list(snakemake.input.validation),
@@ -23,5 +19,4 @@ manifest = build_manifest(
     out_path=snakemake.output.manifest,
     lock=snakemake.params.lock,
 )
-write_json_atomic(snakemake.output.manifest, manifest)
 print(f"{manifest['counts']}")

@@ -18,6 +18,7 @@ from hsextract.config.model_info import ModelInfoError, local_hidden_size
 from hsextract.config.settings import Settings
 from hsextract.errors import ConfigError
 from hsextract.layers import describe
+from hsextract.prepare.prefix_share import share_saving
 
 # Bytes per token besides the hidden states: input_ids and loss_mask, int64 each (speculators v1).
 IDS_MASK_BYTES = 16
@@ -242,7 +243,7 @@ def plan(
         "share_prefixes": settings.prepare.share_prefixes,
         # regeneration's cost is not planned: its max_new_tokens when on, else None
         "regenerate_max_new_tokens": settings.regenerate.max_new_tokens if settings.regenerate.enabled else None,
-        "share_saving": round(materialized / tokens, 4) if materialized is not None and tokens else None,
+        "share_saving": share_saving(materialized, tokens) if materialized is not None and tokens else None,
         "hidden_size": hidden_size,
         "hidden_tensors": n_tensors,
         # hidden_states ids (hsextract.layers), and the final state stored after them

@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers
-from hsextract.atomic import atomic_dir
+from hsextract.atomic import atomic_dir, write_json_atomic
 from hsextract.errors import ConfigError
 from hsextract.export.common import (
     CONSUMER_FINAL_STATE,
     FinalNormWarning,
     check_out_dir,
     final_norm_message,
-    save_json,
     warn_final_norm,
 )
 from hsextract.export.specforge import export_specforge
@@ -96,7 +95,7 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     with _one_export(out), atomic_dir(out) as tmp:
         check_out_dir(out, force)  # again, now that no other export into `out` can be running
         summary = EXPORTERS[fmt](pds, tmp, norm) if norm is not None else EXPORTERS[fmt](pds, tmp)
-        save_json(tmp / LAYERS_FILE, layer_ids)
+        write_json_atomic(tmp / LAYERS_FILE, layer_ids, indent=2)
     for key in ("data_path", "token_freq_path"):
         if key in summary:
             summary[key] = str(out / summary[key])

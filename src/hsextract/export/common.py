@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import sys
 import warnings
@@ -97,11 +96,6 @@ def save_torch(path: Path, obj: Any) -> None:
     atomic_write(path, lambda f: torch.save(obj, f))
 
 
-def save_json(path: Path, obj: Any, indent: int | None = 2) -> None:
-    data = json.dumps(obj, indent=indent).encode()
-    atomic_write(path, lambda f: f.write(data))
-
-
 def own_storage(t: torch.Tensor) -> torch.Tensor:
     """torch.save writes a tensor's whole storage: a view of a larger buffer is copied out first."""
     t = t.contiguous()
@@ -111,4 +105,4 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["CONSUMER_FINAL_STATE", "FinalNormWarning", "atomic_write", "check_out_dir", "final_norm_message",
-           "own_storage", "save_json", "save_torch", "warn_final_norm"]
+           "own_storage", "save_torch", "warn_final_norm"]

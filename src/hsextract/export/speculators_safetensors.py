@@ -24,9 +24,10 @@ import pyarrow as pa
 import torch
 from safetensors.torch import save
 
-from hsextract.atomic import write_bytes_atomic
+from hsextract.atomic import write_bytes_atomic, write_json_atomic
 from hsextract.dataset import HiddenStateDataset
-from hsextract.export.common import atomic_write, save_json, save_torch
+from hsextract.export.common import atomic_write
+from hsextract.prepare.vocab import save_token_freq
 
 ARROW_FILE = "data-00000-of-00001.arrow"
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
@@ -69,8 +70,8 @@ def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dic
                 w.write_batch(_batch(rows))
 
     atomic_write(out_dir / ARROW_FILE, write_table)
-    save_json(out_dir / "dataset_info.json", {})
-    save_json(out_dir / "state.json", {
+    write_json_atomic(out_dir / "dataset_info.json", {}, indent=2)
+    write_json_atomic(out_dir / "state.json", {
         "_data_files": [{"filename": ARROW_FILE}],
         "_fingerprint": secrets.token_hex(8),
         "_format_columns": None,
@@ -78,6 +79,6 @@ def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dic
         "_format_type": "torch",
         "_output_all_columns": False,
         "_split": None,
-    })
-    save_torch(out_dir / "token_freq.pt", dict(freq))
+    }, indent=2)
+    save_token_freq(freq, out_dir / "token_freq.pt")
     return {"num_samples": n, "num_tokens": tokens, "data_path": "."}

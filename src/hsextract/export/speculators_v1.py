@@ -23,8 +23,10 @@ from typing import Any
 import torch
 
 from hsextract import __version__, layers
+from hsextract.atomic import write_json_atomic
 from hsextract.dataset import HiddenStateDataset
-from hsextract.export.common import own_storage, save_json, save_torch
+from hsextract.export.common import own_storage, save_torch
+from hsextract.prepare.vocab import save_token_freq
 
 
 def _version_of(package: str, meta: dict[str, Any]) -> str | None:
@@ -111,8 +113,9 @@ def export_speculators_v1(ds: HiddenStateDataset, out_dir: Path) -> dict[str, An
         ids, counts = s["input_ids"][s["loss_mask"].to(torch.bool)].unique(return_counts=True)
         freq.update(dict(zip(ids.tolist(), counts.tolist(), strict=True)))
     n = len(lengths)
-    save_json(data_dir / "sample_lengths.json", lengths)
-    save_json(data_dir / "data_config.json", data_config(ds.metadata, n, max(lengths.values(), default=0)))
-    save_torch(out_dir / "token_freq.pt", dict(freq))
+    write_json_atomic(data_dir / "sample_lengths.json", lengths, indent=2)
+    write_json_atomic(data_dir / "data_config.json", data_config(ds.metadata, n, max(lengths.values(), default=0)),
+                      indent=2)
+    save_token_freq(freq, out_dir / "token_freq.pt")
     return {"num_samples": n, "num_tokens": sum(lengths.values()), "data_path": "data",
             "token_freq_path": "token_freq.pt"}

@@ -76,11 +76,6 @@ def neighbours(aux: tuple[int, ...], num_layers: int) -> list[int]:
     return [a + 1 if a + 1 < num_layers else a - 1 for a in aux]
 
 
-def num_layers_of(model_dir: str | Path) -> int:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return int(text_config(cfg)["num_hidden_layers"])
-
-
 # ---- one engine against a reference engine (bench/gpu/fidelity.py) -------------------------------------
 FINAL_NAMES = ("final_pre_norm", "final_post_norm")
 # post-norm = norm(pre-norm) within one forward: the candidate's own two final states, related by the

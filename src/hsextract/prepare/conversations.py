@@ -67,8 +67,6 @@ from hsextract.prepare.sources import (
     parse_sources,
 )
 
-ROLES = ("system", "user", "assistant", "tool")
-
 _OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
                  "tool": "tool", "function": "tool"}
 _SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
@@ -489,6 +487,6 @@ def iter_conversations(sources: Sequence[SourceEntry], seed: int = 0, strict: bo
 
 # MalformedRecordError (hsextract.prepare.sources) is what OpenSource.read and iter_conversations raise
 __all__ = [
-    "Conversation", "MalformedRecordError", "MixtureEntry", "OpenSource", "ROLES", "as_openai", "conversation_hash",
+    "Conversation", "MalformedRecordError", "MixtureEntry", "OpenSource", "as_openai", "conversation_hash",
     "count_records", "iter_conversations", "mixture", "normalize_record", "open_sources",
 ]

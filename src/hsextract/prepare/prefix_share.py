@@ -25,7 +25,8 @@ MIN_PREFIX = 64
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Tokens at the start of a and b that are equal."""
+    """Tokens at the start of a and b that are equal (on arrays: a chunk's samples, thousands of tokens each, against
+    many candidates; masks/ids.py's is on the lists a rendering gives)."""
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n

@@ -359,6 +359,9 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
     # the prompts of chunks an earlier configuration of more chunks had: the manifest step removes their shards,
     # reports and statistics
     chunks.remove_beyond(out, ".parquet", num_chunks)
+    missing = [chunk_name(k) for k in range(num_chunks) if not (out / chunk_name(k)).is_file()]
+    if missing:  # every chunk's prompts, or no summary: the workflow's extract jobs read one each
+        raise RuntimeError(f"prepare did not write {', '.join(missing)} in {out}")
 
     save_token_freq(dict(freq), out / "token_freq.pt")
     template = tokenizer.chat_template or ""
@@ -370,7 +373,7 @@ def run_prepare(settings: PrepareSettings, tokenizer_path: Any, out_dir: str | o
         "source_files": source_files,
         "per_chunk": per_chunk,
         "token_freq": "token_freq.pt",
-        "chat_template_sha256": hashlib.sha256(template.encode("utf-8")).hexdigest(),
+        "chat_template_sha256": provenance.text_hash(template),
         "masks": dict(sorted(masker.stats.items())),
         # the whole section, each field's effective value (the chat template by its hash, above)
         "settings": {k: v for k, v in plain(cfg).items() if k != "chat_template"},

@@ -40,7 +40,6 @@ MISSING_MESSAGES = "missing_messages"
 MISSING_ROLE = "missing_role"
 UNKNOWN_ROLE = "unknown_role"
 EMPTY_CONTENT = "empty_content"
-MALFORMED_REASONS = (BAD_JSON, NON_UTF8, WRONG_TYPE, MISSING_MESSAGES, MISSING_ROLE, UNKNOWN_ROLE, EMPTY_CONTENT)
 
 
 class MalformedRecordError(ConfigError):
@@ -452,5 +451,5 @@ def open_reader(spec: Source) -> Reader:
     return _JsonlReader(p)
 
 
-__all__ = ["FORMATS", "MALFORMED_REASONS", "MalformedRecordError", "Reader", "SourceEntry", "data_files",
+__all__ = ["FORMATS", "MalformedRecordError", "Reader", "SourceEntry", "data_files",
            "open_reader", "parse_sources"]

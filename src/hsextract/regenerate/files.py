@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hsextract.atomic import write_atomic
+from hsextract.atomic import write_atomic, write_json_atomic
 from hsextract.config import chunks
 from hsextract.errors import ConfigError
 from hsextract.prepare.conversations import Conversation, as_openai
@@ -36,7 +36,7 @@ def write_chunk(out_path: str | os.PathLike[str], lines: Sequence[str], summary:
     """The chunk's stats JSON, then its JSONL: the JSONL (what Snakemake tracks) exists only once both are
     written."""
     out = Path(out_path)
-    write_atomic(stats_path(out), lambda f: f.write((json.dumps(summary, indent=2, sort_keys=True) + "\n").encode()))
+    write_json_atomic(stats_path(out), summary, indent=2, sort_keys=True)
     write_atomic(out, lambda f: f.writelines(line.encode() for line in lines))
 
 
@@ -93,5 +93,5 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
                 summed[k] = summed.get(k, 0) + v
     if uncounted:  # the records of the chunks without stats are unknown: no total that prepare could check
         summed.pop("records", None)
-    write_atomic(stats_path(out), lambda f: f.write((json.dumps(summed, indent=2, sort_keys=True) + "\n").encode()))
+    write_json_atomic(stats_path(out), summed, indent=2, sort_keys=True)
     return summed

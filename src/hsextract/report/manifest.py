@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import layers, provenance
+from hsextract.atomic import write_json_atomic
 from hsextract.config import chunks
 from hsextract.config.reruns import beside_manifest
 from hsextract.config.settings import Settings
@@ -253,3 +254,13 @@ def build_manifest(
             "config": _without(s.config, beside_manifest()),
         },
     }
+
+
+def write_manifest(settings: Settings, *, shards: Sequence[str | Path], out_path: str | Path,
+                   **inputs: Any) -> dict[str, Any]:
+    """Rule manifest: the per-chunk files of chunks an earlier configuration of more chunks left removed first,
+    then dataset.json (build_manifest, whose keyword arguments `inputs` are) written atomically."""
+    remove_stale_chunks(Path(out_path).parent, len(shards))
+    manifest = build_manifest(settings, shards=shards, out_path=out_path, **inputs)
+    write_json_atomic(out_path, manifest)
+    return manifest

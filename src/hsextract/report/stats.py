@@ -236,22 +236,6 @@ class ChunkTotals:
                 "seq_lengths": seq, "dropped": dropped}
 
 
-def aggregate(chunks: Iterable[Mapping[str, Any]], prepare_summary: Mapping[str, Any]) -> dict[str, pd.DataFrame]:
-    """Tables over all chunks (ChunkTotals.tables); `chunks` may be read lazily (iter_json_files)."""
-    return ChunkTotals(chunks).tables(prepare_summary)
-
-
 def write_table(df: pd.DataFrame, path: str | Path) -> None:
     text = df.to_csv(sep="\t", index=False, float_format="%.6g").encode()
     write_atomic(path, lambda f: f.write(text))
-
-
-def token_freq(chunks: Iterable[Mapping[str, Any]]) -> dict[int, int]:
-    """Counts of trained (loss-mask 1) tokens over all chunks (ChunkTotals.token_freq)."""
-    return ChunkTotals(chunks).token_freq()
-
-
-def write_token_freq(freq: Mapping[int, int], path: str | Path) -> None:
-    """token_freq.pt: dict[token_id -> count] (token_freq, ChunkTotals.token_freq), loadable with
-    torch.load(weights_only=True)."""
-    write_atomic(path, lambda f: torch.save(dict(freq), f))

@@ -109,7 +109,7 @@ TITLES = {
 def write_report_pages(
     tables: Mapping[str, pd.DataFrame], validation_reports: Iterable[str | Path], paths: Mapping[str, str | Path]
 ) -> None:
-    """One page per table of `stats.aggregate` (keys of TITLES) and the validation summary, to `paths`."""
+    """One page per table of `ChunkTotals.tables` (keys of TITLES) and the validation summary, to `paths`."""
     for name, title in TITLES.items():
         df = tables[name]
         body = table_html(df) if len(df) else "<p>None.</p>"

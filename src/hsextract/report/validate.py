@@ -27,6 +27,7 @@ say so.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,7 +39,7 @@ from hsextract import __version__
 from hsextract.atomic import write_json_atomic
 from hsextract.config import chunks
 from hsextract.config import reference as reference_sample
-from hsextract.errors import CorruptShardError, ShardError
+from hsextract.errors import CorruptShardError, ShardError, ValidationFailure
 from hsextract.layers import shard_hidden_states
 from hsextract.report.stats import tensor_names
 from hsextract.shard import SHARD_SUFFIX, ShardReader
@@ -176,6 +177,18 @@ def _write_report(report: dict[str, Any], report_path: str | os.PathLike[str] | 
     if report_path is None:
         return
     write_json_atomic(report_path, report)  # as the workflow writes its reports
+
+
+def validate_chunk(shard: str | os.PathLike[str], reference: str | os.PathLike[str],
+                   report_path: str | os.PathLike[str], *, same_model: bool) -> dict[str, Any]:
+    """Rule validate: the report (printed) is written only for a shard that passed; a failed one raises
+    ValidationFailure and leaves no report, so its chunk counts as failed and reruns."""
+    report = validate_shard(shard, reference, same_model=same_model)
+    print(json.dumps(report, indent=1))
+    if not report["passed"]:
+        raise ValidationFailure(failure_line(report, advice=True))
+    _write_report(report, report_path)
+    return report
 
 
 def validate_shard(path: str | os.PathLike[str], reference: str | os.PathLike[str] | dict[str, Any],

@@ -249,8 +249,7 @@ def parse_version(v: str | None) -> tuple[int, ...] | None:
 class _Tree:
     """Read-only view of the package files, keyed by 'sglang/...' relative paths."""
 
-    def __init__(self, files: dict[str, str] | None = None, root: Path | None = None,
-                 zf: zipfile.ZipFile | None = None) -> None:
+    def __init__(self, root: Path | None = None, zf: zipfile.ZipFile | None = None) -> None:
         self.root, self.zf = root, zf
         self._cache: dict[str, str | None] = {}
         self._names = set(zf.namelist()) if zf else None

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hsextract import __version__
-from hsextract.atomic import write_bytes_atomic
+from hsextract.atomic import write_json_atomic
 from hsextract.config.settings import ExtractSettings
 from hsextract.engines.base import CaptureSpec
 from hsextract.errors import ConfigError, EngineError
@@ -270,7 +270,5 @@ def build_patched(
         # the key file each replica's command names (made when the server starts), never the key
         "launch": [redact(build_command(cfg, r, key_path(state_dir(settings, root), r))) for r in range(cfg.replicas)],
     }
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(out, (json.dumps(info, indent=1, sort_keys=True) + "\n").encode())
+    write_json_atomic(out, info, sort_keys=True)
     return info

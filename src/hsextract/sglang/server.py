@@ -17,8 +17,8 @@ exists), removed when the server is stopped. Replicas: replica r listens on port
 gpus[r*tp:(r+1)*tp] through CUDA_VISIBLE_DEVICES; an extract job claims the lowest-numbered replica no running
 job holds (claim_replica: extract jobs ask for tp GPUs each, so a pool of tp x replicas runs them side by side,
 one per replica). With
-`server_url` nothing is started: `external_server(url, dump_dir)` wraps a server that runs elsewhere
-(on this node: the dump directory must be visible here).
+`server_url` nothing is started (hsextract.sglang.config `external_urls`: servers that run elsewhere, whose
+dump directory must be visible here).
 
 The door: each server started here requires an API key (the one in the file `sglang.api_key_file` names,
 else a random one), which reaches it through a 0600 file named by SGLang's `--config` (hsextract.sglang.keyfile
@@ -170,11 +170,6 @@ class ServerHandle:
                 return f"port {port} is no longer its own alone ({other})"
             self._port_seen = now
         return None
-
-
-def external_server(url: str, dump_dir: str | Path) -> ServerHandle:
-    """A server that runs elsewhere (config `server_url`); `dump_dir` is its HSEXTRACT_DUMP_DIR."""
-    return ServerHandle(url=url.rstrip("/"), dump_dir=Path(dump_dir))
 
 
 def gpu_set(cfg: ServerConfig, replica: int) -> list[int]:

@@ -79,7 +79,7 @@ from typing import Any
 import torch
 
 from hsextract.atomic import write_json_atomic
-from hsextract.layers import HIDDEN_STATES, sglang_eagle3_ids
+from hsextract.layers import HIDDEN_STATES, sglang_eagle3_ids, to_layer_output
 from hsextract.sglang_plugin import dumpfiles
 from hsextract.sglang_plugin.settings import (  # noqa: F401 - re-exported: the plugin's public names
     DEFAULT_RID_PREFIX,
@@ -255,7 +255,7 @@ class Dumper:
             if self.cfg.eagle3_ids is not None:  # diagnostic: as SGLang's EAGLE-3 worker sets up its target
                 model.set_eagle3_layers_to_capture(list(self.cfg.eagle3_ids))
             elif hasattr(model, "set_dflash_layers_to_capture"):  # DFlash names layers by their output: +1
-                model.set_dflash_layers_to_capture([i - 1 for i in aux])
+                model.set_dflash_layers_to_capture(to_layer_output(aux))
             elif hasattr(model, "set_eagle3_layers_to_capture"):
                 ids = sglang_eagle3_ids(aux, type(model).__name__)
                 if ids is None:

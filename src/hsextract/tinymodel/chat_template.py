@@ -16,15 +16,12 @@ system turn (`DEFAULT_SYSTEM_PROMPT`). The generation prompt is
 
 from __future__ import annotations
 
-import hashlib
-
 IM_SYSTEM = "<|im_system|>"
 IM_USER = "<|im_user|>"
 IM_ASSISTANT = "<|im_assistant|>"
 IM_MIDDLE = "<|im_middle|>"
 IM_END = "<|im_end|>"
 ROLE_TOKENS = (IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END)
-GENERATION_PROMPT = f"{IM_ASSISTANT}assistant{IM_MIDDLE}"
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
 # Whitespace control (`{%-`, `-%}`) keeps the template's own newlines out of the output.
@@ -42,13 +39,3 @@ KIMI_STYLE_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
-
-
-def chat_template_hash(template: str | None) -> str:
-    """sha256 hex of the template text (UTF-8); "none" when the tokenizer has no template.
-
-    Recorded in every shard so a dataset made with another template is recognisable.
-    """
-    if template is None:
-        return "none"
-    return hashlib.sha256(template.encode("utf-8")).hexdigest()
