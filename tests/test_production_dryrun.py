@@ -235,8 +235,8 @@ def test_model_shape_of_a_local_kimi_dir_and_of_a_hub_id(monkeypatch: pytest.Mon
         61, 7168, 163840, "hub config of moonshotai/Kimi-K2.5")
 
 
-# the Snakemake runs above, all started in the background by the first test that needs one
-# (conftest.scenarios_started)
+# the Snakemake runs above, all started in the background by the first test that needs one: see
+# scenarios_started in conftest.py
 SCENARIOS = {
     "test_readme_production_dry_run_plans_every_job": run_readme_production,
     "test_readme_run_command_plans_every_job_on_the_miniature_kimi_k25": run_readme_run_on_the_miniature,

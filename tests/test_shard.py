@@ -1,5 +1,6 @@
 """Shard writer/reader: byte-exact round trips, random access, corruption, atomicity."""
 
+import concurrent.futures
 import os
 import pickle
 import random
@@ -94,6 +95,42 @@ def test_ten_thousand_samples_random_access_equals_sequential(tmp_path):
     assert_same(r[-1], *samples[-1])
     with pytest.raises(IndexError, match="sample 10000 out of range"):
         r[10_000]
+
+
+class _Inline:
+    """A ThreadPoolExecutor that runs each task at submission, recording which sample it was asked for."""
+
+    def __init__(self, *args, **kwargs):
+        self.asked = asked = []
+        _Inline.asked = asked
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def submit(self, fn, i):
+        self.asked.append(i)
+        done = concurrent.futures.Future()
+        done.set_result(fn(i))
+        return done
+
+
+@pytest.mark.parametrize("ahead_bytes,lookahead,ahead", [(1 << 30, 4, 4), (0, 4, 1), (2 * 9 * 16_400, 4, 2),
+                                                          (1 << 30, 2, 2)])
+def test_iteration_holds_a_bounded_number_of_samples_ahead(tmp_path, monkeypatch, ahead_bytes, lookahead, ahead):
+    """iter_samples decodes up to `lookahead` samples ahead of the consumer, and beyond the next one no more than
+    AHEAD_BYTES (a long sample of a large model is GBs): at sample k it has asked for samples up to k + ahead.
+    A sample here is 9 tokens of 4 tensors of 2,048 bf16 values, with ids and mask (16,400 B a token)."""
+    samples = [make_sample(9, hidden=2048, n=4, seed=k) for k in range(7)]
+    r = ShardReader(write(tmp_path / "s.hss", samples, shard_metadata(hidden_size=2048)))
+    monkeypatch.setattr(reader_module, "ThreadPoolExecutor", _Inline)
+    monkeypatch.setattr(reader_module, "AHEAD_BYTES", ahead_bytes)
+    for k, got in enumerate(r.iter_samples(threads=2, lookahead=lookahead)):
+        assert_same(got, *samples[k])
+        assert max(_Inline.asked) == min(k + ahead, 6), (k, _Inline.asked)
+    assert _Inline.asked == list(range(7))
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])

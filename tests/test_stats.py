@@ -372,3 +372,23 @@ def test_chunk_totals_hold_one_chunk_not_all(tmp_path: Path) -> None:
     one_chunk = peak(lambda: json.loads(paths[0].read_text()))
     few, many = peak(lambda: fold(paths[:10])), peak(lambda: fold(paths))
     assert many - few < one_chunk, (few, many, one_chunk)
+
+
+def test_chunk_stats_by_blocks_of_rows_equal_the_whole_tensor_at_once(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long sample's tensors are taken to float64 a block of rows at a time (memory: a Kimi-K2.5 sample is GBs):
+    every figure equal to one block of the whole tensor, non-finite values in a later block counted and left out."""
+    from hsextract.report import stats
+
+    g = torch.Generator().manual_seed(3)
+    with ShardWriter(tmp_path / "s.hss", metadata={**META, "chunk": 0}) as w:
+        for k, seq in enumerate((7, 12, 1)):
+            hs = [torch.randn(seq, HIDDEN, generator=g).mul(3).to(torch.bfloat16) for _ in range(3)]
+            if k == 1:
+                hs[1][9, 2], hs[2][10, 0] = float("nan"), float("inf")
+            w.add(input_ids=torch.arange(seq), hidden_states=hs, loss_mask=torch.ones(seq, dtype=torch.long),
+                  sample_id=f"s{k}")
+    whole = chunk_stats(tmp_path / "s.hss", position_bins=4)
+    monkeypatch.setattr(stats, "BLOCK_VALUES", 2 * HIDDEN)  # two rows a block: blocks end inside every sample
+    assert chunk_stats(tmp_path / "s.hss", position_bins=4) == whole
+    assert [t["nonfinite"] for t in whole["tensors"]] == [0, 1, 1]

@@ -1,4 +1,5 @@
 """Semantic checks of a workflow config, run at parse time before any job starts.
+One module, over 400 lines: every cross-key check in one place, in the order they run.
 
 `hsextract.config.settings` checks the config against the JSON Schema (types, ranges, unknown keys) and
 fills its defaults; this module checks what a schema cannot: layer ids against the model's depth,

@@ -34,8 +34,8 @@ CODEC_RATIO_FP8 = 0.4433
 CODEC_RATIO_FP8_SOURCE = "bench/README.md codec table: fp8_e4m3 of synthetic H=7168 activations, of raw bf16 bytes"
 # What one extract job's capture path sustains, in raw bytes per second, by the shard writer's encoder threads
 # (shard.threads), measured where the GPU's prefill far outran it (bench/README.md, "writer ceiling": H200, hidden
-# 7168, 4 tensors, bf16, level 3, fsynced to that host's 1.2 GB/s disk; the plugin and the client alone carried
-# 4.6 GB/s). A node whose GPUs produce more is writer-bound. Fewer threads than the least measured: that
+# 7168, 4 tensors, bf16, level 3, fsynced to that host's 1.2 GB/s disk; the plugin and the client alone carry
+# more). A node whose GPUs produce more is writer-bound. Fewer threads than the least measured: that
 # figure, an upper bound. Not measured for fp8.
 WRITER_CEILINGS_RAW_BPS = {8: 1.64e9, 16: 1.98e9}
 WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, {threads} shard threads, a 1.2 GB/s disk"
@@ -48,10 +48,8 @@ WRITER_CEILING_SOURCE = "bench/README.md writer ceiling: H200, hidden 7168, {thr
 #   speculators-safetensors  hidden_states/hs_{i}.safetensors: token_ids int64; the Arrow table's
 #                            input_ids, loss_mask int64                                                  24
 # Left out, 0.3 to 3 kB a sample: the files' headers (torch.save's zip, safetensors' JSON), the Arrow row offsets,
-# sample_lengths.json, data_config.json, token_freq.pt, layers.json. Measured: the tiny default run (294 samples,
-# 134,556 tokens, H = 256) exported 1.0028, 1.0024 and 1.0002 times this (v1, specforge, safetensors);
-# tests/test_plan.py checks every format within 2% on synthetic shards with shared prefixes. At Kimi-K2.5's width
-# a sample's overhead is under 1e-4 of its rows.
+# sample_lengths.json, data_config.json, token_freq.pt, layers.json: tests/test_plan.py checks every format within
+# 2% on synthetic shards with shared prefixes; at Kimi-K2.5's width a sample's overhead is under 1e-4 of its rows.
 EXPORT_IDS_BYTES = {"speculators-v1": 16, "specforge": 16, "speculators-safetensors": 24}
 
 

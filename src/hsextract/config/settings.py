@@ -1,4 +1,5 @@
 """The run's settings: a frozen, typed tree built once from a workflow config.
+One module, over 400 lines: a dataclass per schema section, which the tests hold against the schema as a whole.
 
 Defaults live in one place, the JSON Schema (workflow/schemas/config.schema.yaml): `from_config`
 validates a config against it, fills every missing key with the schema's default (as Snakemake's

@@ -15,31 +15,46 @@ streamed in batches, so exporting needs neither `datasets` nor memory for all sa
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
-from hsextract.atomic import write_bytes_atomic, write_json_atomic
+from hsextract.atomic import write_json_atomic
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import atomic_write
 from hsextract.prepare.vocab import save_token_freq
 
 ARROW_FILE = "data-00000-of-00001.arrow"
 SCHEMA = pa.schema([("input_ids", pa.list_(pa.int64())), ("loss_mask", pa.list_(pa.int64())), ("seq_len", pa.int64())])
+# rows of the table written at once: up to this many samples or tokens (one sample can hold 128k)
 BATCH_ROWS = 512
+BATCH_TOKENS = 1 << 20
 
 
-def _batch(rows: list[tuple[list[int], list[int]]]) -> pa.RecordBatch:
+def _batch(rows: list[tuple[np.ndarray, np.ndarray]]) -> pa.RecordBatch:
     return pa.record_batch([
         pa.array([r[0] for r in rows], pa.list_(pa.int64())),
         pa.array([r[1] for r in rows], pa.list_(pa.int64())),
         pa.array([len(r[0]) for r in rows], pa.int64()),
     ], schema=SCHEMA)
+
+
+def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file writes from the tensors' memory (`save` would first copy the whole file into bytes);
+    into the export's temporary folder, which becomes the export at once (export: atomic_dir), so no temp here."""
+    save_file(tensors, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:
@@ -51,15 +66,16 @@ def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dic
 
     def write_table(f: Any) -> None:
         nonlocal tokens, n
-        rows: list[tuple[list[int], list[int]]] = []
+        rows: list[tuple[np.ndarray, np.ndarray]] = []
         with pa.ipc.new_stream(f, SCHEMA) as w:
             for idx, s in enumerate(ds):
                 ids, mask = s["input_ids"], s["loss_mask"]
                 stacked = torch.stack(s["hidden_states"], dim=1)  # [seq, n, H]
-                write_bytes_atomic(hs_dir / f"hs_{idx}.safetensors",
-                                   save({"hidden_states": stacked, "token_ids": ids.contiguous()}))
-                rows.append((ids.tolist(), mask.tolist()))
-                if len(rows) == BATCH_ROWS:
+                _save_file({"hidden_states": stacked, "token_ids": ids.contiguous()},
+                           hs_dir / f"hs_{idx}.safetensors")
+                del stacked
+                rows.append((ids.to(torch.int64).numpy(), mask.to(torch.int64).numpy()))
+                if len(rows) == BATCH_ROWS or sum(len(r[0]) for r in rows) >= BATCH_TOKENS:
                     w.write_batch(_batch(rows))
                     rows.clear()
                 u, c = ids[mask.to(torch.bool)].unique(return_counts=True)

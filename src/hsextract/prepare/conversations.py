@@ -1,5 +1,6 @@
 """Conversations: each raw record of a source (hsextract.prepare.sources reads them) normalized to one message type,
 and the mixture of the sources' records.
+One module, over 400 lines: every record format's normalization, whose branches share the message checks.
 
 Normalized conversation: a list of messages, each a dict with
   role: "system" | "user" | "assistant" | "tool"

@@ -1,5 +1,6 @@
 """The sources of a run: the `sources` list checked and named, a reader of raw records for each file format,
 and what makes a record malformed (hsextract.prepare.conversations turns the raw records into conversations).
+One module, over 400 lines: a reader per file format, which share the locations and the malformed-record rules.
 
 Files: JSONL (one record a line; a `.json` file too where it holds no list, but not one object over several
 lines: refused), a JSON list, parquet, Arrow stream files, and `datasets.save_to_disk` directories (`hf_disk`: a

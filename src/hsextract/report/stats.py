@@ -23,6 +23,9 @@ from hsextract.prepare import drops
 from hsextract.prepare.prefix_share import codec_ratio, raw_stored, share_saving, stored_tokens
 
 SEQ_QUANTILES = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0)
+# Values of one tensor taken to float64 at a time: a sample of a large model is GBs (Kimi-K2.5: 14 KB a row per
+# tensor, 1.8 GB a tensor at 128k tokens), and float64 temporaries of it whole would be four times that, each.
+BLOCK_VALUES = 1 << 23
 
 
 def tensor_names(aux_layers: Sequence[int], final_state: str) -> list[str]:
@@ -66,14 +69,19 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
             pos_tokens = np.concatenate([pos_tokens, np.zeros(grow, dtype=np.int64)])
             pos_sum_sq = np.concatenate([pos_sum_sq, np.zeros((n_t, grow))], axis=1)
         pos_tokens[:n_bins] += np.bincount(bins.numpy(), minlength=n_bins)
+        rows = max(1, BLOCK_VALUES // max(1, hidden))
         for k, h in enumerate(hs):
-            h = h.to(torch.float64)
-            finite = torch.isfinite(h)
-            nonfinite[k] += int((~finite).sum())
-            h = torch.where(finite, h, torch.zeros_like(h))
-            per_token = (h * h).sum(dim=1)
+            per_token = torch.zeros(seq, dtype=torch.float64)
+            for r in range(0, seq, rows):  # each row's sum of squares as over the whole tensor at once
+                b = h[r:r + rows].to(torch.float64)
+                finite = torch.isfinite(b)
+                bad = int((~finite).sum())
+                if bad:
+                    nonfinite[k] += bad
+                    b = torch.where(finite, b, torch.zeros_like(b))
+                per_token[r:r + rows] = (b * b).sum(dim=1)
+                abs_max[k] = max(abs_max[k], float(b.abs().max()))
             sum_sq[k] += float(per_token.sum())
-            abs_max[k] = max(abs_max[k], float(h.abs().max()) if seq else 0.0)
             pos_sum_sq[k, :n_bins] += np.bincount(bins.numpy(), weights=per_token.numpy(), minlength=n_bins)
     tokens = int(sum(seq_lengths))
     return {

@@ -1,4 +1,5 @@
 """The `sglang` engine: drive a patched SGLang server with many requests in flight, collect dump files.
+One module, over 400 lines: the request loop, the reorder window and the shared-prefix admission share one state.
 
 Each prompt becomes one `/generate` request (token ids, `max_new_tokens` 0, a unique rid); the server's
 hsextract plugin writes that request's hidden states to the dump directory, and this client waits for

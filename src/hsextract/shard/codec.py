@@ -63,9 +63,9 @@ class Codec:
     def low_plane_compressor(self) -> zstd.ZstdCompressor:
         """For the lower byte planes (mantissa bits, ~8 bits of entropy per byte): level -1.
 
-        Nothing compresses there (ratio 1.00005 at level 3 and at -1 on bench/codec.py's real plane),
-        but level 3 still hunts matches: -1 is ~4x faster to encode and ~3x faster to decode, since
-        the frame is then mostly raw blocks. Still a plain zstd frame: the reader is unchanged.
+        Nothing compresses there (level 3 and -1 alike on bench/codec.py's real plane), but level 3 still hunts
+        matches: -1 encodes and decodes several times faster, since the frame is then mostly raw blocks. Still a
+        plain zstd frame: the reader is unchanged.
         """
         params = zstd.ZstdCompressionParameters.from_level(
             -1, window_log=17, hash_log=6, chain_log=6, min_match=7,
@@ -87,8 +87,8 @@ def split_planes(raw: np.ndarray, itemsize: int) -> list[np.ndarray]:
     if itemsize == 1:
         return [raw]
     if itemsize == 2 and sys.byteorder == "little":
-        # mask and shift 16-bit words into preallocated planes: one sequential pass each, ~1.8x faster
-        # than two strided byte gathers (bench/codec.py's encode spent a fifth of its time here)
+        # mask and shift 16-bit words into preallocated planes: one sequential pass each, faster than two strided
+        # byte gathers (bench/codec.py's encode spent a fifth of its time here)
         words = raw.view(np.uint16)
         lo, hi = np.empty(words.size, np.uint8), np.empty(words.size, np.uint8)
         np.bitwise_and(words, 0xFF, out=lo, casting="unsafe")
@@ -107,8 +107,8 @@ def join_planes(planes: list[bytes], itemsize: int, nbytes: int, out: np.ndarray
     if itemsize == 1:
         out[:] = np.frombuffer(planes[0], dtype=np.uint8)
     elif itemsize == 2 and sys.byteorder == "little":
-        # (high << 8) | low on 16-bit words: sequential passes, ~1.2x faster than two strided byte scatters;
-        # in blocks that stay in the core's cache between the two passes: ~1.3x faster again on a 15 MB plane
+        # (high << 8) | low on 16-bit words: sequential passes, faster than two strided byte scatters; in blocks
+        # that stay in the core's cache between the two passes
         words = out.view(np.uint16)
         lo, hi = np.frombuffer(planes[0], dtype=np.uint8), np.frombuffer(planes[1], dtype=np.uint8)
         for a in range(0, words.size, JOIN_BLOCK):
@@ -122,8 +122,8 @@ def join_planes(planes: list[bytes], itemsize: int, nbytes: int, out: np.ndarray
     return out
 
 
-# float32 value of every float8_e4m3fn bit pattern (exact, NaN included): on the CPU a table lookup is ~3x
-# faster than torch's per-element conversion, which made fp8 reads slower than bf16 ones
+# float32 value of every float8_e4m3fn bit pattern (exact, NaN included): on the CPU a table lookup is faster than
+# torch's per-element conversion, which made fp8 reads slower than bf16 ones
 _FP8_AS_F32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
 
 

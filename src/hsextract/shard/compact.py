@@ -38,7 +38,7 @@ _UTF8 = ("utf-8", "surrogatepass")
 
 class CompactIndex:
     """The columns above; one sample's values through memoryviews of the arrays (indexing one makes a Python int
-    without a numpy scalar on the way: ~3x faster than int(a[i]), 2x than a.item(i)), whole columns and totals
+    without a numpy scalar on the way, faster than int(a[i]) or a.item(i)), whole columns and totals
     through the arrays."""
 
     __slots__ = ("version", "bounds", "payload_xxh3", "seq_lens", "num_trained", "parents", "prefix_lens",

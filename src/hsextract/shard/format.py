@@ -3,8 +3,8 @@
     file    := header record* index footer
     header  := "HSXSHARD" u16 version u16 0 u32 meta_len u32 crc32(meta) meta(JSON, UTF-8)
     record  := "HSXR" u32 sample u64 payload_len u64 xxh3_64(payload) u32 crc32(record header[0:24]) payload
-    payload := u32 n_frames, n_frames x u64 frame_len, frames (zstd; no content checksum since 2026-12-02: the
-               record's XXH3-64 covers them; older frames carry one, still checked)
+    payload := u32 n_frames, n_frames x u64 frame_len, frames (zstd, written without a content checksum: the
+               record's XXH3-64 covers them; frames of earlier writers that carry one have it checked)
     index   := zstd(JSON, columnar: sample_ids, offsets, record_lens, payload_xxh3, seq_lens, num_trained, raw_bytes)
     footer  := u64 index_offset u64 index_len u32 crc32(index) u32 n_samples u16 version u16 0
                u32 crc32(footer[0:28]) "HSXSEND\\0"

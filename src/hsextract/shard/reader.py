@@ -34,6 +34,9 @@ from hsextract.shard.compact import CompactIndex
 
 Sample = dict[str, Any]
 REUSE_MAX = 256 << 20  # records up to this size are read into a buffer kept per thread (see _record_buffer)
+# iter_samples holds decoded samples ahead of its consumer up to this size (at least one): four small samples, one
+# long sample of a large model (Kimi-K2.5: 57 KB a token, 7.5 GB at 128k tokens), not four
+AHEAD_BYTES = 1 << 30
 PARALLEL_READ_MIN = 8 << 20  # with decode threads, records from this size are read in slices in parallel
 HINT_PIECE = 128 << 10  # ShardReader.prefetch's piece where the disk's limits are not known (the default read_ahead_kb)
 # shard files a process keeps open, all readers together (a dataset may hold thousands of shards, each DataLoader
@@ -705,19 +708,30 @@ class ShardReader:
         return ids
 
     def iter_samples(self, threads: int = 2, lookahead: int = 4) -> Iterator[Sample]:
-        """All samples in order, read and decoded ahead by a small thread pool."""
+        """All samples in order, read and decoded ahead by a small thread pool: up to `lookahead` samples, and
+        beyond the next one no more than AHEAD_BYTES of them."""
         if threads <= 1:
             for i in range(len(self)):
                 yield self[i]
             return
+        m = self.metadata
+        row = 16 + int(m["num_hidden_tensors"]) * int(m["hidden_size"]) * self._out_dtype.itemsize  # + ids, mask
+        pending: list[tuple[Any, int]] = []  # (future, decoded size), in order
+
+        def ahead(pool: ThreadPoolExecutor, nxt: int) -> int:
+            while nxt < len(self) and len(pending) < lookahead:
+                size = self._index.seq_len(nxt) * row
+                if pending and sum(s for _, s in pending) + size > AHEAD_BYTES:
+                    break
+                pending.append((pool.submit(self.__getitem__, nxt), size))
+                nxt += 1
+            return nxt
+
         with ThreadPoolExecutor(threads, thread_name_prefix="hsx-read") as pool:
-            pending = [pool.submit(self.__getitem__, i) for i in range(min(lookahead, len(self)))]
-            nxt = len(pending)
+            nxt = ahead(pool, 0)
             while pending:
-                fut = pending.pop(0)
-                if nxt < len(self):
-                    pending.append(pool.submit(self.__getitem__, nxt))
-                    nxt += 1
+                fut, _ = pending.pop(0)
+                nxt = ahead(pool, nxt)  # while the consumer holds this one
                 yield fut.result()
 
     def __iter__(self) -> Iterator[Sample]:

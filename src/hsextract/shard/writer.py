@@ -233,9 +233,8 @@ class ShardWriter:
 
     def _submit(self, tensors: list[torch.Tensor], seed: int) -> Future[tuple[list[bytes], int]]:
         """Encode a record's tensors as separate tasks: the last samples of a shard then take one tensor's
-        time, not a whole sample's on one thread, before close() can finish (SGLang throughput at 2048
-        tokens, runs on different hosts: waits for encoding 0.1 s per part before, 0.0 s after). The task
-        that finishes last builds the payload; no task waits for another."""
+        time, not a whole sample's on one thread, before close() can finish. The task that finishes last builds
+        the payload; no task waits for another."""
         record = _RecordFrames(len(tensors))
 
         def unit_task(k: int, unit: list[dict[str, Any]], t: torch.Tensor) -> None:
