@@ -1,4 +1,5 @@
 """Shared prefixes on the CPU (issue 37, docs/SHARED_PREFIX.md section 9): agentic data, flat against shared.
+One script, over 400 lines: its data, both runs and its tables, to rerun as one command.
 
     PYTHONPATH=src python bench/shared_prefix.py [--conversations 200] [--min-turns 8] [--max-turns 30]
         [--tool-tokens 2000] [--prompts-per-chunk 50] [--check-full 8] [--no-flat-extract] [--out DIR] [--json]
