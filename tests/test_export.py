@@ -405,3 +405,32 @@ def test_a_second_export_into_the_same_folder_at_once_is_refused(run_dir, tmp_pa
         os.close(fd)
     assert export(run_dir, out, "speculators-v1")["out_dir"] == str(out)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]  # the lock file removed after
+
+
+SMALL_DISK_EXPORT = """
+import resource, signal, sys
+from hsextract.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64_000, 64_000))  # EFBIG past 64 kB, as a full disk's ENOSPC
+sys.exit(main(["export", "--format", sys.argv[1], sys.argv[2], sys.argv[3]]))
+"""
+
+
+@pytest.mark.parametrize("fmt", ["speculators-v1", "speculators-safetensors"])
+def test_a_full_disk_during_an_export_is_the_cli_s_one_line_naming_the_file(tmp_path, fmt):
+    """A sample's file that cannot be written (here past the file-size limit) is an OSError naming it, as from every
+    writer (safetensors' own error is no OSError and names no file): the command's one-line error, no output."""
+    import subprocess
+
+    run = tmp_path / "run"
+    (run / "shards").mkdir(parents=True)
+    with ShardWriter(run / "shards" / "chunk-00000.hss", shard_metadata(chunk=0, final_state="post_norm")) as w:
+        w.add(*make_sample(2000, seed=1), sample_id="long")  # 2000 x 4 x 16 bf16: 256 kB of hidden states
+    finish_run(run)
+    proc = subprocess.run([sys.executable, "-c", SMALL_DISK_EXPORT, fmt, str(run), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300)
+    name = {"speculators-v1": "data/data_0.pt", "speculators-safetensors": "hidden_states/hs_0.safetensors"}[fmt]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert last.startswith(f"hsextract export: error: {tmp_path}/.out.") and f".tmp/{name}: File too large; " in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no out/, no temporary folder

@@ -118,7 +118,7 @@ class _Inline:
 
 
 @pytest.mark.parametrize("ahead_bytes,lookahead,ahead", [(1 << 30, 4, 4), (0, 4, 1), (2 * 9 * 16_400, 4, 2),
-                                                          (1 << 30, 2, 2)])
+                                                          (1 << 30, 2, 2), (1 << 30, 0, 1)])
 def test_iteration_holds_a_bounded_number_of_samples_ahead(tmp_path, monkeypatch, ahead_bytes, lookahead, ahead):
     """iter_samples decodes up to `lookahead` samples ahead of the consumer, and beyond the next one no more than
     AHEAD_BYTES (a long sample of a large model is GBs): at sample k it has asked for samples up to k + ahead.

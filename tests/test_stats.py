@@ -392,3 +392,30 @@ def test_chunk_stats_by_blocks_of_rows_equal_the_whole_tensor_at_once(tmp_path: 
     monkeypatch.setattr(stats, "BLOCK_VALUES", 2 * HIDDEN)  # two rows a block: blocks end inside every sample
     assert chunk_stats(tmp_path / "s.hss", position_bins=4) == whole
     assert [t["nonfinite"] for t in whole["tensors"]] == [0, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunk_stats_blocks_leave_no_row_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               dtype: torch.dtype) -> None:
+    """A block of a single row sums in another order than the whole tensor does (wide rows, several threads):
+    blocks keep two rows or more, so a wide model's figures equal the whole tensor's to the bit."""
+    from hsextract.report import stats
+
+    hidden, g = 33_000, torch.Generator().manual_seed(5)
+    with ShardWriter(tmp_path / "w.hss", metadata={**META, "chunk": 0, "hidden_size": hidden,
+                                                   "dtype": str(dtype).removeprefix("torch.")}) as w:
+        for k, seq in enumerate((5, 3, 1)):
+            hs = [torch.randn(seq, hidden, generator=g).mul(1 + 100 * torch.rand(hidden, generator=g)).to(dtype)
+                  for _ in range(3)]
+            w.add(input_ids=torch.arange(seq), hidden_states=hs, loss_mask=torch.ones(seq, dtype=torch.long),
+                  sample_id=f"s{k}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        whole = chunk_stats(tmp_path / "w.hss")
+        monkeypatch.setattr(stats, "BLOCK_VALUES", hidden)  # a row a block, asked for: two given
+        assert chunk_stats(tmp_path / "w.hss") == whole
+        monkeypatch.setattr(stats, "BLOCK_VALUES", 2 * hidden)  # 5 rows: 2 and 3, not 2, 2 and 1
+        assert chunk_stats(tmp_path / "w.hss") == whole
+    finally:
+        torch.set_num_threads(threads)

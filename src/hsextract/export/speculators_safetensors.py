@@ -16,6 +16,7 @@ streamed in batches, so exporting needs neither `datasets` nor memory for all sa
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections import Counter
 from pathlib import Path
@@ -24,9 +25,10 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from hsextract.atomic import write_json_atomic
+from hsextract.atomic import fsync_dir, write_json_atomic
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import atomic_write
 from hsextract.prepare.vocab import save_token_freq
@@ -48,8 +50,15 @@ def _batch(rows: list[tuple[np.ndarray, np.ndarray]]) -> pa.RecordBatch:
 
 def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors' save_file writes from the tensors' memory (`save` would first copy the whole file into bytes);
-    into the export's temporary folder, which becomes the export at once (export: atomic_dir), so no temp here."""
-    save_file(tensors, path)
+    into the export's temporary folder, which becomes the export at once (export: atomic_dir), so no temp here.
+    Its error of a failed write (a full disk) is an OSError naming the file, as every other writer's."""
+    try:
+        save_file(tensors, path)
+    except SafetensorError as e:  # not an OSError, and names no file: "I/O error: ... (os error 28)"
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), os.fspath(path)) from e
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -86,6 +95,7 @@ def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dic
                 w.write_batch(_batch(rows))
 
     atomic_write(out_dir / ARROW_FILE, write_table)
+    fsync_dir(hs_dir)  # the files' names: atomic_dir syncs the export's own folder, not this one
     write_json_atomic(out_dir / "dataset_info.json", {}, indent=2)
     write_json_atomic(out_dir / "state.json", {
         "_data_files": [{"filename": ARROW_FILE}],

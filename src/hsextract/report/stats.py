@@ -69,17 +69,22 @@ def chunk_stats(shard_path: str | Path, position_bins: int = 64) -> dict[str, An
             pos_tokens = np.concatenate([pos_tokens, np.zeros(grow, dtype=np.int64)])
             pos_sum_sq = np.concatenate([pos_sum_sq, np.zeros((n_t, grow))], axis=1)
         pos_tokens[:n_bins] += np.bincount(bins.numpy(), minlength=n_bins)
-        rows = max(1, BLOCK_VALUES // max(1, hidden))
+        # blocks of 2 rows or more (a single row's sum reduces in another order): each row's sum of squares as
+        # over the whole tensor at once
+        rows = max(2, BLOCK_VALUES // max(1, hidden))
+        starts = list(range(0, seq, rows))
+        if len(starts) > 1 and seq - starts[-1] == 1:
+            starts.pop()  # the last block takes the one row left
         for k, h in enumerate(hs):
             per_token = torch.zeros(seq, dtype=torch.float64)
-            for r in range(0, seq, rows):  # each row's sum of squares as over the whole tensor at once
-                b = h[r:r + rows].to(torch.float64)
+            for r, end in zip(starts, [*starts[1:], seq], strict=True):
+                b = h[r:end].to(torch.float64)
                 finite = torch.isfinite(b)
                 bad = int((~finite).sum())
                 if bad:
                     nonfinite[k] += bad
                     b = torch.where(finite, b, torch.zeros_like(b))
-                per_token[r:r + rows] = (b * b).sum(dim=1)
+                per_token[r:end] = (b * b).sum(dim=1)
                 abs_max[k] = max(abs_max[k], float(b.abs().max()))
             sum_sq[k] += float(per_token.sum())
             pos_sum_sq[k, :n_bins] += np.bincount(bins.numpy(), weights=per_token.numpy(), minlength=n_bins)

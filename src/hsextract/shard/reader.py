@@ -714,6 +714,7 @@ class ShardReader:
             for i in range(len(self)):
                 yield self[i]
             return
+        lookahead = max(1, lookahead)
         m = self.metadata
         row = 16 + int(m["num_hidden_tensors"]) * int(m["hidden_size"]) * self._out_dtype.itemsize  # + ids, mask
         pending: list[tuple[Any, int]] = []  # (future, decoded size), in order
