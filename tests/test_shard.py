@@ -133,6 +133,25 @@ def test_iteration_holds_a_bounded_number_of_samples_ahead(tmp_path, monkeypatch
     assert _Inline.asked == list(range(7))
 
 
+@pytest.mark.parametrize("ahead_bytes,most", [(8 << 30, 3), (0, 1), (2 * (9 * 4 * 2048 * 2 + 9 * 16), 2)])
+def test_the_writer_holds_a_bounded_number_of_samples_encoding(tmp_path, monkeypatch, ahead_bytes, most):
+    """With encoder threads, samples encode ahead of the file: threads + 1 of them, and beyond the newest no more than
+    ENCODE_AHEAD_BYTES of their tensors (Kimi-K2.5's long samples are GBs each); the shard the same either way."""
+    from hsextract.shard import writer as writer_module
+
+    monkeypatch.setattr(writer_module, "ENCODE_AHEAD_BYTES", ahead_bytes)
+    samples = [make_sample(9, hidden=2048, n=4, seed=k) for k in range(6)]  # and ids, mask: 147,600 B each
+    held = []
+    with ShardWriter(tmp_path / "s.hss", shard_metadata(hidden_size=2048), threads=2) as w:
+        for k, (ids, hs, mask) in enumerate(samples):
+            w.add(ids, hs, mask, sample_id=f"s{k}")
+            held.append(len(w._pending))
+    assert held == [min(k + 1, most) for k in range(6)]
+    r = ShardReader(tmp_path / "s.hss")
+    for k in range(6):
+        assert_same(r[k], *samples[k])
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3"])
 def test_threads_give_identical_bytes(tmp_path, precision):
     # 12 samples of varied lengths: more than the 4 the 3-thread writer encodes ahead (pipelined), so

@@ -43,6 +43,9 @@ REQUIRED_METADATA = (
     "config_hash", "tokenizer_hash", "chat_template_hash",
 )
 PRECISIONS = ("bf16", "fp8_e4m3")
+# Samples encoding ahead of the file hold their tensors: beyond the newest, at most this many bytes of them (a long
+# sample of a large model is GBs: Kimi-K2.5's 128k tokens, 7.5 GB; threads + 1 of those would be over 100 GB).
+ENCODE_AHEAD_BYTES = 8 << 30
 
 
 @dataclass(frozen=True)
@@ -168,8 +171,9 @@ class ShardWriter:
         self._hidden = self.metadata["hidden_size"]
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hsx-enc") if threads > 1 else None
-        self._pending: deque[tuple[int, Future[tuple[list[bytes], int]]]] = deque()
-        self._depth = threads + 1  # samples encoding ahead of the file: memory ~ (threads + 2) samples
+        self._pending: deque[tuple[int, Future[tuple[list[bytes], int]], int]] = deque()  # sample, encoding, bytes
+        self._pending_bytes = 0
+        self._depth = threads + 1  # samples encoding ahead of the file: memory ~ (threads + 2) samples, or the bytes
         self._sync_every = sync_every_mb << 20
         self._unsynced = 0
         self._ahead = max(1, write_ahead_mb) << 20
@@ -336,12 +340,15 @@ class ShardWriter:
             return
         # Pipelined across samples (up to threads + 1 ahead): a stream of mid-sized samples (the SGLang path,
         # 512-token prompts, 16 MB each) keeps every thread busy, which splitting one sample alone did not.
-        self._pending.append((sample, self._submit(tensors, seed)))
-        while len(self._pending) > self._depth:
+        nbytes = sum(t.nbytes for t in tensors)
+        self._pending.append((sample, self._submit(tensors, seed), nbytes))
+        self._pending_bytes += nbytes
+        while len(self._pending) > self._depth or len(self._pending) > 1 and self._pending_bytes > ENCODE_AHEAD_BYTES:
             self._write_oldest()
 
     def _write_oldest(self) -> None:
-        sample, fut = self._pending.popleft()
+        sample, fut, nbytes = self._pending.popleft()
+        self._pending_bytes -= nbytes
         t = time.perf_counter()
         try:
             parts, digest = fut.result()
@@ -503,6 +510,7 @@ class ShardWriter:
         finally:
             self._drop_temp()
             self._pending.clear()
+            self._pending_bytes = 0
             if self._pool:
                 self._pool.shutdown(wait=False, cancel_futures=True)
 
