@@ -84,6 +84,36 @@ def test_concurrency_bounds_requests_in_flight_not_dump_collection(server: FakeS
     assert server.max_inflight == 4
 
 
+def test_the_window_holds_a_bounded_number_of_rows() -> None:
+    """Sent or collected and not yet handed on: at most `window` prompts and `max_rows` rows (HELD_BYTES: long
+    samples of a large model are GBs each), the first unyielded prompt always admitted."""
+    from hsextract.sglang.client import _Admission
+
+    items = [Prompt(index=k, sample_id=f"s{k}", input_ids=[1] * n) for k, n in enumerate((100, 100, 60, 300, 10))]
+    plan = _Admission(items, False, 8, max_rows=250)
+    assert list(plan.admit(0)) == [0, 1]  # 100 + 100; the next 60 would make 260
+    plan.yielded()
+    assert list(plan.admit(1)) == [2]  # 100 + 60; then 300 is over
+    plan.yielded()
+    plan.yielded()
+    assert list(plan.admit(0)) == [3]  # the head, over the bound alone
+    assert list(plan.admit(1)) == []
+    plan.yielded()
+    assert list(plan.admit(0)) == [4]
+    assert list(_Admission(items, False, 3).admit(0)) == [0, 1, 2]  # no bound: the window's count
+
+
+@pytest.mark.parametrize("server", [{"gather": 1}], indirect=True)
+def test_a_small_row_bound_sends_one_prompt_at_a_time(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """HELD_BYTES below one prompt's rows: one request at a time, every sample still right and in order."""
+    from hsextract.sglang import client
+
+    monkeypatch.setattr(client, "HELD_BYTES", 1)
+    ps = prompts(12, seed=5)
+    check(list(engine(server, concurrency=8).extract(ps)), ps)
+    assert server.max_inflight == 1
+
+
 def test_one_engine_extracts_twice_with_fresh_rids(server: FakeServer) -> None:
     """A warm-up extract, then another over the same prompts, on one engine: every call sends fresh rids
     (repeated rids would make the second call wait for dumps that never come)."""

@@ -49,6 +49,11 @@ from hsextract.sglang_plugin.settings import DEFAULT_RID_PREFIX as RID_PREFIX  #
 RETRYABLE = (TransientError, dumpfiles.DumpTimeout, dumpfiles.DumpError)
 
 
+# The prompts sent or collected and not yet handed on in input order (the reorder window) hold their rows in RAM,
+# in the server's dump directory and then here: at most this many bytes of them beyond the first. Kimi-K2.5's
+# 2 x 64 samples of 128k tokens would be close to a TB; samples of a few thousand tokens never reach it.
+HELD_BYTES = 32 << 30
+
 class ServerLike(Protocol):
     url: str
     dump_dir: Path
@@ -309,7 +314,8 @@ class SGLangEngine(Engine):
         items = list(prompts)
         if self.share_prefixes:
             check_references(items)
-        plan = _Admission(items, self.share_prefixes, 2 * self.concurrency)
+        row = int((self._marker or {}).get("hidden_size") or 0) * self.spec.num_tensors * 2  # bf16 or wider
+        plan = _Admission(items, self.share_prefixes, 2 * self.concurrency, HELD_BYTES // row if row else None)
         keys: dict[int, str | None] = {}  # position -> the cache key its rows were computed under
         stop = threading.Event()
         running: dict[Future[tuple[Captured, str | None]], int] = {}
@@ -367,11 +373,12 @@ class _Admission:
     source, which therefore shares as many: by induction none runs before the prompt is captured). The lowest ready
     position goes first (so every family's frontier fills the slots), at most `window` requests at once, and the
     rows held (sent or collected, not yet yielded: seq - prefix_len each) at most `window` x the mean prompt
-    length, the memory the flat window holds. The first unyielded prompt is always admitted: its source, earlier,
-    has been yielded, so the chunk always makes progress."""
+    length, the memory the flat window holds. In both, the rows held at most `max_rows` (HELD_BYTES of them). The
+    first unyielded prompt is always admitted: its source, earlier, has been yielded, so the chunk always makes
+    progress."""
 
-    def __init__(self, items: Sequence[Prompt], shared: bool, window: int) -> None:
-        self.window, self.shared, self.head = window, shared, 0
+    def __init__(self, items: Sequence[Prompt], shared: bool, window: int, max_rows: int | None = None) -> None:
+        self.window, self.shared, self.head, self.max_rows = window, shared, 0, max_rows
         pos = {p.index: k for k, p in enumerate(items)}
         parent = [pos[p.parent] if shared and p.parent >= 0 else -1 for p in items]
         start = [p.prefix_len if pp >= 0 else 0 for p, pp in zip(items, parent, strict=True)]
@@ -400,6 +407,8 @@ class _Admission:
         while self.ready:
             k = self.ready[0]
             if k != self.head:
+                if self.max_rows is not None and self.held_rows + self.cost[k] > self.max_rows:
+                    return
                 if self.budget is None and self.held >= self.window:
                     return
                 if self.budget is not None and (running >= self.window or self.held_rows + self.cost[k] > self.budget):
