@@ -35,6 +35,7 @@ def test_each_consumer_gets_its_own_ids_for_kimi_k25() -> None:
                               "hf_backend": {"aux_hidden_states_layers": [1, 29, 57]},
                               "sglang_backend": {"aux_hidden_states_layers": [2, 30, 58]}}
     assert d["speculators_0.4_data_config"] == {"layer_ids": [1, 29, 57, 60]}
+    assert d["speculators_0.4_drafter"]["eagle_aux_hidden_state_layer_ids"] == [2, 30, 58]  # its trainer writes none
 
 
 def test_sglangs_rules_per_class() -> None:

@@ -122,4 +122,11 @@ def drafter_config(hs_ids: Sequence[int], num_layers: int | None, architecture: 
         "speculators_0.4_data_config": {
             "layer_ids": None if out is None else [*out, num_layers - 1 if num_layers else None]
         },
+        # speculators 0.4.0 trains on data_config.json's data but writes no ids into the drafter's config.json
+        # (eagle_aux_hidden_state_layer_ids null: vLLM then feeds its default 2, L//2, L-3); read in its
+        # Eagle3DraftModel.from_training_args and run on CPU by an outside audit
+        "speculators_0.4_drafter": {
+            "eagle_aux_hidden_state_layer_ids": hs,
+            "note": "speculators 0.4.0's trainer leaves this null in the drafter's config.json; set it there",
+        },
     }

@@ -78,10 +78,14 @@ def export(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], fmt
     if listed is not None and len(ds.readers) < listed:  # said in the summary too, not only on stderr
         notes.append(f"{run_dir}: exported from {len(ds.readers)} of the {listed} shards its dataset.json lists "
                      f"(--allow-missing): the others' samples are not in this export")
-    if fmt == "specforge" and len(meta["aux_layers"]) != 3:
-        # read in SpecForge 0.2.0's code (algorithms/model_providers.py), not run: a note, not a refusal
-        notes.append(f"{run_dir} holds {len(meta['aux_layers'])} aux layers, and SpecForge 0.2.0's EAGLE-3 draft "
-                     f"model takes exactly 3 (its trainer would refuse this data); capture: eagle3 stores 3")
+    if len(meta["aux_layers"]) != 3:
+        # SpecForge 0.2.0 read in its code (algorithms/model_providers.py), not run; speculators 0.4.0's
+        # Eagle3DraftModel (fc: Linear(3 x hidden, hidden)) fails on other counts, run on CPU by an outside audit.
+        # A note, not a refusal: a drafter of the user's own may take them
+        trainer = {"specforge": "SpecForge 0.2.0's", "speculators-v1": "speculators 0.4.0's",
+                   "speculators-safetensors": "speculators'"}[fmt]
+        notes.append(f"{run_dir} holds {len(meta['aux_layers'])} aux layers, and {trainer} EAGLE-3 draft model "
+                     f"takes exactly 3 (its trainer would fail on this data); capture: eagle3 stores 3")
         print(f"WARNING: export {fmt}: {notes[-1]}", file=sys.stderr, flush=True)
     final_state = meta["final_state"]
     want = CONSUMER_FINAL_STATE[fmt]
