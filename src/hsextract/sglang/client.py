@@ -54,6 +54,7 @@ RETRYABLE = (TransientError, dumpfiles.DumpTimeout, dumpfiles.DumpError)
 # 2 x 64 samples of 128k tokens would be close to a TB; samples of a few thousand tokens never reach it.
 HELD_BYTES = 32 << 30
 
+
 class ServerLike(Protocol):
     url: str
     dump_dir: Path
