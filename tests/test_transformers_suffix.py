@@ -207,3 +207,46 @@ def test_a_cache_that_cannot_be_cut_to_a_prefix_runs_the_child_in_full(
         assert note == (f"NOTE: {tmp_path}: its cache holds {layers} layers, which cannot be cut to a prefix; samples "
                         "that share a prefix are computed in full and stored whole (share_prefixes saves nothing "
                         "with this engine on this model)\n")
+
+
+def test_a_long_prompt_runs_in_pieces_on_its_own_keys_and_values(model_dir: Path, family: list[Prompt],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ONE_FORWARD_TOKENS a prompt runs in pieces, each on the keys and values of the positions before it
+    (attention holds piece x length scores, not length squared): a root alone and a child's long suffix, each
+    within the bound of a full forward; the pieces are what ran (5 forwards of 32 for 160 tokens, 2 for 60)."""
+    from hsextract.engines import transformers_engine
+
+    monkeypatch.setattr(transformers_engine, "ONE_FORWARD_TOKENS", 32)
+    ref = full_forward(model_dir, family)
+    spec = CaptureSpec((0, 1, 2, 3), BOTH)
+    prompts = [family[0], family[1], family[2]]  # 160 alone; 210 on 120 of 0 (90 own); 230 on 170 of 1 (60 own)
+    with TransformersEngine(model_dir, spec, token_budget=16) as eng:
+        forward, calls = eng._backbone, []
+        eng._backbone = lambda **kw: calls.append(kw["input_ids"].shape[1]) or forward(**kw)
+        got = list(eng.extract(prompts))
+    assert calls == [32] * 5 + [32, 32, 26] + [32, 28]
+    assert [c.start for c in got] == [0, 120, 170] and eng.no_pieces is None
+    for p, c, r in zip(prompts, got, ref[:3], strict=True):
+        for t, want in zip(c.hidden_states, [r[i] for i in spec.aux_layers] + [r[-2], r[-1]], strict=True):
+            assert t.shape == (len(p.input_ids) - c.start, 128) and t.is_contiguous()
+            assert rel(t, want[c.start:]) <= TOL
+        assert rel(c.hidden_states[0], r[1][c.start:]) > WRONG_LAYER_MARGIN * TOL  # a neighbouring layer fails
+
+
+def test_a_cache_that_cannot_hold_every_position_runs_a_long_prompt_in_one_forward(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sliding-window cache keeps the last window's positions alone, so no piece could see the rest: the prompt
+    runs in one forward (the model's reason recorded), its rows those of the same forward without pieces."""
+    from conftest import tiny_checkpoint
+
+    from hsextract.engines import transformers_engine
+
+    tiny_checkpoint("gemma3_text", tmp_path, num_hidden_layers=4, sliding_window=16)
+    ids = torch.randint(5, 300, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    with TransformersEngine(tmp_path, CaptureSpec((1,), "post_norm")) as eng:
+        (whole,) = list(eng.extract([Prompt(0, "p", ids)]))
+    monkeypatch.setattr(transformers_engine, "ONE_FORWARD_TOKENS", 32)
+    with TransformersEngine(tmp_path, CaptureSpec((1,), "post_norm"), token_budget=16) as eng:
+        (got,) = list(eng.extract([Prompt(0, "p", ids)]))
+    assert eng.no_pieces == "its cache holds DynamicSlidingWindowLayer layers, which cannot be cut to a prefix"
+    assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, whole.hidden_states, strict=True))

@@ -15,9 +15,12 @@ are never needed.
 
 Batching is sort-free: consecutive prompts are grouped while batch_size * max_len stays
 within `token_budget` (and batch_size within `max_batch`); a prompt longer than the budget
-runs alone. Right padding with an attention mask; position ids count from 0 in every row,
-so a real token sees exactly what it would see unbatched. Each sample's rows are copied
-back to the CPU, contiguous, in the model dtype; padding rows are never returned.
+runs alone; past ONE_FORWARD_TOKENS, in pieces of that many positions (or token_budget's, if more), each on the
+keys and values of those before it (attention then holds piece x length scores, not length x length: memory grew
+with the square of a long sample's length), where the model's cache holds every position (`_uncuttable`; else in
+one forward). Right padding with an attention mask; position ids count from 0 in every row, so a real token sees
+exactly what it would see unbatched. Each sample's rows are copied back to the CPU, contiguous, in the model dtype;
+padding rows are never returned.
 
 Shared prefixes (docs/SHARED_PREFIX.md): a prompt with a parent (`Prompt.parent`, `prefix_len` k) runs only its
 tokens k..seq-1, at positions k..seq-1, on the parent's keys and values cut to k (`past_key_values`), and its
@@ -54,6 +57,9 @@ from hsextract.errors import ConfigError, EngineError
 # large one its memory.
 CACHE_BUDGET_FACTOR = 4
 CACHE_BUDGET_BYTES = 1 << 30
+# A prompt up to this many tokens runs in one forward whatever token_budget says: the numerics every default run
+# (max_seq_len 4096) was checked with; a split rounds attention differently in bf16.
+ONE_FORWARD_TOKENS = 4096
 
 
 def resolve_device(device: str) -> str:
@@ -123,6 +129,7 @@ class TransformersEngine(Engine):
         self._cache_rule = self._default_budget = cache_tokens is None
         self.peak_cached_tokens = 0  # the most positions kept at once during the last extract()
         self.no_reuse: str | None = None  # why no child can run on its parent's cache (this model's cache layers)
+        self.no_pieces: str | None = None  # why a long prompt runs in one forward (this model's cache layers)
         self.model_path = str(model_path)
         self.spec = spec
         self.device = torch.device(device)
@@ -222,6 +229,14 @@ class TransformersEngine(Engine):
             yield batch
 
     # ------------------------------------------------------------------ forward
+    def _run(self, prompts: list[Prompt]) -> Iterator[Captured]:
+        """Batches of the prompts, a prompt longer than token_budget alone in pieces."""
+        for batch in self._batches(prompts):
+            if len(batch) == 1 and len(batch[0].input_ids) > ONE_FORWARD_TOKENS:
+                yield self._forward_one(batch[0], None, keep=False)[0]
+            else:
+                yield from self._forward(batch)
+
     @torch.inference_mode()
     def _forward(self, batch: list[Prompt]) -> list[Captured]:
         lengths = [len(p.input_ids) for p in batch]
@@ -299,26 +314,36 @@ class TransformersEngine(Engine):
 
     @torch.inference_mode()
     def _forward_one(self, p: Prompt, cache: Any, keep: bool) -> tuple[Captured, Any]:
-        """One prompt from position `p.prefix_len` on (0 without a cache); returns its Captured and, if `keep`,
-        its cache over all its positions."""
+        """One prompt from position `p.prefix_len` on (0 without a cache), in pieces past ONE_FORWARD_TOKENS where
+        the cache can hold them all; returns its Captured and, if `keep`, its cache over all its positions."""
         k = p.prefix_len if cache is not None else 0
         n = len(p.input_ids)
-        self._captured.clear()
-        try:
-            out = self._backbone(
-                input_ids=torch.tensor([p.input_ids[k:]], dtype=torch.long, device=self.device),
-                position_ids=torch.arange(k, n, device=self.device)[None],
-                use_cache=keep or cache is not None,
-                output_hidden_states=True,
-                return_dict=True,
-                **{self._cache_kw: cache},
-            )
-        except RuntimeError as e:
-            raise EngineError(f"forward failed on sample {p.sample_id!r} ({n - k} tokens after a prefix of {k}): "
-                              f"{e}. If it ran out of memory, lower token_budget.") from e
-        tensors = [t[0].to("cpu", copy=True).contiguous() for t in self._layers(out)]
-        kept = (out.cache if self._cache_kw == "cache" else out.past_key_values) if keep else None
-        return Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors, start=k), kept
+        piece = n if self.no_pieces or n - k <= ONE_FORWARD_TOKENS else max(self.token_budget, ONE_FORWARD_TOKENS)
+        pieces: list[list[torch.Tensor]] = []
+        a = k
+        while a < n:
+            b = min(n, a + piece)
+            self._captured.clear()
+            try:
+                out = self._backbone(
+                    input_ids=torch.tensor([p.input_ids[a:b]], dtype=torch.long, device=self.device),
+                    position_ids=torch.arange(a, b, device=self.device)[None],
+                    use_cache=keep or cache is not None or b < n,
+                    output_hidden_states=True,
+                    return_dict=True,
+                    **{self._cache_kw: cache},
+                )
+            except RuntimeError as e:
+                raise EngineError(f"forward failed on sample {p.sample_id!r} (tokens {a}..{b - 1} after a prefix of "
+                                  f"{k}): {e}. If it ran out of memory, lower token_budget.") from e
+            cache = out.cache if self._cache_kw == "cache" else out.past_key_values
+            if b < n and (why := self._uncuttable(cache)):  # a window's or a recurrent state: one forward instead
+                self.no_pieces = why
+                return self._forward_one(p, None, keep)  # k is 0: a cut parent cache was a cuttable one
+            pieces.append([t[0].to("cpu", copy=True) for t in self._layers(out)])
+            a = b
+        tensors = [torch.cat(ts) if len(ts) > 1 else ts[0].contiguous() for ts in zip(*pieces, strict=True)]
+        return Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors, start=k), cache if keep else None
 
     def _shared(self, prompts: list[Prompt], users: Counter[int]) -> Iterator[Captured]:
         """Prompts outside any family batched as usual; each family member alone, a child on its parent's cache
@@ -334,8 +359,7 @@ class TransformersEngine(Engine):
             if p.parent < 0 and not users[p.index]:
                 plain.append(p)
                 continue
-            for batch in self._batches(plain):
-                yield from self._forward(batch)
+            yield from self._run(plain)
             plain = []
             self._check(p)
             cache = None
@@ -355,8 +379,7 @@ class TransformersEngine(Engine):
                 caches[p.index] = (kept, len(p.input_ids))
                 self._fit_caches(caches, children)
             yield captured
-        for batch in self._batches(plain):
-            yield from self._forward(batch)
+        yield from self._run(plain)
 
     def _fit_caches(self, caches: dict[int, tuple[Any, int]], children: dict[int, list[int]]) -> None:
         """Drop the caches whose next child comes last until the rest hold at most `cache_tokens` positions (the
@@ -383,7 +406,7 @@ class TransformersEngine(Engine):
     def extract(self, prompts: Iterable[Prompt]) -> Iterator[Captured]:
         items = list(prompts)
         users = check_references(items)
-        results = self._shared(items, users) if users else (c for b in self._batches(items) for c in self._forward(b))
+        results = self._shared(items, users) if users else self._run(items)
         for captured in results:
             if self.on_sample is not None:
                 self.on_sample(captured)
