@@ -549,7 +549,7 @@ def test_no_unpickling_anywhere_in_the_code() -> None:
             loads.append(f"{f.relative_to(ROOT)}: {call}")
             assert "weights_only=True" in call, (f, call)
         assert not re.search(r"\bimport pickle\b|\bpickle\.(loads?|Unpickler)\b|\bdill\b|\bjoblib\.load\b", code), f
-    assert len(loads) >= 3, loads  # config, validate, vocab: the grep does find them
+    assert len(loads) >= 1, loads  # the reference sample's (config/reference.py): the grep does find them
 
 
 def test_reading_shards_never_unpickles(tmp_path: Path, ref16: dict, monkeypatch: pytest.MonkeyPatch) -> None:

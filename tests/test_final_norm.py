@@ -172,10 +172,10 @@ def test_pre_norm_exported_to_specforge_equals_post_norm_capture(tmp_path: Path,
         got = torch.load(tmp_path / "sf" / "rows_0-2000" / f"data_{i}.ckpt", weights_only=True)
         assert torch.equal(got["hidden_state"][0], post[-1])  # bitwise: see the module docstring
         assert torch.equal(got["aux_hidden_state"][0], torch.cat(post[:-1], dim=-1))
-    # the same pre_norm data to speculators: as captured, and no final-norm warning
+    # the same pre_norm data to speculators: as captured, and no final-norm warning (the aux layers' note alone)
     summary = export(pre_run, tmp_path / "sp", "speculators-v1")
     assert summary["warning"] is None and summary["final_norm_applied"] is False
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == f"WARNING: export speculators-v1: {summary['notes'][0]}\n"
     got = torch.load(tmp_path / "sp" / "data" / "data_0.pt", weights_only=True)
     assert torch.equal(got["hidden_states"][-1], captures["pre_norm"][0][-1])
 
