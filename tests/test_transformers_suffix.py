@@ -234,7 +234,7 @@ def test_a_long_prompt_runs_in_pieces_on_its_own_keys_and_values(model_dir: Path
 
 
 def test_a_cache_that_cannot_hold_every_position_runs_a_long_prompt_in_one_forward(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A sliding-window cache keeps the last window's positions alone, so no piece could see the rest: the prompt
     runs in one forward (the model's reason recorded), its rows those of the same forward without pieces."""
     from conftest import tiny_checkpoint
@@ -248,5 +248,8 @@ def test_a_cache_that_cannot_hold_every_position_runs_a_long_prompt_in_one_forwa
     monkeypatch.setattr(transformers_engine, "ONE_FORWARD_TOKENS", 32)
     with TransformersEngine(tmp_path, CaptureSpec((1,), "post_norm"), token_budget=16) as eng:
         (got,) = list(eng.extract([Prompt(0, "p", ids)]))
-    assert eng.no_pieces == "its cache holds DynamicSlidingWindowLayer layers, which cannot be cut to a prefix"
+    why = "its cache holds DynamicSlidingWindowLayer layers, which cannot be cut to a prefix"
+    assert eng.no_pieces == why
+    assert capsys.readouterr().out == (f"NOTE: {tmp_path}: {why}; samples longer than 32 tokens run in one forward, "
+                                       "whose attention memory grows with the square of their length\n")
     assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, whole.hidden_states, strict=True))

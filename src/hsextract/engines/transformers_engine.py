@@ -339,6 +339,8 @@ class TransformersEngine(Engine):
             cache = out.cache if self._cache_kw == "cache" else out.past_key_values
             if b < n and (why := self._uncuttable(cache)):  # a window's or a recurrent state: one forward instead
                 self.no_pieces = why
+                print(f"NOTE: {self.model_path}: {why}; samples longer than {ONE_FORWARD_TOKENS} tokens run in one "
+                      "forward, whose attention memory grows with the square of their length", flush=True)
                 return self._forward_one(p, None, keep)  # k is 0: a cut parent cache was a cuttable one
             pieces.append([t[0].to("cpu", copy=True) for t in self._layers(out)])
             a = b

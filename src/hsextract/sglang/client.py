@@ -50,8 +50,9 @@ RETRYABLE = (TransientError, dumpfiles.DumpTimeout, dumpfiles.DumpError)
 
 
 # The prompts sent or collected and not yet handed on in input order (the reorder window) hold their rows in RAM,
-# in the server's dump directory and then here: at most this many bytes of them beyond the first. Kimi-K2.5's
-# 2 x 64 samples of 128k tokens would be close to a TB; samples of a few thousand tokens never reach it.
+# in the server's dump directory and then here: at most this many bytes of them together (at 2 bytes a value), the
+# first always. Kimi-K2.5's 2 x 64 samples of 128k tokens would be close to a TB; samples of a few thousand tokens
+# never reach it.
 HELD_BYTES = 32 << 30
 
 

@@ -43,8 +43,8 @@ REQUIRED_METADATA = (
     "config_hash", "tokenizer_hash", "chat_template_hash",
 )
 PRECISIONS = ("bf16", "fp8_e4m3")
-# Samples encoding ahead of the file hold their tensors: beyond the newest, at most this many bytes of them (a long
-# sample of a large model is GBs: Kimi-K2.5's 128k tokens, 7.5 GB; threads + 1 of those would be over 100 GB).
+# Samples encoding ahead of the file hold their tensors: at most this many bytes of them together, the newest always
+# (a long sample of a large model is GBs: Kimi-K2.5's 128k tokens, 7.5 GB; threads + 1 of those would be over 100 GB).
 ENCODE_AHEAD_BYTES = 8 << 30
 
 
