@@ -24,6 +24,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shard_meta import placeholder_metadata  # bench/ is the script's folder
+
 H = 7168
 TENSORS = 4
 PATHS = ("write", "read", "iter", "validate", "stats", "speculators-v1", "specforge", "speculators-safetensors")
@@ -36,6 +39,8 @@ def rss() -> int:
 
 
 def sample(seq: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """bench/codec.py's synthetic activations, built a block of rows at a time: its synthetic_samples holds float32
+    temporaries of a whole tensor, which would set the process's peak before the path under measure runs."""
     g = torch.Generator().manual_seed(seed)
     hs = []
     for layer in range(TENSORS):
@@ -47,12 +52,6 @@ def sample(seq: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor], torch
             out[a:a + n] = (torch.randn(n, H, generator=g) * scale * torch.exp(torch.randn(n, 1, generator=g) * 0.3))
         hs.append(out)
     return torch.randint(0, 160000, (seq,), generator=g), hs, (torch.rand(seq, generator=g) > 0.4).long()
-
-
-def metadata() -> dict[str, object]:
-    return {"model": "bench", "engine": "transformers", "engine_version": "bench", "aux_layers": [2, 30, 58],
-            "final_state": "pre_norm", "hidden_size": H, "dtype": "bfloat16", "config_hash": "bench",
-            "tokenizer_hash": "bench", "chat_template_hash": "bench", "vocab_size": 163840}
 
 
 def one(path: str, shard: Path, seq: int, samples: int, consume_s: float) -> dict[str, float]:
@@ -73,7 +72,7 @@ def one(path: str, shard: Path, seq: int, samples: int, consume_s: float) -> dic
     if path == "write":
         ids, hs, mask = sample(seq, 0)  # the caller's sample is not the writer's: counted before
         before, t0 = rss(), time.time()
-        with ShardWriter(shard, metadata()) as w:
+        with ShardWriter(shard, placeholder_metadata(H, [2, 30, 58], final_state="pre_norm", vocab_size=163840)) as w:
             for i in range(samples):
                 w.add(ids, hs, mask, sample_id=f"s{i}")
     else:

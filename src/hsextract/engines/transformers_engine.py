@@ -230,7 +230,7 @@ class TransformersEngine(Engine):
 
     # ------------------------------------------------------------------ forward
     def _run(self, prompts: list[Prompt]) -> Iterator[Captured]:
-        """Batches of the prompts, a prompt longer than token_budget alone in pieces."""
+        """Batches of the prompts; a prompt past ONE_FORWARD_TOKENS alone, in pieces (_forward_one)."""
         for batch in self._batches(prompts):
             if len(batch) == 1 and len(batch[0].input_ids) > ONE_FORWARD_TOKENS:
                 yield self._forward_one(batch[0], None, keep=False)[0]

@@ -172,7 +172,6 @@ class ShardWriter:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hsx-enc") if threads > 1 else None
         self._pending: deque[tuple[int, Future[tuple[list[bytes], int]], int]] = deque()  # sample, encoding, bytes
-        self._pending_bytes = 0
         self._depth = threads + 1  # samples encoding ahead of the file: memory ~ (threads + 2) samples, or the bytes
         self._sync_every = sync_every_mb << 20
         self._unsynced = 0
@@ -340,15 +339,13 @@ class ShardWriter:
             return
         # Pipelined across samples (up to threads + 1 ahead): a stream of mid-sized samples (the SGLang path,
         # 512-token prompts, 16 MB each) keeps every thread busy, which splitting one sample alone did not.
-        nbytes = sum(t.nbytes for t in tensors)
-        self._pending.append((sample, self._submit(tensors, seed), nbytes))
-        self._pending_bytes += nbytes
-        while len(self._pending) > self._depth or len(self._pending) > 1 and self._pending_bytes > ENCODE_AHEAD_BYTES:
+        self._pending.append((sample, self._submit(tensors, seed), sum(t.nbytes for t in tensors)))
+        while len(self._pending) > self._depth or len(self._pending) > 1 and \
+                sum(n for *_, n in self._pending) > ENCODE_AHEAD_BYTES:
             self._write_oldest()
 
     def _write_oldest(self) -> None:
-        sample, fut, nbytes = self._pending.popleft()
-        self._pending_bytes -= nbytes
+        sample, fut, _ = self._pending.popleft()
         t = time.perf_counter()
         try:
             parts, digest = fut.result()
@@ -510,7 +507,6 @@ class ShardWriter:
         finally:
             self._drop_temp()
             self._pending.clear()
-            self._pending_bytes = 0
             if self._pool:
                 self._pool.shutdown(wait=False, cancel_futures=True)
 
