@@ -3,7 +3,10 @@
 A shard of --samples samples of --seq tokens, hidden 7168, 4 bf16 tensors (57,360 B a token raw, ids and mask
 included; bench/codec.py's synthetic activations, built a block of rows at a time) is written once; then each path
 runs in a process of its own and reports its peak RSS (ru_maxrss) less its RSS before the path began, over the
-largest sample's raw bytes: how many samples' worth a path holds at once. A consumer that keeps up holds fewer:
+largest sample's raw bytes: how many samples' worth a path holds at once. The write paths (`write`: one thread,
+`write-tN`: N encoder threads) are given a fresh sample each add(), built by the caller, which drops it after
+add() returns (the extract's way): their figure includes the one sample the caller is building. A consumer that
+keeps up holds fewer:
 the iterating paths (iter, and each export) run behind a consumer that takes --consume-s a sample, so that the
 read-ahead fills, the worst case. At 128k tokens a sample is 7.5 GB: each figure times that is a process's peak.
 
@@ -29,7 +32,8 @@ from shard_meta import placeholder_metadata  # bench/ is the script's folder
 
 H = 7168
 TENSORS = 4
-PATHS = ("write", "read", "iter", "validate", "stats", "speculators-v1", "specforge", "speculators-safetensors")
+PATHS = ("write", "write-t4", "read", "iter", "validate", "stats", "speculators-v1", "specforge",
+         "speculators-safetensors")
 REFERENCE = Path(__file__).resolve().parents[1] / "resources" / "reference" / "speculators-v1-data_0.pt"
 
 
@@ -69,12 +73,13 @@ def one(path: str, shard: Path, seq: int, samples: int, consume_s: float) -> dic
                 yield s
                 time.sleep(consume_s)
 
-    if path == "write":
-        ids, hs, mask = sample(seq, 0)  # the caller's sample is not the writer's: counted before
+    if path.startswith("write"):
+        threads = int(path.removeprefix("write-t") or 1) if path != "write" else 1
+        meta = placeholder_metadata(H, [2, 30, 58], final_state="pre_norm", vocab_size=163840)
         before, t0 = rss(), time.time()
-        with ShardWriter(shard, placeholder_metadata(H, [2, 30, 58], final_state="pre_norm", vocab_size=163840)) as w:
+        with ShardWriter(shard, meta, threads=threads) as w:
             for i in range(samples):
-                w.add(ids, hs, mask, sample_id=f"s{i}")
+                w.add(*sample(seq, i), sample_id=f"s{i}")  # the writer holds the only reference once add() returns
     else:
         before, t0 = rss(), time.time()
         ds = HiddenStateDataset([shard])
