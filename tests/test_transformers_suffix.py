@@ -253,3 +253,43 @@ def test_a_cache_that_cannot_hold_every_position_runs_a_long_prompt_in_one_forwa
     assert capsys.readouterr().out == (f"NOTE: {tmp_path}: {why}; samples longer than 32 tokens run in one forward, "
                                        "whose attention memory grows with the square of their length\n")
     assert all(torch.equal(a, b) for a, b in zip(got.hidden_states, whole.hidden_states, strict=True))
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0}, {
+    "rope_type": "longrope", "original_max_position_embeddings": 64, "short_factor": [1.0] * 8,
+    "long_factor": [1.5] * 8}])
+def test_a_rope_set_by_the_forwards_length_gives_each_sample_its_own_forwards_values(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], rope: dict) -> None:
+    """transformers sets dynamic NTK's and longrope's frequencies from a forward's largest position (dynamic keeps a
+    longer forward's until one within max_position_embeddings): pieces, batch-mates, a parent's cache and the
+    forward before each changed a sample's values (audit: pieces 1.7e-3 from one forward in float32). Every sample
+    equals a fresh model's forward of it alone, in float32 to the last bits' noise; a child over the limit runs in
+    full (start 0), one within it on its parent's cache."""
+    from conftest import tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from hsextract.engines import transformers_engine
+
+    tiny_checkpoint("llama", tmp_path, num_hidden_layers=4, max_position_embeddings=64,
+                    rope_parameters={"rope_theta": 10000.0, **rope})
+    g = torch.Generator().manual_seed(5)
+    ids = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (150, 20, 100, 80, 30, 40)]
+    ids.append(ids[5] + ids[0][:10])  # within the limit: on 5's cache
+    ids.append(ids[6] + ids[0][:40])  # over it: in full
+    prompts = [Prompt(i, f"s{i}", x) for i, x in enumerate(ids[:6])] + [
+        Prompt(6, "s6", ids[6], parent=5, prefix_len=40), Prompt(7, "s7", ids[7], parent=6, prefix_len=50)]
+    want = []
+    for x in ids:  # a fresh model each: no forward before it
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            out = model.model(torch.tensor([x]), output_hidden_states=True, use_cache=False)
+        want.append([out.hidden_states[1][0], out.last_hidden_state[0]])
+    monkeypatch.setattr(transformers_engine, "ONE_FORWARD_TOKENS", 32)
+    with TransformersEngine(tmp_path, CaptureSpec((1,), "post_norm"), dtype="float32", token_budget=400) as eng:
+        got = list(eng.extract(prompts))
+    assert capsys.readouterr().out == (
+        f"NOTE: {tmp_path}: its rope_type {rope['rope_type']!r} sets the rotary frequencies from a forward's length: "
+        "samples over 64 tokens run alone and in one forward, without a parent's cache\n")
+    assert [c.start for c in got] == [0, 0, 0, 0, 0, 0, 40, 0]
+    for c, w in zip(got, want, strict=True):
+        assert max(rel(t, r[c.start:]) for t, r in zip(c.hidden_states, w, strict=True)) < 1e-5, c.sample_id

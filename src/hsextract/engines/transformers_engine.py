@@ -18,9 +18,10 @@ within `token_budget` (and batch_size within `max_batch`); a prompt longer than 
 runs alone; past ONE_FORWARD_TOKENS, in pieces of that many positions (or token_budget's, if more), each on the
 keys and values of those before it (attention then holds piece x length scores, not length x length: memory grew
 with the square of a long sample's length), where the model's cache holds every position (`_uncuttable`; else in
-one forward). Right padding with an attention mask; position ids count from 0 in every row, so a real token sees
-exactly what it would see unbatched. Each sample's rows are copied back to the CPU, contiguous, in the model dtype;
-padding rows are never returned.
+one forward; and alone, whole and without a parent's cache past the length that a rope set by the forward's length
+leaves alone: `rope_by_length`). Right padding with an attention mask; position ids count from 0 in every row, so a
+real token sees exactly what it would see unbatched. Each sample's rows are copied back to the CPU, contiguous, in
+the model dtype; padding rows are never returned.
 
 Shared prefixes (docs/SHARED_PREFIX.md): a prompt with a parent (`Prompt.parent`, `prefix_len` k) runs only its
 tokens k..seq-1, at positions k..seq-1, on the parent's keys and values cut to k (`past_key_values`), and its
@@ -82,6 +83,21 @@ def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def _first(output: Any) -> torch.Tensor:
     # decoder layers return a tensor in transformers 5, a tuple (hidden, ...) in 4.x
     return output[0] if isinstance(output, tuple) else output
+
+
+def rope_by_length(config: Any) -> tuple[str, int] | None:
+    """(rope type, longest forward it leaves alone) for a rotary embedding whose frequencies transformers sets from a
+    forward's largest position: dynamic NTK past max_position_embeddings (and, after a longer forward, until a
+    shorter one resets it), longrope past original_max_position_embeddings. None for every other kind."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    for p in [params] if "rope_type" in params or "type" in params else [v for v in params.values()
+                                                                          if isinstance(v, dict)]:
+        kind = str(p.get("rope_type", p.get("type", "")))
+        if "dynamic" in kind:
+            return kind, int(config.max_position_embeddings)
+        if kind == "longrope":
+            return kind, int(p.get("original_max_position_embeddings") or config.max_position_embeddings)
+    return None
 
 
 def validate_capture_spec(spec: CaptureSpec, num_layers: int, model: str) -> None:
@@ -175,6 +191,19 @@ class TransformersEngine(Engine):
         # the forward's cache argument: `cache` from transformers 5.25 on, `past_key_values` before
         self._cache_kw = "cache" if "cache" in inspect.signature(self._backbone.forward).parameters \
             else "past_key_values"
+        # a rope set by a forward's length: a sample past `limit` runs alone and whole (no batch-mates, pieces or
+        # parent cache change its frequencies), and dynamic NTK's frequencies go back to the loaded ones before each
+        # forward (transformers keeps a longer forward's until a forward within the limit): each sample as if alone
+        self.rope_limit: int | None = None
+        self._rope_state: list[tuple[torch.nn.Module, torch.Tensor, Any, Any]] = []
+        if (rope := rope_by_length(text_config)) is not None:
+            kind, self.rope_limit = rope
+            self._rope_state = [(m, m.inv_freq.clone(), m.max_seq_len_cached, getattr(m, "attention_scaling", None))
+                                for m in self.model.modules() if "dynamic" in str(getattr(m, "rope_type", ""))
+                                and hasattr(m, "max_seq_len_cached")]
+            print(f"NOTE: {self.model_path}: its rope_type {kind!r} sets the rotary frequencies from a forward's "
+                  f"length: samples over {self.rope_limit} tokens run alone and in one forward, without a parent's "
+                  "cache", flush=True)
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks = [
             layers[self.num_layers - 1].register_forward_hook(self._hook("pre_norm")),
@@ -213,6 +242,10 @@ class TransformersEngine(Engine):
                 f"0..{self.vocab_size - 1}; the prompts were tokenized with another tokenizer than {self.model_path}."
             )
 
+    def _alone(self, n: int) -> bool:
+        """A sample of n tokens whose rope frequencies its batch-mates, pieces or parent would change."""
+        return self.rope_limit is not None and n > self.rope_limit
+
     def _batches(self, prompts: Iterable[Prompt]) -> Iterator[list[Prompt]]:
         batch: list[Prompt] = []
         longest = 0
@@ -220,7 +253,8 @@ class TransformersEngine(Engine):
             self._check(p)
             n = len(p.input_ids)
             grown = max(longest, n)
-            if batch and ((len(batch) + 1) * grown > self.token_budget or len(batch) >= self.max_batch):
+            if batch and ((len(batch) + 1) * grown > self.token_budget or len(batch) >= self.max_batch
+                          or self._alone(grown)):
                 yield batch
                 batch, grown = [], n
             batch.append(p)
@@ -247,6 +281,7 @@ class TransformersEngine(Engine):
             ids[row, : lengths[row]] = torch.tensor(p.input_ids, dtype=torch.long)
             mask[row, : lengths[row]] = 1
         self._captured.clear()
+        self._loaded_rope()
         try:
             out = self._backbone(
                 input_ids=ids.to(self.device),
@@ -269,6 +304,11 @@ class TransformersEngine(Engine):
             tensors = [t[row, :n].to("cpu", copy=True).contiguous() for t in layers]
             results.append(Captured(index=p.index, sample_id=p.sample_id, hidden_states=tensors))
         return results
+
+    def _loaded_rope(self) -> None:
+        for m, inv_freq, cached, scaling in self._rope_state:
+            m.inv_freq = inv_freq.to(m.inv_freq.device)
+            m.max_seq_len_cached, m.attention_scaling = cached, scaling
 
     def _layers(self, out: Any) -> list[torch.Tensor]:
         """The captured tensors of a forward's output, [batch, tokens, hidden] each, in the spec's order."""
@@ -316,14 +356,18 @@ class TransformersEngine(Engine):
     def _forward_one(self, p: Prompt, cache: Any, keep: bool) -> tuple[Captured, Any]:
         """One prompt from position `p.prefix_len` on (0 without a cache), in pieces past ONE_FORWARD_TOKENS where
         the cache can hold them all; returns its Captured and, if `keep`, its cache over all its positions."""
-        k = p.prefix_len if cache is not None else 0
         n = len(p.input_ids)
-        piece = n if self.no_pieces or n - k <= ONE_FORWARD_TOKENS else max(self.token_budget, ONE_FORWARD_TOKENS)
+        if self._alone(n):
+            cache = None  # computed in full: the shard records no reference (start 0)
+        k = p.prefix_len if cache is not None else 0
+        piece = n if self.no_pieces or self._alone(n) or n - k <= ONE_FORWARD_TOKENS \
+            else max(self.token_budget, ONE_FORWARD_TOKENS)
         pieces: list[list[torch.Tensor]] = []
         a = k
         while a < n:
             b = min(n, a + piece)
             self._captured.clear()
+            self._loaded_rope()
             try:
                 out = self._backbone(
                     input_ids=torch.tensor([p.input_ids[a:b]], dtype=torch.long, device=self.device),
