@@ -504,6 +504,33 @@ def test_prompts_rewritten_under_their_old_mtime_stop_the_manifest(tmp_path: Pat
     assert ShardReader(shard)[0]["input_ids"].tolist() == ids[0]
 
 
+def test_a_damaged_prompts_file_newer_than_its_shard_keeps_the_shard(tmp_path: Path, full_run: Path) -> None:
+    """Chunk 1's prompts file damaged in place (a byte flipped, its time now): Snakemake would extract the chunk
+    again and delete the good shard first, and the job then failed on the damaged file (audit). The command stops as
+    the Snakefile is read, naming the file; restored with `cp -p`, nothing is planned and the shard is untouched."""
+    wd = copy_of(full_run, tmp_path)
+    rd = run_dir(wd)
+    prompts, shard = rd / "prompts/chunk-00001.parquet", shard_path(wd, 1)
+    shutil.copy2(prompts, tmp_path / "backup.parquet")
+    recorded, before = sha256_file(prompts), shard.stat().st_mtime_ns
+    data = bytearray(prompts.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    prompts.write_bytes(bytes(data))
+    for args in (("-n",), ()):
+        proc = smk(wd, *args, check=False)
+        out = " ".join((proc.stdout + proc.stderr).split())
+        assert proc.returncode != 0 and "Job stats" not in out, out[-3000:]
+        rel_prompts, rel_shard = prompts.relative_to(wd), shard.relative_to(wd)
+        assert (f"{rel_prompts} is newer than {rel_shard}, so Snakemake would extract chunk 1 again, deleting that "
+                f"shard first; but it is not the prompts file prepare wrote (sha256 {sha256_file(prompts)}, prepare "
+                f"recorded {recorded}): it was damaged or changed since, and the shard made from the original is good. "
+                f"Restore {rel_prompts} (`cp -p` from a copy) and run the command again; or delete it and run the same "
+                "command, which writes every chunk's prompts again and extracts every chunk again.") in out
+        assert shard.stat().st_mtime_ns == before
+    subprocess.run(["cp", "-p", str(tmp_path / "backup.parquet"), str(prompts)], check=True)
+    assert "Nothing to be done" in smk(wd, "-n").stdout
+
+
 # What a config change reruns (hsextract.config.reruns.KEYS). Each key is changed alone on a run where its rules have
 # jobs: the full run for most keys; for `sglang.*` and `regenerate.*` (and the keys regenerate reads too), the
 # full run recorded as made under `engine: sglang` or `regenerate.enabled` (snakemake --touch: nothing runs).

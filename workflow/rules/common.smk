@@ -26,6 +26,9 @@ if workflow.is_main_process and (
 # extract jobs that read it.
 if workflow.is_main_process and changes_outputs(sys.argv):
     check_tiny_model_unshared(SETTINGS)
+    # a damaged prompts file is newer than its shard: refused here, before Snakemake deletes the good shard to rerun
+    if _damaged := chunks.damaged_prompts(f"results/{RUN}", N_CHUNKS, SHARD_SUFFIX):
+        raise WorkflowError(_damaged)
 MODEL = SETTINGS.extract.model
 # prepare's param: one spelling (`models/t/` is `models/t`), as its settings params
 TOKENIZER = path_spelling(SETTINGS.extract.tokenizer_dir)

@@ -9,6 +9,8 @@ and the workflow rules. `remove_beyond`: the per-chunk files an earlier configur
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import re
@@ -115,5 +117,32 @@ def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suf
             f"extracted again. To keep them, restore the file(s) with their times (cp -p from a copy) before that run")
 
 
-__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "incomplete_prepare", "label", "labels", "name", "of_name",
-           "of_record", "records", "remove_beyond"]
+def damaged_prompts(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix: str) -> str | None:
+    """An error for a chunk whose prompts file is newer than its shard, so that Snakemake would extract the chunk
+    again (deleting the shard first), but is not the file prepare wrote (its summary.json's sha256): damaged or
+    changed behind prepare's back, the shard made from the original is good. Only such newer files are hashed."""
+    run = Path(run_dir)
+    try:
+        summary = json.loads((run / "prompts" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for c in range(n_chunks):
+        prompts, shard = run / "prompts" / name(c, ".parquet"), run / "shards" / name(c, shard_suffix)
+        try:
+            if prompts.stat().st_mtime <= shard.stat().st_mtime or (written := written_sha256(summary, c)) is None:
+                continue
+            with open(prompts, "rb") as f:
+                now = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError:
+            continue
+        if now != written:
+            return (f"{prompts} is newer than {shard}, so Snakemake would extract chunk {c} again, deleting that "
+                    f"shard first; but it is not the prompts file prepare wrote (sha256 {now}, prepare recorded "
+                    f"{written}): it was damaged or changed since, and the shard made from the original is good. "
+                    f"Restore {prompts} (`cp -p` from a copy) and run the command again; or delete it and run the "
+                    "same command, which writes every chunk's prompts again and extracts every chunk again.")
+    return None
+
+
+__all__ = ["WIDTH", "WILDCARD", "beyond", "count", "damaged_prompts", "incomplete_prepare", "label", "labels",
+           "name", "of_name", "of_record", "records", "remove_beyond"]
