@@ -80,7 +80,7 @@ PLAN = check_config(config)
 config["aux_layers"] = PLAN.aux_layers
 config["aux_layers_convention"] = "hidden_states"
 # `snakemake --report` of an unfinished run: said as such (Snakemake names one missing file)
-check_report_ready(sys.argv, Path("results") / PLAN.settings.extract.run_name)
+check_report_ready(sys.argv, Path("results") / PLAN.settings.extract.run_name, PLAN.n_chunks)
 
 
 report: "workflow/report/workflow.rst"

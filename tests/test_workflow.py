@@ -18,6 +18,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,29 @@ def test_report_of_an_unfinished_run_says_so(tmp_path: Path) -> None:
     assert (f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, or it has "
             f"not run yet), and the report shows the whole dataset. Finish the run first (`snakemake --cores N`: "
             f"only the missing chunks are extracted; a failed job's log is under logs/{RUN}/)") in proc.stderr
+
+
+def test_report_of_a_run_unfinished_since_its_dataset_json_says_so(tmp_path: Path, full_run: Path) -> None:
+    """A dataset.json of an earlier finish: a shard it lists gone, one written after it (a chunk being extracted
+    again), another chunk count configured. Snakemake reported the earlier dataset without a word (audit)."""
+    wd = copy_of(full_run, tmp_path)
+    manifest, shard = f"results/{RUN}/dataset.json", shard_path(wd, 2)
+    tail = (f"the report shows the whole dataset. Finish the run first (`snakemake --cores N`: only the missing "
+            f"chunks are extracted; a failed job's log is under logs/{RUN}/)")
+    shard.rename(tmp_path / "kept.hss")
+    proc = smk(wd, "--report", "report.html", check=False)
+    assert proc.returncode != 0 and not (wd / "report.html").exists()
+    assert (f"snakemake --report: {shard.relative_to(wd)}, which {manifest} lists, is missing: the run has not "
+            f"finished since (a chunk failed, or it is being extracted again), and {tail}") in proc.stderr
+    (tmp_path / "kept.hss").rename(shard)
+    os.utime(shard, (time.time() + 60, time.time() + 60))
+    proc = smk(wd, "--report", "report.html", check=False)
+    assert (f"snakemake --report: {shard.relative_to(wd)}, which {manifest} lists, was written after it: the run has "
+            f"not finished since (a chunk failed, or it is being extracted again), and {tail}") in proc.stderr
+    proc = smk(wd, "--report", "report.html", "--config", f"prompts_per_chunk={RECORDS}", check=False)
+    assert (f"snakemake --report: {manifest} lists {N_CHUNKS} chunks and the config makes 1: it describes an earlier "
+            f"run, this one has not finished, and {tail}") in proc.stderr
+    assert not (wd / "report.html").exists()
 
 
 def test_report_after_run(full_run: Path) -> None:

@@ -46,19 +46,38 @@ def earlier_configfiles(argv: Sequence[str], kept: Sequence[str | Path]) -> list
     return [Path(f).absolute() for g in groups[:-1] for f in g]
 
 
-def check_report_ready(argv: Sequence[str], run_dir: str | Path) -> None:
-    """`snakemake --report` (not --report-after-run) of a run without its dataset.json: ConfigError saying the run
-    is unfinished (Snakemake's own words, "marked for report but does not exist", name a file, not the cause)."""
+def check_report_ready(argv: Sequence[str], run_dir: str | Path, n_chunks: int | None = None) -> None:
+    """`snakemake --report` (not --report-after-run) of an unfinished run: ConfigError saying so, where the run has no
+    dataset.json (Snakemake's own words, "marked for report but does not exist", name a file, not the cause), or
+    its dataset.json is older than the run: a shard it lists missing or written after it, or another chunk count
+    than the config's `n_chunks` (a report of the earlier dataset would pass for this one)."""
+    import json
+
     from hsextract.errors import ConfigError
 
     if not any(a == "--report" or a.startswith("--report=") for a in argv):
         return
     manifest = Path(run_dir) / "dataset.json"
+    finish = (f"the report shows the whole dataset. Finish the run first (`snakemake --cores N`: only the missing "
+              f"chunks are extracted; a failed job's log is under logs/{Path(run_dir).name}/)")
     if not manifest.is_file():
-        raise ConfigError(
-            f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, or it has not "
-            f"run yet), and the report shows the whole dataset. Finish the run first (`snakemake --cores N`: only "
-            f"the missing chunks are extracted; a failed job's log is under logs/{Path(run_dir).name}/)")
+        raise ConfigError(f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, "
+                          f"or it has not run yet), and {finish}")
+    try:
+        listed = json.loads(manifest.read_text())["shards"]
+        written = manifest.stat().st_mtime
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # Snakemake's report step reads it and says what is wrong
+    if n_chunks is not None and len(listed) != n_chunks:
+        raise ConfigError(f"snakemake --report: {manifest} lists {len(listed)} chunks and the config makes {n_chunks}: "
+                          f"it describes an earlier run, this one has not finished, and {finish}")
+    for entry in listed:
+        shard = Path(run_dir) / str(entry.get("path"))
+        why = ("is missing" if not shard.is_file() else
+               "was written after it" if shard.stat().st_mtime > written else None)
+        if why:
+            raise ConfigError(f"snakemake --report: {shard}, which {manifest} lists, {why}: the run has not finished "
+                              f"since (a chunk failed, or it is being extracted again), and {finish}")
 
 
 __all__ = ["check_report_ready", "configfile_groups", "earlier_configfiles"]
