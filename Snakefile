@@ -22,6 +22,17 @@ if (_SRC / "hsextract").is_dir():
 configfile: "config/config.yaml"
 
 
+# Snakemake skips the default config file without a word where it is missing and --configfile is given (a
+# command run with -d DIR): said, with where the config's relative paths are resolved
+if workflow.is_main_process and not Path("config/config.yaml").is_file():
+    print(
+        f"hsextract: NOTE: config/config.yaml is not in the working directory {Path.cwd()}: the embedded "
+        "defaults do not apply, only the schema's and your config files' (whose relative paths are resolved "
+        "against that directory)",
+        file=sys.stderr,
+    )
+
+
 from hsextract.config.stale_lock import claim, clear_owner
 
 # A lock left by a run killed before it could release it (kill -9, a closed terminal) is removed when its
@@ -80,7 +91,9 @@ PLAN = check_config(config)
 config["aux_layers"] = PLAN.aux_layers
 config["aux_layers_convention"] = "hidden_states"
 # `snakemake --report` of an unfinished run: said as such (Snakemake names one missing file)
-check_report_ready(sys.argv, Path("results") / PLAN.settings.extract.run_name, PLAN.n_chunks)
+check_report_ready(
+    sys.argv, Path("results") / PLAN.settings.extract.run_name, PLAN.n_chunks
+)
 
 
 report: "workflow/report/workflow.rst"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -244,7 +246,8 @@ def test_unreadable_model(cfg: dict, tmp_path: Path, monkeypatch: pytest.MonkeyP
         check(cfg)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg["model"] = "no/such-model-dir"
-    with pytest.raises(ConfigError, match=r"^model: 'no/such-model-dir' is not a readable model directory"):
+    with pytest.raises(ConfigError, match=r"^model: 'no/such-model-dir' is not a readable model directory "
+                       rf"\(relative to the working directory {re.escape(os.getcwd())}\) and"):
         check(cfg)
     # a path is no hub id: said at once (a file named there went through the hub's retries first)
     (tmp_path / "conversations.jsonl").write_text("{}\n")
@@ -298,9 +301,12 @@ def test_tiny_model_depth_known_before_it_exists(cfg: dict) -> None:
 
 
 def test_missing_source(cfg: dict) -> None:
+    """A relative path is said with the folder it was looked for in (`snakemake -d DIR` resolves it there)."""
     cfg["sources"] = [{"path": "nope.jsonl", "format": "messages"}]
-    with pytest.raises(ConfigError, match=r"^sources\[0\]\.path: nope.jsonl does not exist"):
+    with pytest.raises(ConfigError) as e:
         check(cfg)
+    assert str(e.value) == (f"sources[0].path: nope.jsonl does not exist (relative to the working directory "
+                            f"{os.getcwd()})")
 
 
 def test_a_layer_output_id_beyond_depth_is_named_as_written(cfg: dict) -> None:

@@ -354,6 +354,24 @@ def test_export_job_without_a_shared_filesystem_reads_the_shards_in_place(full_r
     assert len(list(exported.glob("*.pt"))) == manifest["counts"]["samples"] > 0
 
 
+def test_a_command_run_from_another_folder_says_where_it_looked(tmp_path: Path) -> None:
+    """`snakemake -s <checkout>/Snakefile -d DIR --configfile FILE`: Snakemake skipped the missing default config
+    silently, and a relative path's error did not say it was looked for in DIR (audit)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    config = tmp_path / "test.yaml"
+    config.write_text(TEST_CONFIG)
+    proc = subprocess.run([*snakemake_cmd(), "-n", "-s", str(ROOT / "Snakefile"), "-d", str(elsewhere),
+                           "--configfile", str(config)], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0 and "Job stats" not in out, out[-3000:]
+    assert (f"hsextract: NOTE: config/config.yaml is not in the working directory {elsewhere}: the embedded defaults "
+            "do not apply, only the schema's and your config files' (whose relative paths are resolved against that "
+            "directory)") in out
+    assert f"does not exist (relative to the working directory {elsewhere})" in out, out[-3000:]
+
+
 def test_report_of_an_unfinished_run_says_so(tmp_path: Path) -> None:
     """Before the run (or after a chunk failed under keep-going) there is no dataset.json to report: said as the
     run being unfinished, not as Snakemake's "marked for report but does not exist"."""

@@ -58,13 +58,19 @@ def check_bounded(config: Any, limit: int = MAX_CONFIG_VALUES, max_depth: int = 
 DATASET_FOLDER_FILES = ("state.json", "dataset_dict.json")
 
 
+def resolved_from(path: str | os.PathLike[str]) -> str:
+    """" (relative to the working directory ...)" for a relative path, else "": said where a path is not found, for a
+    command run from another folder (`snakemake -d DIR` resolves a config's paths against DIR)."""
+    return "" if os.path.isabs(path) else f" (relative to the working directory {os.getcwd()})"
+
+
 def check_source_path(key: str, path: str | os.PathLike[str]) -> None:
     """`path` exists and is a regular file or a `save_to_disk` folder (symlinks followed); else ConfigError
     naming `key`."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise ConfigError(f"{key}: {path} does not exist") from None
+        raise ConfigError(f"{key}: {path} does not exist{resolved_from(path)}") from None
     except OSError as e:
         raise ConfigError(f"{key}: {path} cannot be read ({e.strerror})") from None
     if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hsextract.config.guard import resolved_from
 from hsextract.errors import ConfigError
 
 # Multimodal checkpoints (Kimi-K2.5) nest the language model's settings under one of these keys.
@@ -62,7 +63,7 @@ def _read_hub(model: str) -> Any:
     except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
         first = str(e).splitlines()[0] if str(e) else ""
         raise ModelInfoError(
-            f"model: {model!r} is not a readable model directory and its config could not be "
+            f"model: {model!r} is not a readable model directory{resolved_from(model)} and its config could not be "
             f"loaded as a hub id ({type(e).__name__}: {first}); set `model` to a local Hugging Face model directory"
         ) from None
 

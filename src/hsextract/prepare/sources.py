@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from hsextract.config.guard import resolved_from
 from hsextract.config.settings import Source, source_stem
 from hsextract.errors import ConfigError
 
@@ -81,7 +82,7 @@ def parse_sources(sources: Sequence[SourceEntry]) -> list[Source]:
                               f"weight, max_records, name, split")
         path = Path(s["path"])
         if not path.exists():
-            raise ConfigError(f"config key `{key}.path`: {path} does not exist (local paths only)")
+            raise ConfigError(f"config key `{key}.path`: {path} does not exist{resolved_from(path)} (local paths only)")
         fmt = s.get("format", "auto") or "auto"
         if fmt not in FORMATS:
             raise ConfigError(f"config key `{key}.format` is {fmt!r}; allowed: {', '.join(FORMATS)}")
