@@ -935,7 +935,13 @@ def test_another_runs_tiny_model_is_not_rebuilt_under_it(tmp_path: Path, full_ru
             "whole at their next command.") in " ".join(out.split())
     for flag in ("--touch", "--delete-all-output"):  # they mark or remove the model: refused too
         assert smk(wd, flag, "--config", "seed=1", check=False).returncode != 0, flag
-    assert (wd / "resources/tiny-model/config.json").is_file()
+    # deleting every output of this run deletes the model the other run names, whatever its settings (audit)
+    proc = smk(wd, "--delete-all-output", check=False)
+    assert proc.returncode != 0
+    assert ("snakemake --delete-all-output: would delete resources/tiny-model, which run(s) other also name "
+            "(results/<run>/dataset.json): those runs would then rerun whole at their next command. Delete this run's "
+            f"outputs alone (`rm -r results/{RUN}`), or the other runs' results first") in " ".join(proc.stderr.split())
+    assert (wd / "resources/tiny-model/config.json").is_file() and shard_path(wd, 0).is_file()
     assert smk(wd, "--unlock", "--config", "seed=1").returncode == 0
     assert "Nothing to be done" in smk(wd, "-n").stdout
 

@@ -24,10 +24,13 @@ if workflow.is_main_process and (
 # marks outputs (not --unlock, --lint, --report): refused here, before the DAG. Raised from make_tiny_model's
 # input function, the error was taken by Snakemake as "no job makes the model", and the run went on without the
 # extract jobs that read it.
+_DELETES = any(a.partition("=")[0] == "--delete-all-output" for a in sys.argv)
 if workflow.is_main_process and changes_outputs(sys.argv):
-    check_tiny_model_unshared(SETTINGS)
+    check_tiny_model_unshared(SETTINGS, deletes=_DELETES)
     # a damaged prompts file is newer than its shard: refused here, before Snakemake deletes the good shard to rerun
-    if _damaged := chunks.damaged_prompts(f"results/{RUN}", N_CHUNKS, SHARD_SUFFIX):
+    if not _DELETES and (
+        _damaged := chunks.damaged_prompts(f"results/{RUN}", N_CHUNKS, SHARD_SUFFIX)
+    ):
         raise WorkflowError(_damaged)
 MODEL = SETTINGS.extract.model
 # prepare's param: one spelling (`models/t/` is `models/t`), as its settings params

@@ -89,12 +89,12 @@ def check_stop_ids(s: Settings, shape: ModelShape) -> None:
                           "found)")
 
 
-def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> None:
+def check_tiny_model_unshared(s: Settings, results: str | Path = "results", *, deletes: bool = False) -> None:
     """ConfigError where this run would rebuild the tiny model at `model` with other settings (seed, tokenizer,
-    corpus) while another run's dataset.json names that folder: that run would rerun whole at its next command, and
-    its dataset.json would name a model that made none of its shards. Run as the Snakefile is read, by a command
-    that runs or plans jobs or marks or deletes outputs (workflow/rules/common.smk; in the job it is too late:
-    Snakemake removes the folder first)."""
+    corpus), or delete it (`deletes`: `snakemake --delete-all-output`), while another run's dataset.json names that
+    folder: that run would rerun whole at its next command, and its dataset.json would name a model that made none
+    of its shards. Run as the Snakefile is read, by a command that runs or plans jobs or marks or deletes outputs
+    (workflow/rules/common.smk; in the job it is too late: Snakemake removes the folder first)."""
     if not s.make_tiny_model:
         return
     model = Path(s.extract.model)
@@ -109,7 +109,7 @@ def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> N
                           Path(b).resolve() == Path(v).resolve())
 
     differ = {k: (built.get(k), v) for k, v in wanted.items() if not same(k, built.get(k), v)}
-    if not differ:
+    if not differ and not deletes:
         return
     others = []
     for manifest in sorted(Path(results).glob("*/dataset.json")):
@@ -120,7 +120,12 @@ def check_tiny_model_unshared(s: Settings, results: str | Path = "results") -> N
         if manifest.parent.name != s.extract.run_name and isinstance(named, str) and \
                 Path(named).resolve() == model.resolve():
             others.append(manifest.parent.name)
-    if others:
+    if others and deletes:
+        raise ConfigError(
+            f"snakemake --delete-all-output: would delete {s.extract.model}, which run(s) {', '.join(others)} also "
+            f"name (results/<run>/dataset.json): those runs would then rerun whole at their next command. Delete "
+            f"this run's outputs alone (`rm -r results/{s.extract.run_name}`), or the other runs' results first")
+    if others and differ:
         was = ", ".join(f"{k} {b!r}" for k, (b, _) in differ.items())
         now = ", ".join(f"{k} {v!r}" for k, (_, v) in differ.items())
         raise ConfigError(
