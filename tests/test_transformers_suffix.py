@@ -276,8 +276,10 @@ def test_a_rope_set_by_the_forwards_length_gives_each_sample_its_own_forwards_va
     ids = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (150, 20, 100, 80, 30, 40)]
     ids.append(ids[5] + ids[0][:10])  # within the limit: on 5's cache
     ids.append(ids[6] + ids[0][:40])  # over it: in full
+    ids.append(ids[0][:30] + ids[1])  # within it, on a parent over it (keys at the long frequencies): in full
     prompts = [Prompt(i, f"s{i}", x) for i, x in enumerate(ids[:6])] + [
-        Prompt(6, "s6", ids[6], parent=5, prefix_len=40), Prompt(7, "s7", ids[7], parent=6, prefix_len=50)]
+        Prompt(6, "s6", ids[6], parent=5, prefix_len=40), Prompt(7, "s7", ids[7], parent=6, prefix_len=50),
+        Prompt(8, "s8", ids[8], parent=0, prefix_len=30)]
     want = []
     for x in ids:  # a fresh model each: no forward before it
         model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -290,6 +292,34 @@ def test_a_rope_set_by_the_forwards_length_gives_each_sample_its_own_forwards_va
     assert capsys.readouterr().out == (
         f"NOTE: {tmp_path}: its rope_type {rope['rope_type']!r} sets the rotary frequencies from a forward's length: "
         "samples over 64 tokens run alone and in one forward, without a parent's cache\n")
-    assert [c.start for c in got] == [0, 0, 0, 0, 0, 0, 40, 0]
+    assert [c.start for c in got] == [0, 0, 0, 0, 0, 0, 40, 0, 0]
     for c, w in zip(got, want, strict=True):
         assert max(rel(t, r[c.start:]) for t, r in zip(c.hidden_states, w, strict=True)) < 1e-5, c.sample_id
+
+
+def test_a_rope_set_by_length_per_layer_type_is_restored_for_each_type(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3 keeps one set of frequencies per layer type (`full_attention_inv_freq`, ...): dynamic rope on its
+    full-attention layers alone, each set back to the loaded one before each forward (the engine read a single
+    `inv_freq` and failed to load such a model: review)."""
+    from conftest import tiny_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    from hsextract.engines import transformers_engine
+
+    tiny_checkpoint("gemma3_text", tmp_path, num_hidden_layers=4, sliding_window=16, max_position_embeddings=64,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    g = torch.Generator().manual_seed(6)
+    ids = [torch.randint(5, 300, (n,), generator=g).tolist() for n in (150, 20, 100, 80, 30)]
+    want = []
+    for x in ids:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want.append(model.model(torch.tensor([x]), output_hidden_states=True, use_cache=False).last_hidden_state[0])
+    monkeypatch.setattr(transformers_engine, "ONE_FORWARD_TOKENS", 32)
+    with TransformersEngine(tmp_path, CaptureSpec((1,), "post_norm"), dtype="float32", token_budget=400) as eng:
+        got = list(eng.extract([Prompt(i, f"s{i}", x) for i, x in enumerate(ids)]))
+    assert eng.rope_limit == 64
+    assert [rel(c.hidden_states[-1], w) < 1e-5 for c, w in zip(got, want, strict=True)] == [True] * 5

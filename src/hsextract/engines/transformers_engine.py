@@ -61,6 +61,9 @@ CACHE_BUDGET_BYTES = 1 << 30
 # A prompt up to this many tokens runs in one forward whatever token_budget says: the numerics every default run
 # (max_seq_len 4096) was checked with; a split rounds attention differently in bf16.
 ONE_FORWARD_TOKENS = 4096
+# what transformers' dynamic rope update rewrites on a rotary module (each with a layer type's prefix where rope is
+# per type): its frequencies, the length they were made for, the attention scaling
+_ROPE_STATE = ("inv_freq", "max_seq_len_cached", "attention_scaling")
 
 
 def resolve_device(device: str) -> str:
@@ -195,12 +198,14 @@ class TransformersEngine(Engine):
         # parent cache change its frequencies), and dynamic NTK's frequencies go back to the loaded ones before each
         # forward (transformers keeps a longer forward's until a forward within the limit): each sample as if alone
         self.rope_limit: int | None = None
-        self._rope_state: list[tuple[torch.nn.Module, torch.Tensor, Any, Any]] = []
+        self._rope_state: list[tuple[torch.nn.Module, dict[str, Any]]] = []
         if (rope := rope_by_length(text_config)) is not None:
             kind, self.rope_limit = rope
-            self._rope_state = [(m, m.inv_freq.clone(), m.max_seq_len_cached, getattr(m, "attention_scaling", None))
-                                for m in self.model.modules() if "dynamic" in str(getattr(m, "rope_type", ""))
-                                and hasattr(m, "max_seq_len_cached")]
+            # every frequency buffer and length the update rewrites (one set per layer type where rope is per type)
+            self._rope_state = [(m, {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in
+                                     [*m._buffers.items(), *vars(m).items()]
+                                     if k.endswith(_ROPE_STATE)})
+                                for m in self.model.modules() if "dynamic" in str(getattr(m, "rope_type", ""))]
             print(f"NOTE: {self.model_path}: its rope_type {kind!r} sets the rotary frequencies from a forward's "
                   f"length: samples over {self.rope_limit} tokens run alone and in one forward, without a parent's "
                   "cache", flush=True)
@@ -306,9 +311,11 @@ class TransformersEngine(Engine):
         return results
 
     def _loaded_rope(self) -> None:
-        for m, inv_freq, cached, scaling in self._rope_state:
-            m.inv_freq = inv_freq.to(m.inv_freq.device)
-            m.max_seq_len_cached, m.attention_scaling = cached, scaling
+        for m, state in self._rope_state:
+            for k in [k for k in vars(m) if k.endswith(_ROPE_STATE) and k not in state]:
+                delattr(m, k)  # set by a forward since (a layer type's own cached length)
+            for k, v in state.items():
+                setattr(m, k, v.to(self.device) if isinstance(v, torch.Tensor) else v)
 
     def _layers(self, out: Any) -> list[torch.Tensor]:
         """The captured tensors of a forward's output, [batch, tokens, hidden] each, in the spec's order."""
@@ -415,7 +422,8 @@ class TransformersEngine(Engine):
                     cache = self._prefix_cache(caches[p.parent][0], p.prefix_len)
                     if not children[p.parent]:  # its last child: the parent's cache goes
                         del caches[p.parent]
-            captured, kept = self._forward_one(p, cache, keep=bool(children.get(p.index)) and not self.no_reuse)
+            keep = bool(children.get(p.index)) and not self.no_reuse and not self._alone(len(p.input_ids))
+            captured, kept = self._forward_one(p, cache, keep=keep)
             del cache
             if kept is not None and (why := self._uncuttable(kept)):
                 self.no_reuse, kept = why, None
