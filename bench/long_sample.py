@@ -1,5 +1,6 @@
-"""One long sample through the transformers engine on the CPU: in pieces (the engine's way past ONE_FORWARD_TOKENS)
-against one forward (the baseline: what the engine did before), side by side, each in a process of its own.
+"""One long sample through the transformers engine (the CPU, or --device cuda): in pieces (the engine's way past
+ONE_FORWARD_TOKENS) against one forward (the baseline: what the engine did before), side by side, each in a process
+of its own.
 
     PYTHONPATH=src python bench/long_sample.py [--tokens 16384] [--token-budget 1024] [--dir DIR] [--device cuda]
 

@@ -74,7 +74,7 @@ def one(path: str, shard: Path, seq: int, samples: int, consume_s: float) -> dic
                 time.sleep(consume_s)
 
     if path.startswith("write"):
-        threads = int(path.removeprefix("write-t") or 1) if path != "write" else 1
+        threads = int(path.partition("-t")[2] or 1)
         meta = placeholder_metadata(H, [2, 30, 58], final_state="pre_norm", vocab_size=163840)
         before, t0 = rss(), time.time()
         with ShardWriter(shard, meta, threads=threads) as w:

@@ -199,15 +199,14 @@ def test_fewer_chunks_than_before_removes_the_earlier_chunks_files(tmp_path: Pat
     assert manifest(run, 1)["counts"]["samples"] == 2
 
 
-@pytest.mark.parametrize(("key", "config", "shard_value", "config_key", "config_value"), [
-    ("final_state", {"final_state": "post_norm"}, "pre_norm", "final_state", "post_norm"),
-    ("precision", {"shard": {"precision": "fp8_e4m3"}}, "bf16", "shard.precision", "fp8_e4m3"),
-    ("dtype", {"transformers": {"dtype": "float32"}}, "bfloat16", "transformers.dtype", "float32"),
-    ("engine", {"engine": "sglang"}, "transformers", "engine", "sglang"),
+@pytest.mark.parametrize(("key", "config", "shard_value", "said"), [
+    ("final_state", {"final_state": "post_norm"}, "pre_norm", "final_state: 'post_norm'"),
+    ("precision", {"shard": {"precision": "fp8_e4m3"}}, "bf16", "shard.precision: 'fp8_e4m3'"),
+    ("dtype", {"transformers": {"dtype": "float32"}}, "bfloat16", "transformers.dtype: 'float32'"),
+    ("engine", {"engine": "sglang"}, "transformers", "engine: 'sglang'"),
 ])
 def test_a_shard_the_config_did_not_make_is_refused_naming_the_key(tmp_path: Path, key: str, config: dict,
-                                                                   shard_value: str, config_key: str,
-                                                                   config_value: str) -> None:
+                                                                   shard_value: str, said: str) -> None:
     """`snakemake --touch` after a config change marks the old shards up to date; dataset.json records the config's
     values, so the manifest held them against the shards' and wrote the config's over data that is not (audit:
     final_state post_norm recorded over pre-norm shards)."""
@@ -224,6 +223,6 @@ def test_a_shard_the_config_did_not_make_is_refused_naming_the_key(tmp_path: Pat
             out_path=run / "dataset.json")
     assert str(e.value) == (
         f"{run / 'shards' / 'chunk-00000.hss'}: was written with {key} {shard_value!r}, but this run's config says "
-        f"{config_key}: {config_value!r}; a shard of another configuration (marked up to date by `snakemake "
-        "--touch`?). Delete it and rerun its chunk.")
+        f"{said}; a shard of another configuration (marked up to date by `snakemake --touch`?). Delete it and rerun "
+        "its chunk.")
     assert not (run / "dataset.json").exists()

@@ -382,6 +382,10 @@ def test_report_of_an_unfinished_run_says_so(tmp_path: Path) -> None:
     assert (f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, or it has "
             f"not run yet), and the report shows the whole dataset. Finish the run first (`snakemake --cores N`: "
             f"only the missing chunks are extracted; a failed job's log is under logs/{RUN}/)") in proc.stderr
+    # with --report-after-run (which takes --report too) the run comes first: planned, not refused (review)
+    # (a dry run, whose report Snakemake then cannot make: its own failure, after the plan)
+    planned = smk(wd, "-n", "--report", "report.html", "--report-after-run", check=False)
+    assert "Job stats" in planned.stdout and "snakemake --report:" not in planned.stderr
 
 
 def test_report_of_a_run_unfinished_since_its_dataset_json_says_so(tmp_path: Path, full_run: Path) -> None:

@@ -47,16 +47,16 @@ def earlier_configfiles(argv: Sequence[str], kept: Sequence[str | Path]) -> list
 
 
 def check_report_ready(argv: Sequence[str], run_dir: str | Path, n_chunks: int | None = None) -> None:
-    """`snakemake --report` (not --report-after-run) of an unfinished run: ConfigError saying so, where the run has no
-    dataset.json (Snakemake's own words, "marked for report but does not exist", name a file, not the cause), or
+    """`snakemake --report` (not with --report-after-run) of an unfinished run: ConfigError saying so, where the run
+    has no dataset.json (Snakemake's own words, "marked for report but does not exist", name a file, not the cause), or
     its dataset.json is older than the run: a shard it lists missing or written after it, or another chunk count
     than the config's `n_chunks` (a report of the earlier dataset would pass for this one)."""
     import json
 
     from hsextract.errors import ConfigError
 
-    if not any(a == "--report" or a.startswith("--report=") for a in argv):
-        return
+    if not any(a == "--report" or a.startswith("--report=") for a in argv) or "--report-after-run" in argv:
+        return  # --report-after-run (which takes --report too): the run makes its dataset.json first
     manifest = Path(run_dir) / "dataset.json"
     finish = (f"the report shows the whole dataset. Finish the run first (`snakemake --cores N`: only the missing "
               f"chunks are extracted; a failed job's log is under logs/{Path(run_dir).name}/)")
@@ -66,13 +66,13 @@ def check_report_ready(argv: Sequence[str], run_dir: str | Path, n_chunks: int |
     try:
         listed = json.loads(manifest.read_text())["shards"]
         written = manifest.stat().st_mtime
+        paths = [Path(run_dir) / str(entry["path"]) for entry in listed]
     except (OSError, ValueError, KeyError, TypeError):
         return  # Snakemake's report step reads it and says what is wrong
     if n_chunks is not None and len(listed) != n_chunks:
         raise ConfigError(f"snakemake --report: {manifest} lists {len(listed)} chunks and the config makes {n_chunks}: "
                           f"it describes an earlier run, this one has not finished, and {finish}")
-    for entry in listed:
-        shard = Path(run_dir) / str(entry.get("path"))
+    for shard in paths:
         why = ("is missing" if not shard.is_file() else
                "was written after it" if shard.stat().st_mtime > written else None)
         if why:

@@ -40,13 +40,17 @@ SHARED_KEYS = ("model", "model_hash", "tokenizer_hash", "chat_template_hash", "e
                "final_state", "hidden_size", "dtype", "precision")
 
 
-def config_values(settings: Settings) -> dict[str, tuple[str, Any]]:
-    """Shard metadata the run's config decides (metadata key -> (config key, the config's value)): dataset.json
-    records the config's, so a shard must hold them too (one marked up to date by `snakemake --touch` may not)."""
+def config_values(settings: Settings) -> dict[str, tuple[Any, str]]:
+    """Shard metadata the run's config decides (metadata key -> (the config's value, the config's words for it)):
+    dataset.json records the config's, so a shard must hold them too (one marked up to date by `snakemake --touch`
+    may not)."""
     x = settings.extract
-    return {"engine": ("engine", x.engine), "final_state": ("final_state", x.final_state),
-            "dtype": ("transformers.dtype" if x.engine == "transformers" else "engine", x.activation_dtype),
-            "precision": ("shard.precision", x.shard.precision)}
+    dtype = (f"transformers.dtype: {x.activation_dtype!r}" if x.engine == "transformers" else
+             f"engine: {x.engine!r} (which serves {x.activation_dtype})")
+    return {"engine": (x.engine, f"engine: {x.engine!r}"),
+            "final_state": (x.final_state, f"final_state: {x.final_state!r}"),
+            "dtype": (x.activation_dtype, dtype),
+            "precision": (x.shard.precision, f"shard.precision: {x.shard.precision!r}")}
 
 
 # The run folder's per-chunk files (results/<run>/<folder>/chunk-NNNNN<suffix>): what remove_stale_chunks may delete.
@@ -164,12 +168,12 @@ def build_manifest(
                 f"{shard}: holds {layers.describe(layers.shard_hidden_states(meta))}, but this run stores "
                 f"{layers.describe(settings.extract.aux_layers)}; a shard of another run or hsextract release. "
                 f"Delete it and rerun its chunk.")
-        for key, (config_key, want) in config_values(settings).items():
+        for key, (want, said) in config_values(settings).items():
             if meta.get(key) != want:
                 raise ValidationFailure(
-                    f"{shard}: was written with {key} {meta.get(key)!r}, but this run's config says {config_key}: "
-                    f"{want!r}; a shard of another configuration (marked up to date by `snakemake --touch`?). "
-                    f"Delete it and rerun its chunk.")
+                    f"{shard}: was written with {key} {meta.get(key)!r}, but this run's config says {said}; a shard "
+                    f"of another configuration (marked up to date by `snakemake --touch`?). Delete it and rerun its "
+                    f"chunk.")
         if first_meta is None:
             first_meta = meta
         for key in SHARED_KEYS:

@@ -45,6 +45,8 @@ REQUIRED_METADATA = (
 PRECISIONS = ("bf16", "fp8_e4m3")
 # Samples encoding ahead of the file hold their tensors: at most this many bytes of them together, the newest always
 # (a long sample of a large model is GBs: Kimi-K2.5's 128k tokens, 7.5 GB; threads + 1 of those would be over 100 GB).
+# It bounds the tensors waiting, not the process: their compressed frames, each thread's byte planes and the record
+# on its way to the disk come on top (bench/README.md, "memory at Kimi width").
 ENCODE_AHEAD_BYTES = 8 << 30
 
 
@@ -128,7 +130,7 @@ class ShardWriter:
 
     Use as a context manager: an exception inside the block removes the temporary file and no
     shard is left. With threads=1 add() encodes and writes each record; with threads=N up to N+1
-    samples are encoded in parallel ahead of the file, so memory stays at about N+2 samples.
+    samples are encoded in parallel ahead of the file (their tensors within ENCODE_AHEAD_BYTES together).
 
     The file is written by a writer thread, up to `write_ahead_mb` MB behind add(): a disk that stalls
     now and then (a journal commit) then does not stop the caller, which on the SGLang path would stop
@@ -172,7 +174,7 @@ class ShardWriter:
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="hsx-enc") if threads > 1 else None
         self._pending: deque[tuple[int, Future[tuple[list[bytes], int]], int]] = deque()  # sample, encoding, bytes
-        self._depth = threads + 1  # samples encoding ahead of the file: memory ~ (threads + 2) samples, or the bytes
+        self._depth = threads + 1  # samples encoding ahead of the file, or fewer: ENCODE_AHEAD_BYTES
         self._sync_every = sync_every_mb << 20
         self._unsynced = 0
         self._ahead = max(1, write_ahead_mb) << 20
