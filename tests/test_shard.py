@@ -645,6 +645,30 @@ def test_fp8_dequantize_table_equals_torch_conversion_for_every_bit_pattern():
         assert got.dtype == dtype and torch.equal(bits(got), bits(want))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_a_nan_or_inf_stays_where_it_was_and_its_row_keeps_its_scale(dtype):
+    """One inf made its row's scale inf, every value of the row NaN (validation: 256 non-finite, first at column 0);
+    one NaN put its row on scale 1, clamping 1000 to 448; a float32 row below 448 x 2^-149 got scale 0 and its
+    zeros NaN (fp8 audit). Now: the one value non-finite, the rest within fp8's half step of the row's finite max."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(5, 256, generator=g) * 100).to(dtype)
+    x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), float("-inf")
+    x[1, 9] = 1000.0
+    if dtype == torch.float32:
+        x[4] = torch.tensor([1.4e-43, -7e-44, 0.0, 1.4e-45] * 64)
+    q, scale = quantize_fp8(x)
+    y = dequantize_fp8(q, scale, dtype)
+    bad = (~torch.isfinite(y)).nonzero().tolist()
+    assert bad == [[1, 3], [2, 5], [3, 7]]
+    ok = torch.isfinite(x)
+    finite_max = x.float().abs().where(ok, 0).amax(dim=-1, keepdim=True)
+    err = ((y.float() - x.float()).abs() / finite_max).where(ok, 0)
+    assert err[:4].max() <= 1 / 28 + 2e-3  # fp8's half step (1/28 of the max) and the output's rounding
+    assert y[1, 9].item() == pytest.approx(1000.0, rel=1 / 14)
+    if dtype == torch.float32:
+        assert y[4].abs().max().item() <= 1.5e-43  # within the row's own values: no NaN, no blow-up
+
+
 def test_fp8_quantize_leaves_a_float32_input_unchanged():
     x = torch.randn(5, 16) * 100
     kept = x.clone()

@@ -128,12 +128,24 @@ _FP8_AS_F32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).flo
 
 
 def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (row) scaled float8_e4m3fn: x ≈ q * scale[:, None]. All-zero rows get scale 1."""
+    """Per-token (row) scaled float8_e4m3fn: x ≈ q * scale[:, None]. All-zero rows get scale 1. A row's scale is
+    its finite values' (a NaN or inf there left the rest of the row on another scale, or NaN); a NaN or inf is
+    stored as NaN (e4m3fn has no inf: validation still counts it where it was); no scale is below float32's
+    smallest normal (a smaller one rounded to 0, and 0/0 gave NaN)."""
     xf = x.to(torch.float32, copy=True)  # divided in place below (fresh tensors of this size fault in slowly)
-    amax = xf.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = xf.div_(scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.to(torch.float32)
+    a = xf.abs()
+    amax = a.amax(dim=-1)
+    odd = not bool(torch.isfinite(amax).all())
+    if odd:
+        amax = a.nan_to_num_(nan=0.0, posinf=0.0).amax(dim=-1)
+    del a
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0).clamp_min_(torch.finfo(torch.float32).tiny)
+    xf.div_(scale[:, None])
+    bad = ~torch.isfinite(xf) if odd else None
+    xf.clamp_(-FP8_MAX, FP8_MAX)
+    if bad is not None:
+        xf.masked_fill_(bad, float("nan"))
+    return xf.to(torch.float8_e4m3fn), scale.to(torch.float32)
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
