@@ -394,6 +394,10 @@ SCHEMA_CASES = {
     "--config list": ("aux_layers", ["1", "4", "6"], "aux_layers[0]: '1' is not of type 'integer'; a list given with "
                       "--config reaches the workflow as text (Snakemake reads its items as strings): put the list in "
                       "a --configfile"),
+    # `--config 'stats={seq_len_bins: 20}'`: a mapping's values too
+    "--config mapping": ("stats.seq_len_bins", "20", "stats.seq_len_bins: '20' is not of type 'integer'; a mapping "
+                         "given with --config reaches the workflow as text (Snakemake reads its items as strings): put "
+                         "the mapping in a --configfile"),
     "enum": ("engine", "vllm", "engine: 'vllm' is not one of ['transformers', 'sglang']"),
     "minimum": ("prompts_per_chunk", 0, "prompts_per_chunk: 0 is less than the minimum of 1"),
     "maximum": ("shard.compression_level", 23, "shard.compression_level: 23 is greater than the maximum of 22"),

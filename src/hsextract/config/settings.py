@@ -331,6 +331,18 @@ RETIRED_KEYS: dict[str, str] = {
 }
 
 
+def _numeric_or_literal(text: str) -> bool:
+    """Whether a string reads as a YAML number, boolean or null: what --config leaves a nested value as."""
+    t = text.strip()
+    if t.lower() in ("true", "false", "null"):
+        return True
+    try:
+        float(t)
+    except ValueError:
+        return False
+    return True
+
+
 def _message(where: str, error: Any) -> str:
     """One line per violation; an unknown key names the allowed key it most likely misspells."""
     if error.validator != "additionalProperties" or not isinstance(error.instance, Mapping):
@@ -339,10 +351,11 @@ def _message(where: str, error: Any) -> str:
             message = message.replace(quoted, "the value (not shown: it could hold a key)")
         elif isinstance(error.instance, str) and len(quoted) > 80:  # a 5,000-character run_name: its length
             message = message.replace(quoted, f"{quoted[:40]}... ({len(error.instance)} characters)")
-        if error.validator == "type" and where.endswith("]") and isinstance(error.instance, str) \
-                and error.instance.strip().lstrip("-").isdigit():
-            message += ("; a list given with --config reaches the workflow as text (Snakemake reads its items as "
-                        "strings): put the list in a --configfile")
+        if error.validator == "type" and ("." in where or where.endswith("]")) and isinstance(error.instance, str) \
+                and _numeric_or_literal(error.instance):
+            what = "list" if where.endswith("]") else "mapping"
+            message += (f"; a {what} given with --config reaches the workflow as text (Snakemake reads its items as "
+                        f"strings): put the {what} in a --configfile")
         return f"{where or 'config'}: {message}"
     allowed = list(error.schema.get("properties", {}))
     unknown = [str(k) for k in error.instance if k not in allowed]
