@@ -14,7 +14,7 @@ import pytest
 from conftest import make_sample, shard_metadata
 
 from hsextract import open_dataset
-from hsextract.config.settings import from_config
+from hsextract.config.settings import Settings, from_config
 from hsextract.errors import ValidationFailure
 from hsextract.prepare.run import SCHEMA
 from hsextract.prepare.vocab import save_token_freq
@@ -59,11 +59,11 @@ def make_run(root: Path, n_chunks: int, *, recorded: tuple[int, ...] | None = No
     return run
 
 
-def manifest(run: Path, n_chunks: int) -> dict:
+def manifest(run: Path, n_chunks: int, settings: Settings = SETTINGS) -> dict:
     """build_manifest as the workflow's manifest rule calls it."""
     names = [f"chunk-{c:05d}" for c in range(n_chunks)]
     return build_manifest(
-        SETTINGS, shards=[run / "shards" / f"{n}.hss" for n in names],
+        settings, shards=[run / "shards" / f"{n}.hss" for n in names],
         validation=[run / "validation" / f"{n}.json" for n in names],
         chunk_stats=[run / "stats" / f"{n}.json" for n in names],
         prompts=[run / "prompts" / f"{n}.parquet" for n in names],
@@ -211,16 +211,8 @@ def test_a_shard_the_config_did_not_make_is_refused_naming_the_key(tmp_path: Pat
     values, so the manifest held them against the shards' and wrote the config's over data that is not (audit:
     final_state post_norm recorded over pre-norm shards)."""
     run = make_run(tmp_path, 2)
-    settings = from_config({**SETTINGS.config, **config})
-    names = [f"chunk-{c:05d}" for c in range(2)]
     with pytest.raises(ValidationFailure) as e:
-        build_manifest(
-            settings, shards=[run / "shards" / f"{n}.hss" for n in names],
-            validation=[run / "validation" / f"{n}.json" for n in names],
-            chunk_stats=[run / "stats" / f"{n}.json" for n in names],
-            prompts=[run / "prompts" / f"{n}.parquet" for n in names],
-            prepare_summary=run / "prompts" / "summary.json", token_freq=run / "token_freq.pt",
-            out_path=run / "dataset.json")
+        manifest(run, 2, from_config({**SETTINGS.config, **config}))
     assert str(e.value) == (
         f"{run / 'shards' / 'chunk-00000.hss'}: was written with {key} {shard_value!r}, but this run's config says "
         f"{said}; a shard of another configuration (marked up to date by `snakemake --touch`?). Delete it and rerun "
