@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -706,7 +707,8 @@ def test_a_workflow_job_starts_the_server_with_a_key_and_sends_it(tmp_path: Path
     eng = sc.engine_from_config(settings, CaptureSpec(settings.aux_layers, settings.final_state), 0, tmp_path)
     try:
         key = eng.api._auth["Authorization"].removeprefix("Bearer ")
-        assert key == keyfile.read_key(tmp_path / "results/door-wf/server/private/replica-0.yaml")
+        assert key == keyfile.read_key(tmp_path / "results/door-wf/server/hosts" / socket.gethostname()
+                                       / "private/replica-0.yaml")
         assert request(eng.url, "POST", "/generate", None) == 401
         assert eng.health() is None
     finally:
@@ -747,7 +749,7 @@ def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     info = sc.build_patched(settings, out, repo=ROOT, python=sys.executable, install=False)
     assert KEY.encode() not in out.read_bytes()
     for r, cmd in enumerate(info["launch"]):
-        assert cmd[cmd.index("--config") + 1] == str(keyfile.key_path(tmp_path / "results/door/server", r))
+        assert cmd[cmd.index("--config") + 1] == str(keyfile.key_path(tmp_path / "results/door/server/hosts/<host>", r))
         assert "--api-key" not in cmd and cmd[cmd.index("--host") + 1] == "10.0.0.7"
 
 

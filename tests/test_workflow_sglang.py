@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import socket
 from pathlib import Path
 from typing import NamedTuple
 
@@ -244,10 +245,11 @@ def test_a_workflow_started_server_requires_its_key_and_no_file_holds_it(tmp_pat
     sg = wd / "config/sg.yaml"
     if "aux_layers_convention" not in sg.read_text():  # the ids are hidden_states ids, as the fake's marker says
         sg.write_text(sg.read_text() + "capture: custom\naux_layers_convention: hidden_states\n")
-    state = wd / "results/sg-test/server"
+    # this host's servers' state (one folder per host: hsextract.sglang.config.state_dir)
+    state = wd / "results/sg-test/server/hosts" / socket.gethostname()
     # the server's environment needs no build here: patched.json as rule build_patched_server writes it
     state.mkdir(parents=True)
-    (state / "patched.json").write_text(json.dumps({"python": str(wrapper)}))
+    (state.parent.parent / "patched.json").write_text(json.dumps({"python": str(wrapper)}))
     # the key itself in a config file (whose text the report would show): refused before any job, unprinted
     (tmp_path / "inline.yaml").write_text(f"sglang: {{api_key: '{key}'}}\n")
     out = smk(wd, "-n", check=False, configfiles=("config/sg.yaml", str(tmp_path / "inline.yaml")))
@@ -313,9 +315,9 @@ def test_two_local_replicas_run_two_extract_jobs_at_once(tmp_path: Path) -> None
     wd = sg_workdir(tmp_path, f"sglang: {{python: '{wrapper}', port: {port}, replicas: 2, concurrency: 4, "
                               "timeout_s: 30, retries: 1, startup_timeout_s: 120}\nextract: {threads: 1}\n",
                     records=12, per_chunk=3)
-    state = wd / "results/sg-test/server"
+    state = wd / "results/sg-test/server/hosts" / socket.gethostname()  # this host's servers
     state.mkdir(parents=True)
-    (state / "patched.json").write_text(json.dumps({"python": str(wrapper)}))  # as build_patched_server writes it
+    (state.parent.parent / "patched.json").write_text(json.dumps({"python": str(wrapper)}))  # as the build writes it
     dry = smk(wd, "-n", "--resources", "gpu=2", configfiles=("config/sg.yaml",))
     jobs = dry.stdout.split("rule extract:")[1:]
     assert len(jobs) == 4 and all(re.search(r"resources: .*\bgpu=1\b", j) for j in jobs)

@@ -219,7 +219,7 @@ e_steps() {
   rc=$?
   set -e
   local secs=$((SECONDS - t))
-  local srv; srv=$(ls "$EWD"/results/tiny-default/server/replica-*.log 2>/dev/null | head -n 1 || true)
+  local srv; srv=$(ls "$EWD"/results/tiny-default/server/hosts/*/replica-*.log 2>/dev/null | head -n 1 || true)
   [ -n "$srv" ] && tail -c 150000 "$srv" >"$OUT/server-e1.log"
   local crash=no
   grep -qs "illegal memory access" "$OUT/logs/e1.log" "$OUT/server-e1.log" && crash=yes
@@ -238,10 +238,10 @@ finish() {
   # e's Snakemake (its own session) and the e steps, if the budget ran out before them
   [ -f /tmp/prod-e.pid ] && kill -TERM -- "-$(cat /tmp/prod-e.pid)" 2>/dev/null || true
   [ -n "$E_PID" ] && kill "$E_PID" 2>/dev/null || true
-  for d in "$RUN/server" "$EWD/results/tiny-default/server"; do
+  for d in "$RUN/server/hosts/$(hostname)" "$EWD/results/tiny-default/server/hosts/$(hostname)"; do
     [ -d "$d" ] && { "$PY" -m hsextract.sglang.server stop "$d" >/dev/null 2>&1 || true; }
   done
-  for f in "$RUN"/server/replica-*.log; do  # one log per replica: server-production[-replica-N].log
+  for f in "$RUN"/server/hosts/*/replica-*.log; do  # one log per replica: server-production[-replica-N].log
     [ -f "$f" ] || continue
     r=$(basename "$f" .log); r=${r#replica-}
     tail -c 150000 "$f" >"$OUT/server-production$([ "$r" = 0 ] || echo "-replica-$r").log"
@@ -364,12 +364,12 @@ PYEOF
     if [ "$SERVER_ALIVE" != none ]; then
       t=$SECONDS
       set +e
-      SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server" --out "$OUT/secrets.json" "$RUN" logs \
+      SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server/hosts/$(hostname)" --out "$OUT/secrets.json" "$RUN" logs \
         .snakemake "$OUT" "$SOURCES" 2>"$OUT/logs/s.log")
       r=$?
       set -e
       log "s: rc $r: $SEC"
-      record s "$r" $((SECONDS - t)) "production_tools.py secrets --state $RUN/server $RUN logs .snakemake \$OUT <sources>" \
+      record s "$r" $((SECONDS - t)) "production_tools.py secrets --state $RUN/server/hosts/<host> $RUN logs .snakemake \$OUT <sources>" \
         "${SEC:-no verdict (logs/s.log)}"
     fi
     # unfinished: every chunk whose extract job Snakemake had not finished (a shard renamed into place just before

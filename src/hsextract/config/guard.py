@@ -118,5 +118,5 @@ def check_remote(config: Mapping[str, Any]) -> None:
         f"sglang.host: {host} is not a loopback address: the server would accept requests from the network. "
         "Set sglang.api_key_file (the servers require its key and every client sends it), or sglang.allow_remote: true "
         "to listen there with the random key each server gets (only this user can read it, in "
-        "results/<run_name>/server/private/), or use 127.0.0.1."
+        "results/<run_name>/server/hosts/<host>/private/), or use 127.0.0.1."
     )

@@ -5,7 +5,7 @@ Three ways to reach a server, chosen by the `sglang:` section:
   - `server_url`: one server that runs elsewhere; nothing is built or started.
   - `servers`: several such servers; chunk i goes to servers[i % len(servers)].
   - neither: local replicas started on demand by the extraction jobs (`ensure_server`, start-or-reuse,
-    state in results/<run>/server/), stopped by the Snakefile's onsuccess/onerror.
+    state in results/<run>/server/hosts/<host>/), stopped by the Snakefile's onsuccess/onerror.
 External servers write dump files to `dump_dir`, which must be visible on this machine.
 
 `build_patched` is the body of rule build_patched_server: install hsextract into the server's Python (the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -50,13 +51,20 @@ def external_urls(settings: ExtractSettings) -> list[str]:
     return urls
 
 
-def state_dir(settings: ExtractSettings, root: str | Path = ".") -> Path:
-    """Where local servers' pid/endpoint files, locks, logs and patched.json live."""
+def server_dir(settings: ExtractSettings, root: str | Path = ".") -> Path:
+    """The run's server folder: patched.json, and a state folder per host (state_dir)."""
     return Path(root) / "results" / settings.run_name / "server"
 
 
+def state_dir(settings: ExtractSettings, root: str | Path = ".", host: str | None = None) -> Path:
+    """Where this host's local servers' pid/endpoint files, locks, claims, logs and keys live. One folder per host:
+    a server listens on its host's loopback and lives there; in one folder on a cluster's shared filesystem, every
+    node's extract job waited on one start-up lock, and each took the others' servers for stale ones."""
+    return server_dir(settings, root) / "hosts" / (host or socket.gethostname() or "localhost")
+
+
 def patched_path(settings: ExtractSettings, root: str | Path = ".") -> Path:
-    return state_dir(settings, root) / "patched.json"
+    return server_dir(settings, root) / "patched.json"
 
 
 def server_python(settings: ExtractSettings, root: str | Path = ".") -> str:
@@ -166,7 +174,8 @@ def engine_from_config(settings: ExtractSettings, spec: CaptureSpec, chunk: int 
 
 
 def stop_local_servers(settings: ExtractSettings, root: str | Path = ".") -> list[int]:
-    """Stop the local replicas of this run (onstart: stale ones; onsuccess/onerror: ours)."""
+    """Stop this host's local replicas of this run (onstart: stale ones; onsuccess/onerror: ours). On a cluster the
+    servers that extract jobs started on other nodes end with their jobs (the scheduler stops a job's processes)."""
     from hsextract.sglang.server import stop_servers
 
     d = state_dir(settings, root)
@@ -267,8 +276,10 @@ def build_patched(
         "capture": cfg.capture,
         "capture_sources": report["capture_sources"],
         "share_prefixes": cfg.share_prefixes,  # the radix cache on (docs/SHARED_PREFIX.md section 5)
-        # the key file each replica's command names (made when the server starts), never the key
-        "launch": [redact(build_command(cfg, r, key_path(state_dir(settings, root), r))) for r in range(cfg.replicas)],
+        # the key file each replica's command names (made when the server starts, on the host that runs it), never
+        # the key
+        "launch": [redact(build_command(cfg, r, key_path(state_dir(settings, root, host="<host>"), r)))
+                   for r in range(cfg.replicas)],
     }
     write_json_atomic(out, info, sort_keys=True)
     return info
