@@ -258,12 +258,17 @@ def test_slurm_kimi_extract_jobs_request_the_servers_gpus(scenario: str) -> None
 
 
 def run_slurm_kimi_external(tmp: Path) -> tuple[str, str]:
-    """The plain dry run, and the one of profiles/README.md that drops the GPU kind."""
+    """The plain dry run, and the one of profiles/README.md that drops the GPU kind (in a copy of the profile: on
+    the command line the keys replaced the whole map, the extract jobs' runtime with it)."""
     extra = "sglang: {servers: ['http://10.0.0.5:30000', 'http://10.0.0.6:30000'], dump_dir: /shared/dump}\n"
     wd = kimi_workdir(tmp / "wd", extra)
-    return (dry_run(wd, "slurm", configfiles=KIMI_FILES),
-            dry_run(wd, "slurm", "--set-resources", "extract:gpu_model=''", "extract:slurm_partition=cpu",
-                    configfiles=KIMI_FILES))
+    site = wd / "profiles/site"
+    shutil.copytree(wd / "profiles/slurm", site)
+    text = (site / "config.yaml").read_text()
+    assert text.count("    slurm_partition: gpu\n") == 1 and text.count("    gpu_model: h200\n") == 1
+    (site / "config.yaml").write_text(text.replace("    slurm_partition: gpu\n", "    slurm_partition: cpu\n")
+                                      .replace("    gpu_model: h200\n", "    gpu_model: ''\n"))
+    return dry_run(wd, "slurm", configfiles=KIMI_FILES), dry_run(wd, "site", configfiles=KIMI_FILES)
 
 
 def test_slurm_kimi_with_external_servers_requests_no_gpu(scenario: tuple[str, str]) -> None:
@@ -276,7 +281,7 @@ def test_slurm_kimi_with_external_servers_requests_no_gpu(scenario: tuple[str, s
     out = no_gpu_kind
     call = sbatch_call(job_resources(out)["extract"][0])
     assert not [flag for flag in call if flag.startswith("--gpus")], call
-    assert call[call.index("-p") + 1] == "cpu"
+    assert call[call.index("-p") + 1] == "cpu" and job_resources(out)["extract"][0]["runtime"] == "720"
 
 
 def pod_resources(raw: dict[str, str]) -> tuple[dict[str, str], list[str]]:
