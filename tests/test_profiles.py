@@ -365,6 +365,9 @@ def test_readme_production_command_plans_gpu_pool_for_the_server(scenario: subpr
     pool = int(words[4].split("=")[1])
     gpus = {job["gpu"] for job in job_resources(proc.stdout)["extract"]}
     assert gpus == {str(pool)} == {str(KIMI_GPUS)}
+    # kimi.yaml's sglang.python is null and the command has no --sdm conda: the dry run says the build will stop
+    assert ("hsextract: WARNING: rule build_patched_server will stop: sglang.python is null and the workflow runs "
+            "without --sdm conda") in " ".join(proc.stderr.split())
 
 
 def dry_run_given(wd: Path, flag: str, profile: str, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -338,7 +338,7 @@ if [ -z "${SKIP_B:-}" ] && [ "$(left)" -gt 150 ] && { [ -n "${B_ONLY:-}" ] || [ 
   wait "$SMK_PID" 2>/dev/null || true
   for _ in $(seq 50); do [ -z "$(ps -eo pgid= | awk -v g="$SMK_PID" '$1 == g')" ] && break; sleep 0.1; done
   LEFTOVER=$(ps -eo pgid=,stat=,comm= | awk -v g="$SMK_PID" '$1 == g {print $3 "(" $2 ")"}' | paste -sd, -)
-  SERVER_ALIVE=$("$PY" - "$RUN/server" <<'PYEOF'
+  SERVER_ALIVE=$("$PY" - "$RUN/server/hosts/$(hostname)" <<'PYEOF'
 import json, pathlib, sys, psutil
 pids = []
 for f in pathlib.Path(sys.argv[1]).glob("replica-*.json"):

@@ -7,6 +7,24 @@
 # are computed in common.smk.
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
+from hsextract.extract.gpu_pool import changes_outputs
+
+CONDA_ENV = DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
+# no server Python to build into: said by the dry run already, not by the build job (on a cluster, after its queue)
+if (
+    SGLANG_LOCAL
+    and workflow.is_main_process
+    and changes_outputs(sys.argv)
+    and not Path(f"{SERVER_DIR}/patched.json").exists()
+    and (
+        _why := sglang_config.no_build_python(SETTINGS.extract.sglang.python, CONDA_ENV)
+    )
+):
+    print(
+        f"hsextract: WARNING: rule build_patched_server will stop: {_why}",
+        file=sys.stderr,
+    )
+
 if SGLANG_LOCAL:
 
     rule build_patched_server:
@@ -19,8 +37,7 @@ if SGLANG_LOCAL:
         params:
             settings=RERUN["build_patched_server"],
             # null python: the job's interpreter, only if it is envs/sglang.yaml's (--sdm conda)
-            conda_env=DeploymentMethod.CONDA
-            in workflow.deployment_settings.deployment_method,
+            conda_env=CONDA_ENV,
             repo=workflow.basedir,
         script:
             "../scripts/build_patched_server.py"

@@ -95,6 +95,16 @@ def build_python(python: str | None, conda_env: bool) -> str:
     )
 
 
+def no_build_python(python: str | None, conda_env: bool) -> str | None:
+    """Why rule build_patched_server would stop for want of a server Python (build_python's error), for the
+    Snakefile to say at parse time; None when it has one."""
+    try:
+        build_python(python, conda_env)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def configured_key(settings: ExtractSettings) -> str | None:
     """The key in the file `sglang.api_key_file` names (read each time: no copy of it is kept); None: unset."""
     from hsextract.sglang.keyfile import read_key_file
