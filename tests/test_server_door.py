@@ -730,6 +730,30 @@ def test_a_start_up_failure_of_a_server_with_a_key_leaves_no_trace(tmp_path: Pat
         assert not f.is_file() or KEY.encode() not in f.read_bytes(), f
 
 
+def test_a_server_of_the_layout_before_hosts_is_stopped_at_the_run_start(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server a release before the state folder per host started, recorded in results/<run>/server/ itself:
+    onstart (stop_local_servers) stops it as before, so its port is free for this release's server (review)."""
+    from hsextract.config.settings import from_config
+    from hsextract.sglang import config as sc
+
+    settings = from_config({**door_config(tmp_path, monkeypatch), "engine": "sglang", "run_name": "old"}).extract
+    old = sc.server_dir(settings, tmp_path)
+    old.mkdir(parents=True)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], process_group=0,
+                            env={**os.environ, "HSEXTRACT_DUMP_DIR": str(dump)})
+    try:
+        h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=proc.pid, started=process_start(proc.pid))
+        (old / "replica-0.json").write_text(h.to_json())
+        assert sc.state_dir(settings, tmp_path) != old
+        assert sc.stop_local_servers(settings, tmp_path) == [proc.pid]
+        assert proc.wait(timeout=60) is not None and not (old / "replica-0.json").exists()
+    finally:
+        proc.kill()
+
+
 def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from hsextract.config.settings import from_config
     from hsextract.sglang import compat

@@ -188,8 +188,9 @@ def stop_local_servers(settings: ExtractSettings, root: str | Path = ".") -> lis
     servers that extract jobs started on other nodes end with their jobs (the scheduler stops a job's processes)."""
     from hsextract.sglang.server import stop_servers
 
-    d = state_dir(settings, root)
-    return stop_servers(d) if d.is_dir() else []
+    # and one a release before the folder per host recorded in the run's server folder itself
+    return [pid for d in (state_dir(settings, root), server_dir(settings, root)) if d.is_dir()
+            for pid in stop_servers(d)]
 
 
 def plugin_dir() -> Path:
