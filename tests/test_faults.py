@@ -391,13 +391,13 @@ SCHEMA_CASES = {
     # JSON Schema's integer takes 0.0, which numpy's SeedSequence then refused in the prepare job
     "whole float": ("seed", 0.0, "seed: 0.0 is not of type 'integer'"),
     # `--config aux_layers=[1,4,6]`: Snakemake's --config reads a list's items as strings
-    "--config list": ("aux_layers", ["1", "4", "6"], "aux_layers[0]: '1' is not of type 'integer'; a list given with "
-                      "--config reaches the workflow as text (Snakemake reads its items as strings): put the list in "
-                      "a --configfile"),
+    "--config list": ("aux_layers", ["1", "4", "6"], "aux_layers[0]: '1' is not of type 'integer'; if given with "
+                      "--config: a list there reaches the workflow as text (Snakemake reads its items as strings): put "
+                      "the list in a --configfile"),
     # `--config 'stats={seq_len_bins: 20}'`: a mapping's values too
-    "--config mapping": ("stats.seq_len_bins", "20", "stats.seq_len_bins: '20' is not of type 'integer'; a mapping "
-                         "given with --config reaches the workflow as text (Snakemake reads its items as strings): put "
-                         "the mapping in a --configfile"),
+    "--config mapping": ("stats.seq_len_bins", "20", "stats.seq_len_bins: '20' is not of type 'integer'; if given "
+                         "with --config: a mapping there reaches the workflow as text (Snakemake reads its items as "
+                         "strings): put the mapping in a --configfile"),
     "enum": ("engine", "vllm", "engine: 'vllm' is not one of ['transformers', 'sglang']"),
     "minimum": ("prompts_per_chunk", 0, "prompts_per_chunk: 0 is less than the minimum of 1"),
     "maximum": ("shard.compression_level", 23, "shard.compression_level: 23 is greater than the maximum of 22"),

@@ -740,18 +740,31 @@ def test_a_server_of_the_layout_before_hosts_is_stopped_at_the_run_start(tmp_pat
     settings = from_config({**door_config(tmp_path, monkeypatch), "engine": "sglang", "run_name": "old"}).extract
     old = sc.server_dir(settings, tmp_path)
     old.mkdir(parents=True)
-    dump = tmp_path / "dump"
-    dump.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], process_group=0,
-                            env={**os.environ, "HSEXTRACT_DUMP_DIR": str(dump)})
-    try:
+    procs = []
+
+    def server(folder: Path) -> subprocess.Popen:
+        dump = folder / f"dump-{len(procs)}"
+        dump.mkdir(parents=True)
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], process_group=0,
+                                env={**os.environ, "HSEXTRACT_DUMP_DIR": str(dump)})
+        procs.append(proc)
         h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=proc.pid, started=process_start(proc.pid))
-        (old / "replica-0.json").write_text(h.to_json())
+        (folder / "replica-0.json").write_text(h.to_json())
+        return proc
+
+    try:
+        proc = server(old)
         assert sc.state_dir(settings, tmp_path) != old
         assert sc.stop_local_servers(settings, tmp_path) == [proc.pid]
         assert proc.wait(timeout=60) is not None and not (old / "replica-0.json").exists()
+        # by hand, as config/README.md gives it: the run's server folder stops this host's servers and old ones
+        here, before = server(sc.state_dir(settings, tmp_path)), server(old)
+        assert sorted(json.loads(subprocess.run([sys.executable, "-m", "hsextract.sglang.server", "stop", str(old)],
+                                                capture_output=True, text=True, check=True).stdout)["killed"]) == \
+            sorted([here.pid, before.pid])
     finally:
-        proc.kill()
+        for p in procs:
+            p.kill()
 
 
 def test_patched_json_holds_no_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

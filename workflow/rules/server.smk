@@ -7,14 +7,14 @@
 # are computed in common.smk.
 from snakemake_interface_executor_plugins.settings import DeploymentMethod
 
-from hsextract.extract.gpu_pool import changes_outputs
+from hsextract.extract.gpu_pool import plans_jobs
 
 CONDA_ENV = DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method
 # no server Python to build into: said by the dry run already, not by the build job (on a cluster, after its queue)
 if (
     SGLANG_LOCAL
     and workflow.is_main_process
-    and changes_outputs(sys.argv)
+    and plans_jobs(sys.argv)
     and not Path(f"{SERVER_DIR}/patched.json").exists()
     and (
         _why := sglang_config.no_build_python(SETTINGS.extract.sglang.python, CONDA_ENV)

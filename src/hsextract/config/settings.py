@@ -354,8 +354,8 @@ def _message(where: str, error: Any) -> str:
         if error.validator == "type" and ("." in where or where.endswith("]")) and isinstance(error.instance, str) \
                 and _numeric_or_literal(error.instance):
             what = "list" if where.endswith("]") else "mapping"
-            message += (f"; a {what} given with --config reaches the workflow as text (Snakemake reads its items as "
-                        f"strings): put the {what} in a --configfile")
+            message += (f"; if given with --config: a {what} there reaches the workflow as text (Snakemake reads its "
+                        f"items as strings): put the {what} in a --configfile")
         return f"{where or 'config'}: {message}"
     allowed = list(error.schema.get("properties", {}))
     unknown = [str(k) for k in error.instance if k not in allowed]

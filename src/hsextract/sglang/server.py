@@ -715,11 +715,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("action", choices=["stop", "status"])
     ap.add_argument("state_dir")
     a = ap.parse_args(argv)
+    # a run's server folder (results/<run>/server): its servers of this host, and any recorded there by a release
+    # before the folder per host
+    dirs = [Path(a.state_dir), *[d for d in [Path(a.state_dir) / "hosts" / socket.gethostname()] if d.is_dir()]]
     if a.action == "stop":
-        print(json.dumps({"killed": stop_servers(a.state_dir)}))
+        print(json.dumps({"killed": [pid for d in dirs for pid in stop_servers(d)]}))
         return 0
     out = []
-    for ep in sorted(Path(a.state_dir).glob("replica-*.json")):
+    for ep in sorted(ep for d in dirs for ep in d.glob("replica-*.json")):
         h = ServerHandle.from_json(ep.read_text())
         out.append({"replica": h.replica, "url": h.url, "pid": h.pid, "alive": _alive(h.pid),
                     "health": health(h.url) or "ok", "dump_dir": str(h.dump_dir)})
