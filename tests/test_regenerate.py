@@ -770,7 +770,9 @@ def test_settings_defaults_and_stop_tokens_fill():
     ({"batch_size": 0}, "regenerate.batch_size: 0 is less than the minimum of 1"),
     ({"batch_size": 2**20 + 1}, "regenerate.batch_size: 1048577 is greater than the maximum of 1048576"),
     ({"request_timeout_s": 0.0001}, "regenerate.request_timeout_s: 0.0001 is less than the minimum of 0.001"),
-    ({"request_timeout_s": "10"}, "regenerate.request_timeout_s: '10' is not of type 'number'"),
+    ({"request_timeout_s": "10"}, "regenerate.request_timeout_s: '10' is not of type 'number'; if given with "
+     "--config: a mapping there reaches the workflow as text (Snakemake reads its items as strings): put the mapping "
+     "in a --configfile"),
     ({"retries": -1}, "regenerate.retries: -1 is less than the minimum of 0"),
     ({"retries": 101}, "regenerate.retries: 101 is greater than the maximum of 100"),
     ({"enabled": "yes"}, "regenerate.enabled: 'yes' is not of type 'boolean'"),
