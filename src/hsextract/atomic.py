@@ -99,12 +99,18 @@ def failed_write(e: BaseException, path: str | os.PathLike[str]) -> BaseExceptio
     return e
 
 
-def fsync_dir(folder: str | os.PathLike[str]) -> None:
-    fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+def fsync_path(path: str | os.PathLike[str], *, directory: bool = False) -> None:
+    """fsync a file already written and closed (directory: a folder, its entries' names)."""
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_dir(folder: str | os.PathLike[str]) -> None:
+    fsync_path(folder, directory=True)
 
 
 def commit(fd: int, tmp: Path, path: str | os.PathLike[str], durable: bool = True) -> None:

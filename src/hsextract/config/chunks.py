@@ -9,7 +9,6 @@ and the workflow rules. `remove_beyond`: the per-chunk files an earlier configur
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hsextract.atomic import temp_target
+from hsextract.provenance import sha256_file
 
 WIDTH = 5
 # the `chunk` wildcard of the rules: a label
@@ -131,8 +131,7 @@ def damaged_prompts(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix
         try:
             if prompts.stat().st_mtime <= shard.stat().st_mtime or (written := written_sha256(summary, c)) is None:
                 continue
-            with open(prompts, "rb") as f:
-                now = hashlib.file_digest(f, "sha256").hexdigest()
+            now = sha256_file(prompts)
         except OSError:
             continue
         if now != written:

@@ -10,6 +10,7 @@ itself, in command-line order, before the last flag's files (which Snakemake app
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,8 +52,6 @@ def check_report_ready(argv: Sequence[str], run_dir: str | Path, n_chunks: int |
     has no dataset.json (Snakemake's own words, "marked for report but does not exist", name a file, not the cause), or
     its dataset.json is older than the run: a shard it lists missing or written after it, or another chunk count
     than the config's `n_chunks` (a report of the earlier dataset would pass for this one)."""
-    import json
-
     from hsextract.errors import ConfigError
 
     if not any(a == "--report" or a.startswith("--report=") for a in argv) or "--report-after-run" in argv:

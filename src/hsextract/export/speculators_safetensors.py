@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from hsextract.atomic import fsync_dir, write_json_atomic
+from hsextract.atomic import fsync_dir, fsync_path, write_json_atomic
 from hsextract.dataset import HiddenStateDataset
 from hsextract.export.common import atomic_write
 from hsextract.prepare.vocab import save_token_freq
@@ -59,11 +59,7 @@ def _save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
         if code is None:
             raise
         raise OSError(int(code[1]), os.strerror(int(code[1])), os.fspath(path)) from e
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def export_speculators_safetensors(ds: HiddenStateDataset, out_dir: Path) -> dict[str, Any]:

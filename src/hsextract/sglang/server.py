@@ -717,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     # a run's server folder (results/<run>/server): its servers of this host, and any recorded there by a release
     # before the folder per host
-    dirs = [Path(a.state_dir), *[d for d in [Path(a.state_dir) / "hosts" / socket.gethostname()] if d.is_dir()]]
+    dirs = [d for d in (Path(a.state_dir), Path(a.state_dir) / "hosts" / socket.gethostname()) if d.is_dir()]
     if a.action == "stop":
         print(json.dumps({"killed": [pid for d in dirs for pid in stop_servers(d)]}))
         return 0
