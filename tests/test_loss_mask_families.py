@@ -893,7 +893,7 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
     prompt's closed block): refused, naming the tag. A template that cuts the block out of the content itself (as
     Qwen3's own does) gets the same masks as with the reasoning in its field; DeepSeek-R1's, which renders no
     reasoning field, the raw text as written (also where the reasoning's words recur in the answer); a closer
-    alone in answer text is left as written."""
+    alone in answer text is refused beside Kimi's own block, and left as written where the template writes none."""
     inline = Conversation([U("Hello there!"), A("<think>The user greets.</think>How are you today?")])
     for kwargs in ({}, {"thinking": False}):
         with pytest.raises(TemplateError) as e:
@@ -911,10 +911,25 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
     with pytest.raises(TemplateError, match="reasoning block") as e:
         ChatMasker(guarded).encode(inline)
     assert e.value.reason == "reasoning_in_content"
-    named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])
+    # a closer alone, beside Kimi's own block: an R1-style export that cut the prompt's opener (its reasoning would
+    # be trained as answer), or an answer naming the tag (read as the added token): a second closer either way
     tok = make_tokenizer("kimi_k25")
+    for content, at in (("I reason here.</think>The answer.", 14), ("To end it, write </think> and then answer.", 17)):
+        for kwargs in ({}, {"thinking": False}):
+            with pytest.raises(TemplateError) as e:
+                ChatMasker(tok, chat_template_kwargs=kwargs).encode(Conversation([U("Hello there!"), A(content)]))
+            assert str(e.value) == (
+                f"assistant turn 1: its content holds `</think>` (at character {at}), which the tokenizer reads as "
+                "the added token that ends the reasoning block the chat template writes of its own before the "
+                "content: the sample would train a second closer, and the text before it as answer. If that text "
+                "is reasoning (an export that cut the prompt's `<think>`), move it to `reasoning_content` and keep "
+                "the rest in `content`; an answer that names the tag cannot be trained as this tokenizer reads "
+                "it") and e.value.reason == "reasoning_in_content"
+    # where the template writes no block of its own, a closer alone in answer text is the turn as written
+    named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])
+    tok = make_tokenizer("llama3")
     (s,) = ChatMasker(tok).encode(named)
-    assert marked(s, tok).endswith("<think>⟦</think>To end it, write </think> and then answer.<|im_end|>⟧")
+    assert "⟦To end it, write </think> and then answer." in marked(s, tok), marked(s, tok)
     with pytest.raises(TemplateError, match="reasoning block"):  # this Qwen3-shaped template does not cut it
         ChatMasker(make_tokenizer("qwen3")).encode(inline)
     # Qwen3's own template does: the reasoning field, or else the content cut at `</think>`

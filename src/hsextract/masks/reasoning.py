@@ -18,7 +18,7 @@ like, and what the model wrote there.
 - **A block written into the content** (`<think>...</think>answer`, as raw generations and R1-style exports hold
   it): moved to the reasoning field where the template renders both alike (Qwen3 cuts it out of the content
   itself), left where the template expects it there (DeepSeek-R1), refused where the template would render it as
-  answer text beside a block of its own (Kimi-K2.5) (`reasoning_from_content`).
+  answer text beside a block of its own (Kimi-K2.5), as is a closer alone there (`reasoning_from_content`).
 - **An opener the turn as rendered never closes** (a template that reads no reasoning field and renders the
   content right after `<think>`): refused (`refuse_open_block`).
 """
@@ -53,8 +53,10 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
     reasoning field (DeepSeek-R1 drops it; a template that reads none expects the block in the content), left.
     Where the content holds a whole block (opener and closer) and the template renders more closers than the
     content holds, it writes a block of its own beside it (Kimi-K2.5: `<think>` + field + `</think>` before the
-    content): the sample would train two blocks, which the model never writes: refused. A closer alone in answer
-    text (a coding answer that names the tag) is left as written."""
+    content): the sample would train two blocks, which the model never writes: refused; so is a closer alone
+    there (an R1-style export without the opener, or an answer that names the tag: the tokenizer reads it as the
+    added token, a second closer after the template's). Where the template writes no block of its own, a closer
+    alone in answer text is left as written."""
     user = {"role": "user", "content": "hi"}
     out = list(msgs)
     for j, m in enumerate(msgs):
@@ -78,13 +80,22 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
                     break
             if out[j] is not m:
                 continue
-        if opener in head and text.count(closer) > content.count(closer):
+        if text.count(closer) <= content.count(closer):
+            continue  # the template writes no block of its own: the content is the turn as the model wrote it
+        if opener in head:
             raise TemplateError(
                 f"assistant turn {j}: its content holds a reasoning block (`{opener}` ... `{closer}` at character "
                 f"{content.index(closer)}), which the chat template renders as answer text beside a reasoning "
                 f"block of its own: the sample would train two blocks. Move the reasoning to "
                 f"`reasoning_content` and keep the answer in `content` (as SGLang's reasoning parser returns "
                 f"a generation)", reason=REASONING_IN_CONTENT)
+        raise TemplateError(
+            f"assistant turn {j}: its content holds `{closer}` (at character {content.index(closer)}), which the "
+            f"tokenizer reads as the added token that ends the reasoning block the chat template writes of its own "
+            f"before the content: the sample would train a second closer, and the text before it as answer. If "
+            f"that text is reasoning (an export that cut the prompt's `{opener}`), move it to `reasoning_content` "
+            f"and keep the rest in `content`; an answer that names the tag cannot be trained as this tokenizer "
+            f"reads it", reason=REASONING_IN_CONTENT)
     return out
 
 
