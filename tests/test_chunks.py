@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -91,3 +92,25 @@ def test_an_incomplete_prepare_beside_shards_is_warned_of(tmp_path):
     assert chunks.incomplete_prepare(run, 3, ".hss").startswith(
         f"hsextract: WARNING: {run}/prompts/chunk-00000.parquet, {run}/prompts/chunk-00001.parquet, "
         f"{run}/prompts/chunk-00002.parquet and 1 more are missing")
+
+
+def test_a_summary_of_another_shape_records_no_sha256_and_names_no_damage(tmp_path) -> None:
+    """prompts/summary.json read at parse time (damaged_prompts), by extract and by the manifest: a file of another
+    shape (a list, entries that are no mappings, a sha256 that is no text, nested past the parser's depth) records
+    nothing, so nothing is refused or reported for it, and the Snakefile parses."""
+    good = {"per_chunk": [{"chunk": 0, "sha256": "ab"}, {"chunk": 1, "sha256": "cd"}]}
+    assert [chunks.written_sha256(good, c) for c in (0, 1, 2)] == ["ab", "cd", None]
+    for other in ([], ["x"], {"per_chunk": 3}, {"per_chunk": [1, [2], None]},
+                  {"per_chunk": [{"chunk": 0, "sha256": 5}]}):
+        assert chunks.written_sha256(other, 0) is None
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / chunks.name(0, SHARD_SUFFIX)).write_bytes(b"shard")
+    (tmp_path / "prompts" / chunks.name(0, ".parquet")).write_bytes(b"changed")  # newer than the shard
+    os.utime(tmp_path / "shards" / chunks.name(0, SHARD_SUFFIX), (1, 1))
+    for text in ("[1, 2]", '{"per_chunk": [7]}', "[" * 100_000 + "]" * 100_000):
+        (tmp_path / "prompts" / "summary.json").write_text(text)
+        assert chunks.damaged_prompts(tmp_path, 1, SHARD_SUFFIX) is None
+    (tmp_path / "prompts" / "summary.json").write_text('{"per_chunk": [{"chunk": 0, "sha256": "ab"}]}')
+    assert chunks.damaged_prompts(tmp_path, 1, SHARD_SUFFIX).startswith(
+        f"{tmp_path / 'prompts' / 'chunk-00000.parquet'} is newer than {tmp_path / 'shards' / 'chunk-00000.hss'}")

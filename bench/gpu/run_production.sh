@@ -157,6 +157,7 @@ EOF
 CFG=(--configfile config/kimi.yaml --configfile "$SOURCES")
 CMD=(snakemake --cores 8 --resources gpu=$REPLICAS "${CFG[@]}")
 RUN=results/$(awk '/^run_name:/ {print $2}' config/kimi.yaml)
+HOSTDIR=hosts/$("$PY" -c "from hsextract.sglang.server import host_name; print(host_name())")  # the jobs' own name
 rm -rf "$RUN" "logs/${RUN#results/}" "benchmarks/${RUN#results/}" .snakemake
 cp "$SOURCES" "$OUT/sources.yaml"
 
@@ -238,7 +239,7 @@ finish() {
   # e's Snakemake (its own session) and the e steps, if the budget ran out before them
   [ -f /tmp/prod-e.pid ] && kill -TERM -- "-$(cat /tmp/prod-e.pid)" 2>/dev/null || true
   [ -n "$E_PID" ] && kill "$E_PID" 2>/dev/null || true
-  for d in "$RUN/server/hosts/$(hostname)" "$EWD/results/tiny-default/server/hosts/$(hostname)"; do
+  for d in "$RUN/server/$HOSTDIR" "$EWD/results/tiny-default/server/$HOSTDIR"; do
     [ -d "$d" ] && { "$PY" -m hsextract.sglang.server stop "$d" >/dev/null 2>&1 || true; }
   done
   for f in "$RUN"/server/hosts/*/replica-*.log; do  # one log per replica: server-production[-replica-N].log
@@ -338,7 +339,7 @@ if [ -z "${SKIP_B:-}" ] && [ "$(left)" -gt 150 ] && { [ -n "${B_ONLY:-}" ] || [ 
   wait "$SMK_PID" 2>/dev/null || true
   for _ in $(seq 50); do [ -z "$(ps -eo pgid= | awk -v g="$SMK_PID" '$1 == g')" ] && break; sleep 0.1; done
   LEFTOVER=$(ps -eo pgid=,stat=,comm= | awk -v g="$SMK_PID" '$1 == g {print $3 "(" $2 ")"}' | paste -sd, -)
-  SERVER_ALIVE=$("$PY" - "$RUN/server/hosts/$(hostname)" <<'PYEOF'
+  SERVER_ALIVE=$("$PY" - "$RUN/server/$HOSTDIR" <<'PYEOF'
 import json, pathlib, sys, psutil
 pids = []
 for f in pathlib.Path(sys.argv[1]).glob("replica-*.json"):
@@ -364,7 +365,7 @@ PYEOF
     if [ "$SERVER_ALIVE" != none ]; then
       t=$SECONDS
       set +e
-      SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server/hosts/$(hostname)" --out "$OUT/secrets.json" "$RUN" logs \
+      SEC=$("$PY" "$HERE/production_tools.py" secrets --state "$RUN/server/$HOSTDIR" --out "$OUT/secrets.json" "$RUN" logs \
         .snakemake "$OUT" "$SOURCES" 2>"$OUT/logs/s.log")
       r=$?
       set -e

@@ -124,11 +124,8 @@ def _prompts_rewritten(run_dir: Path, entries: list[dict[str, Any]]) -> list[int
         return []
     out = []
     for e in entries:
-        try:
-            now = chunks.written_sha256(summary, e.get("chunk"))
-        except (AttributeError, TypeError):  # not prepare's summary: nothing known
-            return []
-        if isinstance(now, str) and isinstance(e.get("prompts_sha256"), str) and now != e["prompts_sha256"]:
+        now = chunks.written_sha256(summary, e.get("chunk"))
+        if now is not None and isinstance(e.get("prompts_sha256"), str) and now != e["prompts_sha256"]:
             out.append(e["chunk"])
     return out
 

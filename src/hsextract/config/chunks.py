@@ -32,9 +32,13 @@ def count(n_records: int, prompts_per_chunk: int) -> int:
 
 
 def written_sha256(summary: Mapping[str, Any], chunk: int) -> str | None:
-    """The sha256 prepare recorded for chunk's prompts file (its summary.json's per_chunk; None before it did)."""
-    entry = next((c for c in summary.get("per_chunk", ()) if c.get("chunk") == chunk), None)
-    return entry.get("sha256") if entry is not None else None
+    """The sha256 prepare recorded for chunk's prompts file (its summary.json's per_chunk; None before it did, or
+    where the file is not prepare's summary: a list, entries of another shape)."""
+    per_chunk = summary.get("per_chunk") if isinstance(summary, Mapping) else None
+    entry = next((c for c in per_chunk if isinstance(c, Mapping) and c.get("chunk") == chunk), None) \
+        if isinstance(per_chunk, list) else None
+    sha = entry.get("sha256") if entry is not None else None
+    return sha if isinstance(sha, str) else None
 
 
 def label(chunk: int) -> str:
@@ -124,7 +128,7 @@ def damaged_prompts(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix
     run = Path(run_dir)
     try:
         summary = json.loads((run / "prompts" / "summary.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     for c in range(n_chunks):
         prompts, shard = run / "prompts" / name(c, ".parquet"), run / "shards" / name(c, shard_suffix)

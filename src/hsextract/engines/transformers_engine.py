@@ -209,6 +209,10 @@ class TransformersEngine(Engine):
             print(f"NOTE: {self.model_path}: its rope_type {kind!r} sets the rotary frequencies from a forward's "
                   f"length: samples over {self.rope_limit} tokens run alone and in one forward, without a parent's "
                   "cache", flush=True)
+            if not self._rope_state and "dynamic" in kind:
+                print(f"WARNING: {self.model_path}: no rotary module with a dynamic rope_type found to reset before "
+                      "each forward: a sample after a longer one may get the longer one's frequencies (a model class "
+                      "this engine was not checked with)", flush=True)
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks = [
             layers[self.num_layers - 1].register_forward_hook(self._hook("pre_norm")),
@@ -315,7 +319,7 @@ class TransformersEngine(Engine):
             for k in [k for k in vars(m) if k.endswith(_ROPE_STATE) and k not in state]:
                 delattr(m, k)  # set by a forward since (a layer type's own cached length)
             for k, v in state.items():
-                setattr(m, k, v.to(self.device) if isinstance(v, torch.Tensor) else v)
+                setattr(m, k, v.to(self.device, copy=True) if isinstance(v, torch.Tensor) else v)  # kept intact
 
     def _layers(self, out: Any) -> list[torch.Tensor]:
         """The captured tensors of a forward's output, [batch, tokens, hidden] each, in the spec's order."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +59,9 @@ def state_dir(settings: ExtractSettings, root: str | Path = ".", host: str | Non
     """Where this host's local servers' pid/endpoint files, locks, claims, logs and keys live. One folder per host:
     a server listens on its host's loopback and lives there; in one folder on a cluster's shared filesystem, every
     node's extract job waited on one start-up lock, and each took the others' servers for stale ones."""
-    return server_dir(settings, root) / "hosts" / (host or socket.gethostname() or "localhost")
+    from hsextract.sglang.server import host_name
+
+    return server_dir(settings, root) / "hosts" / (host or host_name())
 
 
 def patched_path(settings: ExtractSettings, root: str | Path = ".") -> Path:

@@ -710,6 +710,12 @@ def _tail(path: Path, n: int = 30) -> str:
         return "(no log)"
 
 
+def host_name() -> str:
+    """This host's name in a run's server folder (hsextract.sglang.config.state_dir; bench/gpu/run_production.sh
+    asks for it here): one name for the folder a job writes and the folder stop and status read."""
+    return socket.gethostname() or "localhost"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="hsextract SGLang server state")
     ap.add_argument("action", choices=["stop", "status"])
@@ -717,7 +723,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     # a run's server folder (results/<run>/server): its servers of this host, and any recorded there by a release
     # before the folder per host
-    dirs = [d for d in (Path(a.state_dir), Path(a.state_dir) / "hosts" / socket.gethostname()) if d.is_dir()]
+    dirs = [d for d in (Path(a.state_dir), Path(a.state_dir) / "hosts" / host_name()) if d.is_dir()]
     if a.action == "stop":
         print(json.dumps({"killed": [pid for d in dirs for pid in stop_servers(d)]}))
         return 0
