@@ -218,7 +218,7 @@ def bench_ours(samples: list[Sample], hidden: int, threads: int, folder: Path,
 
 def cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
@@ -282,14 +282,14 @@ def main() -> None:
     print(table)
     if args.write_readme:
         readme = ROOT / "bench" / "README.md"
-        text = readme.read_text() if readme.exists() else ""
+        text = readme.read_text(encoding="utf-8") if readme.exists() else ""
         start, end = "<!-- codec-table:start -->", "<!-- codec-table:end -->"
         block = f"{start}\n{table}\n{end}"
         if start in text:
             text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
         else:
             text += f"\n{block}\n"
-        readme.write_text(text)
+        readme.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

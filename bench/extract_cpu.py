@@ -42,7 +42,7 @@ def cpu_seconds() -> float:
 def machine() -> str:
     name = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
             if line.startswith("model name"):
                 name = line.split(":", 1)[1].strip()
                 break
@@ -71,7 +71,7 @@ def main() -> None:
     from hsextract.extract.run import capture_spec, extract_chunk, read_prompts, shard_metadata
     from hsextract.prepare.run import chunk_name, run_prepare
 
-    config = yaml.safe_load((ROOT / "config/config.yaml").read_text())
+    config = yaml.safe_load((ROOT / "config/config.yaml").read_text(encoding="utf-8"))
     config["sources"][0].update(path=str(ROOT / config["sources"][0]["path"]), max_records=args.records)
     # flat: the baseline forwards every prompt whole (shared prefixes: bench/shared_prefix.py)
     config.update(prompts_per_chunk=args.records, max_seq_len=args.max_seq_len, model=args.model, share_prefixes=False)
@@ -148,13 +148,13 @@ def main() -> None:
     print(table)
     if args.write_readme:
         readme = ROOT / "bench/README.md"
-        text = readme.read_text() if readme.exists() else "# Benchmarks\n"
+        text = readme.read_text(encoding="utf-8") if readme.exists() else "# Benchmarks\n"
         block = f"{MARK_START}\n{table}\n{MARK_END}"
         if MARK_START in text:
             text = re.sub(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), lambda _: block, text, flags=re.S)
         else:
             text = text.rstrip("\n") + "\n\n" + SECTION_INTRO + "\n" + block + "\n"
-        readme.write_text(text)
+        readme.write_text(text, encoding="utf-8")
 
 
 SECTION_INTRO = """## extract_cpu

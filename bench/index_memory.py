@@ -46,7 +46,7 @@ def write(path: Path, n: int, shared: bool) -> None:
 
 
 def rss() -> int:
-    with open("/proc/self/statm") as f:
+    with open("/proc/self/statm", encoding="utf-8") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

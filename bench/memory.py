@@ -38,7 +38,7 @@ REFERENCE = Path(__file__).resolve().parents[1] / "resources" / "reference" / "s
 
 
 def rss() -> int:
-    with open("/proc/self/statm") as f:
+    with open("/proc/self/statm", encoding="utf-8") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

@@ -13,7 +13,7 @@ def drop_method() -> str:
     """'drop_caches' if writing /proc/sys/vm/drop_caches works here, else 'fadvise'."""
     try:
         os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        Path("/proc/sys/vm/drop_caches").write_text("1\n", encoding="utf-8")
         return "drop_caches"
     except OSError:
         return "fadvise"
@@ -23,7 +23,7 @@ def evict(files: list[Path], method: str) -> None:
     """Drop `files` from the page cache: the whole cache ('drop_caches', root) or each file ('fadvise')."""
     if method == "drop_caches":
         os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        Path("/proc/sys/vm/drop_caches").write_text("1\n", encoding="utf-8")
         return
     for p in files:
         fd = os.open(p, os.O_RDONLY)

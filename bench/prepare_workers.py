@@ -41,7 +41,7 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
     tok = load_tokenizer(str(model), trust_remote_code=True)
     data = out / "agentic.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(conversations_n, min_turns, max_turns,
-                                                                          tool_tokens, tok)))
+                                                                          tool_tokens, tok)), encoding="utf-8")
     cfg = from_config({"model": str(model), "sources": [{"path": str(data), "name": "agentic"}],
                        "prompts_per_chunk": 20, "split_turns": "auto", "share_prefixes": True,
                        "trust_remote_code": True}).prepare

@@ -271,7 +271,7 @@ def disk_read_bytes() -> int | None:
     devices), or None where there is no such file: read around a cold epoch, it says how much of the disk's work
     the store's bytes were."""
     stats = [p for p in Path("/sys/block").glob("*/stat") if not p.parent.name.startswith(("loop", "ram", "zram"))]
-    return sum(int(p.read_text().split()[2]) for p in stats) * 512 if stats else None
+    return sum(int(p.read_text(encoding="utf-8").split()[2]) for p in stats) * 512 if stats else None
 
 
 # -- where our read time goes ---------------------------------------------------------------------------------
@@ -409,7 +409,8 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def load() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "?"
+    loadavg = Path("/proc/loadavg")
+    return " ".join(loadavg.read_text(encoding="utf-8").split()[:3]) if loadavg.exists() else "?"
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -478,21 +479,21 @@ def main() -> None:
         a.evict = "fadvise" if a.evict == "auto" else a.evict  # a test must not empty the whole machine's cache
     # 4 workers on 2 cores is what the run measures, on purpose
     warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-    res = json.loads(Path(a.from_json).read_text()) if a.from_json else run(a)
+    res = json.loads(Path(a.from_json).read_text(encoding="utf-8")) if a.from_json else run(a)
     table = markdown(res)
     print(table)
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        Path(a.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
     if a.md:
-        Path(a.md).write_text(table + "\n")
+        Path(a.md).write_text(table + "\n", encoding="utf-8")
     if a.write_readme:
         readme = ROOT / "bench" / "README.md"
-        text = readme.read_text()
+        text = readme.read_text(encoding="utf-8")
         start, end = "<!-- read-table:start -->", "<!-- read-table:end -->"
         block = f"{start}\n{table}\n{end}"
         text = (text[: text.index(start)] + block + text[text.index(end) + len(end):] if start in text
                 else f"{text}\n{block}\n")
-        readme.write_text(text)
+        readme.write_text(text, encoding="utf-8")
 
 
 if __name__ == "__main__":

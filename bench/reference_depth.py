@@ -74,7 +74,7 @@ def main() -> None:
             out["runs"].append(row)
             print(json.dumps(row), flush=True)
     if a.out:
-        a.out.write_text(json.dumps(out, indent=1))
+        a.out.write_text(json.dumps(out, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

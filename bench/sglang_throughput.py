@@ -136,7 +136,7 @@ def _kill(p: subprocess.Popen) -> None:
 def cpu_snapshot() -> tuple[float, float, float, float]:
     """(machine busy jiffies, machine total jiffies, this process's CPU seconds, monotonic time)."""
     try:
-        with open("/proc/stat") as f:
+        with open("/proc/stat", encoding="utf-8") as f:
             v = [int(x) for x in f.readline().split()[1:]]
         busy, total = float(sum(v) - v[3] - v[4]), float(sum(v))  # idle and iowait are not busy
     except (OSError, ValueError, IndexError):
@@ -152,7 +152,7 @@ def proc_ticks() -> dict[int, tuple[str, int]]:
         if not d.name.isdigit():
             continue
         try:
-            stat = (d / "stat").read_text()
+            stat = (d / "stat").read_text(encoding="utf-8")
             name = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1][:40]
         except OSError:
             continue
@@ -191,7 +191,8 @@ class Profile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         cmd = [exe, "record", "--pid", str(pid), "--rate", str(self.RATE), "--duration", str(int(seconds)),
                "--gil", "--nonblocking", "--format", "raw", "-o", str(self.path)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.path.with_suffix(".log"), "w"))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                     stderr=open(self.path.with_suffix(".log"), "w", encoding="utf-8"))
 
     def result(self) -> dict | None:
         if self.proc is None:
@@ -201,9 +202,10 @@ class Profile:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         try:
-            samples = sum(int(line.rsplit(" ", 1)[1]) for line in self.path.read_text().splitlines() if line.strip())
+            samples = sum(int(line.rsplit(" ", 1)[1]) for line in self.path.read_text(encoding="utf-8").splitlines()
+                          if line.strip())
         except (OSError, ValueError, IndexError):
-            return {"file": self.path.name, "error": self.path.with_suffix(".log").read_text()[-300:]}
+            return {"file": self.path.name, "error": self.path.with_suffix(".log").read_text(encoding="utf-8")[-300:]}
         return {"file": self.path.name, "gil_samples": samples,
                 "gil_held_share": round(samples / (self.RATE * self.seconds), 3)}
 
@@ -269,7 +271,7 @@ class Bench:
         except Exception as e:  # noqa: BLE001 - recorded; the other parts still run
             tb = traceback.format_exc()
             self.res["errors"].setdefault(key, {})[str(L)] = f"{type(e).__name__}: {e}"
-            (self.out / f"error-{key}-{L}.txt").write_text(tb)
+            (self.out / f"error-{key}-{L}.txt").write_text(tb, encoding="utf-8")
             log(f"FAIL {key} {L} after {time.monotonic() - t:.1f} s: {type(e).__name__}: {str(e)[:600]}")
             self.save()
             return None
@@ -334,7 +336,7 @@ def timeline_summary(events: list[dict], dest: Path) -> dict:
     """Where the samples' time went (TimedEngine.timeline): writes the raw events to `dest`, returns
     medians/max of each step and when (s after the first request was queued) the last sample reached it."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(json.dumps(events))
+    dest.write_text(json.dumps(events), encoding="utf-8")
     by: dict[int, dict] = {}
     for e in events:
         by.setdefault(e["index"], {}).update(e)
@@ -364,7 +366,7 @@ def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
     try:
         entries = sorted(dump_dir.iterdir())
     except OSError as e:
-        (dest / f"listing-{label}.txt").write_text(f"cannot list {dump_dir}: {e}\n")
+        (dest / f"listing-{label}.txt").write_text(f"cannot list {dump_dir}: {e}\n", encoding="utf-8")
         return
     for p in entries:
         if p.name.startswith(("plugin-", "stats-")) and p.suffix == ".json":
@@ -380,7 +382,7 @@ def save_dump_diagnostics(dump_dir: Path, dest: Path, label: str) -> None:
         lines.append(f"filesystem: total {du.total >> 20} MiB, free {du.free >> 20} MiB")
     except OSError:
         pass
-    (dest / f"listing-{label}.txt").write_text("\n".join(lines) + "\n")
+    (dest / f"listing-{label}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prompt]], aux: tuple[int, ...],
@@ -509,7 +511,7 @@ def capture_parts(a: argparse.Namespace, bench: Bench, sets: dict[int, list[Prom
                 bench.part(name, L, partial(b0, L, sets[L], cc, name), need_s=40)
     except Exception as e:  # noqa: BLE001 - the capture server did not start: recorded, the rest runs
         bench.res["errors"].setdefault("capture_server", {})["-"] = f"{type(e).__name__}: {e}"
-        (bench.out / "error-capture_server.txt").write_text(traceback.format_exc())
+        (bench.out / "error-capture_server.txt").write_text(traceback.format_exc(), encoding="utf-8")
         log(f"FAIL capture server: {type(e).__name__}: {str(e)[:800]}")
         bench.save()
     finally:
@@ -667,7 +669,7 @@ def main() -> int:
         a.parts.discard("e")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(a.model) / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     sgl = shlex.split(a.sgl_args)
     aux = tuple(a.aux)
     res: dict = {"model": a.model, "aux_layers": list(aux), "concurrency": a.concurrency, "sgl_args": a.sgl_args,
@@ -701,7 +703,7 @@ def main() -> int:
         lines = table(res, a.lens, a.concurrency)
         res["table"] = lines
         bench.save()
-        (out / "throughput.md").write_text("\n".join(lines) + "\n")
+        (out / "throughput.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
         print("\n".join(lines), flush=True)
     return 1 if res["errors"] else 0
 

@@ -67,7 +67,7 @@ def main() -> None:
     res = {"cpus": os.cpu_count(), "samples": a.samples, "sample_mb": 16, "level": a.level, "dir": a.dir,
            "runs": rows}
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        Path(a.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
 
 
 if __name__ == "__main__":

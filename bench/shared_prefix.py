@@ -57,7 +57,7 @@ def cpu_seconds() -> float:
 
 
 def _words() -> list[str]:
-    words = sorted({w.strip(".,!?\"'():;").lower() for line in CONVERSATIONS.read_text().splitlines()
+    words = sorted({w.strip(".,!?\"'():;").lower() for line in CONVERSATIONS.read_text(encoding="utf-8").splitlines()
                     for m in json.loads(line)["messages"] for w in m["content"].split()} - {""})
     return words
 
@@ -212,7 +212,7 @@ def run(out: Path, *, conversations_n: int, min_turns: int, max_turns: int, tool
     tok = load_tokenizer(str(model), trust_remote_code=True)
     data = out / "agentic.jsonl"
     convs = conversations(conversations_n, min_turns, max_turns, tool_tokens, tok, seed)
-    data.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    data.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
     # sample ids are `agentic:<record>:t<turn>` (prepare, split_turns)
     turns = {f"agentic:{k}": sum(m["role"] == "user" for m in c["messages"]) for k, c in enumerate(convs)}
 

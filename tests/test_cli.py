@@ -215,6 +215,57 @@ def test_masks_explain_marks_trained_spans(tmp_path, capsys):
         "== conversations 1, samples 1, turns 1"]
 
 
+def test_masks_explain_escapes_what_a_terminal_would_act_on_and_never_fails_on_the_locale(tmp_path, capsys):
+    """Data's NUL, ESC (a colour sequence), bidi override and carriage return shown as escapes, in the trained
+    span and out of it, so that the view is the text as the tokens hold it; a stdout that cannot write ⟦ (an
+    ASCII or Latin-1 locale) gets the escape instead of a UnicodeEncodeError."""
+    from chatfix import make_tokenizer
+
+    make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
+    conv = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "a\x00b\x1b[31mred\u202etxt"},
+            {"role": "assistant", "content": "ok\r\nthen\x1b[0m\tdone"}]
+    conv.write_text(json.dumps({"messages": msgs}) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model")]) == 0
+    out = capsys.readouterr().out
+    assert "a\\x00b\\x1b[31mred\\u202etxt<|im_end|>" in out
+    assert "⟦ok\\r\nthen\\x1b[0m\tdone<|im_end|>⟧" in out
+    assert not any(c in out for c in "\x00\x1b\u202e\r")
+    env = {**__import__("os").environ, "PYTHONIOENCODING": "ascii", "HF_HUB_OFFLINE": "1"}
+    run = subprocess.run([sys.executable, "-m", "hsextract.cli", "masks", "--explain", str(conv), "--model",
+                          str(tmp_path / "model")], capture_output=True, env=env)
+    assert run.returncode == 0, run.stderr.decode()
+    assert b"\\u27e6ok\\r\nthen" in run.stdout and run.stdout.isascii()
+
+
+def test_files_are_read_as_utf8_whatever_the_locale(tmp_path):
+    """A chat template, a conversation and the tokenizer's files with non-ASCII text, read in an ASCII locale
+    without Python's UTF-8 mode (as a Latin-1 one would): the same tokens as in a UTF-8 locale (a template read in
+    the locale's encoding changed the ids silently, and the run went on)."""
+    import os
+
+    from chatfix import make_tokenizer
+
+    make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
+    template = tmp_path / "tpl é.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m.role }}\nCafé 你好: {{ m.content }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+                        encoding="utf-8")
+    conv = tmp_path / "conv.jsonl"
+    msgs = [{"role": "user", "content": "naïve"}, {"role": "assistant", "content": "Ça va 😀"}]
+    conv.write_text(json.dumps({"messages": msgs}, ensure_ascii=False) + "\n", encoding="utf-8")
+    outs = []
+    for env in ({"LC_ALL": "C.UTF-8"}, {"LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}):
+        run = subprocess.run([sys.executable, "-m", "hsextract.cli", "masks", "--explain", str(conv), "--model",
+                              str(tmp_path / "model"), "--chat-template", str(template)], capture_output=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "utf-8", **env})
+        assert run.returncode == 0, run.stderr.decode()
+        outs.append(run.stdout.decode())
+    assert outs[0] == outs[1]
+    assert "<|im_start|>user\nCafé 你好: naïve<|im_end|>\n<|im_start|>assistant\n⟦Café 你好: Ça va 😀<|im_end|>" \
+        in outs[0], outs[0]
+
+
 def test_masks_explain_shows_refused_conversations_and_goes_on(tmp_path, capsys):
     """A conversation prepare would drop (a template's own refusal, a malformed record, a turn whose prompt opens
     reasoning it lacks) is shown with its reason and counted; the others are explained."""

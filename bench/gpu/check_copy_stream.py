@@ -118,7 +118,7 @@ def main() -> int:
     busy(x, a.matmuls)
     torch.cuda.synchronize()
     res["forward_alone_ms"] = round((time.perf_counter() - t0) * 1e3, 2)
-    a.out.write_text(json.dumps(res, indent=1))
+    a.out.write_text(json.dumps(res, indent=1), encoding="utf-8")
     print(json.dumps(res))
     return 0 if all(v == "ok" for v in res["checks"].values()) else 1
 

@@ -77,7 +77,7 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_json = json.loads((Path(a.model) / "config.json").read_text())
+    cfg_json = json.loads((Path(a.model) / "config.json").read_text(encoding="utf-8"))
     arch = (cfg_json.get("architectures") or [None])[0]
     n_layers = read_model_shape(a.model).num_layers
     aux = preset_layers(a.preset, n_layers)
@@ -86,7 +86,7 @@ def main() -> int:
                  "drafter_eagle_aux_hidden_state_layer_ids": drafter, "tol": a.tol, "shift_min": a.shift_min}
 
     def write() -> None:
-        (out / f"eagle3-{a.name}.json").write_text(json.dumps(res, indent=2))
+        (out / f"eagle3-{a.name}.json").write_text(json.dumps(res, indent=2), encoding="utf-8")
         ok = res.get("pass")
         lines = [f"### {a.name} ({arch}, {a.preset}): {'PASS' if ok else 'FAIL'}",
                  f"stored {res['stored']}; drafter ids {drafter} -> SGLang layers_to_capture "
@@ -95,7 +95,7 @@ def main() -> int:
                  f"{res.get('least_shifted')}"]
         if "error" in res:
             lines.append(f"error: {res['error']}")
-        (out / f"eagle3-{a.name}.md").write_text("\n".join(lines) + "\n")
+        (out / f"eagle3-{a.name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
     try:
         if drafter is None:

@@ -142,7 +142,7 @@ def sglang_candidate(a: argparse.Namespace, prompts: list[Prompt], spec: Capture
     finally:
         if h is not None:
             stats = sorted(h.dump_dir.glob("stats-*.json"))
-            res["writer_stats"] = json.loads(stats[0].read_text()) if stats else None
+            res["writer_stats"] = json.loads(stats[0].read_text(encoding="utf-8")) if stats else None
             for f in [*stats, *h.dump_dir.glob("plugin-*.json")]:
                 shutil.copyfile(f, out / f"{a.name}-{f.name}")
         stop_servers(a.state, grace_s=10)
@@ -205,7 +205,7 @@ def shard_and_export(a: argparse.Namespace, prompts: list[Prompt], got: list[Cap
         if k == 3:  # `hsextract validate --reference`: the shipped speculators v1 sample holds 3 aux + final
             from hsextract.report.validate import failure_line, validate_shard
 
-            vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+            vocab = json.loads((Path(a.model) / "config.json").read_text(encoding="utf-8"))["vocab_size"]
             rep = validate_shard(shard, Path(__file__).resolve().parents[2] / "resources" / "reference" /
                                  "speculators-v1-data_0.pt", vocab_size=vocab)
             res["shard_validate_passed"] = rep["passed"]
@@ -287,7 +287,7 @@ def main() -> int:
         aux = tuple(preset_layers(a.aux[0], read_model_shape(a.model).num_layers))
     else:
         aux = tuple(int(x) for x in a.aux)
-    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(a.model) / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     prompts = make_prompts(a.n, vocab, seed=7, max_len=a.max_len)
     spec = CaptureSpec(aux_layers=aux, final_state="both")
     mode = a.checks if a.checks != "auto" else ("token" if is_moe(a.model) else "sample")
@@ -333,9 +333,9 @@ def main() -> int:
         res["traceback"] = traceback.format_exc()
         res["pass"] = False
         print(res["traceback"], file=sys.stderr, flush=True)
-    (out / f"fidelity-{a.name}.json").write_text(json.dumps(res, indent=1, default=str))
+    (out / f"fidelity-{a.name}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     lines = markdown(a.name, res)
-    (out / f"fidelity-{a.name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"fidelity-{a.name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines), flush=True)
     return 0 if res["pass"] else 1
 

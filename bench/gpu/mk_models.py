@@ -112,7 +112,7 @@ def main() -> None:
             (out / name).mkdir(parents=True, exist_ok=True)
             cfg = make().to_dict()
             cfg["architectures"] = ["LlamaForCausalLM"]
-            (out / name / "config.json").write_text(json.dumps(cfg, indent=1))
+            (out / name / "config.json").write_text(json.dumps(cfg, indent=1), encoding="utf-8")
     if wanted("llama"):
         save(LlamaForCausalLM, llama_tiny(), out / "llama", seed=0)
     if wanted("deepseek") or (wanted("deepseek-fixed") and not (out / "deepseek" / "config.json").exists()):

@@ -65,9 +65,9 @@ def make_twin(src: Path, dst: Path, spacing: float = 2.0) -> int:
         raise SystemExit(f"{src}: no e_score_correction_bias found: not a DeepSeek-V3-style MoE checkpoint")
     info = dst / "hsextract_tiny.json"
     if info.is_file():
-        d = json.loads(info.read_text())
+        d = json.loads(info.read_text(encoding="utf-8"))
         d["routing_fixed"] = f"e_score_correction_bias = arange(E) * {spacing} in {changed} routers"
-        info.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+        info.write_text(json.dumps(d, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return changed
 
 
@@ -235,7 +235,7 @@ def fidelity_md(res: dict) -> list[str]:
 
 # ---- summary ---------------------------------------------------------------------------------------------
 def summary(steps_file: Path, out_md: Path) -> None:
-    doc = json.loads(steps_file.read_text())
+    doc = json.loads(steps_file.read_text(encoding="utf-8"))
     lines = [f"# The production command on {doc.get('machine', '?')}", "",
              f"{doc.get('when', '')}; budget {doc.get('budget_s')} s after set-up; set-up {doc.get('setup_s')} s.",
              "", "| step | command | rc | s | jobs that ran (rule: count) | extract chunks | verdict |",
@@ -253,7 +253,7 @@ def summary(steps_file: Path, out_md: Path) -> None:
     fid = doc.get("fidelity")
     if fid:
         lines += fidelity_md(fid)
-    out_md.write_text("\n".join(lines) + "\n")
+    out_md.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 # ---- the key: at rest, in sight, at the door ---------------------------------------------------------------
@@ -287,7 +287,7 @@ def secrets_check(state: Path, paths: list[Path]) -> dict:
                 procs["read"] += what == "cmdline"
             except OSError:
                 pass
-    url = json.loads((state / "replica-0.json").read_text())["url"]
+    url = json.loads((state / "replica-0.json").read_text(encoding="utf-8"))["url"]
     body = json.dumps({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}).encode()
     http = {}
     for name, auth in (("no key", None), ("wrong key", "Bearer " + "0" * len(key)), ("the key", "Bearer " + key)):
@@ -313,7 +313,7 @@ def agentic(model: str, out: Path, n: int) -> None:
     from hsextract.prepare.run import load_tokenizer
 
     convs = conversations(n, 3, 8, 400, load_tokenizer(model, trust_remote_code=True))
-    out.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    out.write_text("".join(json.dumps(c) + "\n" for c in convs), encoding="utf-8")
 
 
 def main() -> int:
@@ -354,15 +354,15 @@ def main() -> int:
         agentic(a.model, a.out, a.n)
         print(f"{a.out}: {a.n} conversations")
     elif a.cmd == "jobs":
-        print(json.dumps(parse_jobs(a.log.read_text(errors="replace"))))
+        print(json.dumps(parse_jobs(a.log.read_text(errors="replace", encoding="utf-8"))))
     elif a.cmd == "fidelity":
         res = fidelity(a.run, a.model, a.device, a.tol, a.max_samples)
-        a.out.write_text(json.dumps(res, indent=1))
+        a.out.write_text(json.dumps(res, indent=1), encoding="utf-8")
         print("\n".join(fidelity_md(res)))
         return 0 if res["pass"] else 1
     elif a.cmd == "secrets":
         res = secrets_check(a.state, a.paths)
-        a.out.write_text(json.dumps(res, indent=1))
+        a.out.write_text(json.dumps(res, indent=1), encoding="utf-8")
         print(f"{'PASS' if res['pass'] else 'FAIL'}: key found {res['key_found']}; files with the key "
               f"{res.get('files_with_key')} of {res.get('files_scanned')}; command lines {res.get('cmdlines_with_key')}"
               f", environments {res.get('environs_with_key')} of {res.get('processes_read')} processes; generate "

@@ -55,7 +55,7 @@ def block_info(folder: Path) -> dict[str, str]:
             if q.is_dir():
                 for k in ("read_ahead_kb", "max_sectors_kb", "nr_requests", "scheduler", "rotational"):
                     if (q / k).exists():
-                        info[k] = (q / k).read_text().strip()
+                        info[k] = (q / k).read_text(encoding="utf-8").strip()
                 break
     except (OSError, IndexError):
         pass
@@ -217,7 +217,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder)
     if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
+        Path(a.out).write_text(json.dumps(res, indent=1), encoding="utf-8")
     print("| pattern | " + " | ".join(f"{p} proc" for p in a.procs) + " |")
     print("|---|" + "---|" * len(a.procs))
     for pattern in a.patterns:

@@ -27,7 +27,7 @@ from typing import Any
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 def _assistant_texts(rec: dict[str, Any]) -> list[str]:
@@ -131,14 +131,14 @@ def serve(model: str, port: int, deterministic: bool) -> None:
 
 
 def summary(steps: Path, out: Path) -> None:
-    rows = [json.loads(line) for line in steps.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in steps.read_text(encoding="utf-8").splitlines() if line.strip()]
     lines = ["# Regeneration through SGLang (bench/gpu/run_regenerate.sh)", "",
              "| step | rc | seconds | verdict |", "|---|---|---|---|"]
     lines += [f"| {r['name']} | {r['rc']} | {r['seconds']} | {r['verdict']} |" for r in rows]
     for r in rows:
         if r.get("detail"):
             lines += ["", f"## {r['name']}", "", "```", json.dumps(r["detail"], indent=1)[:4000], "```"]
-    out.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 def main() -> int:
@@ -162,7 +162,7 @@ def main() -> int:
     a = ap.parse_args()
     if a.cmd == "compare":
         res = compare(a.a, a.b, a.model)
-        a.out.write_text(json.dumps(res, indent=1) + "\n")
+        a.out.write_text(json.dumps(res, indent=1) + "\n", encoding="utf-8")
         print(json.dumps(res))
         return 0
     if a.cmd == "same":

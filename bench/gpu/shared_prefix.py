@@ -284,7 +284,7 @@ def main() -> int:
     device = os.environ.get("HSX_DEVICE", "cuda")
     aux = (tuple(preset_layers(a.aux, read_model_shape(a.model).num_layers)) if not a.aux[0].isdigit()
            else tuple(int(x) for x in a.aux.split(",")))
-    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(a.model) / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     chunk = synthetic_chunk(a, vocab)
     refs = list(zip(chunk.parents or [], chunk.prefix_lens or [], strict=True))
     spec = CaptureSpec(aux_layers=aux, final_state="pre_norm")
@@ -300,8 +300,8 @@ def main() -> int:
     def write() -> None:
         res["checks"] = verdict(res)
         res["pass"] = "error" not in res and all(res["checks"].values()) and "shared_vs_flat" in res
-        json_path.write_text(json.dumps(res, indent=1, default=str))
-        md_path.write_text(markdown(res))
+        json_path.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+        md_path.write_text(markdown(res), encoding="utf-8")
 
     def on_term(signum: int, frame: object) -> None:  # `timeout` on the device: still write the json
         raise RuntimeError(f"killed by signal {signum} (time budget of the device call)")
@@ -327,7 +327,7 @@ def main() -> int:
         res["error"] = "".join(traceback.format_exception(e))[-4000:]
         print(res["error"], file=sys.stderr, flush=True)
     write()
-    print(md_path.read_text(), flush=True)
+    print(md_path.read_text(encoding="utf-8"), flush=True)
     return 0 if res["pass"] else 1
 
 

@@ -57,7 +57,7 @@ class TracedStream(SampleStream):
             yield s
             EVENTS.append(("handover", os.getpid(), t0, time.perf_counter()))
         tmp = self.dump / f".{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(EVENTS))
+        tmp.write_text(json.dumps(EVENTS), encoding="utf-8")
         tmp.rename(self.dump / f"{os.getpid()}.json")  # whole or absent for the reader below
 
 
@@ -83,7 +83,7 @@ def epoch(loader: DataLoader, stream: TracedStream, n: int) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{stream.dump}: not every worker wrote its trace within 60 s of the epoch's end")
         time.sleep(0.05)  # the workers write their traces after their last sample (diagnosis script, not a test)
-    ev = [e for f in stream.dump.glob("*.json") for e in json.loads(f.read_text())]
+    ev = [e for f in stream.dump.glob("*.json") for e in json.loads(f.read_text(encoding="utf-8"))]
     out: dict[str, Any] = {"wall_s": wall, "first_s": arrivals[0], "samples": len(arrivals)}
     for what in ("read", "decode", "handover"):
         d = [b - a for w, _, a, b in ev if w == what]
@@ -152,7 +152,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder)  # the shards (gigabytes)
     if a.out:
-        Path(a.out).write_text(json.dumps(res))
+        Path(a.out).write_text(json.dumps(res), encoding="utf-8")
 
 
 if __name__ == "__main__":

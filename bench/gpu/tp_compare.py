@@ -39,7 +39,7 @@ from hsextract.sglang_plugin import dumpfiles
 
 def read_dump_dir(dump_dir: Path) -> tuple[list[dict], dict[int, dict]]:
     """The plugin's markers (one plugin-<pid>.json per scheduler process) and writer stats, by pid."""
-    markers = [json.loads(f.read_text()) for f in sorted(Path(dump_dir).glob("plugin-*.json"))]
+    markers = [json.loads(f.read_text(encoding="utf-8")) for f in sorted(Path(dump_dir).glob("plugin-*.json"))]
     return markers, dumpfiles.read_writer_stats(dump_dir)
 
 
@@ -64,7 +64,7 @@ def capture(a: argparse.Namespace) -> int:
     runs.mkdir(parents=True, exist_ok=True)
     res: dict = {"name": a.name, "model": a.model, "tp": a.tp, "dp": a.dp, "gpus": a.gpus, "aux": a.aux,
                  "n": a.n, "again": a.again, "chunked_prefill_size": a.chunked_prefill_size}
-    vocab = json.loads((Path(a.model) / "config.json").read_text())["vocab_size"]
+    vocab = json.loads((Path(a.model) / "config.json").read_text(encoding="utf-8"))["vocab_size"]
     prompts = make_prompts(a.n, vocab, seed=7)
     spec = CaptureSpec(aux_layers=tuple(a.aux), final_state="post_norm")  # the figures in bench/README.md
     extra = ["--enable-dp-attention", "--dp", str(a.dp)] if a.dp > 1 else []
@@ -116,7 +116,7 @@ def capture(a: argparse.Namespace) -> int:
             except Exception:  # noqa: BLE001 - best effort: the error above is the result
                 pass
         stop_servers(a.state, grace_s=10)
-    (runs / f"{a.name}.json").write_text(json.dumps(res, indent=1, default=str))
+    (runs / f"{a.name}.json").write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     print(f"[{a.name}] {'PASS' if res['pass'] else 'FAIL'} "
           f"writers {json.dumps((res.get('writers') or {}).get('checks'))}"
           f"{' error ' + res['error'] if 'error' in res else ''}", flush=True)
@@ -130,9 +130,9 @@ def compare(a: argparse.Namespace) -> int:
     mode = a.mode if a.mode != "auto" else ("token" if is_moe(a.model) else "sample")
     results = compare_model(Path(a.runs), a.name, a.ref, a.cands, a.aux, mode=mode, tp=a.tp, tol=a.tol,
                             flip_bound=a.flip_bound)
-    (out / f"tp-{a.name}.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / f"tp-{a.name}.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
     lines = verdict_markdown(a.name, results)
-    (out / f"tp-{a.name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"tp-{a.name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines), flush=True)
     return 0 if results["pass"] else 1
 

@@ -207,7 +207,7 @@ def _configfile_config(paths: Sequence[str]) -> dict:
     layers = []
     for path in paths:
         try:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ConfigError(f"--configfile: cannot read {path} ({e})") from None
         if not isinstance(loaded, dict):
@@ -321,6 +321,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def entry() -> int:
     """The `hsextract` command: main, with SIGTERM unwinding the writers (no temporary output left behind)."""
     atomic.exit_on_sigterm()
+    for stream in (sys.stdout, sys.stderr):  # a locale that cannot write ⟦ or a sample's name: escaped, not a crash
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     return main()
 
 

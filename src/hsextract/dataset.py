@@ -60,7 +60,7 @@ def manifest_shards(run_dir: Path, *, verify_checksums: bool = False, allow_miss
     """
     manifest = run_dir / MANIFEST_NAME
     try:
-        entries = json.loads(manifest.read_text())["shards"]
+        entries = json.loads(manifest.read_text(encoding="utf-8"))["shards"]
         listed = [(run_dir / e["path"], int(e["bytes"]), str(e["sha256"])) for e in entries]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ShardError(f"{manifest}: not a readable hsextract dataset.json ({type(e).__name__}: {e}); "
@@ -119,7 +119,7 @@ def _prompts_rewritten(run_dir: Path, entries: list[dict[str, Any]]) -> list[int
     from hsextract.config import chunks
 
     try:
-        summary = json.loads((run_dir / "prompts" / "summary.json").read_text())
+        summary = json.loads((run_dir / "prompts" / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return []
     out = []

@@ -72,7 +72,9 @@ ADDITIONAL_TEMPLATES = "additional_chat_templates"
 def additional_templates(root: Path) -> dict[str, str]:
     """{name: text} of the named templates in `root`/additional_chat_templates/<name>.jinja."""
     folder = root / ADDITIONAL_TEMPLATES
-    return {p.stem: p.read_text() for p in sorted(folder.glob("*.jinja")) if p.is_file()} if folder.is_dir() else {}
+    if not folder.is_dir():
+        return {}
+    return {p.stem: p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.jinja")) if p.is_file()}
 
 
 def jinja_templates(root: Path) -> str | dict[str, str] | None:
@@ -82,14 +84,14 @@ def jinja_templates(root: Path) -> str | dict[str, str] | None:
     if not jinja.is_file():
         return None
     named = additional_templates(root)
-    return {"default": jinja.read_text(), **named} if named else jinja.read_text()
+    return {"default": jinja.read_text(encoding="utf-8"), **named} if named else jinja.read_text(encoding="utf-8")
 
 
 def _auto_map_modules(root: Path) -> list[str]:
     """The files of the modules tokenizer_config.json's `auto_map` names here ("module.Class"; not
     "repo--module.Class", another repository's code)."""
     try:
-        auto_map = json.loads((root / "tokenizer_config.json").read_text()).get("auto_map")
+        auto_map = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8")).get("auto_map")
     except (OSError, ValueError, AttributeError):
         return []
     refs = [r for v in (auto_map.values() if isinstance(auto_map, dict) else ())
@@ -187,7 +189,7 @@ def chat_template_text(tokenizer_dir: str) -> str | None:
         return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     cfg = root / "tokenizer_config.json"
     if cfg.is_file():
-        template = json.loads(cfg.read_text()).get("chat_template")
+        template = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
         if isinstance(template, str):
             return template
         if isinstance(template, list):  # named templates: hash them all, in order

@@ -3,7 +3,7 @@ the RMS plot."""
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1, encoding="utf-8")
 
 from hsextract.report.aggregate import write_aggregate
 

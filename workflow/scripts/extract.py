@@ -2,7 +2,7 @@
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1, encoding="utf-8")
 
 from hsextract.atomic import exit_on_sigterm
 

@@ -3,7 +3,7 @@ configuration of more chunks left are removed first."""
 
 import sys
 
-sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1)
+sys.stderr = sys.stdout = open(snakemake.log[0], "a", buffering=1, encoding="utf-8")
 
 from hsextract.config.settings import from_config
 from hsextract.report.manifest import write_manifest

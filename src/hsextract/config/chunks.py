@@ -127,7 +127,7 @@ def damaged_prompts(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix
     changed behind prepare's back, the shard made from the original is good. Only such newer files are hashed."""
     run = Path(run_dir)
     try:
-        summary = json.loads((run / "prompts" / "summary.json").read_text())
+        summary = json.loads((run / "prompts" / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     for c in range(n_chunks):

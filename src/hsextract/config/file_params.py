@@ -118,7 +118,7 @@ def template_identity(chat_template: str | None, tokenizer_dir: str, produced: S
 
     if chat_template:
         path = chat_template_file(chat_template)
-        return text_hash(path.read_text()) if path is not None and _local(str(path), produced) else None
+        return text_hash(path.read_text(encoding="utf-8")) if path is not None and _local(str(path), produced) else None
     root = _local(tokenizer_dir, produced)
     return text_hash(chat_template_text(str(root))) if root is not None and root.is_dir() else None
 

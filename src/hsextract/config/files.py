@@ -63,7 +63,7 @@ def check_report_ready(argv: Sequence[str], run_dir: str | Path, n_chunks: int |
         raise ConfigError(f"snakemake --report: {manifest} does not exist: the run has not finished (a chunk failed, "
                           f"or it has not run yet), and {finish}")
     try:
-        listed = json.loads(manifest.read_text())["shards"]
+        listed = json.loads(manifest.read_text(encoding="utf-8"))["shards"]
         written = manifest.stat().st_mtime
         paths = [Path(run_dir) / str(entry["path"]) for entry in listed]
     except (OSError, ValueError, KeyError, TypeError):

@@ -47,7 +47,7 @@ def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def _read_local(path: Path) -> Any:
     cfg_path = path / "config.json"
     try:
-        return json.loads(cfg_path.read_text())
+        return json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ModelInfoError(
             f"model: cannot read {cfg_path} ({e}); `model` must be a Hugging Face model "
@@ -59,7 +59,7 @@ def _read_hub(model: str) -> Any:
     try:
         from huggingface_hub import hf_hub_download
 
-        return json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+        return json.loads(Path(hf_hub_download(model, "config.json")).read_text(encoding="utf-8"))
     except Exception as e:  # noqa: BLE001 - any failure means the model cannot be read
         first = str(e).splitlines()[0] if str(e) else ""
         raise ModelInfoError(

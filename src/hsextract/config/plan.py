@@ -96,7 +96,7 @@ def _tokens_per_record(summary_path: str, share_prefixes: bool) -> tuple[float, 
     summary. With share_prefixes the first are its `distinct_tokens` (each shared prefix once), the second its
     `tokens` (each sample whole, as a trainer reads it); without, the tokens and None."""
     try:
-        summary = json.loads(Path(summary_path).read_text())
+        summary = json.loads(Path(summary_path).read_text(encoding="utf-8"))
         read, tokens = int(summary["read"]), int(summary["tokens"])
         distinct = int(summary["distinct_tokens"]) if "distinct_tokens" in summary else None
     except (OSError, ValueError, KeyError, TypeError) as e:

@@ -279,7 +279,7 @@ def schema() -> dict[str, Any]:
     import yaml
 
     try:
-        return yaml.safe_load(SCHEMA_PATH.read_text())
+        return yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError(
             f"cannot read the config schema {SCHEMA_PATH} ({e}), hsextract's package data (in a checkout a "

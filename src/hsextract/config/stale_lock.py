@@ -34,7 +34,7 @@ LOCKS = Path(".snakemake") / "locks"
 
 def _boot_id() -> str:
     try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return Path("/proc/sys/kernel/random/boot_id").read_text(encoding="utf-8").strip()
     except OSError:
         return ""
 
@@ -133,7 +133,7 @@ def remove_stale_lock(workdir: Path) -> str | None:
     if not owners:
         return None
     try:
-        recs = [json.loads(p.read_text()) for p in owners]
+        recs = [json.loads(p.read_text(encoding="utf-8")) for p in owners]
         newest_lock = max((p.stat().st_mtime_ns for p in locks), default=0)
     except (OSError, ValueError):
         return None

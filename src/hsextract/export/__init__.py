@@ -138,7 +138,7 @@ def _listed_shards(path: Path) -> int | None:
     from hsextract.dataset import MANIFEST_NAME, run_folder
 
     run = run_folder(path)
-    return len(json.loads((run / MANIFEST_NAME).read_text())["shards"]) if run is not None else None
+    return len(json.loads((run / MANIFEST_NAME).read_text(encoding="utf-8"))["shards"]) if run is not None else None
 
 
 __all__ = ["CONSUMER_FINAL_STATE", "FORMATS", "FinalNormWarning", "export", "final_norm_message"]

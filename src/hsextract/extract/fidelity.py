@@ -67,7 +67,7 @@ def dist(errs: torch.Tensor, flip: float = FLIP) -> dict:
 # ---- the model's layers ----------------------------------------------------------------------------------
 def is_moe(model_dir: str | Path) -> bool:
     """Whether the model in `model_dir` (its config.json) routes tokens to experts."""
-    cfg = text_config(json.loads((Path(model_dir) / "config.json").read_text()))
+    cfg = text_config(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
     return any(int(cfg.get(k) or 0) > 0 for k in ("n_routed_experts", "num_experts", "num_local_experts"))
 
 
@@ -297,7 +297,7 @@ def compare_model(runs: Path, model: str, ref: str, cands: list[str], aux: list[
     def meta(name: str) -> dict:
         p = runs / f"{name}.json"
         if p.is_file():
-            return json.loads(p.read_text())
+            return json.loads(p.read_text(encoding="utf-8"))
         return {"name": name, "error": f"no {p.name}: the capture run did not finish (see run.log)"}
 
     rm = meta(ref)

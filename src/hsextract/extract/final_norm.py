@@ -123,7 +123,7 @@ def read_final_norm(model: str, dtype: str = "bfloat16") -> FinalNorm:
     cfg_path = _resolve(model, "config.json")
     if cfg_path is None:
         raise ConfigError(f"model {model}: no readable config.json, so its final norm cannot be recorded")
-    text = text_config(json.loads(cfg_path.read_text()))
+    text = text_config(json.loads(cfg_path.read_text(encoding="utf-8")))
     model_type = str(text.get("model_type", ""))
     kind = NORM_KINDS.get(model_type)
     if kind is None:
@@ -136,7 +136,7 @@ def read_final_norm(model: str, dtype: str = "bfloat16") -> FinalNorm:
 
     index = _resolve(model, "model.safetensors.index.json")
     if index is not None:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         name = _weight_name(list(weight_map), str(index))
         file = _resolve(model, weight_map[name])
     else:

@@ -104,7 +104,7 @@ def profile_executor(name: str, roots: Sequence[Path]) -> str | None:
             continue
         for f in sorted(d.glob("*.yaml")):
             try:
-                data = yaml.safe_load(f.read_text())
+                data = yaml.safe_load(f.read_text(encoding="utf-8"))
             except (OSError, yaml.YAMLError):
                 continue
             if isinstance(data, dict) and isinstance(data.get("executor"), str):

@@ -315,7 +315,7 @@ def run_extract(
     prompts = read_prompts(prompts_path)
     template_hash = None
     if prepare_summary is not None:
-        summary = json.loads(Path(prepare_summary).read_text())
+        summary = json.loads(Path(prepare_summary).read_text(encoding="utf-8"))
         template_hash = summary.get("chat_template_sha256")
         check_written(prompts_path, prompts.sha256, chunk, summary, prepare_summary)
     spec = capture_spec(settings)

@@ -61,7 +61,7 @@ def weight_names(model: str) -> list[str]:
     """Every tensor name of a safetensors checkpoint (its index, else model.safetensors); [] when neither."""
     index = _file(model, WEIGHTS_INDEX)
     if index is not None:
-        return sorted(json.loads(index.read_text())["weight_map"])
+        return sorted(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
     single = _file(model, WEIGHTS_FILE)
     if single is None:
         return []
@@ -77,7 +77,7 @@ def find_wrapped_text_model(model: str) -> WrappedTextModel | None:
     if cfg_path is None:
         return None
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except ValueError:
         return None
     text = text_config(cfg) if isinstance(cfg, dict) else None

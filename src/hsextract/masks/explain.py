@@ -1,7 +1,8 @@
 """`hsextract masks --explain`: a conversation's samples as text, trained spans marked, to check a template by eye.
 
 Each sample is printed as its decoded tokens with every run of trained tokens between ⟦ and ⟧ (with
-`--color`, in colour instead: reasoning blue, eot yellow, the rest green). Nothing is tokenized back: the
+`--color`, in colour instead: reasoning blue, eot yellow, the rest green), characters that do not print (control,
+format) as their escapes. Nothing is tokenized back: the
 marks sit exactly on token boundaries, as the mask does. A record prepare would drop is shown with its reason
 and the error's words, and the next one is explained. The first line names the variables the template reads
 that `chat_template_kwargs` can set (kwargs.py), and the kwargs given.
@@ -26,8 +27,15 @@ _RESET = "\x1b[0m"
 
 def _decode(tokenizer: Any, ids: list[int]) -> str:
     # Slow tokenizers of transformers 4.x put a space around special tokens unless told not to.
-    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False,
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False,
                             spaces_between_special_tokens=False)
+    return "".join(c if c.isprintable() or c in "\n\t" else _escaped(c) for c in text)
+
+
+def _escaped(c: str) -> str:
+    """A character the terminal would act on or hide (NUL, an escape sequence's ESC, a bidi override, a zero-width
+    joiner) as its escape, as repr writes it: the data's own bytes never recolour or reorder the view."""
+    return repr(c)[1:-1]
 
 
 def marked(sample: MaskedSample, tokenizer: Any) -> str:

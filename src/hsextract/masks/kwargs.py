@@ -160,14 +160,14 @@ def stored_template(tokenizer_dir: str | Path, chat_template: str | None = None)
 
     if chat_template:
         path = chat_template_file(chat_template)
-        return path.read_text() if path else chat_template
+        return path.read_text(encoding="utf-8") if path else chat_template
     from hsextract.provenance import jinja_templates
 
     root = Path(tokenizer_dir)
     if (template := jinja_templates(root)) is not None:  # transformers 5's files, named templates beside
         return template
     try:
-        template = json.loads((root / "tokenizer_config.json").read_text()).get("chat_template")
+        template = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
     except (OSError, ValueError, AttributeError):
         return None
     if isinstance(template, list):  # named templates: each renders the records it is chosen for

@@ -291,7 +291,7 @@ def _hf_disk_dir(path: Path, split: str | None) -> Path:
     """The Dataset directory of a `save_to_disk` directory: itself, or its split's for a DatasetDict (one
     Dataset directory per split: loading only that one leaves the other splits unread)."""
     if (path / "dataset_dict.json").exists():
-        splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+        splits = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
         if split is None:
             if len(splits) != 1:
                 raise ConfigError(f"{path} is a DatasetDict with splits {splits}: set `split:` on this source")
@@ -306,7 +306,7 @@ def _hf_disk_dir(path: Path, split: str | None) -> Path:
 
 def _hf_disk_files(path: Path) -> list[Path]:
     """Arrow files of one Dataset directory of `save_to_disk`, in order (state.json `_data_files`)."""
-    files = [path / f["filename"] for f in json.loads((path / "state.json").read_text())["_data_files"]]
+    files = [path / f["filename"] for f in json.loads((path / "state.json").read_text(encoding="utf-8"))["_data_files"]]
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise ConfigError(f"{path}: state.json lists Arrow files that are missing: {missing}")

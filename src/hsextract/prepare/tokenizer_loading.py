@@ -213,7 +213,7 @@ def load_tokenizer(tokenizer: Any, chat_template: str | None = None, *, trust_re
             raise incompatible_code_error(source, code, e) from e
     if chat_template:
         path = chat_template_file(chat_template)
-        tokenizer.chat_template = path.read_text() if path else chat_template
+        tokenizer.chat_template = path.read_text(encoding="utf-8") if path else chat_template
     return tokenizer
 
 

@@ -43,7 +43,7 @@ def write_chunk(out_path: str | os.PathLike[str], lines: Sequence[str], summary:
 def records_written(stats: Path) -> int | None:
     """The records a chunk's stats say its file holds (one line each); None without a readable count."""
     try:
-        n = json.loads(stats.read_text()).get("records")
+        n = json.loads(stats.read_text(encoding="utf-8")).get("records")
     except (OSError, ValueError, AttributeError, RecursionError):
         return None
     return n if isinstance(n, int) and not isinstance(n, bool) else None
@@ -80,7 +80,7 @@ def concat_chunks(chunk_paths: Sequence[str | os.PathLike[str]], out_path: str |
         if not sp.is_file():
             uncounted = True
             continue
-        st = json.loads(sp.read_text())
+        st = json.loads(sp.read_text(encoding="utf-8"))
         summed.setdefault("settings", st.get("settings"))
         for k, v in st.items():
             if k in ("chunk", "settings"):

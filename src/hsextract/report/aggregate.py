@@ -22,7 +22,7 @@ def write_aggregate(prepare_summary: str | Path, chunk_stats: Sequence[str | Pat
     """The rule's outputs (`out`: each table's TSV by name, `<name>_html` for its page and `validation_html`,
     `token_freq`, `rms_plot`); returns the summary table. One chunk's statistics in memory at a time: thousands of
     chunks, each holding up to a vocabulary's counts."""
-    summary = json.loads(Path(prepare_summary).read_text())
+    summary = json.loads(Path(prepare_summary).read_text(encoding="utf-8"))
     totals = ChunkTotals(iter_json_files(chunk_stats))
     tables = totals.tables(summary)
     for name in TABLES:

@@ -115,7 +115,7 @@ def _rel(path: str | Path, root: Path) -> str:
 
 
 def _load_json(path: str | Path) -> Any:
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         return json.load(f)
 
 

@@ -124,7 +124,7 @@ def iter_json_files(paths: Iterable[str | Path]) -> Iterator[dict[str, Any]]:
     """One JSON object per file, in order, each read when asked for: a consumer that folds them (ChunkTotals)
     holds one file's at a time."""
     for p in paths:
-        with open(p) as f:
+        with open(p, encoding="utf-8") as f:
             yield json.load(f)
 
 

@@ -260,7 +260,7 @@ class _Tree:
                 self._cache[rel] = self.zf.read(rel).decode() if rel in self._names else None
             else:
                 p = self.root / rel
-                self._cache[rel] = p.read_text() if p.is_file() else None
+                self._cache[rel] = p.read_text(encoding="utf-8") if p.is_file() else None
         return self._cache[rel]
 
     def list(self, prefix: str) -> list[str]:
@@ -411,7 +411,7 @@ def check_directory(site: str | Path) -> CompatReport:
     """Check the `sglang/` package under a site-packages directory."""
     site = Path(site)
     metas = sorted(site.glob("sglang-*.dist-info/METADATA"))
-    version = _metadata_version(metas[-1].read_text()) if metas else None
+    version = _metadata_version(metas[-1].read_text(encoding="utf-8")) if metas else None
     return check_tree(_Tree(root=site), str(site / "sglang"), version)
 
 
@@ -420,7 +420,8 @@ def check_installed(python: str | None = None) -> CompatReport:
     code = ("import importlib.util, json; s = importlib.util.find_spec('sglang'); "
             "print(json.dumps([list(s.submodule_search_locations) if s else None, "
             "importlib.util.find_spec('xxhash') is not None]))")
-    out = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([python or sys.executable, "-c", code], capture_output=True, text=True, encoding="utf-8",
+                         errors="replace", timeout=120)
     locs, has_xxhash = json.loads(out.stdout.strip() or "[null, false]") if out.returncode == 0 else (None, False)
     if not locs:
         r = CompatReport(source=python or sys.executable, version=None)

@@ -74,7 +74,7 @@ def server_python(settings: ExtractSettings, root: str | Path = ".") -> str:
         return settings.sglang.python
     p = patched_path(settings, root)
     if p.is_file():
-        py = json.loads(p.read_text()).get("python")
+        py = json.loads(p.read_text(encoding="utf-8")).get("python")
         if py:
             return str(py)
     return sys.executable
@@ -206,7 +206,7 @@ def installed_plugin_dir(python: str) -> Path:
     when it cannot import it."""
     code = (f"import importlib.util; s = importlib.util.find_spec({PLUGIN_PACKAGE!r}); "
             "print(s.submodule_search_locations[0] if s and s.submodule_search_locations else '')")
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, encoding="utf-8", errors="replace")
     where = proc.stdout.strip()
     if proc.returncode != 0 or not where:
         raise EngineError(f"{python} cannot import {PLUGIN_PACKAGE}: install hsextract into that environment "
@@ -250,7 +250,7 @@ def build_patched(
     if install:
         cmd = [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", str(repo)]
         print("+", " ".join(cmd), flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace")
         print(proc.stdout[-4000:], proc.stderr[-4000:], sep="\n", flush=True)
         if proc.returncode != 0:
             raise EngineError(f"installing {repo} into {py} failed (exit {proc.returncode}): "

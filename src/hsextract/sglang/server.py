@@ -614,7 +614,7 @@ def ensure_server(state_dir: str | Path, cfg: ServerConfig, replica: int = 0) ->
     key_file = keyfile.key_path(state_dir, replica)
     with _locked(state_dir / f"replica-{replica}.lock"):
         if ep.exists():
-            old = ServerHandle.from_json(ep.read_text())
+            old = ServerHandle.from_json(ep.read_text(encoding="utf-8"))
             old.api_key = keyfile.read_key(key_file)
             if (old.config_hash == h_cfg and old.api_key is not None and cfg.api_key in (None, old.api_key)
                     and old.gone(thorough=True) is None and health(old.url) is None and _has_marker(old.dump_dir)):
@@ -691,7 +691,7 @@ def stop_servers(state_dir: str | Path, grace_s: float = 30.0) -> list[int]:
         replica = int(ep.stem.split("-")[1])
         with _locked(state_dir / f"replica-{replica}.lock"):
             try:
-                h = ServerHandle.from_json(ep.read_text())
+                h = ServerHandle.from_json(ep.read_text(encoding="utf-8"))
             except (OSError, ValueError, TypeError):
                 ep.unlink(missing_ok=True)
                 keyfile.remove_key(keyfile.key_path(state_dir, replica))
@@ -705,7 +705,7 @@ def stop_servers(state_dir: str | Path, grace_s: float = 30.0) -> list[int]:
 
 def _tail(path: Path, n: int = 30) -> str:
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(path.read_text(errors="replace", encoding="utf-8").splitlines()[-n:])
     except OSError:
         return "(no log)"
 
@@ -729,7 +729,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     out = []
     for ep in sorted(ep for d in dirs for ep in d.glob("replica-*.json")):
-        h = ServerHandle.from_json(ep.read_text())
+        h = ServerHandle.from_json(ep.read_text(encoding="utf-8"))
         out.append({"replica": h.replica, "url": h.url, "pid": h.pid, "alive": _alive(h.pid),
                     "health": health(h.url) or "ok", "dump_dir": str(h.dump_dir)})
     print(json.dumps(out, indent=1))

@@ -208,7 +208,7 @@ def read_writer_stats(dump_dir: Path) -> dict[int, dict]:
     out = {}
     for f in sorted(Path(dump_dir).glob("stats-*.json")):
         try:
-            out[int(f.stem.split("-", 1)[1])] = json.loads(f.read_text())
+            out[int(f.stem.split("-", 1)[1])] = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
     return out

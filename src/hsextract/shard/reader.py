@@ -106,7 +106,7 @@ def hint_piece(dev: int, sys_root: Path = Path("/sys")) -> int:
     node = sys_root / "dev" / "block" / f"{os.major(dev)}:{os.minor(dev)}"
     for queue in (node / "queue", node / ".." / "queue"):  # a disk, or a partition of one
         try:
-            kb = max(int((queue / name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb"))
+            kb = max(int((queue / name).read_text(encoding="utf-8")) for name in ("read_ahead_kb", "max_sectors_kb"))
         except (OSError, ValueError):
             continue
         return max(kb << 10, 4096)  # read_ahead_kb 0 leaves max_sectors_kb, at least a page

@@ -284,7 +284,7 @@ def make_tiny_model(
             "conversations": str(conversations_path),
             "weights_recipe": WEIGHTS_RECIPE,
         }
-        (tmp / marker.MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+        (tmp / marker.MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         for f in tmp.iterdir():  # safetensors writes owner-only files
             os.chmod(f, 0o644)
     return out

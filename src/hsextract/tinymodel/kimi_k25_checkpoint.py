@@ -259,7 +259,7 @@ def rewrap(model_dir: str | os.PathLike[str], *, media_placeholder_token_id: int
     from safetensors.torch import load_file, save_file
 
     out = Path(model_dir)
-    text = json.loads((out / "config.json").read_text())
+    text = json.loads((out / "config.json").read_text(encoding="utf-8"))
     if text.get("architectures") != [TEXT_ARCHITECTURE]:
         raise ConfigError(f"{out}: packaging kimi-k25 wraps a {TEXT_ARCHITECTURE}, not {text.get('architectures')}")
     lm = {TEXT_PREFIX + k: v for k, v in load_file(str(out / "model.safetensors")).items()}
