@@ -54,9 +54,9 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
     Where the content holds a whole block (opener and closer) and the template renders more closers than the
     content holds, it writes a block of its own beside it (Kimi-K2.5: `<think>` + field + `</think>` before the
     content): the sample would train two blocks, which the model never writes: refused; so is a closer alone
-    there (an R1-style export without the opener, or an answer that names the tag: the tokenizer reads it as the
-    added token, a second closer after the template's). Where the template writes no block of its own, a closer
-    alone in answer text is left as written."""
+    there (a raw generation, which goes on from the prompt's opener, or an answer that names the tag: the
+    tokenizer reads it as the added token, a second closer after the template's). Where the template writes no
+    block of its own, a closer alone in answer text is left as written."""
     user = {"role": "user", "content": "hi"}
     out = list(msgs)
     for j, m in enumerate(msgs):
@@ -93,9 +93,9 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
             f"assistant turn {j}: its content holds `{closer}` (at character {content.index(closer)}), which the "
             f"tokenizer reads as the added token that ends the reasoning block the chat template writes of its own "
             f"before the content: the sample would train a second closer, and the text before it as answer. If "
-            f"that text is reasoning (an export that cut the prompt's `{opener}`), move it to `reasoning_content` "
-            f"and keep the rest in `content`; an answer that names the tag cannot be trained as this tokenizer "
-            f"reads it", reason=REASONING_IN_CONTENT)
+            f"that text is reasoning (a raw generation, which goes on from the prompt's `{opener}`), move it to "
+            f"`reasoning_content` and keep the rest in `content`; an answer that names the tag cannot be trained "
+            f"as this tokenizer reads it", reason=REASONING_IN_CONTENT)
     return out
 
 
