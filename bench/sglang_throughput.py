@@ -205,7 +205,8 @@ class Profile:
             samples = sum(int(line.rsplit(" ", 1)[1]) for line in self.path.read_text(encoding="utf-8").splitlines()
                           if line.strip())
         except (OSError, ValueError, IndexError):
-            return {"file": self.path.name, "error": self.path.with_suffix(".log").read_text(encoding="utf-8")[-300:]}
+            return {"file": self.path.name, "error": self.path.with_suffix(".log").read_text(encoding="utf-8",
+                                                                                          errors="replace")[-300:]}
         return {"file": self.path.name, "gil_samples": samples,
                 "gil_held_share": round(samples / (self.RATE * self.seconds), 3)}
 

@@ -223,12 +223,12 @@ def test_masks_explain_escapes_what_a_terminal_would_act_on_and_never_fails_on_t
 
     make_tokenizer("qwen3").save_pretrained(tmp_path / "model")
     conv = tmp_path / "conv.jsonl"
-    msgs = [{"role": "user", "content": "a\x00b\x1b[31mred\u202etxt"},
+    msgs = [{"role": "user", "content": "a\x00b\x1b[31mred\u202etxt\u3000\u00a0"},
             {"role": "assistant", "content": "ok\r\nthen\x1b[0m\tdone"}]
     conv.write_text(json.dumps({"messages": msgs}) + "\n")
     assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model")]) == 0
     out = capsys.readouterr().out
-    assert "a\\x00b\\x1b[31mred\\u202etxt<|im_end|>" in out
+    assert "a\\x00b\\x1b[31mred\\u202etxt\u3000\u00a0<|im_end|>" in out  # spaces print as they are
     assert "⟦ok\\r\nthen\\x1b[0m\tdone<|im_end|>⟧" in out
     assert not any(c in out for c in "\x00\x1b\u202e\r")
     env = {**__import__("os").environ, "PYTHONIOENCODING": "ascii", "HF_HUB_OFFLINE": "1"}

@@ -4,6 +4,7 @@ through a fast tokenizer and its slow twin (same vocabulary, no offset mappings)
 from __future__ import annotations
 
 import datetime
+import json
 
 import pytest
 import transformers.utils.chat_template_utils as hf_templates
@@ -925,11 +926,23 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
                 "is reasoning (a raw generation, which goes on from the prompt's `<think>`), move it to "
                 "`reasoning_content` and keep the rest in `content`; an answer that names the tag cannot be trained "
                 "as this tokenizer reads it") and e.value.reason == "reasoning_in_content"
-    # where the template writes no block of its own, a closer alone in answer text is the turn as written
+    # where the template writes no block of its own, a closer alone in answer text is the turn as written; closers
+    # the template writes elsewhere (a default system prompt's words, tool-call arguments) are no block of its own
     named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])
     tok = make_tokenizer("llama3")
     (s,) = ChatMasker(tok).encode(named)
     assert "⟦To end it, write </think> and then answer." in marked(s, tok), marked(s, tok)
+    phi4 = ("{%- if messages[0].role != 'system' %}<|im_start|>system\nAnswer as <think> {Thought} </think> "
+            "{Solution}<|im_end|>\n{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+            "<|im_end|>\n{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = tokenizer_with(phi4, SPECIALS["qwen3"], EOS["qwen3"], BOS["qwen3"])
+    (s,) = ChatMasker(tok).encode(Conversation([U("Hello there!"), A("I reason.</think>The answer.")]))
+    assert marked(s, tok).endswith("<|im_start|>assistant\n⟦I reason.</think>The answer.<|im_end|>⟧\n")
+    tok = make_tokenizer("deepseek_r1")
+    calls = [("write", json.dumps({"text": "a </think> b </think>"}))]
+    conv = Conversation([U("Hello there!"), A("I reason.</think>Ok.", calls=calls),
+                         {"role": "tool", "content": "done"}, A("Written.")])
+    assert len(ChatMasker(tok).encode(conv)) == 2  # a sample per turn: R1 drops the reasoning from history
     with pytest.raises(TemplateError, match="reasoning block"):  # this Qwen3-shaped template does not cut it
         ChatMasker(make_tokenizer("qwen3")).encode(inline)
     # Qwen3's own template does: the reasoning field, or else the content cut at `</think>`

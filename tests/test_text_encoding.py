@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_FILES = {"os", "gzip", "tarfile", "zipfile", "bz2", "lzma", "io", "webbrowser"}  # .open() of something else
+NOT_FILES = {"os", "gzip", "tarfile", "zipfile", "bz2", "lzma", "webbrowser"}  # .open() of something else
 
 
 def _unnamed(call: ast.Call) -> bool:

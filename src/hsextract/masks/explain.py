@@ -11,6 +11,7 @@ that `chat_template_kwargs` can set (kwargs.py), and the kwargs given.
 from __future__ import annotations
 
 import json
+import unicodedata
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,12 +30,16 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     # Slow tokenizers of transformers 4.x put a space around special tokens unless told not to.
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False,
                             spaces_between_special_tokens=False)
-    return "".join(c if c.isprintable() or c in "\n\t" else _escaped(c) for c in text)
+    return "".join(_escaped(c) if c not in "\n\t" and unicodedata.category(c) in _HIDDEN else c for c in text)
+
+
+# control, format, line and paragraph separators: what a terminal acts on or hides (NUL, an escape sequence's ESC, a
+# bidi override, a zero-width joiner); spaces (NBSP, CJK's U+3000) and the rest print as they are
+_HIDDEN = ("Cc", "Cf", "Zl", "Zp")
 
 
 def _escaped(c: str) -> str:
-    """A character the terminal would act on or hide (NUL, an escape sequence's ESC, a bidi override, a zero-width
-    joiner) as its escape, as repr writes it: the data's own bytes never recolour or reorder the view."""
+    """The character as repr writes it: the data's own bytes never recolour or reorder the view."""
     return repr(c)[1:-1]
 
 

@@ -80,8 +80,8 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
                     break
             if out[j] is not m:
                 continue
-        if text.count(closer) <= content.count(closer):
-            continue  # the template writes no block of its own: the content is the turn as the model wrote it
+        if not writes_own_block(rd, user, m, opener, closer):
+            continue  # the content is the turn as the model wrote it (or the template cannot say: judged later)
         if opener in head:
             raise TemplateError(
                 f"assistant turn {j}: its content holds a reasoning block (`{opener}` ... `{closer}` at character "
@@ -97,6 +97,18 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
             f"`reasoning_content` and keep the rest in `content`; an answer that names the tag cannot be trained "
             f"as this tokenizer reads it", reason=REASONING_IN_CONTENT)
     return out
+
+
+def writes_own_block(rd: TemplateRenderer, user: dict[str, Any], m: dict[str, Any], opener: str, closer: str) -> bool:
+    """Whether the template writes a reasoning block of its own around the turn m's content: closers in its rendering
+    of m with neither tag in the content or the reasoning and no tool calls, beyond those of the history alone (not
+    those of tool-call arguments, a default system prompt's words or the content itself)."""
+    bare = {k: v.replace(opener, "").replace(closer, "") if k in ("content", "reasoning_content") and
+            isinstance(v, str) else v for k, v in m.items() if k != "tool_calls"}
+    try:
+        return rd.render([user, bare]).count(closer) > rd.render([user]).count(closer)
+    except Exception:  # noqa: BLE001 - a template that needs the turn's calls or more context: judged on the data later
+        return False
 
 
 @dataclass(frozen=True)
