@@ -1,11 +1,15 @@
 # hsextract: EAGLE-3 hidden-state training data (orchestration only; logic lives in src/hsextract).
 import os
 import sys
+import time
 from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
+
+# the run's dataset.json, written after this, is its last word (onsuccess)
+_STARTED = time.time()
 
 # A checkout runs without installing the package: scripts import hsextract from src/.
 _SRC = Path(workflow.basedir) / "src"
@@ -82,6 +86,7 @@ fill_defaults(config)
 validate(config, "workflow/schemas/config.schema.yaml")
 
 from hsextract.config.checks import check as check_config
+from hsextract.report.manifest import finished_line
 
 # Semantic checks (layer ids vs depth, model, reference sample) before any job: the settings tree
 # (PLAN.settings, what workflow/rules/common.smk computes its values from) and the chunk count.
@@ -134,6 +139,10 @@ onstart:
 onsuccess:
     clear_owner(Path.cwd())
     run_hooks(ON_FINISH)
+    if _finished := finished_line(
+        Path("results") / PLAN.settings.extract.run_name, _STARTED
+    ):
+        print(_finished, file=sys.stderr)
 
 
 onerror:

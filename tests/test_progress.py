@@ -1,13 +1,16 @@
-"""Progress bars on a terminal only (prepare, validate, export), and the one-line summaries on success."""
+"""Progress: bars on a terminal, lines in a log (prepare, extract, validate, export), and the one-line summaries on
+success."""
 
 from __future__ import annotations
 
 import io
+import re
 import sys
 
 import pytest
 from conftest import finish_run, make_sample, shard_metadata
 
+from hsextract import progress
 from hsextract.cli import main
 from hsextract.progress import ProgressDataset, bar
 from hsextract.shard import ShardWriter
@@ -18,11 +21,38 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_bar_draws_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bar_draws_on_a_terminal_and_writes_lines_to_a_log(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log or a pipe gets whole lines (count, rate, time taken and left), at most every LOG_EVERY_S, and the end
+    where it got any: none for short work, none with a rate after work stopped short (an error)."""
     log = io.StringIO()
     monkeypatch.setattr(sys, "stderr", log)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 1e9)
     assert list(bar(range(3), desc="validate", unit="shard")) == [0, 1, 2]
-    assert log.getvalue() == ""  # a log file or a pipe gets no bar
+    assert log.getvalue() == ""  # short work: nothing
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # a line at every step
+    assert list(bar(range(3), desc="validate", unit="shard")) == [0, 1, 2]
+    lines = log.getvalue().splitlines()
+    assert "\r" not in log.getvalue() and len(lines) == 4, lines
+    for line, want in zip(lines, ["1/3 shard (33%)", "2/3 shard (67%)", "3/3 shard (100%)", "3/3 shard (100%)"],
+                          strict=True):
+        assert re.fullmatch(rf"validate: {re.escape(want)}, [0-9.]+[kMG]? shard/s, \d\d:\d\d taken"
+                            rf"(, \d\d:\d\d left)?", line), line
+    log.seek(0)
+    log.truncate()
+    with pytest.raises(RuntimeError):
+        for i in bar(range(3), desc="export", unit="sample"):
+            if i == 1:
+                raise RuntimeError("stopped")
+    assert [line.split(", ")[0] for line in log.getvalue().splitlines()] == ["export: 1/3 sample (33%)"]
+    log.seek(0)
+    log.truncate()
+    c = progress.counter(5000, desc="chunk-00000.hss", unit="tok")
+    c.update(2500)
+    c.update(2500)
+    c.close()
+    assert [line.split(", ")[0] for line in log.getvalue().splitlines()] == [
+        "chunk-00000.hss: 2,500/5,000 tok (50%)", "chunk-00000.hss: 5,000/5,000 tok (100%)",
+        "chunk-00000.hss: 5,000/5,000 tok (100%)"]
     tty = Terminal()
     monkeypatch.setattr(sys, "stderr", tty)
     assert list(bar(range(3), desc="validate", unit="shard")) == [0, 1, 2]
@@ -77,3 +107,27 @@ def test_validate_and_export_bars_and_summaries_on_a_terminal(run_dir, tmp_path,
     assert capsys.readouterr().out.startswith(f"exported 3 samples (15 tokens) as specforge to {tmp_path / 'out'}\n")
     assert main(["validate", "--reference", str(ref), str(shard)]) == 0
     assert "\rvalidate:   0%|          | 0/1 [" in tty.getvalue()
+
+
+def test_the_runs_last_word_is_its_dataset_json_written_by_this_invocation(tmp_path) -> None:
+    """Snakefile's onsuccess line: what dataset.json holds and where, only where this invocation wrote it (not a
+    target short of the manifest, nor a run with nothing to do), and nothing from a file of another shape."""
+    import json
+    import os
+
+    from hsextract.report.manifest import finished_line
+
+    counts = {"samples": 1234, "tokens": 567890, "trained_tokens": 400000, "chunks": 3, "bytes_stored": 2_500_000_000,
+              "dropped_records": 0}
+    (tmp_path / "dataset.json").write_text(json.dumps({"counts": counts}))
+    os.utime(tmp_path / "dataset.json", (1000, 1000))
+    assert finished_line(tmp_path, since=999) == (
+        f"hsextract: {tmp_path / 'dataset.json'}: 1,234 samples, 567,890 tokens (400,000 trained) in 3 shards, "
+        "2.500 GB (2,500,000,000 B) stored")
+    assert finished_line(tmp_path, since=1001) is None  # an earlier run's
+    (tmp_path / "dataset.json").write_text(json.dumps({"counts": {**counts, "dropped_records": 7}}))
+    assert finished_line(tmp_path, since=0).endswith("stored; prepare dropped 7 records (stats/ says why)")
+    for other in ("[]", '{"counts": 3}', '{"counts": {"samples": 1}}', "not json"):
+        (tmp_path / "dataset.json").write_text(other)
+        assert finished_line(tmp_path, since=0) is None
+    assert finished_line(tmp_path / "none", since=0) is None

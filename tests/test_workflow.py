@@ -115,7 +115,7 @@ def run_full(folder: Path) -> Path:
     """The full run of TEST_CONFIG (SCENARIOS: in the background from the module's first test on, so the
     tests before the ones that read it, and the failed-chunk test's own runs, overlap it)."""
     wd = make_workdir(folder / "a")
-    smk(wd)
+    (wd / "terminal.txt").write_text(smk(wd).stderr)  # what the user saw (Snakemake writes to stderr)
     return wd
 
 
@@ -249,6 +249,13 @@ def test_full_run_validates(full_run: Path) -> None:
     for rule in ("prepare", "extract", "validate", "stats", "aggregate_stats", "manifest"):
         assert any((full_run / "logs" / RUN / rule).iterdir()), rule
     assert (full_run / "benchmarks" / RUN / "extract/chunk-00000.tsv").is_file()
+    # the run's last word on the terminal: its dataset.json, said
+    assert (f"hsextract: results/{RUN}/dataset.json: {counts['samples']:,} samples, {counts['tokens']:,} tokens "
+            f"({counts['trained_tokens']:,} trained) in {N_CHUNKS} shards, ") in (full_run / "terminal.txt").read_text()
+    # the logs hold whole lines, no carriage-return bars (the extract's, transformers' loading weights)
+    for rule in ("prepare", "extract", "validate"):
+        for log in (full_run / "logs" / RUN / rule).iterdir():
+            assert "\r" not in log.read_text(), log
 
 
 def test_shards_match_prompts_exactly(full_run: Path) -> None:

@@ -285,7 +285,7 @@ def plan(
     }
 
 
-def _bytes(n: int) -> str:
+def bytes_text(n: int) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= scale:
             return f"{n / scale:.3f} {unit} ({n:,} B)"
@@ -322,16 +322,16 @@ def _export_rows(p: Mapping[str, Any]) -> list[tuple[str, str]]:
     formats = p["export_formats"]
     if not formats:
         return [("exports", "none (export_formats: [])"),
-                ("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: the shards {BESIDES}")]
+                ("shared filesystem", f"{bytes_text(p['shared_fs_bytes'])}: the shards {BESIDES}")]
     rows = []
     for f in formats:
         per = p["export_bytes_per_token"][f]
         rows.append((f"export {f}",
-                     f"{_bytes(p['export_bytes'][f])} = {p['export_tokens']:,} tokens (every sample whole) x "
+                     f"{bytes_text(p['export_bytes'][f])} = {p['export_tokens']:,} tokens (every sample whole) x "
                      f"{per:,} B ({per - p['hidden_tensors'] * p['hidden_size'] * p['value_bytes']} + "
                      f"{p['hidden_tensors']} x {p['hidden_size']} x {p['value_bytes']}), uncompressed"))
     what = "shards + export" + ("s" if len(formats) > 1 else "")
-    rows.append(("shared filesystem", f"{_bytes(p['shared_fs_bytes'])}: {what} {BESIDES}"))
+    rows.append(("shared filesystem", f"{bytes_text(p['shared_fs_bytes'])}: {what} {BESIDES}"))
     return rows
 
 
@@ -363,14 +363,14 @@ def format_plan(p: Mapping[str, Any]) -> str:
          f"{p['raw_bytes_per_token']:,} B (16 + {p['hidden_tensors']} x {p['hidden_size']} x "
          f"{p['value_bytes']})"),
         ("raw bytes (speculators v1)" if p.get("materialized_tokens") is None
-         else "raw bytes (distinct rows)", _bytes(p["raw_bytes"])),
+         else "raw bytes (distinct rows)", bytes_text(p["raw_bytes"])),
         ("codec ratio", f"{p['codec_ratio']} ({p['codec_ratio_source']})"),
-        ("stored bytes", _bytes(p["stored_bytes"])),
+        ("stored bytes", bytes_text(p["stored_bytes"])),
         *_export_rows(p),
         ("shards (chunks)",
-         f"{p['shards']:,} of {p['prompts_per_chunk']:,} records, ~{_bytes(p['stored_bytes_per_shard'])} each"),
+         f"{p['shards']:,} of {p['prompts_per_chunk']:,} records, ~{bytes_text(p['stored_bytes_per_shard'])} each"),
         ("chunk jobs",
-         f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{_bytes(p['stored_bytes_per_job'])} each)"),
+         f"{p['chunk_jobs']:,} ({p['chunks_per_job']} chunks per job, ~{bytes_text(p['stored_bytes_per_job'])} each)"),
         ("throughput",
          no_rate if p["tokens_per_s_per_node"] is None else f"{p['tokens_per_s_per_node']:,.0f} tokens/s per node"),
         ("writer ceiling", _ceiling(p)),
@@ -381,7 +381,7 @@ def format_plan(p: Mapping[str, Any]) -> str:
         ("GPU-hours", _hours(p["gpu_hours"], no_gpus)
          + (f" ({p['gpus_per_node']} GPUs per node)" if p["gpu_hours"] is not None else "")),
         ("wall time", _hours(p["wall_hours"], no_rate) + f" on {p['nodes']} node(s), one job per node at a time"),
-        ("disk per node", f"{_bytes(p['stored_bytes_per_node'])} of shards on the busiest of {p['nodes']} node(s)"),
+        ("disk per node", f"{bytes_text(p['stored_bytes_per_node'])} of shards on the busiest of {p['nodes']} node(s)"),
         *([("regenerate", f"on, and not in these figures: each assistant turn generated first (up to "
                           f"{p['regenerate_max_new_tokens']:,} new tokens) by the target, before prepare; the "
                           "tokens above are the source's, not the regenerated ones; time it on a sample")]

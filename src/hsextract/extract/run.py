@@ -27,7 +27,6 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tqdm import tqdm
 
 from hsextract import provenance
 from hsextract.atomic import remove_temps
@@ -38,6 +37,7 @@ from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
 from hsextract.extract.final_norm import final_norm_metadata
 from hsextract.layers import HIDDEN_STATES
+from hsextract.progress import counter, quiet_library_bars
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 REFERENCE_COLUMNS = ("parent", "prefix_len")  # prepare's, with share_prefixes
@@ -186,8 +186,7 @@ def extract_chunk(
              for i, (s, ids, (p, k)) in enumerate(zip(prompts.sample_ids, prompts.input_ids, refs, strict=True))]
     n_tokens = sum(len(p.input_ids) for p in items)
     start = time.perf_counter()
-    bar = tqdm(total=n_tokens, unit="tok", unit_scale=True, desc=Path(shard_path).name, file=sys.stderr,
-               disable=not progress, mininterval=2.0)
+    bar = counter(n_tokens, desc=Path(shard_path).name, unit="tok", enabled=progress)
     written = 0
     # where the chunk's time went: waiting for the engine, or inside the shard writer (add blocks while
     # `threads` + 1 samples are still encoding or the file's writer thread is 256 MB behind; close writes
@@ -325,6 +324,8 @@ def run_extract(
         need, how = shard_estimate(prompts, shape.hidden_size, len(spec.aux_layers) + 1, shard.precision,
                                    settings.activation_dtype)
         check_free_space(shard_path, need, how, chunk)
+    if progress:
+        quiet_library_bars()
     with build_engine(settings, spec, chunk) as engine:
         meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size,
                               shape.num_layers, shape.architecture, prompts.sha256)

@@ -283,3 +283,23 @@ def write_manifest(settings: Settings, *, shards: Sequence[str | Path], out_path
     manifest = build_manifest(settings, shards=shards, out_path=out_path, **inputs)
     write_json_atomic(out_path, manifest)
     return manifest
+
+
+def finished_line(run_dir: str | Path, since: float) -> str | None:
+    """The run's last word on the terminal (Snakefile's onsuccess): what its dataset.json holds and where, when
+    this invocation (started at `since`) wrote it; None otherwise (a target short of the manifest, nothing to do)."""
+    from hsextract.config.plan import bytes_text
+
+    path = Path(run_dir) / "dataset.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        d = json.loads(path.read_text(encoding="utf-8"))
+        c = d["counts"]
+        line = (f"hsextract: {path}: {c['samples']:,} samples, {c['tokens']:,} tokens ({c['trained_tokens']:,} "
+                f"trained) in {c['chunks']} shards, {bytes_text(c['bytes_stored'])} stored")
+        if c.get("dropped_records"):
+            line += f"; prepare dropped {c['dropped_records']:,} records (stats/ says why)"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return line
