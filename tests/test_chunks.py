@@ -87,6 +87,15 @@ def test_an_incomplete_prepare_beside_shards_is_warned_of(tmp_path):
         "one job). Snakemake plans nothing for that, but the next run that extracts any chunk runs prepare again "
         "first, and then all 3 chunks: the 2 shards there would be extracted again. To keep them, restore the "
         "file(s) with their times (cp -p from a copy) before that run")
+    # a config of more (or fewer) chunks than prepare wrote: the files are new chunks, and prepare reruns for the
+    # config itself (Snakemake plans it): no word of a lost file
+    (run / "prompts" / "chunk-00001.parquet").write_bytes(b"p")
+    (run / "prompts" / "summary.json").write_text('{"num_chunks": 3}')
+    assert chunks.incomplete_prepare(run, 3, ".hss") is None
+    assert chunks.incomplete_prepare(run, 4, ".hss") is None and chunks.incomplete_prepare(run, 2, ".hss") is None
+    (run / "prompts" / "chunk-00001.parquet").unlink()
+    assert chunks.incomplete_prepare(run, 3, ".hss").startswith(
+        f"hsextract: WARNING: {run}/prompts/chunk-00001.parquet is missing")
     for p in (run / "prompts").iterdir():
         p.unlink()
     assert chunks.incomplete_prepare(run, 3, ".hss").startswith(

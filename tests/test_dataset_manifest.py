@@ -31,6 +31,25 @@ def test_reads_every_listed_shard(run):
     assert len(open_dataset(run / "dataset.json")) == 3  # its manifest names the run folder
 
 
+def test_a_list_reads_runs_folders_and_shards_together(run, tmp_path):
+    """Runs made apart (a dataset grown by a run of its own per increment) read as one; a shard in two of them is
+    refused as in one list."""
+    more = tmp_path / "more"
+    (more / "shards").mkdir(parents=True)
+    meta = shard_metadata(run_name="more", chunk=0, final_state="pre_norm")
+    with ShardWriter(more / "shards" / "chunk-00000.hss", meta) as w:
+        for k in range(2):
+            w.add(*make_sample(4 + k, seed=10 + k), sample_id=f"more{k}")
+    finish_run(more)
+    ds = open_dataset([run, more])
+    assert len(ds) == 5 and [ds[i]["input_ids"].shape[0] for i in range(5)] == [5, 6, 7, 4, 5]
+    assert len(open_dataset([run / "shards", more / "shards" / "chunk-00000.hss"])) == 5
+    with pytest.raises(ShardError, match=r"^the list of shards names .*chunk-00000.hss twice"):
+        open_dataset([run, run / "shards" / "chunk-00000.hss"])
+    with pytest.raises(ShardError, match="no such shard, run folder or shard folder"):
+        open_dataset([run, tmp_path / "absent.hss"])
+
+
 def test_a_shard_named_twice_is_refused_not_read_twice(run):
     one = run / "shards" / "chunk-00001.hss"
     with pytest.raises(ShardError) as e:

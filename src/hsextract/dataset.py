@@ -144,7 +144,7 @@ def _each_once(shards: list[Path], where: str) -> list[Path]:
 def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], *,
                 verify_checksums: bool = False, allow_missing: bool = False) -> list[Path]:
     """A run's results folder (the shards its dataset.json lists; refused without one), its dataset.json or its
-    shards/ folder (the same), a folder of shards, one shard, or a list of shards."""
+    shards/ folder (the same), a folder of shards, one shard, or a list of any of these."""
     if isinstance(path, (str, os.PathLike)):
         run = run_folder(path)
         if run is not None:
@@ -165,10 +165,11 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         if not shards:
             raise ShardError(f"{folder}: holds no *{SHARD_SUFFIX} shard; has the extract step run?")
         return shards
-    shards = [Path(s) for s in path]
-    if not shards:
+    if not path:
         raise ShardError("open_dataset was given an empty list of shards")
-    return _each_once(shards, "the list of shards")
+    # each entry as one path is read (runs grown by a run of their own per increment are read together)
+    return _each_once([s for p in path for s in find_shards(p, verify_checksums=verify_checksums,
+                                                            allow_missing=allow_missing)], "the list of shards")
 
 
 def _no_copies(readers: Sequence[ShardReader]) -> None:

@@ -107,8 +107,17 @@ def remove_beyond(folder: str | os.PathLike[str], suffix: str, n_chunks: int, *,
 def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix: str) -> str | None:
     """A warning when prepare's output (every chunk's prompts and summary.json, one job) lacks a file while shards
     of the run are there: Snakemake plans nothing for it then, but the next run that extracts any chunk reruns
-    prepare first, and every chunk after it (their prompts rewritten): GPU hours for shards already made."""
+    prepare first, and every chunk after it (their prompts rewritten): GPU hours for shards already made. Not where
+    prepare recorded another chunk count (summary.json): the files are new chunks of a changed config, which reruns
+    prepare itself."""
     run = Path(run_dir)
+    try:
+        summary = json.loads((run / "prompts" / "summary.json").read_text(encoding="utf-8"))
+        recorded = summary.get("num_chunks", n_chunks)
+    except (OSError, ValueError, RecursionError, AttributeError):
+        recorded = n_chunks  # none (lost: said below) or unreadable: the count is taken as unchanged
+    if recorded != n_chunks:
+        return None
     missing = [p for p in (*(run / "prompts" / name(c, ".parquet") for c in range(n_chunks)),
                            run / "prompts" / "summary.json") if not p.is_file()]
     shards = [c for c in range(n_chunks) if (run / "shards" / name(c, shard_suffix)).is_file()]
