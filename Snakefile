@@ -1,15 +1,11 @@
 # hsextract: EAGLE-3 hidden-state training data (orchestration only; logic lives in src/hsextract).
 import os
 import sys
-import time
 from pathlib import Path
 
 from snakemake.utils import min_version, validate
 
 min_version("9.0")
-
-# the run's dataset.json, written after this, is its last word (onsuccess)
-_STARTED = time.time()
 
 # A checkout runs without installing the package: scripts import hsextract from src/.
 _SRC = Path(workflow.basedir) / "src"
@@ -86,7 +82,7 @@ fill_defaults(config)
 validate(config, "workflow/schemas/config.schema.yaml")
 
 from hsextract.config.checks import check as check_config
-from hsextract.report.manifest import finished_line
+from hsextract.report.manifest import finished_line, manifest_inode
 
 # Semantic checks (layer ids vs depth, model, reference sample) before any job: the settings tree
 # (PLAN.settings, what workflow/rules/common.smk computes its values from) and the chunk count.
@@ -99,6 +95,8 @@ config["aux_layers_convention"] = "hidden_states"
 check_report_ready(
     sys.argv, Path("results") / PLAN.settings.extract.run_name, PLAN.n_chunks
 )
+# the run's dataset.json as it is now: one this invocation writes is said at its end (onsuccess)
+_MANIFEST_BEFORE = manifest_inode(Path("results") / PLAN.settings.extract.run_name)
 
 
 report: "workflow/report/workflow.rst"
@@ -140,7 +138,7 @@ onsuccess:
     clear_owner(Path.cwd())
     run_hooks(ON_FINISH)
     if _finished := finished_line(
-        Path("results") / PLAN.settings.extract.run_name, _STARTED
+        Path("results") / PLAN.settings.extract.run_name, _MANIFEST_BEFORE
     ):
         print(_finished, file=sys.stderr)
 

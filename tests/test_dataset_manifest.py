@@ -48,6 +48,15 @@ def test_a_list_reads_runs_folders_and_shards_together(run, tmp_path):
         open_dataset([run, run / "shards" / "chunk-00000.hss"])
     with pytest.raises(ShardError, match="no such shard, run folder or shard folder"):
         open_dataset([run, tmp_path / "absent.hss"])
+    assert len(open_dataset(iter([run, more]))) == 5  # any iterable
+    with pytest.raises(ShardError, match="^open_dataset was given an empty list of shards$"):
+        open_dataset(iter([]))
+    # a chunk whose records were all dropped, in each run: the same (empty) prompts, no sample held twice
+    for folder in (run, more):
+        meta = shard_metadata(run_name=folder.name, chunk=9, final_state="pre_norm", prompts_sha256="e" * 64)
+        with ShardWriter(folder / "empty.hss", meta):
+            pass
+    assert len(open_dataset([run, more, run / "empty.hss", more / "empty.hss"])) == 5
 
 
 def test_a_shard_named_twice_is_refused_not_read_twice(run):

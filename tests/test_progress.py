@@ -32,9 +32,8 @@ def test_bar_draws_on_a_terminal_and_writes_lines_to_a_log(monkeypatch: pytest.M
     monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # a line at every step
     assert list(bar(range(3), desc="validate", unit="shard")) == [0, 1, 2]
     lines = log.getvalue().splitlines()
-    assert "\r" not in log.getvalue() and len(lines) == 4, lines
-    for line, want in zip(lines, ["1/3 shard (33%)", "2/3 shard (67%)", "3/3 shard (100%)", "3/3 shard (100%)"],
-                          strict=True):
+    assert "\r" not in log.getvalue() and len(lines) == 3, lines  # the last step's line is the end's
+    for line, want in zip(lines, ["1/3 shard (33%)", "2/3 shard (67%)", "3/3 shard (100%)"], strict=True):
         assert re.fullmatch(rf"validate: {re.escape(want)}, [0-9.]+[kMG]? shard/s, \d\d:\d\d taken"
                             rf"(, \d\d:\d\d left)?", line), line
     log.seek(0)
@@ -48,11 +47,11 @@ def test_bar_draws_on_a_terminal_and_writes_lines_to_a_log(monkeypatch: pytest.M
     log.truncate()
     c = progress.counter(5000, desc="chunk-00000.hss", unit="tok")
     c.update(2500)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 1e9)  # the last step between lines: the end says it
     c.update(2500)
     c.close()
     assert [line.split(", ")[0] for line in log.getvalue().splitlines()] == [
-        "chunk-00000.hss: 2,500/5,000 tok (50%)", "chunk-00000.hss: 5,000/5,000 tok (100%)",
-        "chunk-00000.hss: 5,000/5,000 tok (100%)"]
+        "chunk-00000.hss: 2,500/5,000 tok (50%)", "chunk-00000.hss: 5,000/5,000 tok (100%)"]
     tty = Terminal()
     monkeypatch.setattr(sys, "stderr", tty)
     assert list(bar(range(3), desc="validate", unit="shard")) == [0, 1, 2]
@@ -110,24 +109,28 @@ def test_validate_and_export_bars_and_summaries_on_a_terminal(run_dir, tmp_path,
 
 
 def test_the_runs_last_word_is_its_dataset_json_written_by_this_invocation(tmp_path) -> None:
-    """Snakefile's onsuccess line: what dataset.json holds and where, only where this invocation wrote it (not a
-    target short of the manifest, nor a run with nothing to do), and nothing from a file of another shape."""
-    import json
+    """Snakefile's onsuccess line: what dataset.json holds and where, only where this invocation wrote it (another
+    file than at its start: not a target short of the manifest, a run with nothing to do, nor `--touch`, which
+    sets the time of the same file), and nothing from a file of another shape."""
     import os
 
-    from hsextract.report.manifest import finished_line
+    from hsextract.atomic import write_json_atomic
+    from hsextract.report.manifest import finished_line, manifest_inode
 
+    assert manifest_inode(tmp_path) is None
     counts = {"samples": 1234, "tokens": 567890, "trained_tokens": 400000, "chunks": 3, "bytes_stored": 2_500_000_000,
               "dropped_records": 0}
-    (tmp_path / "dataset.json").write_text(json.dumps({"counts": counts}))
-    os.utime(tmp_path / "dataset.json", (1000, 1000))
-    assert finished_line(tmp_path, since=999) == (
-        f"hsextract: {tmp_path / 'dataset.json'}: 1,234 samples, 567,890 tokens (400,000 trained) in 3 shards, "
-        "2.500 GB (2,500,000,000 B) stored")
-    assert finished_line(tmp_path, since=1001) is None  # an earlier run's
-    (tmp_path / "dataset.json").write_text(json.dumps({"counts": {**counts, "dropped_records": 7}}))
-    assert finished_line(tmp_path, since=0).endswith("stored; prepare dropped 7 records (stats/ says why)")
+    write_json_atomic(tmp_path / "dataset.json", {"counts": counts})
+    line = (f"hsextract: {tmp_path / 'dataset.json'}: 1,234 samples, 567,890 tokens (400,000 trained) in 3 shards, "
+            "2.500 GB (2,500,000,000 B) stored")
+    assert finished_line(tmp_path, before=None) == line
+    before = manifest_inode(tmp_path)
+    os.utime(tmp_path / "dataset.json")  # --touch
+    assert finished_line(tmp_path, before) is None
+    write_json_atomic(tmp_path / "dataset.json", {"counts": {**counts, "dropped_records": 7}})  # the manifest job
+    assert finished_line(tmp_path, before) == line.replace("stored", "stored; prepare dropped 7 records (stats/ "
+                                                                     "says why)")
     for other in ("[]", '{"counts": 3}', '{"counts": {"samples": 1}}', "not json"):
         (tmp_path / "dataset.json").write_text(other)
-        assert finished_line(tmp_path, since=0) is None
-    assert finished_line(tmp_path / "none", since=0) is None
+        assert finished_line(tmp_path, None) is None
+    assert finished_line(tmp_path / "none", None) is None

@@ -165,11 +165,12 @@ def find_shards(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
         if not shards:
             raise ShardError(f"{folder}: holds no *{SHARD_SUFFIX} shard; has the extract step run?")
         return shards
-    if not path:
+    entries = list(path)
+    if not entries:
         raise ShardError("open_dataset was given an empty list of shards")
     # each entry as one path is read (runs grown by a run of their own per increment are read together)
-    return _each_once([s for p in path for s in find_shards(p, verify_checksums=verify_checksums,
-                                                            allow_missing=allow_missing)], "the list of shards")
+    return _each_once([s for p in entries for s in find_shards(p, verify_checksums=verify_checksums,
+                                                               allow_missing=allow_missing)], "the list of shards")
 
 
 def _no_copies(readers: Sequence[ShardReader]) -> None:
@@ -180,6 +181,8 @@ def _no_copies(readers: Sequence[ShardReader]) -> None:
     by_ids: dict[Any, Path] = {}  # every shard's (run, chunk, sample ids)
     by_ids_unhashed: dict[Any, Path] = {}  # those of shards without the sha256
     for r in readers:
+        if not len(r):  # a chunk whose records were all dropped: no sample to hold twice (and every run's empty
+            continue  # prompts file has the same bytes)
         meta = r.metadata
         sha = meta.get("prompts_sha256")
         sha = sha if isinstance(sha, str) else None

@@ -20,7 +20,7 @@ class LogProgress:
 
     def __init__(self, total: int | None, desc: str, unit: str) -> None:
         self.total, self.desc, self.unit = total, desc, unit
-        self.n = self.lines = 0
+        self.n = self.lines = self.shown = 0  # shown: the count the last line said
         self.start = self.last = time.monotonic()
 
     def update(self, k: int = 1) -> None:
@@ -31,12 +31,12 @@ class LogProgress:
     def close(self) -> None:
         """The end, where lines were written; never for work stopped short (an error: no rate or time left is
         claimed for a job that is gone)."""
-        if self.lines and (self.total is None or self.n >= self.total):
+        if self.lines and (self.total is None or self.n >= self.total) and self.n != self.shown:
             self._line()
 
     def _line(self) -> None:
         self.last = now = time.monotonic()
-        self.lines += 1
+        self.lines, self.shown = self.lines + 1, self.n
         took = now - self.start
         rate = self.n / took if took > 0 else 0.0
         count = f"{self.n:,}"
@@ -52,8 +52,8 @@ class LogProgress:
 def counter(total: int | None, *, desc: str, unit: str, enabled: bool = True) -> Any:
     """An object whose update(k) counts work done and close() ends it: a bar on a terminal, lines elsewhere."""
     if enabled and sys.stderr.isatty():
-        return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, file=sys.stderr, leave=False,
-                    dynamic_ncols=True, mininterval=0.5)
+        return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True,
+                    mininterval=0.5)
     return LogProgress(total, desc, unit) if enabled else tqdm(total=total, disable=True)
 
 
@@ -76,11 +76,13 @@ def _logged(iterable: Iterable[T], p: LogProgress) -> Iterator[T]:
 
 def quiet_library_bars() -> None:
     """Off a terminal, transformers' own bars (loading weights) would write carriage returns into the log: turned
-    off there."""
+    off there, for the whole process (transformers' setting is global: a job script's call, never a library's)."""
     if sys.stderr.isatty():
         return
-    from transformers.utils import logging as hf_logging
-
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # not installed: no bar of its own
+        return
     hf_logging.disable_progress_bar()
 
 

@@ -14,6 +14,9 @@ import torch
 
 from hsextract.config.settings import from_config
 from hsextract.extract.run import run_extract
+from hsextract.progress import quiet_library_bars
+
+quiet_library_bars()  # this job's process only: its log gets no carriage-return bar of transformers'
 
 # CPU engines use exactly the job's threads (Snakemake schedules by them).
 torch.set_num_threads(int(snakemake.threads))

@@ -37,7 +37,7 @@ from hsextract.engines.base import CaptureSpec, Engine, Prompt
 from hsextract.errors import EngineError, ShardError
 from hsextract.extract.final_norm import final_norm_metadata
 from hsextract.layers import HIDDEN_STATES
-from hsextract.progress import counter, quiet_library_bars
+from hsextract.progress import counter
 
 PROMPT_COLUMNS = ("sample_id", "input_ids", "loss_mask")
 REFERENCE_COLUMNS = ("parent", "prefix_len")  # prepare's, with share_prefixes
@@ -324,8 +324,6 @@ def run_extract(
         need, how = shard_estimate(prompts, shape.hidden_size, len(spec.aux_layers) + 1, shard.precision,
                                    settings.activation_dtype)
         check_free_space(shard_path, need, how, chunk)
-    if progress:
-        quiet_library_bars()
     with build_engine(settings, spec, chunk) as engine:
         meta = shard_metadata(settings, engine, shape.hidden_size, chunk, template_hash, shape.vocab_size,
                               shape.num_layers, shape.architecture, prompts.sha256)

@@ -285,14 +285,23 @@ def write_manifest(settings: Settings, *, shards: Sequence[str | Path], out_path
     return manifest
 
 
-def finished_line(run_dir: str | Path, since: float) -> str | None:
-    """The run's last word on the terminal (Snakefile's onsuccess): what its dataset.json holds and where, when
-    this invocation (started at `since`) wrote it; None otherwise (a target short of the manifest, nothing to do)."""
+def manifest_inode(run_dir: str | Path) -> int | None:
+    """The inode of the run's dataset.json (None: none there), which each write replaces (write_json_atomic)."""
+    try:
+        return (Path(run_dir) / "dataset.json").stat().st_ino
+    except OSError:
+        return None
+
+
+def finished_line(run_dir: str | Path, before: int | None) -> str | None:
+    """The run's word on the terminal at its end (Snakefile's onsuccess): what its dataset.json holds and where,
+    where this invocation wrote it (its inode is not `before`, manifest_inode at the start: no clock compared, and
+    `--touch` writes nothing); None otherwise (a target short of the manifest, nothing to do)."""
     from hsextract.config.plan import bytes_text
 
     path = Path(run_dir) / "dataset.json"
     try:
-        if path.stat().st_mtime < since:
+        if path.stat().st_ino == before:
             return None
         d = json.loads(path.read_text(encoding="utf-8"))
         c = d["counts"]
