@@ -219,6 +219,32 @@ def test_nothing_a_record_holds_is_dropped_without_a_word():
     assert normalize_record({"messages": [{**user, "tool_calls": None}, answer]}).messages == [user, answer]
 
 
+def test_a_tools_empty_result_is_kept_and_rendered_as_the_model_saw_it():
+    """An agent's command that printed nothing: the tool message's empty content is the context the model answered
+    in (the record was refused as empty_content before, and strict lost the whole source there); an empty user or
+    system message still is refused (a column read wrong)."""
+    from chatfix import make_tokenizer
+
+    from hsextract.masks.masker import ChatMasker
+
+    calls = [{"type": "function", "function": {"name": "run", "arguments": {"cmd": "true"}}}]
+    rec = {"messages": [{"role": "user", "content": "Run it."},
+                        {"role": "assistant", "content": "", "tool_calls": calls},
+                        {"role": "tool", "content": "", "tool_call_id": "1"},
+                        {"role": "assistant", "content": "Done."}]}
+    conv = normalize_record(rec)
+    assert conv.messages[2] == {"role": "tool", "content": "", "tool_call_id": "1"}
+    tok = make_tokenizer("qwen3")
+    s = ChatMasker(tok).encode(conv)[-1]  # the last turn's sample
+    text = tok.decode(s.input_ids)
+    assert "<|im_start|>user\n<tool_response>\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text, text
+    assert tok.decode([t for t, m in zip(s.input_ids, s.loss_mask, strict=True) if m]).endswith("Done.<|im_end|>")
+    for role in ("user", "system"):
+        with pytest.raises(Exception) as e:
+            normalize_record({"messages": [{"role": role, "content": " "}, *rec["messages"][1:]]})
+        assert e.value.reason == "empty_content" and e.value.detail == f"messages[0] ({role}) has empty content"
+
+
 def test_split_only_where_there_are_splits(tmp_path):
     path = _jsonl(tmp_path / "a.jsonl", [OPENAI])
     with pytest.raises(ConfigError) as e:

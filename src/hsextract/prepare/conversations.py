@@ -264,7 +264,10 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
                 raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(v).__name__}")
             _check_text(v, f"{where}.{key}")
             msg[key] = v
-    if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content"):
+    # a tool's empty result (a command that printed nothing) is what the model saw; any other empty message is a
+    # column read wrong, more likely than a turn of nothing
+    if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content") \
+            and role != "tool":
         raise _Bad(EMPTY_CONTENT, f"{where} ({role}) has empty content")
     weight = raw.get("weight")
     if weight is not None and (isinstance(weight, bool) or not (isinstance(weight, int | float) and weight in (0, 1))):
