@@ -745,9 +745,13 @@ def test_a_server_of_the_layout_before_hosts_is_stopped_at_the_run_start(tmp_pat
     def server(folder: Path) -> subprocess.Popen:
         dump = folder / f"dump-{len(procs)}"
         dump.mkdir(parents=True)
-        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], process_group=0,
-                                env={**os.environ, "HSEXTRACT_DUMP_DIR": str(dump)})
+        proc = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(300)"],
+                                process_group=0, env={**os.environ, "HSEXTRACT_DUMP_DIR": str(dump)},
+                                stdout=subprocess.PIPE, text=True)
         procs.append(proc)
+        # once it runs: Popen returns when exec closes its pipes, before the new program's environment (what
+        # stop_servers reads from /proc to know its server) is set up; under load the stop saw none
+        assert proc.stdout.readline() == "ready\n"
         h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=proc.pid, started=process_start(proc.pid))
         (folder / "replica-0.json").write_text(h.to_json())
         return proc

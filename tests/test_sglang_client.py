@@ -353,9 +353,10 @@ def test_stale_server_from_a_crashed_run_is_killed(tmp_path: Path) -> None:
     dump = hsrv.make_dump_dir("stale")
     env = dict(os.environ, HSEXTRACT_DUMP_DIR=str(dump))
     orphan = subprocess.Popen([sys.executable, "-c", "import subprocess,sys,time; "
-                               "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); time.sleep(60)"],
-                              env=env, start_new_session=True)
-    time.sleep(0.3)
+                               "subprocess.Popen([sys.executable,'-c','import time; time.sleep(60)']); "
+                               "print('ready', flush=True); time.sleep(60)"],
+                              env=env, start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert orphan.stdout.readline() == "ready\n"  # its child started, its environment set up (read from /proc)
     st = os.lstat(dump)  # as the launcher records it: stop removes that very directory only
     h = hsrv.ServerHandle(url="http://127.0.0.1:1", dump_dir=dump, pid=orphan.pid, dump_dir_dev=st.st_dev,
                           dump_dir_ino=st.st_ino)
