@@ -260,3 +260,39 @@ def test_other_families_capture_the_right_layers_and_final_norm(tmp_path: Path, 
     assert torch.equal(aux0, ref[0][0]) and torch.equal(aux2, ref[2][0]) and torch.equal(post, ref[-1][0])
     assert not torch.equal(aux0, ref[1][0]) and not torch.equal(aux2, ref[3][0]) and not torch.equal(pre, post)
     assert torch.equal(read_final_norm(str(tmp_path)).apply(pre), post)
+
+
+def test_a_gemma3_wrapper_whose_text_config_names_no_class_is_read_as_its_text_model(tmp_path: Path) -> None:
+    """Gemma-3 as saved (`Gemma3ForConditionalGeneration`: text_config without `architectures`, weights under
+    `language_model.`): the engine loads its text model by the text config's model_type (it failed at extract,
+    after prepare, for want of `model.layers`), and captures exactly the wrapper's own text forward (float32)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+    from hsextract.extract.text_model import find_wrapped_text_model
+
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, vocab_size=512, num_hidden_layers=4, sliding_window=16,
+                            max_position_embeddings=512, pad_token_id=0)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    wrapper = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision,
+                                                          mm_tokens_per_image=4, image_token_index=511,
+                                                          boi_token_index=509, eoi_token_index=510)).eval()
+    with torch.no_grad():
+        wrapper.model.language_model.norm.weight.copy_(torch.randn(64) * 0.3)
+    wrapper.save_pretrained(tmp_path / "gemma3")
+    saved = json.loads((tmp_path / "gemma3" / "config.json").read_text())
+    assert saved["architectures"] == ["Gemma3ForConditionalGeneration"] and "architectures" not in saved["text_config"]
+    w = find_wrapped_text_model(str(tmp_path / "gemma3"))
+    assert (w.wrapper, w.architecture, w.prefix) == ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM",
+                                                     "language_model.")
+    ids = torch.randint(1, 500, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = wrapper(input_ids=ids, output_hidden_states=True).hidden_states
+    spec = CaptureSpec(aux_layers=(1, 2, 3), final_state="post_norm")
+    with TransformersEngine(str(tmp_path / "gemma3"), spec, token_budget=64, dtype="float32") as eng:
+        (got,) = eng.extract([Prompt(index=0, sample_id="g", input_ids=ids[0].tolist())])
+    for k, layer in enumerate((1, 2, 3, 4)):
+        assert rel(got.hidden_states[k], ref[layer][0]) < 1e-5, layer
+    assert rel(got.hidden_states[2], ref[2][0]) > 0.1  # a neighbouring layer is far off

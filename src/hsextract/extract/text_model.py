@@ -9,10 +9,11 @@ text model's class from `text_config` and loads the weights under the text model
 stripped; the other weights are not read. Everything else goes through AutoModelForCausalLM as before.
 
 A wrapper here: a local directory or cached hub id whose config.json has a nested text config (model_info)
-naming a causal LM class transformers has, and whose weights put that model's final norm under a prefix
-(`<prefix>model.norm.weight`). A `quantization_config` in the text config is dropped when the checkpoint
-holds no quantized tensor (the hsextract miniature's covers no layer, hsextract.tinymodel.kimi_k25_checkpoint); with
-packed weights (Kimi-K2.5's int4 experts) this engine refuses, naming the tensor.
+naming a causal LM class transformers has (its `architectures`, else its `model_type`'s: Gemma-3's names none),
+and whose weights put that model's final norm under a prefix (`<prefix>model.norm.weight`). A
+`quantization_config` in the text config is dropped when the checkpoint holds no quantized tensor (the hsextract
+miniature's covers no layer, hsextract.tinymodel.kimi_k25_checkpoint); with packed weights (Kimi-K2.5's int4
+experts) this engine refuses, naming the tensor.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class WrappedTextModel:
     """Where a wrapper checkpoint keeps its text model."""
 
     wrapper: str  # config.json's architectures[0]
-    architecture: str  # the text model's class (text_config architectures[0])
+    architecture: str  # the text model's class (text_config architectures[0], or its model_type's)
     config: dict[str, Any]  # text_config, as written
     prefix: str  # of the text model's weight names, e.g. "language_model."
     weight_names: tuple[str, ...]  # every weight name of the checkpoint
@@ -84,14 +85,28 @@ def find_wrapped_text_model(model: str) -> WrappedTextModel | None:
     if text is None or text is cfg:
         return None
     archs = text.get("architectures")
-    if not (isinstance(archs, list) and archs and isinstance(archs[0], str) and archs[0].endswith("ForCausalLM")):
+    arch = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else \
+        causal_lm_class(text.get("model_type"))
+    if not (isinstance(arch, str) and arch.endswith("ForCausalLM")):
         return None
     names = weight_names(model)
     norms = sorted((n for n in names if n.endswith("." + NORM_SUFFIX)), key=len)
     if not norms:
         return None
     wrapper = (cfg.get("architectures") or ["?"])[0]
-    return WrappedTextModel(str(wrapper), archs[0], text, norms[0][: -len(NORM_SUFFIX)], tuple(names))
+    return WrappedTextModel(str(wrapper), arch, text, norms[0][: -len(NORM_SUFFIX)], tuple(names))
+
+
+def causal_lm_class(model_type: Any) -> str | None:
+    """transformers' causal-LM class for a text config that names none (Gemma-3's wrapper: `gemma3_text` ->
+    Gemma3ForCausalLM), or None."""
+    if not isinstance(model_type, str):
+        return None
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        return None
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
 
 
 def load_causal_lm(model: str, dtype: Any, attn_implementation: str | None = None) -> Any:
@@ -140,5 +155,5 @@ def load_wrapped_text_model(model: str, wrapped: WrappedTextModel, dtype: Any,
                                     key_mapping={f"^{re.escape(wrapped.prefix)}": ""})
 
 
-__all__ = ["WrappedTextModel", "find_wrapped_text_model", "load_causal_lm", "load_wrapped_text_model",
-           "quantized_refusal", "weight_names"]
+__all__ = ["WrappedTextModel", "causal_lm_class", "find_wrapped_text_model", "load_causal_lm",
+           "load_wrapped_text_model", "quantized_refusal", "weight_names"]
