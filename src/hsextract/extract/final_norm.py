@@ -40,7 +40,7 @@ RMS_NORM, RMS_NORM_F32, RMS_NORM_OFFSET = "rms_norm", "rms_norm_f32", "rms_norm_
 NORM_KINDS = {
     **dict.fromkeys(("llama", "llama4_text", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
                      "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "kimi_vl", "glm4", "glm4_moe",
-                     "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "exaone4"), RMS_NORM),
+                     "glm4_moe_lite", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "exaone4", "phi3"), RMS_NORM),
     "gpt_oss": RMS_NORM_F32,
     **dict.fromkeys(("gemma", "gemma2", "gemma3_text", "qwen3_next"), RMS_NORM_OFFSET),
 }

@@ -137,8 +137,9 @@ def shard_metadata(
     tok_dir = s.tokenizer_dir
     norm, why = final_norm_metadata(s.model, s.activation_dtype)
     if norm is None and s.final_state == "pre_norm":
-        print(f"WARNING: the final norm is not recorded in the shards ({why}); an export to a post-norm "
-              "consumer (specforge) will refuse this pre_norm data", file=sys.stderr, flush=True)
+        print(f"WARNING: the final norm is not recorded in the shards ({why}): an export to a post-norm consumer "
+              "(specforge) cannot apply it, and writes these pre_norm states without it, warning as it does",
+              file=sys.stderr, flush=True)
     if chat_template_hash is None:
         chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))
     return {
