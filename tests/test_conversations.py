@@ -243,6 +243,17 @@ def test_a_tools_empty_result_is_kept_and_rendered_as_the_model_saw_it():
         with pytest.raises(Exception) as e:
             normalize_record({"messages": [{"role": role, "content": " "}, *rec["messages"][1:]]})
         assert e.value.reason == "empty_content" and e.value.detail == f"messages[0] ({role}) has empty content"
+    # a result missing, null or an empty list: a column read wrong (the result stored under another key), refused
+    for tool in ({"role": "tool", "output": "42"}, {"role": "tool", "content": None}, {"role": "tool", "content": []}):
+        with pytest.raises(Exception) as e:
+            normalize_record({"messages": [*rec["messages"][:2], tool, rec["messages"][3]]})
+        assert e.value.reason == "empty_content" and e.value.detail == "messages[2] (tool) has empty content"
+    sharegpt = [{"from": "human", "value": "Run it."}, {"from": "observation"}, {"from": "gpt", "value": "Done."}]
+    with pytest.raises(Exception) as e:
+        normalize_record({"conversations": sharegpt}, "sharegpt")
+    assert e.value.reason == "empty_content" and e.value.detail == "conversations[1] (tool) has empty content"
+    sharegpt[1]["value"] = ""
+    assert normalize_record({"conversations": sharegpt}, "sharegpt").messages[1] == {"role": "tool", "content": ""}
 
 
 def test_split_only_where_there_are_splits(tmp_path):

@@ -287,6 +287,15 @@ def test_a_gemma3_wrapper_whose_text_config_names_no_class_is_read_as_its_text_m
     w = find_wrapped_text_model(str(tmp_path / "gemma3"))
     assert (w.wrapper, w.architecture, w.prefix) == ("Gemma3ForConditionalGeneration", "Gemma3ForCausalLM",
                                                      "language_model.")
+    # a wrapper transformers' AutoModelForCausalLM itself loads as its text model (Llama-4: "llama4" ->
+    # Llama4ForCausalLM, with the quantization_config the wrapper path would drop) is left to it
+    llama4 = tmp_path / "llama4"
+    llama4.mkdir()
+    (llama4 / "config.json").write_text(json.dumps({
+        "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+        "text_config": {"model_type": "llama4_text", "hidden_size": 64, "num_hidden_layers": 2},
+        "quantization_config": {"quant_method": "fbgemm_fp8"}}))
+    assert find_wrapped_text_model(str(llama4)) is None
     ids = torch.randint(1, 500, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = wrapper(input_ids=ids, output_hidden_states=True).hidden_states

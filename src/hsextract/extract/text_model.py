@@ -89,6 +89,8 @@ def find_wrapped_text_model(model: str) -> WrappedTextModel | None:
         causal_lm_class(text.get("model_type"))
     if not (isinstance(arch, str) and arch.endswith("ForCausalLM")):
         return None
+    if causal_lm_class(cfg.get("model_type")) == arch:  # transformers' own Auto class loads this text model
+        return None  # from the whole config (Llama-4: with its quantization_config, which the wrapper path drops)
     names = weight_names(model)
     norms = sorted((n for n in names if n.endswith("." + NORM_SUFFIX)), key=len)
     if not norms:

@@ -4,7 +4,8 @@ One module, over 400 lines: every record format's normalization, whose branches 
 
 Normalized conversation: a list of messages, each a dict with
   role: "system" | "user" | "assistant" | "tool"
-  content: str                      (may be "" only for an assistant turn that has tool_calls)
+  content: str                      (may be "" only for an assistant turn that has tool_calls or reasoning, and
+                                     a tool's result given as "")
   content_parts: list[str]          (only where the record gave content as a list of text parts: their texts;
                                      `content` is then they joined with a space, the text SGLang renders for a
                                      template that takes a string; see `masks.rendering.content_format`)
@@ -264,10 +265,10 @@ def _message(raw: Any, role_map: Mapping[str, str], role_key: str, content_key: 
                 raise _Bad(WRONG_TYPE, f"{where}.{key} must be a string, got {type(v).__name__}")
             _check_text(v, f"{where}.{key}")
             msg[key] = v
-    # a tool's empty result (a command that printed nothing) is what the model saw; any other empty message is a
-    # column read wrong, more likely than a turn of nothing
+    # a tool's empty result given as such ("": a command that printed nothing) is what the model saw; a missing,
+    # null or empty-list content, and any other empty message, is a column read wrong, more likely than nothing
     if not msg["content"].strip() and not msg.get("tool_calls") and not msg.get("reasoning_content") \
-            and role != "tool":
+            and not (role == "tool" and isinstance(raw.get(content_key), str)):
         raise _Bad(EMPTY_CONTENT, f"{where} ({role}) has empty content")
     weight = raw.get("weight")
     if weight is not None and (isinstance(weight, bool) or not (isinstance(weight, int | float) and weight in (0, 1))):
