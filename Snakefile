@@ -82,7 +82,7 @@ fill_defaults(config)
 validate(config, "workflow/schemas/config.schema.yaml")
 
 from hsextract.config.checks import check as check_config
-from hsextract.report.manifest import finished_line, manifest_inode
+from hsextract.report.manifest import finished_line, manifest_stamp
 
 # Semantic checks (layer ids vs depth, model, reference sample) before any job: the settings tree
 # (PLAN.settings, what workflow/rules/common.smk computes its values from) and the chunk count.
@@ -96,7 +96,11 @@ check_report_ready(
     sys.argv, Path("results") / PLAN.settings.extract.run_name, PLAN.n_chunks
 )
 # the run's dataset.json as it is now: one this invocation writes is said at its end (onsuccess)
-_MANIFEST_BEFORE = manifest_inode(Path("results") / PLAN.settings.extract.run_name)
+_MANIFEST_BEFORE = (
+    manifest_stamp(Path("results") / PLAN.settings.extract.run_name)
+    if workflow.is_main_process
+    else None
+)
 
 
 report: "workflow/report/workflow.rst"

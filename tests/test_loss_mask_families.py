@@ -924,8 +924,9 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
                 "the added token that ends the reasoning block the chat template writes of its own before the "
                 "content: the sample would train a second closer, and the text before it as answer. If that text "
                 "is reasoning (a raw generation, which goes on from the prompt's `<think>`), move it to "
-                "`reasoning_content` and keep the rest in `content`; an answer that names the tag cannot be trained "
-                "as this tokenizer reads it") and e.value.reason == "reasoning_in_content"
+                "`reasoning_content` and keep the rest in `content`; an answer that only names the tag cannot be "
+                "trained with this tokenizer, which reads it as the added token: leave such records out") \
+                and e.value.reason == "reasoning_in_content"
     # where the template writes no block of its own, a closer alone in answer text is the turn as written; closers
     # the template writes elsewhere (a default system prompt's words, tool-call arguments) are no block of its own
     named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])

@@ -110,26 +110,30 @@ def test_validate_and_export_bars_and_summaries_on_a_terminal(run_dir, tmp_path,
 
 def test_the_runs_last_word_is_its_dataset_json_written_by_this_invocation(tmp_path) -> None:
     """Snakefile's onsuccess line: what dataset.json holds and where, only where this invocation wrote it (another
-    file than at its start: not a target short of the manifest, a run with nothing to do, nor `--touch`, which
-    sets the time of the same file), and nothing from a file of another shape."""
+    file or other data than at its start: not a target short of the manifest, a run with nothing to do, nor
+    `--touch`, which sets the time of the same file; a rewrite into the inode Snakemake freed is told by its data),
+    and nothing from a file of another shape."""
     import os
 
     from hsextract.atomic import write_json_atomic
-    from hsextract.report.manifest import finished_line, manifest_inode
+    from hsextract.report.manifest import finished_line, manifest_stamp
 
-    assert manifest_inode(tmp_path) is None
+    assert manifest_stamp(tmp_path) is None
     counts = {"samples": 1234, "tokens": 567890, "trained_tokens": 400000, "chunks": 3, "bytes_stored": 2_500_000_000,
               "dropped_records": 0}
     write_json_atomic(tmp_path / "dataset.json", {"counts": counts})
     line = (f"hsextract: {tmp_path / 'dataset.json'}: 1,234 samples, 567,890 tokens (400,000 trained) in 3 shards, "
             "2.500 GB (2,500,000,000 B) stored")
     assert finished_line(tmp_path, before=None) == line
-    before = manifest_inode(tmp_path)
+    before = manifest_stamp(tmp_path)
     os.utime(tmp_path / "dataset.json")  # --touch
     assert finished_line(tmp_path, before) is None
-    write_json_atomic(tmp_path / "dataset.json", {"counts": {**counts, "dropped_records": 7}})  # the manifest job
+    # the manifest job: Snakemake deletes the old file first, the new one may get its inode back
+    (tmp_path / "dataset.json").unlink()
+    write_json_atomic(tmp_path / "dataset.json", {"counts": {**counts, "dropped_records": 7}})
     assert finished_line(tmp_path, before) == line.replace("stored", "stored; prepare dropped 7 records (stats/ "
                                                                      "says why)")
+    assert finished_line(tmp_path, manifest_stamp(tmp_path)) is None  # a later run with nothing to do
     for other in ("[]", '{"counts": 3}', '{"counts": {"samples": 1}}', "not json"):
         (tmp_path / "dataset.json").write_text(other)
         assert finished_line(tmp_path, None) is None

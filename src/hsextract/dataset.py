@@ -603,7 +603,7 @@ def open_dataset(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
                  verify_checksums: bool = False, allow_missing: bool = False,
                  decode_threads: int = 1) -> HiddenStateDataset:
     """All samples of a run folder (as its dataset.json lists them; its shards/ folder too), a shard folder, a
-    shard or a list.
+    shard or a list of any of these.
 
     A run folder's listed shards must all be present with their recorded size; `verify_checksums` also
     compares each whole file's sha256 (reads every byte); `allow_missing` reads what is there, warning.

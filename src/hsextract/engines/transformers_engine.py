@@ -212,7 +212,8 @@ class TransformersEngine(Engine):
             if not self._rope_state and "dynamic" in kind:
                 print(f"WARNING: {self.model_path}: no rotary module with a dynamic rope_type found to reset before "
                       "each forward: a sample after a longer one may get the longer one's frequencies (a model class "
-                      "this engine was not checked with)", flush=True)
+                      f"this engine was not checked with). Keep every sample within {self.rope_limit} tokens "
+                      "(`max_seq_len`), or use `engine: sglang`", flush=True)
         self._captured: dict[str, torch.Tensor] = {}
         self._hooks = [
             layers[self.num_layers - 1].register_forward_hook(self._hook("pre_norm")),

@@ -137,8 +137,9 @@ def shard_metadata(
     tok_dir = s.tokenizer_dir
     norm, why = final_norm_metadata(s.model, s.activation_dtype)
     if norm is None and s.final_state == "pre_norm":
-        print(f"WARNING: the final norm is not recorded in the shards ({why}): an export to a post-norm consumer "
-              "(specforge) cannot apply it, and writes these pre_norm states without it, warning as it does",
+        print(f"WARNING: the final norm is not recorded in the shards ({why}): `hsextract export --format "
+              "specforge` will write these pre_norm states without the final RMSNorm, which SpecForge expects "
+              "applied (the export warns too). For SpecForge, set `final_state: post_norm` and extract again",
               file=sys.stderr, flush=True)
     if chat_template_hash is None:
         chat_template_hash = provenance.text_hash(provenance.chat_template_text(tok_dir))

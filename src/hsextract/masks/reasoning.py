@@ -51,9 +51,9 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
     template renders a reasoning field (TemplateFacts.renders_reasoning) and the two alike (it cuts the block out
     of the content itself, as Qwen3's does), so the masker knows where the reasoning is. Where it renders no
     reasoning field (DeepSeek-R1 drops it; a template that reads none expects the block in the content), left.
-    Where the content holds a whole block (opener and closer) and the template renders more closers than the
-    content holds, it writes a block of its own beside it (Kimi-K2.5: `<think>` + field + `</think>` before the
-    content): the sample would train two blocks, which the model never writes: refused; so is a closer alone
+    Where the template writes a reasoning block of its own for the turn (writes_own_block; Kimi-K2.5: `<think>` +
+    field + `</think>` before the content), a whole block in the content would train two blocks, which the model
+    never writes: refused; so is a closer alone
     there (a raw generation, which goes on from the prompt's opener, or an answer that names the tag: the
     tokenizer reads it as the added token, a second closer after the template's). Where the template writes no
     block of its own, a closer alone in answer text is left as written."""
@@ -94,15 +94,16 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
             f"tokenizer reads as the added token that ends the reasoning block the chat template writes of its own "
             f"before the content: the sample would train a second closer, and the text before it as answer. If "
             f"that text is reasoning (a raw generation, which goes on from the prompt's `{opener}`), move it to "
-            f"`reasoning_content` and keep the rest in `content`; an answer that names the tag cannot be trained "
-            f"as this tokenizer reads it", reason=REASONING_IN_CONTENT)
+            f"`reasoning_content` and keep the rest in `content`; an answer that only names the tag cannot be "
+            f"trained with this tokenizer, which reads it as the added token: leave such records out",
+            reason=REASONING_IN_CONTENT)
     return out
 
 
 def writes_own_block(rd: TemplateRenderer, user: dict[str, Any], m: dict[str, Any], opener: str, closer: str) -> bool:
-    """Whether the template writes a reasoning block of its own around the turn m's content: closers in its rendering
-    of m with neither tag in the content or the reasoning and no tool calls, beyond those of the history alone (not
-    those of tool-call arguments, a default system prompt's words or the content itself)."""
+    """True when rendering [user, m], with the tags removed from m's content and reasoning and its tool calls
+    dropped, gives more closers than rendering [user] alone: the extra closer is the template's own block. Closers
+    in tool-call arguments, a default system prompt or the content are so not counted."""
     bare = {k: v.replace(opener, "").replace(closer, "") if k in ("content", "reasoning_content") and
             isinstance(v, str) else v for k, v in m.items() if k != "tool_calls"}
     try:

@@ -285,23 +285,25 @@ def write_manifest(settings: Settings, *, shards: Sequence[str | Path], out_path
     return manifest
 
 
-def manifest_inode(run_dir: str | Path) -> int | None:
-    """The inode of the run's dataset.json (None: none there), which each write replaces (write_json_atomic)."""
+def manifest_stamp(run_dir: str | Path) -> tuple[int, str] | None:
+    """The run's dataset.json as a file (inode) and as data (sha256), or None where there is none."""
+    path = Path(run_dir) / "dataset.json"
     try:
-        return (Path(run_dir) / "dataset.json").stat().st_ino
+        return path.stat().st_ino, provenance.sha256_file(path)
     except OSError:
         return None
 
 
-def finished_line(run_dir: str | Path, before: int | None) -> str | None:
+def finished_line(run_dir: str | Path, before: tuple[int, str] | None) -> str | None:
     """The run's word on the terminal at its end (Snakefile's onsuccess): what its dataset.json holds and where,
-    where this invocation wrote it (its inode is not `before`, manifest_inode at the start: no clock compared, and
-    `--touch` writes nothing); None otherwise (a target short of the manifest, nothing to do)."""
+    where this invocation wrote it: another file or other data than `before` (manifest_stamp at the start: no
+    clock compared; `--touch` changes neither; a rewrite into the inode Snakemake freed, the data). None otherwise
+    (a target short of the manifest, nothing to do)."""
     from hsextract.config.plan import bytes_text
 
     path = Path(run_dir) / "dataset.json"
     try:
-        if path.stat().st_ino == before:
+        if manifest_stamp(run_dir) == before:
             return None
         d = json.loads(path.read_text(encoding="utf-8"))
         c = d["counts"]
