@@ -13,10 +13,9 @@ naming a causal LM class transformers has (the text config's `architectures[0]`,
 maps its `model_type` to: Gemma-3's text config names no class), and whose weights put that model's final norm
 under a prefix (`<prefix>model.norm.weight`). A wrapper whose own `model_type` transformers maps to that same
 class (Llama-4) is not one here: AutoModelForCausalLM loads it from the whole config, `quantization_config`
-included. A
-`quantization_config` in the text config is dropped when the checkpoint holds no quantized tensor (the hsextract
-miniature's covers no layer, hsextract.tinymodel.kimi_k25_checkpoint); with packed weights (Kimi-K2.5's int4
-experts) this engine refuses, naming the tensor.
+included. A `quantization_config` in the text config is dropped when the checkpoint holds no quantized tensor
+(the hsextract miniature's covers no layer, hsextract.tinymodel.kimi_k25_checkpoint); with packed weights
+(Kimi-K2.5's int4 experts) this engine refuses, naming the tensor.
 """
 
 from __future__ import annotations

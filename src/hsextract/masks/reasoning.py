@@ -53,10 +53,10 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
     reasoning field (DeepSeek-R1 drops it; a template that reads none expects the block in the content), left.
     Where the template writes a reasoning block of its own for the turn (writes_own_block; Kimi-K2.5: `<think>` +
     field + `</think>` before the content), a whole block in the content would train two blocks, which the model
-    never writes: refused; so is a closer alone
-    there (a raw generation, which goes on from the prompt's opener, or an answer that names the tag: the
-    tokenizer reads it as the added token, a second closer after the template's). Where the template writes no
-    block of its own, a closer alone in answer text is left as written."""
+    never writes: refused; so is a closer alone there (a raw generation, which goes on from the prompt's opener,
+    or an answer that names the tag: the tokenizer reads it as the added token, a second closer after the
+    template's). Where the template writes no block of its own, a closer alone in answer text is left as
+    written."""
     user = {"role": "user", "content": "hi"}
     out = list(msgs)
     for j, m in enumerate(msgs):
