@@ -85,3 +85,34 @@ def test_an_assistant_name_the_template_writes_in_the_header_is_named_as_the_cau
         "has the plain assistant header (first difference at token ")
     assert str(e.value).endswith("the model never wrote a turn after that header. Remove `name` from assistant "
                                  "messages")
+
+
+def test_tool_call_ids_are_trained_as_kimi_writes_them(tok) -> None:  # noqa: F811 - the fixture
+    """OpenAI-style ids (`call_...`, or none) in data from another API: Kimi's template renders a call's id in the
+    turn, where Kimi-K2.5 writes `functions.NAME:IDX` (IDX counting the conversation's calls, as SGLang's Kimi-K2
+    serving numbers them). Trained as Kimi writes them, each tool message's tool_call_id following its call;
+    Kimi's own ids are kept; counted in the masks' stats."""
+    def call(name: str, id_: str | None) -> dict:
+        return {"type": "function", "function": {"name": name, "arguments": {"q": 1}}, **({"id": id_} if id_ else {})}
+
+    def conv(ids: list[str | None]) -> Conversation:
+        return Conversation([
+            {"role": "user", "content": "Look twice."},
+            {"role": "assistant", "content": "", "reasoning_content": "Two calls.",
+             "tool_calls": [call("search", ids[0]), call("open", ids[1])]},
+            {"role": "tool", "content": "r1", **({"tool_call_id": ids[0]} if ids[0] else {})},
+            {"role": "tool", "content": "r2", **({"tool_call_id": ids[1]} if ids[1] else {})},
+            {"role": "assistant", "content": "", "reasoning_content": "Once more.",
+             "tool_calls": [call("search", ids[2])]},
+            {"role": "tool", "content": "r3", **({"tool_call_id": ids[2]} if ids[2] else {})},
+            {"role": "assistant", "content": "Done.", "reasoning_content": "Enough."}])
+
+    kimi = ["functions.search:0", "functions.open:1", "functions.search:2"]
+    masker = ChatMasker(tok)
+    want = [marked(s, tok) for s in masker.encode(conv(kimi))]
+    assert "tool_call_ids_given" not in masker.stats
+    assert "<|tool_call_begin|>functions.search:2<|tool_call_argument_begin|>" in want[-1]
+    for other in (["call_abc", "call_def", "call_ghi"], [None, None, None], ["functions.search:0", "x", None]):
+        masker = ChatMasker(tok)
+        assert [marked(s, tok) for s in masker.encode(conv(other))] == want
+        assert masker.stats["tool_call_ids_given"] == sum(a != b for a, b in zip(other, kimi, strict=True))

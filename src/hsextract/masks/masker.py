@@ -40,6 +40,7 @@ from hsextract.masks.locators import PromptedTurn, in_rendering, own_sample
 from hsextract.masks.reasoning import reasoning_from_content
 from hsextract.masks.refusals import TemplateError, empty_turn, refuse_unmaskable
 from hsextract.masks.rendering import TemplateRenderer
+from hsextract.masks.tool_ids import kimi_call_ids, renders_kimi_ids
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 from hsextract.prepare.conversations import Conversation
 
@@ -123,7 +124,12 @@ class ChatMasker:
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         rd = self.renderer_for(conv.tools)
-        conv = Conversation(reasoning_from_content(rd, conv.messages), conv.tools, conv.untrained)
+        msgs = reasoning_from_content(rd, conv.messages)
+        if renders_kimi_ids(rd):  # ids as Kimi writes them (tool_ids)
+            msgs, given = kimi_call_ids(msgs)
+            if given:
+                self.stats["tool_call_ids_given"] += given
+        conv = Conversation(msgs, conv.tools, conv.untrained)
         msgs, tools = conv.messages, conv.tools
         refuse_unmaskable(rd, msgs, tools)
         r_text = rd.render(msgs, tools)

@@ -1,0 +1,69 @@
+"""Tool-call ids as the model writes them, where the template renders them inside the turn. Kimi-K2.5 writes each
+call as `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>...`, IDX counting the conversation's
+calls from 0 (SGLang's Kimi-K2 serving numbers them so: `serving_chat._process_tool_call_id`, history's calls
+plus the call's place in its message). Data from another API holds OpenAI-style ids (`call_...`), or none, which
+Kimi's template renders as they are: the sample would train a header the model never writes. Such ids are given
+Kimi's own, and each tool message's `tool_call_id` follows its call (counted in the masks' stats:
+`tool_call_ids_given`)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from hsextract.masks.rendering import TemplateRenderer
+
+BEGIN, ARGUMENTS = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+_PROBE_ID = "hsx-probe-call-id"
+_RENDERS: weakref.WeakKeyDictionary[TemplateRenderer, bool] = weakref.WeakKeyDictionary()
+
+
+def renders_kimi_ids(rd: TemplateRenderer) -> bool:
+    """Whether the template writes a call's id between Kimi's added tokens (probed once per renderer)."""
+    if rd not in _RENDERS:
+        found = False
+        if BEGIN in rd.added and ARGUMENTS in rd.added:
+            call = {"id": _PROBE_ID, "type": "function", "function": {"name": "f", "arguments": {}}}
+            try:
+                text = rd.render([{"role": "user", "content": "hi"},
+                                  {"role": "assistant", "content": "", "tool_calls": [call]}])
+                found = f"{BEGIN}{_PROBE_ID}{ARGUMENTS}" in text
+            except Exception:  # noqa: BLE001 - a template that refuses the probe: its ids are left as they are
+                found = False
+        _RENDERS[rd] = found
+    return _RENDERS[rd]
+
+
+def kimi_call_ids(msgs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The messages with every call's id `functions.NAME:IDX` (IDX: the call's place among the conversation's
+    calls), each tool message's `tool_call_id` renamed with its call's (one without any: the next call of the
+    turn before still unanswered, as results follow their calls); and how many call ids were given."""
+    out: list[dict[str, Any]] = []
+    renamed: dict[str, str] = {}
+    unanswered: list[str] = []
+    k = given = 0
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = []
+            for c in m["tool_calls"]:
+                want = f"functions.{c['function']['name']}:{k}"
+                if c.get("id") != want:
+                    if c.get("id"):
+                        renamed[c["id"]] = want
+                    c, given = {**c, "id": want}, given + 1
+                calls.append(c)
+                k += 1
+            m = {**m, "tool_calls": calls}
+            unanswered = [c["id"] for c in calls]
+        elif m["role"] == "tool":
+            own = m.get("tool_call_id")
+            own = renamed.get(own, own) if own else (unanswered[0] if unanswered else None)
+            if own is not None and own != m.get("tool_call_id"):
+                m = {**m, "tool_call_id": own}
+            if own in unanswered:
+                unanswered.remove(own)
+        out.append(m)
+    return out, given
+
+
+__all__ = ["kimi_call_ids", "renders_kimi_ids"]
