@@ -927,6 +927,17 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
                 "`reasoning_content` and keep the rest in `content`; an answer that only names the tag cannot be "
                 "trained with this tokenizer, which reads it as the added token: leave such records out") \
                 and e.value.reason == "reasoning_in_content"
+    # an opener the content never closes (a generation cut off in its reasoning), beside Kimi's own block: refused
+    for kwargs in ({}, {"thinking": False}):
+        with pytest.raises(TemplateError) as e:
+            ChatMasker(tok, chat_template_kwargs=kwargs).encode(
+                Conversation([U("Hello there!"), A("<think>Greet. never closed")]))
+        assert str(e.value) == (
+            "assistant turn 1: its content opens a reasoning block (`<think>` at character 0) that it never closes, "
+            "beside the reasoning block the chat template writes of its own: a generation cut off in its "
+            "reasoning, whose sample would train that reasoning as answer text. Leave the record out, or give it "
+            "whole (reasoning in `reasoning_content`, the answer in `content`)") \
+            and e.value.reason == "reasoning_left_open"
     # where the template writes no block of its own, a closer alone in answer text is the turn as written; closers
     # the template writes elsewhere (a default system prompt's words, tool-call arguments) are no block of its own
     named = Conversation([U("Hello there!"), A("To end it, write </think> and then answer.")])

@@ -43,6 +43,7 @@ from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 # the closers of reasoning blocks (`</think>`: Kimi, Qwen3, DeepSeek, GLM, MiniMax); tool-call markup such as
 # Qwen's `</tool_call>` is a pair of added tokens too, and may stand in a content more than once
 REASONING_CLOSER = re.compile(rf"</({REASONING_NAMES})>")
+REASONING_OPENER = re.compile(rf"<({REASONING_NAMES})>")
 
 
 def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -64,6 +65,7 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
         names = dict.fromkeys(REASONING_CLOSER.findall(content)) if isinstance(content, str) else {}
         closer = next((f"</{n}>" for n in names if f"</{n}>" in rd.added), None)
         if closer is None:
+            refuse_opener_alone(rd, user, j, m)
             continue
         opener = f"<{closer[2:]}"
         try:  # the turn alone, as the last message: the template writes its reasoning block for it, if any
@@ -98,6 +100,22 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
             f"trained with this tokenizer, which reads it as the added token: leave such records out",
             reason=REASONING_IN_CONTENT)
     return out
+
+
+def refuse_opener_alone(rd: TemplateRenderer, user: dict[str, Any], j: int, m: dict[str, Any]) -> None:
+    """TemplateError for an assistant content that opens a reasoning block it never closes (a generation cut off in
+    its reasoning) beside the template's own block: the sample would train that reasoning as answer text."""
+    content = m.get("content")
+    found = REASONING_OPENER.search(content) if isinstance(content, str) else None
+    if found is None or found[0] not in rd.added or f"</{found[1]}>" not in rd.added:
+        return
+    if writes_own_block(rd, user, m, found[0], f"</{found[1]}>"):
+        raise TemplateError(
+            f"assistant turn {j}: its content opens a reasoning block (`{found[0]}` at character {found.start()}) "
+            f"that it never closes, beside the reasoning block the chat template writes of its own: a generation "
+            f"cut off in its reasoning, whose sample would train that reasoning as answer text. Leave the record "
+            f"out, or give it whole (reasoning in `reasoning_content`, the answer in `content`)",
+            reason=REASONING_LEFT_OPEN)
 
 
 def writes_own_block(rd: TemplateRenderer, user: dict[str, Any], m: dict[str, Any], opener: str, closer: str) -> bool:
