@@ -11,7 +11,7 @@ Reason codes, each raised where its case is told apart:
     tool_results_not_rendered  the template drops tool messages (below)
     tool_calls_after_stop      the calls rendered after the turn's stop token, as a message of their own (turns)
     tool_arguments_as_string   the template joins tool-call arguments to text as a string (rendering)
-    reasoning_left_open        the prompt opens a reasoning block the turn never closes (reasoning)
+    reasoning_left_open        a reasoning block the turn never closes (opened by the prompt or content) (reasoning)
     reasoning_in_content       a reasoning block, or its closer alone, in the content beside the template's own;
                                a reasoning field holding the tags (reasoning)
     empty_turn                 no turn rendered but as its stop token (masker: such a turn alone is not trained)
