@@ -116,3 +116,7 @@ def test_tool_call_ids_are_trained_as_kimi_writes_them(tok) -> None:  # noqa: F8
         masker = ChatMasker(tok)
         assert [marked(s, tok) for s in masker.encode(conv(other))] == want
         assert masker.stats["tool_call_ids_given"] == sum(a != b for a, b in zip(other, kimi, strict=True))
+        # every rendering agrees: a prompt regenerate sends, and the turn's own sample its round trip compares
+        assert masker.render(conv(other).messages[:4], add_generation_prompt=True) == \
+            masker.render(conv(kimi).messages[:4], add_generation_prompt=True)
+        assert masker.turn_ids(conv(other), 4) == masker.encode(conv(other))[1].input_ids

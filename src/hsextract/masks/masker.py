@@ -98,7 +98,19 @@ class ChatMasker:
 
     def render(self, messages: list[dict[str, Any]], tools: list[Any] | None = None,
                add_generation_prompt: bool = False) -> str:
-        return self.renderer_for(tools).render(messages, tools, add_generation_prompt)
+        rd = self.renderer_for(tools)
+        return rd.render(self._as_written(rd, messages), tools, add_generation_prompt)
+
+    def _as_written(self, rd: TemplateRenderer, msgs: list[dict[str, Any]], count: bool = False
+                    ) -> list[dict[str, Any]]:
+        """msgs with tool-call ids as the model writes them, where the template renders them (tool_ids): in every
+        rendering (a sample, a prompt regenerate sends, its round trip), so that they agree."""
+        if not renders_kimi_ids(rd):
+            return msgs
+        msgs, given = kimi_call_ids(msgs)
+        if count and given:
+            self.stats["tool_call_ids_given"] += given
+        return msgs
 
     def _mask(self, n: int, spans: list[TurnSpan]) -> list[int]:
         mask = [0] * n
@@ -119,16 +131,13 @@ class ChatMasker:
     def turn_ids(self, conv: Conversation, j: int) -> list[int]:
         """The ids of assistant turn j's own sample: the prompt the server saw, then the turn (as `split_turns`
         stores it)."""
+        conv = Conversation(self._as_written(self.renderer_for(conv.tools), conv.messages), conv.tools, conv.untrained)
         return self._own(conv, j, self.render(conv.messages[:j + 1], conv.tools)).sample.ids
 
     def encode(self, conv: Conversation) -> list[MaskedSample]:
         """The samples of one conversation: one, or one per assistant turn (see `split_turns`)."""
         rd = self.renderer_for(conv.tools)
-        msgs = reasoning_from_content(rd, conv.messages)
-        if renders_kimi_ids(rd):  # ids as Kimi writes them (tool_ids)
-            msgs, given = kimi_call_ids(msgs)
-            if given:
-                self.stats["tool_call_ids_given"] += given
+        msgs = self._as_written(rd, reasoning_from_content(rd, conv.messages), count=True)
         conv = Conversation(msgs, conv.tools, conv.untrained)
         msgs, tools = conv.messages, conv.tools
         refuse_unmaskable(rd, msgs, tools)
