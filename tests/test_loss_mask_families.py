@@ -935,8 +935,9 @@ def test_a_reasoning_block_written_into_the_content_is_refused_where_the_templat
         assert str(e.value) == (
             "assistant turn 1: its content opens a reasoning block (`<think>` at character 0) that it never closes, "
             "beside the reasoning block the chat template writes of its own: a generation cut off in its "
-            "reasoning, whose sample would train that reasoning as answer text. Leave the record out, or give it "
-            "whole (reasoning in `reasoning_content`, the answer in `content`)") \
+            "reasoning, whose sample would train that reasoning as answer text, or an answer that names the tag, "
+            "which the tokenizer reads as the added token. Leave the record out, or give it whole (reasoning in "
+            "`reasoning_content`, the answer in `content`)") \
             and e.value.reason == "reasoning_left_open"
     # where the template writes no block of its own, a closer alone in answer text is the turn as written; closers
     # the template writes elsewhere (a default system prompt's words, tool-call arguments) are no block of its own

@@ -120,3 +120,28 @@ def test_tool_call_ids_are_trained_as_kimi_writes_them(tok) -> None:  # noqa: F8
         assert masker.render(conv(other).messages[:4], add_generation_prompt=True) == \
             masker.render(conv(kimi).messages[:4], add_generation_prompt=True)
         assert masker.turn_ids(conv(other), 4) == masker.encode(conv(other))[1].input_ids
+
+
+def test_tool_results_follow_their_calls_through_the_renaming() -> None:
+    """Two calls of one id answered in order; a result naming an id an earlier turn's call has after renaming
+    (`functions.f:0`) answers this turn's call written with it; a result without an id takes the turn's call still
+    unanswered; one naming no call is left as it is."""
+    from hsextract.masks.tool_ids import kimi_call_ids
+
+    def asst(*calls: tuple[str, str | None]) -> dict:
+        return {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": n, "arguments": {}}, **({"id": i} if i else {})}
+            for n, i in calls]}
+
+    def tool(i: str | None) -> dict:
+        return {"role": "tool", "content": "r", **({"tool_call_id": i} if i else {})}
+
+    msgs = [{"role": "user", "content": "go"}, asst(("f", "x"), ("g", "x")), tool("x"), tool("x"),
+            asst(("f", "functions.f:0")), tool("functions.f:0"),
+            asst(("f", "functions.f:3"), ("h", None)), tool("functions.f:3"), tool(None), tool("zzz")]
+    out, given = kimi_call_ids(msgs)
+    assert [c["id"] for m in out if m.get("tool_calls") for c in m["tool_calls"]] == [
+        "functions.f:0", "functions.g:1", "functions.f:2", "functions.f:3", "functions.h:4"]
+    assert [m.get("tool_call_id") for m in out if m["role"] == "tool"] == [
+        "functions.f:0", "functions.g:1", "functions.f:2", "functions.f:3", "functions.h:4", "zzz"]
+    assert given == 4  # x, x, functions.f:0 (now the third call), none

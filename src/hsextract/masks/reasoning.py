@@ -105,17 +105,16 @@ def reasoning_from_content(rd: TemplateRenderer, msgs: list[dict[str, Any]]) -> 
 def refuse_opener_alone(rd: TemplateRenderer, user: dict[str, Any], j: int, m: dict[str, Any]) -> None:
     """TemplateError for an assistant content that opens a reasoning block it never closes (a generation cut off in
     its reasoning) beside the template's own block: the sample would train that reasoning as answer text."""
-    content = m.get("content")
-    found = REASONING_OPENER.search(content) if isinstance(content, str) else None
-    if found is None or found[0] not in rd.added or f"</{found[1]}>" not in rd.added:
-        return
-    if writes_own_block(rd, user, m, found[0], f"</{found[1]}>"):
+    content = m.get("content") if m["role"] == "assistant" else None
+    found = next((f for f in REASONING_OPENER.finditer(content) if f[0] in rd.added and f"</{f[1]}>" in rd.added),
+                 None) if isinstance(content, str) else None
+    if found is not None and writes_own_block(rd, user, m, found[0], f"</{found[1]}>"):
         raise TemplateError(
             f"assistant turn {j}: its content opens a reasoning block (`{found[0]}` at character {found.start()}) "
             f"that it never closes, beside the reasoning block the chat template writes of its own: a generation "
-            f"cut off in its reasoning, whose sample would train that reasoning as answer text. Leave the record "
-            f"out, or give it whole (reasoning in `reasoning_content`, the answer in `content`)",
-            reason=REASONING_LEFT_OPEN)
+            f"cut off in its reasoning, whose sample would train that reasoning as answer text, or an answer that "
+            f"names the tag, which the tokenizer reads as the added token. Leave the record out, or give it whole "
+            f"(reasoning in `reasoning_content`, the answer in `content`)", reason=REASONING_LEFT_OPEN)
 
 
 def writes_own_block(rd: TemplateRenderer, user: dict[str, Any], m: dict[str, Any], opener: str, closer: str) -> bool:

@@ -36,32 +36,33 @@ def renders_kimi_ids(rd: TemplateRenderer) -> bool:
 
 def kimi_call_ids(msgs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """The messages with every call's id `functions.NAME:IDX` (IDX: the call's place among the conversation's
-    calls), each tool message's `tool_call_id` renamed with its call's (one without any: the next call of the
-    turn before still unanswered, as results follow their calls); and how many call ids were given."""
+    calls), each tool message's `tool_call_id` renamed with its call's: the first call of the turn before still
+    unanswered whose id it names (two calls of one id answered in order), else the call of an earlier turn that
+    had it, else (none named) the turn's next unanswered call, as results follow their calls; and how many call
+    ids were given."""
     out: list[dict[str, Any]] = []
-    renamed: dict[str, str] = {}
-    unanswered: list[str] = []
+    earlier: dict[str, str] = {}  # an earlier turn's call id -> its Kimi id
+    unanswered: list[tuple[str | None, str]] = []  # the last calling turn's calls: (id as written, Kimi id)
     k = given = 0
     for m in msgs:
         if m["role"] == "assistant" and m.get("tool_calls"):
-            calls = []
+            earlier.update((a, b) for a, b in unanswered if a)
+            calls, unanswered = [], []
             for c in m["tool_calls"]:
                 want = f"functions.{c['function']['name']}:{k}"
+                unanswered.append((c.get("id"), want))
                 if c.get("id") != want:
-                    if c.get("id"):
-                        renamed[c["id"]] = want
                     c, given = {**c, "id": want}, given + 1
                 calls.append(c)
                 k += 1
             m = {**m, "tool_calls": calls}
-            unanswered = [c["id"] for c in calls]
         elif m["role"] == "tool":
-            own = m.get("tool_call_id")
-            own = renamed.get(own, own) if own else (unanswered[0] if unanswered else None)
-            if own is not None and own != m.get("tool_call_id"):
+            named = m.get("tool_call_id")
+            at = next((i for i, (a, b) in enumerate(unanswered) if named in (a, b)), None) if named else \
+                (0 if unanswered else None)
+            own = unanswered.pop(at)[1] if at is not None else earlier.get(named, named) if named else None
+            if own is not None and own != named:
                 m = {**m, "tool_call_id": own}
-            if own in unanswered:
-                unanswered.remove(own)
         out.append(m)
     return out, given
 
