@@ -123,3 +123,22 @@ def test_a_summary_of_another_shape_records_no_sha256_and_names_no_damage(tmp_pa
     (tmp_path / "prompts" / "summary.json").write_text('{"per_chunk": [{"chunk": 0, "sha256": "ab"}]}')
     assert chunks.damaged_prompts(tmp_path, 1, SHARD_SUFFIX).startswith(
         f"{tmp_path / 'prompts' / 'chunk-00000.parquet'} is newer than {tmp_path / 'shards' / 'chunk-00000.hss'}")
+
+
+def test_a_summary_that_is_no_regular_file_is_not_read_at_parse_time(tmp_path) -> None:
+    """A FIFO summary.json blocked every snakemake command at parse time, /dev/zero filled the memory: neither is
+    read (nor a prompts file that is a FIFO)."""
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / chunks.name(0, SHARD_SUFFIX)).write_bytes(b"shard")
+    os.utime(tmp_path / "shards" / chunks.name(0, SHARD_SUFFIX), (1, 1))
+    os.mkfifo(tmp_path / "prompts" / chunks.name(0, ".parquet"))
+    for make in (lambda p: os.mkfifo(p), lambda p: p.symlink_to("/dev/zero")):
+        summary = tmp_path / "prompts" / "summary.json"
+        summary.unlink(missing_ok=True)
+        make(summary)
+        assert chunks.damaged_prompts(tmp_path, 1, SHARD_SUFFIX) is None
+        assert f"{summary} are missing" in chunks.incomplete_prepare(tmp_path, 1, SHARD_SUFFIX)  # and the FIFO
+    summary.unlink()
+    summary.write_text('{"per_chunk": [{"chunk": 0, "sha256": "ab"}]}')
+    assert chunks.damaged_prompts(tmp_path, 1, SHARD_SUFFIX) is None  # the FIFO prompts file is not hashed

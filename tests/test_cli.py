@@ -236,6 +236,10 @@ def test_masks_explain_escapes_what_a_terminal_would_act_on_and_never_fails_on_t
                           str(tmp_path / "model")], capture_output=True, env=env)
     assert run.returncode == 0, run.stderr.decode()
     assert b"\\u27e6ok\\r\nthen" in run.stdout and run.stdout.isascii()
+    # the data's own ⟦ and ⟧ escaped: the marks are explain's alone
+    conv.write_text(json.dumps({"messages": [msgs[0], {"role": "assistant", "content": "a⟧ b ⟦c\ue000"}]}) + "\n")
+    assert main(["masks", "--explain", str(conv), "--model", str(tmp_path / "model")]) == 0
+    assert "⟦a\\u27e7 b \\u27e6c\\ue000<|im_end|>⟧" in capsys.readouterr().out
 
 
 def test_files_are_read_as_utf8_whatever_the_locale(tmp_path):

@@ -704,3 +704,16 @@ def test_an_empty_mixture_names_each_source_and_what_it_gave(tmp_path):
     with pytest.raises(ConfigError) as e:
         count_records(from_config({"sources": sources}))
     assert str(e.value) == f"sources: the sources hold no records; nothing to extract ({no_records(sources)})"
+
+
+def test_a_call_id_given_as_a_number_is_its_text_and_other_types_are_refused():
+    """`"id": 5` answered by `"tool_call_id": "5"`: the same call (it was dropped, and the result named no call)."""
+    call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+    msgs = [{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [{**call, "id": 5}]},
+            {"role": "tool", "content": "r", "tool_call_id": "5"}, {"role": "assistant", "content": "ok"}]
+    assert normalize_record({"messages": msgs}).messages[1]["tool_calls"][0]["id"] == "5"
+    for bad in ({"x": 1}, [5], True):
+        with pytest.raises(Exception) as e:
+            normalize_record({"messages": [msgs[0], {**msgs[1], "tool_calls": [{**call, "id": bad}]}, *msgs[2:]]})
+        assert e.value.reason == "wrong_type" and e.value.detail == (
+            f"messages[1].tool_calls[0].id must be a string, got {type(bad).__name__}")

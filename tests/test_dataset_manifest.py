@@ -368,3 +368,10 @@ def test_a_damaged_dataset_json_or_a_folder_in_a_shards_place_says_what_to_delet
         "(`snakemake --cores N`): only these chunks are extracted again; in a copy of a run folder, copy the files "
         "named here again from the original instead; or, to read the other shards, pass allow_missing=True "
         "(hsextract export: --allow-missing)")
+
+
+def test_a_symlink_loop_in_a_list_is_refused_as_no_shard(tmp_path):
+    (tmp_path / "a.hss").symlink_to("b.hss")
+    (tmp_path / "b.hss").symlink_to("a.hss")
+    with pytest.raises(ShardError, match="no such shard"):
+        open_dataset([tmp_path])

@@ -145,3 +145,17 @@ def test_tool_results_follow_their_calls_through_the_renaming() -> None:
     assert [m.get("tool_call_id") for m in out if m["role"] == "tool"] == [
         "functions.f:0", "functions.g:1", "functions.f:2", "functions.f:3", "functions.h:4", "zzz"]
     assert given == 4  # x, x, functions.f:0 (now the third call), none
+
+
+def test_a_function_name_holding_a_token_of_the_tokenizer_is_refused(tok) -> None:  # noqa: F811 - the fixture
+    """Kimi's id holds the name: `<|tool_call_end|>` there would end the call early in the trained turn."""
+    call = {"type": "function", "function": {"name": "a<|tool_call_end|>b", "arguments": {}}, "id": "call_1"}
+    conv = Conversation([{"role": "user", "content": "go"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                         {"role": "tool", "content": "r", "tool_call_id": "call_1"},
+                         {"role": "assistant", "content": "Done."}])
+    with pytest.raises(TemplateError) as e:
+        ChatMasker(tok).encode(conv)
+    assert str(e.value) == (
+        "assistant turn 1: the function name 'a<|tool_call_end|>b' holds <|tool_call_end|>, a token of the "
+        "tokenizer's own: the template writes the name in the call's id, where that token would end the call "
+        "early. Rename the function") and e.value.reason == "markup_in_turn"

@@ -138,3 +138,16 @@ def test_the_runs_last_word_is_its_dataset_json_written_by_this_invocation(tmp_p
         (tmp_path / "dataset.json").write_text(other)
         assert finished_line(tmp_path, None) is None
     assert finished_line(tmp_path / "none", None) is None
+
+
+def test_a_dataset_json_that_is_no_regular_file_is_not_read(tmp_path) -> None:
+    """Read at every parse of the Snakefile: a FIFO would block every command, /dev/zero fill the memory."""
+    import os
+
+    from hsextract.report.manifest import finished_line, manifest_stamp
+
+    os.mkfifo(tmp_path / "dataset.json")
+    assert manifest_stamp(tmp_path) is None and finished_line(tmp_path, None) is None
+    (tmp_path / "dataset.json").unlink()
+    (tmp_path / "dataset.json").symlink_to("/dev/zero")
+    assert manifest_stamp(tmp_path) is None and finished_line(tmp_path, (1, "x")) is None

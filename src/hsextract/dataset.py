@@ -134,7 +134,10 @@ def _each_once(shards: list[Path], where: str) -> list[Path]:
     """`shards`, refused where one file comes twice (its samples would too, and an epoch would hold them twice)."""
     seen: dict[Path, Path] = {}
     for s in shards:
-        key = s.resolve()
+        try:
+            key = s.resolve()
+        except (OSError, RuntimeError):  # a symlink loop (Python 3.11): the reader refuses the path, saying so
+            key = Path(os.path.abspath(s))
         if key in seen:
             raise ShardError(f"{where} names {key} twice (as {seen[key]} and {s}): a dataset holds each shard once")
         seen[key] = s

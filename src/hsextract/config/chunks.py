@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hsextract.atomic import temp_target
+from hsextract.config.guard import is_small_regular
 from hsextract.provenance import sha256_file
 
 WIDTH = 5
@@ -112,7 +113,7 @@ def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suf
     prepare itself."""
     run = Path(run_dir)
     try:
-        summary = json.loads((run / "prompts" / "summary.json").read_text(encoding="utf-8"))
+        summary = _summary(run)
         recorded = summary.get("num_chunks", n_chunks)
     except (OSError, ValueError, RecursionError, AttributeError):
         recorded = n_chunks  # none (lost: said below) or unreadable: the count is taken as unchanged
@@ -130,19 +131,29 @@ def incomplete_prepare(run_dir: str | os.PathLike[str], n_chunks: int, shard_suf
             f"extracted again. To keep them, restore the file(s) with their times (cp -p from a copy) before that run")
 
 
+def _summary(run: Path) -> Any:
+    """prompts/summary.json read at parse time: ValueError for one that is no regular file of at most 256 MiB (a
+    FIFO would block the parse, /dev/zero fill the memory)."""
+    path = run / "prompts" / "summary.json"
+    if not is_small_regular(path, 256 << 20):
+        raise ValueError(f"{path}: not a regular file of at most 256 MiB")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
 def damaged_prompts(run_dir: str | os.PathLike[str], n_chunks: int, shard_suffix: str) -> str | None:
     """An error for a chunk whose prompts file is newer than its shard, so that Snakemake would extract the chunk
     again (deleting the shard first), but is not the file prepare wrote (its summary.json's sha256): damaged or
     changed behind prepare's back, the shard made from the original is good. Only such newer files are hashed."""
     run = Path(run_dir)
     try:
-        summary = json.loads((run / "prompts" / "summary.json").read_text(encoding="utf-8"))
+        summary = _summary(run)
     except (OSError, ValueError, RecursionError):
         return None
     for c in range(n_chunks):
         prompts, shard = run / "prompts" / name(c, ".parquet"), run / "shards" / name(c, shard_suffix)
         try:
-            if prompts.stat().st_mtime <= shard.stat().st_mtime or (written := written_sha256(summary, c)) is None:
+            if prompts.stat().st_mtime <= shard.stat().st_mtime or (written := written_sha256(summary, c)) is None \
+                    or not is_small_regular(prompts, 1 << 40):
                 continue
             now = sha256_file(prompts)
         except OSError:

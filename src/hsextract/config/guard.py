@@ -83,6 +83,16 @@ def check_source_path(key: str, path: str | os.PathLike[str]) -> None:
                           "or such a dataset folder")
 
 
+def is_small_regular(path: str | os.PathLike[str], max_bytes: int) -> bool:
+    """Whether `path` (symlinks followed) is a regular file of at most `max_bytes`: one a parse-time check may read
+    whole without blocking on a FIFO or reading a device (/dev/zero) without end."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= max_bytes
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True

@@ -30,17 +30,19 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     # Slow tokenizers of transformers 4.x put a space around special tokens unless told not to.
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False,
                             spaces_between_special_tokens=False)
-    return "".join(_escaped(c) if c not in "\n\t" and unicodedata.category(c) in _HIDDEN else c for c in text)
+    return "".join(_escaped(c) if c in (OPEN, CLOSE) or c not in "\n\t" and unicodedata.category(c) in _HIDDEN
+                   else c for c in text)
 
 
-# control, format, line and paragraph separators: what a terminal acts on or hides (NUL, an escape sequence's ESC, a
-# bidi override, a zero-width joiner); spaces (NBSP, CJK's U+3000) and the rest print as they are
-_HIDDEN = ("Cc", "Cf", "Zl", "Zp")
+# control, format, line and paragraph separators, private use: what a terminal acts on or hides (NUL, an escape
+# sequence's ESC, a bidi override, a zero-width joiner); spaces (NBSP, CJK's U+3000) and the rest print as they
+# are; the data's own ⟦ and ⟧ are escaped, so that the marks are ours alone
+_HIDDEN = ("Cc", "Cf", "Zl", "Zp", "Co")
 
 
 def _escaped(c: str) -> str:
-    """The character as repr writes it: the data's own bytes never recolour or reorder the view."""
-    return repr(c)[1:-1]
+    """The character as an escape (`\\x1b`, `\\u27e6`): the data's own bytes never recolour or reorder the view."""
+    return repr(c)[1:-1] if not c.isprintable() else f"\\u{ord(c):04x}"
 
 
 def marked(sample: MaskedSample, tokenizer: Any) -> str:

@@ -107,7 +107,7 @@ class ChatMasker:
         rendering (a sample, a prompt regenerate sends, its round trip), so that they agree."""
         if not renders_kimi_ids(rd):
             return msgs
-        msgs, given = kimi_call_ids(msgs)
+        msgs, given = kimi_call_ids(msgs, rd.added)
         if count and given:
             self.stats["tool_call_ids_given"] += given
         return msgs

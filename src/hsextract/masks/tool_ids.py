@@ -9,8 +9,10 @@ Kimi's own, and each tool message's `tool_call_id` follows its call (counted in 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Collection
 from typing import Any
 
+from hsextract.masks.refusals import MARKUP_IN_TURN, TemplateError
 from hsextract.masks.rendering import TemplateRenderer
 
 BEGIN, ARGUMENTS = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
@@ -34,22 +36,29 @@ def renders_kimi_ids(rd: TemplateRenderer) -> bool:
     return _RENDERS[rd]
 
 
-def kimi_call_ids(msgs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+def kimi_call_ids(msgs: list[dict[str, Any]], added: Collection[str] = ()) -> tuple[list[dict[str, Any]], int]:
     """The messages with every call's id `functions.NAME:IDX` (IDX: the call's place among the conversation's
     calls), each tool message's `tool_call_id` renamed with its call's: the first call of the turn before still
     unanswered whose id it names (two calls of one id answered in order), else the call of an earlier turn that
     had it, else (none named) the turn's next unanswered call, as results follow their calls; and how many call
-    ids were given."""
+    ids were given. TemplateError for a function name holding an `added` token's text: in the id, the token
+    would end the call (or the turn) early."""
     out: list[dict[str, Any]] = []
     earlier: dict[str, str] = {}  # an earlier turn's call id -> its Kimi id
     unanswered: list[tuple[str | None, str]] = []  # the last calling turn's calls: (id as written, Kimi id)
     k = given = 0
-    for m in msgs:
+    for j, m in enumerate(msgs):
         if m["role"] == "assistant" and m.get("tool_calls"):
             earlier.update((a, b) for a, b in unanswered if a)
             calls, unanswered = [], []
             for c in m["tool_calls"]:
-                want = f"functions.{c['function']['name']}:{k}"
+                name = c["function"]["name"]
+                if marker := next((t for t in added if t in name), None):
+                    raise TemplateError(
+                        f"assistant turn {j}: the function name {name!r} holds {marker}, a token of the tokenizer's "
+                        f"own: the template writes the name in the call's id, where that token would end the call "
+                        f"early. Rename the function", reason=MARKUP_IN_TURN)
+                want = f"functions.{name}:{k}"
                 unanswered.append((c.get("id"), want))
                 if c.get("id") != want:
                     c, given = {**c, "id": want}, given + 1

@@ -188,8 +188,11 @@ def _tool_call(tc: Any, at: str, fn_path: str = "function.") -> dict[str, Any]:
         except ValueError:
             pass  # not JSON: the template gets the text, checked above
     call: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-    if isinstance(tc.get("id"), str):
-        call["id"] = tc["id"]
+    given = tc.get("id")
+    if given is not None:  # a number is its text, as the tool message that answers it names it
+        if isinstance(given, bool) or not isinstance(given, (str, int)):
+            raise _Bad(WRONG_TYPE, f"{at}.id must be a string, got {type(given).__name__}")
+        call["id"] = str(given)
     return call
 
 

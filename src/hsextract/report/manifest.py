@@ -285,9 +285,17 @@ def write_manifest(settings: Settings, *, shards: Sequence[str | Path], out_path
     return manifest
 
 
+MANIFEST_MAX_BYTES = 1 << 30  # a dataset.json beyond it (or a FIFO, a device) is not read at parse time
+
+
 def manifest_stamp(run_dir: str | Path) -> tuple[int, str] | None:
-    """The run's dataset.json as a file (inode) and as data (sha256), or None where there is none."""
+    """The run's dataset.json as a file (inode) and as data (sha256), or None where there is none (or none this
+    parse-time check reads: not a regular file, beyond MANIFEST_MAX_BYTES)."""
+    from hsextract.config.guard import is_small_regular
+
     path = Path(run_dir) / "dataset.json"
+    if not is_small_regular(path, MANIFEST_MAX_BYTES):
+        return None
     try:
         return path.stat().st_ino, provenance.sha256_file(path)
     except OSError:
@@ -303,7 +311,7 @@ def finished_line(run_dir: str | Path, before: tuple[int, str] | None) -> str | 
 
     path = Path(run_dir) / "dataset.json"
     try:
-        if manifest_stamp(run_dir) == before:
+        if (now := manifest_stamp(run_dir)) is None or now == before:
             return None
         d = json.loads(path.read_text(encoding="utf-8"))
         c = d["counts"]
