@@ -138,12 +138,13 @@ def test_tool_results_follow_their_calls_through_the_renaming() -> None:
 
     msgs = [{"role": "user", "content": "go"}, asst(("f", "x"), ("g", "x")), tool("x"), tool("x"),
             asst(("f", "functions.f:0")), tool("functions.f:0"),
-            asst(("f", "functions.f:3"), ("h", None)), tool("functions.f:3"), tool(None), tool("zzz")]
+            asst(("f", "functions.f:3"), ("h", None)), tool("functions.f:3"), tool(None), tool("zzz"), tool("x")]
     out, given = kimi_call_ids(msgs)
     assert [c["id"] for m in out if m.get("tool_calls") for c in m["tool_calls"]] == [
         "functions.f:0", "functions.g:1", "functions.f:2", "functions.f:3", "functions.h:4"]
     assert [m.get("tool_call_id") for m in out if m["role"] == "tool"] == [
-        "functions.f:0", "functions.g:1", "functions.f:2", "functions.f:3", "functions.h:4", "zzz"]
+        "functions.f:0", "functions.g:1", "functions.f:2", "functions.f:3", "functions.h:4", "zzz",
+        "functions.g:1"]  # an earlier turn's id answered already: its last call of that id
     assert given == 4  # x, x, functions.f:0 (now the third call), none
 
 

@@ -45,26 +45,27 @@ def kimi_call_ids(msgs: list[dict[str, Any]], added: Collection[str] = ()) -> tu
     would end the call (or the turn) early."""
     out: list[dict[str, Any]] = []
     earlier: dict[str, str] = {}  # an earlier turn's call id -> its Kimi id
-    unanswered: list[tuple[str | None, str]] = []  # the last calling turn's calls: (id as written, Kimi id)
+    turn: list[tuple[str | None, str]] = []  # the last calling turn's calls: (id as written, Kimi id)
+    unanswered: list[tuple[str | None, str]] = []  # those of them no result has answered yet
     k = given = 0
     for j, m in enumerate(msgs):
         if m["role"] == "assistant" and m.get("tool_calls"):
-            earlier.update((a, b) for a, b in unanswered if a)
-            calls, unanswered = [], []
+            earlier.update((a, b) for a, b in turn if a)
+            calls, turn = [], []
             for c in m["tool_calls"]:
                 name = c["function"]["name"]
-                if marker := next((t for t in added if t in name), None):
+                if marker := next((t for t in added if t and t in name), None):
                     raise TemplateError(
                         f"assistant turn {j}: the function name {name!r} holds {marker}, a token of the tokenizer's "
                         f"own: the template writes the name in the call's id, where that token would end the call "
                         f"early. Rename the function", reason=MARKUP_IN_TURN)
                 want = f"functions.{name}:{k}"
-                unanswered.append((c.get("id"), want))
+                turn.append((c.get("id"), want))
                 if c.get("id") != want:
                     c, given = {**c, "id": want}, given + 1
                 calls.append(c)
                 k += 1
-            m = {**m, "tool_calls": calls}
+            m, unanswered = {**m, "tool_calls": calls}, list(turn)
         elif m["role"] == "tool":
             named = m.get("tool_call_id")
             at = next((i for i, (a, b) in enumerate(unanswered) if named in (a, b)), None) if named else \
