@@ -40,7 +40,7 @@ from hsextract.masks.locators import PromptedTurn, in_rendering, own_sample
 from hsextract.masks.reasoning import reasoning_from_content
 from hsextract.masks.refusals import TemplateError, empty_turn, refuse_unmaskable
 from hsextract.masks.rendering import TemplateRenderer
-from hsextract.masks.tool_ids import kimi_call_ids, renders_kimi_ids
+from hsextract.masks.tool_ids import kimi_call_ids
 from hsextract.masks.turns import Frame, TurnSample, TurnSpan
 from hsextract.prepare.conversations import Conversation
 
@@ -105,7 +105,7 @@ class ChatMasker:
                     ) -> list[dict[str, Any]]:
         """msgs with tool-call ids as the model writes them, where the template renders them (tool_ids): in every
         rendering (a sample, a prompt regenerate sends, its round trip), so that they agree."""
-        if not renders_kimi_ids(rd):
+        if not rd.facts().renders_call_ids:
             return msgs
         msgs, given = kimi_call_ids(msgs, rd.added)
         if count and given:

@@ -14,7 +14,9 @@ rendered with private-use sentinels:
 - `reasoning_slot`: (opener, closer) around reasoning, when both are special tokens and a turn without
   reasoning keeps exactly them (Kimi: `<think>` ending the generation prompt, `</think>`);
 - `renders_tool_results`: false when a tool message's content is nowhere in the rendering (Phi-3 drops
-  the `tool` role); true when it is, or when the template refuses the probe (its own error comes first).
+  the `tool` role); true when it is, or when the template refuses the probe (its own error comes first);
+- `renders_call_ids`: whether the template writes a tool call's id between Kimi's `<|tool_call_begin|>` and
+  `<|tool_call_argument_begin|>` (Kimi-K2.5's: the model writes it there, `masks.tool_ids`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class TemplateFacts:
     writes_stop: bool = True
     next_stops: tuple[tuple[str, int], ...] = ()  # (role of the next message, its header's stop token)
     renders_tool_results: bool = True
+    renders_call_ids: bool = False
 
 
 def probe(rd: TemplateRenderer) -> TemplateFacts:
@@ -112,7 +115,8 @@ def probe(rd: TemplateRenderer) -> TemplateFacts:
             renders_reasoning = True
             header = header or h
     return TemplateFacts(frozenset(stop), header, renders_reasoning, gen, notes, frozenset(after), slot,
-                         writes_stop, tuple(next_stops), _renders_tool_results(rd, user))
+                         writes_stop, tuple(next_stops), _renders_tool_results(rd, user),
+                         _renders_call_ids(rd, user))
 
 
 def _renders_tool_results(rd: TemplateRenderer, user: list[dict[str, Any]]) -> bool:
@@ -123,6 +127,18 @@ def _renders_tool_results(rd: TemplateRenderer, user: list[dict[str, Any]]) -> b
         return SENT[0] in rd.render(msgs, None, True)
     except Exception:  # noqa: BLE001 - the template refuses tool messages, in its own words, when they come
         return True
+
+
+def _renders_call_ids(rd: TemplateRenderer, user: list[dict[str, Any]]) -> bool:
+    begin, arguments = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
+    if begin not in rd.added or arguments not in rd.added:
+        return False
+    call = {"id": "call00001", "type": "function", "function": {"name": "f", "arguments": {}}}
+    try:
+        text = rd.render(user + [{"role": "assistant", "content": "", "tool_calls": [call]}])
+    except Exception:  # noqa: BLE001 - a template that refuses the probe: its ids are left as they are
+        return False
+    return f"{begin}call00001{arguments}" in text
 
 
 def _probe_header(rd: TemplateRenderer, user: list[dict[str, Any]], v: dict[str, Any], p: list[int],

@@ -1,4 +1,5 @@
-"""Tool-call ids as the model writes them, where the template renders them inside the turn. Kimi-K2.5 writes each
+"""Tool-call ids as the model writes them, where the template renders them inside the turn (the probe's
+`TemplateFacts.renders_call_ids`). Kimi-K2.5 writes each
 call as `<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>...`, IDX counting the conversation's
 calls from 0 (SGLang's Kimi-K2 serving numbers them so: `serving_chat._process_tool_call_id`, history's calls
 plus the call's place in its message). Data from another API holds OpenAI-style ids (`call_...`), or none, which
@@ -8,32 +9,10 @@ Kimi's own, and each tool message's `tool_call_id` follows its call (counted in 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Collection
 from typing import Any
 
 from hsextract.masks.refusals import MARKUP_IN_TURN, TemplateError
-from hsextract.masks.rendering import TemplateRenderer
-
-BEGIN, ARGUMENTS = "<|tool_call_begin|>", "<|tool_call_argument_begin|>"
-_PROBE_ID = "hsx-probe-call-id"
-_RENDERS: weakref.WeakKeyDictionary[TemplateRenderer, bool] = weakref.WeakKeyDictionary()
-
-
-def renders_kimi_ids(rd: TemplateRenderer) -> bool:
-    """Whether the template writes a call's id between Kimi's added tokens (probed once per renderer)."""
-    if rd not in _RENDERS:
-        found = False
-        if BEGIN in rd.added and ARGUMENTS in rd.added:
-            call = {"id": _PROBE_ID, "type": "function", "function": {"name": "f", "arguments": {}}}
-            try:
-                text = rd.render([{"role": "user", "content": "hi"},
-                                  {"role": "assistant", "content": "", "tool_calls": [call]}])
-                found = f"{BEGIN}{_PROBE_ID}{ARGUMENTS}" in text
-            except Exception:  # noqa: BLE001 - a template that refuses the probe: its ids are left as they are
-                found = False
-        _RENDERS[rd] = found
-    return _RENDERS[rd]
 
 
 def kimi_call_ids(msgs: list[dict[str, Any]], added: Collection[str] = ()) -> tuple[list[dict[str, Any]], int]:
@@ -77,4 +56,4 @@ def kimi_call_ids(msgs: list[dict[str, Any]], added: Collection[str] = ()) -> tu
     return out, given
 
 
-__all__ = ["kimi_call_ids", "renders_kimi_ids"]
+__all__ = ["kimi_call_ids"]
