@@ -49,29 +49,27 @@ class LogProgress:
               f"{left}", file=sys.stderr, flush=True)
 
 
-def counter(total: int | None, *, desc: str, unit: str, enabled: bool = True) -> Any:
-    """An object whose update(k) counts work done and close() ends it: a bar on a terminal, lines elsewhere."""
-    if enabled and sys.stderr.isatty():
-        return tqdm(total=total, unit=unit, unit_scale=True, desc=desc, file=sys.stderr, dynamic_ncols=True,
-                    mininterval=0.5)
-    return LogProgress(total, desc, unit) if enabled else tqdm(total=total, disable=True)
+def counter(total: int | None, *, desc: str, unit: str, enabled: bool = True, scale: bool = True,
+            leave: bool = True) -> Any:
+    """An object whose update(k) counts work done and close() ends it: a bar on a terminal (`scale`: counts as
+    2.5k; `leave`: kept when done), lines elsewhere."""
+    if not enabled:
+        return tqdm(total=total, disable=True)
+    if sys.stderr.isatty():
+        return tqdm(total=total, unit=unit, unit_scale=scale, desc=desc, file=sys.stderr, leave=leave,
+                    dynamic_ncols=True, mininterval=0.5)
+    return LogProgress(total, desc, unit)
 
 
-def bar(iterable: Iterable[T], *, desc: str, unit: str, total: int | None = None) -> Iterable[T]:
-    """`iterable`, its progress shown (counter)."""
+def bar(iterable: Iterable[T], *, desc: str, unit: str, total: int | None = None) -> Iterator[T]:
+    """`iterable`, its progress shown (counter; a bar cleared when done)."""
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)  # type: ignore[arg-type]
-    if sys.stderr.isatty():
-        return tqdm(iterable, desc=desc, unit=unit, total=total, file=sys.stderr, leave=False, dynamic_ncols=True,
-                    mininterval=0.5)
-    return _logged(iterable, LogProgress(total, desc, unit))
-
-
-def _logged(iterable: Iterable[T], p: LogProgress) -> Iterator[T]:
+    c = counter(total, desc=desc, unit=unit, scale=False, leave=False)
     for x in iterable:
         yield x
-        p.update()
-    p.close()  # not reached where the loop stopped short
+        c.update()
+    c.close()  # not reached where the loop stopped short
 
 
 def quiet_library_bars() -> None:
